@@ -1,0 +1,122 @@
+"""Save and load models as safetensors weights plus a small JSON header; never unpickles."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from paraloom.models import MLP, LeNet
+
+__all__ = ["save", "load", "register_model", "atomic_write"]
+
+_HEADER_KEY = "paraloom"
+_REGISTRY: dict[str, type[nn.Module] | Callable[..., nn.Module]] = {"lenet": LeNet, "mlp": MLP}
+
+
+def register_model(name: str, factory: type[nn.Module] | Callable[..., nn.Module]) -> None:
+    """Let ``load`` rebuild models saved under ``name`` by calling ``factory(**kwargs)``."""
+    _REGISTRY[name] = factory
+
+
+def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | None) -> dict:
+    if kwargs is None:
+        kwargs = dict(getattr(model, "config", None) or {})
+    if name is None:
+        cls = type(model)
+        name = next((n for n, f in _REGISTRY.items() if f is cls), None)
+    spec: dict[str, Any] = {"kwargs": kwargs}
+    if name is not None:
+        spec["name"] = name
+    else:
+        cls = type(model)
+        spec["class"] = f"{cls.__module__}:{cls.__qualname__}"
+    try:
+        json.dumps(spec)
+    except TypeError as e:
+        raise TypeError(f"model kwargs {kwargs!r} must be JSON-serializable to be saved: {e}") from e
+    return spec
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)`` then rename onto ``path``: a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(model: nn.Module, path: str | Path, *, name: str | None = None,
+         kwargs: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None) -> None:
+    """Write ``model``'s state_dict as safetensors, with how to rebuild it in the header.
+
+    The model is rebuilt from a registered ``name`` (LeNet and MLP are built in; see
+    ``register_model``) or its class's import path, called with ``kwargs`` (default: the
+    model's ``config`` attribute if it has one).
+    """
+    spec = _model_spec(model, name, kwargs)
+    if metadata:
+        spec["metadata"] = metadata
+    # safetensors refuses shared or non-contiguous storage: store independent copies.
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={_HEADER_KEY: json.dumps(spec)}))
+
+
+def read_header(path: str | Path) -> dict[str, Any]:
+    """The JSON header written by ``save``."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if _HEADER_KEY not in meta:
+        raise ValueError(f"{path} has no paraloom header: it was not written by paraloom.save; "
+                         "load its weights with safetensors.torch.load_file into your own model")
+    return json.loads(meta[_HEADER_KEY])
+
+
+def _build(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> nn.Module:
+    kwargs = spec.get("kwargs", {})
+    if factory is not None:
+        return factory(**kwargs)
+    if "name" in spec:
+        if spec["name"] not in _REGISTRY:
+            raise KeyError(f"model name {spec['name']!r} is not registered (known: "
+                           f"{sorted(_REGISTRY)}); call paraloom.register_model first or pass "
+                           "factory=")
+        return _REGISTRY[spec["name"]](**kwargs)
+    module_name, _, qualname = spec["class"].partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj(**kwargs)
+
+
+def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
+         map_location: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild a model written by ``save`` and load its weights (safetensors: no pickle)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model file {str(path)!r} does not exist")
+    spec = read_header(path)
+    model = _build(spec, factory)
+    from safetensors.torch import load_file
+
+    state = load_file(str(path), device=str(map_location))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match the rebuilt model: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return model

@@ -1,0 +1,91 @@
+"""Data sets: scikit-learn's digits (ships with the package) and an MNIST IDX reader."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+__all__ = ["digits", "read_idx", "mnist"]
+
+# The fixed split: the last 20% of a seeded permutation is the test set.
+_DIGITS_SEED = 0
+_DIGITS_TEST_FRACTION = 0.2
+
+
+def digits(split: str = "train") -> TensorDataset:
+    """scikit-learn's 1,797 handwritten digits as (1x8x8 float32 in [0, 1], int64 label) pairs.
+
+    ``split`` is "train" (1,438 images), "test" (359) or "all". The split is fixed, so every
+    run, worker and process sees the same images.
+    """
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split={split!r}; expected 'train', 'test' or 'all'")
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
+    y = torch.from_numpy(bunch.target.astype(np.int64))
+    if split == "all":
+        return TensorDataset(x, y)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(_DIGITS_SEED))
+    n_test = int(round(len(y) * _DIGITS_TEST_FRACTION))
+    idx = order[n_test:] if split == "train" else order[:n_test]
+    idx, _ = idx.sort()
+    return TensorDataset(x[idx], y[idx])
+
+
+_IDX_DTYPES = {
+    0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8"),
+}
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Read an IDX file (the MNIST format), gzip-compressed or raw, into a numpy array."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"IDX file {str(path)!r} does not exist")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{path} is not an IDX file: it must start with two zero bytes")
+    code, ndim = data[2], data[3]
+    if code not in _IDX_DTYPES:
+        raise ValueError(f"{path}: unknown IDX data type 0x{code:02x}")
+    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    dtype = np.dtype(_IDX_DTYPES[code])
+    expected = int(np.prod(dims)) * dtype.itemsize
+    body = data[4 + 4 * ndim:]
+    if len(body) != expected:
+        raise ValueError(f"{path}: header says {dims} ({expected} bytes) but the file holds "
+                         f"{len(body)} bytes; the file may be truncated")
+    return np.frombuffer(body, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="))
+
+
+def mnist(root: str | Path, split: str = "train") -> TensorDataset:
+    """MNIST from the four IDX files in ``root`` (``.gz`` or raw): 1x28x28 float32, int64 labels."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split={split!r}; expected 'train' or 'test'")
+    prefix = "train" if split == "train" else "t10k"
+    root = Path(root)
+
+    def find(stem: str) -> Path:
+        for name in (stem, stem + ".gz", stem.replace("-idx", ".idx"),
+                     stem.replace("-idx", ".idx") + ".gz"):
+            if (root / name).exists():
+                return root / name
+        raise FileNotFoundError(f"no {stem}[.gz] in {str(root)!r}; download MNIST's IDX files there")
+
+    images = read_idx(find(f"{prefix}-images-idx3-ubyte"))
+    labels = read_idx(find(f"{prefix}-labels-idx1-ubyte"))
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels in {root}")
+    x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
+    y = torch.from_numpy(labels.astype(np.int64))
+    return TensorDataset(x, y)

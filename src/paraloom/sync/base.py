@@ -1,0 +1,138 @@
+"""The Synchronizer protocol: hooks around one replica's training step.
+
+Every launcher runs the same replica loop (``paraloom.training.replica``); a synchronizer is
+what keeps the replicas consistent. One synchronizer object lives in each replica (worker
+process, Spark task, or the calling process when ``workers=1``). The loop calls, for each round:
+
+    sync.before_step(ctx)                 # before forward
+    loss = forward + backward             # through ctx.model, which wrap_model may replace
+    sync.after_backward(ctx)              # gradients are in p.grad
+    optimizer.step()                      # may be skipped by a synchronizer (see below)
+    sync.after_step(ctx)                  # parameters updated
+
+or, when this replica got no batch in a partial last round, ``sync.idle_step(ctx)`` instead,
+so that every replica makes the same collective calls in the same order. At the end of
+``fit()`` the loop calls ``sync.finish(ctx)``: after it, every replica must hold the same
+parameters.
+
+Subclass ``Synchronizer`` and pass an instance as ``training_mode=`` (or ``synchronizer=``) to
+``ParallelWrapper`` for your own scheme. The instance is pickled into every worker, so keep
+its constructor arguments picklable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Synchronizer", "StepContext", "NoSync"]
+
+
+@dataclass
+class StepContext:
+    """What a synchronizer may see and touch in its replica."""
+
+    model: nn.Module
+    """The replica's model (the unwrapped module: its parameters are the replica's)."""
+    optimizer: torch.optim.Optimizer
+    group: Any = None
+    """The torch.distributed process group, or None when training in one process."""
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    step: int = 0
+    """Rounds completed in this fit() before the current one (counts idle rounds too)."""
+    skip_optimizer_step: bool = False
+    """Set by ``after_backward`` to tell the loop not to call ``optimizer.step()``."""
+
+
+class Synchronizer:
+    """Base class: every hook is a no-op. Override what your scheme needs."""
+
+    name = "custom"
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        """Bytes this replica has sent to its peers so far, as counted by the synchronizer."""
+        self.sync_steps = 0
+        """Rounds seen (stepped or idle) since setup."""
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def setup(self, ctx: StepContext) -> None:
+        """Called once per fit() before the first step, after the process group exists."""
+
+    def wrap_model(self, model: nn.Module, ctx: StepContext) -> nn.Module:
+        """Return the module to run forward/backward through (e.g. a DDP wrapper)."""
+        return model
+
+    def finish(self, ctx: StepContext) -> None:
+        """Called at the end of fit(); afterwards every replica must hold the same parameters."""
+
+    # -- per step ----------------------------------------------------------------------------
+    def before_step(self, ctx: StepContext) -> None:
+        """Before forward."""
+
+    def after_backward(self, ctx: StepContext) -> None:
+        """Gradients are ready in ``p.grad``; the optimizer has not stepped yet."""
+
+    def after_step(self, ctx: StepContext) -> None:
+        """The optimizer has stepped (unless ``ctx.skip_optimizer_step`` was set)."""
+
+    def idle_step(self, ctx: StepContext) -> None:
+        """This replica had no batch this round: make the same collective calls as the others."""
+
+    # -- reporting ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Counters reported by ``ParallelWrapper.stats()``; extend in subclasses."""
+        steps = max(1, self.sync_steps)
+        return {"bytes_sent": float(self.bytes_sent),
+                "bytes_sent_per_step": self.bytes_sent / steps}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Synchronizer state for checkpoints (tensors and plain values only)."""
+        return {"bytes_sent": self.bytes_sent, "sync_steps": self.sync_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bytes_sent = int(state.get("bytes_sent", 0))
+        self.sync_steps = int(state.get("sync_steps", 0))
+
+    # -- helpers for subclasses --------------------------------------------------------------
+    @staticmethod
+    def collective_bytes(tensor: torch.Tensor, world_size: int, kind: str = "allreduce") -> int:
+        """Bytes one rank sends for a collective over ``tensor``, for a ring algorithm.
+
+        allreduce: 2(n-1)/n of the tensor (reduce-scatter + all-gather); broadcast and
+        allgather: the tensor once to each of the n-1 peers' shares, i.e. (n-1)/n * n = n-1
+        times the per-rank chunk for allgather, and the whole tensor for a broadcast root.
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        if world_size <= 1:
+            return 0
+        if kind == "allreduce":
+            return 2 * (world_size - 1) * nbytes // world_size
+        if kind == "allgather":
+            return (world_size - 1) * nbytes
+        if kind == "broadcast":
+            return nbytes
+        raise ValueError(f"kind={kind!r}; expected 'allreduce', 'allgather' or 'broadcast'")
+
+
+class NoSync(Synchronizer):
+    """Used by ``workers=1``: nothing to synchronize."""
+
+    name = "none"
+
+    def after_step(self, ctx: StepContext) -> None:
+        self.sync_steps += 1
+
+    def idle_step(self, ctx: StepContext) -> None:
+        self.sync_steps += 1
+
+
+def is_distributed(ctx: StepContext) -> bool:
+    """True when the replica has peers to talk to."""
+    return ctx.world_size > 1 and dist.is_available() and dist.is_initialized()

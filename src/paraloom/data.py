@@ -1,0 +1,161 @@
+"""Batch conventions, prefetching, and dealing batches to replicas.
+
+A batch is ``(inputs, targets)``; each may be a tensor, a tuple/list of tensors (multi-input or
+multi-output models) or a dict of tensors. Anything iterable that yields such batches is a data
+source. A ``DataLoader`` over a map-style dataset is dealt as *index lists*: each worker holds
+the dataset and gathers its own rows, so the data never passes through the parent process.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+__all__ = ["split_batch", "batch_size", "to_device", "describe", "Prefetcher", "IndexedDataset",
+           "as_data_source"]
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """Return ``(inputs, targets)`` of a batch, or raise a TypeError that says what a batch is."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(f"a batch must be a pair (inputs, targets); got {describe(batch)}. Yield "
+                    "(x, y) from your data, e.g. a DataLoader over TensorDataset(x, y); a "
+                    "multi-input model takes ((x1, x2), y)")
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def batch_size(inputs: Any) -> int:
+    """Rows in a batch's inputs: the first dimension of its first tensor."""
+    for t in _tensors(inputs):
+        return int(t.shape[0]) if t.dim() > 0 else 1
+    raise TypeError(f"batch inputs hold no tensor: {describe(inputs)}")
+
+
+def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in a tensor / tuple / list / dict structure to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device, non_blocking) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in obj.items()}
+    return obj
+
+
+def describe(obj: Any) -> str:
+    """A short description of a batch structure, for error messages."""
+    if isinstance(obj, torch.Tensor):
+        return f"Tensor{tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+    if isinstance(obj, (tuple, list)):
+        inner = ", ".join(describe(o) for o in obj[:4]) + (", ..." if len(obj) > 4 else "")
+        return f"{type(obj).__name__}({inner})"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in obj.items()) + "}"
+    return type(obj).__name__
+
+
+class Prefetcher:
+    """Read batches from an iterable on a background thread into a bounded queue."""
+
+    _DONE = object()
+
+    def __init__(self, source: Iterable[Any], size: int) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, size))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(iter(source),),
+                                        name="paraloom-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, it: Iterator[Any]) -> None:
+        try:
+            for item in it:
+                if not self._put(("item", item)):
+                    return
+        except BaseException as e:  # handed to the consumer, re-raised there
+            self._put(("error", e))
+            return
+        self._put(("done", None))
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            kind, value = self._queue.get()  # the producer always ends with done or error
+            if kind == "done":
+                return
+            if kind == "error":
+                raise value
+            yield value
+
+    def close(self) -> None:
+        """Stop the thread; safe to call twice."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class IndexedDataset:
+    """A map-style dataset and its collate function, gathered by index inside a worker."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Any) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        # TensorDataset + default collate: one fancy index per tensor instead of a Python loop.
+        self._fast = isinstance(dataset, TensorDataset) and collate_fn is default_collate
+
+    def gather(self, indices: list[int]) -> Any:
+        """The batch of rows ``indices``, as the DataLoader would have built it."""
+        if self._fast:
+            idx = torch.as_tensor(indices, dtype=torch.long)
+            return tuple(t[idx] for t in self.dataset.tensors)  # type: ignore[attr-defined]
+        getitems = getattr(self.dataset, "__getitems__", None)
+        rows = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+        return self.collate_fn(rows)
+
+
+def as_data_source(data: Any, batch_size: int | None = None, shuffle: bool = False) -> Any:
+    """Validate a data source; a Dataset with ``batch_size`` becomes a DataLoader."""
+    if isinstance(data, Dataset) and not isinstance(data, (IterableDataset,)):
+        if batch_size is None:
+            raise TypeError(f"got a {type(data).__name__} (single samples) where batches are "
+                            "expected: pass fit(dataset, batch_size=64) or a DataLoader")
+        return DataLoader(data, batch_size=batch_size, shuffle=shuffle)
+    if batch_size is not None:
+        raise ValueError("batch_size= applies only when data is a map-style Dataset; your "
+                         f"{type(data).__name__} already yields batches")
+    if not isinstance(data, Iterable):
+        raise TypeError(f"data must be iterable, yielding (inputs, targets) batches; got "
+                        f"{type(data).__name__}")
+    return data
+
+
+def indexed_view(data: Any) -> IndexedDataset | None:
+    """An IndexedDataset when ``data`` is a DataLoader whose batches can be built in a worker."""
+    if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
+        return None
+    if data.batch_sampler is None or data.num_workers > 0:
+        return None  # batch_size=None, or the user wants loader processes: stream it instead
+    return IndexedDataset(data.dataset, data.collate_fn)

@@ -1,0 +1,128 @@
+"""Periodic parameter averaging (DL4J's AVERAGING mode)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+
+__all__ = ["Averaging", "average_tensors_", "optimizer_state_tensors"]
+
+log = logging.getLogger(__name__)
+
+
+def average_tensors_(tensors: list[torch.Tensor], group: object, world_size: int,
+                     device: torch.device | None = None) -> int:
+    """Average ``tensors`` in place across the group; returns the bytes this rank sent.
+
+    Floating tensors are flattened per dtype into one buffer, summed with one all-reduce and
+    divided (gloo has no AVG), so every rank ends with the same bits. Other tensors (integer
+    counters such as BatchNorm's num_batches_tracked) are taken from rank 0. The collective
+    runs on ``device`` (the process group's device: NCCL needs CUDA tensors).
+    """
+    sent = 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, group_tensors in by_dtype.items():
+        flat = torch.cat([t.detach().reshape(-1).to(device or t.device) for t in group_tensors])
+        if dtype.is_floating_point or dtype.is_complex:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat.div_(world_size)
+            sent += Synchronizer.collective_bytes(flat, world_size, "allreduce")
+        else:
+            dist.broadcast(flat, src=0, group=group)
+            sent += Synchronizer.collective_bytes(flat, world_size, "broadcast")
+        offset = 0
+        with torch.no_grad():
+            for t in group_tensors:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view_as(t))
+                offset += n
+    return sent
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors (momentum, Adam moments, steps) in a fixed order."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key in sorted(optimizer.state.get(p, {})):
+                value = optimizer.state[p][key]
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
+    return out
+
+
+def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [p.data for p in model.parameters()] + list(model.buffers())
+
+
+class Averaging(Synchronizer):
+    """Every ``frequency`` rounds, replace each replica's parameters by the replicas' mean.
+
+    With ``average_updaters`` the optimizer state (momentum, Adam moments) is averaged too, as
+    DL4J does by default; without it each replica keeps its own. ``finish`` averages once more
+    when rounds ran since the last averaging, so no worker's last steps are thrown away.
+    """
+
+    name = "averaging"
+
+    def __init__(self, frequency: int = 1, average_updaters: bool = True) -> None:
+        super().__init__()
+        if not isinstance(frequency, int) or frequency < 1:
+            raise ValueError(f"averaging_frequency={frequency!r}; expected an int >= 1 "
+                             "(1 averages after every round)")
+        self.frequency = frequency
+        self.average_updaters = average_updaters
+        self.averagings = 0
+        self.synced_last_step = False
+
+    def setup(self, ctx: StepContext) -> None:
+        self.sync_steps = 0
+        self.bytes_sent = 0
+        self.averagings = 0
+
+    def after_step(self, ctx: StepContext) -> None:
+        self._tick(ctx)
+
+    def idle_step(self, ctx: StepContext) -> None:
+        self._tick(ctx)
+
+    def _tick(self, ctx: StepContext) -> None:
+        self.sync_steps += 1
+        self.synced_last_step = self.sync_steps % self.frequency == 0
+        if self.synced_last_step:
+            self.average(ctx)
+
+    def finish(self, ctx: StepContext) -> None:
+        if self.sync_steps % self.frequency != 0:
+            self.average(ctx)
+
+    def average(self, ctx: StepContext) -> None:
+        """Average parameters and buffers (and optimizer state if asked) across replicas."""
+        if not is_distributed(ctx):
+            return
+        self.averagings += 1
+        self.bytes_sent += average_tensors_(_model_tensors(ctx.model), ctx.group, ctx.world_size,
+                                            ctx.device)
+        if self.average_updaters:
+            self._average_optimizer_state(ctx)
+
+    def _average_optimizer_state(self, ctx: StepContext) -> None:
+        state = optimizer_state_tensors(ctx.optimizer)
+        # A replica that has not stepped yet has no state: average only when all have the same.
+        count = torch.tensor([len(state), -len(state)], dtype=torch.int64, device=ctx.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ctx.group)
+        if int(count[0]) != -int(count[1]):
+            log.debug("optimizer state differs across replicas; not averaged this time")
+            return
+        if state:
+            self.bytes_sent += average_tensors_(state, ctx.group, ctx.world_size, ctx.device)
+
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), "averagings": float(self.averagings)}

@@ -1,0 +1,126 @@
+"""One replica: a model copy on a device with its optimizer, and one training step."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraloom.data import describe, split_batch, to_device
+from paraloom.sync.base import StepContext, Synchronizer
+from paraloom.training.optim import OptimizerSpec
+
+__all__ = ["Replica", "NonFiniteLossError", "BatchError", "forward"]
+
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss of a batch was NaN or infinite."""
+
+
+class BatchError(RuntimeError):
+    """The model or the loss failed on a batch; the message describes the batch."""
+
+
+def forward(model: nn.Module, inputs: Any) -> Any:
+    """Call the model on a tensor, a tuple/list (positional inputs) or a dict (keyword inputs)."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def compute_loss(loss_fn: Any, outputs: Any, targets: Any) -> torch.Tensor:
+    """``loss_fn(outputs, targets)``; a sequence of losses is applied per output and summed."""
+    if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module):
+        if not isinstance(outputs, (tuple, list)) or len(outputs) != len(loss_fn):
+            raise ValueError(f"{len(loss_fn)} loss functions were given but the model returned "
+                             f"{describe(outputs)}; give one loss per output")
+        return sum(f(o, t) for f, o, t in zip(loss_fn, outputs, targets, strict=True))
+    return loss_fn(outputs, targets)
+
+
+class Replica:
+    """A private copy of the model and its optimizer on one device, kept in sync by ``sync``."""
+
+    def __init__(self, model: nn.Module, optimizer: OptimizerSpec, *,
+                 loss_fn: Any = None, step_fn: StepFn | None = None,
+                 synchronizer: Synchronizer, device: torch.device | str = "cpu",
+                 group: Any = None, rank: int = 0, world_size: int = 1) -> None:
+        if loss_fn is None and step_fn is None:
+            raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, batch)"
+                             " -> loss")
+        self.device = torch.device(device)
+        # A deep copy: a model that crossed a process boundary may share storage with others.
+        self.model = copy.deepcopy(model).to(self.device)
+        self.model.train()
+        self.optimizer = optimizer.build(self.model)
+        self.loss_fn = loss_fn
+        self.step_fn = step_fn
+        self.sync = synchronizer
+        self.ctx = StepContext(model=self.model, optimizer=self.optimizer, group=group,
+                               rank=rank, world_size=world_size, device=self.device)
+        self._module: nn.Module = self.model
+
+    def begin_fit(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Load the master parameters and let the synchronizer set up for a new fit()."""
+        if state is not None:
+            self.model.load_state_dict(state)
+        self.ctx.step = 0
+        self.sync.setup(self.ctx)
+        self._module = self.sync.wrap_model(self.model, self.ctx)
+
+    def step(self, batch: Any | None) -> float | None:
+        """Train on one batch (None: an idle round); returns the batch's loss."""
+        ctx = self.ctx
+        if batch is None:
+            self.sync.idle_step(ctx)
+            ctx.step += 1
+            return None
+        self.sync.before_step(ctx)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._loss(batch)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"the loss is {value} on a batch of {describe(batch)}: lower the learning rate, "
+                "check the data for NaN/inf, or clip gradients")
+        loss.backward()
+        ctx.skip_optimizer_step = False
+        self.sync.after_backward(ctx)
+        if not ctx.skip_optimizer_step:
+            self.optimizer.step()
+        self.sync.after_step(ctx)
+        ctx.step += 1
+        return value
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        batch = to_device(batch, self.device, non_blocking=True)
+        if self.step_fn is not None:
+            loss = self.step_fn(self._module, batch)
+        else:
+            inputs, targets = split_batch(batch)
+            try:
+                outputs = forward(self._module, inputs)
+                loss = compute_loss(self.loss_fn, outputs, targets)
+            except Exception as e:
+                raise BatchError(f"{type(e).__name__}: {e}\n(on a batch with inputs "
+                                 f"{describe(inputs)} and targets {describe(targets)})") from e
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(f"the loss must be a scalar tensor; got {describe(loss)}. "
+                            "Reduce it with .mean() or use a reduction='mean' loss")
+        return loss
+
+    def finish(self) -> None:
+        """End of fit(): the synchronizer makes every replica hold the same parameters."""
+        self.sync.finish(self.ctx)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Independent CPU copies of the parameters and buffers."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}

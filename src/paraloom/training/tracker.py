@@ -1,0 +1,120 @@
+"""Parent-side bookkeeping of one fit(): rounds in flight, listeners, progress bar, stats."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from paraloom.training.listeners import TrainingListener
+
+log = logging.getLogger("paraloom")
+
+__all__ = ["RoundTracker"]
+
+
+@dataclass
+class _Round:
+    epoch: int
+    first_batch: int
+    expected: int
+    losses: list[float] = field(default_factory=list)
+    rows: int = 0
+    replies: int = 0
+    synced: bool = False
+
+
+class RoundTracker:
+    """Collects worker replies per round and fires listeners in round order."""
+
+    def __init__(self, workers: int, listeners: list[TrainingListener], *, iteration: int,
+                 total_batches: int | None, progress: bool, report_score: bool) -> None:
+        self.workers = workers
+        self.listeners = listeners
+        self.iteration = iteration
+        self.report_score = report_score
+        self.rounds: dict[int, _Round] = {}
+        self.next_round = 0
+        self.batches = 0
+        self.rows = 0
+        self.started = time.perf_counter()
+        self.epoch_losses: list[float] = []
+        self.current_epoch: int | None = None
+        self.bar = tqdm(total=total_batches, unit="batch", disable=not progress,
+                        dynamic_ncols=True, desc="paraloom")
+
+    def add(self, round_id: int, epoch: int, first_batch: int, batches: int) -> None:
+        """A round was dealt: ``batches`` workers got a batch, every worker gets a reply."""
+        self.rounds[round_id] = _Round(epoch, first_batch, batches)
+
+    def batch_of(self, round_id: int | None, rank: int | None) -> str:
+        """'epoch E, batch B' for a round and worker, for error messages."""
+        r = self.rounds.get(round_id) if round_id is not None else None
+        if r is None:
+            return ""
+        return f"epoch {r.epoch}, batch {r.first_batch + (rank or 0)}"
+
+    def reply(self, round_id: int, loss: float | None, rows: int, synced: bool) -> None:
+        """A worker's ``step`` reply."""
+        r = self.rounds[round_id]
+        r.replies += 1
+        r.synced = r.synced or synced
+        if loss is not None:
+            r.losses.append(loss)
+            r.rows += rows
+        while self.next_round in self.rounds and \
+                self.rounds[self.next_round].replies == self.workers:
+            self._complete(self.next_round, self.rounds.pop(self.next_round))
+            self.next_round += 1
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.rounds)
+
+    def _complete(self, round_id: int, r: _Round) -> None:
+        if r.epoch != self.current_epoch:
+            self._end_epoch()
+            self.current_epoch = r.epoch
+            for listener in self.listeners:
+                listener.on_epoch_start(r.epoch)
+        loss = sum(r.losses) / len(r.losses) if r.losses else float("nan")
+        self.batches += r.expected
+        self.rows += r.rows
+        self.epoch_losses.append(loss)
+        if self.report_score and r.synced:
+            log.info("Averaged score: %.6f (iteration %d, epoch %d)", loss, self.iteration, r.epoch)
+        for listener in self.listeners:
+            listener.on_iteration(self.iteration, r.epoch, loss)
+        self.iteration += 1
+        self.bar.update(r.expected)
+        self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{self.samples_per_s:.0f}",
+                             refresh=False)
+
+    def _end_epoch(self) -> None:
+        if self.current_epoch is None:
+            return
+        mean = sum(self.epoch_losses) / max(1, len(self.epoch_losses))
+        for listener in self.listeners:
+            listener.on_epoch_end(self.current_epoch, mean)
+        self.epoch_losses = []
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.rows / max(self.seconds, 1e-9)
+
+    def close(self, completed: bool) -> None:
+        """Fire the last epoch's end (if the fit completed) and close the progress bar."""
+        if completed:
+            self._end_epoch()
+        self.bar.close()
+
+    def summary(self) -> dict[str, Any]:
+        return {"rounds": self.next_round, "batches": self.batches, "samples": self.rows,
+                "seconds": self.seconds, "samples_per_s": self.samples_per_s}

@@ -1,0 +1,294 @@
+"""ParallelWrapper: data-parallel training of one model over worker processes, with one fit()."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import cloudpickle
+import torch
+from torch import nn
+
+from paraloom.data import IndexedDataset, Prefetcher, as_data_source, indexed_view, split_batch
+from paraloom.errors import NotPicklableError, WorkerError
+from paraloom.training.listeners import TrainingListener, as_listener
+from paraloom.training.modes import TrainingMode, make_synchronizer
+from paraloom.training.optim import OptimizerSpec
+from paraloom.training.pool import LocalPool, ProcessPool
+from paraloom.training.replica import StepFn
+from paraloom.training.tracker import RoundTracker
+from paraloom.training.worker import WorkerSpec
+
+__all__ = ["ParallelWrapper"]
+
+log = logging.getLogger("paraloom")
+
+
+def _default_workers() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+class ParallelWrapper:
+    """Train ``model`` on ``workers`` replicas at once; ``fit()`` leaves the result in ``model``.
+
+    Workers are spawned processes, started on the first ``fit()`` and kept until ``close()``
+    (or the end of a ``with`` block). Each round deals one batch to each worker; the
+    ``training_mode`` decides how the replicas stay consistent.
+    """
+
+    def __init__(self, model: nn.Module, *, loss_fn: Any = None, optimizer: Any,
+                 workers: int | None = None,
+                 training_mode: str | TrainingMode | Any = TrainingMode.AVERAGING,
+                 averaging_frequency: int = 1, average_updaters: bool = True,
+                 prefetch_buffer: int = 16, report_score_after_averaging: bool = False,
+                 step_fn: StepFn | None = None, listeners: Iterable[Any] = (),
+                 progress: bool = True, timeout: float = 300.0, **sync_options: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        workers = _default_workers() if workers is None else workers
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers={workers!r}; expected an int >= 1")
+        if prefetch_buffer < 0:
+            raise ValueError(f"prefetch_buffer={prefetch_buffer}; expected >= 0")
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout}; expected seconds > 0")
+        self.model = model
+        self.workers = workers
+        self.prefetch_buffer = prefetch_buffer
+        self.report_score_after_averaging = report_score_after_averaging
+        self.progress = progress
+        self.timeout = timeout
+        self.listeners: list[TrainingListener] = [as_listener(x) for x in listeners]
+        self.synchronizer = make_synchronizer(
+            training_mode, averaging_frequency=averaging_frequency,
+            average_updaters=average_updaters, **sync_options)
+        self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self._spec = WorkerSpec(model=model, optimizer=OptimizerSpec.from_user(optimizer, model),
+                                loss_fn=loss_fn, step_fn=step_fn, synchronizer=self.synchronizer)
+        if loss_fn is None and step_fn is None:
+            raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, "
+                             "batch) -> loss")
+        self._pool: ProcessPool | LocalPool | None = None
+        self._iteration = 0
+        self._stop_requested = False
+        self._stats: dict[str, Any] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> ParallelWrapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker processes; the wrapper starts new ones if fit() is called again."""
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.close()
+
+    shutdown = close
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.kill()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the running workers (empty before the first fit or with workers=1)."""
+        return list(self._pool.pids) if self._pool is not None else []
+
+    def stop(self) -> None:
+        """Ask a running fit() to stop after the current round (e.g. from a listener)."""
+        self._stop_requested = True
+
+    def _ensure_pool(self) -> ProcessPool | LocalPool:
+        if self._pool is not None and self._pool.alive:
+            return self._pool
+        self.close()
+        if self.workers == 1:
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+            self._pool = LocalPool(self._spec, device=device)
+        else:
+            queue_size = max(2, -(-self.prefetch_buffer // self.workers))
+            self._pool = ProcessPool(_pickle_spec(self._spec), self.workers,
+                                     timeout_s=self.timeout, queue_size=queue_size)
+        return self._pool
+
+    # -- training ------------------------------------------------------------------------------
+    def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None,
+            shuffle: bool = False) -> dict[str, Any]:
+        """Train for ``epochs`` passes over ``data``; the model then holds the trained weights.
+
+        ``data`` yields ``(inputs, targets)`` batches (a DataLoader, a list, a re-iterable);
+        a map-style Dataset is accepted with ``batch_size=``. Returns ``stats()``.
+        """
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
+        data = as_data_source(data, batch_size, shuffle)
+        pool = self._ensure_pool()
+        indexed = self._indexed(data)
+        self._stop_requested = False
+        tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
+                               total_batches=_total(data, epochs), progress=self.progress,
+                               report_score=self.report_score_after_averaging)
+        completed = False
+        try:
+            pool.begin(_master_state(self.model), indexed)
+            for listener in self.listeners:
+                listener.on_fit_start(self)
+            self._deal(pool, tracker, data, indexed, epochs)
+            result = self._finish(pool, tracker)
+            completed = True
+        except BaseException:
+            if self._pool is not None:
+                self._pool.kill()
+                self._pool = None
+            raise
+        finally:
+            self._iteration = tracker.iteration
+            tracker.close(completed)
+        self._adopt(result)
+        for listener in self.listeners:
+            listener.on_fit_end(self)
+        return self.stats()
+
+    def _indexed(self, data: Any) -> IndexedDataset | None:
+        view = indexed_view(data)
+        if view is None or self.workers == 1:
+            return view
+        try:
+            ForkingPickler.dumps(view)
+        except Exception as e:  # e.g. a dataset holding a lambda: stream its batches instead
+            log.info("dataset cannot be pickled (%s); batches go through the parent", e)
+            return None
+        return view
+
+    def _deal(self, pool: Any, tracker: RoundTracker, data: Any, indexed: Any,
+              epochs: int) -> None:
+        round_id = 0
+        for epoch in range(epochs):
+            dealt = 0
+            for payloads in self._rounds(data, indexed):
+                tracker.add(round_id, epoch, dealt, len(payloads))
+                for rank in range(self.workers):
+                    payload = payloads[rank] if rank < len(payloads) else None
+                    pool.send(rank, ("round", round_id, payload))
+                dealt += len(payloads)
+                round_id += 1
+                self._drain(pool, tracker, block=False)
+                if self._stop_requested:
+                    return
+            if dealt == 0:
+                raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
+                                 "source (a DataLoader or a list), not a one-shot generator")
+
+    def _rounds(self, data: Any, indexed: IndexedDataset | None) -> Iterator[list[Any]]:
+        """Group the epoch's batches into rounds of ``workers`` payloads (the last may be short)."""
+        if indexed is not None:
+            source: Iterable[Any] = (("indices", list(b)) for b in data.batch_sampler)
+            prefetcher = None
+        else:
+            prefetcher = Prefetcher(data, self.prefetch_buffer) if self.prefetch_buffer else None
+            source = (("batch", _checked(b)) for b in (prefetcher or data))
+        try:
+            chunk: list[Any] = []
+            for payload in source:
+                chunk.append(payload)
+                if len(chunk) == self.workers:
+                    yield chunk
+                    chunk = []
+            if chunk:
+                yield chunk
+        finally:
+            if prefetcher is not None:
+                prefetcher.close()
+
+    def _drain(self, pool: Any, tracker: RoundTracker, block: bool) -> Any:
+        """Handle worker replies; returns the first non-step reply when ``block``."""
+        while True:
+            try:
+                msg = pool.recv(timeout_s=None if block else 0)
+            except WorkerError as e:
+                where = tracker.batch_of(e.batch, e.worker)
+                if where:
+                    e.args = (f"{e.args[0]}\n(at {where})",)
+                raise
+            if msg is None:
+                return None
+            if msg[0] == "step":
+                _, _, round_id, loss, rows, synced = msg
+                tracker.reply(round_id, loss, rows, synced)
+            elif block:
+                return msg
+
+    def _finish(self, pool: Any, tracker: RoundTracker) -> dict[str, Any]:
+        for rank in range(self.workers):
+            pool.send(rank, ("finish",))
+        results: dict[int, Any] = {}
+        while len(results) < self.workers:
+            msg = self._drain(pool, tracker, block=True)
+            if msg is not None and msg[0] == "finished":
+                results[msg[1]] = msg[2]
+        self._stats = {**tracker.summary(), "workers": self.workers,
+                       "mode": self.synchronizer.name,
+                       "per_worker": [results[r]["stats"] for r in range(self.workers)]}
+        per_step = [w.get("bytes_sent_per_step", 0.0) for w in self._stats["per_worker"]]
+        self._stats["bytes_sent_per_step"] = per_step
+        return results[0]
+
+    def _adopt(self, result: dict[str, Any]) -> None:
+        """Load rank 0's final parameters (and optimizer state) into the user's objects."""
+        with torch.no_grad():
+            self.model.load_state_dict(result["state"])
+        if self._user_optimizer is not None and "optimizer" in result:
+            try:
+                self._user_optimizer.load_state_dict(result["optimizer"])
+            except (ValueError, KeyError) as e:  # a factory-built optimizer may differ in shape
+                log.debug("optimizer state not copied back: %s", e)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the last fit(): rounds, samples, samples/s, bytes sent per step per worker."""
+        return dict(self._stats)
+
+
+def _checked(batch: Any) -> Any:
+    split_batch(batch)  # raises a TypeError that says what a batch must be
+    return batch
+
+
+def _total(data: Any, epochs: int) -> int | None:
+    try:
+        return len(data) * epochs
+    except TypeError:
+        return None
+
+
+def _master_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _pickle_spec(spec: WorkerSpec) -> bytes:
+    """Pickle what the workers need, by value for classes and lambdas defined in scripts."""
+    try:
+        return cloudpickle.dumps(spec)
+    except Exception as e:
+        what = _unpicklable_part(spec)
+        raise NotPicklableError(
+            f"cannot send the {what} to the worker processes: {type(e).__name__}: {e}. Define it "
+            "at module level, keep open files, locks, threads and generators out of it, and "
+            "guard your script with `if __name__ == \"__main__\":`; workers=1 trains without "
+            "pickling") from e
+
+
+def _unpicklable_part(spec: WorkerSpec) -> str:
+    for name in ("model", "loss_fn", "step_fn", "optimizer", "synchronizer"):
+        try:
+            cloudpickle.dumps(getattr(spec, name))
+        except Exception:
+            return {"optimizer": "optimizer (or optimizer factory)"}.get(name, name)
+    return "training setup"
+
+

@@ -162,22 +162,44 @@ class ProcessPool:
                 raise WorkerError(_death_message(rank, p.pid, p.exitcode, starting), worker=rank)
 
     def _raise_error(self, first: tuple, starting: bool) -> None:
+        errors = self._collect_errors(first)
+        errors.sort(key=lambda m: _is_symptom(m[3]))
+        _, rank, round_id, message, tb = errors[0]
+        if _is_symptom(message):  # a peer's connection broke: was a worker killed outright?
+            dead = self._silently_dead({m[1] for m in errors})
+            if dead is not None:
+                self.kill()
+                raise WorkerError(_death_message(dead, self._procs[dead].pid,
+                                                 self._procs[dead].exitcode, starting),
+                                  worker=dead, batch=round_id)
+        self.kill()
+        where = f" on round {round_id}" if round_id is not None else ""
+        hint = " while starting" if starting else ""
+        raise WorkerError(f"worker {rank} failed{hint}{where}: {message}", worker=rank,
+                          batch=round_id, remote_traceback=tb)
+
+    def _collect_errors(self, first: tuple) -> list[tuple]:
+        """The first error and any others that follow within half a second."""
         errors = [first]
         deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline:  # a peer's failure often shows up as several errors
+        while time.monotonic() < deadline:
             try:
                 msg = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
             if msg[0] == "error":
                 errors.append(msg)
-        self.kill()
-        errors.sort(key=lambda m: any(s in m[3] for s in _SYMPTOMS))
-        _, rank, round_id, message, tb = errors[0]
-        where = f" on round {round_id}" if round_id is not None else ""
-        hint = " while starting" if starting else ""
-        raise WorkerError(f"worker {rank} failed{hint}{where}: {message}", worker=rank,
-                          batch=round_id, remote_traceback=tb)
+        return errors
+
+    def _silently_dead(self, reported: set[int]) -> int | None:
+        """A worker that died without reporting an error (e.g. SIGKILL), if any, within 2 s."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            for rank, p in enumerate(self._procs):
+                if rank not in reported and p.exitcode is not None:
+                    return rank
+            time.sleep(0.05)
+        return None
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the workers to stop; kill those that do not within ``timeout_s``."""
@@ -205,6 +227,10 @@ class ProcessPool:
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+
+def _is_symptom(message: str) -> bool:
+    return any(s in message for s in _SYMPTOMS)
 
 
 def _death_message(rank: int, pid: int | None, code: int | None, starting: bool) -> str:

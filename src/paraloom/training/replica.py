@@ -46,6 +46,16 @@ def compute_loss(loss_fn: Any, outputs: Any, targets: Any) -> torch.Tensor:
     return loss_fn(outputs, targets)
 
 
+def _floating(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _floating(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _floating(o)]
+    return []
+
+
 class Replica:
     """A private copy of the model and its optimizer on one device, kept in sync by ``sync``."""
 
@@ -106,6 +116,7 @@ class Replica:
             loss = self.step_fn(self._module, batch)
         else:
             inputs, targets = split_batch(batch)
+            self._check_dtype(inputs)
             try:
                 outputs = forward(self._module, inputs)
                 loss = compute_loss(self.loss_fn, outputs, targets)
@@ -116,6 +127,14 @@ class Replica:
             raise TypeError(f"the loss must be a scalar tensor; got {describe(loss)}. "
                             "Reduce it with .mean() or use a reduction='mean' loss")
         return loss
+
+    def _check_dtype(self, inputs: Any) -> None:
+        want = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
+        for t in _floating(inputs):
+            if want is not None and t.dtype != want:
+                raise TypeError(f"the inputs are {str(t.dtype).removeprefix('torch.')} but the "
+                                f"model's parameters are {str(want).removeprefix('torch.')}: "
+                                "convert the data (x.float()) or the model (model.double())")
 
     def finish(self) -> None:
         """End of fit(): the synchronizer makes every replica hold the same parameters."""

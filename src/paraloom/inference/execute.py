@@ -1,0 +1,138 @@
+"""Running one batch on one replica: claim, collate, forward, split, deliver, isolate failures.
+
+If a batch's forward pass raises, every request is re-run alone, so only the requests that fail
+on their own fail, with an InvalidRequestError naming the received and the expected input.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from paraloom.inference.batching import Request
+from paraloom.inference.errors import InferenceError, InvalidRequestError, RequestTimeoutError
+from paraloom.inference.payload import collate, describe_key, split_output, to_device, to_numpy
+from paraloom.inference.replicas import Generation
+from paraloom.inference.stats import StatsRecorder
+
+__all__ = ["serve_batch"]
+
+
+def serve_batch(generation: Generation, slot: int, batch: Sequence[Request],
+                stats: StatsRecorder, clock: Callable[[], float] = time.monotonic) -> None:
+    """Run a batch on ``slot``'s replica and resolve every request's future (KeyboardInterrupt
+    and the like fail the batch and propagate; ordinary exceptions never escape)."""
+    start = clock()
+    live = _claim(batch, start, stats)
+    if not live:
+        return
+    try:
+        outputs = _run(generation, slot, live)
+    except Exception as exc:  # noqa: BLE001 - the model's errors belong to the requests
+        ok = _isolate(generation, slot, live, exc, stats)
+        stats.batch(sum(r.rows for r in live), [start - r.arrival for r in live], clock() - start)
+        stats.finished(ok, len(live) - ok)
+        return
+    except BaseException:
+        for r in live:
+            r.future.set_exception(InferenceError("the forward pass was interrupted"))
+        raise
+    stats.batch(sum(r.rows for r in live), [start - r.arrival for r in live], clock() - start)
+    first = live[0]
+    generation.accepted(first.key, first.spec, first.tensors)
+    _deliver(generation.version, live, outputs)
+    stats.finished(len(live))
+
+
+def _claim(batch: Sequence[Request], now: float, stats: StatsRecorder) -> list[Request]:
+    """Mark the requests running; drop the cancelled ones and fail the expired ones."""
+    live: list[Request] = []
+    cancelled = expired = 0
+    for r in batch:
+        if not r.future.set_running_or_notify_cancel():
+            cancelled += 1
+        elif r.deadline is not None and now > r.deadline:
+            r.future.set_exception(RequestTimeoutError(
+                f"the request waited {now - r.arrival:.3f} s for a worker, past its timeout; "
+                "pass a longer timeout, add workers, or send fewer requests at once"))
+            expired += 1
+        else:
+            live.append(r)
+    if cancelled:
+        stats.rejected("cancelled", cancelled)
+    if expired:
+        stats.rejected("timeout", expired)
+    return live
+
+
+def _run(generation: Generation, slot: int, requests: Sequence[Request]) -> list[Any]:
+    """One forward pass over the requests' rows; one output per request, on its own device."""
+    tensors = collate([r.tensors for r in requests], generation.devices[slot])
+    output = generation.forward(slot, requests[0].spec, tensors)
+    output = to_device(output, requests[0].tensors[0].device)  # one copy for the whole batch
+    return split_output(output, [r.rows for r in requests])
+
+
+def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any]) -> None:
+    for r, out in zip(requests, outputs, strict=True):
+        if r.numpy:
+            out = to_numpy(out)
+        r.future.set_result((out, version) if r.with_version else out)
+
+
+def _isolate(generation: Generation, slot: int, live: Sequence[Request], exc: Exception,
+             stats: StatsRecorder) -> int:
+    """Re-run each request of a failed batch alone; fail only those that fail alone."""
+    if len(live) == 1:
+        results: list[tuple[Request, Any, Exception | None]] = [(live[0], None, exc)]
+    else:
+        results = [_run_alone(generation, slot, r) for r in live]
+    good = [(r, out) for r, out, err in results if err is None]
+    if good:
+        r = good[0][0]
+        generation.accepted(r.key, r.spec, r.tensors)
+    # Blame the request only where the model is known to work on some input.
+    blame = bool(good) or generation.good_key is not None or len(live) == 1
+    invalid = errors = 0
+    for r, _, err in results:
+        if err is not None:
+            failure = _classify(generation, r, err, blame)
+            invalid += isinstance(failure, InvalidRequestError)
+            errors += not isinstance(failure, InvalidRequestError)
+            r.future.set_exception(failure)
+    _deliver(generation.version, [r for r, _ in good], [out for _, out in good])
+    if invalid:
+        stats.rejected("invalid", invalid)
+    if errors:
+        stats.rejected("error", errors)
+    return len(good)
+
+
+def _run_alone(generation: Generation, slot: int, r: Request
+               ) -> tuple[Request, Any, Exception | None]:
+    try:
+        return r, _run(generation, slot, [r])[0], None
+    except Exception as exc:  # noqa: BLE001 - this request's own failure
+        return r, None, exc
+
+
+def _classify(generation: Generation, r: Request, exc: Exception, blame: bool) -> InferenceError:
+    """The error a failed request gets: InvalidRequestError if it is the request's fault."""
+    v = generation.version
+    cause = f"{type(exc).__name__}: {exc}"
+    if not blame or isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+        failure: InferenceError = InferenceError(
+            f"model version {v} failed ({cause}); it has not run any input successfully, so "
+            "the model (or its device) is at fault, not only this request")
+    else:
+        received = describe_key(r.key)
+        expected = describe_key(generation.good_key) if generation.good_key is not None else None
+        failure = InvalidRequestError(
+            f"model version {v} failed on this request alone with {cause}. Received {received}; "
+            f"expected {expected or 'an input the model accepts (none has run on this version yet)'}."
+            " Fix the request's shape, dtype or values", received=received, expected=expected)
+    failure.__cause__ = exc
+    return failure

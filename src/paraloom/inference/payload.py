@@ -1,0 +1,211 @@
+"""Pure functions over request inputs and model outputs: parse, key, collate, split, convert.
+
+A request's input is a tensor, a numpy array, a tuple/list of them (the model's positional
+inputs) or a dict of them (keyword inputs). Every tensor's first dimension is the request's rows.
+Requests share a batch only if their *keys* are equal: the same structure and, per tensor, the
+same shape after the first dimension, dtype and device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from paraloom.inference.errors import InvalidRequestError
+
+__all__ = ["Parsed", "parse", "describe_key", "collate", "call_model", "split_output",
+           "map_tensors", "to_numpy", "to_device"]
+
+# spec of a request's structure: None for one tensor, ("tuple"|"list", n) or ("dict", keys).
+_ONE = None
+
+
+class Parsed(NamedTuple):
+    """A request's input taken apart: its tensors, structure, rows, batch key, numpy flag."""
+
+    tensors: tuple[torch.Tensor, ...]
+    spec: Hashable
+    rows: int
+    key: Hashable
+    numpy: bool
+
+
+def _as_tensor(x: Any, where: str) -> tuple[torch.Tensor, bool]:
+    if isinstance(x, torch.Tensor):
+        return x, False
+    if isinstance(x, np.ndarray):
+        try:
+            return torch.from_numpy(x), True  # zero copy; inputs are never written to
+        except TypeError as exc:
+            raise InvalidRequestError(
+                f"{where}: numpy dtype {x.dtype} has no torch equivalent; send a numeric array "
+                "(float32, int64, bool, ...)", received=f"ndarray{x.shape} {x.dtype}") from exc
+    raise InvalidRequestError(
+        f"{where} is a {type(x).__name__}; expected a torch.Tensor or numpy.ndarray "
+        "(a tuple/list of them for a multi-input model, or a dict for keyword inputs)",
+        received=type(x).__name__)
+
+
+def _rows(t: torch.Tensor, where: str) -> int:
+    if t.dim() == 0:
+        raise InvalidRequestError(
+            f"{where} is a 0-d tensor; inputs need a first (batch) dimension, e.g. x.unsqueeze(0)",
+            received="Tensor() " + _dtype_name(t.dtype))
+    return int(t.shape[0])
+
+
+def _signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.shape[1:], t.dtype, t.device)
+
+
+def parse(x: Any) -> Parsed:
+    """Take a request's input apart, or raise InvalidRequestError saying what is wrong."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0:  # the fast path: one tensor
+        rows = int(x.shape[0])
+        if rows == 0:
+            raise _empty("the input", x)
+        return Parsed((x,), _ONE, rows, (_ONE, x.shape[1:], x.dtype, x.device), False)
+    if isinstance(x, (tuple, list)):
+        names = [f"input[{i}]" for i in range(len(x))]
+        spec: Hashable = (type(x).__name__, len(x))
+        items = list(x)
+    elif isinstance(x, dict):
+        names = [f"input[{k!r}]" for k in x]
+        spec = ("dict", tuple(x))
+        items = list(x.values())
+    else:
+        t, is_np = _as_tensor(x, "the input")
+        rows = _rows(t, "the input")
+        if rows == 0:
+            raise _empty("the input", t)
+        return Parsed((t,), _ONE, rows, (_ONE, *_signature(t)), is_np)
+    if not items:
+        raise InvalidRequestError(f"the input is an empty {spec[0]}; send at least one tensor",
+                                  received=f"empty {spec[0]}")
+    return _parse_many(items, names, spec)
+
+
+def _parse_many(items: list[Any], names: list[str], spec: Hashable) -> Parsed:
+    converted = [_as_tensor(v, n) for v, n in zip(items, names, strict=True)]
+    tensors = tuple(t for t, _ in converted)
+    rows = [_rows(t, n) for t, n in zip(tensors, names, strict=True)]
+    if len(set(rows)) != 1:
+        detail = ", ".join(f"{n}: {r}" for n, r in zip(names, rows, strict=True))
+        raise InvalidRequestError(
+            f"the inputs disagree on the number of rows ({detail}); every input's first "
+            "dimension must be the same batch size", received=detail)
+    if rows[0] == 0:
+        raise _empty(names[0], tensors[0])
+    key = (spec, tuple(_signature(t) for t in tensors))
+    return Parsed(tensors, spec, rows[0], key, any(n for _, n in converted))
+
+
+def _empty(where: str, t: torch.Tensor) -> InvalidRequestError:
+    return InvalidRequestError(f"{where} has 0 rows; send at least one row",
+                               received=_describe_tensor(t.shape[1:], t.dtype))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe_tensor(shape: Sequence[int], dtype: torch.dtype) -> str:
+    return f"Tensor({', '.join(['N', *map(str, shape)])}) {_dtype_name(dtype)}"
+
+
+def describe_key(key: Hashable) -> str:
+    """A batch key as a short text, e.g. ``Tensor(N, 1, 28, 28) float32``."""
+    assert isinstance(key, tuple)
+    if key[0] is _ONE:
+        return _describe_tensor(key[1], key[2])
+    spec, sigs = key
+    parts = [_describe_tensor(shape, dtype) for shape, dtype, _ in sigs]
+    if spec[0] == "dict":
+        return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(spec[1], parts, strict=True)) + "}"
+    return f"{spec[0]}({', '.join(parts)})"
+
+
+def collate(batch: Sequence[tuple[torch.Tensor, ...]], device: torch.device) -> list[torch.Tensor]:
+    """Concatenate the requests' tensors position by position (once) and move them to device."""
+    if len(batch) == 1:
+        merged = list(batch[0])
+    else:
+        merged = [torch.cat(parts) for parts in zip(*batch, strict=True)]
+    return [t.to(device, non_blocking=True) for t in merged]
+
+
+def call_model(model: Any, spec: Hashable, tensors: Sequence[torch.Tensor]) -> Any:
+    """Call the model: one tensor, positional inputs (tuple/list) or keyword inputs (dict)."""
+    if spec is _ONE:
+        return model(tensors[0])
+    assert isinstance(spec, tuple)
+    if spec[0] == "dict":
+        return model(**dict(zip(spec[1], tensors, strict=True)))
+    return model(*tensors)
+
+
+def map_tensors(obj: Any, fn: Any) -> Any:
+    """Apply ``fn`` to every tensor in a tensor / tuple / list / dict structure."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        items = [map_tensors(o, fn) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return _rebuild_dict(obj, {k: map_tensors(v, fn) for k, v in obj.items()})
+    return obj
+
+
+def _rebuild_dict(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    try:
+        return type(like)(items)
+    except TypeError:  # a dict subclass with another constructor
+        return items
+
+
+def split_output(output: Any, rows: Sequence[int]) -> list[Any]:
+    """Split a batch's output back into one output per request, as views over the batch."""
+    if len(rows) == 1:
+        return [output]
+    return _split(output, list(rows), sum(rows))
+
+
+def _split(obj: Any, rows: list[int], total: int) -> list[Any]:
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0 or obj.shape[0] != total:
+            raise ValueError(
+                f"the model returned a tensor of shape {tuple(obj.shape)} for a batch of {total} "
+                "rows; batched inference needs outputs whose first dimension is the batch "
+                "(use inference_mode='sequential' for other models)")
+        return list(obj.split(rows))
+    if isinstance(obj, (tuple, list)):
+        columns = [_split(o, rows, total) for o in obj]
+        per_request = [[col[i] for col in columns] for i in range(len(rows))]
+        if hasattr(obj, "_fields"):
+            return [type(obj)(*items) for items in per_request]
+        return [type(obj)(items) for items in per_request]
+    if isinstance(obj, dict):
+        columns_by_key = {k: _split(v, rows, total) for k, v in obj.items()}
+        return [_rebuild_dict(obj, {k: col[i] for k, col in columns_by_key.items()})
+                for i in range(len(rows))]
+    return [obj] * len(rows)  # a non-tensor leaf (None, a label list...) goes to every request
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype in (torch.bfloat16,):  # numpy has no bfloat16
+        t = t.float()
+    return t.numpy()
+
+
+def to_numpy(output: Any) -> Any:
+    """Convert every tensor in an output to a numpy array (for requests sent as numpy)."""
+    return map_tensors(output, _numpy)
+
+
+def to_device(output: Any, device: torch.device) -> Any:
+    """Move every tensor in an output to ``device`` (the device the request came from)."""
+    return map_tensors(output, lambda t: t if t.device == device else t.to(device))

@@ -1,0 +1,180 @@
+"""Model replicas: devices, building and warming copies, versions, and the in-place slot pool."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraloom.inference.errors import InferenceClosedError, QueueFullError
+from paraloom.inference.payload import call_model
+from paraloom.inference.precision import Precision
+
+__all__ = ["resolve_devices", "build_replica", "Generation", "build_generation", "warm_up",
+           "example_of", "SlotPool"]
+
+DeviceSpec = str | torch.device | Sequence[str | torch.device] | None
+Example = tuple[Hashable, Hashable, tuple[torch.Tensor, ...]]  # (key, spec, tensors)
+
+
+def resolve_devices(devices: DeviceSpec, workers: int | None) -> list[torch.device]:
+    """One device per worker: round robin over ``devices`` (default: every CUDA device, or CPU)."""
+    if devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        pool = [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+    elif isinstance(devices, (str, torch.device)):
+        pool = [torch.device(devices)]
+    elif isinstance(devices, Sequence) and devices:
+        pool = [torch.device(d) for d in devices]
+    else:
+        raise ValueError(f"devices={devices!r}; expected a device ('cpu', 'cuda:0'), a non-empty "
+                         "list of devices, or None for every CUDA device (CPU without one)")
+    n = len(pool) if workers is None else workers
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def build_replica(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:
+    """A private copy of the model on ``device``, in eval mode, without gradients."""
+    try:
+        replica = copy.deepcopy(model)
+    except Exception as exc:
+        raise TypeError(f"cannot copy the model ({type(model).__name__}) to build replicas: "
+                        f"{exc}. Make it deep-copyable (copy.deepcopy) or pass a plain "
+                        "nn.Module") from exc
+    replica = precision.convert_module(replica.to(device))
+    replica.eval()
+    replica.requires_grad_(False)
+    return replica
+
+
+class Generation:
+    """One version of the model: a replica per worker slot, and what it is known to accept.
+
+    A batch is bound to the generation it started on, so swapping in a new generation never
+    touches a batch in flight; the old replicas are freed when their last batch is done.
+    """
+
+    __slots__ = ("version", "replicas", "devices", "precision", "known")
+
+    def __init__(self, version: int, replicas: list[nn.Module], devices: list[torch.device],
+                 precision: Precision) -> None:
+        self.version = version
+        self.replicas = replicas
+        self.devices = devices
+        self.precision = precision
+        # (key, spec, one row of tensors) of an input this version ran on; replaced as a whole,
+        # so readers on other threads never see a half-updated pair.
+        self.known: Example | None = None
+
+    @property
+    def good_key(self) -> Hashable | None:
+        """The batch key of an input this version accepted, or None if none yet."""
+        known = self.known
+        return None if known is None else known[0]
+
+    def accepted(self, key: Hashable, spec: Hashable, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Remember an input this version ran on, for error messages and warming successors."""
+        known = self.known
+        if known is None or known[0] != key:
+            self.known = (key, spec, tuple(t[:1] for t in tensors))
+
+    def forward(self, slot: int, spec: Hashable, tensors: Sequence[torch.Tensor]) -> Any:
+        """Run slot's replica on tensors already on its device (inference mode is the caller's)."""
+        device = self.devices[slot]
+        tensors = self.precision.convert_inputs(tensors)
+        with self.precision.forward_context(device):
+            output = call_model(self.replicas[slot], spec, tensors)
+        return self.precision.convert_output(output)
+
+
+def build_generation(model: nn.Module, version: int, devices: list[torch.device],
+                     precision: Precision) -> Generation:
+    """Check the devices can run the precision and build one replica per device."""
+    for device in dict.fromkeys(devices):
+        precision.check_device(device)
+    return Generation(version, [build_replica(model, d, precision) for d in devices], devices,
+                      precision)
+
+
+def warm_up(generation: Generation, example: Example) -> None:
+    """Run every replica once on ``example`` (so the first request pays no start-up cost)."""
+    key, spec, tensors = example
+    with torch.inference_mode():
+        for slot, device in enumerate(generation.devices):
+            generation.forward(slot, spec, [t.to(device) for t in tensors])
+    generation.accepted(key, spec, tensors)
+
+
+def example_of(generation: Generation) -> Example | None:
+    """An input the generation ran on (one row), to warm its successor; None if none yet."""
+    return generation.known
+
+
+class SlotPool:
+    """In-place mode: callers borrow a free replica slot; at most ``limit`` callers wait in line."""
+
+    def __init__(self, slots: int, limit: int) -> None:
+        self._free = list(range(slots - 1, -1, -1))
+        self._limit = limit
+        self._waiting = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._slot_free = threading.Condition(self._lock)
+        self._line_free = threading.Condition(self._lock)
+
+    def acquire(self, *, block: bool = True, timeout: float | None = None) -> int:
+        """Borrow a slot, waiting up to ``timeout``; QueueFullError if none came free in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._check_open()
+            if self._free:
+                return self._free.pop()
+            if not block:
+                raise _busy(self._waiting, "block=False")
+            self._wait(self._line_free, lambda: self._waiting < self._limit, deadline, timeout)
+            self._waiting += 1
+            try:
+                self._wait(self._slot_free, lambda: bool(self._free), deadline, timeout)
+            finally:
+                self._waiting -= 1
+                self._line_free.notify()
+            return self._free.pop()
+
+    def _wait(self, cond: threading.Condition, ready: Any, deadline: float | None,
+              timeout: float | None) -> None:
+        while not ready():
+            self._check_open()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise _busy(self._waiting, f"timeout={timeout:g} s")
+            cond.wait(remaining)
+        self._check_open()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InferenceClosedError("this ParallelInference is closed and accepts no more "
+                                       "requests; create a new one")
+
+    def release(self, slot: int) -> None:
+        """Give a slot back and wake one waiting caller."""
+        with self._lock:
+            self._free.append(slot)
+            self._slot_free.notify()
+
+    def close(self) -> None:
+        """Refuse new callers and wake every waiting one (they raise InferenceClosedError)."""
+        with self._lock:
+            self._closed = True
+            self._slot_free.notify_all()
+            self._line_free.notify_all()
+
+
+def _busy(waiting: int, why: str) -> QueueFullError:
+    return QueueFullError(f"every replica is busy and {waiting} callers are waiting for one "
+                          f"({why}); retry later, or add workers, raise queue_limit or pass a "
+                          "longer timeout")

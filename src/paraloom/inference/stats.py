@@ -1,0 +1,97 @@
+"""Counters and timings of a ParallelInference, and the plain dict that ``stats()`` returns.
+
+Keys of the dict (stable; ``paraloom.serving`` exports them as metrics):
+
+``requests``        requests accepted into the queue (or run in place)
+``completed``       requests answered with an output
+``failed``          requests answered with an error after they were accepted
+``rows``            rows run through the model (requests can carry several rows)
+``batches``         forward passes (re-runs of a failed batch excluded)
+``batch_size_histogram``  {rows in a batch: number of batches}
+``queue_time_ms`` / ``forward_time_ms``  {"p50", "p90", "p99", "max", "mean", "count"} over the
+                    last ``window`` requests / batches (queue time: arrival to forward start)
+``rejections``      {reason: count}; reasons: ``queue_full``, ``timeout``, ``cancelled``,
+                    ``invalid``, ``closed``, ``error``
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["StatsRecorder", "percentiles", "REJECTION_REASONS"]
+
+REJECTION_REASONS = ("queue_full", "timeout", "cancelled", "invalid", "closed", "error")
+
+
+def percentiles(samples: Sequence[float]) -> dict[str, float]:
+    """p50/p90/p99 (nearest rank), max, mean and count of samples (zeros when empty)."""
+    if not samples:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0, "count": 0}
+    ordered = sorted(samples)
+    n = len(ordered)
+
+    def rank(q: float) -> float:
+        return ordered[min(n - 1, max(0, math.ceil(q * n) - 1))]
+
+    return {"p50": rank(0.50), "p90": rank(0.90), "p99": rank(0.99), "max": ordered[-1],
+            "mean": sum(ordered) / n, "count": n}
+
+
+class StatsRecorder:
+    """Thread-safe counters; timings are kept for the last ``window`` samples only (bounded)."""
+
+    def __init__(self, window: int = 10_000) -> None:
+        self._lock = threading.Lock()
+        self._requests = 0
+        self._completed = 0
+        self._failed = 0
+        self._rows = 0
+        self._batches = 0
+        self._batch_sizes: Counter[int] = Counter()
+        self._queue_ms: deque[float] = deque(maxlen=window)
+        self._forward_ms: deque[float] = deque(maxlen=window)
+        self._rejections: Counter[str] = Counter({reason: 0 for reason in REJECTION_REASONS})
+
+    def accepted(self) -> None:
+        """Count one request accepted."""
+        with self._lock:
+            self._requests += 1
+
+    def rejected(self, reason: str, count: int = 1) -> None:
+        """Count requests refused or dropped, by reason (see REJECTION_REASONS)."""
+        with self._lock:
+            self._rejections[reason] += count
+
+    def batch(self, rows: int, queue_seconds: Iterable[float], forward_seconds: float) -> None:
+        """Record one forward pass: its rows, its requests' queue times, its duration."""
+        with self._lock:
+            self._batches += 1
+            self._rows += rows
+            self._batch_sizes[rows] += 1
+            self._queue_ms.extend(s * 1e3 for s in queue_seconds)
+            self._forward_ms.append(forward_seconds * 1e3)
+
+    def finished(self, completed: int, failed: int = 0) -> None:
+        """Count requests answered with an output and with an error."""
+        with self._lock:
+            self._completed += completed
+            self._failed += failed
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-friendly copy of every counter and the timing percentiles."""
+        with self._lock:
+            queue_ms, forward_ms = list(self._queue_ms), list(self._forward_ms)
+            snap: dict[str, Any] = {
+                "requests": self._requests, "completed": self._completed,
+                "failed": self._failed, "rows": self._rows, "batches": self._batches,
+                "mean_batch_rows": self._rows / self._batches if self._batches else 0.0,
+                "batch_size_histogram": dict(sorted(self._batch_sizes.items())),
+                "rejections": dict(self._rejections),
+            }
+        snap["queue_time_ms"] = percentiles(queue_ms)
+        snap["forward_time_ms"] = percentiles(forward_ms)
+        return snap

@@ -1,0 +1,174 @@
+"""``paraloom serve``: serve a saved model over HTTP with the Open Inference Protocol (v2)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["add_arguments", "build_model", "main", "run"]
+
+_log = logging.getLogger("paraloom.serving")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``paraloom serve``'s arguments to ``parser``."""
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="a .safetensors file written by paraloom.save or paraloom train")
+    parser.add_argument("--factory", metavar="PKG.MOD:FN",
+                        help="build the model by calling this function (your own architecture)")
+    parser.add_argument("--weights", metavar="FILE",
+                        help="with --factory: safetensors weights to load into the built model")
+    parser.add_argument("--name", default="model", help="the model's name in URLs (default: "
+                        "model)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only; "
+                        "0.0.0.0 exposes the model to the network)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any)")
+    pool = parser.add_argument_group("batching (ParallelInference)")
+    pool.add_argument("--mode", default="batched", choices=["batched", "sequential", "inplace"],
+                      help="inference mode (default batched)")
+    pool.add_argument("--workers", type=int, default=2, help="model replicas (default 2)")
+    pool.add_argument("--batch-limit", type=int, default=32, help="rows per batch (default 32)")
+    pool.add_argument("--queue-limit", type=int, default=256,
+                      help="queued requests before answering 503 (default 256)")
+    pool.add_argument("--max-wait-ms", type=float, default=0.0,
+                      help="wait this long for a fuller batch (default 0: never wait)")
+    sig = parser.add_argument_group("signature (default: read from the model)")
+    sig.add_argument("--input-shape", metavar="DIMS", help="e.g. -1,1,28,28 (-1: any size)")
+    sig.add_argument("--input-datatype", default="FP32", help="e.g. FP32 (default)")
+    sig.add_argument("--input-name", default="input", help="default: input")
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--models-dir", metavar="DIR", help="folder of .safetensors files that "
+                      "POST /v2/repository/models/NAME/load may read (default: only MODEL)")
+    http.add_argument("--max-body-mb", type=float, default=16.0,
+                      help="largest request body in MiB (default 16); larger gets 413")
+    http.add_argument("--graceful-timeout", type=float, default=30.0,
+                      help="seconds to finish in-flight requests at shutdown (default 30)")
+    http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    http.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def _import_factory(spec: str) -> Callable[..., nn.Module]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--factory {spec!r} must look like 'package.module:function'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"--factory {spec!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def _has_header(path: str) -> bool:
+    from paraloom.checkpoint import read_header
+
+    try:
+        read_header(path)
+    except ValueError:
+        return False
+    return True
+
+
+def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
+    """The model to serve and the paraloom file it came from (the one reloads may re-read)."""
+    import paraloom
+
+    if args.model and args.factory:
+        raise ValueError("pass MODEL or --factory, not both")
+    if args.model:
+        return paraloom.load(args.model), args.model
+    if not args.factory:
+        raise ValueError("nothing to serve: pass MODEL (a file from paraloom.save) or "
+                         "--factory pkg.mod:fn [--weights FILE]")
+    factory = _import_factory(args.factory)
+    if args.weights is None:
+        return factory(), None
+    if not Path(args.weights).is_file():
+        raise FileNotFoundError(f"--weights {args.weights!r} does not exist")
+    if _has_header(args.weights):
+        return paraloom.load(args.weights, factory=factory), args.weights
+    from safetensors.torch import load_file
+
+    model = factory()
+    model.load_state_dict(load_file(args.weights), strict=True)
+    return model, None  # plain safetensors: served, but not reloadable (no paraloom header)
+
+
+def _signature_options(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.input_shape:
+        return {}
+    from paraloom.serving.signature import TensorSpec
+
+    try:
+        shape = tuple(int(d) for d in args.input_shape.split(","))
+    except ValueError as e:
+        raise ValueError(f"--input-shape {args.input_shape!r} must be integers separated by "
+                         "commas, e.g. -1,1,28,28") from e
+    return {"inputs": [TensorSpec(args.input_name, args.input_datatype, shape)]}
+
+
+def _reload_on_sighup(app: Any) -> None:
+    """Make SIGHUP reload the served file, as ``POST .../load`` with no body does."""
+    served = app.state.served
+    inner = app.router.lifespan_context
+
+    async def reload() -> None:
+        try:
+            version = await served.load({})
+            _log.info("SIGHUP: model %r now serves version %s", served.name, version)
+        except Exception as e:  # a bad file must not stop the server: log it, keep serving
+            _log.error("SIGHUP reload failed, the old version keeps serving: %s", e)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[None]:
+        async with inner(a):
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload()))
+            try:
+                yield
+            finally:
+                loop.remove_signal_handler(signal.SIGHUP)
+
+    app.router.lifespan_context = lifespan
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code."""
+    from paraloom.serving.app import create_app
+    from paraloom.serving.server import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    model, model_file = build_model(args)
+    app = create_app(model, name=args.name, model_file=model_file, model_dir=args.models_dir,
+                     max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                     inference_mode=args.mode, workers=args.workers,
+                     batch_limit=args.batch_limit, queue_limit=args.queue_limit,
+                     max_wait_ms=args.max_wait_ms, **_signature_options(args))
+    if model_file is not None and hasattr(signal, "SIGHUP"):
+        _reload_on_sighup(app)
+    _log.info("serving %r on http://%s:%d/v2/models/%s", args.name, args.host, args.port,
+              args.name)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level,
+          access_log=args.access_log, graceful_timeout=args.graceful_timeout)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m paraloom.serving.cli``: the same as ``paraloom serve``."""
+    parser = argparse.ArgumentParser(prog="paraloom serve", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

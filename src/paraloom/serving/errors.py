@@ -1,0 +1,64 @@
+"""Errors the server answers with: each carries its HTTP status and a metrics reason."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ForbiddenError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "ProtocolError",
+    "ServingError",
+    "UnavailableError",
+]
+
+
+class ServingError(Exception):
+    """An error answered as ``{"error": message}`` with ``status``; ``reason`` labels metrics."""
+
+    status = 500
+    reason = "internal"
+
+    def __init__(self, message: str, *, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class ProtocolError(ServingError, ValueError):
+    """A request that breaks the protocol or the model's contract: HTTP 400."""
+
+    status = 400
+    reason = "bad_request"
+
+
+class NotFoundError(ProtocolError):
+    """An unknown model, version, output or route: HTTP 404."""
+
+    status = 404
+    reason = "not_found"
+
+
+class ForbiddenError(ServingError):
+    """A model load the server is not configured to allow: HTTP 403."""
+
+    status = 403
+    reason = "forbidden"
+
+
+class PayloadTooLargeError(ProtocolError):
+    """A body over the configured limit: HTTP 413."""
+
+    status = 413
+    reason = "body_too_large"
+
+
+class UnavailableError(ServingError):
+    """The queue is full or the server is shutting down: HTTP 503, try again later."""
+
+    status = 503
+    reason = "unavailable"
+
+    def __init__(self, message: str, *, reason: str = "unavailable", retry_after: int = 1
+                 ) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.reason = reason

@@ -1,0 +1,125 @@
+"""Prometheus metrics of one server: requests, failures by reason, latency, queue and forward time.
+
+Each app owns its own ``CollectorRegistry`` (no process-global state), so two apps in one process,
+or one test after another, never see each other's counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "PoolCollector", "ServingMetrics"]
+
+# Latencies of a CPU model served over HTTP run from ~100 us to seconds.
+_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+            1.0, 2.5, 5.0, 10.0)
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_QUANTILES = ("p50", "p90", "p99", "max")
+
+
+class ServingMetrics:
+    """The server's counters and histograms, labelled by model name."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("paraloom_inference_requests", "Inference requests received.",
+                                ["model"], registry=r)
+        self.failures = Counter("paraloom_inference_failures",
+                                "Inference requests that failed, by reason.",
+                                ["model", "reason"], registry=r)
+        self.latency = Histogram("paraloom_request_duration_seconds",
+                                 "Time from reading a request to its answer, in the server.",
+                                 ["model"], buckets=_SECONDS, registry=r)
+
+    def request(self, model: str) -> None:
+        """Count one inference request."""
+        self.requests.labels(model).inc()
+
+    def failure(self, model: str, reason: str) -> None:
+        """Count one failed request under ``reason`` (bad_request, queue_full, ...)."""
+        self.failures.labels(model, reason).inc()
+
+    def done(self, model: str, seconds: float) -> None:
+        """Record the server-side latency of one answered request."""
+        self.latency.labels(model).observe(seconds)
+
+    def watch(self, model: str, pool: Any) -> None:
+        """Export ``pool.stats()`` (queue and forward time, batch sizes, ...) at each scrape."""
+        self.registry.register(PoolCollector(model, pool))
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)
+
+
+class PoolCollector:
+    """Reads a ParallelInference's ``stats()`` when Prometheus scrapes, and exports it."""
+
+    def __init__(self, model: str, pool: Any) -> None:
+        self.model = model
+        self.pool = pool
+
+    def describe(self) -> list[Metric]:
+        """Nothing up front: the registry must not call ``stats()`` when this is registered."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families, built from one ``stats()`` snapshot."""
+        stats = self.pool.stats()
+        yield from self._counters(stats)
+        yield self._batch_sizes(stats.get("batch_size_histogram", {}), stats.get("rows", 0))
+        for key, name, what in (("queue_time_ms", "queue", "waited in the queue"),
+                                ("forward_time_ms", "forward", "forward passes took")):
+            yield self._timing(stats.get(key, {}), name, what)
+        version = GaugeMetricFamily("paraloom_model_version", "Version of the model now served.",
+                                    labels=["model"])
+        version.add_metric([self.model], float(self.pool.model_version))
+        yield version
+
+    def _counters(self, stats: dict[str, Any]) -> Iterator[Metric]:
+        for key, help_text in (("requests", "Requests ParallelInference accepted."),
+                               ("completed", "Requests answered with an output."),
+                               ("failed", "Accepted requests answered with an error."),
+                               ("rows", "Rows run through the model."),
+                               ("batches", "Forward passes.")):
+            family = CounterMetricFamily(f"paraloom_pool_{key}", help_text, labels=["model"])
+            family.add_metric([self.model], float(stats.get(key, 0)))
+            yield family
+        rejected = CounterMetricFamily("paraloom_pool_rejections",
+                                       "Requests ParallelInference refused or dropped, by reason.",
+                                       labels=["model", "reason"])
+        for reason, count in sorted(stats.get("rejections", {}).items()):
+            rejected.add_metric([self.model, reason], float(count))
+        yield rejected
+
+    def _batch_sizes(self, histogram: dict[int, int], rows: int) -> Metric:
+        buckets = []
+        for bound in _SIZES:  # Prometheus buckets are cumulative: batches of <= bound rows
+            seen = sum(n for size, n in histogram.items() if int(size) <= bound)
+            buckets.append((str(float(bound)), float(seen)))
+        buckets.append(("+Inf", float(sum(histogram.values()))))
+        family = HistogramMetricFamily("paraloom_batch_size", "Rows in each forward pass.",
+                                       labels=["model"])
+        family.add_metric([self.model], buckets, sum_value=float(rows))
+        return family
+
+    def _timing(self, summary: dict[str, float], name: str, what: str) -> Metric:
+        family = GaugeMetricFamily(
+            f"paraloom_{name}_time_seconds",
+            f"How long recent requests {what}, over the pool's recent window, by quantile.",
+            labels=["model", "quantile"])
+        for q in _QUANTILES:
+            label = "1" if q == "max" else f"0.{q[1:]}"
+            family.add_metric([self.model, label], summary.get(q, 0.0) / 1e3)
+        return family

@@ -1,0 +1,104 @@
+"""Which model files a remote ``load`` request may read, and how a new version is built from one.
+
+The rule: a client never sends code, pickles or file contents. It may only name a safetensors file
+written by ``paraloom.save`` that the operator allowed: the file the server was started from, or a
+file inside the configured models directory. The file must hold weights for the architecture being
+served (same header spec, same parameter names and shapes); the new model is a copy of the served
+one with those weights loaded, so nothing named in the file is ever imported or called.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file
+from torch import nn
+
+from paraloom.checkpoint import read_header
+from paraloom.serving.errors import ForbiddenError, ProtocolError
+
+__all__ = ["ModelFiles"]
+
+_SUFFIX = ".safetensors"
+
+
+class ModelFiles:
+    """The files a server may load new versions from: ``model_file`` and files in ``model_dir``."""
+
+    def __init__(self, *, model_file: str | Path | None = None,
+                 model_dir: str | Path | None = None) -> None:
+        self.model_file = None if model_file is None else Path(model_file).resolve()
+        self.model_dir = None if model_dir is None else Path(model_dir).resolve()
+        if self.model_dir is not None and not self.model_dir.is_dir():
+            raise ValueError(f"model_dir {str(model_dir)!r} is not a directory; pass the folder "
+                             "that holds the .safetensors files clients may load")
+        self._spec = None if self.model_file is None else _architecture(read_header(
+            self.model_file))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any load is allowed at all."""
+        return self.model_file is not None or self.model_dir is not None
+
+    def resolve(self, parameters: dict[str, Any]) -> Path:
+        """The file a load request's parameters name, if the rule allows it."""
+        if not self.enabled:
+            raise ForbiddenError("model loading is disabled on this server: start it from a "
+                                 "model file or with a models directory (model_dir=...)")
+        for key in parameters:
+            if key.startswith("file:") or key == "config":
+                raise ForbiddenError(f"load parameter {key!r} is refused: paraloom never takes "
+                                     "model files or configs from clients; copy the file into "
+                                     "the server's models directory and send {\"path\": NAME}")
+        raw = parameters.get("path")
+        if raw is None:
+            if self.model_file is None:
+                raise ProtocolError("load needs parameters.path naming a .safetensors file in "
+                                    "the models directory")
+            return self.model_file
+        if not isinstance(raw, str) or not raw:
+            raise ProtocolError(f"parameters.path must be a file name, got {raw!r}")
+        return self._inside_dir(raw)
+
+    def _inside_dir(self, raw: str) -> Path:
+        if self.model_dir is None:
+            raise ForbiddenError(f"cannot load {raw!r}: this server has no models directory, "
+                                 "so it only reloads the file it was started from (send no path)")
+        path = (self.model_dir / raw).resolve()  # resolve() follows symlinks and '..'
+        if not path.is_relative_to(self.model_dir):
+            raise ForbiddenError(f"path {raw!r} is outside the models directory; name a file "
+                                 "inside it, e.g. 'lenet-v2.safetensors'")
+        if path.suffix != _SUFFIX:
+            raise ForbiddenError(f"path {raw!r} is not a {_SUFFIX} file; only weights written "
+                                 "by paraloom.save can be loaded")
+        if not path.is_file():
+            raise ProtocolError(f"no file {raw!r} in the models directory")
+        return path
+
+    def build(self, path: Path, served: nn.Module) -> nn.Module:
+        """A copy of ``served`` holding the weights in ``path``; ``ProtocolError`` if they differ."""
+        try:
+            header = read_header(path)
+            state = load_file(str(path), device="cpu")
+        except (ValueError, OSError) as e:  # safetensors raises its own errors as ValueError/OSError
+            raise ProtocolError(f"cannot read {path.name}: {e}") from e
+        spec = _architecture(header)
+        if self._spec is not None and spec != self._spec:
+            raise ProtocolError(f"{path.name} holds a different architecture ({spec}) than the "
+                                f"served model ({self._spec}); serve it from a new server")
+        expected = {k: tuple(v.shape) for k, v in served.state_dict().items()}
+        found = {k: tuple(v.shape) for k, v in state.items()}
+        if expected != found:
+            diff = sorted(k for k in expected.keys() | found.keys()
+                          if expected.get(k) != found.get(k))
+            raise ProtocolError(f"{path.name} does not fit the served model: parameters differ "
+                                f"in name or shape: {diff[:8]}")
+        model = copy.deepcopy(served)
+        model.load_state_dict(state, strict=True)
+        return model
+
+
+def _architecture(header: dict[str, Any]) -> dict[str, Any]:
+    return {k: header[k] for k in ("name", "class", "kwargs") if k in header}

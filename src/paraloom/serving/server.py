@@ -1,0 +1,143 @@
+"""Running the app under uvicorn: ``serve`` (blocking) and ``ServerThread`` (in the background)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from types import TracebackType
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+
+from paraloom.serving.app import create_app
+
+__all__ = ["ServerThread", "bind_socket", "serve"]
+
+_DEFAULT_HOST = "127.0.0.1"  # never expose a model to the network unless asked to
+
+
+def bind_socket(host: str = _DEFAULT_HOST, port: int = 0) -> socket.socket:
+    """A listening-ready TCP socket; port 0 lets the OS pick a free port (read it back)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e}; pick another --port or stop the "
+                      "process using it") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus an event set once startup finished (or failed)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.startup_done = threading.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            self.startup_done.set()
+
+
+def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float,
+            **uvicorn_options: Any) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level=log_level, access_log=access_log,
+                          timeout_graceful_shutdown=graceful_timeout, lifespan="on",
+                          **uvicorn_options)
+
+
+def _as_app(pool_or_model: Any, name: str | None, app_options: dict[str, Any]) -> Starlette:
+    if isinstance(pool_or_model, Starlette):
+        if name is not None or app_options:
+            raise TypeError("pass name and app options to create_app, not with an app")
+        return pool_or_model
+    return create_app(pool_or_model, name=name or "model", **app_options)
+
+
+def serve(pool_or_model: Any, *, name: str | None = None, host: str = _DEFAULT_HOST,
+          port: int = 8000, log_level: str = "info", access_log: bool = False,
+          graceful_timeout: float = 30.0, **app_options: Any) -> None:
+    """Serve a model, a ParallelInference or an app from ``create_app`` until SIGINT/SIGTERM.
+
+    Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting
+    connections and waits up to ``graceful_timeout`` s for in-flight requests; then the pool drains.
+    """
+    app = _as_app(pool_or_model, name, app_options)
+    sock = bind_socket(host, port)
+    server = uvicorn.Server(_config(app, log_level=log_level, access_log=access_log,
+                                    graceful_timeout=graceful_timeout))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+class ServerThread:
+    """A uvicorn server on a background thread, for tests and notebooks; a context manager.
+
+    It listens on a socket bound before start (port 0: a free port chosen by the OS), so ``url``
+    is right as soon as the object exists. ``stop`` asks for a graceful shutdown, then forces one
+    after ``graceful_timeout`` s, and never waits forever.
+    """
+
+    def __init__(self, app: Starlette, *, host: str = _DEFAULT_HOST, port: int = 0,
+                 graceful_timeout: float = 5.0, log_level: str = "warning") -> None:
+        self.app = app
+        self._sock = bind_socket(host, port)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.graceful_timeout = graceful_timeout
+        self._server = _Server(_config(app, log_level=log_level, access_log=False,
+                                       graceful_timeout=graceful_timeout))
+        self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}",
+                                        daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._sock])
+        except BaseException as e:  # surfaced by start() in the caller's thread
+            self._error = e
+        finally:
+            self._server.startup_done.set()  # a failed startup must not leave start() waiting
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        """Start serving; returns once the app's startup finished (or raises)."""
+        self._thread.start()
+        if not self._server.startup_done.wait(timeout) or not self._server.started:
+            self.stop()
+            raise RuntimeError(f"uvicorn did not start within {timeout} s"
+                               + (f": {self._error!r}" if self._error else ""))
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Shut down gracefully, forcing it after the graceful timeout; bounded either way."""
+        limit = self.graceful_timeout if timeout is None else timeout
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(limit + 5.0)
+        if self._thread.is_alive():
+            self._server.force_exit = True
+            self._thread.join(5.0)
+        self._sock.close()
+        if self._thread.is_alive():
+            raise RuntimeError(f"uvicorn on port {self.port} did not stop within {limit + 10} s")
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,168 @@
+"""A served model's inputs and outputs (names, datatypes, shapes): inferred, declared, enforced."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraloom.serving.errors import ProtocolError
+from paraloom.serving.protocol import DATATYPES, RequestInput, datatype_of
+
+__all__ = ["ModelSignature", "TensorSpec", "infer_signature"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of the model's signature; -1 in ``shape`` means any size."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.datatype not in DATATYPES:
+            raise ValueError(f"TensorSpec {self.name!r} has datatype {self.datatype!r}; "
+                             f"expected one of {', '.join(DATATYPES)}")
+        if not all(isinstance(d, int) and d >= -1 for d in self.shape):
+            raise ValueError(f"TensorSpec {self.name!r} has shape {self.shape!r}; expected "
+                             "integers >= 0, or -1 for a dimension of any size")
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    def as_json(self) -> dict[str, Any]:
+        """The v2 metadata form: ``{"name", "datatype", "shape"}``."""
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    """The inputs a model takes (in call order) and the outputs it returns."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def check(self, request_inputs: list[RequestInput]) -> list[torch.Tensor]:
+        """The request's tensors in the model's input order; ``ProtocolError`` if they don't fit."""
+        given = {t.name: t for t in request_inputs}
+        expected = [s.name for s in self.inputs]
+        unknown = sorted(set(given) - set(expected))
+        missing = [n for n in expected if n not in given]
+        if unknown or missing:
+            raise ProtocolError(f"request inputs {sorted(given)} do not match the model's "
+                                f"inputs {expected} (unknown: {unknown}, missing: {missing})")
+        return [_check_one(spec, given[spec.name]) for spec in self.inputs]
+
+    def name_outputs(self, result: Any) -> list[tuple[str, torch.Tensor]]:
+        """Pair what the model returned with the declared output names."""
+        if isinstance(result, torch.Tensor):
+            tensors = [result]
+        elif isinstance(result, Mapping):
+            return [(s.name, result[s.name]) for s in self.outputs]
+        else:
+            tensors = list(result)
+        if len(tensors) != len(self.outputs):
+            raise RuntimeError(f"the model returned {len(tensors)} outputs but its signature "
+                               f"declares {len(self.outputs)}: {[s.name for s in self.outputs]}")
+        return [(s.name, t) for s, t in zip(self.outputs, tensors, strict=True)]
+
+
+def _check_one(spec: TensorSpec, given: RequestInput) -> torch.Tensor:
+    if given.datatype != spec.datatype:
+        raise ProtocolError(f"input {spec.name!r} has datatype {given.datatype} but the model "
+                            f"expects {spec.datatype}; send {spec.datatype} data")
+    shape = given.shape
+    fits = len(shape) == len(spec.shape) and all(
+        want in (-1, got) for want, got in zip(spec.shape, shape, strict=True))
+    if not fits:
+        raise ProtocolError(f"input {spec.name!r} has shape {list(shape)} but the model expects "
+                            f"{list(spec.shape)} (-1: any size)")
+    if shape and shape[0] == 0:
+        raise ProtocolError(f"input {spec.name!r} has shape {list(shape)} with no rows; send "
+                            "at least one")
+    return given.tensor
+
+
+def _input_shape_from_model(model: nn.Module) -> tuple[int, ...] | None:
+    config = getattr(model, "config", None) or {}
+    if "image_size" in config and "in_channels" in config:  # paraloom's LeNet
+        size = int(config["image_size"])
+        return (-1, int(config["in_channels"]), size, size)
+    if "in_features" in config:  # paraloom's MLP
+        return (-1, int(config["in_features"]))
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            return (-1, module.in_features)
+        if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            spatial = module.weight.dim() - 2
+            return (-1, module.in_channels, *([-1] * spatial))
+    return None
+
+
+def _default_names(prefix: str, count: int) -> list[str]:
+    return [prefix] if count == 1 else [f"{prefix}_{i}" for i in range(count)]
+
+
+def _output_specs(model: nn.Module, sample: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
+    training = model.training
+    model.eval()  # BatchNorm and dropout must not change state or results while we probe
+    try:
+        with torch.no_grad():
+            result = model(*sample)
+    finally:
+        model.train(training)
+    if isinstance(result, torch.Tensor):
+        items = [("output", result)]
+    elif isinstance(result, Mapping):
+        items = [(str(k), v) for k, v in result.items()]
+    else:
+        seq = list(result)
+        items = list(zip(_default_names("output", len(seq)), seq, strict=True))
+    return tuple(TensorSpec(n, datatype_of(t.dtype), (-1, *t.shape[1:])) for n, t in items)
+
+
+def _sample_from_specs(specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
+    if any(d == -1 for s in specs for d in s.shape[1:]):
+        return None
+    return [torch.zeros((1, *s.shape[1:]), dtype=DATATYPES[s.datatype].torch_dtype)
+            for s in specs]
+
+
+def _as_list(sample: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [sample] if isinstance(sample, torch.Tensor) else list(sample)
+
+
+def _infer_inputs(model: nn.Module, sample: list[torch.Tensor] | None
+                  ) -> tuple[TensorSpec, ...]:
+    if sample is not None:
+        names = _default_names("input", len(sample))
+        return tuple(TensorSpec(n, datatype_of(t.dtype), (-1, *t.shape[1:]))
+                     for n, t in zip(names, sample, strict=True))
+    shape = _input_shape_from_model(model)
+    if shape is None:
+        raise ValueError(f"cannot infer the input of {type(model).__name__}: it has no Linear "
+                         "or Conv layer to read it from; pass sample=torch.zeros(1, ...) or "
+                         "inputs=[TensorSpec('input', 'FP32', (-1, ...))]")
+    return (TensorSpec("input", "FP32", shape),)
+
+
+def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.Tensor] | None
+                    = None, inputs: Sequence[TensorSpec] | None = None,
+                    outputs: Sequence[TensorSpec] | None = None) -> ModelSignature:
+    """Build the signature from explicit specs, a sample input (batch first) or the model itself.
+
+    Outputs are found by running the model once in eval mode on the sample (or on zeros shaped
+    like fully known inputs); pass ``outputs`` when that is not possible.
+    """
+    samples = None if sample is None else _as_list(sample)
+    in_specs = tuple(inputs) if inputs is not None else _infer_inputs(model, samples)
+    if outputs is not None:
+        return ModelSignature(in_specs, tuple(outputs))
+    probe = samples if samples is not None else _sample_from_specs(in_specs)
+    if probe is None:
+        raise ValueError(f"cannot infer the outputs of {type(model).__name__}: inputs "
+                         f"{[s.as_json() for s in in_specs]} have dimensions of unknown size; "
+                         "pass sample=torch.zeros(1, ...) or outputs=[TensorSpec(...)]")
+    return ModelSignature(in_specs, _output_specs(model, probe))

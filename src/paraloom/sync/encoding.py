@@ -1,0 +1,230 @@
+"""Threshold and bitmap encoding of update residuals: pure functions on tensors.
+
+A message moves each selected element of a residual ``v`` by a fixed step ``tau`` towards zero
+and tells the peers to add that step to their parameters. Two formats exist, as in DL4J:
+
+* **threshold** (sparse): one int32 per element with ``|v| >= tau``: ``+(i + 1)`` for ``+tau``,
+  ``-(i + 1)`` for ``-tau`` (1-based so that the sign survives index 0), in ascending order.
+* **bitmap** (dense): 2 bits per element, 16 elements per int32 word: code 0 = nothing,
+  1 = ``+tau``, 2 = ``-tau``, 3 = a half step ``half_sign * tau / 2`` for ``tau/2 <= |v| < tau``
+  on the side named by ``half_sign``. The caller alternates ``half_sign`` between messages, so
+  positive and negative residuals get the same treatment (DL4J only ever sends ``-tau/2``).
+
+Exactness. ``tau`` is rounded to the nearest power of two, ``2**exponent``. For such a ``tau``,
+``v - tau`` is exact in floating point whenever ``tau <= |v| < 2**p * tau`` (``p`` = significand
+bits: 24 for float32, 53 float64, 11 float16, 8 bfloat16): both are multiples of ``ulp(v)`` and
+the difference is smaller than ``v``. Half steps are exact by Sterbenz's lemma. Elements with
+``|v| >= 2**p * tau`` (and NaN/inf) are never encoded: subtracting ``tau`` would not change them,
+so sending it would move the parameters without shrinking the residual. Hence, for every input,
+``decoded + (v - decoded) == v`` holds exactly, element by element, in both formats.
+
+The encoders do not modify ``v``: the caller subtracts the message with ``decode(msg, v,
+sign=-1)``, so choosing a format can never lose residual mass (DL4J's sparse pass mutated the
+residual and then discarded its message when it switched to the bitmap).
+"""
+
+from __future__ import annotations
+
+import math
+from enum import IntEnum
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Format", "Encoded", "threshold_exponent", "full_step_mask", "choose_format",
+    "threshold_encode", "bitmap_encode", "encode", "decode", "empty_message",
+]
+
+_ELEMENTS_PER_WORD = 16
+_MAX_THRESHOLD_NUMEL = 2**31 - 2  # 1-based signed int32 indices
+
+
+class Format(IntEnum):
+    """The two message formats."""
+
+    THRESHOLD = 1
+    BITMAP = 2
+
+
+class Encoded(NamedTuple):
+    """One encoded message: an int32 ``payload`` plus the header fields needed to decode it."""
+
+    format: Format
+    exponent: int
+    """The step is ``tau = 2.0 ** exponent``."""
+    half_sign: int
+    """Bitmap only: the sign (+1 or -1) of this message's half steps."""
+    numel: int
+    """Length of the flat tensor the message encodes."""
+    count: int
+    """Elements moved by a full ``tau`` step (the sparsity numerator)."""
+    payload: Tensor
+
+    @property
+    def tau(self) -> float:
+        """The step size as a float."""
+        return math.ldexp(1.0, self.exponent)
+
+
+def _precision(dtype: torch.dtype) -> int:
+    """Significand bits of a float dtype, implicit bit included (24 for float32)."""
+    return 1 - round(math.log2(torch.finfo(dtype).eps))
+
+
+def threshold_exponent(tau: float, dtype: torch.dtype = torch.float32) -> int:
+    """The exponent of the power of two nearest to ``tau`` (in log scale), checked for ``dtype``."""
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) \
+            or tau <= 0:
+        raise ValueError(f"tau={tau!r}; expected a finite number > 0")
+    if not dtype.is_floating_point:
+        raise TypeError(f"dtype={dtype}; expected a floating point dtype")
+    mantissa, exponent = math.frexp(tau)  # tau = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = exponent if mantissa >= math.sqrt(0.5) else exponent - 1
+    info = torch.finfo(dtype)
+    smallest = info.tiny * info.eps  # smallest subnormal
+    # The half step tau/2 must be representable too, and tau must not overflow.
+    if math.ldexp(1.0, exponent - 1) < smallest or math.ldexp(1.0, exponent) > info.max:
+        raise ValueError(f"tau={tau!r} rounds to 2**{exponent}, which {dtype} cannot hold with "
+                         f"its half step; expected tau in [{2 * smallest:.3g}, {info.max:.3g}]")
+    return exponent
+
+
+def full_step_mask(v: Tensor, exponent: int) -> Tensor:
+    """Elements that a full step moves exactly: ``tau <= |v| < 2**p * tau`` (never NaN/inf)."""
+    magnitude = v.abs()
+    # Python floats compare in v's dtype; a bound above the dtype's range becomes inf (no bound).
+    upper = math.ldexp(1.0, exponent + _precision(v.dtype))
+    return (magnitude >= math.ldexp(1.0, exponent)) & (magnitude < upper)
+
+
+def choose_format(count: int, numel: int, previous: Format) -> Format:
+    """Pick a format from the number of full steps, with DL4J's hysteresis (N/16 up, N/32 down).
+
+    The bitmap is chosen once the sparse message would be no smaller than it; the encoder
+    returns to sparse messages only when they would be less than half the bitmap's size, so
+    the format does not flap. Neither format drops elements: there is no cap on ``count``.
+    """
+    bitmap_words = -(-numel // _ELEMENTS_PER_WORD)
+    if previous == Format.BITMAP:
+        return Format.BITMAP if 2 * count >= bitmap_words else Format.THRESHOLD
+    return Format.BITMAP if count >= bitmap_words else Format.THRESHOLD
+
+
+def _check_flat(v: Tensor) -> Tensor:
+    if not isinstance(v, Tensor) or not v.is_floating_point():
+        raise TypeError(f"expected a floating point tensor to encode, got "
+                        f"{type(v).__name__} {getattr(v, 'dtype', '')}")
+    return v.reshape(-1)
+
+
+def _threshold_payload(flat: Tensor, mask: Tensor) -> Tensor:
+    index = torch.nonzero(mask).reshape(-1)  # ascending: messages are deterministic
+    one_based = index + 1
+    return torch.where(flat[index] > 0, one_based, -one_based).to(torch.int32)
+
+
+def _bitmap_payload(flat: Tensor, full: Tensor, exponent: int, half_sign: int) -> Tensor:
+    numel = flat.numel()
+    codes = torch.zeros(numel, dtype=torch.int64, device=flat.device)
+    codes[full & (flat > 0)] = 1
+    codes[full & (flat < 0)] = 2
+    tau = math.ldexp(1.0, exponent)
+    signed = flat * half_sign  # exact: a sign flip
+    codes[(signed >= tau / 2) & (signed < tau)] = 3
+    pad = (-numel) % _ELEMENTS_PER_WORD
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    shifts = 2 * torch.arange(_ELEMENTS_PER_WORD, dtype=torch.int64, device=flat.device)
+    words = (codes.view(-1, _ELEMENTS_PER_WORD) << shifts).sum(dim=1)  # disjoint bits: sum == or
+    # Reinterpret the unsigned 32-bit words as int32 (two's complement).
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def threshold_encode(v: Tensor, tau: float) -> Encoded:
+    """Sparse message: a signed 1-based int32 index for each element with ``|v| >= tau``."""
+    flat = _check_flat(v)
+    if flat.numel() > _MAX_THRESHOLD_NUMEL:
+        raise ValueError(f"{flat.numel()} elements do not fit int32 indices; expected at most "
+                         f"{_MAX_THRESHOLD_NUMEL}: encode the tensor in chunks")
+    exponent = threshold_exponent(tau, flat.dtype)
+    mask = full_step_mask(flat, exponent)
+    payload = _threshold_payload(flat, mask)
+    return Encoded(Format.THRESHOLD, exponent, 1, flat.numel(), payload.numel(), payload)
+
+
+def bitmap_encode(v: Tensor, tau: float, half_sign: int = 1) -> Encoded:
+    """Dense message: 2 bits per element (``+tau``, ``-tau``, a half step on ``half_sign``'s side)."""
+    if half_sign not in (1, -1):
+        raise ValueError(f"half_sign={half_sign!r}; expected 1 or -1")
+    flat = _check_flat(v)
+    exponent = threshold_exponent(tau, flat.dtype)
+    full = full_step_mask(flat, exponent)
+    payload = _bitmap_payload(flat, full, exponent, half_sign)
+    return Encoded(Format.BITMAP, exponent, half_sign, flat.numel(), int(full.sum()), payload)
+
+
+def encode(v: Tensor, tau: float, *, previous: Format = Format.THRESHOLD,
+           half_sign: int = 1) -> Encoded:
+    """Encode in the format ``choose_format`` picks, given the format of the previous message."""
+    if half_sign not in (1, -1):
+        raise ValueError(f"half_sign={half_sign!r}; expected 1 or -1")
+    flat = _check_flat(v)
+    exponent = threshold_exponent(tau, flat.dtype)
+    full = full_step_mask(flat, exponent)
+    count = int(full.sum())
+    fmt = choose_format(count, flat.numel(), Format(previous))
+    if fmt == Format.BITMAP:
+        payload = _bitmap_payload(flat, full, exponent, half_sign)
+        return Encoded(Format.BITMAP, exponent, half_sign, flat.numel(), count, payload)
+    if flat.numel() > _MAX_THRESHOLD_NUMEL:
+        raise ValueError(f"{flat.numel()} elements do not fit int32 indices; expected at most "
+                         f"{_MAX_THRESHOLD_NUMEL}: encode the tensor in chunks")
+    return Encoded(Format.THRESHOLD, exponent, 1, flat.numel(), count,
+                   _threshold_payload(flat, full))
+
+
+def empty_message(numel: int, device: torch.device | str = "cpu") -> Encoded:
+    """A message that moves nothing (what an idle replica sends)."""
+    payload = torch.empty(0, dtype=torch.int32, device=device)
+    return Encoded(Format.THRESHOLD, 0, 1, numel, 0, payload)
+
+
+def _bitmap_values(msg: Encoded, dtype: torch.dtype) -> Tensor:
+    words = msg.payload.to(torch.int64) & 0xFFFFFFFF
+    shifts = 2 * torch.arange(_ELEMENTS_PER_WORD, dtype=torch.int64, device=words.device)
+    codes = ((words.unsqueeze(1) >> shifts) & 3).reshape(-1)[: msg.numel]
+    tau = msg.tau
+    table = torch.tensor([0.0, tau, -tau, msg.half_sign * tau / 2], dtype=dtype,
+                         device=words.device)
+    return table[codes]
+
+
+def decode(msg: Encoded, out: Tensor, *, sign: int = 1) -> Tensor:
+    """Add the decoded message into ``out`` in place (``sign=-1`` subtracts it); returns ``out``.
+
+    ``out`` is a contiguous float tensor of ``msg.numel`` elements, of any float dtype;
+    the steps are powers of two, so they are exact in ``out``'s dtype when in its range.
+    """
+    if sign not in (1, -1):
+        raise ValueError(f"sign={sign!r}; expected 1 (add) or -1 (subtract)")
+    if not out.is_floating_point() or not out.is_contiguous() or out.numel() != msg.numel:
+        raise ValueError(f"out must be a contiguous float tensor of {msg.numel} elements; got "
+                         f"{out.dtype} of {out.numel()} elements, contiguous={out.is_contiguous()}")
+    flat = out.view(-1)
+    if msg.payload.numel() == 0:
+        return out
+    if msg.format == Format.BITMAP:
+        values = _bitmap_values(msg, out.dtype).to(flat.device)
+        flat.add_(values) if sign == 1 else flat.sub_(values)
+        return out
+    if msg.format != Format.THRESHOLD:
+        raise ValueError(f"format={msg.format!r}; expected Format.THRESHOLD or Format.BITMAP")
+    payload = msg.payload.to(flat.device)
+    index = payload.abs().to(torch.int64) - 1
+    step = torch.tensor(msg.tau * sign, dtype=out.dtype, device=flat.device)
+    values = torch.where(payload > 0, step, -step)
+    flat.index_put_((index,), values, accumulate=True)  # indices are unique: exact, deterministic
+    return out

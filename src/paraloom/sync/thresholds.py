@@ -1,0 +1,178 @@
+"""Threshold algorithms (how tau moves from step to step) and residual post-processors.
+
+Each replica holds its own copies (they are pickled into every worker), as in DL4J: the
+residuals differ between replicas, so their thresholds may too. A threshold algorithm is a
+small state object around a pure rule (``adapt_threshold``); it is asked for ``tau`` before each
+encode and told the fraction of elements that message moved afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+from torch import Tensor
+
+__all__ = [
+    "ThresholdAlgorithm", "FixedThreshold", "AdaptiveThreshold", "TargetSparsityThreshold",
+    "ResidualPostProcessor", "ResidualClipping", "adapt_threshold", "clip_residual_",
+    "DEFAULT_DECAY",
+]
+
+DEFAULT_DECAY = 0.5 ** (1 / 20)
+"""DL4J's decay rate: tau changes by a factor of 2 in 20 steps of consistent pressure."""
+
+
+def adapt_threshold(tau: float, sparsity: float, low: float, high: float, decay: float) -> float:
+    """DL4J's rule: lower tau when too few elements moved, raise it when too many, else keep it."""
+    if sparsity < low:
+        return tau * decay
+    if sparsity > high:
+        return tau / decay
+    return tau
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r}; expected a number")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}; expected a finite number > 0")
+    return float(value)
+
+
+def _fraction(name: str, value: Any) -> float:
+    value = _positive(name, value)
+    if value >= 1:
+        raise ValueError(f"{name}={value!r}; expected a fraction of elements in (0, 1)")
+    return value
+
+
+def _decay(value: Any) -> float:
+    value = _positive("decay", value)
+    if not 0.5 <= value < 1:
+        raise ValueError(f"decay={value!r}; expected a factor in [0.5, 1), e.g. "
+                         f"0.5 ** (1 / 20) = {DEFAULT_DECAY:.5f} (DL4J's default)")
+    return value
+
+
+class ThresholdAlgorithm:
+    """Base class: ``tau`` is the threshold for the next message; ``update`` moves it."""
+
+    __slots__ = ("tau",)
+
+    def __init__(self, tau: float) -> None:
+        self.tau = _positive("tau", tau)
+
+    def update(self, sparsity: float) -> float:
+        """Observe the fraction of elements the last message moved; return the next tau."""
+        return self.tau
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tau": self.tau}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tau = _positive("tau", state["tau"])
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields())
+        return f"{type(self).__name__}({fields})"
+
+    def _fields(self) -> tuple[str, ...]:
+        return ("tau",)
+
+
+class FixedThreshold(ThresholdAlgorithm):
+    """Always the same tau."""
+
+    __slots__ = ()
+
+
+class AdaptiveThreshold(ThresholdAlgorithm):
+    """Moves tau by ``decay`` per step until the fraction of moved elements is in the band."""
+
+    __slots__ = ("min_sparsity", "max_sparsity", "decay")
+
+    def __init__(self, initial: float = 1e-3, min_sparsity: float = 1e-4,
+                 max_sparsity: float = 1e-2, decay: float = DEFAULT_DECAY) -> None:
+        super().__init__(initial)
+        self.min_sparsity = _fraction("min_sparsity", min_sparsity)
+        self.max_sparsity = _fraction("max_sparsity", max_sparsity)
+        if self.min_sparsity > self.max_sparsity:
+            raise ValueError(f"min_sparsity={min_sparsity!r} > max_sparsity={max_sparsity!r}; "
+                             f"expected min_sparsity <= max_sparsity")
+        self.decay = _decay(decay)
+
+    def update(self, sparsity: float) -> float:
+        self.tau = adapt_threshold(self.tau, sparsity, self.min_sparsity, self.max_sparsity,
+                                   self.decay)
+        return self.tau
+
+    def _fields(self) -> tuple[str, ...]:
+        return ("tau", "min_sparsity", "max_sparsity", "decay")
+
+
+class TargetSparsityThreshold(ThresholdAlgorithm):
+    """Moves tau by ``decay`` per step towards a single target fraction of moved elements."""
+
+    __slots__ = ("sparsity", "decay")
+
+    def __init__(self, sparsity: float = 1e-3, initial: float = 1e-3,
+                 decay: float = DEFAULT_DECAY) -> None:
+        super().__init__(initial)
+        self.sparsity = _fraction("sparsity", sparsity)
+        if self.sparsity > 1 / 16:
+            warnings.warn(f"sparsity={sparsity!r} is above 1/16: the messages will be bitmaps, "
+                          f"which cost the same whatever the sparsity; a target <= 1/16 sends "
+                          f"less for the same bytes", stacklevel=2)
+        self.decay = _decay(decay)
+
+    def update(self, sparsity: float) -> float:
+        self.tau = adapt_threshold(self.tau, sparsity, self.sparsity, self.sparsity, self.decay)
+        return self.tau
+
+    def _fields(self) -> tuple[str, ...]:
+        return ("tau", "sparsity", "decay")
+
+
+def clip_residual_(residual: Tensor, limit: float) -> Tensor:
+    """Clamp the residual to ``[-limit, limit]`` in place; returns it."""
+    return residual.clamp_(-limit, limit)
+
+
+class ResidualPostProcessor:
+    """Base class: called on the residual after each encode; the default does nothing."""
+
+    __slots__ = ()
+
+    def process(self, residual: Tensor, tau: float, step: int) -> None:
+        """Modify ``residual`` in place after the message for ``step`` was subtracted."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class ResidualClipping(ResidualPostProcessor):
+    """Every ``frequency`` steps, clamp the residual to ``ratio * tau`` (Spark DL4J's default).
+
+    This drops mass on purpose: a residual far above tau means updates arrive faster than the
+    messages can carry them, and the stale surplus would otherwise be sent for many steps.
+    """
+
+    __slots__ = ("ratio", "frequency")
+
+    def __init__(self, ratio: float = 5.0, frequency: int = 5) -> None:
+        self.ratio = _positive("ratio", ratio)
+        if self.ratio < 1:
+            raise ValueError(f"ratio={ratio!r}; expected >= 1 (below 1 the clip would remove "
+                             f"elements that are about to be sent)")
+        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
+            raise ValueError(f"frequency={frequency!r}; expected an int >= 1 (steps between clips)")
+        self.frequency = frequency
+
+    def process(self, residual: Tensor, tau: float, step: int) -> None:
+        if step > 0 and step % self.frequency == 0:
+            clip_residual_(residual, self.ratio * tau)
+
+    def __repr__(self) -> str:
+        return f"ResidualClipping(ratio={self.ratio!r}, frequency={self.frequency!r})"

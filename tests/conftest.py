@@ -1,0 +1,52 @@
+"""Shared fixtures: small real data sets, and a check that no test leaks worker processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from paraloom.datasets import digits
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def digits_train():
+    return digits("train")
+
+
+@pytest.fixture(scope="session")
+def digits_test():
+    return digits("test")
+
+
+@pytest.fixture
+def digits_loader(digits_train):
+    torch.manual_seed(0)
+    return DataLoader(digits_train, batch_size=32, shuffle=True)
+
+
+def accuracy(model: torch.nn.Module, dataset) -> float:
+    model.eval()
+    with torch.no_grad():
+        x, y = dataset.tensors
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+@pytest.fixture(autouse=True)
+def _cpu_threads():
+    """Keep each test's own torch threads modest: the machine has 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    yield
+    torch.set_num_threads(before)

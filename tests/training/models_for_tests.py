@@ -1,0 +1,64 @@
+"""Tiny models with closed-form training steps, importable by worker processes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Scalar(nn.Module):
+    """One weight w; ``linear_loss`` makes its gradient equal to the batch's mean input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w * x
+
+
+def linear_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """d(loss)/dw = mean(x): with SGD lr=1, one step moves w by -mean(x)."""
+    return out.mean()
+
+
+class TwoInputs(nn.Module):
+    """A multi-input model called as model(image=..., extra=...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 10)
+        self.b = nn.Linear(3, 10)
+
+    def forward(self, image: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        return self.a(image.flatten(1)) + self.b(extra)
+
+
+def digest(module: nn.Module) -> str:
+    """A hash of every parameter and buffer's bytes: equal digests mean bit-identical replicas."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in [*module.parameters(), *module.buffers()]:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def make_recording_averaging(frequency: int):
+    """An Averaging synchronizer that records replica digests before and after each average."""
+    from paraloom.sync.averaging import Averaging
+
+    class RecordingAveraging(Averaging):
+        def setup(self, ctx):
+            super().setup(ctx)
+            self.record = []
+
+        def average(self, ctx):
+            before = digest(ctx.model)
+            super().average(ctx)
+            self.record.append((ctx.step, before, digest(ctx.model)))
+
+        def stats(self):
+            return {**super().stats(), "record": self.record}
+
+    return RecordingAveraging(frequency=frequency)

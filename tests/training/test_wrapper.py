@@ -1,0 +1,240 @@
+"""ParallelWrapper end to end: convergence, closed-form averaging, failures, lifecycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from conftest import accuracy, pid_alive
+from models_for_tests import Scalar, TwoInputs, digest, linear_loss, make_recording_averaging
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paraloom import NotPicklableError, ParallelWrapper, TrainingListener, WorkerError
+from paraloom.models import MLP, LeNet
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def scalar_batches(values):
+    return [(torch.tensor([[float(v)]]), torch.zeros(1)) for v in values]
+
+
+def scalar_wrapper(workers, frequency=1, **kw):
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    return model, ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=workers,
+                                  averaging_frequency=frequency, progress=False, **kw)
+
+
+def test_lenet_on_digits_reaches_95_percent_and_replicas_match(digits_loader, digits_test):
+    torch.manual_seed(0)
+    model = LeNet(image_size=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         training_mode=make_recording_averaging(3), progress=False) as w:
+        stats = w.fit(digits_loader, epochs=5)
+    assert accuracy(model, digits_test) >= 0.95
+    assert stats["batches"] == 5 * len(digits_loader)
+    assert stats["samples"] == 5 * len(digits_loader.dataset)
+    r0, r1 = (w["record"] for w in stats["per_worker"])
+    assert len(r0) == len(r1) == stats["rounds"] // 3 + (stats["rounds"] % 3 != 0)
+    for (step0, before0, after0), (step1, before1, after1) in zip(r0, r1, strict=True):
+        assert step0 == step1
+        assert before0 != before1, "replicas trained on different batches must differ"
+        assert after0 == after1, "replicas must be bit-identical right after averaging"
+    assert digest(model) == r0[-1][2], "the user's model must hold the final average"
+
+
+@pytest.mark.parametrize("frequency", [1, 2])
+def test_averaging_matches_closed_form(frequency):
+    # Worker 0 trains on 1 and 5, worker 1 on 3 and 7; SGD lr=1 moves w by -x each step.
+    model, wrapper = scalar_wrapper(2, frequency)
+    with wrapper:
+        wrapper.fit(scalar_batches([1, 3, 5, 7]))
+    assert model.w.item() == -8.0  # mean of -(1+5) and -(3+7)
+
+
+def test_uneven_last_round_trains_every_batch():
+    # 5 batches on 2 workers: rounds of 2, 2 and 1. DL4J would drop the last worker's work.
+    model, wrapper = scalar_wrapper(2, frequency=10)
+    with wrapper:
+        stats = wrapper.fit(scalar_batches([1, 3, 5, 7, 9]))
+    assert stats["batches"] == 5 and stats["rounds"] == 3
+    assert model.w.item() == -12.5  # mean of -(1+5+9) and -(3+7)
+
+
+def test_one_worker_trains_in_the_calling_process():
+    model, wrapper = scalar_wrapper(1)
+    with wrapper:
+        wrapper.fit(scalar_batches([1, 3, 5, 7, 9]))
+        assert wrapper.worker_pids == []
+    assert model.w.item() == -25.0
+
+
+def test_workers_persist_across_fits_and_stop_on_close():
+    model, wrapper = scalar_wrapper(2)
+    with wrapper:
+        wrapper.fit(scalar_batches([1, 3]))
+        pids = wrapper.worker_pids
+        wrapper.fit(scalar_batches([1, 3]))
+        assert wrapper.worker_pids == pids and len(pids) == 2
+    assert model.w.item() == -4.0
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in pids)
+
+
+class _KillAt(TrainingListener):
+    def __init__(self, wrapper_ref, at):
+        self.wrapper_ref, self.at, self.killed_at = wrapper_ref, at, None
+
+    def on_iteration(self, iteration, epoch, loss):
+        if iteration == self.at:
+            os.kill(self.wrapper_ref[0].worker_pids[1], signal.SIGKILL)
+            self.killed_at = time.monotonic()
+
+
+def test_sigkill_of_a_worker_raises_worker_error_quickly(digits_train):
+    model = LeNet(image_size=8)
+    before = digest(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref: list = []
+    killer = _KillAt(ref, at=5)
+    wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                              listeners=[killer], progress=False)
+    ref.append(wrapper)
+    with wrapper:
+        with pytest.raises(WorkerError, match=r"worker 1 .*SIGKILL") as info:
+            wrapper.fit(DataLoader(digits_train, batch_size=16), epochs=200)
+        elapsed = time.monotonic() - killer.killed_at
+        pids = wrapper.worker_pids
+    assert elapsed < 10, f"took {elapsed:.1f} s to notice a dead worker"
+    assert info.value.worker == 1
+    assert pids == [], "the pool must be torn down after a failure"
+    assert digest(model) == before, "a failed fit must leave the user's model untouched"
+    assert not any(pid_alive(p) for p in _children())
+
+
+def _children():
+    me = str(os.getpid())
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().split(") ", 1)[1].split()
+                with open(f"/proc/{pid}/cmdline") as f:
+                    cmd = f.read()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if fields[1] == me and "resource_tracker" not in cmd and fields[0] != "Z":
+                out.append(int(pid))
+    return out
+
+
+def test_bad_batches_give_clear_errors_and_the_wrapper_recovers():
+    model = MLP(in_features=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    good = [(torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))) for _ in range(4)]
+    wrong_shape = good[:3] + [(torch.rand(8, 1, 9, 9), torch.randint(0, 10, (8,)))]
+    wrong_dtype = [(x.double(), y) for x, y in good]
+    nan = good[:1] + [(torch.full((8, 1, 8, 8), float("nan")), good[0][1])]
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         progress=False) as w:
+        with pytest.raises(WorkerError, match=r"Tensor\(8, 1, 9, 9\)") as info:
+            w.fit(wrong_shape)
+        assert info.value.worker == 1 and "epoch 0, batch 3" in str(info.value)
+        with pytest.raises(WorkerError, match=r"float64 .*x\.float\(\)"):
+            w.fit(wrong_dtype)
+        with pytest.raises(WorkerError, match=r"loss is nan"):
+            w.fit(nan)
+        with pytest.raises(TypeError, match=r"\(inputs, targets\)"):
+            w.fit([torch.rand(8, 64) for _ in range(2)])
+        stats = w.fit(good)  # the pool restarts after a failure
+    assert stats["batches"] == 4
+
+
+class _Locked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.lock = threading.Lock()
+
+
+def test_unpicklable_model_says_what_to_do():
+    model = _Locked()
+    wrapper = ParallelWrapper(model, loss_fn=nn.MSELoss(), workers=2, progress=False,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(NotPicklableError, match=r"model.*module level"):
+        wrapper.fit([(torch.rand(2, 2), torch.rand(2, 2))])
+
+
+def test_dict_inputs_optimizer_factory_and_listeners():
+    torch.manual_seed(0)
+    model = TwoInputs()
+    x, e = torch.rand(64, 1, 8, 8), torch.rand(64, 3)
+    y = (x.flatten(1)[:, :10].argmax(1) + (e[:, 0] > 0.5).long()) % 10
+    batches = [({"image": x[i:i + 16], "extra": e[i:i + 16]}, y[i:i + 16]) for i in range(0, 64, 16)]
+    epoch_loss = {}
+
+    class Record(TrainingListener):
+        def on_epoch_end(self, epoch, loss):
+            epoch_loss[epoch] = loss
+
+    iterations = []
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                         optimizer=lambda params: torch.optim.Adam(params, lr=0.01),
+                         listeners=[Record(), lambda i, ep, loss: iterations.append(i)]) as w:
+        w.fit(batches, epochs=30)
+    assert iterations == list(range(30 * 2))  # one call per round, not per worker
+    assert sorted(epoch_loss) == list(range(30))
+    assert epoch_loss[29] < 0.5 * epoch_loss[0]
+
+
+def test_optimizer_state_comes_back_to_the_users_optimizer():
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=2,
+                         progress=False) as w:
+        w.fit(scalar_batches([1, 3]))
+    # Each replica's momentum buffer is its gradient; average_updaters averages them.
+    assert opt.state[model.w]["momentum_buffer"].item() == 2.0
+
+
+def test_stop_from_a_listener_ends_the_fit_early():
+    holder: list = []
+
+    class StopAt(TrainingListener):
+        def on_iteration(self, iteration, epoch, loss):
+            if iteration == 2:
+                holder[0].stop()
+
+    model, wrapper = scalar_wrapper(1, listeners=[StopAt()])
+    holder.append(wrapper)
+    with wrapper:
+        stats = wrapper.fit(scalar_batches([1] * 10))
+    assert stats["rounds"] == 3
+
+
+def test_invalid_arguments_are_rejected_with_the_fix():
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(ValueError, match="workers=0"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=0)
+    with pytest.raises(ValueError, match="'averaging'"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, training_mode="bogus")
+    with pytest.raises(ValueError, match="loss_fn="):
+        ParallelWrapper(model, optimizer=opt)
+    with pytest.raises(ValueError, match="averaging_frequency=0"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, averaging_frequency=0)
+    with pytest.raises(TypeError, match="optimizer"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer="sgd")
+    _, wrapper = scalar_wrapper(1)
+    with pytest.raises(ValueError, match="no batches in epoch 1"):
+        wrapper.fit((b for b in scalar_batches([1, 2])), epochs=2)

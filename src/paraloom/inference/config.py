@@ -7,7 +7,7 @@ import numbers
 import warnings
 from dataclasses import dataclass
 
-__all__ = ["InferenceMode", "InferenceConfig"]
+__all__ = ["InferenceMode", "InferenceConfig", "check_seconds"]
 
 
 class InferenceMode(str, enum.Enum):
@@ -40,15 +40,17 @@ def _int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def _seconds(name: str, value: object, *, allow_zero: bool) -> float | None:
+def check_seconds(name: str, value: object, *, allow_zero: bool,
+                  unit: str = "seconds") -> float | None:
+    """A duration or None; TypeError / ValueError name the option and the rule."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds or None; got "
+        raise TypeError(f"{name} must be a number of {unit} or None; got "
                         f"{type(value).__name__} {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         rule = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name}={value}; expected {rule} seconds, or None for no limit")
+        raise ValueError(f"{name}={value}; expected {rule} {unit}, or None for no limit")
     return float(value)
 
 
@@ -70,14 +72,15 @@ class InferenceConfig:
               threads_per_worker: int | None) -> InferenceConfig:
         """Check every option's type and value; warn on legal but pointless combinations."""
         mode = InferenceMode.resolve(inference_mode)
-        max_wait = _seconds("max_wait_ms", max_wait_ms, allow_zero=True)
+        max_wait = check_seconds("max_wait_ms", max_wait_ms, allow_zero=True,
+                                 unit="milliseconds")
         config = cls(
             mode=mode,
             workers=None if workers is None else _int("workers", workers, 1),
             batch_limit=_int("batch_limit", batch_limit, 1),
             queue_limit=_int("queue_limit", queue_limit, 1),
             max_wait=(max_wait or 0.0) / 1000.0,
-            timeout=_seconds("timeout", timeout, allow_zero=False),
+            timeout=check_seconds("timeout", timeout, allow_zero=False),
             threads_per_worker=(None if threads_per_worker is None
                                 else _int("threads_per_worker", threads_per_worker, 1)),
         )

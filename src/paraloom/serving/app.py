@@ -23,7 +23,7 @@ from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
 from paraloom.serving.repository import ModelFiles
 from paraloom.serving.served import ServedModel
-from paraloom.serving.signature import TensorSpec, infer_signature
+from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
 
 __all__ = ["create_app"]
 
@@ -216,22 +216,33 @@ _ROUTES = [
 ]
 
 
-def _pool_for(pool_or_model: Any, pool_options: dict[str, Any]) -> tuple[Any, nn.Module, bool]:
+def _pool_for(pool_or_model: Any, model: nn.Module | None, pool_options: dict[str, Any]
+              ) -> tuple[Any, nn.Module | None, bool]:
     if isinstance(pool_or_model, nn.Module):
-        from paraloom.inference import ParallelInference
+        if model is not None:
+            raise TypeError("model= is for create_app(pool, model=...); pass the model once")
+        from paraloom.inference.parallel import ParallelInference
 
         return ParallelInference(pool_or_model, **pool_options), pool_or_model, True
     if pool_options:
         raise TypeError(f"pool options {sorted(pool_options)} only apply when create_app builds "
                         "the pool from a model; configure the ParallelInference you passed")
-    model = getattr(pool_or_model, "model", None)
-    if not isinstance(model, nn.Module) or not hasattr(pool_or_model, "submit"):
+    if not hasattr(pool_or_model, "submit") or not hasattr(pool_or_model, "model_version"):
         raise TypeError(f"create_app takes an nn.Module or a ParallelInference, got "
                         f"{type(pool_or_model).__name__}")
     return pool_or_model, model, False
 
 
-def create_app(pool_or_model: Any, *, name: str = "model",
+def _signature(model: nn.Module | None, **given: Any) -> ModelSignature:
+    if model is not None:
+        return infer_signature(model, **given)
+    if given["inputs"] is None or given["outputs"] is None:
+        raise TypeError("create_app(pool) needs model= (the module the pool serves) or both "
+                        "inputs= and outputs= to describe the model")
+    return ModelSignature(tuple(given["inputs"]), tuple(given["outputs"]))
+
+
+def create_app(pool_or_model: Any, *, name: str = "model", model: nn.Module | None = None,
                sample: torch.Tensor | Sequence[torch.Tensor] | None = None,
                inputs: Sequence[TensorSpec] | None = None,
                outputs: Sequence[TensorSpec] | None = None,
@@ -241,16 +252,17 @@ def create_app(pool_or_model: Any, *, name: str = "model",
     """An ASGI app serving a model (or an existing ParallelInference) under the v2 protocol.
 
     Given a model, the app builds ``ParallelInference(model, **pool_options)`` and closes it,
-    draining, at shutdown; a pool passed in stays the caller's to close. The signature comes from
+    draining, at shutdown; a pool passed in stays the caller's to close (pass ``model=``, the
+    module it serves, to describe it and to load new weights). The signature comes from
     ``inputs``/``outputs``, a ``sample`` input, or the model's first layer. Remote loads may read
     only ``model_file`` or ``.safetensors`` files in ``model_dir`` (see ``ModelFiles``).
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes={max_body_bytes}; expected a positive byte count")
     files = ModelFiles(model_file=model_file, model_dir=model_dir)
-    pool, model, owns = _pool_for(pool_or_model, pool_options)
+    pool, model, owns = _pool_for(pool_or_model, model, pool_options)
     try:
-        signature = infer_signature(model, sample=sample, inputs=inputs, outputs=outputs)
+        signature = _signature(model, sample=sample, inputs=inputs, outputs=outputs)
     except BaseException:
         if owns:
             pool.close(drain=False)

@@ -24,7 +24,7 @@ __all__ = ["CONTENT_TYPE_LATEST", "PoolCollector", "ServingMetrics"]
 _SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
             1.0, 2.5, 5.0, 10.0)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-_QUANTILES = ("p50", "p90", "p99", "max")
+_QUANTILES = {"p50": "0.5", "p90": "0.9", "p99": "0.99", "max": "1"}
 
 
 class ServingMetrics:
@@ -79,13 +79,16 @@ class PoolCollector:
         stats = self.pool.stats()
         yield from self._counters(stats)
         yield self._batch_sizes(stats.get("batch_size_histogram", {}), stats.get("rows", 0))
-        for key, name, what in (("queue_time_ms", "queue", "waited in the queue"),
-                                ("forward_time_ms", "forward", "forward passes took")):
+        for key, name, what in (
+                ("queue_time_ms", "queue", "Time requests waited in the queue"),
+                ("forward_time_ms", "forward", "Time of each batched forward pass")):
             yield self._timing(stats.get(key, {}), name, what)
-        version = GaugeMetricFamily("paraloom_model_version", "Version of the model now served.",
-                                    labels=["model"])
-        version.add_metric([self.model], float(self.pool.model_version))
-        yield version
+        for key, name, help_text in (("model_version", "model_version",
+                                      "Version of the model now served."),
+                                     ("queued", "queue_length", "Requests waiting now.")):
+            gauge = GaugeMetricFamily(f"paraloom_{name}", help_text, labels=["model"])
+            gauge.add_metric([self.model], float(stats.get(key, 0)))
+            yield gauge
 
     def _counters(self, stats: dict[str, Any]) -> Iterator[Metric]:
         for key, help_text in (("requests", "Requests ParallelInference accepted."),
@@ -117,9 +120,8 @@ class PoolCollector:
     def _timing(self, summary: dict[str, float], name: str, what: str) -> Metric:
         family = GaugeMetricFamily(
             f"paraloom_{name}_time_seconds",
-            f"How long recent requests {what}, over the pool's recent window, by quantile.",
+            f"{what}, over the pool's recent window, by quantile (1: the maximum).",
             labels=["model", "quantile"])
-        for q in _QUANTILES:
-            label = "1" if q == "max" else f"0.{q[1:]}"
-            family.add_metric([self.model, label], summary.get(q, 0.0) / 1e3)
+        for key, quantile in _QUANTILES.items():
+            family.add_metric([self.model, quantile], summary.get(key, 0.0) / 1e3)
         return family

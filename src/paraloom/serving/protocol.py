@@ -49,10 +49,10 @@ def _dt(name: str, tdt: torch.dtype, npdt: str | None, kinds: str) -> DataType:
 
 DATATYPES: dict[str, DataType] = {d.name: d for d in [
     _dt("BOOL", torch.bool, "|b1", "b"),
-    _dt("UINT8", torch.uint8, "|u1", "bu"),
-    _dt("UINT16", torch.uint16, "<u2", "bu"),
-    _dt("UINT32", torch.uint32, "<u4", "bu"),
-    _dt("UINT64", torch.uint64, "<u8", "bu"),
+    _dt("UINT8", torch.uint8, "|u1", "biu"),
+    _dt("UINT16", torch.uint16, "<u2", "biu"),
+    _dt("UINT32", torch.uint32, "<u4", "biu"),
+    _dt("UINT64", torch.uint64, "<u8", "biu"),
     _dt("INT8", torch.int8, "|i1", "biu"),
     _dt("INT16", torch.int16, "<i2", "biu"),
     _dt("INT32", torch.int32, "<i4", "biu"),

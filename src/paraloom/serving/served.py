@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import anyio
@@ -17,6 +18,7 @@ from paraloom.inference.errors import (
     RequestTimeoutError,
 )
 from paraloom.serving.errors import (
+    ForbiddenError,
     NotFoundError,
     ProtocolError,
     ServingError,
@@ -36,7 +38,7 @@ class _GatewayTimeoutError(ServingError):
 class ServedModel:
     """A named ``ParallelInference`` pool with the signature and file rules the server enforces."""
 
-    def __init__(self, name: str, pool: Any, model: nn.Module, signature: ModelSignature, *,
+    def __init__(self, name: str, pool: Any, model: nn.Module | None, signature: ModelSignature, *,
                  files: ModelFiles, owns_pool: bool, retry_after: int = 1) -> None:
         self.name = name
         self.pool = pool
@@ -47,6 +49,7 @@ class ServedModel:
         self.retry_after = retry_after
         self.draining = False
         self._load_lock = asyncio.Lock()
+        self._inplace = str(getattr(pool, "inference_mode", "")).lower().endswith("inplace")
 
     @property
     def version(self) -> str:
@@ -78,8 +81,12 @@ class ServedModel:
             raise UnavailableError("the server is shutting down and takes no new requests",
                                    reason="shutting_down", retry_after=self.retry_after)
         x: Any = tensors[0] if len(tensors) == 1 else tuple(tensors)
+        submit = functools.partial(self.pool.submit, x, block=False, return_version=True)
         try:
-            future = self.pool.submit(x, block=False, return_version=True)
+            if self._inplace:  # in place, submit() runs the model: keep it off the event loop
+                future = await anyio.to_thread.run_sync(submit)
+            else:
+                future = submit()
             result, version = await asyncio.wrap_future(future)
         except QueueFullError as e:
             raise UnavailableError(f"the inference queue is full ({e}); retry after "
@@ -97,6 +104,9 @@ class ServedModel:
     async def load(self, parameters: dict[str, Any]) -> str:
         """Swap in the weights a load request names (see ``ModelFiles``); returns the new version."""
         path = self.files.resolve(parameters)
+        if self.model is None:
+            raise ForbiddenError("this server was given a pool without model=, so it cannot "
+                                 "build new versions; pass model= to create_app")
         async with self._load_lock:  # two loads at once would race on self.model
             model = await anyio.to_thread.run_sync(self.files.build, path, self.model)
             try:

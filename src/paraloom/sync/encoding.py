@@ -156,7 +156,7 @@ def threshold_encode(v: Tensor, tau: float) -> Encoded:
 
 
 def bitmap_encode(v: Tensor, tau: float, half_sign: int = 1) -> Encoded:
-    """Dense message: 2 bits per element (``+tau``, ``-tau``, a half step on ``half_sign``'s side)."""
+    """Dense message: 2 bits per element (``+tau``, ``-tau``, or a half step on one side)."""
     if half_sign not in (1, -1):
         raise ValueError(f"half_sign={half_sign!r}; expected 1 or -1")
     flat = _check_flat(v)

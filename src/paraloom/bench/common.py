@@ -1,0 +1,37 @@
+"""Helpers shared by the benchmarks: machine facts and writing results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["machine", "write_results", "plain_args"]
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cores": cores, "torch": torch.__version__, "python": platform.python_version(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "platform": platform.platform()}
+
+
+def write_results(path: str | Path, results: dict[str, Any]) -> Path:
+    """Write results as indented JSON, creating the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return path
+
+
+def plain_args(args: Any) -> Any:
+    """The benchmark's own options, without what the CLI attached (functions, modules)."""
+    import argparse
+
+    return argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                 if isinstance(v, (str, int, float, bool, type(None)))})

@@ -1,0 +1,198 @@
+"""``paraloom bench inference``: ParallelInference against naive threads and the offline limit.
+
+One run: LeNet, ``--clients`` threads each sending ``--requests`` one-row requests. Three
+measurements, on the same model and input:
+
+* offline limit: the model on full batches of ``--offline-batch`` rows in a loop (all cores);
+* naive: every client thread calls the model directly on its one row;
+* batched: every client thread calls ``ParallelInference.output`` (inference_mode='batched').
+
+Prints throughputs, p50/p99 latencies and the two ratios, and writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paraloom.inference import ParallelInference
+from paraloom.inference.stats import percentiles
+from paraloom.models import LeNet
+
+__all__ = ["add_arguments", "run"]
+
+DEFAULT_OUTPUT = "benchmarks/results/inference.json"
+GOAL_VS_NAIVE = 2.5
+GOAL_VS_OFFLINE = 0.7
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the benchmark's options to ``parser``."""
+    cores = os.cpu_count() or 1
+    parser.add_argument("--clients", type=int, default=64, help="concurrent client threads")
+    parser.add_argument("--requests", type=int, default=100,
+                        help="one-row requests per client thread")
+    parser.add_argument("--image-size", type=int, default=28, help="LeNet input size (28: MNIST)")
+    parser.add_argument("--workers", type=int, default=1, help="ParallelInference workers")
+    parser.add_argument("--threads-per-worker", type=int, default=max(1, cores),
+                        help="torch intra-op threads per worker (workers x this <= cores)")
+    parser.add_argument("--batch-limit", type=int, default=64, help="rows per batch at most")
+    parser.add_argument("--queue-limit", type=int, default=256, help="queued requests at most")
+    parser.add_argument("--max-wait-ms", type=float, default=0.0,
+                        help="how long a free worker may wait for a fuller batch")
+    parser.add_argument("--offline-batch", type=int, default=128,
+                        help="batch size of the offline limit")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="where to write the JSON")
+
+
+def _clients(n: int, per_client: int, call: Callable[[], Any]) -> tuple[float, list[float]]:
+    """Run ``n`` threads that each call ``call`` ``per_client`` times; (seconds, latencies)."""
+    start = threading.Barrier(n + 1)
+    latencies: list[list[float]] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        own = latencies[i]
+        try:
+            start.wait(timeout=60)
+            for _ in range(per_client):
+                t0 = time.perf_counter()
+                call()
+                own.append(time.perf_counter() - t0)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    start.wait(timeout=60)
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - began
+    if errors:
+        raise RuntimeError(f"{len(errors)} client threads failed; first: {errors[0]!r}")
+    return elapsed, [x for own in latencies for x in own]
+
+
+def _summary(requests: int, seconds: float, latencies: list[float]) -> dict[str, Any]:
+    lat = percentiles([x * 1e3 for x in latencies])
+    return {"requests": requests, "seconds": seconds, "throughput": requests / seconds,
+            "latency_ms": {k: lat[k] for k in ("p50", "p90", "p99", "max", "mean")}}
+
+
+def _offline(model: torch.nn.Module, x: torch.Tensor, batch: int, seconds: float = 1.0
+             ) -> dict[str, Any]:
+    xb = x.expand(batch, *x.shape[1:]).contiguous()
+    with torch.inference_mode():
+        for _ in range(3):
+            model(xb)
+        n, began = 0, time.perf_counter()
+        while time.perf_counter() - began < seconds:
+            model(xb)
+            n += 1
+        elapsed = time.perf_counter() - began
+    return {"batch": batch, "batches": n, "seconds": elapsed, "throughput": n * batch / elapsed}
+
+
+def _naive(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    def call() -> None:
+        with torch.inference_mode():
+            model(x)
+
+    _clients(args.clients, 3, call)  # warm-up
+    seconds, latencies = _clients(args.clients, args.requests, call)
+    return _summary(args.clients * args.requests, seconds, latencies)
+
+
+def _batched(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace
+             ) -> dict[str, Any]:
+    with ParallelInference(model, inference_mode="batched", workers=args.workers,
+                           batch_limit=args.batch_limit, queue_limit=args.queue_limit,
+                           max_wait_ms=args.max_wait_ms, example_input=x,
+                           threads_per_worker=args.threads_per_worker) as pi:
+        _clients(args.clients, 3, lambda: pi.output(x))  # warm-up
+        before = pi.stats()
+        seconds, latencies = _clients(args.clients, args.requests, lambda: pi.output(x))
+        after = pi.stats()
+    result = _summary(args.clients * args.requests, seconds, latencies)
+    batches = after["batches"] - before["batches"]
+    result["batches"] = batches
+    result["mean_batch_rows"] = (after["rows"] - before["rows"]) / max(1, batches)
+    result["queue_time_ms"] = after["queue_time_ms"]
+    result["forward_time_ms"] = after["forward_time_ms"]
+    return result
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": f"LeNet(image_size={args.image_size})", "clients": args.clients,
+            "requests_per_client": args.requests, "workers": args.workers,
+            "threads_per_worker": args.threads_per_worker, "batch_limit": args.batch_limit,
+            "queue_limit": args.queue_limit, "max_wait_ms": args.max_wait_ms,
+            "offline_batch": args.offline_batch, "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "machine": platform.machine()}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the ratios, write the JSON; 0 on success."""
+    torch.manual_seed(0)
+    model = LeNet(image_size=args.image_size).eval()
+    x = torch.rand(1, 1, args.image_size, args.image_size)
+    config = _config(args)  # torch_threads: what offline and naive run with
+    offline = _offline(model, x, args.offline_batch)
+    naive = _naive(model, x, args)
+    batched = _batched(model, x, args)
+    vs_naive = batched["throughput"] / naive["throughput"]
+    vs_offline = batched["throughput"] / offline["throughput"]
+    result = {"benchmark": "inference", "config": config, "offline": offline, "naive": naive,
+              "batched": batched, "ratios": {
+                  "batched_vs_naive": vs_naive, "batched_vs_offline": vs_offline,
+                  "goal_vs_naive": GOAL_VS_NAIVE, "goal_vs_offline": GOAL_VS_OFFLINE,
+                  "goals_met": vs_naive >= GOAL_VS_NAIVE and vs_offline >= GOAL_VS_OFFLINE}}
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(_report(result, path))
+    return 0
+
+
+def _report(result: dict[str, Any], path: Path) -> str:
+    def line(name: str, r: dict[str, Any]) -> str:
+        lat = r.get("latency_ms")
+        tail = f"  p50 {lat['p50']:.2f} ms  p99 {lat['p99']:.2f} ms" if lat else ""
+        return f"{name:<28}{r['throughput']:>10,.0f} rows/s{tail}"
+
+    ratios = result["ratios"]
+    c = result["config"]
+    return "\n".join([
+        f"{c['model']}, {c['clients']} client threads x {c['requests_per_client']} one-row "
+        f"requests, {c['cpu_count']} cores",
+        line(f"offline (batch {c['offline_batch']})", result["offline"]),
+        line("naive threads", result["naive"]),
+        line(f"batched ({c['workers']}x{c['threads_per_worker']} threads)", result["batched"]),
+        f"mean batch: {result['batched']['mean_batch_rows']:.1f} rows",
+        f"batched / naive   = {ratios['batched_vs_naive']:.2f}  (goal >= {GOAL_VS_NAIVE})",
+        f"batched / offline = {ratios['batched_vs_offline']:.2f}  (goal >= {GOAL_VS_OFFLINE})",
+        f"wrote {path}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m paraloom.bench.inference``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,387 @@
+"""ParallelInference: thread-safe inference over a pool of model replicas (DL4J's, done again).
+
+Stable API, used by ``paraloom.serving``:
+
+* ``submit(x, block=True, timeout=None, return_version=False)`` -> ``concurrent.futures.Future``
+* ``output(x, ...)`` (blocking) and ``await output_async(x, ...)`` (asyncio)
+* ``update_model(model, example_input=None)`` -> the new ``model_version`` (an int, from 1)
+* ``stats()`` -> dict (keys in :mod:`paraloom.inference.stats`)
+* ``close(drain=True, timeout=None)``, alias ``shutdown``
+* errors (:mod:`paraloom.inference.errors`): ``QueueFullError``, ``InvalidRequestError``,
+  ``RequestTimeoutError``, ``InferenceClosedError``, ``ModelUpdateError``, ``InferenceError``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+from concurrent import futures
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraloom.inference.batching import Request, RequestQueue
+from paraloom.inference.config import InferenceConfig, InferenceMode, check_seconds
+from paraloom.inference.errors import (InferenceClosedError, InferenceError, ModelUpdateError,
+                                       QueueFullError, RequestTimeoutError)
+from paraloom.inference.execute import serve_batch
+from paraloom.inference.payload import parse
+from paraloom.inference.precision import Precision, resolve_precision
+from paraloom.inference.replicas import (DeviceSpec, Example, SlotPool, build_generation,
+                                         example_of, resolve_devices, warm_up)
+from paraloom.inference.stats import StatsRecorder
+
+__all__ = ["ParallelInference"]
+
+_UNSET: Any = object()
+# The longest any thread here sleeps before re-checking that the pool is alive.
+_TICK = 1.0
+# One class from Python 3.11 on; three before.
+_TIMEOUTS = (TimeoutError, asyncio.TimeoutError, futures.TimeoutError)
+
+
+class ParallelInference:
+    """Run a model from many threads at once on replicas, batching concurrent requests.
+
+    ``inference_mode``: ``"batched"`` (merge concurrent requests into batches of up to
+    ``batch_limit`` rows), ``"sequential"`` (one request per forward pass, FIFO) or
+    ``"inplace"`` (the caller's thread runs a free replica). ``workers`` replicas (default: one
+    per CUDA device, else 1) are spread round robin over ``devices``. ``queue_limit`` caps the
+    queued requests; ``timeout`` (seconds) is every request's default deadline;
+    ``max_wait_ms`` lets a free worker wait for a fuller batch; ``precision`` takes Lightning's
+    names; ``example_input`` warms every replica and validates the setup at construction;
+    ``threads_per_worker`` sets torch's intra-op threads in each worker thread.
+    """
+
+    def __init__(self, model: nn.Module, *, inference_mode: InferenceMode | str = "batched",
+                 workers: int | None = None, batch_limit: int = 32, queue_limit: int = 64,
+                 max_wait_ms: float = 0.0, timeout: float | None = None,
+                 devices: DeviceSpec = None, precision: str | Precision = "32-true",
+                 example_input: Any = None, threads_per_worker: int | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        self._config = InferenceConfig.build(
+            inference_mode=inference_mode, workers=workers, batch_limit=batch_limit,
+            queue_limit=queue_limit, max_wait_ms=max_wait_ms, timeout=timeout,
+            threads_per_worker=threads_per_worker)
+        self._precision = resolve_precision(precision)
+        self._devices = resolve_devices(devices, self._config.workers)
+        self._stats = StatsRecorder()
+        self._swap_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._closed = False
+        self._generation = build_generation(model, 1, self._devices, self._precision)
+        if example_input is not None:
+            self._warm(self._generation, self._example(example_input), "example_input")
+        self._slots: SlotPool | None = None
+        self._queue: RequestQueue | None = None
+        self._threads: list[threading.Thread] = []
+        if self._config.mode is InferenceMode.INPLACE:
+            self._slots = SlotPool(len(self._devices), self._config.queue_limit)
+        else:
+            batched = self._config.mode is InferenceMode.BATCHED
+            self._queue = RequestQueue(limit=self._config.queue_limit,
+                                       batch_rows=self._config.batch_limit if batched else None,
+                                       max_wait=self._config.max_wait)
+            self._start_workers()
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @staticmethod
+    def _example(example_input: Any) -> Example:
+        parsed = parse(example_input)
+        return parsed.key, parsed.spec, parsed.tensors
+
+    def _warm(self, generation: Any, example: Example, what: str) -> None:
+        try:
+            warm_up(generation, example)
+        except Exception as exc:
+            raise ValueError(f"the model failed on {what} with precision="
+                             f"{self._precision.name!r} on {self._devices[0]}: "
+                             f"{type(exc).__name__}: {exc}. Check {what}'s shape and dtype, or "
+                             "the precision") from exc
+
+    def _start_workers(self) -> None:
+        saved_threads = torch.get_num_threads()
+        readies = []
+        for slot in range(len(self._devices)):
+            ready = threading.Event()
+            thread = threading.Thread(target=self._work, args=(slot, ready), daemon=True,
+                                      name=f"paraloom-inference-{slot}")
+            thread.start()
+            self._threads.append(thread)
+            readies.append(ready)
+        for ready, thread in zip(readies, self._threads, strict=True):
+            while not ready.wait(_TICK) and thread.is_alive():
+                pass
+        if self._config.threads_per_worker is not None:
+            # torch.set_num_threads in a worker sets that thread's own OpenMP pool size, and also
+            # the default that threads started later inherit; give the process its default back.
+            torch.set_num_threads(saved_threads)
+
+    def _work(self, slot: int, ready: threading.Event) -> None:
+        queue = self._queue
+        assert queue is not None
+        try:
+            try:
+                if self._config.threads_per_worker is not None:
+                    torch.set_num_threads(self._config.threads_per_worker)
+                if self._devices[slot].type == "cuda":
+                    torch.cuda.set_device(self._devices[slot])
+            finally:
+                ready.set()
+            with torch.inference_mode():
+                while True:
+                    batch = queue.take(_TICK)
+                    if batch:
+                        serve_batch(self._generation, slot, batch, self._stats)
+                    elif queue.closed and not len(queue):
+                        return
+        finally:
+            self._worker_exited()
+
+    def _worker_exited(self) -> None:
+        """If the last worker stopped while the pool is open, fail what is queued (no hang)."""
+        me = threading.current_thread()
+        if self._closed or any(t.is_alive() for t in self._threads if t is not me):
+            return
+        assert self._queue is not None
+        self._queue.close()
+        self._fail(self._queue.clear(), InferenceError,
+                   "every inference worker thread has stopped; this ParallelInference cannot "
+                   "serve requests any more", "error")
+
+    # ------------------------------------------------------------------------ requests
+
+    def _timeout_for(self, timeout: Any) -> float | None:
+        if timeout is _UNSET:
+            return self._config.timeout
+        return check_seconds("timeout", timeout, allow_zero=False)
+
+    def _make_request(self, x: Any, timeout: float | None, with_version: bool) -> Request:
+        try:
+            p = parse(x)
+        except Exception:
+            self._stats.rejected("invalid")
+            raise
+        now = time.monotonic()
+        return Request(p.tensors, p.spec, p.rows, p.key, numpy=p.numpy, arrival=now,
+                       deadline=None if timeout is None else now + timeout,
+                       with_version=with_version)
+
+    def _enqueue(self, request: Request, block: bool) -> None:
+        """Queue the request (or, in place, run it now), waiting for room up to its deadline."""
+        remaining = None if request.deadline is None else request.deadline - time.monotonic()
+        try:
+            if self._slots is not None:
+                self._run_inplace(request, block, remaining)
+                return
+            assert self._queue is not None
+            self._queue.put(request, block=block, timeout=remaining)
+        except QueueFullError:
+            self._stats.rejected("queue_full")
+            raise
+        except InferenceClosedError:
+            self._stats.rejected("closed")
+            raise
+        self._stats.accepted()
+
+    def _run_inplace(self, request: Request, block: bool, timeout: float | None) -> None:
+        assert self._slots is not None
+        slot = self._slots.acquire(block=block, timeout=timeout)
+        try:
+            self._stats.accepted()
+            with torch.inference_mode():
+                serve_batch(self._generation, slot, [request], self._stats)
+        finally:
+            self._slots.release(slot)
+
+    def submit(self, x: Any, *, block: bool = True, timeout: float | None = _UNSET,
+               return_version: bool = False) -> Future[Any]:
+        """Queue ``x`` and return a Future of its output (``(output, version)`` if asked).
+
+        When the queue is full, waits up to ``timeout`` for room (``block=False``: raises
+        QueueFullError at once). In 'inplace' mode the request runs before this returns.
+        """
+        request = self._make_request(x, self._timeout_for(timeout), return_version)
+        self._enqueue(request, block)
+        return request.future
+
+    def output(self, x: Any, *, timeout: float | None = _UNSET,
+               return_version: bool = False) -> Any:
+        """The model's output for ``x`` (thread-safe); ``(output, version)`` if asked."""
+        request = self._make_request(x, self._timeout_for(timeout), return_version)
+        self._enqueue(request, True)
+        return self._wait(request)
+
+    def _wait(self, request: Request) -> Any:
+        fut = request.future
+        while True:
+            remaining = None if request.deadline is None else request.deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return self._timed_out(request)
+            try:
+                return fut.result(_TICK if remaining is None else min(remaining, _TICK))
+            except _TIMEOUTS:
+                if fut.done():
+                    raise  # the request's own error (a RequestTimeoutError from the worker)
+                self._check_alive(fut)
+
+    def _check_alive(self, fut: Future[Any]) -> None:
+        if self._threads and not any(t.is_alive() for t in self._threads):
+            try:
+                fut.set_exception(InferenceClosedError("every inference worker has stopped "
+                                                       "before this request ran"))
+            except InvalidStateError:
+                pass  # resolved meanwhile
+
+    def _timed_out(self, request: Request) -> Any:
+        fut = request.future
+        if fut.cancel():
+            if self._queue is not None and self._queue.discard(request):
+                self._stats.rejected("timeout")
+        elif fut.done():
+            return fut.result()  # it finished just in time
+        else:
+            self._stats.rejected("timeout")  # running: its output will be dropped
+        raise RequestTimeoutError(
+            f"no output within the request's timeout ({request.deadline - request.arrival:g} s);"
+            " pass a longer timeout, add workers, or send fewer requests at once")
+
+    async def output_async(self, x: Any, *, timeout: float | None = _UNSET,
+                           return_version: bool = False) -> Any:
+        """``await`` the model's output for ``x`` without blocking the event loop."""
+        timeout = self._timeout_for(timeout)
+        if self._slots is not None:
+            return await asyncio.to_thread(self.output, x, timeout=timeout,
+                                           return_version=return_version)
+        request = self._make_request(x, timeout, return_version)
+        assert self._queue is not None
+        try:
+            self._queue.put(request, block=False)
+            self._stats.accepted()
+        except QueueFullError:  # wait for room on a thread, not on the event loop
+            await asyncio.to_thread(self._enqueue, request, True)
+        except InferenceClosedError:
+            self._stats.rejected("closed")
+            raise
+        remaining = None if request.deadline is None else request.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(request.future), remaining)
+        except _TIMEOUTS:
+            if request.future.done() and not request.future.cancelled():
+                return request.future.result()  # its own result or error
+            return self._timed_out(request)
+
+    # ------------------------------------------------------------------ model and lifecycle
+
+    @property
+    def model_version(self) -> int:
+        """The version new requests run on: 1 at construction, +1 per update_model()."""
+        return self._generation.version
+
+    @property
+    def inference_mode(self) -> InferenceMode:
+        """The mode this pool runs in."""
+        return self._config.mode
+
+    @property
+    def closed(self) -> bool:
+        """True once close() was called."""
+        return self._closed
+
+    def update_model(self, model: nn.Module, *, example_input: Any = None) -> int:
+        """Swap in a new model without failing or losing a request; returns its version.
+
+        New replicas are built and warmed (on ``example_input``, or else on an input the current
+        model served) while the old ones keep serving; new batches then go to the new ones, and
+        batches in flight finish on the old ones. On failure, raises ModelUpdateError and the
+        old model keeps serving.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        if self._closed:
+            raise InferenceClosedError("update_model() after close(); create a new pool")
+        with self._swap_lock:
+            old = self._generation
+            example = (self._example(example_input) if example_input is not None
+                       else example_of(old))
+            try:
+                new = build_generation(model, old.version + 1, self._devices, self._precision)
+                if example is not None:
+                    warm_up(new, example)
+            except Exception as exc:
+                raise ModelUpdateError(
+                    f"could not build and warm model version {old.version + 1}: "
+                    f"{type(exc).__name__}: {exc}. Version {old.version} keeps serving; if the "
+                    "new model takes other inputs, pass example_input=") from exc
+            self._generation = new  # one attribute write: each batch reads it once
+            return new.version
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, batch-size histogram, queue/forward time percentiles, rejections."""
+        snap = self._stats.snapshot()
+        snap.update(mode=self._config.mode.value, workers=len(self._devices),
+                    devices=[str(d) for d in self._devices], precision=self._precision.name,
+                    model_version=self.model_version, closed=self._closed,
+                    queued=len(self._queue) if self._queue is not None else 0)
+        return snap
+
+    def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; run what is queued (``drain=False``: fail it); stop workers.
+
+        Waits up to ``timeout`` seconds for the workers; whatever is still queued then is failed
+        with InferenceClosedError, so no caller waits forever. Safe to call twice.
+        """
+        with self._state_lock:
+            first, self._closed = not self._closed, True
+        if self._slots is not None:
+            self._slots.close()
+            return
+        assert self._queue is not None
+        if first:
+            self._queue.close()
+            if not drain:
+                self._fail(self._queue.clear(), InferenceClosedError,
+                           "close(drain=False) was called before this request ran", "closed")
+        self._join(timeout)
+        self._fail(self._queue.clear(), InferenceClosedError,
+                   f"close(timeout={timeout}) ran out of time before this request ran", "closed")
+
+    shutdown = close
+
+    def _join(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.current_thread()
+        for thread in self._threads:
+            if thread is not me:  # close() from a done-callback runs on a worker thread
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in self._threads if t.is_alive() and t is not me]
+        if busy:
+            warnings.warn(f"close(): {', '.join(busy)} still running a batch after timeout="
+                          f"{timeout}; they stop when it finishes", stacklevel=3)
+
+    def _fail(self, requests: list[Request], error: type[InferenceError], message: str,
+              reason: str) -> None:
+        failed = 0
+        for r in requests:
+            if r.future.set_running_or_notify_cancel():
+                r.future.set_exception(error(message))  # one instance each: raised on many threads
+                failed += 1
+        if failed:
+            self._stats.rejected(reason, failed)
+
+    def __enter__(self) -> ParallelInference:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ParallelInference(mode={self._config.mode.value!r}, workers="
+                f"{len(self._devices)}, model_version={self.model_version}, "
+                f"closed={self._closed})")

@@ -1,0 +1,135 @@
+"""Dense gradient all-reduce every step through PyTorch DDP (``training_mode="allreduce"``).
+
+DDP buckets the gradients and all-reduces each bucket as soon as backward has produced it, so
+communication overlaps with the rest of backward; every replica then holds the same averaged
+gradients and takes the same optimizer step, so the replicas stay bit-identical.
+
+A replica with no batch in a partial last round must still join the bucket all-reduces, in the
+same order and sizes as its peers. ``idle_step`` runs a backward pass of ``0 * sum(params)``
+through the same DDP wrapper (no user forward, no batch needed): DDP all-reduces zero
+gradients for this replica, every replica receives ``sum(active gradients) / world_size``
+(what DDP's own ``join()`` gives by default), and the idle replica calls ``optimizer.step()``
+itself so that its parameters and optimizer state follow the others.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+
+__all__ = ["AllReduce"]
+
+_DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
+    "self", "module", "device_ids", "output_device", "process_group"}
+
+
+class _Joinable(nn.Module):
+    """Runs the user's model, or, while ``idle`` is set, a zero loss over every trainable param."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.idle = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.idle:
+            # Touches every trainable parameter, so DDP sees each one's (zero) gradient.
+            return sum(p.sum() for p in self.module.parameters() if p.requires_grad) * 0.0
+        return self.module(*args, **kwargs)
+
+
+class AllReduce(Synchronizer):
+    """Average gradients every step with PyTorch DDP; keyword options go to DDP unchanged.
+
+    For example ``AllReduce(bucket_cap_mb=10, gradient_as_bucket_view=True)``. Bytes are
+    counted from what DDP all-reduces: every trainable parameter's gradient once per step
+    (``2(n-1)/n`` of it on a ring), plus rank 0's buffers when DDP broadcasts them.
+    """
+
+    name = "allreduce"
+
+    def __init__(self, **ddp_options: Any) -> None:
+        super().__init__()
+        unknown = sorted(set(ddp_options) - _DDP_OPTIONS)
+        if unknown:
+            raise TypeError(f"AllReduce got unknown DDP option(s) {unknown}; expected keyword "
+                            f"arguments of DistributedDataParallel: {sorted(_DDP_OPTIONS)} "
+                            f"(module, devices and process group are set by paraloom)")
+        self.ddp_options = dict(ddp_options)
+        self.setup_bytes_sent = 0
+        self._ddp: DistributedDataParallel | None = None
+        self._joinable: _Joinable | None = None
+        self._step_bytes = 0
+
+    def wrap_model(self, model: nn.Module, ctx: StepContext) -> nn.Module:
+        if not is_distributed(ctx):
+            return model
+        if self._joinable is not None and self._joinable.module is model:
+            return self._ddp  # one DDP per model: a second one would all-reduce twice
+        self._ddp = self._joinable = None  # drop the old reducer's autograd hooks first
+        self._joinable = _Joinable(model)
+        device_ids = None
+        if ctx.device.type == "cuda":
+            index = ctx.device.index
+            device_ids = [torch.cuda.current_device() if index is None else index]
+        self._ddp = DistributedDataParallel(self._joinable, device_ids=device_ids,
+                                            process_group=ctx.group, **self.ddp_options)
+        grads = [p for p in model.parameters() if p.requires_grad]
+        state = list(model.parameters()) + list(model.buffers())
+        self._step_bytes = sum(self.collective_bytes(p, ctx.world_size) for p in grads)
+        if ctx.rank == 0:  # DDP broadcast rank 0's state at construction, buffers every forward
+            self.setup_bytes_sent += sum(self.collective_bytes(t, ctx.world_size, "broadcast")
+                                         for t in state)
+            if self._ddp.broadcast_buffers:
+                self._step_bytes += sum(self.collective_bytes(b, ctx.world_size, "broadcast")
+                                        for b in model.buffers())
+        return self._ddp
+
+    def after_step(self, ctx: StepContext) -> None:
+        self.sync_steps += 1
+        self.bytes_sent += self._step_bytes if is_distributed(ctx) else 0
+
+    def idle_step(self, ctx: StepContext) -> None:
+        self.sync_steps += 1
+        if not is_distributed(ctx):
+            return
+        if self._ddp is None or self._joinable is None:
+            raise RuntimeError("allreduce: idle_step before wrap_model; expected the loop to "
+                               "run forward through the module that wrap_model returned")
+        ctx.optimizer.zero_grad(set_to_none=True)
+        self._joinable.idle = True
+        try:
+            loss = self._ddp()
+        finally:
+            self._joinable.idle = False
+        loss.backward()  # joins the peers' bucket all-reduces with zero gradients
+        ctx.optimizer.step()
+        self.bytes_sent += self._step_bytes
+
+    def finish(self, ctx: StepContext) -> None:
+        """Copy rank 0's buffers: each replica's last forward updated its own (e.g. BatchNorm)."""
+        if not is_distributed(ctx) or self._joinable is None:
+            return
+        buffers = list(self._joinable.module.buffers())
+        src = 0 if ctx.group is None else dist.get_global_rank(ctx.group, 0)
+        for b in buffers:
+            dist.broadcast(b, src=src, group=ctx.group)
+            if ctx.rank == 0:
+                self.bytes_sent += self.collective_bytes(b, ctx.world_size, "broadcast")
+
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        out["setup_bytes_sent"] = float(self.setup_bytes_sent)
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_ddp"] = state["_joinable"] = None  # a live DDP does not travel between processes
+        return state

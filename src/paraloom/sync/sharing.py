@@ -1,0 +1,312 @@
+"""Shared gradients: threshold-encoded update sharing with residuals (DL4J's SHARED_GRADIENTS).
+
+Each step, every replica:
+
+1. snapshots its parameters (``after_backward``), lets the optimizer step, and takes the
+   update ``delta = new - old`` (learning rate, momentum etc. applied, as in DL4J);
+2. puts its parameters back to ``old`` and adds ``delta`` (divided by the number of replicas
+   when ``combine="mean"``) to its residual;
+3. encodes the residual (threshold or bitmap message, see ``encoding``), subtracts exactly what
+   the message carries, and lets the post-processor (e.g. ``ResidualClipping``) act;
+4. all-gathers every replica's message and adds their decoded sum, in rank order, to ``old``.
+
+Every replica applies the same messages in the same order to the same ``old``, so the replicas
+stay bit-identical after every step; no replica ever applies its own raw update. The optimizer
+state (momentum, Adam moments) stays local to each replica, as in DL4J.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+from paraloom.sync.encoding import (
+    Encoded,
+    Format,
+    bitmap_encode,
+    decode,
+    empty_message,
+    encode,
+    threshold_encode,
+)
+from paraloom.sync.thresholds import AdaptiveThreshold, ResidualPostProcessor, ThresholdAlgorithm
+
+__all__ = ["SharedGradients", "exchange_messages"]
+
+_HEADER_WORDS = 5  # format, exponent, half_sign, payload length, non-finite count
+_ENCODINGS = ("auto", "threshold", "bitmap")
+
+
+def exchange_messages(msg: Encoded, nonfinite: int, group: Any,
+                      world_size: int) -> tuple[list[Encoded], list[int], int]:
+    """All-gather every rank's message: (messages in rank order, non-finite counts, bytes sent).
+
+    Two collectives: the fixed-size headers (which carry each payload's length), then the
+    payloads padded to the longest one, since ``all_gather`` needs equal sizes. The byte count
+    is what this rank really sends in both, padding included. When every payload is empty the
+    second collective is skipped on every rank alike.
+    """
+    device = msg.payload.device
+    header = torch.tensor([int(msg.format), msg.exponent, msg.half_sign, msg.payload.numel(),
+                           min(nonfinite, 2**31 - 1)], dtype=torch.int32, device=device)
+    headers = [torch.empty_like(header) for _ in range(world_size)]
+    dist.all_gather(headers, header, group=group)
+    rows = torch.stack(headers).tolist()
+    sent = Synchronizer.collective_bytes(header, world_size, "allgather")
+    longest = max(row[3] for row in rows)
+    payloads = [msg.payload.new_empty(0)] * world_size
+    if longest:
+        padded = msg.payload.new_zeros(longest)
+        padded[: msg.payload.numel()] = msg.payload
+        payloads = [torch.empty_like(padded) for _ in range(world_size)]
+        dist.all_gather(payloads, padded, group=group)
+        sent += Synchronizer.collective_bytes(padded, world_size, "allgather")
+    messages = [Encoded(Format(fmt), exponent, half_sign, msg.numel, -1, payload[:length])
+                for (fmt, exponent, half_sign, length, _), payload
+                in zip(rows, payloads, strict=True)]
+    return messages, [row[4] for row in rows], sent
+
+
+class _Replica:
+    """The tensors one replica keeps between steps (built in ``setup``)."""
+
+    __slots__ = ("params", "old", "residual", "residual_views", "applied", "applied_views",
+                 "snapshot")
+
+    def __init__(self, params: list[nn.Parameter], residual: Tensor) -> None:
+        self.params = params
+        self.old = [torch.empty_like(p) for p in params]
+        self.residual = residual
+        self.residual_views = _views(residual, params)
+        self.applied = torch.zeros_like(residual)
+        self.applied_views = _views(self.applied, params)
+        self.snapshot = False
+
+
+def _views(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset: offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
+
+
+def _residual_dtype(params: list[nn.Parameter]) -> torch.dtype:
+    """float32, or float64 with float64 parameters: 16-bit residuals would lose small updates."""
+    dtype = torch.float32
+    for p in params:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return dtype
+
+
+def _broadcast_from_first(tensors: list[Tensor], ctx: StepContext) -> int:
+    """Broadcast tensors from the group's rank 0; returns the bytes this rank sent."""
+    src = 0 if ctx.group is None else dist.get_global_rank(ctx.group, 0)
+    sent = 0
+    for t in tensors:
+        dist.broadcast(t, src=src, group=ctx.group)
+        if ctx.rank == 0:
+            sent += Synchronizer.collective_bytes(t, ctx.world_size, "broadcast")
+    return sent
+
+
+class SharedGradients(Synchronizer):
+    """Threshold-encoded update sharing with residuals (``training_mode="shared_gradients"``).
+
+    ``threshold_algorithm`` defaults to ``AdaptiveThreshold()``; ``residual_post_processor``
+    to none (as DL4J's ParallelWrapper; Spark DL4J uses ``ResidualClipping(5.0, 5)``).
+    ``combine="mean"`` divides each update by the number of replicas before encoding, so the
+    applied step is the mean of the replicas' updates, as with all-reduce: learning rates carry
+    over from single-process or DDP training unchanged. ``combine="sum"`` is DL4J's rule (each
+    replica's quantized update is applied in full: an N times larger step with N replicas).
+    ``encoding`` forces "threshold" or "bitmap" messages instead of choosing by density ("auto").
+    ``broadcast_buffers`` copies rank 0's buffers (e.g. BatchNorm statistics) after each step.
+    """
+
+    name = "shared_gradients"
+
+    def __init__(self, threshold_algorithm: ThresholdAlgorithm | None = None,
+                 residual_post_processor: ResidualPostProcessor | None = None, *,
+                 combine: str = "mean", encoding: str = "auto",
+                 broadcast_buffers: bool = True) -> None:
+        super().__init__()
+        if threshold_algorithm is None:
+            threshold_algorithm = AdaptiveThreshold()
+        if not isinstance(threshold_algorithm, ThresholdAlgorithm):
+            raise TypeError(f"threshold_algorithm={threshold_algorithm!r}; expected a "
+                            f"ThresholdAlgorithm such as FixedThreshold(1e-3) or "
+                            f"AdaptiveThreshold(initial=1e-3)")
+        if residual_post_processor is not None and \
+                not isinstance(residual_post_processor, ResidualPostProcessor):
+            raise TypeError(f"residual_post_processor={residual_post_processor!r}; expected None "
+                            f"or a ResidualPostProcessor such as ResidualClipping(5.0, 5)")
+        if combine not in ("mean", "sum"):
+            raise ValueError(f"combine={combine!r}; expected 'mean' (average the replicas' "
+                             f"updates, like all-reduce) or 'sum' (DL4J's rule)")
+        if encoding not in _ENCODINGS:
+            raise ValueError(f"encoding={encoding!r}; expected one of {_ENCODINGS}")
+        self.threshold_algorithm = threshold_algorithm
+        self.residual_post_processor = residual_post_processor
+        self.combine = combine
+        self.encoding = encoding
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.setup_bytes_sent = 0
+        self._replica: _Replica | None = None
+        self._format = Format.BITMAP if encoding == "bitmap" else Format.THRESHOLD
+        self._half_sign = 1
+        self._last_tau = threshold_algorithm.tau
+        self._last_sparsity = 0.0
+        self._sparsity_sum = 0.0
+        self._encoded_steps = 0
+        self._bitmap_steps = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def setup(self, ctx: StepContext) -> None:
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("shared_gradients: the model has no parameters that require grad; "
+                             "expected at least one trainable parameter")
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"shared_gradients: parameters on several devices "
+                             f"{sorted(map(str, devices))}; expected one device per replica")
+        numel = sum(p.numel() for p in params)
+        dtype = _residual_dtype(params)
+        old = self._replica
+        if old is not None and old.residual.numel() == numel and old.residual.dtype == dtype \
+                and old.residual.device == params[0].device:
+            residual = old.residual  # keep the unsent remainder across fit() calls
+        else:
+            residual = torch.zeros(numel, dtype=dtype, device=params[0].device)
+        self._replica = _Replica(params, residual)
+        if is_distributed(ctx):
+            # Like DDP at construction: every replica starts from rank 0's parameters.
+            with torch.no_grad():
+                tensors = [p.detach() for p in params] + list(ctx.model.buffers())
+                self.setup_bytes_sent += _broadcast_from_first(tensors, ctx)
+
+    # -- per step ----------------------------------------------------------------------------
+    def after_backward(self, ctx: StepContext) -> None:
+        replica = self._require_setup()
+        with torch.no_grad():
+            for p, old in zip(replica.params, replica.old, strict=True):
+                old.copy_(p)
+        replica.snapshot = True
+
+    def after_step(self, ctx: StepContext) -> None:
+        replica = self._require_setup()
+        if not replica.snapshot:
+            raise RuntimeError("shared_gradients: after_step without after_backward; expected "
+                               "the loop to call after_backward before optimizer.step()")
+        replica.snapshot = False
+        scale = 1.0 / ctx.world_size if self.combine == "mean" else 1.0
+        with torch.no_grad():
+            for p, old, r in zip(replica.params, replica.old, replica.residual_views, strict=True):
+                r.add_(p - old, alpha=scale)
+                p.copy_(old)  # from here on only the decoded messages move the parameters
+            tau = self.threshold_algorithm.tau
+            msg = self._encode(replica.residual, tau)
+            decode(msg, replica.residual, sign=-1)  # exact: see encoding's module docstring
+            nonfinite = int((~torch.isfinite(replica.residual)).sum())
+            if self.residual_post_processor is not None:
+                self.residual_post_processor.process(replica.residual, msg.tau, self.sync_steps)
+            self._record(msg)
+            self._exchange_and_apply(msg, nonfinite, ctx)
+        self.threshold_algorithm.update(msg.count / msg.numel)
+
+    def idle_step(self, ctx: StepContext) -> None:
+        replica = self._require_setup()
+        replica.snapshot = False
+        msg = empty_message(replica.residual.numel(), replica.residual.device)
+        with torch.no_grad():
+            # The parameters are still "old": this replica did not step.
+            for p, old in zip(replica.params, replica.old, strict=True):
+                old.copy_(p)
+            self._exchange_and_apply(msg, 0, ctx)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _require_setup(self) -> _Replica:
+        if self._replica is None:
+            raise RuntimeError("shared_gradients: a step hook ran before setup(); expected "
+                               "setup(ctx) once per fit() before the first step")
+        return self._replica
+
+    def _encode(self, residual: Tensor, tau: float) -> Encoded:
+        if self.encoding == "bitmap":
+            return bitmap_encode(residual, tau, self._half_sign)
+        if self.encoding == "threshold":
+            return threshold_encode(residual, tau)
+        return encode(residual, tau, previous=self._format, half_sign=self._half_sign)
+
+    def _record(self, msg: Encoded) -> None:
+        self._format = msg.format
+        if msg.format == Format.BITMAP:
+            self._half_sign = -self._half_sign  # alternate the half step's side
+            self._bitmap_steps += 1
+        self._last_tau = msg.tau
+        self._last_sparsity = msg.count / msg.numel
+        self._sparsity_sum += self._last_sparsity
+        self._encoded_steps += 1
+
+    def _exchange_and_apply(self, msg: Encoded, nonfinite: int, ctx: StepContext) -> None:
+        replica = self._replica
+        assert replica is not None
+        if is_distributed(ctx):
+            messages, bad, sent = exchange_messages(msg, nonfinite, ctx.group, ctx.world_size)
+        else:
+            messages, bad, sent = [msg], [nonfinite], 0
+        self.bytes_sent += sent
+        self.sync_steps += 1
+        if any(bad):
+            replica.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            ranks = [rank for rank, count in enumerate(bad) if count]
+            raise FloatingPointError(
+                f"shared_gradients: the update of replica(s) {ranks} has non-finite values "
+                f"({[bad[r] for r in ranks]} elements) at sync step {self.sync_steps}; the "
+                f"parameters were left at their last consistent values. Lower the learning "
+                f"rate or clip gradients")
+        replica.applied.zero_()
+        for message in messages:  # rank order: the same float sums on every replica
+            decode(message, replica.applied)
+        for p, old, applied in zip(replica.params, replica.old, replica.applied_views, strict=True):
+            p.copy_(old).add_(applied)
+        if self.broadcast_buffers and is_distributed(ctx):
+            buffers = list(ctx.model.buffers())
+            if buffers:
+                self.bytes_sent += _broadcast_from_first(buffers, ctx)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Adds tau and sparsity (fraction of elements moved) of this replica's last message."""
+        out = super().stats()
+        steps = max(1, self._encoded_steps)
+        out.update(tau=self._last_tau, sparsity=self._last_sparsity,
+                   mean_sparsity=self._sparsity_sum / steps,
+                   bitmap_fraction=self._bitmap_steps / steps,
+                   setup_bytes_sent=float(self.setup_bytes_sent))
+        if self._replica is not None:
+            out["residual_norm"] = float(self._replica.residual.norm())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, threshold state and format; the residual is per replica and not included."""
+        state = super().state_dict()
+        state.update(threshold=self.threshold_algorithm.state_dict(), format=int(self._format),
+                     half_sign=self._half_sign, encoded_steps=self._encoded_steps,
+                     bitmap_steps=self._bitmap_steps, sparsity_sum=self._sparsity_sum)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "threshold" in state:
+            self.threshold_algorithm.load_state_dict(state["threshold"])
+            self._last_tau = self.threshold_algorithm.tau
+        self._format = Format(int(state.get("format", Format.THRESHOLD)))
+        self._half_sign = int(state.get("half_sign", 1))
+        self._encoded_steps = int(state.get("encoded_steps", 0))
+        self._bitmap_steps = int(state.get("bitmap_steps", 0))
+        self._sparsity_sum = float(state.get("sparsity_sum", 0.0))

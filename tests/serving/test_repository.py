@@ -1,0 +1,102 @@
+"""Which files a remote load may read, and how a new version is built from one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import paraloom
+from paraloom.models import MLP, LeNet
+from paraloom.serving.errors import ForbiddenError, ProtocolError
+from paraloom.serving.repository import ModelFiles
+
+
+@pytest.fixture()
+def layout(tmp_path: Path) -> dict[str, Path]:
+    models = tmp_path / "models"
+    models.mkdir()
+    torch.manual_seed(0)
+    paraloom.save(LeNet(image_size=8), models / "v1.safetensors")
+    paraloom.save(LeNet(image_size=8), models / "v2.safetensors")
+    paraloom.save(LeNet(image_size=28), models / "big.safetensors")
+    paraloom.save(MLP(in_features=64), models / "mlp.safetensors")
+    save_file({"w": torch.zeros(2)}, str(models / "plain.safetensors"))
+    (models / "v2.pt").write_bytes(b"not a pickle we would ever read")
+    outside = tmp_path / "outside.safetensors"
+    paraloom.save(LeNet(image_size=8), outside)
+    os.symlink(outside, models / "link.safetensors")
+    return {"dir": models, "outside": outside}
+
+
+def test_loading_is_off_unless_the_operator_allows_it() -> None:
+    with pytest.raises(ForbiddenError, match="model loading is disabled"):
+        ModelFiles().resolve({"path": "v2.safetensors"})
+
+
+def test_no_path_reloads_the_served_file(layout: dict[str, Path]) -> None:
+    files = ModelFiles(model_file=layout["dir"] / "v1.safetensors")
+    assert files.resolve({}) == (layout["dir"] / "v1.safetensors").resolve()
+    with pytest.raises(ForbiddenError, match="has no models directory"):
+        files.resolve({"path": "v2.safetensors"})
+
+
+@pytest.mark.parametrize(("params", "error", "message"), [
+    ({"path": "../outside.safetensors"}, ForbiddenError, "outside the models directory"),
+    ({"path": "link.safetensors"}, ForbiddenError, "outside the models directory"),
+    ({"path": "/etc/passwd"}, ForbiddenError, "outside the models directory"),
+    ({"path": "v2.pt"}, ForbiddenError, "is not a .safetensors file"),
+    ({"path": "missing.safetensors"}, ProtocolError, "no file 'missing.safetensors'"),
+    ({"path": 3}, ProtocolError, "must be a file name"),
+    ({"file:model.safetensors": "QUJD"}, ForbiddenError, "never takes model files"),
+    ({"config": "{}"}, ForbiddenError, "never takes model files or configs"),
+    ({}, ProtocolError, "load needs parameters.path"),
+])
+def test_paths_outside_the_rule_are_refused(layout: dict[str, Path], params: dict,
+                                            error: type[Exception], message: str) -> None:
+    files = ModelFiles(model_dir=layout["dir"])
+    with pytest.raises(error) as info:
+        files.resolve(params)
+    assert message in str(info.value)
+
+
+def test_a_file_inside_the_directory_builds_a_copy_with_its_weights(layout: dict[str, Path]
+                                                                    ) -> None:
+    files = ModelFiles(model_dir=layout["dir"])
+    served = paraloom.load(layout["dir"] / "v1.safetensors")
+    new = files.build(files.resolve({"path": "v2.safetensors"}), served)
+    expected = paraloom.load(layout["dir"] / "v2.safetensors")
+    assert new is not served
+    for (k, a), b in zip(new.state_dict().items(), expected.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert not torch.equal(served.state_dict()["classifier.3.bias"],
+                           new.state_dict()["classifier.3.bias"])
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("big.safetensors", "parameters differ in name or shape"),
+    ("mlp.safetensors", "parameters differ in name or shape"),
+    ("plain.safetensors", "no paraloom header"),
+])
+def test_files_that_do_not_fit_the_served_model_are_refused(layout: dict[str, Path], name: str,
+                                                            message: str) -> None:
+    files = ModelFiles(model_dir=layout["dir"])
+    served = paraloom.load(layout["dir"] / "v1.safetensors")
+    with pytest.raises(ProtocolError, match=message):
+        files.build(files.resolve({"path": name}), served)
+
+
+def test_a_different_architecture_header_is_refused_when_the_served_file_is_known(
+        layout: dict[str, Path]) -> None:
+    files = ModelFiles(model_file=layout["dir"] / "v1.safetensors", model_dir=layout["dir"])
+    served = paraloom.load(layout["dir"] / "v1.safetensors")
+    with pytest.raises(ProtocolError, match="different architecture"):
+        files.build(files.resolve({"path": "big.safetensors"}), served)
+
+
+def test_model_dir_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not a directory"):
+        ModelFiles(model_dir=tmp_path / "nope")

@@ -1,0 +1,104 @@
+"""Model signatures: inferred from the model or a sample, declared, and enforced on requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from paraloom.models import MLP, LeNet
+from paraloom.serving.errors import ProtocolError
+from paraloom.serving.protocol import RequestInput
+from paraloom.serving.signature import TensorSpec, infer_signature
+
+
+def test_lenet_signature_comes_from_its_config() -> None:
+    sig = infer_signature(LeNet(image_size=8))
+    assert [s.as_json() for s in sig.inputs] == [
+        {"name": "input", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
+    assert [s.as_json() for s in sig.outputs] == [
+        {"name": "output", "datatype": "FP32", "shape": [-1, 10]}]
+
+
+def test_mlp_and_plain_linear_models_are_read_from_their_first_layer() -> None:
+    assert infer_signature(MLP(in_features=12, num_classes=3)).inputs[0].shape == (-1, 12)
+    sig = infer_signature(nn.Sequential(nn.Linear(5, 7), nn.Tanh()))
+    assert (sig.inputs[0].shape, sig.outputs[0].shape) == ((-1, 5), (-1, 7))
+
+
+def test_training_mode_and_batchnorm_stats_survive_the_probe() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    before = model[1].running_mean.clone()
+    infer_signature(model)
+    assert model.training
+    assert torch.equal(model[1].running_mean, before)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.body(a) + b.float()
+        return {"logits": h, "label": h.argmax(dim=1)}
+
+
+def test_sample_gives_multiple_inputs_and_named_outputs() -> None:
+    sig = infer_signature(TwoHeads(), sample=(torch.zeros(1, 3), torch.zeros(1, 4, dtype=torch.int64)))
+    assert [(s.name, s.datatype, s.shape) for s in sig.inputs] == [
+        ("input_0", "FP32", (-1, 3)), ("input_1", "INT64", (-1, 4))]
+    assert [(s.name, s.datatype, s.shape) for s in sig.outputs] == [
+        ("logits", "FP32", (-1, 4)), ("label", "INT64", (-1,))]
+    named = dict(sig.name_outputs({"label": torch.ones(2), "logits": torch.zeros(2, 4)}))
+    assert list(named) == ["logits", "label"]
+
+
+def test_convolutions_without_a_known_size_ask_for_a_sample() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    with pytest.raises(ValueError, match=r"pass sample=torch.zeros\(1, ...\) or outputs="):
+        infer_signature(model)
+    sig = infer_signature(model, sample=torch.zeros(1, 3, 5, 5))
+    assert (sig.inputs[0].shape, sig.outputs[0].shape) == ((-1, 3, 5, 5), (-1, 36))
+
+
+def test_a_model_without_layers_to_read_asks_for_inputs() -> None:
+    with pytest.raises(ValueError, match="cannot infer the input of Identity"):
+        infer_signature(nn.Identity())
+    spec = TensorSpec("x", "FP64", (-1, 2))
+    sig = infer_signature(nn.Identity(), inputs=[spec])
+    assert sig.outputs == (TensorSpec("output", "FP64", (-1, 2)),)
+
+
+def test_tensor_spec_checks_itself() -> None:
+    with pytest.raises(ValueError, match="expected one of"):
+        TensorSpec("x", "float32", (1,))
+    with pytest.raises(ValueError, match="-1 for a dimension of any size"):
+        TensorSpec("x", "FP32", (-2,))
+
+
+def request(name: str = "input", datatype: str = "FP32", shape: tuple[int, ...] = (2, 1, 8, 8)
+            ) -> RequestInput:
+    return RequestInput(name, datatype, shape, torch.zeros(shape))
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    (request(name="image"), "unknown: ['image'], missing: ['input']"),
+    (request(datatype="FP64"), "datatype FP64 but the model expects FP32; send FP32"),
+    (request(shape=(2, 8, 8)), "shape [2, 8, 8] but the model expects [-1, 1, 8, 8]"),
+    (request(shape=(2, 1, 8, 9)), "shape [2, 1, 8, 9]"),
+    (request(shape=(0, 1, 8, 8)), "no rows"),
+])
+def test_requests_that_do_not_fit_the_signature_are_refused(given: RequestInput,
+                                                            message: str) -> None:
+    sig = infer_signature(LeNet(image_size=8))
+    with pytest.raises(ProtocolError) as info:
+        sig.check([given])
+    assert message in str(info.value)
+
+
+def test_fitting_requests_come_back_in_the_models_input_order() -> None:
+    sig = infer_signature(TwoHeads(), sample=(torch.zeros(1, 3), torch.zeros(1, 4)))
+    b, a = request("input_1", shape=(5, 4)), request("input_0", shape=(5, 3))
+    tensors = sig.check([b, a])
+    assert [tuple(t.shape) for t in tensors] == [(5, 3), (5, 4)]

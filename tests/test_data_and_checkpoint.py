@@ -1,0 +1,120 @@
+"""Data sets, the IDX reader, save/load, evaluation metrics, and the CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import paraloom
+from paraloom.cli import main
+from paraloom.datasets import digits, mnist, read_idx
+from paraloom.evaluation import Evaluation, evaluate
+from paraloom.models import MLP, LeNet
+
+
+def test_digits_split_is_fixed_and_disjoint():
+    train, test, full = digits("train"), digits("test"), digits("all")
+    assert len(train) == 1438 and len(test) == 359 and len(full) == 1797
+    assert train.tensors[0].shape[1:] == (1, 8, 8) and train.tensors[0].dtype == torch.float32
+    assert float(train.tensors[0].max()) == 1.0 and float(train.tensors[0].min()) == 0.0
+    assert torch.equal(digits("test").tensors[0], test.tensors[0])
+    rows = {tuple(r.flatten().tolist()) for r in test.tensors[0]}
+    overlap = sum(tuple(r.flatten().tolist()) in rows for r in train.tensors[0])
+    assert overlap < 5  # a handful of identical images exist in the source data, no more
+    with pytest.raises(ValueError, match="'train', 'test' or 'all'"):
+        digits("validation")
+
+
+def _write_idx(path, array, compress):
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I",
+                                                                         *array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    with (gzip.open if compress else open)(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_mnist_idx_reader(tmp_path, compress):
+    images = np.random.default_rng(0).integers(0, 256, (5, 28, 28))
+    labels = np.arange(5)
+    suffix = ".gz" if compress else ""
+    _write_idx(tmp_path / f"t10k-images-idx3-ubyte{suffix}", images, compress)
+    _write_idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}", labels, compress)
+    ds = mnist(tmp_path, "test")
+    x, y = ds.tensors
+    assert x.shape == (5, 1, 28, 28)
+    assert torch.allclose(x[:, 0] * 255, torch.from_numpy(images).float())
+    assert y.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_idx_reader_rejects_truncated_and_foreign_files(tmp_path):
+    _write_idx(tmp_path / "a", np.zeros((4, 3)), False)
+    (tmp_path / "b").write_bytes((tmp_path / "a").read_bytes()[:-2])
+    with pytest.raises(ValueError, match="truncated"):
+        read_idx(tmp_path / "b")
+    (tmp_path / "c").write_bytes(b"PK\x03\x04 not idx")
+    with pytest.raises(ValueError, match="two zero bytes"):
+        read_idx(tmp_path / "c")
+    with pytest.raises(FileNotFoundError, match="download MNIST"):
+        mnist(tmp_path, "train")
+
+
+@pytest.mark.parametrize("model", [LeNet(image_size=8), LeNet(), MLP(in_features=64, hidden=[7])])
+def test_save_load_round_trip(tmp_path, model):
+    path = tmp_path / "m.safetensors"
+    paraloom.save(model, path)
+    loaded = paraloom.load(path)
+    assert type(loaded) is type(model)
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    # The file is plain safetensors: no pickle anywhere.
+    assert b"pickle" not in path.read_bytes()[:200] and path.read_bytes()[8:9] == b"{"
+
+
+def test_load_refuses_files_that_are_not_paraloom_models(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="not written by paraloom.save"):
+        paraloom.load(tmp_path / "plain.safetensors")
+    with pytest.raises(FileNotFoundError):
+        paraloom.load(tmp_path / "missing.safetensors")
+
+
+def test_evaluation_metrics_and_merge():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0], [0.0, 5.0]])
+    targets = torch.tensor([0, 1, 1, 1])
+    whole = Evaluation(2)
+    whole.update(logits, targets)
+    a, b = Evaluation(2), Evaluation(2)
+    a.update(logits[:2], targets[:2])
+    b.update(logits[2:], targets[2:])
+    merged = a.merge(b)
+    assert merged.confusion.tolist() == whole.confusion.tolist() == [[1, 0], [1, 2]]
+    m = merged.metrics()
+    assert m["accuracy"] == 0.75
+    assert m["precision"] == pytest.approx((0.5 + 1.0) / 2)
+    assert m["recall"] == pytest.approx((1.0 + 2 / 3) / 2)
+
+
+def test_cli_train_then_evaluate(tmp_path, capsys):
+    out = tmp_path / "lenet.safetensors"
+    assert main(["train", "--model", "lenet", "--dataset", "digits", "--workers", "2",
+                 "--mode", "averaging", "--epochs", "5", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    acc = float(printed.split("test accuracy ")[1].split()[0])
+    assert acc >= 0.95 and "samples/s" in printed
+    assert main(["evaluate", str(out), "--dataset", "digits", "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert "confusion matrix" in printed
+    metrics = json.loads(printed.strip().splitlines()[-1])
+    assert metrics["accuracy"] == pytest.approx(acc, abs=5e-5)
+    model = paraloom.load(out)
+    assert evaluate(model, DataLoader(digits("test"), batch_size=100)).accuracy == \
+        pytest.approx(acc, abs=5e-5)

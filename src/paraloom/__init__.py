@@ -1,20 +1,30 @@
 """paraloom: data-parallel training and batched inference for PyTorch."""
 
 from paraloom.checkpoint import load, register_model, save
+from paraloom.early_stopping import (
+    EarlyStoppingConfig,
+    EarlyStoppingParallelTrainer,
+    EarlyStoppingResult,
+)
 from paraloom.errors import NotPicklableError, ParaloomError, WorkerError
+from paraloom.training.resume import TrainingCheckpoint
 from paraloom.sync.base import StepContext, Synchronizer
-from paraloom.training.listeners import TrainingListener
+from paraloom.listeners import TrainingListener
 from paraloom.training.modes import TrainingMode
 from paraloom.training.wrapper import ParallelWrapper
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EarlyStoppingConfig",
+    "EarlyStoppingParallelTrainer",
+    "EarlyStoppingResult",
     "NotPicklableError",
     "ParallelWrapper",
     "ParaloomError",
     "StepContext",
     "Synchronizer",
+    "TrainingCheckpoint",
     "TrainingListener",
     "TrainingMode",
     "WorkerError",

@@ -64,9 +64,11 @@ def _train(args: argparse.Namespace) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 nesterov=args.momentum > 0)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)
+    mode_options = {"averaging_frequency": args.averaging_frequency} \
+        if args.mode == "averaging" else {}
     with paraloom.ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer,
                                   workers=args.workers, training_mode=args.mode,
-                                  averaging_frequency=args.averaging_frequency) as wrapper:
+                                  **mode_options) as wrapper:
         stats = wrapper.fit(loader, epochs=args.epochs)
     result = evaluate(model, DataLoader(test, batch_size=256))
     print(f"test accuracy {result.accuracy:.4f}  ({stats['samples_per_s']:.0f} samples/s, "
@@ -106,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--mode", default="averaging",
                    choices=["averaging", "shared_gradients", "allreduce"])
-    p.add_argument("--averaging-frequency", type=int, default=3)
+    p.add_argument("--averaging-frequency", type=int, default=3,
+                   help="rounds between averaging steps (averaging mode)")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)

@@ -10,13 +10,19 @@ class ParaloomError(RuntimeError):
 
 
 class WorkerError(ParaloomError):
-    """A training worker raised or died; ``worker``, ``batch`` and ``remote_traceback`` say where."""
+    """A training worker raised or died.
+
+    ``worker`` (rank), ``batch`` (round), ``remote_type`` (the exception's class name in the
+    worker, e.g. ``"NonFiniteLossError"``; None when the process died) and ``remote_traceback``
+    say where and why.
+    """
 
     def __init__(self, message: str, *, worker: int | None = None, batch: int | None = None,
-                 remote_traceback: str | None = None) -> None:
+                 remote_traceback: str | None = None, remote_type: str | None = None) -> None:
         self.worker = worker
         self.batch = batch
         self.remote_traceback = remote_traceback
+        self.remote_type = remote_type
         text = message
         if remote_traceback:
             text += "\n\nTraceback in the worker:\n" + remote_traceback.rstrip()

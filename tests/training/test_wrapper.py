@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
-from conftest import accuracy, pid_alive
 from models_for_tests import Scalar, TwoInputs, digest, linear_loss, make_recording_averaging
 from torch import nn
 from torch.utils.data import DataLoader
 
+from conftest import accuracy, pid_alive
 from paraloom import NotPicklableError, ParallelWrapper, TrainingListener, WorkerError
 from paraloom.models import MLP, LeNet
 
@@ -180,7 +180,8 @@ def test_dict_inputs_optimizer_factory_and_listeners():
     model = TwoInputs()
     x, e = torch.rand(64, 1, 8, 8), torch.rand(64, 3)
     y = (x.flatten(1)[:, :10].argmax(1) + (e[:, 0] > 0.5).long()) % 10
-    batches = [({"image": x[i:i + 16], "extra": e[i:i + 16]}, y[i:i + 16]) for i in range(0, 64, 16)]
+    batches = [({"image": x[i:i + 16], "extra": e[i:i + 16]}, y[i:i + 16])
+               for i in range(0, 64, 16)]
     epoch_loss = {}
 
     class Record(TrainingListener):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,3 +127,13 @@ class Averaging(Synchronizer):
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "averagings": float(self.averagings)}
+
+    def config(self) -> dict[str, Any]:
+        return {"frequency": self.frequency, "average_updaters": self.average_updaters}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "averagings": self.averagings}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.averagings = int(state.get("averagings", 0))

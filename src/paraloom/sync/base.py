@@ -86,6 +86,10 @@ class Synchronizer:
         """This replica had no batch this round: make the same collective calls as the others."""
 
     # -- reporting ---------------------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        """The settings that change training (JSON-able); a checkpoint must match them."""
+        return {}
+
     def stats(self) -> dict[str, float]:
         """Counters reported by ``ParallelWrapper.stats()``; extend in subclasses."""
         steps = max(1, self.sync_steps)

@@ -10,13 +10,14 @@ import queue
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
-from multiprocessing.reduction import ForkingPickler
 
 from paraloom.errors import WorkerError
 from paraloom.training.worker import ReplicaRunner, WorkerConfig, WorkerSpec, worker_main
@@ -107,15 +108,17 @@ class ProcessPool:
             elif msg is not None:
                 self._pending.append(msg)
 
-    def begin(self, state: dict[str, torch.Tensor], dataset: Any) -> None:
+    def begin(self, state: dict[str, torch.Tensor], dataset: Any,
+              snapshots: list[Any] | None = None) -> None:
         """Start a fit() on every worker: master parameters, and the dataset for index dealing.
 
         Tensors travel through shared memory (torch's ForkingPickler): one pickle per worker,
         because each carries its own file-descriptor handles.
         """
         for rank in range(self.workers):
-            data = None if dataset is None else bytes(ForkingPickler.dumps(dataset))
-            self.send(rank, ("begin", bytes(ForkingPickler.dumps(state)), data))
+            snap = snapshots[rank] if snapshots else None
+            self.send(rank, ("begin", *(None if x is None else bytes(ForkingPickler.dumps(x))
+                                        for x in (state, dataset, snap))))
 
     def send(self, rank: int, msg: Any) -> None:
         """Queue a message for one worker; waits (checking liveness) while its queue is full."""
@@ -132,7 +135,8 @@ class ProcessPool:
             return self._pending.popleft()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+            left = _POLL_S if deadline is None else deadline - time.monotonic()
+            wait = max(0.0, min(_POLL_S, left))
             msg = self._get(wait)
             if msg is not None:
                 return msg
@@ -146,6 +150,15 @@ class ProcessPool:
         except queue.Empty:
             self._check_alive(starting)
             return None
+        except (OSError, EOFError) as e:
+            # A reply whose tensors live in a process that has just died cannot be unpickled.
+            dead = self._silently_dead(set())
+            self.kill()
+            if dead is not None:
+                raise WorkerError(_death_message(dead, self._procs[dead].pid,
+                                                 self._procs[dead].exitcode, starting),
+                                  worker=dead) from e
+            raise WorkerError(f"could not read a worker's reply: {e}") from e
         if msg[0] == "error":
             self._raise_error(msg, starting)
         return msg
@@ -154,7 +167,7 @@ class ProcessPool:
         for rank, p in enumerate(self._procs):
             if p.exitcode is not None:
                 # A worker that reported its error before exiting: prefer that report.
-                with contextlib.suppress(queue.Empty):
+                with contextlib.suppress(queue.Empty, OSError, EOFError):
                     msg = self._results.get(timeout=0.5)
                     if msg[0] == "error":
                         self._raise_error(msg, starting)
@@ -164,7 +177,7 @@ class ProcessPool:
     def _raise_error(self, first: tuple, starting: bool) -> None:
         errors = self._collect_errors(first)
         errors.sort(key=lambda m: _is_symptom(m[3]))
-        _, rank, round_id, message, tb = errors[0]
+        _, rank, round_id, message, tb, kind = errors[0]
         if _is_symptom(message):  # a peer's connection broke: was a worker killed outright?
             dead = self._silently_dead({m[1] for m in errors})
             if dead is not None:
@@ -176,7 +189,7 @@ class ProcessPool:
         where = f" on round {round_id}" if round_id is not None else ""
         hint = " while starting" if starting else ""
         raise WorkerError(f"worker {rank} failed{hint}{where}: {message}", worker=rank,
-                          batch=round_id, remote_traceback=tb)
+                          batch=round_id, remote_traceback=tb, remote_type=kind)
 
     def _collect_errors(self, first: tuple) -> list[tuple]:
         """The first error and any others that follow within half a second."""
@@ -256,22 +269,23 @@ class LocalPool:
         self._replies: collections.deque[Any] = collections.deque()
         self.pids: list[int] = []
 
-    def begin(self, state: dict[str, torch.Tensor], dataset: Any) -> None:
-        self._runner.begin(state, dataset)
+    def begin(self, state: dict[str, torch.Tensor], dataset: Any,
+              snapshots: list[Any] | None = None) -> None:
+        self._runner.begin(state, dataset, snapshots[0] if snapshots else None)
 
     def send(self, rank: int, msg: Any) -> None:
         round_id = msg[1] if msg[0] == "round" else None
         try:
             if msg[0] == "round":
                 self._replies.append(("step", 0, round_id, *self._runner.round(msg[2])))
+            elif msg[0] == "snapshot":
+                self._replies.append(("snapshot", 0, msg[1], self._runner.replica.snapshot()))
             elif msg[0] == "finish":
                 self._replies.append(("finished", 0, self._runner.finish(send_state=True)))
         except Exception as e:
-            import traceback
-
             raise WorkerError(f"training failed on round {round_id}: {type(e).__name__}: {e}",
-                              worker=0, batch=round_id,
-                              remote_traceback=traceback.format_exc()) from e
+                              worker=0, batch=round_id, remote_traceback=traceback.format_exc(),
+                              remote_type=type(e).__name__) from e
 
     def recv(self, timeout_s: float | None = None) -> Any:
         return self._replies.popleft() if self._replies else None

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from paraloom.data import describe, split_batch, to_device
+from paraloom.inference.precision import Precision, resolve_precision
 from paraloom.sync.base import StepContext, Synchronizer
 from paraloom.training.optim import OptimizerSpec
 
@@ -56,21 +57,42 @@ def _floating(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _grad_scaler(precision: Precision, device: torch.device) -> Any:
+    """fp16 autocast needs loss scaling against gradient underflow; bf16 and -true do not."""
+    if precision.autocast_dtype is not torch.float16:
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
 class Replica:
     """A private copy of the model and its optimizer on one device, kept in sync by ``sync``."""
 
     def __init__(self, model: nn.Module, optimizer: OptimizerSpec, *,
                  loss_fn: Any = None, step_fn: StepFn | None = None,
                  synchronizer: Synchronizer, device: torch.device | str = "cpu",
-                 group: Any = None, rank: int = 0, world_size: int = 1) -> None:
+                 group: Any = None, rank: int = 0, world_size: int = 1,
+                 precision: str | Precision = "32-true") -> None:
         if loss_fn is None and step_fn is None:
             raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, batch)"
                              " -> loss")
         self.device = torch.device(device)
+        self.precision = resolve_precision(precision)
+        self.precision.check_device(self.device)
         # A deep copy: a model that crossed a process boundary may share storage with others.
-        self.model = copy.deepcopy(model).to(self.device)
+        self.model = self.precision.convert_module(copy.deepcopy(model).to(self.device))
         self.model.train()
         self.optimizer = optimizer.build(self.model)
+        self.scaler = _grad_scaler(self.precision, self.device)
         self.loss_fn = loss_fn
         self.step_fn = step_fn
         self.sync = synchronizer
@@ -78,12 +100,17 @@ class Replica:
                                rank=rank, world_size=world_size, device=self.device)
         self._module: nn.Module = self.model
 
-    def begin_fit(self, state: dict[str, torch.Tensor] | None) -> None:
-        """Load the master parameters and let the synchronizer set up for a new fit()."""
+    def begin_fit(self, state: dict[str, torch.Tensor] | None,
+                  snapshot: dict[str, Any] | None = None) -> None:
+        """Load the master parameters (or a checkpoint's replica) and set up the synchronizer."""
         if state is not None:
             self.model.load_state_dict(state)
         self.ctx.step = 0
+        if snapshot is not None:
+            self._restore(snapshot)
         self.sync.setup(self.ctx)
+        if snapshot is not None:
+            self.sync.load_state_dict(snapshot["sync"])
         self._module = self.sync.wrap_model(self.model, self.ctx)
 
     def step(self, batch: Any | None) -> float | None:
@@ -101,10 +128,14 @@ class Replica:
             raise NonFiniteLossError(
                 f"the loss is {value} on a batch of {describe(batch)}: lower the learning rate, "
                 "check the data for NaN/inf, or clip gradients")
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
         ctx.skip_optimizer_step = False
         self.sync.after_backward(ctx)
-        if not ctx.skip_optimizer_step:
+        if self.scaler is not None:
+            if not ctx.skip_optimizer_step:
+                self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif not ctx.skip_optimizer_step:
             self.optimizer.step()
         self.sync.after_step(ctx)
         ctx.step += 1
@@ -112,21 +143,27 @@ class Replica:
 
     def _loss(self, batch: Any) -> torch.Tensor:
         batch = to_device(batch, self.device, non_blocking=True)
-        if self.step_fn is not None:
-            loss = self.step_fn(self._module, batch)
-        else:
-            inputs, targets = split_batch(batch)
-            self._check_dtype(inputs)
-            try:
-                outputs = forward(self._module, inputs)
-                loss = compute_loss(self.loss_fn, outputs, targets)
-            except Exception as e:
-                raise BatchError(f"{type(e).__name__}: {e}\n(on a batch with inputs "
-                                 f"{describe(inputs)} and targets {describe(targets)})") from e
+        if self.precision.param_dtype is not None:
+            batch = _cast_floating(batch, self.precision.param_dtype)
+        with self.precision.forward_context(self.device):
+            if self.step_fn is not None:
+                loss = self.step_fn(self._module, batch)
+            else:
+                loss = self._model_loss(batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError(f"the loss must be a scalar tensor; got {describe(loss)}. "
                             "Reduce it with .mean() or use a reduction='mean' loss")
-        return loss
+        return loss.float()
+
+    def _model_loss(self, batch: Any) -> torch.Tensor:
+        inputs, targets = split_batch(batch)
+        self._check_dtype(inputs)
+        try:
+            outputs = forward(self._module, inputs)
+            return compute_loss(self.loss_fn, outputs, targets)
+        except Exception as e:
+            raise BatchError(f"{type(e).__name__}: {e}\n(on a batch with inputs "
+                             f"{describe(inputs)} and targets {describe(targets)})") from e
 
     def _check_dtype(self, inputs: Any) -> None:
         want = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
@@ -143,3 +180,24 @@ class Replica:
     def state(self) -> dict[str, torch.Tensor]:
         """Independent CPU copies of the parameters and buffers."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything needed to continue this replica exactly: weights, optimizer, sync, RNG."""
+        snap = {"model": self.state(), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "sync": self.sync.state_dict(), "step": self.ctx.step,
+                "rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            snap["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        if self.scaler is not None:
+            snap["scaler"] = self.scaler.state_dict()
+        return snap
+
+    def _restore(self, snap: dict[str, Any]) -> None:
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(snap["optimizer"])
+        self.ctx.step = int(snap["step"])
+        torch.set_rng_state(snap["rng"])
+        if "cuda_rng" in snap and self.device.type == "cuda":
+            torch.cuda.set_rng_state(snap["cuda_rng"], self.device)
+        if self.scaler is not None and "scaler" in snap:
+            self.scaler.load_state_dict(snap["scaler"])

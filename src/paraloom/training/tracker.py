@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from paraloom.training.listeners import TrainingListener
+from paraloom.listeners import TrainingListener
 
 log = logging.getLogger("paraloom")
 

@@ -3,13 +3,16 @@
 ``ReplicaRunner`` speaks the protocol between a launcher and one replica; ``worker_main`` is
 the entry point of a ParallelWrapper worker process. Messages to a worker, in order:
 
-    ("begin", state_bytes, dataset_bytes)   load the master parameters; dataset for index dealing
+    ("begin", state, dataset, snapshot)     master parameters; dataset for index dealing; a
+                                            checkpoint's replica when resuming (pickled bytes)
     ("round", round_id, payload)            payload: ("batch", batch) | ("indices", list) | None
+    ("snapshot", tag)                       report this replica's full state (for checkpoints)
     ("finish",)                             final synchronization; report the result
     ("stop",)                               leave the loop
 
 Replies on the shared result queue: ("ready", rank), ("step", rank, round_id, loss, rows, synced),
-("finished", rank, result), ("error", rank, round_id, message, traceback).
+("snapshot", rank, tag, state), ("finished", rank, result),
+("error", rank, round_id, message, traceback, exception type name).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class WorkerSpec:
     loss_fn: Any
     step_fn: Any
     synchronizer: Synchronizer
+    precision: str = "32-true"
 
 
 class ReplicaRunner:
@@ -56,15 +60,17 @@ class ReplicaRunner:
         self.rank = rank
         self.replica = Replica(spec.model, spec.optimizer, loss_fn=spec.loss_fn,
                                step_fn=spec.step_fn, synchronizer=copy.deepcopy(spec.synchronizer),
-                               device=device, group=group, rank=rank, world_size=world_size)
+                               device=device, group=group, rank=rank, world_size=world_size,
+                               precision=spec.precision)
         self.dataset: IndexedDataset | None = None
         self.steps = 0
 
-    def begin(self, state: dict[str, torch.Tensor] | None, dataset: IndexedDataset | None) -> None:
-        """Start a fit(): load the master parameters, set up the synchronizer."""
+    def begin(self, state: dict[str, torch.Tensor] | None, dataset: IndexedDataset | None,
+              snapshot: dict[str, Any] | None = None) -> None:
+        """Start a fit(): load the master parameters (or a snapshot), set up the synchronizer."""
         self.dataset = dataset
         self.steps = 0
-        self.replica.begin_fit(state)
+        self.replica.begin_fit(state, snapshot)
 
     def round(self, payload: Any) -> tuple[float | None, int, bool]:
         """Train on this round's payload; returns (loss, rows, whether replicas synced)."""
@@ -164,9 +170,9 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Any, results: Any) 
                 round_id = msg[1]
                 results.put(("step", cfg.rank, round_id, *runner.round(msg[2])))
             elif msg[0] == "begin":
-                state = pickle.loads(msg[1])
-                dataset = pickle.loads(msg[2]) if msg[2] is not None else None
-                runner.begin(state, dataset)
+                runner.begin(*(pickle.loads(m) if m is not None else None for m in msg[1:]))
+            elif msg[0] == "snapshot":
+                results.put(("snapshot", cfg.rank, msg[1], runner.replica.snapshot()))
             elif msg[0] == "finish":
                 round_id = None
                 results.put(("finished", cfg.rank, runner.finish(send_state=cfg.rank == 0)))
@@ -174,7 +180,7 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Any, results: Any) 
                 break
     except BaseException as e:  # reported to the parent, which raises WorkerError
         results.put(("error", cfg.rank, round_id, f"{type(e).__name__}: {e}",
-                     traceback.format_exc()))
+                     traceback.format_exc(), type(e).__name__))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

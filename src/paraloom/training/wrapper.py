@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -13,11 +16,13 @@ from torch import nn
 
 from paraloom.data import IndexedDataset, Prefetcher, as_data_source, indexed_view, split_batch
 from paraloom.errors import NotPicklableError, WorkerError
-from paraloom.training.listeners import TrainingListener, as_listener
+from paraloom.inference.precision import resolve_precision
+from paraloom.listeners import TrainingListener, as_listener
 from paraloom.training.modes import TrainingMode, make_synchronizer
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.pool import LocalPool, ProcessPool
 from paraloom.training.replica import StepFn
+from paraloom.training.resume import TrainingCheckpoint
 from paraloom.training.tracker import RoundTracker
 from paraloom.training.worker import WorkerSpec
 
@@ -44,7 +49,8 @@ class ParallelWrapper:
                  averaging_frequency: int = 1, average_updaters: bool = True,
                  prefetch_buffer: int = 16, report_score_after_averaging: bool = False,
                  step_fn: StepFn | None = None, listeners: Iterable[Any] = (),
-                 progress: bool = True, timeout: float = 300.0, **sync_options: Any) -> None:
+                 progress: bool = True, timeout: float = 300.0, precision: str = "32-true",
+                 **sync_options: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         workers = _default_workers() if workers is None else workers
@@ -65,8 +71,10 @@ class ParallelWrapper:
             training_mode, averaging_frequency=averaging_frequency,
             average_updaters=average_updaters, **sync_options)
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self.precision = resolve_precision(precision).name
         self._spec = WorkerSpec(model=model, optimizer=OptimizerSpec.from_user(optimizer, model),
-                                loss_fn=loss_fn, step_fn=step_fn, synchronizer=self.synchronizer)
+                                loss_fn=loss_fn, step_fn=step_fn, synchronizer=self.synchronizer,
+                                precision=self.precision)
         if loss_fn is None and step_fn is None:
             raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, "
                              "batch) -> loss")
@@ -74,6 +82,8 @@ class ParallelWrapper:
         self._iteration = 0
         self._stop_requested = False
         self._stats: dict[str, Any] = {}
+        self._tracker: RoundTracker | None = None
+        self._snapshots: dict[int, _PendingCheckpoint] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> ParallelWrapper:
@@ -119,27 +129,32 @@ class ParallelWrapper:
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None,
-            shuffle: bool = False) -> dict[str, Any]:
+            shuffle: bool = False, resume_from: str | Path | None = None) -> dict[str, Any]:
         """Train for ``epochs`` passes over ``data``; the model then holds the trained weights.
 
         ``data`` yields ``(inputs, targets)`` batches (a DataLoader, a list, a re-iterable);
-        a map-style Dataset is accepted with ``batch_size=``. Returns ``stats()``.
+        a map-style Dataset is accepted with ``batch_size=``. ``resume_from`` (a checkpoint
+        file or a CheckpointListener's directory) continues an interrupted run exactly: same
+        total ``epochs``, same data. Returns ``stats()``.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
         data = as_data_source(data, batch_size, shuffle)
+        start = self._start_position(resume_from)
         pool = self._ensure_pool()
         indexed = self._indexed(data)
         self._stop_requested = False
         tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
-                               total_batches=_total(data, epochs), progress=self.progress,
+                               total_batches=_total(data, epochs - start.epoch),
+                               progress=self.progress,
                                report_score=self.report_score_after_averaging)
+        self._tracker, self._snapshots = tracker, {}
         completed = False
         try:
-            pool.begin(_master_state(self.model), indexed)
+            pool.begin(_master_state(self.model), indexed, start.replicas)
             for listener in self.listeners:
                 listener.on_fit_start(self)
-            self._deal(pool, tracker, data, indexed, epochs)
+            self._deal(pool, tracker, data, indexed, epochs, start)
             result = self._finish(pool, tracker)
             completed = True
         except BaseException:
@@ -155,6 +170,29 @@ class ParallelWrapper:
             listener.on_fit_end(self)
         return self.stats()
 
+    def _start_position(self, resume_from: str | Path | None) -> _Position:
+        if resume_from is None:
+            return _Position()
+        ckpt = TrainingCheckpoint.load(resume_from)
+        ckpt.check(self.fingerprint(), resume_from)
+        self._iteration = ckpt.iteration
+        return _Position(ckpt.epoch, ckpt.batch, ckpt.data_rng, ckpt.replicas)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint must match to be resumed by this wrapper."""
+        return {"model": type(self.model).__qualname__,
+                "parameters": [[k, list(v.shape)] for k, v in self.model.state_dict().items()],
+                "workers": self.workers, "training_mode": self.synchronizer.name,
+                "synchronizer": self.synchronizer.config(), "precision": self.precision}
+
+    def live_stats(self) -> dict[str, Any]:
+        """Live counters of the running fit(): batches, samples, seconds, total batches."""
+        t = self._tracker
+        if t is None:
+            return {"batches": 0, "samples": 0, "seconds": 0.0, "total_batches": None}
+        return {"batches": t.batches, "samples": t.rows, "seconds": t.seconds,
+                "total_batches": t.bar.total}
+
     def _indexed(self, data: Any) -> IndexedDataset | None:
         view = indexed_view(data)
         if view is None or self.workers == 1:
@@ -167,16 +205,21 @@ class ParallelWrapper:
         return view
 
     def _deal(self, pool: Any, tracker: RoundTracker, data: Any, indexed: Any,
-              epochs: int) -> None:
-        round_id = 0
-        for epoch in range(epochs):
-            dealt = 0
-            for payloads in self._rounds(data, indexed):
+              epochs: int, start: _Position) -> None:
+        round_id, base = 0, tracker.iteration
+        for epoch in range(start.epoch, epochs):
+            if epoch == start.epoch and start.data_rng is not None:
+                torch.set_rng_state(start.data_rng)  # the interrupted epoch's shuffle order
+            epoch_rng = torch.get_rng_state()
+            skip = start.batch if epoch == start.epoch else 0
+            dealt = skip
+            for payloads in self._rounds(data, indexed, skip):
                 tracker.add(round_id, epoch, dealt, len(payloads))
                 for rank in range(self.workers):
                     payload = payloads[rank] if rank < len(payloads) else None
                     pool.send(rank, ("round", round_id, payload))
                 dealt += len(payloads)
+                self._maybe_snapshot(pool, base + round_id, epoch, dealt, epoch_rng, False)
                 round_id += 1
                 self._drain(pool, tracker, block=False)
                 if self._stop_requested:
@@ -184,15 +227,50 @@ class ParallelWrapper:
             if dealt == 0:
                 raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
                                  "source (a DataLoader or a list), not a one-shot generator")
+            if round_id:
+                self._maybe_snapshot(pool, base + round_id - 1, epoch, dealt, epoch_rng, True)
 
-    def _rounds(self, data: Any, indexed: IndexedDataset | None) -> Iterator[list[Any]]:
+    def _maybe_snapshot(self, pool: Any, iteration: int, epoch: int, dealt: int,
+                        epoch_rng: torch.Tensor, epoch_end: bool) -> None:
+        """Ask the workers for their state after this round if a listener wants a checkpoint."""
+        wanting = [x for x in self.listeners if x.wants_checkpoint(iteration, epoch, epoch_end)]
+        known = self._snapshots.get(iteration)
+        if known is not None:  # asked for twice (e.g. every N iterations and at epoch end)
+            late = [x for x in wanting if x not in known.listeners]
+            known.listeners += late
+            if known.done:
+                for listener in late:
+                    listener.on_checkpoint(known.checkpoint)
+            return
+        if not wanting:
+            return
+        self._snapshots[iteration] = _PendingCheckpoint(wanting, TrainingCheckpoint(
+            fingerprint=self.fingerprint(), epoch=epoch, batch=dealt, iteration=iteration + 1,
+            data_rng=epoch_rng, replicas=[None] * self.workers))
+        for rank in range(self.workers):
+            pool.send(rank, ("snapshot", iteration))
+
+    def _on_snapshot(self, rank: int, tag: int, state: dict[str, Any]) -> None:
+        pending = self._snapshots[tag]
+        pending.checkpoint.replicas[rank] = state
+        if all(r is not None for r in pending.checkpoint.replicas):
+            pending.done = True
+            for old in [t for t, p in self._snapshots.items() if p.done and t < tag]:
+                del self._snapshots[old]  # only the newest may still be asked for again
+            for listener in pending.listeners:
+                listener.on_checkpoint(pending.checkpoint)
+
+    def _rounds(self, data: Any, indexed: IndexedDataset | None,
+                skip: int = 0) -> Iterator[list[Any]]:
         """Group the epoch's batches into rounds of ``workers`` payloads (the last may be short)."""
         if indexed is not None:
-            source: Iterable[Any] = (("indices", list(b)) for b in data.batch_sampler)
+            batches = itertools.islice(data.batch_sampler, skip, None)
+            source: Iterable[Any] = (("indices", list(b)) for b in batches)
             prefetcher = None
         else:
             prefetcher = Prefetcher(data, self.prefetch_buffer) if self.prefetch_buffer else None
-            source = (("batch", _checked(b)) for b in (prefetcher or data))
+            batches = itertools.islice(prefetcher or data, skip, None)
+            source = (("batch", _checked(b)) for b in batches)
         try:
             chunk: list[Any] = []
             for payload in source:
@@ -221,6 +299,8 @@ class ParallelWrapper:
             if msg[0] == "step":
                 _, _, round_id, loss, rows, synced = msg
                 tracker.reply(round_id, loss, rows, synced)
+            elif msg[0] == "snapshot":
+                self._on_snapshot(*msg[1:])
             elif block:
                 return msg
 
@@ -250,8 +330,25 @@ class ParallelWrapper:
                 log.debug("optimizer state not copied back: %s", e)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the last fit(): rounds, samples, samples/s, bytes sent per step per worker."""
+        """Counters of the last fit(): rounds, samples, samples/s, bytes sent per step."""
         return dict(self._stats)
+
+
+@dataclass
+class _Position:
+    """Where a fit() starts: an epoch, batches of it already trained, and the data RNG."""
+
+    epoch: int = 0
+    batch: int = 0
+    data_rng: torch.Tensor | None = None
+    replicas: list[Any] | None = None
+
+
+@dataclass
+class _PendingCheckpoint:
+    listeners: list[TrainingListener]
+    checkpoint: TrainingCheckpoint
+    done: bool = False
 
 
 def _checked(batch: Any) -> Any:

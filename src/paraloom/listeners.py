@@ -1,0 +1,144 @@
+"""Training listeners: callbacks the parent process fires once per round, not once per worker.
+
+``iteration`` counts rounds across fit() calls (a round is one batch per worker); the loss
+passed is the mean loss of the workers that trained in the round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TrainingListener", "ScoreListener", "PerformanceListener", "CheckpointListener",
+           "as_listener"]
+
+log = logging.getLogger("paraloom")
+
+
+class TrainingListener:
+    """Override the hooks you need."""
+
+    def on_fit_start(self, wrapper: Any) -> None:
+        """Before the first round of a fit(); ``wrapper.stop()`` ends the fit early."""
+
+    def on_epoch_start(self, epoch: int) -> None:
+        """Before the first round of an epoch."""
+
+    def on_iteration(self, iteration: int, epoch: int, loss: float) -> None:
+        """After a round."""
+
+    def on_epoch_end(self, epoch: int, loss: float) -> None:
+        """After the last round of an epoch; ``loss`` is the epoch's mean round loss."""
+
+    def on_fit_end(self, wrapper: Any) -> None:
+        """After the final synchronization; the user's model holds the result."""
+
+    def wants_checkpoint(self, iteration: int, epoch: int, epoch_end: bool) -> bool:
+        """Asked when round ``iteration`` is dealt: should a checkpoint be taken after it?"""
+        return False
+
+    def on_checkpoint(self, checkpoint: Any) -> None:
+        """A ``TrainingCheckpoint`` this listener asked for, complete."""
+
+
+class _CallableListener(TrainingListener):
+    def __init__(self, fn: Callable[[int, int, float], Any]) -> None:
+        self.fn = fn
+
+    def on_iteration(self, iteration: int, epoch: int, loss: float) -> None:
+        self.fn(iteration, epoch, loss)
+
+
+def as_listener(obj: Any) -> TrainingListener:
+    """A TrainingListener, or a callable ``fn(iteration, epoch, loss)`` wrapped as one."""
+    if isinstance(obj, TrainingListener):
+        return obj
+    if callable(obj):
+        return _CallableListener(obj)
+    raise TypeError(f"a listener must be a TrainingListener or a callable (iteration, epoch, "
+                    f"loss); got {type(obj).__name__}")
+
+
+def _positive(name: str, value: int | None) -> int | None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}={value!r}; expected an int >= 1 or None")
+    return value
+
+
+class ScoreListener(TrainingListener):
+    """Log the loss every ``frequency`` iterations (and keep the history in ``scores``)."""
+
+    def __init__(self, frequency: int = 10, logger: logging.Logger | None = None) -> None:
+        self.frequency = _positive("frequency", frequency) or 1
+        self.logger = logger or log
+        self.scores: list[tuple[int, int, float]] = []
+
+    def on_iteration(self, iteration: int, epoch: int, loss: float) -> None:
+        if iteration % self.frequency == 0:
+            self.scores.append((iteration, epoch, loss))
+            self.logger.info("iteration %d (epoch %d): loss %.6f", iteration, epoch, loss)
+
+
+class PerformanceListener(TrainingListener):
+    """Log samples/s, batches/s and the ETA every ``frequency`` iterations."""
+
+    def __init__(self, frequency: int = 50, logger: logging.Logger | None = None) -> None:
+        self.frequency = _positive("frequency", frequency) or 1
+        self.logger = logger or log
+        self.wrapper: Any = None
+        self.reports: list[dict[str, float]] = []
+
+    def on_fit_start(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+
+    def on_iteration(self, iteration: int, epoch: int, loss: float) -> None:
+        if iteration % self.frequency or self.wrapper is None:
+            return
+        p = self.wrapper.live_stats()
+        elapsed = max(p["seconds"], 1e-9)
+        report = {"iteration": iteration, "samples_per_s": p["samples"] / elapsed,
+                  "batches_per_s": p["batches"] / elapsed, "eta_s": float("nan")}
+        if p.get("total_batches"):
+            left = p["total_batches"] - p["batches"]
+            report["eta_s"] = left / max(report["batches_per_s"], 1e-9)
+        self.reports.append(report)
+        self.logger.info("iteration %d: %.0f samples/s, %.1f batches/s, ETA %.0f s", iteration,
+                         report["samples_per_s"], report["batches_per_s"], report["eta_s"])
+
+
+class CheckpointListener(TrainingListener):
+    """Write exact-resume checkpoints every N iterations and/or epochs, keeping the last K.
+
+    Files are ``{directory}/{prefix}-epoch{E}-iter{I}.safetensors``, written atomically;
+    ``fit(..., resume_from=directory)`` continues from the newest.
+    """
+
+    def __init__(self, directory: str | Path, *, every_n_iterations: int | None = None,
+                 every_n_epochs: int | None = 1, keep_last: int = 3,
+                 prefix: str = "checkpoint") -> None:
+        self.directory = Path(directory)
+        self.every_n_iterations = _positive("every_n_iterations", every_n_iterations)
+        self.every_n_epochs = _positive("every_n_epochs", every_n_epochs)
+        self.keep_last = _positive("keep_last", keep_last) or 1
+        if self.every_n_iterations is None and self.every_n_epochs is None:
+            raise ValueError("give every_n_iterations= and/or every_n_epochs=")
+        self.prefix = prefix
+        self.written: list[Path] = []
+
+    def wants_checkpoint(self, iteration: int, epoch: int, epoch_end: bool) -> bool:
+        by_iteration = self.every_n_iterations and (iteration + 1) % self.every_n_iterations == 0
+        by_epoch = epoch_end and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0
+        return bool(by_iteration or by_epoch)
+
+    def on_checkpoint(self, checkpoint: Any) -> None:
+        name = f"{self.prefix}-epoch{checkpoint.epoch}-iter{checkpoint.iteration}.safetensors"
+        started = time.perf_counter()
+        path = checkpoint.save(self.directory / name)
+        self.written.append(path)
+        log.debug("checkpoint %s written in %.3f s", path, time.perf_counter() - started)
+        for old in self.written[:-self.keep_last]:
+            old.unlink(missing_ok=True)
+        self.written = self.written[-self.keep_last:]

@@ -1,0 +1,133 @@
+"""Training checkpoints for exact resume: every replica's full state plus the data position.
+
+A checkpoint file is safetensors: the tensors, and one JSON header that holds the structure
+(optimizer state, synchronizer state, counters) with references to the tensors. Loading never
+unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from paraloom.checkpoint import atomic_write
+
+__all__ = ["TrainingCheckpoint", "latest_checkpoint"]
+
+_HEADER = "paraloom_checkpoint"
+_FORMAT = 1
+
+
+def _flatten(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """A JSON-able copy of ``obj`` whose tensors are moved into ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach().cpu().contiguous().clone()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        return {"__dict__": [[_flatten(k, f"{key}.k{i}", tensors),
+                              _flatten(v, f"{key}.{i}", tensors)]
+                             for i, (k, v) in enumerate(obj.items())]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_flatten(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_flatten(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store a {type(obj).__name__} at {key} in a checkpoint: only "
+                    "tensors, numbers, strings, lists, tuples and dicts are stored")
+
+
+def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__dict__" in obj:
+            return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in obj["__dict__"]}
+        if "__tuple__" in obj:
+            return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
+        raise ValueError(f"malformed checkpoint entry {list(obj)[:3]}")
+    if isinstance(obj, list):
+        return [_unflatten(v, tensors) for v in obj]
+    return obj
+
+
+@dataclass
+class TrainingCheckpoint:
+    """Where training stood after a round, and every replica's state at that point."""
+
+    fingerprint: dict[str, Any]
+    """What the checkpoint belongs to: model parameters, workers, training mode, precision."""
+    epoch: int
+    """The epoch in progress; ``batch`` of its batches had been dealt."""
+    batch: int
+    iteration: int
+    """Rounds completed across fit() calls."""
+    data_rng: torch.Tensor
+    """The parent's torch RNG state at the start of ``epoch``: it fixes the shuffle order."""
+    replicas: list[dict[str, Any]]
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically (temporary file + rename): a crash leaves the old file intact."""
+        tensors: dict[str, torch.Tensor] = {}
+        header = {"format": _FORMAT, "fingerprint": self.fingerprint, "epoch": self.epoch,
+                  "batch": self.batch, "iteration": self.iteration,
+                  "data_rng": _flatten(self.data_rng, "data_rng", tensors),
+                  "replicas": _flatten(self.replicas, "replicas", tensors)}
+        atomic_write(path, lambda tmp: save_file(tensors, tmp,
+                                                 metadata={_HEADER: json.dumps(header)}))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainingCheckpoint:
+        """Read a checkpoint written by ``save`` (a directory means its latest checkpoint)."""
+        path = Path(path)
+        if path.is_dir():
+            found = latest_checkpoint(path)
+            if found is None:
+                raise FileNotFoundError(f"no checkpoint in {str(path)!r}")
+            path = found
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if _HEADER not in meta:
+                raise ValueError(f"{path} is not a paraloom training checkpoint (a model saved "
+                                 "with paraloom.save is loaded with paraloom.load instead)")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        header = json.loads(meta[_HEADER])
+        if header.get("format") != _FORMAT:
+            raise ValueError(f"{path} has checkpoint format {header.get('format')}; this "
+                             f"paraloom reads format {_FORMAT}")
+        return cls(fingerprint=header["fingerprint"], epoch=header["epoch"],
+                   batch=header["batch"], iteration=header["iteration"],
+                   data_rng=_unflatten(header["data_rng"], tensors),
+                   replicas=_unflatten(header["replicas"], tensors))
+
+    def check(self, fingerprint: dict[str, Any], path: Any = "the checkpoint") -> None:
+        """Refuse a checkpoint written for another model or configuration."""
+        diffs = [f"{k}: checkpoint has {self.fingerprint.get(k)!r}, this run has {v!r}"
+                 for k, v in fingerprint.items() if self.fingerprint.get(k) != v]
+        if diffs:
+            shown = "; ".join(d if len(d) < 300 else d[:300] + "..." for d in diffs)
+            raise ValueError(f"{path} was written for another model or configuration ({shown}). "
+                             "Resume with the same model, workers, training mode and precision, "
+                             "or train without resume_from")
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The checkpoint with the highest iteration in ``directory`` (as CheckpointListener names)."""
+    files = sorted(Path(directory).glob("*-iter*.safetensors"), key=_iteration_of)
+    return files[-1] if files else None
+
+
+def _iteration_of(path: Path) -> int:
+    try:
+        return int(path.stem.rsplit("-iter", 1)[1])
+    except (IndexError, ValueError):
+        return -1

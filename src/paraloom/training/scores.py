@@ -1,0 +1,101 @@
+"""Score calculators for early stopping: each declares whether higher is better."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraloom.data import split_batch, to_device
+from paraloom.evaluation import evaluate
+from paraloom.training.replica import compute_loss, forward
+
+__all__ = ["ScoreCalculator", "LossCalculator", "AccuracyCalculator", "F1Calculator",
+           "MSECalculator", "CallableCalculator", "as_score_calculator"]
+
+
+class ScoreCalculator:
+    """Scores a model; ``higher_is_better`` says which way is up."""
+
+    higher_is_better = False
+
+    def score(self, model: nn.Module) -> float:
+        raise NotImplementedError
+
+    def better(self, a: float, b: float) -> bool:
+        """True if score ``a`` beats score ``b``."""
+        return a > b if self.higher_is_better else a < b
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+class LossCalculator(ScoreCalculator):
+    """Mean loss per example on a data set (lower is better)."""
+
+    def __init__(self, data: Any, loss_fn: Any) -> None:
+        self.data, self.loss_fn = data, loss_fn
+
+    @torch.no_grad()
+    def score(self, model: nn.Module) -> float:
+        was = model.training
+        model.eval()
+        total, count = 0.0, 0
+        try:
+            for batch in self.data:
+                inputs, targets = to_device(split_batch(batch), _device(model))
+                n = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else 1
+                total += float(compute_loss(self.loss_fn, forward(model, inputs), targets)) * n
+                count += n
+        finally:
+            model.train(was)
+        return total / max(1, count)
+
+
+class AccuracyCalculator(ScoreCalculator):
+    """Classification accuracy on a data set (higher is better)."""
+
+    higher_is_better = True
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def score(self, model: nn.Module) -> float:
+        return evaluate(model, self.data).accuracy
+
+
+class F1Calculator(AccuracyCalculator):
+    """Macro-averaged F1 on a data set (higher is better)."""
+
+    def score(self, model: nn.Module) -> float:
+        return float(evaluate(model, self.data).metrics()["f1"])
+
+
+class MSECalculator(LossCalculator):
+    """Regression mean squared error (lower is better)."""
+
+    def __init__(self, data: Any) -> None:
+        super().__init__(data, nn.MSELoss())
+
+
+class CallableCalculator(ScoreCalculator):
+    """Any ``fn(model) -> float``."""
+
+    def __init__(self, fn: Callable[[nn.Module], float], higher_is_better: bool = False) -> None:
+        self.fn, self.higher_is_better = fn, higher_is_better
+
+    def score(self, model: nn.Module) -> float:
+        return float(self.fn(model))
+
+
+def as_score_calculator(obj: Any) -> ScoreCalculator:
+    """A ScoreCalculator, or a callable (lower is better unless it has higher_is_better=True)."""
+    if isinstance(obj, ScoreCalculator):
+        return obj
+    if callable(obj):
+        return CallableCalculator(obj, bool(getattr(obj, "higher_is_better", False)))
+    raise TypeError(f"score_calculator must be a ScoreCalculator or a callable model -> float; "
+                    f"got {type(obj).__name__}")

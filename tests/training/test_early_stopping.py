@@ -1,0 +1,143 @@
+"""EarlyStoppingParallelTrainer: every condition, calculator and saver, on real training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from models_for_tests import Scalar, linear_loss
+from torch import nn
+from torch.utils.data import DataLoader
+
+from conftest import accuracy
+from paraloom.early_stopping import (
+    AccuracyCalculator,
+    BestScore,
+    EarlyStoppingConfig,
+    EarlyStoppingParallelTrainer,
+    F1Calculator,
+    LocalDirectorySaver,
+    LossCalculator,
+    MaxEpochs,
+    MaxScore,
+    MaxTime,
+    MSECalculator,
+    ScoreImprovement,
+)
+from paraloom.models import LeNet
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _lenet_trainer(config, loader, **kw):
+    torch.manual_seed(0)
+    model = LeNet(image_size=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    options = dict(loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2, progress=False)
+    options.update(kw)
+    if options.get("training_mode", "averaging") == "averaging":
+        options["averaging_frequency"] = 3
+    return model, EarlyStoppingParallelTrainer(config, model, loader, **options)
+
+
+def test_early_stopped_run_returns_the_best_model(digits_loader, digits_test, tmp_path):
+    test_loader = DataLoader(digits_test, batch_size=128)
+    calc = AccuracyCalculator(test_loader)
+    config = EarlyStoppingConfig(
+        epoch_conditions=[MaxEpochs(8), ScoreImprovement(patience=2, min_delta=0.001)],
+        score_calculator=calc, model_saver=LocalDirectorySaver(tmp_path), save_last_model=True)
+    model, trainer = _lenet_trainer(config, digits_loader, training_mode="shared_gradients")
+    result = trainer.fit()
+    assert result.termination_reason == "epoch_condition"
+    assert result.total_epochs == len(result.scores) <= 8
+    assert sorted(result.scores) == list(range(result.total_epochs))
+    assert result.best_score == max(result.scores.values())
+    assert result.scores[result.best_epoch] == result.best_score
+    assert result.best_score >= 0.93
+    # The reported best is really the best model's score, re-measured.
+    assert calc.score(result.best_model) == result.best_score
+    assert accuracy(result.best_model, digits_test) == pytest.approx(result.best_score, abs=1e-6)
+    # The latest model is the user's model after the last epoch.
+    latest = config.model_saver.latest_model()
+    assert accuracy(latest, digits_test) == accuracy(model, digits_test)
+    assert set(p.name for p in tmp_path.iterdir()) >= {"best.safetensors", "latest.safetensors"}
+    if "ScoreImprovement" in result.termination_details:
+        best_then = [e for e in result.scores if e > result.best_epoch]
+        assert len(best_then) == 2
+
+
+def test_best_score_and_loss_calculator(digits_loader, digits_test):
+    test_loader = DataLoader(digits_test, batch_size=128)
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(10), BestScore(0.5)],
+                                 score_calculator=LossCalculator(test_loader,
+                                                                 nn.CrossEntropyLoss()))
+    _, trainer = _lenet_trainer(config, digits_loader, workers=1)
+    result = trainer.fit()
+    assert result.termination_details == "BestScore(0.5)"
+    assert result.best_score <= 0.5 and result.total_epochs < 10
+    assert result.scores[result.total_epochs - 1] <= 0.5
+    assert all(s > 0.5 for e, s in result.scores.items() if e < result.total_epochs - 1)
+
+
+def test_max_time_stops_within_a_round(digits_loader, digits_test):
+    config = EarlyStoppingConfig(iteration_conditions=[MaxTime(0.3)],
+                                 score_calculator=F1Calculator(DataLoader(digits_test, 128)))
+    _, trainer = _lenet_trainer(config, digits_loader, workers=1)
+    result = trainer.fit()
+    assert result.termination_reason == "iteration_condition"
+    assert result.termination_details == "MaxTime(0.3)"
+    assert result.total_epochs <= 3
+
+
+def test_divergence_ends_with_the_best_model_not_an_error():
+    # lr=10 on a quadratic explodes to inf and then NaN within a few rounds.
+    model = nn.Linear(1, 1)
+    data = [(torch.randn(16, 1), torch.randn(16, 1)) for _ in range(4)]
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(50)],
+                                 iteration_conditions=[MaxScore(1e6)],
+                                 score_calculator=MSECalculator(data))
+    trainer = EarlyStoppingParallelTrainer(config, model, data, loss_fn=nn.MSELoss(), workers=2,
+                                           optimizer=torch.optim.SGD(model.parameters(), lr=10.0),
+                                           progress=False)
+    result = trainer.fit()
+    assert result.termination_reason == "iteration_condition"
+    assert "MaxScore" in result.termination_details or "non-finite" in result.termination_details
+    assert result.total_epochs < 50
+    assert math.isfinite(result.best_score)
+
+
+def test_callable_score_and_validation():
+    calls = []
+
+    def score(model):
+        calls.append(float(model.w.detach()))
+        return abs(float(model.w.detach()) + 3)  # closest to w = -3 is best (lower is better)
+
+    model = Scalar()
+    data = [(torch.tensor([[1.0]]), torch.zeros(1))]
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(6)], score_calculator=score)
+    trainer = EarlyStoppingParallelTrainer(config, model, data, loss_fn=linear_loss, workers=1,
+                                           optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                           progress=False)
+    result = trainer.fit()
+    assert calls == [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
+    assert result.best_epoch == 2 and result.best_score == 0.0
+    assert float(result.best_model.w) == -3.0
+    with pytest.raises(ValueError, match="score_calculator="):
+        EarlyStoppingConfig(epoch_conditions=[MaxEpochs(1)])
+    with pytest.raises(ValueError, match="termination condition"):
+        EarlyStoppingConfig(score_calculator=score)
+    with pytest.raises(ValueError, match="patience"):
+        ScoreImprovement(patience=0)
+
+
+def test_conditions_in_isolation():
+    imp = ScoreImprovement(patience=2, min_delta=0.1)
+    imp.initialize()
+    seq = [imp.terminate(e, s, True) for e, s in enumerate([0.5, 0.55, 0.7, 0.75, 0.78])]
+    assert seq == [False, False, False, False, True]
+    assert BestScore(0.9).terminate(0, 0.91, True) and not BestScore(0.9).terminate(0, 0.91, False)
+    assert MaxScore(10).terminate(0, float("nan")) and MaxScore(10).terminate(0, 11)
+    assert not MaxScore(10).terminate(0, 9)
+    assert MaxEpochs(3).terminate(2, 0.0, True) and not MaxEpochs(3).terminate(1, 0.0, True)

@@ -1,0 +1,88 @@
+"""Score, performance and checkpoint listeners; Lightning-style precision settings."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from models_for_tests import digest
+from torch import nn
+
+from conftest import accuracy
+from paraloom import ParallelWrapper, TrainingCheckpoint
+from paraloom.listeners import CheckpointListener, PerformanceListener, ScoreListener
+from paraloom.models import MLP, LeNet
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _batches(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.rand(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g))
+            for _ in range(n)]
+
+
+def test_score_performance_and_checkpoint_listeners(tmp_path, caplog):
+    model = MLP(in_features=64)
+    score = ScoreListener(frequency=2)
+    perf = PerformanceListener(frequency=3)
+    ckpt = CheckpointListener(tmp_path, every_n_iterations=4, every_n_epochs=1, keep_last=2)
+    with caplog.at_level(logging.INFO, logger="paraloom"):
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             listeners=[score, perf, ckpt]) as w:
+            w.fit(_batches(12), epochs=2)  # 6 rounds per epoch, 12 in all
+    assert [i for i, _, _ in score.scores] == [0, 2, 4, 6, 8, 10]
+    assert [e for _, e, _ in score.scores] == [0, 0, 0, 1, 1, 1]
+    assert sum("loss" in r.message for r in caplog.records) >= 6
+    assert [r["iteration"] for r in perf.reports] == [0, 3, 6, 9]
+    assert all(r["samples_per_s"] > 0 and r["eta_s"] >= 0 for r in perf.reports)
+    assert perf.reports[-1]["eta_s"] < perf.reports[0]["eta_s"]
+    # every 4 iterations (after rounds 3, 7, 11) and each epoch's end (rounds 5, 11): keep 2.
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["checkpoint-epoch1-iter12.safetensors", "checkpoint-epoch1-iter8.safetensors"]
+    last = TrainingCheckpoint.load(tmp_path)
+    assert (last.epoch, last.batch, last.iteration) == (1, 12, 12)
+    assert len(last.replicas) == 2
+    # The checkpoint holds the replicas right before the final averaging of fit().
+    final = {k: v for k, v in last.replicas[0]["model"].items()}
+    assert set(final) == set(model.state_dict())
+
+
+def test_listener_arguments_are_validated(tmp_path):
+    with pytest.raises(ValueError, match="every_n_iterations"):
+        CheckpointListener(tmp_path, every_n_iterations=0)
+    with pytest.raises(ValueError, match="every_n_iterations= and/or every_n_epochs="):
+        CheckpointListener(tmp_path, every_n_iterations=None, every_n_epochs=None)
+    with pytest.raises(TypeError, match="listener"):
+        ParallelWrapper(MLP(), loss_fn=nn.CrossEntropyLoss(), listeners=[42],
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def _train_lenet(precision, loader, epochs=5):
+    torch.manual_seed(0)
+    model = LeNet(image_size=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         averaging_frequency=3, progress=False, precision=precision) as w:
+        w.fit(loader, epochs=epochs)
+    return model
+
+
+def test_bf16_mixed_trains_lenet_within_a_point_of_fp32(digits_loader, digits_test):
+    fp32 = _train_lenet("32-true", digits_loader)
+    bf16 = _train_lenet("bf16-mixed", digits_loader)
+    assert digest(fp32) != digest(bf16), "bf16 autocast must really change the arithmetic"
+    assert next(bf16.parameters()).dtype == torch.float32  # the user's model keeps its dtype
+    a32, a16 = accuracy(fp32, digits_test), accuracy(bf16, digits_test)
+    assert a32 >= 0.95 and abs(a32 - a16) <= 0.01
+
+
+def test_half_replicas_and_unknown_precision(digits_loader, digits_test):
+    model = _train_lenet("bf16-true", digits_loader, epochs=3)
+    assert next(model.parameters()).dtype == torch.float32
+    assert accuracy(model, digits_test) >= 0.85
+    with pytest.raises(ValueError, match="'32-true'"):
+        ParallelWrapper(MLP(), loss_fn=nn.CrossEntropyLoss(), precision="fp8",
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1))

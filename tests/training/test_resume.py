@@ -1,0 +1,129 @@
+"""Checkpoints: exact resume after a kill, atomic writes, refusing foreign checkpoints."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+import torch
+from models_for_tests import digest
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paraloom import ParallelWrapper, TrainingCheckpoint, TrainingListener, WorkerError
+from paraloom.datasets import digits
+from paraloom.listeners import CheckpointListener
+from paraloom.models import MLP, LeNet
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class _KillAt(TrainingListener):
+    def __init__(self, at):
+        self.at, self.wrapper = at, None
+
+    def on_fit_start(self, wrapper):
+        self.wrapper = wrapper
+
+    def on_iteration(self, iteration, epoch, loss):
+        if iteration == self.at:
+            os.kill(self.wrapper.worker_pids[-1], signal.SIGKILL)
+
+
+def _run(mode, listeners=(), resume_from=None, epochs=3):
+    torch.manual_seed(0)
+    model = LeNet(image_size=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(digits("train"), batch_size=64, shuffle=True)
+    options = {"averaging_frequency": 3} if mode == "averaging" else {}
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         training_mode=mode, progress=False, listeners=list(listeners),
+                         **options) as w:
+        w.fit(loader, epochs=epochs, resume_from=resume_from)
+    return digest(model)
+
+
+@pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
+def test_resume_after_a_kill_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, mode):
+    reference = _run(mode)
+    kill_at = random.Random(mode).randrange(9, 30)  # a "random" but reproducible step
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        _run(mode, [CheckpointListener(tmp_path, every_n_iterations=4, every_n_epochs=None),
+                    _KillAt(kill_at)])
+    latest = TrainingCheckpoint.load(tmp_path)
+    assert latest.iteration <= kill_at + 1 and latest.iteration % 4 == 0
+    assert len(list(tmp_path.glob("*.safetensors"))) <= 3  # keep_last
+    assert _run(mode, resume_from=tmp_path) == reference
+
+
+class _CrashingWrite(TrainingListener):
+    """Writes a checkpoint whose save dies half-way (as a crash during the write would)."""
+
+    def wants_checkpoint(self, iteration, epoch, epoch_end):
+        return iteration == 5
+
+    def on_checkpoint(self, checkpoint):
+        import safetensors.torch as st
+
+        real = st.save_file
+
+        def half_write(tensors, path, metadata=None):
+            with open(path, "wb") as f:
+                f.write(b"\x00" * 100)
+            raise OSError("disk gone")
+
+        st.save_file = half_write
+        try:
+            from paraloom.training import resume
+
+            resume.save_file, saved = half_write, resume.save_file
+            try:
+                checkpoint.save(self.path)
+            finally:
+                resume.save_file = saved
+        finally:
+            st.save_file = real
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+    model = MLP(in_features=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))) for _ in range(12)]
+    keeper = CheckpointListener(tmp_path, every_n_iterations=3, every_n_epochs=None)
+    crasher = _CrashingWrite()
+    crasher.path = tmp_path / "checkpoint-epoch0-iter3.safetensors"  # overwrite a good one
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=1,
+                         progress=False, listeners=[keeper, crasher]) as w:
+        with pytest.raises(OSError, match="disk gone"):
+            w.fit(batches)
+    good = TrainingCheckpoint.load(tmp_path / "checkpoint-epoch0-iter3.safetensors")
+    assert good.iteration == 3 and good.batch == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_checkpoint_from_another_configuration_is_refused(tmp_path):
+    batches = [(torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))) for _ in range(4)]
+    model = MLP(in_features=64)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                         listeners=[CheckpointListener(tmp_path)]) as w:
+        w.fit(batches)
+    other = MLP(in_features=64, hidden=[32])
+    w2 = ParallelWrapper(other, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(other.parameters(), lr=0.01))
+    with pytest.raises(ValueError, match="another model or configuration.*parameters"):
+        w2.fit(batches, resume_from=tmp_path)
+    w3 = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                         averaging_frequency=5)
+    with pytest.raises(ValueError, match="synchronizer"):
+        w3.fit(batches, resume_from=tmp_path)
+    with pytest.raises(ValueError, match="not a paraloom training checkpoint"):
+        import paraloom
+
+        paraloom.save(model, tmp_path / "model.safetensors")
+        w3.fit(batches, resume_from=tmp_path / "model.safetensors")
+    header = (tmp_path / "checkpoint-epoch0-iter4.safetensors").read_bytes()[:4096]
+    assert b"pickle" not in header

@@ -45,7 +45,8 @@ class TwoHeads(nn.Module):
 
 
 def test_sample_gives_multiple_inputs_and_named_outputs() -> None:
-    sig = infer_signature(TwoHeads(), sample=(torch.zeros(1, 3), torch.zeros(1, 4, dtype=torch.int64)))
+    sample = (torch.zeros(1, 3), torch.zeros(1, 4, dtype=torch.int64))
+    sig = infer_signature(TwoHeads(), sample=sample)
     assert [(s.name, s.datatype, s.shape) for s in sig.inputs] == [
         ("input_0", "FP32", (-1, 3)), ("input_1", "INT64", (-1, 4))]
     assert [(s.name, s.datatype, s.shape) for s in sig.outputs] == [

@@ -12,9 +12,10 @@ import multiprocessing as mp
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _GROUP_TIMEOUT_S = 30  # every collective gives up after this
 

@@ -13,9 +13,6 @@ Prints throughputs, p50/p99 latencies and the two ratios, and writes them as JSO
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +21,7 @@ from typing import Any
 
 import torch
 
+from paraloom.bench.common import machine, plain_args, write_results
 from paraloom.inference import ParallelInference
 from paraloom.inference.stats import percentiles
 from paraloom.models import LeNet
@@ -37,21 +35,24 @@ GOAL_VS_OFFLINE = 0.7
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
-    cores = os.cpu_count() or 1
-    parser.add_argument("--clients", type=int, default=64, help="concurrent client threads")
+    parser.add_argument("--clients", type=int, default=64, help="concurrent client threads (64)")
     parser.add_argument("--requests", type=int, default=100,
-                        help="one-row requests per client thread")
+                        help="one-row requests per client thread (100)")
     parser.add_argument("--image-size", type=int, default=28, help="LeNet input size (28: MNIST)")
-    parser.add_argument("--workers", type=int, default=1, help="ParallelInference workers")
-    parser.add_argument("--threads-per-worker", type=int, default=max(1, cores),
-                        help="torch intra-op threads per worker (workers x this <= cores)")
-    parser.add_argument("--batch-limit", type=int, default=64, help="rows per batch at most")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="ParallelInference workers (default: min(2, cores))")
+    parser.add_argument("--threads-per-worker", type=int, default=None,
+                        help="torch intra-op threads per worker (default: cores // workers)")
+    parser.add_argument("--batch-limit", type=int, default=64, help="rows per batch at most (64)")
     parser.add_argument("--queue-limit", type=int, default=256, help="queued requests at most")
     parser.add_argument("--max-wait-ms", type=float, default=0.0,
-                        help="how long a free worker may wait for a fuller batch")
+                        help="how long a free worker may wait for a fuller batch (0)")
     parser.add_argument("--offline-batch", type=int, default=128,
-                        help="batch size of the offline limit")
-    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="where to write the JSON")
+                        help="batch size of the offline limit (128)")
+    parser.add_argument("--offline-seconds", type=float, default=1.0,
+                        help="length of each of the 3 timed offline windows (1.0)")
+    parser.add_argument("--output", "--out", dest="output", default=DEFAULT_OUTPUT,
+                        help=f"where to write the JSON ({DEFAULT_OUTPUT})")
 
 
 def _clients(n: int, per_client: int, call: Callable[[], Any]) -> tuple[float, list[float]]:
@@ -90,28 +91,45 @@ def _summary(requests: int, seconds: float, latencies: list[float]) -> dict[str,
             "latency_ms": {k: lat[k] for k in ("p50", "p90", "p99", "max", "mean")}}
 
 
-def _offline(model: torch.nn.Module, x: torch.Tensor, batch: int, seconds: float = 1.0
-             ) -> dict[str, Any]:
+def _offline(model: torch.nn.Module, x: torch.Tensor, batch: int, windows: int = 3,
+             seconds: float = 1.0) -> dict[str, Any]:
+    """The best of ``windows`` timed windows after a warm-up (first calls build kernels)."""
     xb = x.expand(batch, *x.shape[1:]).contiguous()
+    rates = []
     with torch.inference_mode():
-        for _ in range(3):
-            model(xb)
-        n, began = 0, time.perf_counter()
-        while time.perf_counter() - began < seconds:
-            model(xb)
-            n += 1
-        elapsed = time.perf_counter() - began
-    return {"batch": batch, "batches": n, "seconds": elapsed, "throughput": n * batch / elapsed}
+        _loop(model, xb, seconds / 2)
+        for _ in range(windows):
+            n, elapsed = _loop(model, xb, seconds)
+            rates.append(n * batch / elapsed)
+    return {"batch": batch, "torch_threads": torch.get_num_threads(), "windows": rates,
+            "throughput": max(rates)}
 
 
-def _naive(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+def _loop(model: torch.nn.Module, xb: torch.Tensor, seconds: float) -> tuple[int, float]:
+    n, began = 0, time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        model(xb)
+        n += 1
+    return n, time.perf_counter() - began
+
+
+def _naive(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace,
+           cores: int) -> dict[str, Any]:
+    """Client threads calling the model directly; the best of 1 and ``cores`` torch threads."""
     def call() -> None:
         with torch.inference_mode():
             model(x)
 
-    _clients(args.clients, 3, call)  # warm-up
-    seconds, latencies = _clients(args.clients, args.requests, call)
-    return _summary(args.clients * args.requests, seconds, latencies)
+    runs = {}
+    for threads in sorted({1, cores}):
+        torch.set_num_threads(threads)  # client threads started after this inherit it
+        _clients(args.clients, 3, call)  # warm-up
+        seconds, latencies = _clients(args.clients, args.requests, call)
+        runs[threads] = _summary(args.clients * args.requests, seconds, latencies)
+    torch.set_num_threads(cores)
+    best = max(runs, key=lambda t: runs[t]["throughput"])
+    return {**runs[best], "torch_threads": best,
+            "by_torch_threads": {str(t): r["throughput"] for t, r in runs.items()}}
 
 
 def _batched(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace
@@ -133,36 +151,39 @@ def _batched(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace
     return result
 
 
-def _config(args: argparse.Namespace) -> dict[str, Any]:
-    return {"model": f"LeNet(image_size={args.image_size})", "clients": args.clients,
-            "requests_per_client": args.requests, "workers": args.workers,
-            "threads_per_worker": args.threads_per_worker, "batch_limit": args.batch_limit,
-            "queue_limit": args.queue_limit, "max_wait_ms": args.max_wait_ms,
-            "offline_batch": args.offline_batch, "torch_threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "machine": platform.machine()}
+def _settle(args: argparse.Namespace, cores: int) -> argparse.Namespace:
+    """Fill in the thread layout: workers x threads_per_worker <= cores."""
+    workers = args.workers or min(2, cores)
+    threads = args.threads_per_worker or max(1, cores // workers)
+    return argparse.Namespace(**{**vars(args), "workers": workers,
+                                 "threads_per_worker": threads})
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the ratios, write the JSON; 0 on success."""
+    host = machine()
+    cores = int(host["cores"] or 1)
+    args = _settle(plain_args(args), cores)
     torch.manual_seed(0)
     model = LeNet(image_size=args.image_size).eval()
     x = torch.rand(1, 1, args.image_size, args.image_size)
-    config = _config(args)  # torch_threads: what offline and naive run with
-    offline = _offline(model, x, args.offline_batch)
-    naive = _naive(model, x, args)
-    batched = _batched(model, x, args)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)
+        offline = _offline(model, x, args.offline_batch, seconds=args.offline_seconds)
+        naive = _naive(model, x, args, cores)
+        batched = _batched(model, x, args)
+    finally:
+        torch.set_num_threads(before)
     vs_naive = batched["throughput"] / naive["throughput"]
     vs_offline = batched["throughput"] / offline["throughput"]
-    result = {"benchmark": "inference", "config": config, "offline": offline, "naive": naive,
-              "batched": batched, "ratios": {
+    result = {"benchmark": "inference", "machine": host, "config": {
+                  "model": f"LeNet(image_size={args.image_size})", **vars(args)},
+              "offline": offline, "naive": naive, "batched": batched, "ratios": {
                   "batched_vs_naive": vs_naive, "batched_vs_offline": vs_offline,
                   "goal_vs_naive": GOAL_VS_NAIVE, "goal_vs_offline": GOAL_VS_OFFLINE,
                   "goals_met": vs_naive >= GOAL_VS_NAIVE and vs_offline >= GOAL_VS_OFFLINE}}
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(_report(result, path))
+    print(_report(result, write_results(args.output, result)))
     return 0
 
 
@@ -175,10 +196,10 @@ def _report(result: dict[str, Any], path: Path) -> str:
     ratios = result["ratios"]
     c = result["config"]
     return "\n".join([
-        f"{c['model']}, {c['clients']} client threads x {c['requests_per_client']} one-row "
-        f"requests, {c['cpu_count']} cores",
+        f"{c['model']}, {c['clients']} client threads x {c['requests']} one-row "
+        f"requests, {result['machine']['cores']} cores",
         line(f"offline (batch {c['offline_batch']})", result["offline"]),
-        line("naive threads", result["naive"]),
+        line(f"naive ({result['naive']['torch_threads']} torch threads)", result["naive"]),
         line(f"batched ({c['workers']}x{c['threads_per_worker']} threads)", result["batched"]),
         f"mean batch: {result['batched']['mean_batch_rows']:.1f} rows",
         f"batched / naive   = {ratios['batched_vs_naive']:.2f}  (goal >= {GOAL_VS_NAIVE})",

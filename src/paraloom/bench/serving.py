@@ -32,7 +32,7 @@ __all__ = ["add_arguments", "main", "run"]
 
 _LITSERVE_SERVER = '''
 import sys, torch, litserve as ls, paraloom
-path, port, workers, batch, timeout, threads = sys.argv[1:7]
+path, port, workers, batch, timeout, threads = (sys.argv + [""] * 7)[1:7]
 
 class LeNetAPI(ls.LitAPI):
     def setup(self, device):
@@ -46,9 +46,11 @@ class LeNetAPI(ls.LitAPI):
     def encode_response(self, output):
         return {"output": output.tolist()}
 
-api = LeNetAPI(max_batch_size=int(batch), batch_timeout=float(timeout))
-server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=int(workers))
-server.run(host="127.0.0.1", port=int(port), log_level="warning", generate_client_file=False)
+if __name__ == "__main__":  # LitServe spawns its workers: they re-import this file
+    api = LeNetAPI(max_batch_size=int(batch), batch_timeout=float(timeout))
+    server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=int(workers))
+    server.run(host="127.0.0.1", port=int(port), log_level="warning",
+               generate_client_file=False)
 '''
 
 
@@ -259,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     x = torch.rand(1, 1, args.image_size, args.image_size)
     with torch.no_grad():
         expected = model(x)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"load_average_before": list(os.getloadavg())}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "lenet.safetensors"
         paraloom.save(model, path)
@@ -268,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.skip_litserve:
             results["litserve"] = _bench_litserve(wrk, path, x, expected, args)
             print("litserve:", json.dumps(results["litserve"]))
+    results["load_average_after"] = list(os.getloadavg())
     _write(args, results)
     return 0
 
@@ -280,8 +283,9 @@ def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
                 f"(after {args.warmup}s warm-up)",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__},
-        "note": "wrk, both servers and their workers share this machine's cores; on a machine "
-                "with other work running the numbers are noisy",
+        "note": "wrk, both servers and their workers share this machine's cores; a load "
+                "average above the core count means other work ran too and the numbers are "
+                "noisy",
         **results, "summary": _summary(results),
     }
     out = Path(args.output)

@@ -108,7 +108,7 @@ class RequestQueue:
             self._not_full.wait(remaining)
 
     def _full_error(self, timeout: float | None) -> QueueFullError:
-        waited = "without waiting (block=False)" if timeout is None else f"for {timeout:g} s"
+        waited = "without waiting (block=False)" if timeout is None else f"for {timeout:.3g} s"
         return QueueFullError(
             f"the request queue is full: it holds queue_limit={self.limit} requests and none "
             f"left it {waited}. Retry later, or raise queue_limit, add workers, or pass a "
@@ -119,6 +119,7 @@ class RequestQueue:
         deadline = None if timeout is None else self._clock() + timeout
         with self._lock:
             while True:
+                wait: float | None
                 if self._size:
                     key = self._oldest_key()
                     wait = 0.0 if self._closed else self._fill_time(key)

@@ -18,7 +18,7 @@ from paraloom.inference.payload import collate, describe_key, split_output, to_d
 from paraloom.inference.replicas import Generation
 from paraloom.inference.stats import StatsRecorder
 
-__all__ = ["serve_batch"]
+__all__ = ["serve_batch", "fail_requests"]
 
 
 def serve_batch(generation: Generation, slot: int, batch: Sequence[Request],
@@ -32,13 +32,13 @@ def serve_batch(generation: Generation, slot: int, batch: Sequence[Request],
     try:
         outputs = _run(generation, slot, live)
     except Exception as exc:  # noqa: BLE001 - the model's errors belong to the requests
-        ok = _isolate(generation, slot, live, exc, stats)
+        stats.finished(_isolate(generation, slot, live, exc, stats))
         stats.batch(sum(r.rows for r in live), [start - r.arrival for r in live], clock() - start)
-        stats.finished(ok, len(live) - ok)
         return
     except BaseException:
         for r in live:
             r.future.set_exception(InferenceError("the forward pass was interrupted"))
+        stats.dropped("error", len(live))
         raise
     stats.batch(sum(r.rows for r in live), [start - r.arrival for r in live], clock() - start)
     first = live[0]
@@ -62,9 +62,9 @@ def _claim(batch: Sequence[Request], now: float, stats: StatsRecorder) -> list[R
         else:
             live.append(r)
     if cancelled:
-        stats.rejected("cancelled", cancelled)
+        stats.dropped("cancelled", cancelled)
     if expired:
-        stats.rejected("timeout", expired)
+        stats.dropped("timeout", expired)
     return live
 
 
@@ -105,9 +105,9 @@ def _isolate(generation: Generation, slot: int, live: Sequence[Request], exc: Ex
             r.future.set_exception(failure)
     _deliver(generation.version, [r for r, _ in good], [out for _, out in good])
     if invalid:
-        stats.rejected("invalid", invalid)
+        stats.dropped("invalid", invalid)
     if errors:
-        stats.rejected("error", errors)
+        stats.dropped("error", errors)
     return len(good)
 
 
@@ -130,9 +130,22 @@ def _classify(generation: Generation, r: Request, exc: Exception, blame: bool) -
     else:
         received = describe_key(r.key)
         expected = describe_key(generation.good_key) if generation.good_key is not None else None
+        wanted = expected or "an input the model accepts (none has run on this version yet)"
         failure = InvalidRequestError(
             f"model version {v} failed on this request alone with {cause}. Received {received}; "
-            f"expected {expected or 'an input the model accepts (none has run on this version yet)'}."
-            " Fix the request's shape, dtype or values", received=received, expected=expected)
+            f"expected {wanted}. Fix the request's shape, dtype or values",
+            received=received, expected=expected)
     failure.__cause__ = exc
     return failure
+
+
+def fail_requests(requests: Sequence[Request], error: type[InferenceError], message: str,
+                  stats: StatsRecorder, reason: str) -> None:
+    """Fail requests that will never run (closing, workers gone); skip the cancelled ones."""
+    failed = 0
+    for r in requests:
+        if r.future.set_running_or_notify_cancel():
+            r.future.set_exception(error(message))  # one instance each: raised on many threads
+            failed += 1
+    if failed:
+        stats.dropped(reason, failed)

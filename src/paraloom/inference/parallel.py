@@ -26,20 +26,30 @@ from torch import nn
 
 from paraloom.inference.batching import Request, RequestQueue
 from paraloom.inference.config import InferenceConfig, InferenceMode, check_seconds
-from paraloom.inference.errors import (InferenceClosedError, InferenceError, ModelUpdateError,
-                                       QueueFullError, RequestTimeoutError)
-from paraloom.inference.execute import serve_batch
+from paraloom.inference.errors import (
+    InferenceClosedError,
+    ModelUpdateError,
+    QueueFullError,
+    RequestTimeoutError,
+)
+from paraloom.inference.execute import fail_requests, serve_batch
 from paraloom.inference.payload import parse
 from paraloom.inference.precision import Precision, resolve_precision
-from paraloom.inference.replicas import (DeviceSpec, Example, SlotPool, build_generation,
-                                         example_of, resolve_devices, warm_up)
+from paraloom.inference.replicas import (
+    DeviceSpec,
+    Example,
+    SlotPool,
+    build_generation,
+    example_of,
+    resolve_devices,
+    warm_up,
+)
 from paraloom.inference.stats import StatsRecorder
+from paraloom.inference.workers import TICK, WorkerThreads
 
 __all__ = ["ParallelInference"]
 
 _UNSET: Any = object()
-# The longest any thread here sleeps before re-checking that the pool is alive.
-_TICK = 1.0
 # One class from Python 3.11 on; three before.
 _TIMEOUTS = (TimeoutError, asyncio.TimeoutError, futures.TimeoutError)
 
@@ -79,7 +89,7 @@ class ParallelInference:
             self._warm(self._generation, self._example(example_input), "example_input")
         self._slots: SlotPool | None = None
         self._queue: RequestQueue | None = None
-        self._threads: list[threading.Thread] = []
+        self._workers: WorkerThreads | None = None
         if self._config.mode is InferenceMode.INPLACE:
             self._slots = SlotPool(len(self._devices), self._config.queue_limit)
         else:
@@ -87,7 +97,9 @@ class ParallelInference:
             self._queue = RequestQueue(limit=self._config.queue_limit,
                                        batch_rows=self._config.batch_limit if batched else None,
                                        max_wait=self._config.max_wait)
-            self._start_workers()
+            self._workers = WorkerThreads(self._queue, self._devices, lambda: self._generation,
+                                          self._stats, self._config.threads_per_worker)
+            self._workers.start()
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -104,56 +116,6 @@ class ParallelInference:
                              f"{self._precision.name!r} on {self._devices[0]}: "
                              f"{type(exc).__name__}: {exc}. Check {what}'s shape and dtype, or "
                              "the precision") from exc
-
-    def _start_workers(self) -> None:
-        saved_threads = torch.get_num_threads()
-        readies = []
-        for slot in range(len(self._devices)):
-            ready = threading.Event()
-            thread = threading.Thread(target=self._work, args=(slot, ready), daemon=True,
-                                      name=f"paraloom-inference-{slot}")
-            thread.start()
-            self._threads.append(thread)
-            readies.append(ready)
-        for ready, thread in zip(readies, self._threads, strict=True):
-            while not ready.wait(_TICK) and thread.is_alive():
-                pass
-        if self._config.threads_per_worker is not None:
-            # torch.set_num_threads in a worker sets that thread's own OpenMP pool size, and also
-            # the default that threads started later inherit; give the process its default back.
-            torch.set_num_threads(saved_threads)
-
-    def _work(self, slot: int, ready: threading.Event) -> None:
-        queue = self._queue
-        assert queue is not None
-        try:
-            try:
-                if self._config.threads_per_worker is not None:
-                    torch.set_num_threads(self._config.threads_per_worker)
-                if self._devices[slot].type == "cuda":
-                    torch.cuda.set_device(self._devices[slot])
-            finally:
-                ready.set()
-            with torch.inference_mode():
-                while True:
-                    batch = queue.take(_TICK)
-                    if batch:
-                        serve_batch(self._generation, slot, batch, self._stats)
-                    elif queue.closed and not len(queue):
-                        return
-        finally:
-            self._worker_exited()
-
-    def _worker_exited(self) -> None:
-        """If the last worker stopped while the pool is open, fail what is queued (no hang)."""
-        me = threading.current_thread()
-        if self._closed or any(t.is_alive() for t in self._threads if t is not me):
-            return
-        assert self._queue is not None
-        self._queue.close()
-        self._fail(self._queue.clear(), InferenceError,
-                   "every inference worker thread has stopped; this ParallelInference cannot "
-                   "serve requests any more", "error")
 
     # ------------------------------------------------------------------------ requests
 
@@ -225,17 +187,18 @@ class ParallelInference:
             if remaining is not None and remaining <= 0:
                 return self._timed_out(request)
             try:
-                return fut.result(_TICK if remaining is None else min(remaining, _TICK))
+                return fut.result(TICK if remaining is None else min(remaining, TICK))
             except _TIMEOUTS:
                 if fut.done():
                     raise  # the request's own error (a RequestTimeoutError from the worker)
                 self._check_alive(fut)
 
     def _check_alive(self, fut: Future[Any]) -> None:
-        if self._threads and not any(t.is_alive() for t in self._threads):
+        if self._workers is not None and not self._workers.alive():
             try:
                 fut.set_exception(InferenceClosedError("every inference worker has stopped "
                                                        "before this request ran"))
+                self._stats.dropped("error")
             except InvalidStateError:
                 pass  # resolved meanwhile
 
@@ -243,14 +206,15 @@ class ParallelInference:
         fut = request.future
         if fut.cancel():
             if self._queue is not None and self._queue.discard(request):
-                self._stats.rejected("timeout")
+                self._stats.dropped("timeout")  # else a worker took it: it counts the cancel
         elif fut.done():
             return fut.result()  # it finished just in time
         else:
             self._stats.rejected("timeout")  # running: its output will be dropped
+        budget = (request.deadline or request.arrival) - request.arrival
         raise RequestTimeoutError(
-            f"no output within the request's timeout ({request.deadline - request.arrival:g} s);"
-            " pass a longer timeout, add workers, or send fewer requests at once")
+            f"no output within the request's timeout ({budget:.3g} s); pass a longer timeout, "
+            "add workers, or send fewer requests at once")
 
     async def output_async(self, x: Any, *, timeout: float | None = _UNSET,
                            return_version: bool = False) -> Any:
@@ -342,38 +306,23 @@ class ParallelInference:
         if self._slots is not None:
             self._slots.close()
             return
-        assert self._queue is not None
+        assert self._queue is not None and self._workers is not None
         if first:
+            self._workers.stopping = True
             self._queue.close()
             if not drain:
-                self._fail(self._queue.clear(), InferenceClosedError,
-                           "close(drain=False) was called before this request ran", "closed")
-        self._join(timeout)
-        self._fail(self._queue.clear(), InferenceClosedError,
-                   f"close(timeout={timeout}) ran out of time before this request ran", "closed")
-
-    shutdown = close
-
-    def _join(self, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        me = threading.current_thread()
-        for thread in self._threads:
-            if thread is not me:  # close() from a done-callback runs on a worker thread
-                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        busy = [t.name for t in self._threads if t.is_alive() and t is not me]
+                fail_requests(self._queue.clear(), InferenceClosedError,
+                              "close(drain=False) was called before this request ran",
+                              self._stats, "closed")
+        busy = self._workers.join(timeout)
+        fail_requests(self._queue.clear(), InferenceClosedError,
+                      f"close(timeout={timeout}) ran out of time before this request ran",
+                      self._stats, "closed")
         if busy:
             warnings.warn(f"close(): {', '.join(busy)} still running a batch after timeout="
-                          f"{timeout}; they stop when it finishes", stacklevel=3)
+                          f"{timeout}; they stop when it finishes", stacklevel=2)
 
-    def _fail(self, requests: list[Request], error: type[InferenceError], message: str,
-              reason: str) -> None:
-        failed = 0
-        for r in requests:
-            if r.future.set_running_or_notify_cancel():
-                r.future.set_exception(error(message))  # one instance each: raised on many threads
-                failed += 1
-        if failed:
-            self._stats.rejected(reason, failed)
+    shutdown = close
 
     def __enter__(self) -> ParallelInference:
         return self

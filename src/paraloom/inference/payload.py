@@ -68,13 +68,14 @@ def parse(x: Any) -> Parsed:
         if rows == 0:
             raise _empty("the input", x)
         return Parsed((x,), _ONE, rows, (_ONE, x.shape[1:], x.dtype, x.device), False)
+    kind: str
     if isinstance(x, (tuple, list)):
-        names = [f"input[{i}]" for i in range(len(x))]
-        spec: Hashable = (type(x).__name__, len(x))
+        kind, names = type(x).__name__, [f"input[{i}]" for i in range(len(x))]
+        spec: Hashable = (kind, len(x))
         items = list(x)
     elif isinstance(x, dict):
-        names = [f"input[{k!r}]" for k in x]
-        spec = ("dict", tuple(x))
+        kind, names = "dict", [f"input[{k!r}]" for k in x]
+        spec = (kind, tuple(x))
         items = list(x.values())
     else:
         t, is_np = _as_tensor(x, "the input")
@@ -83,8 +84,8 @@ def parse(x: Any) -> Parsed:
             raise _empty("the input", t)
         return Parsed((t,), _ONE, rows, (_ONE, *_signature(t)), is_np)
     if not items:
-        raise InvalidRequestError(f"the input is an empty {spec[0]}; send at least one tensor",
-                                  received=f"empty {spec[0]}")
+        raise InvalidRequestError(f"the input is an empty {kind}; send at least one tensor",
+                                  received=f"empty {kind}")
     return _parse_many(items, names, spec)
 
 

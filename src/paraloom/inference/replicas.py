@@ -151,7 +151,7 @@ class SlotPool:
             self._check_open()
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise _busy(self._waiting, f"timeout={timeout:g} s")
+                raise _busy(self._waiting, f"timeout={timeout:.3g} s")
             cond.wait(remaining)
         self._check_open()
 

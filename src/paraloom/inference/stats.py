@@ -4,14 +4,16 @@ Keys of the dict (stable; ``paraloom.serving`` exports them as metrics):
 
 ``requests``        requests accepted into the queue (or run in place)
 ``completed``       requests answered with an output
-``failed``          requests answered with an error after they were accepted
+``failed``          accepted requests that ended without an output (an error, a timeout, a
+                    cancel, a close); ``requests == completed + failed + queued + running``
 ``rows``            rows run through the model (requests can carry several rows)
 ``batches``         forward passes (re-runs of a failed batch excluded)
 ``batch_size_histogram``  {rows in a batch: number of batches}
 ``queue_time_ms`` / ``forward_time_ms``  {"p50", "p90", "p99", "max", "mean", "count"} over the
                     last ``window`` requests / batches (queue time: arrival to forward start)
-``rejections``      {reason: count}; reasons: ``queue_full``, ``timeout``, ``cancelled``,
-                    ``invalid``, ``closed``, ``error``
+``rejections``      {reason: count} of requests refused (before acceptance) or dropped (after);
+                    reasons: ``queue_full``, ``timeout``, ``cancelled``, ``invalid``, ``closed``,
+                    ``error``
 """
 
 from __future__ import annotations
@@ -62,9 +64,15 @@ class StatsRecorder:
             self._requests += 1
 
     def rejected(self, reason: str, count: int = 1) -> None:
-        """Count requests refused or dropped, by reason (see REJECTION_REASONS)."""
+        """Count requests refused before they were accepted, by reason (REJECTION_REASONS)."""
         with self._lock:
             self._rejections[reason] += count
+
+    def dropped(self, reason: str, count: int = 1) -> None:
+        """Count accepted requests that ended without an output, by reason."""
+        with self._lock:
+            self._rejections[reason] += count
+            self._failed += count
 
     def batch(self, rows: int, queue_seconds: Iterable[float], forward_seconds: float) -> None:
         """Record one forward pass: its rows, its requests' queue times, its duration."""
@@ -75,11 +83,10 @@ class StatsRecorder:
             self._queue_ms.extend(s * 1e3 for s in queue_seconds)
             self._forward_ms.append(forward_seconds * 1e3)
 
-    def finished(self, completed: int, failed: int = 0) -> None:
-        """Count requests answered with an output and with an error."""
+    def finished(self, completed: int) -> None:
+        """Count requests answered with an output."""
         with self._lock:
             self._completed += completed
-            self._failed += failed
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-friendly copy of every counter and the timing percentiles."""

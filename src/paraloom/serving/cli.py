@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="queued requests before answering 503 (default 256)")
     pool.add_argument("--max-wait-ms", type=float, default=0.0,
                       help="wait this long for a fuller batch (default 0: never wait)")
+    pool.add_argument("--threads-per-worker", type=int, default=None,
+                      help="torch threads per replica (default: torch's own setting)")
     sig = parser.add_argument_group("signature (default: read from the model)")
-    sig.add_argument("--input-shape", metavar="DIMS", help="e.g. -1,1,28,28 (-1: any size)")
+    sig.add_argument("--input-shape", metavar="DIMS",
+                     help="e.g. --input-shape=-1,1,28,28 (-1: any size; write the =)")
     sig.add_argument("--input-datatype", default="FP32", help="e.g. FP32 (default)")
     sig.add_argument("--input-name", default="input", help="default: input")
     http = parser.add_argument_group("HTTP")
@@ -148,18 +152,30 @@ def run(args: argparse.Namespace) -> int:
     from paraloom.serving.server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-    model, model_file = build_model(args)
-    app = create_app(model, name=args.name, model_file=model_file, model_dir=args.models_dir,
-                     max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                     inference_mode=args.mode, workers=args.workers,
-                     batch_limit=args.batch_limit, queue_limit=args.queue_limit,
-                     max_wait_ms=args.max_wait_ms, **_signature_options(args))
+    try:
+        model, model_file = build_model(args)
+        app = create_app(model, name=args.name, model_file=model_file,
+                         model_dir=args.models_dir,
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                         inference_mode=args.mode, workers=args.workers,
+                         batch_limit=args.batch_limit, queue_limit=args.queue_limit,
+                         max_wait_ms=args.max_wait_ms,
+                         threads_per_worker=args.threads_per_worker,
+                         **_signature_options(args))
+    except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError) as e:
+        print(f"paraloom serve: error: {e}", file=sys.stderr)
+        return 2
     if model_file is not None and hasattr(signal, "SIGHUP"):
         _reload_on_sighup(app)
-    _log.info("serving %r on http://%s:%d/v2/models/%s", args.name, args.host, args.port,
-              args.name)
-    serve(app, host=args.host, port=args.port, log_level=args.log_level,
-          access_log=args.access_log, graceful_timeout=args.graceful_timeout)
+    meta = app.state.served.metadata()
+    _log.info("model %r: inputs %s, outputs %s", args.name, meta["inputs"], meta["outputs"])
+    try:
+        serve(app, host=args.host, port=args.port, log_level=args.log_level,
+              access_log=args.access_log, graceful_timeout=args.graceful_timeout)
+    except OSError as e:  # e.g. the port is taken: nothing was served, stop the pool we built
+        app.state.served.pool.close(drain=False)
+        print(f"paraloom serve: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

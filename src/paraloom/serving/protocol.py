@@ -63,6 +63,24 @@ DATATYPES: dict[str, DataType] = {d.name: d for d in [
     _dt("FP64", torch.float64, "<f8", "biuf"),
 ]}
 _BY_TORCH = {d.torch_dtype: d for d in DATATYPES.values()}
+
+try:  # orjson parses a request's floats ~9x faster than json: it sets the server's throughput
+    import orjson
+
+    def _loads(data: bytes) -> Any:
+        return orjson.loads(data)
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+except ImportError:  # pragma: no cover - the same results, slower
+
+    def _loads(data: bytes) -> Any:
+        return json.loads(data)
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
 _LITTLE = sys.byteorder == "little"
 
 
@@ -236,8 +254,8 @@ def _split_body(body: bytes, header_length: int | None) -> tuple[Any, memoryview
     else:
         head, binary = view[:header_length], view[header_length:]
     try:
-        return json.loads(bytes(head)), binary
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return _loads(bytes(head)), binary
+    except (UnicodeDecodeError, ValueError) as e:  # orjson's and json's errors are ValueErrors
         hint = ("" if header_length is not None else "; if the body carries binary tensors, "
                 "send the Inference-Header-Content-Length header")
         raise ProtocolError(f"request body is not valid JSON: {e}{hint}") from e
@@ -332,7 +350,7 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
                                 "outputs": entries}
     if request_id is not None:
         response["id"] = request_id
-    head = json.dumps(response, separators=(",", ":")).encode()
+    head = _dumps(response)
     if not chunks:
         return head, None
     return b"".join([head, *chunks]), len(head)

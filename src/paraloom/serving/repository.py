@@ -78,11 +78,11 @@ class ModelFiles:
         return path
 
     def build(self, path: Path, served: nn.Module) -> nn.Module:
-        """A copy of ``served`` holding the weights in ``path``; ``ProtocolError`` if they differ."""
+        """A copy of ``served`` with the weights in ``path``; ``ProtocolError`` if they differ."""
         try:
             header = read_header(path)
             state = load_file(str(path), device="cpu")
-        except (ValueError, OSError) as e:  # safetensors raises its own errors as ValueError/OSError
+        except (ValueError, OSError) as e:  # safetensors' errors are ValueError or OSError
             raise ProtocolError(f"cannot read {path.name}: {e}") from e
         spec = _architecture(header)
         if self._spec is not None and spec != self._spec:

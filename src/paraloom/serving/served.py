@@ -102,7 +102,7 @@ class ServedModel:
         return result, str(version)
 
     async def load(self, parameters: dict[str, Any]) -> str:
-        """Swap in the weights a load request names (see ``ModelFiles``); returns the new version."""
+        """Swap in the weights a load request names (see ``ModelFiles``); returns the version."""
         path = self.files.resolve(parameters)
         if self.model is None:
             raise ForbiddenError("this server was given a pool without model=, so it cannot "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import socket
 import threading
 from types import TracebackType
@@ -14,6 +16,7 @@ from paraloom.serving.app import create_app
 
 __all__ = ["ServerThread", "bind_socket", "serve"]
 
+_log = logging.getLogger("paraloom.serving")
 _DEFAULT_HOST = "127.0.0.1"  # never expose a model to the network unless asked to
 
 
@@ -33,23 +36,35 @@ def bind_socket(host: str = _DEFAULT_HOST, port: int = 0) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, plus an event set once startup finished (or failed)."""
+    """uvicorn's server, plus events for "startup finished (or failed)" and "shutdown began"."""
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.startup_done = threading.Event()
+        self.stopping = threading.Event()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         try:
             await super().startup(sockets=sockets)
+            if self.started:
+                for sock in sockets or []:
+                    host, port = sock.getsockname()[:2]
+                    _log.info("paraloom serving on http://%s:%d", host, port)
         finally:
             self.startup_done.set()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.stopping.set()
+        await super().shutdown(sockets=sockets)
 
 
 def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float,
             **uvicorn_options: Any) -> uvicorn.Config:
+    if graceful_timeout <= 0:
+        raise ValueError(f"graceful_timeout={graceful_timeout}; expected seconds > 0")
+    # uvicorn types the graceful timeout as whole seconds; round up so it is never shortened.
     return uvicorn.Config(app, log_level=log_level, access_log=access_log,
-                          timeout_graceful_shutdown=graceful_timeout, lifespan="on",
+                          timeout_graceful_shutdown=math.ceil(graceful_timeout), lifespan="on",
                           **uvicorn_options)
 
 
@@ -69,14 +84,25 @@ def serve(pool_or_model: Any, *, name: str | None = None, host: str = _DEFAULT_H
     Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting
     connections and waits up to ``graceful_timeout`` s for in-flight requests; then the pool drains.
     """
-    app = _as_app(pool_or_model, name, app_options)
-    sock = bind_socket(host, port)
-    server = uvicorn.Server(_config(app, log_level=log_level, access_log=access_log,
-                                    graceful_timeout=graceful_timeout))
+    sock = bind_socket(host, port)  # first: a busy port must fail before a pool starts
+    try:
+        app = _as_app(pool_or_model, name, app_options)
+    except BaseException:
+        sock.close()
+        raise
+    server = _Server(_config(app, log_level=log_level, access_log=access_log,
+                             graceful_timeout=graceful_timeout))
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+def _close_owned_pool(app: Starlette) -> None:
+    served = getattr(app.state, "served", None)
+    if served is not None and served.owns_pool:
+        served.draining = True
+        served.pool.close(drain=False, timeout=5.0)
 
 
 class ServerThread:
@@ -98,6 +124,11 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}",
                                         daemon=True)
         self._error: BaseException | None = None
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set when shutdown began: no new connections; in-flight requests still finish."""
+        return self._server.stopping
 
     @property
     def url(self) -> str:
@@ -129,8 +160,9 @@ class ServerThread:
         if self._thread.is_alive():
             self._thread.join(limit + 5.0)
         if self._thread.is_alive():
-            self._server.force_exit = True
+            self._server.force_exit = True  # uvicorn then skips the lifespan shutdown, so
             self._thread.join(5.0)
+            _close_owned_pool(self.app)  # close the pool here, or its workers outlive us
         self._sock.close()
         if self._thread.is_alive():
             raise RuntimeError(f"uvicorn on port {self.port} did not stop within {limit + 10} s")

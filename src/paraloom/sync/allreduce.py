@@ -45,6 +45,16 @@ class _Joinable(nn.Module):
         return self.module(*args, **kwargs)
 
 
+def _optimizer_step(ctx: StepContext) -> None:
+    """Step as the loop does; with a GradScaler (fp16), through it, so scales stay in step."""
+    scaler = getattr(ctx, "scaler", None)  # not in StepContext yet: proposed to the lead
+    if scaler is None:
+        ctx.optimizer.step()
+    else:
+        scaler.step(ctx.optimizer)
+        scaler.update()
+
+
 class AllReduce(Synchronizer):
     """Average gradients every step with PyTorch DDP; keyword options go to DDP unchanged.
 
@@ -110,7 +120,7 @@ class AllReduce(Synchronizer):
         finally:
             self._joinable.idle = False
         loss.backward()  # joins the peers' bucket all-reduces with zero gradients
-        ctx.optimizer.step()
+        _optimizer_step(ctx)
         self.bytes_sent += self._step_bytes
 
     def finish(self, ctx: StepContext) -> None:
@@ -128,6 +138,11 @@ class AllReduce(Synchronizer):
         out = super().stats()
         out["setup_bytes_sent"] = float(self.setup_bytes_sent)
         return out
+
+    def config(self) -> dict[str, Any]:
+        plain = (bool, int, float, str, type(None))
+        return {"ddp_options": {k: v if isinstance(v, plain) else repr(v)
+                                for k, v in sorted(self.ddp_options.items())}}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

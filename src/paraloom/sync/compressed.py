@@ -27,6 +27,9 @@ class Fp16AllReduce(Synchronizer):
             raise ValueError(f"dtype={dtype}; expected torch.float16 or torch.bfloat16")
         self.dtype = dtype
 
+    def config(self) -> dict[str, str]:
+        return {"dtype": str(self.dtype)}
+
     def setup(self, ctx: StepContext) -> None:
         if is_distributed(ctx):  # every replica starts from rank 0's parameters
             src = 0 if ctx.group is None else dist.get_global_rank(ctx.group, 0)

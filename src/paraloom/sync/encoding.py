@@ -10,13 +10,16 @@ and tells the peers to add that step to their parameters. Two formats exist, as 
   on the side named by ``half_sign``. The caller alternates ``half_sign`` between messages, so
   positive and negative residuals get the same treatment (DL4J only ever sends ``-tau/2``).
 
-Exactness. ``tau`` is rounded to the nearest power of two, ``2**exponent``. For such a ``tau``,
-``v - tau`` is exact in floating point whenever ``tau <= |v| < 2**p * tau`` (``p`` = significand
-bits: 24 for float32, 53 float64, 11 float16, 8 bfloat16): both are multiples of ``ulp(v)`` and
-the difference is smaller than ``v``. Half steps are exact by Sterbenz's lemma. Elements with
-``|v| >= 2**p * tau`` (and NaN/inf) are never encoded: subtracting ``tau`` would not change them,
-so sending it would move the parameters without shrinking the residual. Hence, for every input,
-``decoded + (v - decoded) == v`` holds exactly, element by element, in both formats.
+Exactness. ``tau`` is rounded to ``s`` significant bits (8 for float32/float64, 3 for float16,
+1 for bfloat16: at most 0.4% away in float32), ``tau = mantissa * 2**exponent`` with an odd
+mantissa. Then ``v - tau`` is exact in floating point whenever ``tau <= |v| < 2**(exponent + p)``
+(``p`` = significand bits: 24 for float32, 53 float64, 11 float16, 8 bfloat16): ``tau`` is a
+multiple of ``ulp(v)`` there, and the difference, smaller than ``v``, fits ``p`` bits. That
+bound is at least ``2**(p - s) * tau``: 65,536 tau in float32, 256 tau in float16. Half steps
+are exact by Sterbenz's lemma. Elements beyond the bound (and NaN/inf) are never encoded: a
+step would not be exact there (and far enough out would not change them at all), so they stay
+in the residual. Hence, for every input, ``decoded + (v - decoded) == v`` holds exactly,
+element by element, in both formats.
 
 The encoders do not modify ``v``: the caller subtracts the message with ``decode(msg, v,
 sign=-1)``, so choosing a format can never lose residual mass (DL4J's sparse pass mutated the
@@ -33,7 +36,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "Format", "Encoded", "threshold_exponent", "full_step_mask", "choose_format",
+    "Format", "Encoded", "quantize_threshold", "full_step_mask", "choose_format",
     "threshold_encode", "bitmap_encode", "encode", "decode", "empty_message",
 ]
 
@@ -52,8 +55,9 @@ class Encoded(NamedTuple):
     """One encoded message: an int32 ``payload`` plus the header fields needed to decode it."""
 
     format: Format
+    mantissa: int
+    """The step is ``tau = mantissa * 2.0 ** exponent`` (an odd mantissa of at most 8 bits)."""
     exponent: int
-    """The step is ``tau = 2.0 ** exponent``."""
     half_sign: int
     """Bitmap only: the sign (+1 or -1) of this message's half steps."""
     numel: int
@@ -65,7 +69,7 @@ class Encoded(NamedTuple):
     @property
     def tau(self) -> float:
         """The step size as a float."""
-        return math.ldexp(1.0, self.exponent)
+        return math.ldexp(self.mantissa, self.exponent)
 
 
 def _precision(dtype: torch.dtype) -> int:
@@ -73,30 +77,42 @@ def _precision(dtype: torch.dtype) -> int:
     return 1 - round(math.log2(torch.finfo(dtype).eps))
 
 
-def threshold_exponent(tau: float, dtype: torch.dtype = torch.float32) -> int:
-    """The exponent of the power of two nearest to ``tau`` (in log scale), checked for ``dtype``."""
+def _tau_bits(dtype: torch.dtype) -> int:
+    """Significant bits kept in tau: enough for smooth adaptation, few enough for exactness."""
+    return min(8, max(1, _precision(dtype) - 8))
+
+
+def quantize_threshold(tau: float, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """Round ``tau`` to ``(mantissa, exponent)``, ``mantissa`` odd, checked against ``dtype``."""
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) \
             or tau <= 0:
         raise ValueError(f"tau={tau!r}; expected a finite number > 0")
     if not dtype.is_floating_point:
         raise TypeError(f"dtype={dtype}; expected a floating point dtype")
-    mantissa, exponent = math.frexp(tau)  # tau = mantissa * 2**exponent, mantissa in [0.5, 1)
-    exponent = exponent if mantissa >= math.sqrt(0.5) else exponent - 1
+    bits = _tau_bits(dtype)
+    fraction, exponent = math.frexp(tau)  # tau = fraction * 2**exponent, fraction in [0.5, 1)
+    mantissa, exponent = round(math.ldexp(fraction, bits)), exponent - bits
+    while mantissa % 2 == 0:  # normalize: 2**exponent is then tau's lowest set bit
+        mantissa, exponent = mantissa // 2, exponent + 1
     info = torch.finfo(dtype)
     smallest = info.tiny * info.eps  # smallest subnormal
     # The half step tau/2 must be representable too, and tau must not overflow.
-    if math.ldexp(1.0, exponent - 1) < smallest or math.ldexp(1.0, exponent) > info.max:
-        raise ValueError(f"tau={tau!r} rounds to 2**{exponent}, which {dtype} cannot hold with "
-                         f"its half step; expected tau in [{2 * smallest:.3g}, {info.max:.3g}]")
-    return exponent
+    if math.ldexp(1.0, exponent - 1) < smallest or math.ldexp(mantissa, exponent) > info.max:
+        raise ValueError(f"tau={tau!r} is out of {dtype}'s range (with its half step); "
+                         f"expected tau in [{2 ** bits * smallest:.3g}, {info.max:.3g}]")
+    return mantissa, exponent
 
 
-def full_step_mask(v: Tensor, exponent: int) -> Tensor:
-    """Elements that a full step moves exactly: ``tau <= |v| < 2**p * tau`` (never NaN/inf)."""
+def full_step_mask(v: Tensor, mantissa: int, exponent: int) -> Tensor:
+    """Elements a full step moves exactly: ``tau <= |v| < 2**(exponent + p)``, never NaN/inf."""
     magnitude = v.abs()
     # Python floats compare in v's dtype; a bound above the dtype's range becomes inf (no bound).
     upper = math.ldexp(1.0, exponent + _precision(v.dtype))
-    return (magnitude >= math.ldexp(1.0, exponent)) & (magnitude < upper)
+    full = magnitude >= math.ldexp(mantissa, exponent)
+    # The bound rarely matters: skip its (costly) comparison when even the largest is below it.
+    if magnitude.numel() and not float(magnitude.max()) < upper:  # also true for NaN
+        full &= magnitude < upper
+    return full
 
 
 def choose_format(count: int, numel: int, previous: Format) -> Format:
@@ -119,18 +135,20 @@ def _check_flat(v: Tensor) -> Tensor:
     return v.reshape(-1)
 
 
-def _threshold_payload(flat: Tensor, mask: Tensor) -> Tensor:
-    index = torch.nonzero(mask).reshape(-1)  # ascending: messages are deterministic
+def _threshold_payload(flat: Tensor, index: Tensor) -> Tensor:
     one_based = index + 1
     return torch.where(flat[index] > 0, one_based, -one_based).to(torch.int32)
 
 
-def _bitmap_payload(flat: Tensor, full: Tensor, exponent: int, half_sign: int) -> Tensor:
+def _full_index(full: Tensor) -> Tensor:
+    return torch.nonzero(full).reshape(-1)  # ascending: messages are deterministic
+
+
+def _bitmap_payload(flat: Tensor, full: Tensor, tau: float, half_sign: int) -> Tensor:
     numel = flat.numel()
     codes = torch.zeros(numel, dtype=torch.int64, device=flat.device)
     codes[full & (flat > 0)] = 1
     codes[full & (flat < 0)] = 2
-    tau = math.ldexp(1.0, exponent)
     signed = flat * half_sign  # exact: a sign flip
     codes[(signed >= tau / 2) & (signed < tau)] = 3
     pad = (-numel) % _ELEMENTS_PER_WORD
@@ -143,27 +161,35 @@ def _bitmap_payload(flat: Tensor, full: Tensor, exponent: int, half_sign: int) -
     return words.to(torch.int32)
 
 
+def _prepare(v: Tensor, tau: float) -> tuple[Tensor, int, int, Tensor]:
+    flat = _check_flat(v)
+    mantissa, exponent = quantize_threshold(tau, flat.dtype)
+    return flat, mantissa, exponent, full_step_mask(flat, mantissa, exponent)
+
+
+def _check_indexable(numel: int) -> None:
+    if numel > _MAX_THRESHOLD_NUMEL:
+        raise ValueError(f"{numel} elements do not fit int32 indices; expected at most "
+                         f"{_MAX_THRESHOLD_NUMEL}: encode the tensor in chunks")
+
+
 def threshold_encode(v: Tensor, tau: float) -> Encoded:
     """Sparse message: a signed 1-based int32 index for each element with ``|v| >= tau``."""
-    flat = _check_flat(v)
-    if flat.numel() > _MAX_THRESHOLD_NUMEL:
-        raise ValueError(f"{flat.numel()} elements do not fit int32 indices; expected at most "
-                         f"{_MAX_THRESHOLD_NUMEL}: encode the tensor in chunks")
-    exponent = threshold_exponent(tau, flat.dtype)
-    mask = full_step_mask(flat, exponent)
-    payload = _threshold_payload(flat, mask)
-    return Encoded(Format.THRESHOLD, exponent, 1, flat.numel(), payload.numel(), payload)
+    flat, mantissa, exponent, full = _prepare(v, tau)
+    _check_indexable(flat.numel())
+    payload = _threshold_payload(flat, _full_index(full))
+    return Encoded(Format.THRESHOLD, mantissa, exponent, 1, flat.numel(), payload.numel(),
+                   payload)
 
 
 def bitmap_encode(v: Tensor, tau: float, half_sign: int = 1) -> Encoded:
     """Dense message: 2 bits per element (``+tau``, ``-tau``, or a half step on one side)."""
     if half_sign not in (1, -1):
         raise ValueError(f"half_sign={half_sign!r}; expected 1 or -1")
-    flat = _check_flat(v)
-    exponent = threshold_exponent(tau, flat.dtype)
-    full = full_step_mask(flat, exponent)
-    payload = _bitmap_payload(flat, full, exponent, half_sign)
-    return Encoded(Format.BITMAP, exponent, half_sign, flat.numel(), int(full.sum()), payload)
+    flat, mantissa, exponent, full = _prepare(v, tau)
+    payload = _bitmap_payload(flat, full, math.ldexp(mantissa, exponent), half_sign)
+    return Encoded(Format.BITMAP, mantissa, exponent, half_sign, flat.numel(), int(full.sum()),
+                   payload)
 
 
 def encode(v: Tensor, tau: float, *, previous: Format = Format.THRESHOLD,
@@ -171,25 +197,25 @@ def encode(v: Tensor, tau: float, *, previous: Format = Format.THRESHOLD,
     """Encode in the format ``choose_format`` picks, given the format of the previous message."""
     if half_sign not in (1, -1):
         raise ValueError(f"half_sign={half_sign!r}; expected 1 or -1")
-    flat = _check_flat(v)
-    exponent = threshold_exponent(tau, flat.dtype)
-    full = full_step_mask(flat, exponent)
-    count = int(full.sum())
-    fmt = choose_format(count, flat.numel(), Format(previous))
-    if fmt == Format.BITMAP:
-        payload = _bitmap_payload(flat, full, exponent, half_sign)
-        return Encoded(Format.BITMAP, exponent, half_sign, flat.numel(), count, payload)
-    if flat.numel() > _MAX_THRESHOLD_NUMEL:
-        raise ValueError(f"{flat.numel()} elements do not fit int32 indices; expected at most "
-                         f"{_MAX_THRESHOLD_NUMEL}: encode the tensor in chunks")
-    return Encoded(Format.THRESHOLD, exponent, 1, flat.numel(), count,
-                   _threshold_payload(flat, full))
+    flat, mantissa, exponent, full = _prepare(v, tau)
+    # Sparse messages are the common case: their index list gives the count (one pass, one
+    # host sync) and is reused as the payload; dense steps pay an extra bitmap pass.
+    index = _full_index(full) if flat.numel() <= _MAX_THRESHOLD_NUMEL else None
+    count = int(full.sum()) if index is None else index.numel()
+    if choose_format(count, flat.numel(), Format(previous)) == Format.BITMAP:
+        payload = _bitmap_payload(flat, full, math.ldexp(mantissa, exponent), half_sign)
+        return Encoded(Format.BITMAP, mantissa, exponent, half_sign, flat.numel(), count,
+                       payload)
+    _check_indexable(flat.numel())
+    assert index is not None
+    return Encoded(Format.THRESHOLD, mantissa, exponent, 1, flat.numel(), count,
+                   _threshold_payload(flat, index))
 
 
 def empty_message(numel: int, device: torch.device | str = "cpu") -> Encoded:
     """A message that moves nothing (what an idle replica sends)."""
     payload = torch.empty(0, dtype=torch.int32, device=device)
-    return Encoded(Format.THRESHOLD, 0, 1, numel, 0, payload)
+    return Encoded(Format.THRESHOLD, 1, 0, 1, numel, 0, payload)
 
 
 def _bitmap_values(msg: Encoded, dtype: torch.dtype) -> Tensor:

@@ -1,4 +1,4 @@
-"""Resolve ``training_mode`` (a name, a ``TrainingMode`` or a ``Synchronizer``) to a synchronizer."""
+"""Resolve a ``training_mode`` (a name, an Enum member, a Synchronizer) to a synchronizer."""
 
 from __future__ import annotations
 
@@ -9,17 +9,7 @@ from typing import Any
 
 from paraloom.sync.base import Synchronizer
 
-__all__ = ["TrainingMode", "create_synchronizer", "training_modes"]
-
-
-class TrainingMode(str, Enum):
-    """DL4J's training modes, plus dense all-reduce."""
-
-    AVERAGING = "averaging"
-    SHARED_GRADIENTS = "shared_gradients"
-    ALLREDUCE = "allreduce"
-    CUSTOM = "custom"
-
+__all__ = ["build_synchronizer", "training_modes"]
 
 # name -> "module:Class"; imported on first use, so a mode's dependencies load only when chosen.
 _FACTORIES = {
@@ -29,6 +19,10 @@ _FACTORIES = {
 }
 _ALIASES = {"ddp": "allreduce", "all_reduce": "allreduce", "shared_gradient": "shared_gradients",
             "parameter_averaging": "averaging"}
+# ParallelWrapper's averaging options and their defaults: passed whatever the mode, they only
+# mean something to "averaging"; a non-default value with another mode is a mistake.
+_AVERAGING_OPTIONS = {"averaging_frequency": ("frequency", 1),
+                      "average_updaters": ("average_updaters", True)}
 
 
 def training_modes() -> tuple[str, ...]:
@@ -36,23 +30,36 @@ def training_modes() -> tuple[str, ...]:
     return (*_FACTORIES, "custom")
 
 
-def _load(name: str) -> type[Synchronizer]:
+def _load(name: str) -> Any:
     module, _, attr = _FACTORIES[name].partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
 def _normalize(training_mode: Any) -> str:
-    if isinstance(training_mode, TrainingMode):
-        return training_mode.value
-    if not isinstance(training_mode, str):
+    value = training_mode.value if isinstance(training_mode, Enum) else training_mode
+    if not isinstance(value, str):
         raise TypeError(f"training_mode={training_mode!r} ({type(training_mode).__name__}); "
-                        f"expected one of {training_modes()}, a TrainingMode, or a Synchronizer "
-                        f"instance")
-    name = training_mode.strip().lower().replace("-", "_")
+                        f"expected one of {training_modes()} or a Synchronizer instance")
+    name = value.strip().lower().replace("-", "_")
     return _ALIASES.get(name, name)
 
 
-def create_synchronizer(training_mode: Any, **options: Any) -> Synchronizer:
+def _mode_options(name: str, given: dict[str, Any]) -> dict[str, Any]:
+    """Map ParallelWrapper's option names onto the constructor's; refuse misplaced ones."""
+    out = dict(given)
+    for option, (argument, default) in _AVERAGING_OPTIONS.items():
+        if option not in out:
+            continue
+        value = out.pop(option)
+        if name == "averaging":
+            out[argument] = value
+        elif value != default:
+            raise TypeError(f"{option}={value!r} applies to training_mode='averaging' only; "
+                            f"training_mode={name!r} synchronizes every step")
+    return out
+
+
+def build_synchronizer(training_mode: Any, **options: Any) -> Synchronizer:
     """Build the synchronizer for ``training_mode`` with the options the user set.
 
     Options whose value is None count as not set. A ``Synchronizer`` instance is returned as
@@ -61,6 +68,7 @@ def create_synchronizer(training_mode: Any, **options: Any) -> Synchronizer:
     """
     given = {key: value for key, value in options.items() if value is not None}
     if isinstance(training_mode, Synchronizer):
+        given = _mode_options("custom", given)
         if given:
             raise TypeError(f"options {sorted(given)} do not apply to a Synchronizer instance "
                             f"({type(training_mode).__name__}); pass them to its constructor")
@@ -76,12 +84,12 @@ def create_synchronizer(training_mode: Any, **options: Any) -> Synchronizer:
     if name not in _FACTORIES:
         raise ValueError(f"training_mode={training_mode!r}; expected one of {training_modes()} "
                          f"(or a Synchronizer instance)")
+    given = _mode_options(name, given)
     factory = _load(name)
-    accepted = [p for p in inspect.signature(factory).parameters if p not in ("self",)]
-    takes_any = any(p.kind is p.VAR_KEYWORD
-                    for p in inspect.signature(factory).parameters.values())
-    unknown = sorted(set(given) - set(accepted))
-    if unknown and not takes_any:
-        raise TypeError(f"option(s) {unknown} do not apply to training_mode={name!r}; it takes "
-                        f"{[p for p in accepted if not p.startswith('_')]}")
+    parameters = inspect.signature(factory).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        unknown = sorted(set(given) - set(parameters))
+        if unknown:
+            raise TypeError(f"option(s) {unknown} do not apply to training_mode={name!r}; it "
+                            f"takes {sorted(parameters)}")
     return factory(**given)

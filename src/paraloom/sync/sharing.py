@@ -37,7 +37,6 @@ from paraloom.sync.thresholds import AdaptiveThreshold, ResidualPostProcessor, T
 
 __all__ = ["SharedGradients", "exchange_messages"]
 
-_HEADER_WORDS = 5  # format, exponent, half_sign, payload length, non-finite count
 _ENCODINGS = ("auto", "threshold", "bitmap")
 
 
@@ -51,13 +50,14 @@ def exchange_messages(msg: Encoded, nonfinite: int, group: Any,
     second collective is skipped on every rank alike.
     """
     device = msg.payload.device
-    header = torch.tensor([int(msg.format), msg.exponent, msg.half_sign, msg.payload.numel(),
-                           min(nonfinite, 2**31 - 1)], dtype=torch.int32, device=device)
+    header = torch.tensor([int(msg.format), msg.mantissa, msg.exponent, msg.half_sign,
+                           msg.payload.numel(), min(nonfinite, 2**31 - 1)],
+                          dtype=torch.int32, device=device)
     headers = [torch.empty_like(header) for _ in range(world_size)]
     dist.all_gather(headers, header, group=group)
     rows = torch.stack(headers).tolist()
     sent = Synchronizer.collective_bytes(header, world_size, "allgather")
-    longest = max(row[3] for row in rows)
+    longest = max(row[4] for row in rows)
     payloads = [msg.payload.new_empty(0)] * world_size
     if longest:
         padded = msg.payload.new_zeros(longest)
@@ -65,10 +65,11 @@ def exchange_messages(msg: Encoded, nonfinite: int, group: Any,
         payloads = [torch.empty_like(padded) for _ in range(world_size)]
         dist.all_gather(payloads, padded, group=group)
         sent += Synchronizer.collective_bytes(padded, world_size, "allgather")
-    messages = [Encoded(Format(fmt), exponent, half_sign, msg.numel, -1, payload[:length])
-                for (fmt, exponent, half_sign, length, _), payload
+    messages = [Encoded(Format(fmt), mantissa, exponent, half_sign, msg.numel, -1,
+                        payload[:length])
+                for (fmt, mantissa, exponent, half_sign, length, _), payload
                 in zip(rows, payloads, strict=True)]
-    return messages, [row[4] for row in rows], sent
+    return messages, [row[5] for row in rows], sent
 
 
 class _Replica:
@@ -156,6 +157,7 @@ class SharedGradients(Synchronizer):
         self.broadcast_buffers = bool(broadcast_buffers)
         self.setup_bytes_sent = 0
         self._replica: _Replica | None = None
+        self._pending_residual: Tensor | None = None
         self._format = Format.BITMAP if encoding == "bitmap" else Format.THRESHOLD
         self._half_sign = 1
         self._last_tau = threshold_algorithm.tau
@@ -183,6 +185,7 @@ class SharedGradients(Synchronizer):
         else:
             residual = torch.zeros(numel, dtype=dtype, device=params[0].device)
         self._replica = _Replica(params, residual)
+        self._adopt_pending_residual()
         if is_distributed(ctx):
             # Like DDP at construction: every replica starts from rank 0's parameters.
             with torch.no_grad():
@@ -211,7 +214,10 @@ class SharedGradients(Synchronizer):
             tau = self.threshold_algorithm.tau
             msg = self._encode(replica.residual, tau)
             decode(msg, replica.residual, sign=-1)  # exact: see encoding's module docstring
-            nonfinite = int((~torch.isfinite(replica.residual)).sum())
+            # One cheap reduction: the sum is finite unless an element is NaN/inf (or huge).
+            total = replica.residual.sum()
+            nonfinite = 0 if torch.isfinite(total) else \
+                max(1, int((~torch.isfinite(replica.residual)).sum()))
             if self.residual_post_processor is not None:
                 self.residual_post_processor.process(replica.residual, msg.tau, self.sync_steps)
             self._record(msg)
@@ -292,12 +298,25 @@ class SharedGradients(Synchronizer):
             out["residual_norm"] = float(self._replica.residual.norm())
         return out
 
+    def config(self) -> dict[str, Any]:
+        post = self.residual_post_processor
+        return {"threshold_algorithm": self.threshold_algorithm.config(),
+                "residual_post_processor": None if post is None else post.config(),
+                "combine": self.combine, "encoding": self.encoding,
+                "broadcast_buffers": self.broadcast_buffers}
+
     def state_dict(self) -> dict[str, Any]:
-        """Counters, threshold state and format; the residual is per replica and not included."""
+        """Counters, threshold, format and this replica's residual (restore it on this rank).
+
+        The residual is the part of this replica's updates not yet sent: restoring one
+        replica's state into every replica would apply that part once per replica.
+        """
         state = super().state_dict()
         state.update(threshold=self.threshold_algorithm.state_dict(), format=int(self._format),
                      half_sign=self._half_sign, encoded_steps=self._encoded_steps,
                      bitmap_steps=self._bitmap_steps, sparsity_sum=self._sparsity_sum)
+        if self._replica is not None:
+            state["residual"] = self._replica.residual.detach().clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -310,3 +329,16 @@ class SharedGradients(Synchronizer):
         self._encoded_steps = int(state.get("encoded_steps", 0))
         self._bitmap_steps = int(state.get("bitmap_steps", 0))
         self._sparsity_sum = float(state.get("sparsity_sum", 0.0))
+        self._pending_residual = state.get("residual")
+        if self._replica is not None:
+            self._adopt_pending_residual()
+
+    def _adopt_pending_residual(self) -> None:
+        residual, self._pending_residual = self._pending_residual, None
+        if residual is None or self._replica is None:
+            return
+        if residual.numel() != self._replica.residual.numel():
+            raise ValueError(f"shared_gradients: the saved residual has {residual.numel()} "
+                             f"elements but the model has {self._replica.residual.numel()} "
+                             f"trainable ones; expected a checkpoint of the same model")
+        self._replica.residual.copy_(residual.reshape(-1))

@@ -59,14 +59,19 @@ def _decay(value: Any) -> float:
 class ThresholdAlgorithm:
     """Base class: ``tau`` is the threshold for the next message; ``update`` moves it."""
 
-    __slots__ = ("tau",)
+    __slots__ = ("tau", "initial")
 
     def __init__(self, tau: float) -> None:
-        self.tau = _positive("tau", tau)
+        self.tau = self.initial = _positive("tau", tau)
 
     def update(self, sparsity: float) -> float:
         """Observe the fraction of elements the last message moved; return the next tau."""
         return self.tau
+
+    def config(self) -> dict[str, Any]:
+        """The settings (JSON-able), without the evolving tau."""
+        return {"type": type(self).__name__, "initial": self.initial,
+                **{name: getattr(self, name) for name in self._settings()}}
 
     def state_dict(self) -> dict[str, Any]:
         return {"tau": self.tau}
@@ -75,11 +80,12 @@ class ThresholdAlgorithm:
         self.tau = _positive("tau", state["tau"])
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields())
+        fields = ", ".join(f"{name}={getattr(self, name)!r}"
+                           for name in ("tau", *self._settings()))
         return f"{type(self).__name__}({fields})"
 
-    def _fields(self) -> tuple[str, ...]:
-        return ("tau",)
+    def _settings(self) -> tuple[str, ...]:
+        return ()
 
 
 class FixedThreshold(ThresholdAlgorithm):
@@ -108,8 +114,8 @@ class AdaptiveThreshold(ThresholdAlgorithm):
                                    self.decay)
         return self.tau
 
-    def _fields(self) -> tuple[str, ...]:
-        return ("tau", "min_sparsity", "max_sparsity", "decay")
+    def _settings(self) -> tuple[str, ...]:
+        return ("min_sparsity", "max_sparsity", "decay")
 
 
 class TargetSparsityThreshold(ThresholdAlgorithm):
@@ -131,8 +137,8 @@ class TargetSparsityThreshold(ThresholdAlgorithm):
         self.tau = adapt_threshold(self.tau, sparsity, self.sparsity, self.sparsity, self.decay)
         return self.tau
 
-    def _fields(self) -> tuple[str, ...]:
-        return ("tau", "sparsity", "decay")
+    def _settings(self) -> tuple[str, ...]:
+        return ("sparsity", "decay")
 
 
 def clip_residual_(residual: Tensor, limit: float) -> Tensor:
@@ -147,6 +153,11 @@ class ResidualPostProcessor:
 
     def process(self, residual: Tensor, tau: float, step: int) -> None:
         """Modify ``residual`` in place after the message for ``step`` was subtracted."""
+
+    def config(self) -> dict[str, Any]:
+        """The settings (JSON-able)."""
+        return {"type": type(self).__name__,
+                **{name: getattr(self, name) for name in self.__slots__}}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -239,3 +239,35 @@ def test_invalid_arguments_are_rejected_with_the_fix():
     _, wrapper = scalar_wrapper(1)
     with pytest.raises(ValueError, match="no batches in epoch 1"):
         wrapper.fit((b for b in scalar_batches([1, 2])), epochs=2)
+
+
+_ORPHAN_SCRIPT = """
+import sys, time, torch
+from torch import nn
+from paraloom import ParallelWrapper
+model = nn.Linear(4, 2)
+w = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+w.fit([(torch.rand(8, 4), torch.randint(0, 2, (8,)))] * 4)
+print(*w.worker_pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_parent_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"  # no __main__ guard: workers must not re-run it
+    script.write_text(_ORPHAN_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids), "workers outlived their parent"

@@ -1,4 +1,4 @@
-"""The ``paraloom`` command: train | evaluate | serve | bench."""
+"""The ``paraloom`` command: train | evaluate | serve | spark-train | bench."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ __all__ = ["main"]
 # Sub-commands that live in their own modules: name -> (module, help).
 _DELEGATED = {
     "serve": ("paraloom.serving.cli", "serve a model over HTTP (Open Inference Protocol v2)"),
+    "spark-train": ("paraloom.spark.cli", "train on an Apache Spark cluster (local[2] by default)"),
 }
 _BENCHES = {
     "training": "paraloom.bench.training",
     "inference": "paraloom.bench.inference",
     "serving": "paraloom.bench.serving",
+    "spark": "paraloom.bench.spark",
 }
 
 
@@ -140,6 +142,7 @@ def _attach(p: argparse.ArgumentParser, module_name: str, bench: bool = False) -
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         p.set_defaults(func=lambda _a, e=e: _missing(e))
         return
     module.add_arguments(p)

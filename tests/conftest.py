@@ -11,15 +11,6 @@ from torch.utils.data import DataLoader
 from paraloom.datasets import digits
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def digits_train():
     return digits("train")
@@ -34,13 +25,6 @@ def digits_test():
 def digits_loader(digits_train):
     torch.manual_seed(0)
     return DataLoader(digits_train, batch_size=32, shuffle=True)
-
-
-def accuracy(model: torch.nn.Module, dataset) -> float:
-    model.eval()
-    with torch.no_grad():
-        x, y = dataset.tensors
-        return float((model(x).argmax(1) == y).float().mean())
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,12 @@ from paraloom.early_stopping import (
 )
 from paraloom.errors import NotPicklableError, ParaloomError, WorkerError
 from paraloom.training.resume import TrainingCheckpoint
+from paraloom.sync import (
+    AdaptiveThreshold,
+    FixedThreshold,
+    ResidualClipping,
+    TargetSparsityThreshold,
+)
 from paraloom.sync.base import StepContext, Synchronizer
 from paraloom.listeners import TrainingListener
 from paraloom.training.modes import TrainingMode
@@ -16,14 +22,18 @@ from paraloom.training.wrapper import ParallelWrapper
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveThreshold",
     "EarlyStoppingConfig",
     "EarlyStoppingParallelTrainer",
     "EarlyStoppingResult",
+    "FixedThreshold",
     "NotPicklableError",
     "ParallelWrapper",
     "ParaloomError",
+    "ResidualClipping",
     "StepContext",
     "Synchronizer",
+    "TargetSparsityThreshold",
     "TrainingCheckpoint",
     "TrainingListener",
     "TrainingMode",

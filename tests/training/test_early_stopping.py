@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-from models_for_tests import Scalar, linear_loss
 from torch import nn
 from torch.utils.data import DataLoader
+from training_helpers import Scalar, accuracy, linear_loss
 
-from conftest import accuracy
 from paraloom.early_stopping import (
     AccuracyCalculator,
     BestScore,

@@ -6,10 +6,9 @@ import logging
 
 import pytest
 import torch
-from models_for_tests import digest
 from torch import nn
+from training_helpers import accuracy, digest
 
-from conftest import accuracy
 from paraloom import ParallelWrapper, TrainingCheckpoint
 from paraloom.listeners import CheckpointListener, PerformanceListener, ScoreListener
 from paraloom.models import MLP, LeNet

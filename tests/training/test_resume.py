@@ -8,9 +8,9 @@ import signal
 
 import pytest
 import torch
-from models_for_tests import digest
 from torch import nn
 from torch.utils.data import DataLoader
+from training_helpers import digest
 
 from paraloom import ParallelWrapper, TrainingCheckpoint, TrainingListener, WorkerError
 from paraloom.datasets import digits

@@ -9,11 +9,18 @@ import time
 
 import pytest
 import torch
-from models_for_tests import Scalar, TwoInputs, digest, linear_loss, make_recording_averaging
 from torch import nn
 from torch.utils.data import DataLoader
+from training_helpers import (
+    Scalar,
+    TwoInputs,
+    accuracy,
+    digest,
+    linear_loss,
+    make_recording_averaging,
+    pid_alive,
+)
 
-from conftest import accuracy, pid_alive
 from paraloom import NotPicklableError, ParallelWrapper, TrainingListener, WorkerError
 from paraloom.models import MLP, LeNet
 

@@ -1,0 +1,23 @@
+"""How replicas stay consistent: one synchronizer per file, resolved from ``training_mode``."""
+
+from paraloom.sync.allreduce import AllReduce
+from paraloom.sync.averaging import Averaging
+from paraloom.sync.base import NoSync, StepContext, Synchronizer
+from paraloom.sync.compressed import Fp16AllReduce
+from paraloom.sync.registry import build_synchronizer, training_modes
+from paraloom.sync.sharing import SharedGradients
+from paraloom.sync.thresholds import (
+    AdaptiveThreshold,
+    FixedThreshold,
+    ResidualClipping,
+    ResidualPostProcessor,
+    TargetSparsityThreshold,
+    ThresholdAlgorithm,
+)
+
+__all__ = [
+    "AdaptiveThreshold", "AllReduce", "Averaging", "FixedThreshold", "Fp16AllReduce", "NoSync",
+    "ResidualClipping", "ResidualPostProcessor", "SharedGradients", "StepContext",
+    "Synchronizer", "TargetSparsityThreshold", "ThresholdAlgorithm", "build_synchronizer",
+    "training_modes",
+]

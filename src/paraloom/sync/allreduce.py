@@ -47,7 +47,7 @@ class _Joinable(nn.Module):
 
 def _optimizer_step(ctx: StepContext) -> None:
     """Step as the loop does; with a GradScaler (fp16), through it, so scales stay in step."""
-    scaler = getattr(ctx, "scaler", None)  # not in StepContext yet: proposed to the lead
+    scaler = ctx.scaler
     if scaler is None:
         ctx.optimizer.step()
     else:
@@ -81,7 +81,8 @@ class AllReduce(Synchronizer):
     def wrap_model(self, model: nn.Module, ctx: StepContext) -> nn.Module:
         if not is_distributed(ctx):
             return model
-        if self._joinable is not None and self._joinable.module is model:
+        if self._ddp is not None and self._joinable is not None \
+                and self._joinable.module is model:
             return self._ddp  # one DDP per model: a second one would all-reduce twice
         self._ddp = self._joinable = None  # drop the old reducer's autograd hooks first
         self._joinable = _Joinable(model)

@@ -48,6 +48,9 @@ class StepContext:
     """Rounds completed in this fit() before the current one (counts idle rounds too)."""
     skip_optimizer_step: bool = False
     """Set by ``after_backward`` to tell the loop not to call ``optimizer.step()``."""
+    scaler: Any = None
+    """The replica's ``torch.amp.GradScaler`` with precision="16-mixed", else None: a
+    synchronizer that steps the optimizer itself must go through it."""
 
 
 class Synchronizer:
@@ -97,7 +100,10 @@ class Synchronizer:
                 "bytes_sent_per_step": self.bytes_sent / steps}
 
     def state_dict(self) -> dict[str, Any]:
-        """Synchronizer state for checkpoints (tensors and plain values only)."""
+        """This replica's synchronizer state for checkpoints (tensors and plain values only).
+
+        It is per replica: a checkpoint restores each rank's own state on the same rank.
+        """
         return {"bytes_sent": self.bytes_sent, "sync_steps": self.sync_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -97,7 +97,8 @@ class Replica:
         self.step_fn = step_fn
         self.sync = synchronizer
         self.ctx = StepContext(model=self.model, optimizer=self.optimizer, group=group,
-                               rank=rank, world_size=world_size, device=self.device)
+                               rank=rank, world_size=world_size, device=self.device,
+                               scaler=self.scaler)
         self._module: nn.Module = self.model
 
     def begin_fit(self, state: dict[str, torch.Tensor] | None,

@@ -1,4 +1,5 @@
-"""Tiny models with closed-form training steps, importable by worker processes."""
+"""Helpers for the training tests: tiny closed-form models (importable by worker processes),
+replica digests, accuracy, and process checks."""
 
 from __future__ import annotations
 
@@ -62,3 +63,19 @@ def make_recording_averaging(frequency: int):
             return {**super().stats(), "record": self.record}
 
     return RecordingAveraging(frequency=frequency)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def accuracy(model: nn.Module, dataset) -> float:
+    model.eval()
+    with torch.no_grad():
+        x, y = dataset.tensors
+        return float((model(x).argmax(1) == y).float().mean())

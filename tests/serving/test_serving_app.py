@@ -1,0 +1,422 @@
+"""Every endpoint and every error, in process through httpx's ASGI transport, on a real pool."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import threading
+import zlib
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as th
+from serving_helpers import Client, Gate, GatedLeNet, closing, expected, infer_json, outputs_of
+from starlette.applications import Starlette
+from torch import nn
+from tritonclient.http._utils import _get_inference_request
+
+from paraloom.inference.parallel import ParallelInference
+from paraloom.models import LeNet
+from paraloom.serving import TensorSpec, create_app
+
+URL = "/v2/models/lenet/infer"
+
+
+def test_server_metadata_names_the_extensions(client: Client) -> None:
+    body = client.get("/v2").json()
+    assert body["name"] == "paraloom"
+    assert body["extensions"] == ["binary_tensor_data", "model_repository"]
+
+
+def test_health_endpoints_are_200_while_serving(client: Client) -> None:
+    for url in ("/v2/health/live", "/v2/health/ready", "/v2/models/lenet/ready",
+                "/v2/models/lenet/versions/1/ready"):
+        assert client.get(url).status_code == 200, url
+
+
+def test_model_metadata_describes_inputs_and_outputs(client: Client) -> None:
+    want = {"name": "lenet", "versions": ["1"], "platform": "pytorch",
+            "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 1, 8, 8]}],
+            "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, 10]}]}
+    assert client.get("/v2/models/lenet").json() == want
+    assert client.get("/v2/models/lenet/versions/1").json() == want
+
+
+def test_json_inference_equals_the_models_own_output(client: Client, lenet: nn.Module) -> None:
+    x = torch.rand(3, 1, 8, 8)
+    r = client.post(URL, json=infer_json(x, id="req-7"))
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert (body["model_name"], body["model_version"], body["id"]) == ("lenet", "1", "req-7")
+    assert body["outputs"][0]["shape"] == [3, 10]
+    torch.testing.assert_close(outputs_of(r), expected(lenet, x))
+
+
+def tritonclient_body(x: np.ndarray, outputs: list[th.InferRequestedOutput] | None = None
+                      ) -> tuple[bytes, dict[str, str]]:
+    item = th.InferInput("input", list(x.shape), "FP32")
+    item.set_data_from_numpy(x)
+    body, header_length = _get_inference_request([item], "", outputs, 0, False, False, 0, None,
+                                                 None)
+    return body, {"Inference-Header-Content-Length": str(header_length)}
+
+
+def test_binary_inference_as_tritonclient_sends_it(client: Client, lenet: nn.Module) -> None:
+    x = np.random.default_rng(0).random((2, 1, 8, 8), dtype=np.float32)
+    body, headers = tritonclient_body(x)
+    r = client.post(URL, content=body, headers=headers)
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/octet-stream"
+    result = th.InferResult.from_response_body(
+        r.content, header_length=int(r.headers["Inference-Header-Content-Length"]))
+    np.testing.assert_allclose(result.as_numpy("output"),
+                               expected(lenet, torch.from_numpy(x)).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_requested_output_as_json_overrides_binary_default(client: Client) -> None:
+    x = np.zeros((1, 1, 8, 8), np.float32)
+    body, headers = tritonclient_body(x, [th.InferRequestedOutput("output", binary_data=False)])
+    r = client.post(URL, content=body, headers=headers)
+    assert r.status_code == 200 and "Inference-Header-Content-Length" not in r.headers
+    assert len(r.json()["outputs"][0]["data"]) == 10
+
+
+def assert_error(r, status: int, *fragments: str) -> None:
+    assert r.status_code == status, r.text
+    message = r.json()["error"]
+    assert isinstance(message, str)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def lenet_input(**fields: object) -> dict:
+    item = {"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0.5] * 64}
+    item.update(fields)
+    return {"inputs": [item]}
+
+
+@pytest.mark.parametrize(("body", "status", "fragment"), [
+    (b"{oops", 400, "not valid JSON"),
+    (b"", 400, "not valid JSON"),
+    (json.dumps(lenet_input(datatype="FP64")).encode(), 400, "datatype FP64 but the model "
+     "expects FP32"),
+    (json.dumps(lenet_input(shape=[1, 64], data=[0.5] * 64)).encode(), 400,
+     "shape [1, 64] but the model expects [-1, 1, 8, 8]"),
+    (json.dumps(lenet_input(data=[0.5] * 63)).encode(), 400, "63 data elements but shape"),
+    (json.dumps(lenet_input(name="image")).encode(), 400, "unknown: ['image']"),
+    (json.dumps(lenet_input(datatype="BYTES")).encode(), 400, "BYTES"),
+    (json.dumps({**lenet_input(), "outputs": [{"name": "probs"}]}).encode(), 400,
+     "outputs ['probs'] that the model does not have"),
+])
+def test_bad_requests_get_400_with_a_clear_message(client: Client, body: bytes, status: int,
+                                                   fragment: str) -> None:
+    assert_error(client.post(URL, content=body), status, fragment)
+
+
+def test_bad_header_length_is_400(client: Client) -> None:
+    r = client.post(URL, content=b"{}", headers={"Inference-Header-Content-Length": "ten"})
+    assert_error(r, 400, "Inference-Header-Content-Length is 'ten'")
+
+
+@pytest.mark.parametrize(("method", "url", "status", "fragment"), [
+    ("GET", "/v2/models/resnet", 404, "unknown model 'resnet'; this server serves 'lenet'"),
+    ("GET", "/v2/models/lenet/versions/9", 404, "has no version '9'; it serves version '1'"),
+    ("GET", "/v2/models/lenet/versions/9/ready", 404, "no version '9'"),
+    ("POST", "/v2/models/resnet/infer", 404, "unknown model 'resnet'"),
+    ("POST", "/v2/models/lenet/versions/2/infer", 404, "no version '2'"),
+    ("GET", "/v3/anything", 404, "no endpoint GET /v3/anything"),
+    ("GET", URL, 405, "GET is not allowed"),
+    ("POST", "/v2/repository/models/resnet/load", 404, "unknown model 'resnet'"),
+])
+def test_unknown_models_versions_and_routes(client: Client, method: str, url: str, status: int,
+                                            fragment: str) -> None:
+    assert_error(client.request(method, url, content=json.dumps(lenet_input())), status,
+                 fragment)
+
+
+def test_a_request_the_model_fails_on_alone_is_400(lenet: nn.Module) -> None:
+    model = nn.Linear(5, 2)
+    app = create_app(model, name="m", inputs=[TensorSpec("x", "FP32", (-1, -1))],
+                     outputs=[TensorSpec("y", "FP32", (-1, 2))], workers=1)
+    client = Client(app)
+    try:
+        ok = client.post("/v2/models/m/infer", json=infer_json(torch.ones(1, 5), name="x"))
+        assert ok.status_code == 200
+        bad = client.post("/v2/models/m/infer", json=infer_json(torch.ones(1, 6), name="x"))
+        assert_error(bad, 400, "failed on this request alone", "Tensor(N, 6) float32",
+                     "Tensor(N, 5) float32")
+    finally:
+        client.close()
+        closing(app)
+
+
+class Broken(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            raise MemoryError("simulated out of memory")
+        return super().forward(x)
+
+
+def test_a_model_failing_on_its_own_is_500_and_names_the_cause() -> None:
+    torch.manual_seed(0)
+    app = create_app(Broken(4, 2), name="m", workers=1)
+    client = Client(app)
+    try:
+        r = client.post("/v2/models/m/infer", json=infer_json(torch.ones(2, 4)))
+        assert_error(r, 500, "the model failed", "simulated out of memory")
+        metrics = client.get("/metrics").text
+        assert 'paraloom_inference_failures_total{model="m",reason="model_error"} 1.0' in metrics
+    finally:
+        client.close()
+        closing(app)
+
+
+def test_body_over_the_limit_is_413_by_content_length_and_by_stream(lenet: nn.Module) -> None:
+    app = create_app(lenet, name="lenet", workers=1, max_body_bytes=1000)
+    client = Client(app)
+    try:
+        big = json.dumps(lenet_input(data=[0.12345678901] * 64)).encode()
+        assert len(big) > 1000
+        assert_error(client.post(URL, content=big), 413, "over this server's limit of 1000")
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: the server counts
+            for i in range(0, len(big), 100):
+                yield big[i:i + 100]
+
+        assert_error(client.post(URL, content=chunks()), 413, "limit of 1000")
+        bomb = gzip.compress(b" " * 500_000)  # ~500 bytes that inflate 1000-fold
+        assert len(bomb) < 1000
+        r = client.post(URL, content=bomb, headers={"Content-Encoding": "gzip"})
+        assert_error(r, 413, "decompressed gzip body")
+        metrics = client.get("/metrics").text
+        assert 'reason="body_too_large"} 3.0' in metrics
+    finally:
+        client.close()
+        closing(app)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_compressed_bodies_are_read(client: Client, lenet: nn.Module, encoding: str) -> None:
+    x = torch.rand(1, 1, 8, 8)
+    raw = json.dumps(infer_json(x)).encode()
+    body = gzip.compress(raw) if encoding == "gzip" else zlib.compress(raw)
+    r = client.post(URL, content=body, headers={"Content-Encoding": encoding})
+    assert r.status_code == 200
+    torch.testing.assert_close(outputs_of(r), expected(lenet, x))
+
+
+@pytest.mark.parametrize(("headers", "fragment"), [
+    ({"Content-Encoding": "br"}, "'br' is not supported"),
+    ({"Content-Encoding": "gzip"}, "not valid gzip data"),
+])
+def test_bad_encodings_are_400(client: Client, headers: dict, fragment: str) -> None:
+    assert_error(client.post(URL, content=b"plain", headers=headers), 400, fragment)
+
+
+def test_concurrent_clients_share_one_batch(lenet: nn.Module) -> None:
+    # A huge max_wait lets only size close the batch: 16 clients must land in one forward pass.
+    app = create_app(lenet, name="lenet", workers=1, batch_limit=16, max_wait_ms=60_000)
+    client = Client(app)
+    try:
+        xs = [torch.rand(1, 1, 8, 8) for _ in range(16)]
+        responses = client.gather(*(("POST", URL, {"json": infer_json(x)}) for x in xs))
+        for x, r in zip(xs, responses, strict=True):
+            assert r.status_code == 200
+            torch.testing.assert_close(outputs_of(r), expected(lenet, x))
+        stats = app.state.served.pool.stats()
+        assert stats["batch_size_histogram"] == {16: 1}
+        metrics = client.get("/metrics").text
+        assert 'paraloom_batch_size_bucket{le="16.0",model="lenet"} 1.0' in metrics
+        assert 'paraloom_batch_size_bucket{le="8.0",model="lenet"} 0.0' in metrics
+        assert 'paraloom_inference_requests_total{model="lenet"} 16.0' in metrics
+    finally:
+        client.close()
+        closing(app)
+
+
+def test_metrics_count_requests_and_failures_by_reason(client: Client) -> None:
+    client.post(URL, json=lenet_input())
+    client.post(URL, content=b"{")
+    client.post("/v2/models/nope/infer", json=lenet_input())
+    text = client.get("/metrics").text
+    assert 'paraloom_inference_requests_total{model="lenet"} 3.0' in text
+    assert 'paraloom_inference_failures_total{model="lenet",reason="bad_request"} 1.0' in text
+    assert 'paraloom_inference_failures_total{model="lenet",reason="not_found"} 1.0' in text
+    assert 'paraloom_request_duration_seconds_count{model="lenet"} 1.0' in text
+    assert 'paraloom_pool_rows_total{model="lenet"} 1.0' in text  # recorded before delivery
+    assert 'paraloom_model_version{model="lenet"} 1.0' in text
+    for name in ("paraloom_queue_time_seconds", "paraloom_forward_time_seconds"):
+        assert f'{name}{{model="lenet",quantile="0.99"}}' in text
+
+
+def test_repository_index_lists_the_model(client: Client) -> None:
+    assert client.post("/v2/repository/index").json() == [
+        {"name": "lenet", "version": "1", "state": "READY", "reason": ""}]
+
+
+def test_unload_is_refused(client: Client) -> None:
+    assert_error(client.post("/v2/repository/models/lenet/unload"), 400, "not supported")
+
+
+def test_load_is_forbidden_without_a_file_or_directory(client: Client) -> None:
+    assert_error(client.post("/v2/repository/models/lenet/load"), 403, "loading is disabled")
+
+
+class TwoInTwoOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = self.fc(a) * b
+        return {"y": y, "best": y.argmax(dim=1)}
+
+
+def test_multi_input_model_with_named_outputs() -> None:
+    torch.manual_seed(0)
+    model = TwoInTwoOut().eval()
+    app = create_app(model, name="two", sample=(torch.zeros(1, 3), torch.zeros(1, 2)), workers=1)
+    client = Client(app)
+    try:
+        a, b = torch.rand(4, 3), torch.rand(4, 2)
+        body = {"inputs": [infer_json(b, name="input_1")["inputs"][0],
+                           infer_json(a, name="input_0")["inputs"][0]],
+                "outputs": [{"name": "best"}]}
+        r = client.post("/v2/models/two/infer", json=body)
+        assert r.status_code == 200
+        (out,) = r.json()["outputs"]
+        assert (out["name"], out["datatype"], out["shape"]) == ("best", "INT64", [4])
+        with torch.no_grad():
+            assert out["data"] == model(a, b)["best"].tolist()
+    finally:
+        client.close()
+        closing(app)
+
+
+def test_an_existing_pool_is_served_and_left_open(lenet: nn.Module) -> None:
+    with ParallelInference(lenet, workers=1) as pool:
+        with pytest.raises(TypeError, match="needs model="):
+            create_app(pool, name="lenet")
+        app = create_app(pool, name="lenet", model=lenet)
+        client = Client(app)
+        try:
+            x = torch.rand(2, 1, 8, 8)
+            torch.testing.assert_close(outputs_of(client.post(URL, json=infer_json(x))),
+                                       expected(lenet, x))
+        finally:
+            client.close()
+        assert not pool.closed
+
+
+def test_create_app_checks_its_arguments(lenet: nn.Module) -> None:
+    with pytest.raises(ValueError, match="max_body_bytes=0"):
+        create_app(lenet, max_body_bytes=0)
+    with pytest.raises(TypeError, match="takes an nn.Module or a ParallelInference"):
+        create_app(object())
+
+
+def test_after_close_ready_is_false_and_inference_is_503(app: Starlette, client: Client) -> None:
+    client.run(app.state.served.close())  # what the lifespan shutdown does
+    assert client.get("/v2/health/ready").status_code == 400
+    assert client.get("/v2/models/lenet/ready").status_code == 400
+    assert client.get("/v2/health/live").status_code == 200
+    r = client.post(URL, json=lenet_input())
+    assert_error(r, 503, "shutting down")
+    assert r.headers["Retry-After"] == "1"
+
+
+def test_full_queue_is_503_with_retry_after(
+        gated_app: tuple[Starlette, Gate, ParallelInference]) -> None:
+    app, gate, pool = gated_app
+    client = Client(app)
+    held = []
+    try:
+        gate.close()
+        held.append(pool.submit(torch.zeros(1, 1, 8, 8)))  # the only worker takes it and waits
+        assert gate.entered.wait(30)
+        held += [pool.submit(torch.zeros(1, 1, 8, 8)) for _ in range(2)]  # queue_limit=2: full
+        r = client.post(URL, json=lenet_input())
+        assert_error(r, 503, "queue is full", "retry after 1 s")
+        assert r.headers["Retry-After"] == "1"
+        assert 'reason="queue_full"} 1.0' in client.get("/metrics").text
+    finally:
+        gate.open()
+        client.close()
+    for fut in held:
+        assert fut.result(30).shape == (1, 10)
+
+
+@pytest.fixture()
+def gated_app() -> Iterator[tuple[Starlette, Gate, ParallelInference]]:
+    gate = Gate()
+    app = create_app(GatedLeNet(gate), name="lenet", workers=1, queue_limit=2, batch_limit=2,
+                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
+    yield app, gate, app.state.served.pool
+    gate.open()
+    closing(app)
+
+
+def test_lenet_28_metadata() -> None:
+    app = create_app(LeNet(), name="mnist", workers=1)
+    client = Client(app)
+    try:
+        meta = client.get("/v2/models/mnist").json()
+        assert meta["inputs"][0]["shape"] == [-1, 1, 28, 28]
+    finally:
+        client.close()
+        closing(app)
+
+
+@pytest.mark.parametrize("mode", ["batched", "sequential", "inplace"])
+def test_every_inference_mode_serves(lenet: nn.Module, mode: str) -> None:
+    app = create_app(lenet, name="lenet", inference_mode=mode, workers=2)
+    client = Client(app)
+    try:
+        xs = [torch.rand(2, 1, 8, 8) for _ in range(6)]
+        responses = client.gather(*(("POST", URL, {"json": infer_json(x)}) for x in xs))
+        for x, r in zip(xs, responses, strict=True):
+            assert r.status_code == 200, r.text
+            torch.testing.assert_close(outputs_of(r), expected(lenet, x))
+    finally:
+        client.close()
+        closing(app)
+
+
+def test_a_request_past_its_pool_timeout_is_504() -> None:
+    gate = Gate()
+    app = create_app(GatedLeNet(gate), name="lenet", workers=1, batch_limit=2, timeout=1e-6,
+                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
+    pool = app.state.served.pool
+    client = Client(app)
+    queued = threading.Event()
+    real_submit = pool.submit
+
+    def submit(*args: object, **kwargs: object) -> object:  # tells the test it is queued
+        future = real_submit(*args, **kwargs)
+        queued.set()
+        return future
+
+    async def scenario() -> httpx.Response:
+        gate.close()
+        held = pool.submit(torch.zeros(1, 1, 8, 8), timeout=None)  # holds the only worker
+        assert await asyncio.to_thread(gate.entered.wait, 30)
+        pool.submit = submit
+        request = asyncio.create_task(client.http.post(URL, json=lenet_input()))
+        assert await asyncio.to_thread(queued.wait, 30)
+        gate.open()  # the worker finishes, then finds our request long past its 1 us timeout
+        assert (await asyncio.wrap_future(held)).shape == (1, 10)
+        return await request
+
+    try:
+        r = client.run(scenario())
+        assert_error(r, 504, "timeout")
+        assert 'reason="timeout"} 1.0' in client.get("/metrics").text
+    finally:
+        gate.open()
+        client.close()
+        closing(app)

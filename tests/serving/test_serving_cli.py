@@ -1,0 +1,197 @@
+"""``paraloom serve``: building the model from its arguments, and a real server process."""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as th
+from safetensors.torch import save_file
+from serving_helpers import WAIT_S
+from torch import nn
+
+import paraloom
+from paraloom.models import MLP, LeNet
+from paraloom.serving import cli
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def saved(path: Path, seed: int, image_size: int = 8) -> nn.Module:
+    torch.manual_seed(seed)
+    model = LeNet(image_size=image_size).eval()
+    paraloom.save(model, path)
+    return model
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values(), strict=True))
+
+
+def test_defaults_are_safe() -> None:
+    args = parse("model.safetensors")
+    assert (args.host, args.port, args.workers, args.batch_limit, args.max_wait_ms) == (
+        "127.0.0.1", 8000, 2, 32, 0.0)
+
+
+def test_a_saved_file_is_served_and_reloadable(tmp_path: Path) -> None:
+    model = saved(tmp_path / "m.safetensors", 0)
+    built, reloadable = cli.build_model(parse(str(tmp_path / "m.safetensors")))
+    assert same_weights(built, model) and reloadable == str(tmp_path / "m.safetensors")
+
+
+def test_factory_with_paraloom_weights_uses_the_files_kwargs(tmp_path: Path) -> None:
+    model = saved(tmp_path / "w.safetensors", 0)
+    built, reloadable = cli.build_model(parse("--factory", "paraloom.models:LeNet", "--weights",
+                                              str(tmp_path / "w.safetensors")))
+    assert built.config["image_size"] == 8 and same_weights(built, model)
+    assert reloadable is not None
+
+
+def test_factory_with_plain_safetensors_weights_is_served_but_not_reloadable(tmp_path: Path
+                                                                             ) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "plain.safetensors"))
+    built, reloadable = cli.build_model(parse("--factory", "paraloom.models:MLP", "--weights",
+                                              str(tmp_path / "plain.safetensors")))
+    assert same_weights(built, model) and reloadable is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ((), "nothing to serve"),
+    (("a.safetensors", "--factory", "x:y"), "not both"),
+    (("--factory", "paraloom.models"), "must look like 'package.module:function'"),
+    (("--factory", "paraloom.models:LeNet", "--weights", "missing.safetensors"),
+     "does not exist"),
+    (("missing.safetensors",), "does not exist"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv: tuple[str, ...], message: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(parse(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_input_shape_must_be_integers(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                      ) -> None:
+    saved(tmp_path / "m.safetensors", 0)
+    assert cli.run(parse(str(tmp_path / "m.safetensors"), "--input-shape=-1,a")) == 2
+    assert "integers separated by commas" in capsys.readouterr().err
+
+
+class Process:
+    """``python -m paraloom.serving.cli`` with its log lines readable with a timeout."""
+
+    def __init__(self, *argv: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "paraloom.serving.cli", *argv],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # end of output
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        while True:
+            try:
+                line = self.lines.get(timeout=WAIT_S)
+            except queue.Empty:
+                raise AssertionError(f"no {pattern!r} within {WAIT_S} s: {self.seen}") from None
+            self.seen.append(line)
+            if line == "":
+                raise AssertionError(f"the server exited before {pattern!r}; log: {self.seen}")
+            if (match := re.search(pattern, line)) is not None:
+                return match
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(WAIT_S)
+            raise
+
+
+@pytest.fixture()
+def process(tmp_path: Path) -> Iterator[tuple[Process, Path]]:
+    path = tmp_path / "lenet.safetensors"
+    saved(path, 1)
+    running = Process(str(path), "--name", "lenet", "--port", "0", "--workers", "1",
+                      "--log-level", "info")
+    try:
+        yield running, path
+    finally:
+        running.stop()
+
+
+def infer(port: int, x: np.ndarray) -> th.InferResult:
+    client = th.InferenceServerClient(url=f"127.0.0.1:{port}", connection_timeout=WAIT_S,
+                                      network_timeout=WAIT_S)
+    try:
+        item = th.InferInput("input", list(x.shape), "FP32")
+        item.set_data_from_numpy(x)
+        return client.infer("lenet", [item])
+    finally:
+        client.close()
+
+
+def test_serve_then_reload_on_sighup_then_stop_cleanly(process: tuple[Process, Path]) -> None:
+    proc, path = process
+    port = int(proc.wait_for(r"paraloom serving on http://127\.0\.0\.1:(\d+)").group(1))
+    x = np.random.default_rng(0).random((2, 1, 8, 8), dtype=np.float32)
+    with torch.no_grad():
+        v1 = paraloom.load(path).eval()(torch.from_numpy(x)).numpy()
+    first = infer(port, x)
+    np.testing.assert_allclose(first.as_numpy("output"), v1, rtol=1e-5, atol=1e-6)
+
+    v2_model = saved(path, 2)  # paraloom.save replaces the file atomically
+    proc.proc.send_signal(signal.SIGHUP)
+    proc.wait_for(r"SIGHUP: model 'lenet' now serves version 2")
+    second = infer(port, x)
+    assert second.get_response()["model_version"] == "2"
+    with torch.no_grad():
+        np.testing.assert_allclose(second.as_numpy("output"),
+                                   v2_model(torch.from_numpy(x)).numpy(), rtol=1e-5, atol=1e-6)
+    # uvicorn re-raises the SIGTERM it caught once shutdown is done, so the exit status says
+    # "terminated by SIGTERM"; what matters is that the app's shutdown ran to its end.
+    assert proc.stop() in (0, -signal.SIGTERM)
+    proc.wait_for("Application shutdown complete")
+
+
+def test_a_taken_port_exits_2_and_stops_the_pool(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    saved(tmp_path / "m.safetensors", 0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = {t.name for t in threading.enumerate()}
+        code = cli.run(parse(str(tmp_path / "m.safetensors"), "--port", str(port),
+                             "--workers", "1"))
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    leaked = {t.name for t in threading.enumerate()} - before
+    assert not [n for n in leaked if n.startswith("paraloom-inference")]

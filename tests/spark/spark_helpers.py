@@ -1,0 +1,127 @@
+"""Data, models and failure-injecting losses for the Spark tests (shipped to executors by value)."""
+
+from __future__ import annotations
+
+import os
+from html.parser import HTMLParser
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from paraloom.datasets import digits
+
+
+def rows(split: str) -> list[tuple]:
+    """The digits split as (1x8x8 float32 array, int label) pairs."""
+    x, y = digits(split).tensors
+    return list(zip(x.numpy(), y.tolist(), strict=True))
+
+
+def rdd(sc, split: str, partitions: int = 2):
+    return sc.parallelize(rows(split), partitions)
+
+
+def unequal_rdd(sc, split: str, first: int):
+    """Two partitions of different sizes: ``first`` rows, then the rest."""
+    data = rows(split)
+    return sc.parallelize([data[:first], data[first:]], 2).flatMap(lambda part: part)
+
+
+def dataframe(spark, split: str):
+    """A DataFrame with a flat 64-float ``features`` array column and a long ``label``."""
+    x, y = digits(split).tensors
+    records = [(row.reshape(-1).tolist(), int(label)) for row, label in zip(x, y, strict=True)]
+    return spark.createDataFrame(records, "features array<float>, label long")
+
+
+def accuracy(model: nn.Module, dataset) -> float:
+    """Test accuracy of ``model`` on a TensorDataset, computed locally."""
+    model.eval()
+    with torch.no_grad():
+        x, y = dataset.tensors
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class CrashOnce(nn.Module):
+    """Cross-entropy; on rank ``rank``'s ``at``-th call the process exits, unless ``marker`` exists.
+
+    The marker is written just before the exit, so only the first stage attempt dies: a
+    deterministic "task killed mid-fit".
+    """
+
+    def __init__(self, marker: str, at: int, rank: int = 1) -> None:
+        super().__init__()
+        self.marker, self.at, self.rank, self.calls = marker, at, rank, 0
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at and _rank() == self.rank and not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            os._exit(3)
+        return F.cross_entropy(out, target)
+
+
+class AlwaysCrash(nn.Module):
+    """Cross-entropy; rank ``rank`` exits on its ``at``-th call in every attempt."""
+
+    def __init__(self, at: int, rank: int = 1) -> None:
+        super().__init__()
+        self.at, self.rank, self.calls = at, rank, 0
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at and _rank() == self.rank:
+            os._exit(3)
+        return F.cross_entropy(out, target)
+
+
+class FailAt(nn.Module):
+    """Cross-entropy; rank ``rank`` raises ValueError on its ``at``-th call."""
+
+    def __init__(self, at: int, rank: int = 1) -> None:
+        super().__init__()
+        self.at, self.rank, self.calls = at, rank, 0
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at and _rank() == self.rank:
+            raise ValueError(f"injected failure on call {self.calls}")
+        return F.cross_entropy(out, target)
+
+
+class _Page(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.timelines: dict[str, int] = {}
+        self.current: str | None = None
+        self.tags: set[str] = set()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.add(tag)
+        self.urls += [v for k, v in attrs.items() if k in ("src", "href") and v]
+        if tag == "svg" and "timeline" in (attrs.get("class") or ""):
+            self.current = attrs["data-worker"]
+            self.timelines[self.current] = 0
+        if tag == "rect" and self.current is not None:
+            self.timelines[self.current] += 1
+
+    def handle_endtag(self, tag):
+        if tag == "svg":
+            self.current = None
+
+
+def read_page(path) -> tuple[str, _Page]:
+    """The HTML text and what a parser found in it (timelines and their bars, tags, URLs)."""
+    text = path.read_text(encoding="utf-8")
+    page = _Page()
+    page.feed(text)
+    return text, page

@@ -1,0 +1,41 @@
+"""``paraloom spark-train`` end to end on the test session's local[2]."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+from spark_helpers import accuracy
+
+import paraloom
+
+
+@pytest.mark.timeout(300)
+def test_spark_train_trains_reports_and_saves(spark, tmp_path, capsys, digits_test):
+    from paraloom.spark import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--training-master", "averaging", "--epochs", "2",
+                              "--averaging-frequency", "8", "--workers", "2",
+                              "--stats-html", str(tmp_path / "stats.html"),
+                              "--out", str(tmp_path / "model.safetensors")])
+    assert args.master == "local[2]"
+    assert cli.run(args) == 0
+    out = capsys.readouterr().out
+    printed = float(re.search(r"accuracy\s+([0-9.]+)", out).group(1))
+    model = paraloom.load(tmp_path / "model.safetensors")
+    assert printed == pytest.approx(accuracy(model, digits_test), abs=1e-4)
+    assert printed > 0.5
+    assert "samples/s" in out and "averaging master" in out
+    assert 'class="timeline"' in (tmp_path / "stats.html").read_text()
+    assert spark.sparkContext._jsc is not None  # the CLI reused the session, did not stop it
+
+
+def test_spark_train_rejects_a_bad_conf():
+    from paraloom.spark.cli import _confs
+
+    assert _confs(["spark.executor.memory=4g"]) == {"spark.executor.memory": "4g"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _confs(["spark.executor.memory"])

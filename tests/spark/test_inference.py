@@ -1,0 +1,97 @@
+"""Distributed evaluation and inference equal the same computations done locally."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import spark_helpers as h
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paraloom.evaluation import evaluate
+from paraloom.models import LeNet
+from paraloom.spark import ParameterAveragingTrainingMaster, SparkModel
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model(digits_train):
+    """A LeNet trained for two epochs in this process: predictions worth comparing."""
+    torch.manual_seed(0)
+    net = LeNet(image_size=8)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):
+        for x, y in DataLoader(digits_train, batch_size=32, shuffle=True):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    return net.eval()
+
+
+def spark_model(spark, model, **options) -> SparkModel:
+    return SparkModel(spark, model, ParameterAveragingTrainingMaster(workers=2),
+                      loss_fn=nn.CrossEntropyLoss(), **options)
+
+
+def test_evaluate_equals_local_metrics(spark, sc, model, digits_test):
+    local = evaluate(model, DataLoader(digits_test, batch_size=64),
+                     loss_fn=nn.CrossEntropyLoss()).metrics()
+    for data, options in ((h.rdd(sc, "test", 3), {}),
+                          (h.dataframe(spark, "test"), {"feature_shape": (1, 8, 8)})):
+        remote = spark_model(spark, model, **options).evaluate(data, batch_size=50).metrics()
+        assert remote["confusion_matrix"] == local["confusion_matrix"]
+        assert remote["count"] == local["count"] == 359
+        for key in ("accuracy", "precision", "recall", "f1"):
+            assert remote[key] == local[key]
+        assert remote["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    assert 0.5 < local["accuracy"] < 1  # a partly trained model: the comparison means something
+
+
+def test_evaluate_regression_equals_local(spark, sc):
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 2)
+    g = np.random.default_rng(0)
+    x = g.normal(size=(101, 3)).astype(np.float32)
+    y = (x @ g.normal(size=(3, 2)) + 0.1 * g.normal(size=(101, 2))).astype(np.float32)
+    rows = sc.parallelize(list(zip(x, y, strict=True)), 3)
+    net = SparkModel(spark, linear, ParameterAveragingTrainingMaster(workers=2),
+                     loss_fn=nn.MSELoss())
+    metrics = net.evaluate_regression(rows, batch_size=16).metrics()
+    with torch.no_grad():
+        pred = linear(torch.from_numpy(x)).double().numpy()
+    mse = ((pred - y) ** 2).mean(0)
+    assert metrics["count"] == 101
+    assert metrics["mse"] == pytest.approx(mse.mean(), rel=1e-6)
+    assert metrics["r2"] == pytest.approx((1 - mse / y.var(0)).mean(), rel=1e-6)
+
+
+def test_predict_dataframe_equals_local_outputs(spark, model, digits_test):
+    net = spark_model(spark, model, feature_shape=(1, 8, 8))
+    df = h.dataframe(spark, "test").repartition(3)
+    scored = net.predict(df, features="features", output="prediction", batch_size=40)
+    assert scored.columns == ["features", "label", "prediction"]
+    rows = scored.collect()
+    x = torch.tensor(np.array([r["features"] for r in rows], dtype=np.float32)).view(-1, 1, 8, 8)
+    with torch.no_grad():
+        expected = model(x)
+    got = torch.tensor(np.array([r["prediction"] for r in rows], dtype=np.float32))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    classes = net.predict(df, output="cls", argmax=True).select("features", "cls").collect()
+    x = torch.tensor(np.array([r["features"] for r in classes], dtype=np.float32))
+    with torch.no_grad():
+        assert [r["cls"] for r in classes] == model(x.view(-1, 1, 8, 8)).argmax(1).tolist()
+
+
+def test_predict_rdd_keeps_order_and_keys(spark, sc, model, digits_test):
+    net = spark_model(spark, model)
+    x, _ = digits_test.tensors
+    features = sc.parallelize([row.numpy() for row in x], 4)
+    with torch.no_grad():
+        expected = model(x)
+    got = np.stack(net.predict(features, batch_size=32).collect())
+    torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-5, atol=1e-5)
+    keyed = sc.parallelize([(f"id{i}", row.numpy()) for i, row in enumerate(x)], 3)
+    classes = dict(net.predict(keyed, keyed=True, argmax=True).collect())
+    assert classes == {f"id{i}": int(c) for i, c in enumerate(expected.argmax(1))}

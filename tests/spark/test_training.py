@@ -1,0 +1,134 @@
+"""Both masters on local[2] with real data: accuracy, identical replicas, bytes, stats, faults."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import spark_helpers as h
+import torch
+from spark_helpers import accuracy, read_page
+from torch import nn
+
+from paraloom.models import LeNet
+from paraloom.spark import (
+    AdaptiveThreshold,
+    ParameterAveragingTrainingMaster,
+    SharedTrainingMaster,
+    SparkModel,
+    SparkTrainingError,
+)
+from paraloom.spark.state import state_digest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def lenet() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = LeNet(image_size=8)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def shared_master(**options) -> SharedTrainingMaster:
+    # Start tau where this model's updates sit and keep messages under 0.5% of the elements.
+    options = {"batch_size_per_worker": 32, "workers": 2, "timeout": 60,
+               "rendezvous_timeout": 120, **options}
+    return SharedTrainingMaster(threshold_algorithm=AdaptiveThreshold(5e-3, max_sparsity=5e-3),
+                                **options)
+
+
+@pytest.fixture(scope="module")
+def shared_fit(spark, sc):
+    """One shared-master fit on partitions of 900 and 538 rows, with stats."""
+    model, opt = lenet()
+    before = state_digest(model.state_dict())
+    net = SparkModel(spark, model, shared_master(repartition="never"),
+                     loss_fn=nn.CrossEntropyLoss(), optimizer=opt)
+    summary = net.fit(h.unequal_rdd(sc, "train", 900), epochs=10, collect_stats=True)
+    return net, summary, before
+
+
+def test_shared_master_learns_digits_with_identical_replicas(shared_fit, digits_test):
+    net, summary, before = shared_fit
+    assert accuracy(net.model, digits_test) >= 0.95
+    assert summary["rows_per_worker"] == [900, 538]  # unequal partitions did not hang
+    assert summary["steps_per_worker"] == [290, 170]  # 29 vs 17 minibatches per epoch
+    digests = summary["replica_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1] != before
+    assert digests[0] == state_digest(net.model.state_dict())  # the driver holds rank 0's
+    assert summary["stage_attempts"] == 1 and summary["resumed_from_step"] is None
+
+
+def test_shared_master_sends_under_one_percent_of_dense(shared_fit):
+    _, summary, _ = shared_fit
+    dense = summary["dense_bytes_per_step"]
+    assert dense == pytest.approx(4 * sum(p.numel() for p in LeNet(image_size=8).parameters()))
+    for sent in summary["bytes_sent_per_step"]:
+        assert 0 < sent <= 0.01 * dense
+
+
+def test_stats_page_has_a_timeline_per_worker(shared_fit, tmp_path):
+    net, summary, _ = shared_fit
+    stats = net.training_stats()
+    text, page = read_page(stats.export_html(tmp_path / "stats.html"))
+    assert {"0", "1"} <= set(page.timelines)
+    for rank in ("0", "1"):
+        assert page.timelines[rank] >= 29 * 10  # bars for every round (at least one phase each)
+    for phase in ("data", "compute", "encode", "communicate", "apply", "wait"):
+        assert phase in text
+    assert "script" not in page.tags and page.urls == [] and "http" not in text
+    totals = stats.phase_totals()
+    assert totals[1]["wait"] > 0 and totals[0]["wait"] == 0  # the short partition idled
+    assert totals[0]["encode"] > 0 and totals[0]["communicate"] > 0
+    saved = json.loads(stats.export_json(tmp_path / "stats.json").read_text())
+    assert [len(w["rounds"]["start"]) for w in saved["workers"]] == [290, 290]
+
+
+def test_averaging_master_learns_digits(spark, sc, digits_test):
+    model, opt = lenet()
+    master = ParameterAveragingTrainingMaster(batch_size_per_worker=32, averaging_frequency=5,
+                                              workers=2)
+    net = SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(), optimizer=opt)
+    summary = net.fit(h.rdd(sc, "train"), epochs=5)
+    assert accuracy(model, digits_test) >= 0.95
+    assert summary["rounds"] == 5 * 5  # 23 minibatches per worker and epoch, 5 per round
+    assert summary["samples"] == 5 * 1438
+    assert opt.state[next(iter(model.parameters()))]["momentum_buffer"].abs().sum() > 0
+
+
+def test_killed_task_is_retried_and_resumes_from_checkpoint(spark, sc, tmp_path):
+    model, opt = lenet()
+    marker = tmp_path / "killed"
+    net = SparkModel(spark, model, shared_master(checkpoint_every=10),
+                     loss_fn=h.CrashOnce(str(marker), at=28), optimizer=opt)
+    summary = net.fit(h.rdd(sc, "train"), epochs=2)
+    assert marker.exists()  # rank 1 really died on the first attempt
+    assert summary["stage_attempts"] == 2
+    assert summary["resumed_from_step"] == 23  # the end-of-epoch-0 checkpoint
+    assert summary["steps_per_worker"] == [23, 23]  # only epoch 1 ran again
+    assert summary["replicas_identical"]
+
+
+def test_task_killed_in_every_attempt_fails_clearly(spark, sc):
+    model, opt = lenet()
+    net = SparkModel(spark, model, shared_master(), loss_fn=h.AlwaysCrash(at=3),
+                     optimizer=opt)
+    before = state_digest(model.state_dict())
+    start = time.monotonic()
+    with pytest.raises(SparkTrainingError, match="maximum allowable number of times") as info:
+        net.fit(h.rdd(sc, "train"), epochs=1)
+    assert info.value.attempts == 2
+    assert "exited unexpectedly" in str(info.value) or "crashed" in str(info.value)
+    assert state_digest(model.state_dict()) == before  # the user's model was not touched
+    assert time.monotonic() - start < 120
+
+
+def test_python_error_fails_fast_with_the_cause(spark, sc):
+    model, opt = lenet()
+    net = SparkModel(spark, model, shared_master(), loss_fn=h.FailAt(at=3), optimizer=opt)
+    expected = r"worker 1 failed: .*ValueError: injected"
+    with pytest.raises(SparkTrainingError, match=expected) as info:
+        net.fit(h.rdd(sc, "train"), epochs=1)
+    assert info.value.worker == 1 and info.value.attempts == 1  # no pointless retry
+    assert "spark_helpers" in (info.value.remote_traceback or "")

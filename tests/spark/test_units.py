@@ -1,0 +1,283 @@
+"""The Spark package's pure parts, without a cluster: state bytes, data plans, rendezvous,
+the barrier task under a fake context, the averaging task, metrics and the stats page."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from spark_helpers import read_page
+from torch import nn
+
+from paraloom.spark.averaging_task import RoundConfig, add_results, averaging_task, weighted
+from paraloom.spark.data import (
+    Features,
+    batch_count,
+    chunk_rows,
+    epoch_order,
+    join_chunks,
+    round_batches,
+)
+from paraloom.spark.metrics import RegressionEvaluation, merge_evaluations
+from paraloom.spark.rendezvous import bounded_call, local_rank, meet, task_host
+from paraloom.spark.shared_task import SharedConfig, checkpoint_path, shared_task
+from paraloom.spark.state import flatten, pack, state_digest, unflatten, unpack
+from paraloom.spark.stats import PHASES, TimedSynchronizer, TrainingStats, split_round
+from paraloom.spark.task import pickle_spec
+from paraloom.sync.base import NoSync
+from paraloom.sync.sharing import SharedGradients
+from paraloom.training.optim import OptimizerSpec
+from paraloom.training.worker import WorkerSpec
+
+
+def _trained_optimizer(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.8, 0.9)) if kind == "adam"
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_pack_round_trips_model_and_optimizer_state(kind):
+    model, opt = _trained_optimizer(kind)
+    data = pack(model.state_dict(), opt.state_dict(), {"epoch": 3})
+    back = unpack(data)
+    assert back.meta == {"epoch": 3}
+    assert state_digest(back.model) == state_digest(model.state_dict())
+    fresh = type(opt)(model.parameters(), lr=1.0)
+    fresh.load_state_dict(back.optimizer)  # a real optimizer accepts it
+    for p in model.parameters():
+        for key, value in opt.state[p].items():
+            torch.testing.assert_close(fresh.state[p][key], value, rtol=0, atol=0)
+    assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_unpack_refuses_foreign_bytes():
+    from safetensors.torch import save
+
+    with pytest.raises(ValueError, match="no paraloom header"):
+        unpack(save({"w": torch.zeros(2)}))
+
+
+def test_digest_sees_one_changed_bit():
+    state = {"w": torch.ones(3), "n": torch.tensor(2)}
+    other = {"w": torch.ones(3).clone(), "n": torch.tensor(2)}
+    assert state_digest(state) == state_digest(other)
+    other["w"][1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    assert state_digest(state) != state_digest(other)
+
+
+def test_flatten_round_trips_dtypes_and_shapes():
+    tensors = {"w": torch.randn(2, 3), "count": torch.tensor(7), "d": torch.randn(4).double()}
+    vector, layout = flatten(tensors)
+    assert vector.dtype == np.float64 and vector.size == 11
+    back = unflatten(vector, layout)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+    with pytest.raises(ValueError, match="layout"):
+        unflatten(np.zeros(12), layout)
+
+
+def test_chunks_are_sorted_by_origin_whatever_the_arrival_order():
+    keyed = [((i % 3, i), (np.full(2, i, np.float32), i)) for i in range(10)]
+    shuffled = list(reversed(keyed))
+    a = join_chunks(chunk_rows(keyed, size=4))
+    b = join_chunks(chunk_rows(shuffled, size=4))
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert a[1].tolist() == [0, 3, 6, 9, 1, 4, 7, 2, 5, 8]
+
+
+def test_epoch_order_and_round_batches():
+    order = epoch_order(10, seed=1, epoch=2, rank=0)
+    assert sorted(order.tolist()) == list(range(10))
+    assert np.array_equal(order, epoch_order(10, seed=1, epoch=2, rank=0))
+    assert not np.array_equal(order, epoch_order(10, seed=1, epoch=3, rank=0))
+    assert batch_count(10, 4) == 3 and batch_count(0, 4) == 0
+    batches = round_batches(order, 4, first=1, count=5)
+    assert [len(b) for b in batches] == [4, 2]  # minibatches 1 and 2 exist, 3.. do not
+
+
+def test_features_reshape_and_dtypes():
+    f = Features((1, 2, 2), "float32")
+    x = f.features(np.arange(8, dtype=np.float64).reshape(2, 4))
+    assert x.shape == (2, 1, 2, 2) and x.dtype == torch.float32
+    assert f.labels(np.array([1, 2])).dtype == torch.int64
+    assert f.labels(np.array([0.5])).dtype == torch.float32
+    assert Features(label_dtype="int64").labels(np.array([1.0])).dtype == torch.int64
+    with pytest.raises(ValueError, match="feature_shape"):
+        Features((3, 3)).features(np.zeros((2, 4), np.float32))
+
+
+def test_task_host_and_local_rank():
+    assert task_host("10.0.0.5:40123") == "10.0.0.5"
+    assert task_host("[::1]:7077") == "::1"
+    with pytest.raises(ValueError, match="host:port"):
+        task_host("no-port")
+    addresses = ["a:1", "b:1", "a:2", "a:3"]
+    assert [local_rank(addresses, r) for r in range(4)] == [(0, 3), (0, 1), (1, 3), (2, 3)]
+
+
+def test_bounded_call_gives_up_in_time():
+    gate = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rendezvous"):
+        bounded_call(lambda: gate.wait(30), 0.3, "the rendezvous")
+    assert time.monotonic() - start < 5
+    gate.set()
+    assert bounded_call(lambda: 42, 5, "x") == 42
+    with pytest.raises(KeyError):
+        bounded_call(lambda: {}["missing"], 5, "x")
+
+
+class FakeBarrier:
+    """A one-task barrier context: what shared_task needs from BarrierTaskContext."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def partitionId(self) -> int:  # noqa: N802 (Spark's name)
+        return 0
+
+    def getTaskInfos(self) -> list:  # noqa: N802
+        return [SimpleNamespace(address="127.0.0.1:7077")]
+
+    def allGather(self, message: str) -> list[str]:  # noqa: N802
+        self.calls += 1
+        return [message]
+
+
+def test_meet_reports_setup_errors():
+    rdv, store = meet(FakeBarrier(), "ValueError: bad rows", 10)
+    assert rdv.errors == ((0, "ValueError: bad rows"),)
+    assert rdv.port == store.port > 0 and rdv.run_id
+
+
+def _linear_spec(sync) -> tuple[WorkerSpec, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return WorkerSpec(model, OptimizerSpec.from_user(opt, model), nn.CrossEntropyLoss(), None,
+                      sync), model
+
+
+def _chunk(n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    g = np.random.default_rng(seed)
+    x = g.normal(size=(n, 4)).astype(np.float32)
+    return [(x, (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0))]
+
+
+@pytest.mark.timeout(120)
+def test_barrier_task_trains_checkpoints_and_resumes(tmp_path):
+    spec, model = _linear_spec(SharedGradients())
+    cfg = SharedConfig(fit_id="unit", world_size=1, epochs=3, batch_size=8, seed=0,
+                       origin=time.time(), features=Features(), timeout_s=30,
+                       rendezvous_timeout_s=30, checkpoint_dir=str(tmp_path),
+                       checkpoint_every=4, collect_stats=True)
+    state = pack(model.state_dict())
+    context = FakeBarrier()
+    [(kind, rank, info_text, blob)] = list(shared_task(pickle_spec(spec), state, cfg, context,
+                                                       _chunk(40)))
+    info = json.loads(info_text)
+    assert (kind, rank, context.calls) == ("ok", 0, 1)  # exactly one allGather
+    assert info["steps"] == 15 and info["samples"] == 120 and info["resumed_from_step"] is None
+    losses = [info["losses"][str(e)][0] / info["losses"][str(e)][1] for e in range(3)]
+    assert losses[-1] < losses[0]
+    rounds = info["stats"]["rounds"]
+    assert len(rounds["start"]) == 15 and set(PHASES) <= set(rounds)
+    assert sum(rounds["compute"]) > 0
+    final = unpack(blob)
+    assert state_digest(final.model) == info["digest"] != state_digest(model.state_dict())
+    assert checkpoint_path(str(tmp_path), "unit").exists()
+    # A re-run of the same fit (Spark's retry) starts from the checkpoint: nothing left to do.
+    [(kind, _, again, blob2)] = list(shared_task(pickle_spec(spec), state, cfg, FakeBarrier(),
+                                                 _chunk(40)))
+    again = json.loads(again)
+    assert kind == "ok" and again["resumed_from_step"] == 15 and again["steps"] == 0
+    assert state_digest(unpack(blob2).model) == info["digest"]
+
+
+@pytest.mark.timeout(60)
+def test_barrier_task_reports_a_bad_spec_without_hanging():
+    cfg = SharedConfig(fit_id="bad", world_size=1, epochs=1, batch_size=8, seed=0,
+                       origin=time.time(), features=Features(), rendezvous_timeout_s=10)
+    [(kind, rank, info, _)] = list(shared_task(b"not a pickle", pack({}), cfg, FakeBarrier(),
+                                               _chunk(8)))
+    assert kind == "error" and rank == 0
+    assert "UnpicklingError" in json.loads(info)["message"] or "pickle" in info
+
+
+def test_averaging_tasks_average_weighted_by_examples():
+    spec, model = _linear_spec(NoSync())
+    spec_bytes, state = pickle_spec(spec), pack(model.state_dict())
+    cfg = RoundConfig(fit_id="avg-unit", epoch=0, round=0, batch_size=8, frequency=5, seed=0,
+                      origin=time.time(), features=Features(), save_updater=True)
+    [big] = list(averaging_task(spec_bytes, state, cfg, 0, _chunk(40, seed=1)))
+    [small] = list(averaging_task(spec_bytes, state, cfg, 1, _chunk(8, seed=2)))
+    assert (big["n"], small["n"], big["steps"], small["steps"]) == (40, 8, 5, 1)
+    p0, p1 = big["model"].astype(np.float64), small["model"].astype(np.float64)
+    assert not np.allclose(p0, p1)
+    total = weighted(add_results(add_results(None, big), small))
+    np.testing.assert_allclose(total["model"] / total["n"], (40 * p0 + 8 * p1) / 48, rtol=1e-12)
+    later = RoundConfig(**{**cfg.__dict__, "round": 1})
+    [idle] = list(averaging_task(spec_bytes, state, later, 1, _chunk(8, seed=2)))
+    assert idle["n"] == 0 and add_results(total, idle)["n"] == 48
+
+
+def test_regression_evaluation_matches_numpy_and_merges():
+    g = torch.Generator().manual_seed(0)
+    pred, true = torch.randn(50, 2, generator=g), torch.randn(50, 2, generator=g)
+    whole = RegressionEvaluation(2)
+    whole.update(pred, true)
+    parts = [RegressionEvaluation(2) for _ in range(2)]
+    parts[0].update(pred[:20], true[:20])
+    parts[1].update(pred[20:], true[20:])
+    merged = merge_evaluations(merge_evaluations(None, parts[0]), parts[1])
+    p, t = pred.double().numpy(), true.double().numpy()
+    mse = ((p - t) ** 2).mean(0)
+    r2 = 1 - mse / t.var(0)
+    for m in (whole.metrics(), merged.metrics()):
+        assert m["count"] == 50
+        np.testing.assert_allclose(m["mse"], mse.mean(), rtol=1e-10)
+        np.testing.assert_allclose(m["mae"], np.abs(p - t).mean(), rtol=1e-10)
+        np.testing.assert_allclose(m["r2"], r2.mean(), rtol=1e-8)
+    with pytest.raises(ValueError, match=r"column\(s\) per row"):
+        whole.update(pred, true[:, :1])
+
+
+def test_timed_synchronizer_delegates_and_splits_rounds():
+    inner = SharedGradients()
+    timed = TimedSynchronizer(inner)
+    assert timed.name == "shared_gradients" and timed.bytes_sent == 0
+    assert timed.stats() == inner.stats()
+    copy_ = __import__("copy").deepcopy(timed)
+    assert isinstance(copy_.inner, SharedGradients) and copy_.inner is not inner
+    phases = split_round(1.0, {"sync": 0.4, "encode": 0.1, "communicate": 0.2}, idle=False)
+    assert phases == pytest.approx({"compute": 0.6, "encode": 0.1, "communicate": 0.2,
+                                    "apply": 0.1})
+    assert split_round(0.5, {"sync": 0.5, "encode": 0, "communicate": 0.5}, True) == \
+        {"wait": 0.5}
+
+
+def test_stats_page_from_synthetic_rounds(tmp_path):
+    n = 2500  # more rounds than bars: the page buckets them
+    rounds = {"start": [i * 0.01 for i in range(n)], **{p: [0.001] * n for p in PHASES}}
+    stats = TrainingStats("test", [{"rank": 0, "host": "h", "pid": 1, "rounds": rounds,
+                                    "events": [{"name": "rendezvous", "start": 0.0,
+                                                "duration": 1.0}]}],
+                          [{"name": "job", "start": 0.0, "duration": 25.0}], {"workers": 1})
+    text, page = read_page(stats.export_html(tmp_path / "s.html"))
+    assert set(page.timelines) == {"0", "driver"}
+    assert 1000 < page.timelines["0"] <= 1000 * len(PHASES) + 1
+    assert "script" not in page.tags and page.urls == [] and "http" not in text
+    assert json.loads((stats.export_json(tmp_path / "s.json")).read_text())["phase_totals"][
+        "0"]["compute"] == pytest.approx(n * 0.001)

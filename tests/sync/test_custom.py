@@ -1,0 +1,83 @@
+"""A custom synchronizer end to end: the shipped fp16 example and the one in docs/sync.md."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from paraloom.sync.base import StepContext, Synchronizer
+from paraloom.sync.compressed import Fp16AllReduce
+
+from .replicas import reference_sgd, train
+
+STEPS = 8
+DOCS = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _fp16_run(rank: int, world_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    sync = Fp16AllReduce(dtype)
+    out = train(rank, world_size, sync, STEPS, idle={STEPS - 1: [0]})
+    out["numel"] = len(out["params"])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp16_allreduce_keeps_replicas_identical_and_halves_the_bytes(pool, dtype) -> None:
+    a, b = pool.run(_fp16_run, dtype=dtype)
+    assert a["digests"] == b["digests"] and a["final"] == b["final"]
+    expected = torch.tensor(reference_sgd(2, STEPS, {STEPS - 1: [0]}), dtype=torch.float64)
+    got = torch.tensor(a["params"], dtype=torch.float64)
+    assert torch.allclose(got, expected, atol=2e-2)  # 16-bit gradients, 8 steps
+    assert a["stats"]["bytes_sent_per_step"] == 2 * a["numel"]  # half of float32's 4 bytes
+
+
+def test_fp16_allreduce_refuses_other_dtypes() -> None:
+    with pytest.raises(ValueError, match="float16"):
+        Fp16AllReduce(torch.float32)
+
+
+def _docs_example() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+    examples = [b for b in blocks if "class SignAllReduce(Synchronizer)" in b]
+    assert examples, f"{DOCS} lost its custom synchronizer example"
+    return examples[0]
+
+
+def _docs_run(rank: int, world_size: int) -> dict[str, Any]:
+    namespace: dict[str, Any] = {}
+    exec(compile(_docs_example(), str(DOCS), "exec"), namespace)  # noqa: S102 - our own docs
+    out = train(rank, world_size, namespace["SignAllReduce"](), STEPS, lr=0.01, seed=0,
+                idle={3: [1]})
+    out["numel"] = len(out["params"])
+    return out
+
+
+def test_the_docs_example_keeps_replicas_identical_with_a_byte_per_element(pool) -> None:
+    a, b = pool.run(_docs_run)
+    assert a["digests"] == b["digests"] and a["params"] != a["initial"]
+    assert a["stats"]["bytes_sent_per_step"] == a["numel"]  # int8 votes, 2(n-1)/n = 1
+
+
+def test_the_docs_example_runs_in_one_process() -> None:
+    namespace: dict[str, Any] = {}
+    exec(compile(_docs_example(), str(DOCS), "exec"), namespace)  # noqa: S102 - our own docs
+    sync = namespace["SignAllReduce"]()
+    assert isinstance(sync, Synchronizer)
+    model = nn.Linear(3, 1)
+    ctx = StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    sync.setup(ctx)
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        sync.before_step(ctx)
+        sync.after_backward(ctx)
+        ctx.optimizer.step()
+        sync.after_step(ctx)
+    sync.idle_step(ctx)
+    sync.finish(ctx)
+    assert sync.stats()["bytes_sent"] == 0 and sync.sync_steps == 4

@@ -1,0 +1,224 @@
+"""Threshold / bitmap encoding: exact conservation, reference semantics, format switching."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paraloom.sync.encoding import (
+    Format,
+    bitmap_encode,
+    choose_format,
+    decode,
+    empty_message,
+    encode,
+    full_step_mask,
+    quantize_threshold,
+    threshold_encode,
+)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+PRECISION = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+SPECIAL = [0.0, 1.0, -1.0, 0.5, -0.5, 0.4999, 0.75, -0.75, 2.0, -3.0, float("inf"),
+           float("-inf"), float("nan")]
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[torch.Tensor, float]:
+    """A tensor of any shape and float dtype, and a tau; values are multiples of tau mostly."""
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = draw(st.lists(st.integers(1, 9), min_size=0, max_size=3))
+    numel = math.prod(shape)
+    tau = math.ldexp(draw(st.floats(0.5, 1.0)), draw(st.integers(-18, 3)))
+    mantissa, exponent = quantize_threshold(tau, dtype)
+    tau_eff, lowbit = math.ldexp(mantissa, exponent), math.ldexp(1.0, exponent)
+    near = st.floats(-40, 40) | st.sampled_from(SPECIAL)
+    # Around the exactness bound 2**(exponent + p), where encoding must stop.
+    bound = st.sampled_from([2.0 ** PRECISION[dtype] * lowbit / tau_eff * f
+                             for f in (0.99, 1.0, 1.01, -1.0, 3.0)])
+    anything = st.floats(width=32, allow_nan=True, allow_infinity=True)
+    scaled = draw(st.lists(near | bound, min_size=numel, max_size=numel))
+    raw = draw(st.lists(anything, min_size=numel, max_size=numel))
+    use_raw = draw(st.lists(st.booleans(), min_size=numel, max_size=numel))
+    values = [r if pick else s * tau_eff for s, r, pick in zip(scaled, raw, use_raw, strict=True)]
+    return torch.tensor(values, dtype=torch.float64).to(dtype).reshape(shape), tau
+
+
+def _messages(v: torch.Tensor, tau: float) -> list:
+    return [threshold_encode(v, tau), bitmap_encode(v, tau, 1), bitmap_encode(v, tau, -1),
+            encode(v, tau, previous=Format.THRESHOLD), encode(v, tau, previous=Format.BITMAP)]
+
+
+def _exact(t: torch.Tensor) -> list[Fraction | float]:
+    return [Fraction(x) if math.isfinite(x) else x for x in t.double().reshape(-1).tolist()]
+
+
+def _reference(v: torch.Tensor, msg) -> torch.Tensor:
+    """What a message must decode to, computed independently in float64."""
+    x = v.double().reshape(-1)
+    tau = msg.tau
+    full = (x.abs() >= tau) & (x.abs() < math.ldexp(1.0, msg.exponent + PRECISION[v.dtype]))
+    out = torch.where(full, torch.sign(x) * tau, torch.zeros_like(x))
+    if msg.format == Format.BITMAP:
+        half = (x * msg.half_sign >= tau / 2) & (x * msg.half_sign < tau)
+        out = torch.where(half, torch.full_like(x, msg.half_sign * tau / 2), out)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_decoded_plus_new_residual_is_exactly_the_old_residual(case) -> None:
+    v, tau = case
+    for msg in _messages(v, tau):
+        residual = v.clone()
+        decode(msg, residual, sign=-1)
+        decoded = decode(msg, torch.zeros_like(v))
+        for before, d, after in zip(_exact(v), _exact(decoded), _exact(residual), strict=True):
+            if isinstance(before, Fraction):
+                assert d + after == before, (msg.format, before, d, after)
+            else:  # NaN / inf are never encoded and stay in the residual untouched
+                assert d == 0 and (after == before or (math.isnan(after) and math.isnan(before)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_messages_decode_to_the_reference_steps(case) -> None:
+    v, tau = case
+    mantissa, exponent = quantize_threshold(tau, v.dtype)
+    assert mantissa % 2 == 1 and mantissa < 256
+    bits = min(8, max(1, PRECISION[v.dtype] - 8))  # 8 for float32/64, 3 float16, 1 bfloat16
+    assert abs(math.ldexp(mantissa, exponent) / tau - 1) <= 2.0 ** -bits
+    for msg in _messages(v, tau):
+        assert (msg.mantissa, msg.exponent) == (mantissa, exponent) and msg.numel == v.numel()
+        decoded = decode(msg, torch.zeros(v.numel(), dtype=torch.float64))
+        assert torch.equal(decoded, _reference(v, msg))
+        assert msg.moved == int(full_step_mask(v, mantissa, exponent).sum())
+        assert msg.payload.dtype == torch.int32
+        if msg.format == Format.THRESHOLD:
+            assert msg.payload.numel() == msg.moved
+            index = msg.payload.abs().long()
+            assert torch.all(index[1:] > index[:-1])  # ascending, unique: deterministic
+        else:
+            assert msg.payload.numel() == -(-v.numel() // 16)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases())
+def test_automatic_format_follows_the_hysteresis_rule(case) -> None:
+    v, tau = case
+    for previous in Format:
+        msg = encode(v, tau, previous=previous)
+        assert msg.format == choose_format(msg.moved, v.numel(), previous)
+
+
+def test_choose_format_switches_at_n_over_16_up_and_n_over_32_down() -> None:
+    n = 1600  # 100 bitmap words
+    assert choose_format(99, n, Format.THRESHOLD) == Format.THRESHOLD
+    assert choose_format(100, n, Format.THRESHOLD) == Format.BITMAP
+    assert choose_format(50, n, Format.BITMAP) == Format.BITMAP
+    assert choose_format(49, n, Format.BITMAP) == Format.THRESHOLD
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_switching_formats_over_a_stream_loses_nothing(dtype: torch.dtype, seed: int) -> None:
+    """Quiet, loud, quiet: the format switches both ways and every step's mass is accounted for."""
+    g = torch.Generator().manual_seed(seed)
+    n, tau = 512, 2.0 ** -10
+    residual = torch.zeros(n, dtype=dtype)
+    total_update = [Fraction(0)] * n
+    total_sent = [Fraction(0)] * n
+    fmt, formats = Format.THRESHOLD, []
+    for step in range(60):
+        loud = 20 <= step < 40
+        # Dyadic updates (k * 2**-16): every float sum below is exact, so totals must match.
+        update = torch.randint(-200 if loud else -8, 201 if loud else 9, (n,), generator=g)
+        update = update.to(dtype) * 2.0 ** -16
+        residual += update
+        msg = encode(residual, tau, previous=fmt, half_sign=1 if step % 2 else -1)
+        before = _exact(residual)
+        decode(msg, residual, sign=-1)
+        sent = _exact(decode(msg, torch.zeros(n, dtype=torch.float64)))
+        assert [s + r for s, r in zip(sent, _exact(residual), strict=True)] == before
+        total_update = [t + u for t, u in zip(total_update, _exact(update), strict=True)]
+        total_sent = [t + s for t, s in zip(total_sent, sent, strict=True)]
+        fmt = msg.format
+        formats.append(fmt)
+    assert Format.BITMAP in formats[20:40] and formats[-1] == Format.THRESHOLD
+    assert formats[0] == Format.THRESHOLD
+    final = _exact(residual)
+    assert [s + r for s, r in zip(total_sent, final, strict=True)] == total_update
+
+
+def test_bitmap_half_step_is_symmetric() -> None:
+    tau = 2.0 ** -4
+    v = torch.tensor([0.75 * tau, -0.75 * tau, 0.25 * tau, 1.5 * tau, -1.5 * tau])
+    plus = decode(bitmap_encode(v, tau, half_sign=1), torch.zeros(5))
+    minus = decode(bitmap_encode(v, tau, half_sign=-1), torch.zeros(5))
+    assert plus.tolist() == [tau / 2, 0, 0, tau, -tau]
+    assert minus.tolist() == [0, -tau / 2, 0, tau, -tau]
+
+
+def test_threshold_message_is_never_capped_or_suppressed() -> None:
+    tau = 2.0 ** -8
+    dense = torch.full((1000,), 3 * tau)
+    msg = threshold_encode(dense, tau)  # DL4J would cap this at N/16 = 62 entries
+    assert msg.moved == 1000 and msg.payload.numel() == 1000
+    single = torch.zeros(100)
+    single[37] = -tau
+    msg = threshold_encode(single, tau)  # DL4J drops messages of a single element
+    assert msg.payload.tolist() == [-38]
+    assert decode(msg, torch.zeros(100))[37] == -tau
+
+
+def test_quantize_threshold_keeps_8_bits_in_float32_and_fewer_in_16_bit_dtypes() -> None:
+    assert quantize_threshold(1e-3) == (131, -17)  # 131 / 2**17 = 0.000999451
+    assert quantize_threshold(2.0 ** -7) == (1, -7)
+    assert quantize_threshold(0.75, torch.float64) == (3, -2)
+    assert quantize_threshold(1e-3, torch.float16) == (1, -10)  # 3 bits: 0.125 steps
+    assert quantize_threshold(1.2e-3, torch.float16) == (5, -12)
+    assert quantize_threshold(1e-3, torch.bfloat16) == (1, -10)  # a power of two
+
+
+@pytest.mark.parametrize("tau", [0, -1e-3, float("nan"), float("inf"), True, "1e-3"])
+def test_quantize_threshold_rejects_bad_taus(tau) -> None:
+    with pytest.raises(ValueError, match="tau="):
+        quantize_threshold(tau)
+
+
+def test_quantize_threshold_checks_the_dtype_range() -> None:
+    with pytest.raises(ValueError, match="float16"):
+        quantize_threshold(1e-9, torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        quantize_threshold(1e6, torch.float16)
+    with pytest.raises(TypeError, match="floating point"):
+        quantize_threshold(1e-3, torch.int32)
+
+
+def test_decode_validates_its_output_and_sign() -> None:
+    msg = threshold_encode(torch.ones(8), 0.5)
+    with pytest.raises(ValueError, match="8 elements"):
+        decode(msg, torch.zeros(9))
+    with pytest.raises(ValueError, match="contiguous"):
+        decode(msg, torch.zeros(8, 2)[:, 0])
+    with pytest.raises(ValueError, match="sign="):
+        decode(msg, torch.zeros(8), sign=2)
+    with pytest.raises(TypeError, match="floating point"):
+        threshold_encode(torch.ones(4, dtype=torch.int64), 0.5)
+
+
+def test_empty_message_moves_nothing() -> None:
+    out = torch.arange(5.0)
+    assert decode(empty_message(5), out).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_decode_into_a_wider_dtype_and_on_views() -> None:
+    v = torch.tensor([[1.0, -2.0], [0.1, 0.6]], dtype=torch.float16)
+    msg = encode(v, 0.5)
+    assert decode(msg, torch.zeros(2, 2, dtype=torch.float64)).tolist() == [[0.5, -0.5],
+                                                                             [0.0, 0.5]]

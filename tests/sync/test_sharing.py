@@ -1,0 +1,210 @@
+"""shared_gradients: bit-identical replicas, nothing lost, idle rounds, errors, state."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from paraloom.sync.base import StepContext
+from paraloom.sync.encoding import Format
+from paraloom.sync.sharing import SharedGradients
+from paraloom.sync.thresholds import AdaptiveThreshold, FixedThreshold, ResidualClipping
+
+from .replicas import batch, make_model, train
+
+STEPS = 12
+
+
+def _identical(results: list[dict[str, Any]]) -> None:
+    first, *others = results
+    for other in others:
+        assert other["digests"] == first["digests"], "replicas differ after some step"
+        assert other["final"] == first["final"]
+
+
+def _shared_run(rank: int, world_size: int, **options: Any) -> dict[str, Any]:
+    idle = options.pop("idle", None)
+    batchnorm = options.pop("batchnorm", False)
+    sync = SharedGradients(**options)
+    return train(rank, world_size, sync, STEPS, idle=idle, batchnorm=batchnorm)
+
+
+@pytest.mark.parametrize("options", [
+    {"encoding": "auto", "batchnorm": True, "idle": {STEPS - 1: [1]}},
+    {"encoding": "threshold", "threshold_algorithm": FixedThreshold(1e-3)},
+    {"encoding": "bitmap", "combine": "sum", "idle": {3: [0], 7: [1]}},
+    {"residual_post_processor": ResidualClipping(2.0, 2),
+     "threshold_algorithm": AdaptiveThreshold(initial=1e-2)},
+], ids=["auto-batchnorm-idle", "threshold", "bitmap-sum-idle", "clipping"])
+def test_replicas_are_bit_identical_after_every_step(pool, options) -> None:
+    results = pool.run(_shared_run, **options)
+    _identical(results)
+    a, b = results
+    # The replicas are separate and see different data: their local steps differ.
+    assert any(x != y for x, y in zip(a["local"], b["local"], strict=True) if x and y)
+    assert a["params"] != a["initial"], "the messages never moved the parameters"
+    stats = a["stats"]
+    assert stats["bytes_sent"] > 0 and stats["tau"] > 0 and 0 <= stats["sparsity"] <= 1
+    assert stats["setup_bytes_sent"] > 0
+
+
+def _conservation_run(rank: int, world_size: int, combine: str) -> dict[str, Any]:
+    total: list[torch.Tensor] = []
+    scale = 1.0 / world_size if combine == "mean" else 1.0
+
+    def on_update(model: nn.Module, before: list[torch.Tensor]) -> None:
+        deltas = [(p.detach() - b).reshape(-1) * scale for p, b in zip(model.parameters(),
+                                                                        before, strict=True)]
+        total.append(torch.cat(deltas))
+
+    sync = SharedGradients(FixedThreshold(2.0 ** -9), combine=combine)
+    out = train(rank, world_size, sync, STEPS, on_update=on_update, dtype=torch.float64,
+                seed=0)
+    out["sum_updates"] = torch.stack(total).sum(0).tolist()
+    out["residual"] = sync._replica.residual.tolist()
+    return out
+
+
+@pytest.mark.parametrize("combine", ["mean", "sum"])
+def test_applied_steps_plus_residuals_equal_all_updates(pool, combine) -> None:
+    """Nothing is lost: the parameters moved by every update except what the residuals hold."""
+    results = pool.run(_conservation_run, combine=combine)
+    _identical(results)
+    def exact(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64)
+
+    moved = exact(results[0]["params"]) - exact(results[0]["initial"])
+    updates = sum(exact(r["sum_updates"]) for r in results)
+    held = sum(exact(r["residual"]) for r in results)
+    assert torch.allclose(moved, updates - held, rtol=0, atol=1e-12)
+    assert held.abs().max() > 0  # the residuals really hold something back
+
+
+def _nonfinite_run(rank: int, world_size: int) -> str:
+    model = make_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = StepContext(model=model, optimizer=optimizer, rank=rank, world_size=world_size)
+    sync = SharedGradients()
+    sync.setup(ctx)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(rank, 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    sync.after_backward(ctx)
+    if rank == 1:
+        next(model.parameters()).grad[0, 0] = float("nan")
+    optimizer.step()
+    try:
+        sync.after_step(ctx)
+    except FloatingPointError as error:
+        unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before,
+                                                          strict=True))
+        return f"{error} | unchanged={unchanged}"
+    return "no error"
+
+
+def test_a_non_finite_update_stops_every_replica_consistently(pool) -> None:
+    results = pool.run(_nonfinite_run)
+    for text in results:
+        assert "replica(s) [1]" in text and "non-finite" in text and "unchanged=True" in text
+
+
+# -- single process -------------------------------------------------------------------------
+
+def _ctx(model: nn.Module, lr: float = 0.5) -> StepContext:
+    return StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+
+
+def _step(sync: SharedGradients, ctx: StepContext, grad: list[float]) -> None:
+    (param,) = ctx.model.parameters()
+    param.grad = torch.tensor(grad)
+    sync.after_backward(ctx)
+    ctx.optimizer.step()
+    sync.after_step(ctx)
+
+
+def test_one_replica_applies_only_its_quantized_update() -> None:
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    ctx = _ctx(model, lr=1.0)
+    tau = 2.0 ** -3
+    sync = SharedGradients(FixedThreshold(tau), encoding="threshold")
+    sync.setup(ctx)
+    _step(sync, ctx, [[-0.3, 0.05, 0.2, -0.1]])  # update = -grad
+    assert model.weight.tolist() == [[tau, 0.0, -tau, 0.0]]
+    assert sync._replica.residual.tolist() == pytest.approx([0.3 - tau, -0.05, -0.2 + tau, 0.1])
+    assert sync.stats()["sparsity"] == 0.5 and sync.stats()["bytes_sent"] == 0
+
+
+def test_bitmap_half_steps_alternate_sides_between_messages() -> None:
+    model = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    ctx = _ctx(model, lr=1.0)
+    tau = 2.0 ** -2
+    sync = SharedGradients(FixedThreshold(tau), encoding="bitmap")
+    sync.setup(ctx)
+    _step(sync, ctx, [[-0.75 * tau, 0.75 * tau]])
+    _step(sync, ctx, [[0.0, 0.0]])
+    # One message sent +tau/2, the next -tau/2: both sides drained alike (DL4J: only -tau/2).
+    assert model.weight.tolist() == [[tau / 2, -tau / 2]]
+    assert sync.stats()["bitmap_fraction"] == 1.0
+
+
+def test_hooks_out_of_order_and_bad_options_are_explained() -> None:
+    sync = SharedGradients()
+    with pytest.raises(RuntimeError, match="before setup"):
+        sync.after_backward(_ctx(nn.Linear(2, 1)))
+    ctx = _ctx(nn.Linear(2, 1))
+    sync.setup(ctx)
+    with pytest.raises(RuntimeError, match="after_backward"):
+        sync.after_step(ctx)
+    frozen = nn.Linear(2, 1).requires_grad_(False)
+    with pytest.raises(ValueError, match="require grad"):
+        SharedGradients().setup(StepContext(model=frozen, optimizer=None))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="FixedThreshold"):
+        SharedGradients(threshold_algorithm=1e-3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ResidualClipping"):
+        SharedGradients(residual_post_processor="clip")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="combine="):
+        SharedGradients(combine="avg")
+    with pytest.raises(ValueError, match="encoding="):
+        SharedGradients(encoding="dense")
+
+
+def test_state_dict_round_trip_and_pickling() -> None:
+    model = nn.Linear(3, 1, bias=False)
+    ctx = _ctx(model)
+    sync = SharedGradients(AdaptiveThreshold(initial=1e-3))
+    sync.setup(ctx)
+    _step(sync, ctx, [[1.0, -1.0, 0.5]])
+    state = sync.state_dict()
+    restored = SharedGradients(AdaptiveThreshold(initial=1e-3))
+    restored.load_state_dict(state)
+    assert restored.threshold_algorithm.tau == sync.threshold_algorithm.tau
+    assert restored.sync_steps == 1 and restored._format == Format(state["format"])
+    restored.setup(_ctx(nn.Linear(3, 1, bias=False)))  # the residual waited for the model
+    assert torch.equal(restored._replica.residual, sync._replica.residual)
+    with pytest.raises(ValueError, match="same model"):
+        restored.setup(_ctx(nn.Linear(3, 2, bias=False)))
+        restored.load_state_dict(state)
+    assert restored.config() == sync.config()
+    assert sync.config()["threshold_algorithm"] == {
+        "type": "AdaptiveThreshold", "initial": 1e-3, "min_sparsity": 1e-4,
+        "max_sparsity": 1e-2, "decay": pytest.approx(0.5 ** (1 / 20))}
+    clone = pickle.loads(pickle.dumps(sync))
+    assert clone.threshold_algorithm.tau == sync.threshold_algorithm.tau
+
+
+def test_residual_survives_between_fits() -> None:
+    model = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    ctx = _ctx(model, lr=1.0)
+    sync = SharedGradients(FixedThreshold(1.0))
+    sync.setup(ctx)
+    _step(sync, ctx, [[-0.75, 0.0]])
+    sync.setup(ctx)  # a second fit()
+    _step(sync, ctx, [[-0.75, 0.0]])
+    assert model.weight.tolist() == [[1.0, 0.0]]

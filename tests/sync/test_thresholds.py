@@ -1,0 +1,127 @@
+"""Threshold algorithms and residual post-processors."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from paraloom.sync.encoding import Format, decode, encode
+from paraloom.sync.thresholds import (
+    DEFAULT_DECAY,
+    AdaptiveThreshold,
+    FixedThreshold,
+    ResidualClipping,
+    ResidualPostProcessor,
+    TargetSparsityThreshold,
+    ThresholdAlgorithm,
+    adapt_threshold,
+    clip_residual_,
+)
+
+
+def _stream(algorithm: ThresholdAlgorithm, scales: list[float], n: int = 20_000,
+            seed: int = 0) -> list[float]:
+    """Encode a residual fed with Gaussian updates of the given scale per step; sparsities."""
+    g = torch.Generator().manual_seed(seed)
+    residual = torch.zeros(n)
+    fmt, sparsities = Format.THRESHOLD, []
+    for step, scale in enumerate(scales):
+        residual += torch.randn(n, generator=g) * scale
+        msg = encode(residual, algorithm.tau, previous=fmt, half_sign=1 if step % 2 else -1)
+        decode(msg, residual, sign=-1)
+        fmt = msg.format
+        sparsities.append(msg.moved / n)
+        algorithm.update(msg.moved / n)
+    return sparsities
+
+
+def _in_band(values: list[float], low: float, high: float) -> float:
+    return sum(low <= v <= high for v in values) / len(values)
+
+
+def test_adaptive_threshold_stays_in_band_on_a_stationary_stream() -> None:
+    # Updates ~100x the initial tau: it must climb ~100x (about 130 steps at DL4J's decay).
+    algorithm = AdaptiveThreshold(initial=1e-3)
+    sparsities = _stream(algorithm, [1e-2] * 450)
+    assert _in_band(sparsities[200:], 1e-4, 1e-2) >= 0.95
+    assert 0.03 < algorithm.tau < 0.3
+
+
+def test_adaptive_threshold_follows_a_change_of_scale() -> None:
+    algorithm = AdaptiveThreshold(initial=1e-3)
+    sparsities = _stream(algorithm, [1e-4] * 250 + [1e-2] * 350, seed=1)
+    assert _in_band(sparsities[100:250], 1e-4, 1e-2) >= 0.95
+    assert _in_band(sparsities[450:], 1e-4, 1e-2) >= 0.95
+
+
+def test_target_sparsity_threshold_settles_near_its_target() -> None:
+    algorithm = TargetSparsityThreshold(sparsity=1e-3, initial=1e-3)
+    sparsities = _stream(algorithm, [1e-2] * 450, seed=2)
+    mean = sum(sparsities[250:]) / 200
+    assert 3e-4 < mean < 3e-3
+
+
+def test_fixed_threshold_never_moves() -> None:
+    algorithm = FixedThreshold(2e-3)
+    for sparsity in (0.0, 0.5, 1e-3):
+        assert algorithm.update(sparsity) == 2e-3
+
+
+def test_adapt_threshold_is_dl4j_rule() -> None:
+    assert adapt_threshold(1.0, 1e-5, 1e-4, 1e-2, 0.5) == 0.5
+    assert adapt_threshold(1.0, 0.1, 1e-4, 1e-2, 0.5) == 2.0
+    assert adapt_threshold(1.0, 1e-3, 1e-4, 1e-2, 0.5) == 1.0
+    assert DEFAULT_DECAY ** 20 == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: AdaptiveThreshold(initial=0), "initial|tau"),
+    (lambda: AdaptiveThreshold(min_sparsity=0.1, max_sparsity=0.01), "min_sparsity"),
+    (lambda: AdaptiveThreshold(max_sparsity=1.5), "max_sparsity"),
+    (lambda: AdaptiveThreshold(decay=1.0), "decay"),
+    (lambda: TargetSparsityThreshold(sparsity=0), "sparsity"),
+    (lambda: FixedThreshold(float("nan")), "tau"),
+    (lambda: ResidualClipping(ratio=0.5), "ratio"),
+    (lambda: ResidualClipping(frequency=0), "frequency"),
+])
+def test_bad_settings_are_refused_with_the_rule(make, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_wrong_types_are_type_errors() -> None:
+    with pytest.raises(TypeError, match="expected a number"):
+        FixedThreshold("1e-3")  # type: ignore[arg-type]
+
+
+def test_target_above_one_sixteenth_warns() -> None:
+    with pytest.warns(UserWarning, match="1/16"):
+        TargetSparsityThreshold(sparsity=0.1)
+
+
+def test_state_round_trips_through_pickle_and_state_dict() -> None:
+    algorithm = AdaptiveThreshold(initial=1e-3)
+    algorithm.update(0.5)
+    clone = pickle.loads(pickle.dumps(algorithm))
+    assert repr(clone) == repr(algorithm)
+    fresh = AdaptiveThreshold()
+    fresh.load_state_dict(algorithm.state_dict())
+    assert fresh.tau == algorithm.tau
+    clip = pickle.loads(pickle.dumps(ResidualClipping(3.0, 2)))
+    assert (clip.ratio, clip.frequency) == (3.0, 2)
+
+
+def test_residual_clipping_clamps_every_frequency_steps_but_not_step_zero() -> None:
+    clip = ResidualClipping(ratio=5.0, frequency=5)
+    residual = torch.tensor([100.0, -100.0, 3.0])
+    clip.process(residual, tau=1.0, step=0)
+    assert residual.tolist() == [100.0, -100.0, 3.0]
+    clip.process(residual, tau=1.0, step=4)
+    assert residual.tolist() == [100.0, -100.0, 3.0]
+    clip.process(residual, tau=1.0, step=5)
+    assert residual.tolist() == [5.0, -5.0, 3.0]
+    assert clip_residual_(torch.tensor([-3.0, 3.0]), 2.0).tolist() == [-2.0, 2.0]
+    ResidualPostProcessor().process(residual, 1.0, 5)  # the base class does nothing
+    assert residual.tolist() == [5.0, -5.0, 3.0]

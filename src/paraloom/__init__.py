@@ -7,7 +7,17 @@ from paraloom.early_stopping import (
     EarlyStoppingResult,
 )
 from paraloom.errors import NotPicklableError, ParaloomError, WorkerError
-from paraloom.training.resume import TrainingCheckpoint
+from paraloom.inference import (
+    InferenceClosedError,
+    InferenceError,
+    InferenceMode,
+    InvalidRequestError,
+    ModelUpdateError,
+    ParallelInference,
+    QueueFullError,
+    RequestTimeoutError,
+)
+from paraloom.listeners import TrainingListener
 from paraloom.sync import (
     AdaptiveThreshold,
     FixedThreshold,
@@ -15,8 +25,8 @@ from paraloom.sync import (
     TargetSparsityThreshold,
 )
 from paraloom.sync.base import StepContext, Synchronizer
-from paraloom.listeners import TrainingListener
 from paraloom.training.modes import TrainingMode
+from paraloom.training.resume import TrainingCheckpoint
 from paraloom.training.wrapper import ParallelWrapper
 
 __version__ = "0.1.0"
@@ -27,9 +37,17 @@ __all__ = [
     "EarlyStoppingParallelTrainer",
     "EarlyStoppingResult",
     "FixedThreshold",
+    "InferenceClosedError",
+    "InferenceError",
+    "InferenceMode",
+    "InvalidRequestError",
+    "ModelUpdateError",
     "NotPicklableError",
+    "ParallelInference",
     "ParallelWrapper",
     "ParaloomError",
+    "QueueFullError",
+    "RequestTimeoutError",
     "ResidualClipping",
     "StepContext",
     "Synchronizer",

@@ -43,7 +43,8 @@ def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | Non
     try:
         json.dumps(spec)
     except TypeError as e:
-        raise TypeError(f"model kwargs {kwargs!r} must be JSON-serializable to be saved: {e}") from e
+        raise TypeError(f"model kwargs {kwargs!r} must be JSON-serializable to be saved: "
+                        f"{e}") from e
     return spec
 
 
@@ -74,7 +75,8 @@ def save(model: nn.Module, path: str | Path, *, name: str | None = None,
         spec["metadata"] = metadata
     # safetensors refuses shared or non-contiguous storage: store independent copies.
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={_HEADER_KEY: json.dumps(spec)}))
+    header = {_HEADER_KEY: json.dumps(spec)}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
 
 
 def read_header(path: str | Path) -> dict[str, Any]:

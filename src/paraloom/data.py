@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-__all__ = ["split_batch", "batch_size", "to_device", "describe", "Prefetcher", "IndexedDataset",
-           "as_data_source"]
+__all__ = ["split_batch", "batch_size", "to_device", "describe", "map_tensors", "iter_tensors",
+           "Prefetcher", "IndexedDataset", "as_data_source"]
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
@@ -30,33 +30,47 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
                     "multi-input model takes ((x1, x2), y)")
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a tensor / tuple / list / dict structure, in order."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from _tensors(o)
+            yield from iter_tensors(o)
     elif isinstance(obj, dict):
         for o in obj.values():
-            yield from _tensors(o)
+            yield from iter_tensors(o)
+
+
+def map_tensors(obj: Any, fn: Any) -> Any:
+    """Apply ``fn`` to every tensor in a tensor / tuple / list / dict structure."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        items = [map_tensors(o, fn) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return _rebuild_dict(obj, {k: map_tensors(v, fn) for k, v in obj.items()})
+    return obj
+
+
+def _rebuild_dict(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    try:
+        return type(like)(items)
+    except TypeError:  # a dict subclass with another constructor
+        return items
 
 
 def batch_size(inputs: Any) -> int:
     """Rows in a batch's inputs: the first dimension of its first tensor."""
-    for t in _tensors(inputs):
+    for t in iter_tensors(inputs):
         return int(t.shape[0]) if t.dim() > 0 else 1
     raise TypeError(f"batch inputs hold no tensor: {describe(inputs)}")
 
 
 def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor in a tensor / tuple / list / dict structure to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(o, device, non_blocking) for o in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def describe(obj: Any) -> str:

@@ -80,7 +80,8 @@ def mnist(root: str | Path, split: str = "train") -> TensorDataset:
                      stem.replace("-idx", ".idx") + ".gz"):
             if (root / name).exists():
                 return root / name
-        raise FileNotFoundError(f"no {stem}[.gz] in {str(root)!r}; download MNIST's IDX files there")
+        raise FileNotFoundError(f"no {stem}[.gz] in {str(root)!r}; download MNIST's IDX "
+                                "files there")
 
     images = read_idx(find(f"{prefix}-images-idx3-ubyte"))
     labels = read_idx(find(f"{prefix}-labels-idx1-ubyte"))

@@ -8,9 +8,9 @@ from concurrent.futures import wait
 
 import pytest
 import torch
+from inference_helpers import WAIT, GatedScale
 from torch import nn
 
-from conftest import WAIT, GatedScale
 from paraloom.inference import (
     InferenceClosedError,
     InferenceError,

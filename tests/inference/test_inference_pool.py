@@ -11,9 +11,9 @@ from concurrent.futures import wait
 import numpy as np
 import pytest
 import torch
+from inference_helpers import WAIT, Gate, GatedScale
 from torch import nn
 
-from conftest import WAIT, Gate, GatedScale
 from paraloom.inference import (
     InferenceMode,
     InvalidRequestError,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from paraloom.inference import ParallelInference
-from paraloom.inference.precision import PRECISIONS, resolve_precision
 from paraloom.models import MLP
+from paraloom.precision import PRECISIONS, resolve_precision
 
 
 @pytest.fixture()

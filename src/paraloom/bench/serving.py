@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from paraloom.bench.common import machine, write_results
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -188,7 +189,7 @@ def _bench_paraloom(wrk: str, model_path: Path, x: torch.Tensor, expected: torch
                     args: argparse.Namespace) -> dict[str, Any]:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "paraloom.serving.cli", str(model_path), "--name", "lenet",
+    cmd = [sys.executable, "-m", "paraloom.cli", "serve", str(model_path), "--name", "lenet",
            "--port", str(port), "--workers", str(args.workers), "--batch-limit",
            str(args.batch_limit), "--max-wait-ms", "0", "--queue-limit",
            str(max(256, 4 * args.concurrency)), "--log-level", "warning"]
@@ -281,17 +282,13 @@ def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
         "request": "1 row, v2 JSON (paraloom) / LitServe JSON, same 784 float32 values",
         "load": f"wrk -t{args.wrk_threads} -c{args.concurrency} -d{args.duration}s --latency "
                 f"(after {args.warmup}s warm-up)",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+        "machine": machine(),
         "note": "wrk, both servers and their workers share this machine's cores; a load "
                 "average above the core count means other work ran too and the numbers are "
                 "noisy",
         **results, "summary": _summary(results),
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_results(args.output, report)}")
     if report["summary"]:
         print("summary:", json.dumps(report["summary"]))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import time
 from typing import Any
 

@@ -17,7 +17,7 @@ from paraloom.inference.errors import (
     RequestTimeoutError,
 )
 from paraloom.inference.parallel import ParallelInference
-from paraloom.inference.precision import PRECISIONS, Precision
+from paraloom.precision import PRECISIONS, Precision
 
 __all__ = [
     "PRECISIONS",

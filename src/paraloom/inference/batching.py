@@ -24,20 +24,24 @@ __all__ = ["Request", "RequestQueue"]
 
 
 class Request:
-    """One caller's request: its input, batch key, row count, timing and future."""
+    """One caller's request: its input, batch key, row count, timing and future.
+
+    ``future`` is a ``concurrent.futures.Future`` (``submit``) or a cheaper ``Pending``
+    (``output``); workers use only the methods both have.
+    """
 
     __slots__ = ("tensors", "spec", "rows", "key", "numpy", "future", "arrival", "deadline",
                  "with_version")
 
     def __init__(self, tensors: tuple[Any, ...], spec: Hashable, rows: int, key: Hashable, *,
-                 numpy: bool = False, future: Future[Any] | None = None, arrival: float = 0.0,
+                 numpy: bool = False, future: Any = None, arrival: float = 0.0,
                  deadline: float | None = None, with_version: bool = False) -> None:
         self.tensors = tensors
         self.spec = spec
         self.rows = rows
         self.key = key
         self.numpy = numpy
-        self.future: Future[Any] = future if future is not None else Future()
+        self.future: Any = future if future is not None else Future()
         self.arrival = arrival
         self.deadline = deadline
         self.with_version = with_version

@@ -34,7 +34,7 @@ from paraloom.inference.errors import (
 )
 from paraloom.inference.execute import fail_requests, serve_batch
 from paraloom.inference.payload import parse
-from paraloom.inference.precision import Precision, resolve_precision
+from paraloom.inference.pending import Pending
 from paraloom.inference.replicas import (
     DeviceSpec,
     Example,
@@ -46,6 +46,7 @@ from paraloom.inference.replicas import (
 )
 from paraloom.inference.stats import StatsRecorder
 from paraloom.inference.workers import TICK, WorkerThreads
+from paraloom.precision import Precision, resolve_precision
 
 __all__ = ["ParallelInference"]
 
@@ -124,15 +125,16 @@ class ParallelInference:
             return self._config.timeout
         return check_seconds("timeout", timeout, allow_zero=False)
 
-    def _make_request(self, x: Any, timeout: float | None, with_version: bool) -> Request:
+    def _make_request(self, x: Any, timeout: float | None, with_version: bool,
+                      future: Any = None) -> Request:
         try:
             p = parse(x)
         except Exception:
             self._stats.rejected("invalid")
             raise
         now = time.monotonic()
-        return Request(p.tensors, p.spec, p.rows, p.key, numpy=p.numpy, arrival=now,
-                       deadline=None if timeout is None else now + timeout,
+        return Request(p.tensors, p.spec, p.rows, p.key, numpy=p.numpy, future=future,
+                       arrival=now, deadline=None if timeout is None else now + timeout,
                        with_version=with_version)
 
     def _enqueue(self, request: Request, block: bool) -> None:
@@ -176,7 +178,7 @@ class ParallelInference:
     def output(self, x: Any, *, timeout: float | None = _UNSET,
                return_version: bool = False) -> Any:
         """The model's output for ``x`` (thread-safe); ``(output, version)`` if asked."""
-        request = self._make_request(x, self._timeout_for(timeout), return_version)
+        request = self._make_request(x, self._timeout_for(timeout), return_version, Pending())
         self._enqueue(request, True)
         return self._wait(request)
 
@@ -193,7 +195,7 @@ class ParallelInference:
                     raise  # the request's own error (a RequestTimeoutError from the worker)
                 self._check_alive(fut)
 
-    def _check_alive(self, fut: Future[Any]) -> None:
+    def _check_alive(self, fut: Any) -> None:
         if self._workers is not None and not self._workers.alive():
             try:
                 fut.set_exception(InferenceClosedError("every inference worker has stopped "

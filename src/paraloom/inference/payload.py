@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from paraloom.data import _rebuild_dict, map_tensors
 from paraloom.inference.errors import InvalidRequestError
 
 __all__ = ["Parsed", "parse", "describe_key", "collate", "call_model", "split_output",
@@ -39,6 +40,8 @@ def _as_tensor(x: Any, where: str) -> tuple[torch.Tensor, bool]:
     if isinstance(x, np.ndarray):
         try:
             return torch.from_numpy(x), True  # zero copy; inputs are never written to
+        except ValueError:  # negative strides (a reversed view): torch needs a copy
+            return torch.from_numpy(np.ascontiguousarray(x)), True
         except TypeError as exc:
             raise InvalidRequestError(
                 f"{where}: numpy dtype {x.dtype} has no torch equivalent; send a numeric array "
@@ -146,25 +149,6 @@ def call_model(model: Any, spec: Hashable, tensors: Sequence[torch.Tensor]) -> A
     if spec[0] == "dict":
         return model(**dict(zip(spec[1], tensors, strict=True)))
     return model(*tensors)
-
-
-def map_tensors(obj: Any, fn: Any) -> Any:
-    """Apply ``fn`` to every tensor in a tensor / tuple / list / dict structure."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        items = [map_tensors(o, fn) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        return _rebuild_dict(obj, {k: map_tensors(v, fn) for k, v in obj.items()})
-    return obj
-
-
-def _rebuild_dict(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
-    try:
-        return type(like)(items)
-    except TypeError:  # a dict subclass with another constructor
-        return items
 
 
 def split_output(output: Any, rows: Sequence[int]) -> list[Any]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from paraloom.inference.errors import InferenceClosedError, QueueFullError
 from paraloom.inference.payload import call_model
-from paraloom.inference.precision import Precision
+from paraloom.precision import Precision
 
 __all__ = ["resolve_devices", "build_replica", "Generation", "build_generation", "warm_up",
            "example_of", "SlotPool"]
@@ -81,7 +81,8 @@ class Generation:
         """Remember an input this version ran on, for error messages and warming successors."""
         known = self.known
         if known is None or known[0] != key:
-            self.known = (key, spec, tuple(t[:1] for t in tensors))
+            # A copy of one row: a view would keep the whole request's memory alive.
+            self.known = (key, spec, tuple(t[:1].clone() for t in tensors))
 
     def forward(self, slot: int, spec: Hashable, tensors: Sequence[torch.Tensor]) -> Any:
         """Run slot's replica on tensors already on its device (inference mode is the caller's)."""

@@ -6,7 +6,7 @@
 """
 
 from paraloom.serving.app import create_app
-from paraloom.serving.protocol import DATATYPES
+from paraloom.serving.datatypes import DATATYPES
 from paraloom.serving.server import ServerThread, serve
 from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -149,8 +150,6 @@ async def _load_parameters(request: Request) -> dict[str, Any]:
     if not body.strip():
         return {}
     try:
-        import json
-
         obj = json.loads(body)
     except ValueError as e:
         raise ProtocolError(f"load request body is not valid JSON: {e}") from e

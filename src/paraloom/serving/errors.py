@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ForbiddenError",
     "NotFoundError",
@@ -9,7 +11,14 @@ __all__ = [
     "ProtocolError",
     "ServingError",
     "UnavailableError",
+    "short_repr",
 ]
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class ServingError(Exception):

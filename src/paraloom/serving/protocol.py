@@ -1,4 +1,4 @@
-"""Open Inference Protocol (v2) codec: JSON and binary tensors to and from torch, with validation.
+"""Open Inference Protocol (v2) codec: request and response bodies, JSON and binary tensors.
 
 Pure functions over bytes and tensors; no HTTP here. Every problem with a request raises
 ``ProtocolError`` (HTTP 400) with a message that says what was wrong, what was expected and how
@@ -9,60 +9,29 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from paraloom.serving.errors import ProtocolError
+from paraloom.serving.datatypes import (
+    datatype_of,
+    lookup,
+    tensor_from_bytes,
+    tensor_from_json,
+    tensor_to_bytes,
+    tensor_to_json,
+)
+from paraloom.serving.errors import ProtocolError, short_repr
 
 __all__ = [
-    "DATATYPES",
-    "DataType",
     "InferRequest",
     "RequestInput",
     "RequestedOutput",
-    "datatype_of",
     "encode_infer_response",
     "parse_infer_request",
 ]
 
-
-@dataclass(frozen=True)
-class DataType:
-    """One v2 datatype: its torch dtype and its little-endian numpy dtype (None for BF16)."""
-
-    name: str
-    torch_dtype: torch.dtype
-    numpy_dtype: np.dtype | None
-    itemsize: int
-    kinds: str  # numpy kinds accepted in JSON data ('b' bool, 'i'/'u' integers, 'f' floats)
-
-
-def _dt(name: str, tdt: torch.dtype, npdt: str | None, kinds: str) -> DataType:
-    np_dtype = np.dtype(npdt) if npdt else None
-    itemsize = torch.empty((), dtype=tdt).element_size()
-    return DataType(name, tdt, np_dtype, itemsize, kinds)
-
-
-DATATYPES: dict[str, DataType] = {d.name: d for d in [
-    _dt("BOOL", torch.bool, "|b1", "b"),
-    _dt("UINT8", torch.uint8, "|u1", "biu"),
-    _dt("UINT16", torch.uint16, "<u2", "biu"),
-    _dt("UINT32", torch.uint32, "<u4", "biu"),
-    _dt("UINT64", torch.uint64, "<u8", "biu"),
-    _dt("INT8", torch.int8, "|i1", "biu"),
-    _dt("INT16", torch.int16, "<i2", "biu"),
-    _dt("INT32", torch.int32, "<i4", "biu"),
-    _dt("INT64", torch.int64, "<i8", "biu"),
-    _dt("FP16", torch.float16, "<f2", "biuf"),
-    _dt("BF16", torch.bfloat16, None, "biuf"),
-    _dt("FP32", torch.float32, "<f4", "biuf"),
-    _dt("FP64", torch.float64, "<f8", "biuf"),
-]}
-_BY_TORCH = {d.torch_dtype: d for d in DATATYPES.values()}
 
 try:  # orjson parses a request's floats ~9x faster than json: it sets the server's throughput
     import orjson
@@ -80,17 +49,6 @@ except ImportError:  # pragma: no cover - the same results, slower
 
     def _dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
-
-_LITTLE = sys.byteorder == "little"
-
-
-def datatype_of(dtype: torch.dtype) -> str:
-    """The v2 datatype name of a torch dtype, e.g. ``torch.float32`` -> ``"FP32"``."""
-    if dtype not in _BY_TORCH:
-        raise TypeError(f"torch dtype {dtype} has no Open Inference Protocol datatype; "
-                        f"supported: {', '.join(DATATYPES)}")
-    return _BY_TORCH[dtype].name
-
 
 @dataclass
 class RequestInput:
@@ -130,7 +88,7 @@ def _get(obj: dict, key: str, kind: type | tuple[type, ...], where: str, require
         return None
     if not isinstance(value, kind) or isinstance(value, bool) and bool not in _tuple(kind):
         raise ProtocolError(f"{where} field {key!r} must be {_kind_name(kind)}, got "
-                            f"{type(value).__name__} {_short(value)}")
+                            f"{type(value).__name__} {short_repr(value)}")
     return value
 
 
@@ -144,94 +102,36 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in _tuple(kind))
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _parse_shape(raw: Any, where: str) -> tuple[int, ...]:
     if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool)
                                             and d >= 0 for d in raw):
-        raise ProtocolError(f"{where} has shape {_short(raw)}; expected an array of "
+        raise ProtocolError(f"{where} has shape {short_repr(raw)}; expected an array of "
                             "non-negative integers such as [1, 1, 8, 8]")
     return tuple(raw)
-
-
-def _datatype(raw: Any, where: str) -> DataType:
-    if raw == "BYTES":
-        raise ProtocolError(f"{where} has datatype BYTES, which paraloom does not serve: torch "
-                            f"models take numeric tensors; use one of {', '.join(DATATYPES)}")
-    if not isinstance(raw, str) or raw not in DATATYPES:
-        raise ProtocolError(f"{where} has unknown datatype {_short(raw)}; expected one of "
-                            f"{', '.join(DATATYPES)} (case-sensitive)")
-    return DATATYPES[raw]
-
-
-def _json_tensor(data: Any, dt: DataType, shape: tuple[int, ...], where: str) -> torch.Tensor:
-    if dt.name == "BF16":
-        # numpy has no bfloat16: read floats, then let torch round them.
-        as_fp32 = DATATYPES["FP32"]
-        return _json_tensor(data, as_fp32, shape, where).to(torch.bfloat16)
-    count = math.prod(shape)
-    try:
-        arr = np.asarray(data)
-    except (ValueError, TypeError) as e:
-        raise ProtocolError(f"{where} data is not a rectangular array of numbers: {e}") from e
-    if arr.size != count:
-        raise ProtocolError(f"{where} has {arr.size} data elements but shape {list(shape)} "
-                            f"needs {count}; send shape and data that agree")
-    if count and arr.dtype.kind not in dt.kinds:
-        raise ProtocolError(f"{where} data holds {_kind_word(arr.dtype.kind)} values, which "
-                            f"datatype {dt.name} does not accept")
-    assert dt.numpy_dtype is not None
-    if count and dt.numpy_dtype.kind in "iu":
-        info = np.iinfo(dt.numpy_dtype)
-        low, high = arr.min(), arr.max()
-        if low < info.min or high > info.max:
-            raise ProtocolError(f"{where} data has values in [{low}, {high}], outside "
-                                f"{dt.name}'s range [{info.min}, {info.max}]")
-    out = arr.astype(dt.numpy_dtype).reshape(shape)
-    return torch.from_numpy(np.ascontiguousarray(out))
-
-
-def _kind_word(kind: str) -> str:
-    return {"b": "boolean", "i": "integer", "u": "integer", "f": "floating-point",
-            "U": "string", "S": "bytes", "O": "mixed or nested"}.get(kind, f"{kind!r}-kind")
-
-
-def _binary_tensor(chunk: memoryview, dt: DataType, shape: tuple[int, ...]) -> torch.Tensor:
-    raw = bytearray(chunk)  # one copy: the request body is read-only, tensors must be writable
-    if not raw:
-        return torch.empty(shape, dtype=dt.torch_dtype)
-    if dt.numpy_dtype is None or _LITTLE:
-        flat = torch.frombuffer(raw, dtype=dt.torch_dtype)
-    else:  # big-endian host: numpy swaps the bytes of the little-endian wire format
-        flat = torch.from_numpy(np.frombuffer(raw, dtype=dt.numpy_dtype).astype(
-            dt.numpy_dtype.newbyteorder("=")))
-    return flat.reshape(shape)
 
 
 def _parse_input(obj: Any, index: int, binary: memoryview | None, offset: int
                  ) -> tuple[RequestInput, int]:
     if not isinstance(obj, dict):
         raise ProtocolError(f"inputs[{index}] must be an object with name, shape, datatype and "
-                            f"data, got {_short(obj)}")
+                            f"data, got {short_repr(obj)}")
     name = _get(obj, "name", str, f"inputs[{index}]")
     where = f"input {name!r}"
     shape = _parse_shape(obj.get("shape"), where)
-    dt = _datatype(obj.get("datatype"), where)
+    dt = lookup(obj.get("datatype"), where)
     params = _get(obj, "parameters", dict, where, required=False) or {}
     size = params.get("binary_data_size")
     if size is None:
         if "data" not in obj:
             raise ProtocolError(f"{where} has neither 'data' nor parameters.binary_data_size; "
                                 "send the values as JSON 'data' or as binary tensor data")
-        return RequestInput(name, dt.name, shape, _json_tensor(obj["data"], dt, shape, where)), 0
+        tensor = tensor_from_json(obj["data"], dt, shape, where)
+        return RequestInput(name, dt.name, shape, tensor), 0
     if binary is None:
         raise ProtocolError(f"{where} declares binary_data_size but the request has no "
                             "Inference-Header-Content-Length header giving the JSON length")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise ProtocolError(f"{where} has binary_data_size {_short(size)}; expected a "
+        raise ProtocolError(f"{where} has binary_data_size {short_repr(size)}; expected a "
                             "non-negative integer")
     expected = math.prod(shape) * dt.itemsize
     if size != expected:
@@ -240,7 +140,7 @@ def _parse_input(obj: Any, index: int, binary: memoryview | None, offset: int
     if offset + size > len(binary):
         raise ProtocolError(f"{where} needs bytes {offset}..{offset + size} of the binary data "
                             f"but the body has only {len(binary)} bytes after the JSON header")
-    tensor = _binary_tensor(binary[offset:offset + size], dt, shape)
+    tensor = tensor_from_bytes(binary[offset:offset + size], dt, shape)
     return RequestInput(name, dt.name, shape, tensor), size
 
 
@@ -266,11 +166,12 @@ def _parse_outputs(raw: Any) -> list[RequestedOutput] | None:
         return None
     if not isinstance(raw, list):
         raise ProtocolError(f"'outputs' must be an array of {{\"name\": ...}} objects, "
-                            f"got {_short(raw)}")
+                            f"got {short_repr(raw)}")
     outputs = []
     for i, obj in enumerate(raw):
         if not isinstance(obj, dict):
-            raise ProtocolError(f"outputs[{i}] must be an object with a name, got {_short(obj)}")
+            raise ProtocolError(f"outputs[{i}] must be an object with a name, got "
+                                f"{short_repr(obj)}")
         name = _get(obj, "name", str, f"outputs[{i}]")
         params = _get(obj, "parameters", dict, f"output {name!r}", required=False) or {}
         if "classification" in params:
@@ -310,23 +211,6 @@ def parse_infer_request(body: bytes, header_length: int | None = None) -> InferR
                         binary_output=bool(binary_output), parameters=params)
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)  # numpy has no bfloat16; the bits are what the wire carries
-    arr = t.numpy()
-    if not _LITTLE:
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return arr.tobytes()
-
-
-def _tensor_json(t: torch.Tensor) -> list:
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    return t.numpy().ravel().tolist()
-
-
 def encode_infer_response(*, model_name: str, model_version: str, request_id: str | None,
                           outputs: list[tuple[str, torch.Tensor, bool]]
                           ) -> tuple[bytes, int | None]:
@@ -340,11 +224,11 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
         entry: dict[str, Any] = {"name": name, "datatype": datatype_of(tensor.dtype),
                                  "shape": list(tensor.shape)}
         if as_binary:
-            chunk = _tensor_bytes(tensor)
+            chunk = tensor_to_bytes(tensor)
             entry["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
         else:
-            entry["data"] = _tensor_json(tensor)
+            entry["data"] = tensor_to_json(tensor)
         entries.append(entry)
     response: dict[str, Any] = {"model_name": model_name, "model_version": model_version,
                                 "outputs": entries}

@@ -81,12 +81,14 @@ class ServedModel:
             raise UnavailableError("the server is shutting down and takes no new requests",
                                    reason="shutting_down", retry_after=self.retry_after)
         x: Any = tensors[0] if len(tensors) == 1 else tuple(tensors)
-        submit = functools.partial(self.pool.submit, x, block=False, return_version=True)
         try:
-            if self._inplace:  # in place, submit() runs the model: keep it off the event loop
-                future = await anyio.to_thread.run_sync(submit)
-            else:
-                future = submit()
+            if self._inplace:
+                # In place, submit() runs the model in the calling thread, so it runs on a worker
+                # thread; it waits for a free replica as the pool's own output_async does.
+                future = await anyio.to_thread.run_sync(functools.partial(
+                    self.pool.submit, x, block=True, return_version=True))
+            else:  # queued: a full queue must answer 503 now, not block the event loop
+                future = self.pool.submit(x, block=False, return_version=True)
             result, version = await asyncio.wrap_future(future)
         except QueueFullError as e:
             raise UnavailableError(f"the inference queue is full ({e}); retry after "

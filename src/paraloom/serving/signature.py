@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraloom.serving.datatypes import DATATYPES, datatype_of
 from paraloom.serving.errors import ProtocolError
-from paraloom.serving.protocol import DATATYPES, RequestInput, datatype_of
+from paraloom.serving.protocol import RequestInput
 
 __all__ = ["ModelSignature", "TensorSpec", "infer_signature"]
 

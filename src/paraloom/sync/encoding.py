@@ -62,7 +62,7 @@ class Encoded(NamedTuple):
     """Bitmap only: the sign (+1 or -1) of this message's half steps."""
     numel: int
     """Length of the flat tensor the message encodes."""
-    count: int
+    moved: int
     """Elements moved by a full ``tau`` step (the sparsity numerator)."""
     payload: Tensor
 

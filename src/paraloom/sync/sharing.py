@@ -214,15 +214,15 @@ class SharedGradients(Synchronizer):
             tau = self.threshold_algorithm.tau
             msg = self._encode(replica.residual, tau)
             decode(msg, replica.residual, sign=-1)  # exact: see encoding's module docstring
-            # One cheap reduction: the sum is finite unless an element is NaN/inf (or huge).
-            total = replica.residual.sum()
-            nonfinite = 0 if torch.isfinite(total) else \
-                max(1, int((~torch.isfinite(replica.residual)).sum()))
+            # One cheap reduction: the sum is finite unless an element is NaN/inf (or huge);
+            # only then count them, with the costlier elementwise test.
+            nonfinite = 0 if torch.isfinite(replica.residual.sum()) else \
+                int((~torch.isfinite(replica.residual)).sum())
             if self.residual_post_processor is not None:
                 self.residual_post_processor.process(replica.residual, msg.tau, self.sync_steps)
             self._record(msg)
             self._exchange_and_apply(msg, nonfinite, ctx)
-        self.threshold_algorithm.update(msg.count / msg.numel)
+        self.threshold_algorithm.update(msg.moved / msg.numel)
 
     def idle_step(self, ctx: StepContext) -> None:
         replica = self._require_setup()
@@ -254,7 +254,7 @@ class SharedGradients(Synchronizer):
             self._half_sign = -self._half_sign  # alternate the half step's side
             self._bitmap_steps += 1
         self._last_tau = msg.tau
-        self._last_sparsity = msg.count / msg.numel
+        self._last_sparsity = msg.moved / msg.numel
         self._sparsity_sum += self._last_sparsity
         self._encoded_steps += 1
 

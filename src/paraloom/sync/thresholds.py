@@ -157,7 +157,11 @@ class ResidualPostProcessor:
     def config(self) -> dict[str, Any]:
         """The settings (JSON-able)."""
         return {"type": type(self).__name__,
-                **{name: getattr(self, name) for name in self.__slots__}}
+                **{name: getattr(self, name) for name in self._setting_names()}}
+
+    def _setting_names(self) -> tuple[str, ...]:
+        slots: tuple[str, ...] = getattr(self, "__slots__", ())
+        return slots
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

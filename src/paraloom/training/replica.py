@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraloom.data import describe, split_batch, to_device
-from paraloom.inference.precision import Precision, resolve_precision
+from paraloom.data import describe, iter_tensors, map_tensors, split_batch, to_device
+from paraloom.precision import Precision, resolve_precision
 from paraloom.sync.base import StepContext, Synchronizer
 from paraloom.training.optim import OptimizerSpec
 
@@ -45,26 +45,6 @@ def compute_loss(loss_fn: Any, outputs: Any, targets: Any) -> torch.Tensor:
                              f"{describe(outputs)}; give one loss per output")
         return sum(f(o, t) for f, o, t in zip(loss_fn, outputs, targets, strict=True))
     return loss_fn(outputs, targets)
-
-
-def _floating(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _floating(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _floating(o)]
-    return []
-
-
-def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_cast_floating(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
-    return obj
 
 
 def _grad_scaler(precision: Precision, device: torch.device) -> Any:
@@ -145,7 +125,7 @@ class Replica:
     def _loss(self, batch: Any) -> torch.Tensor:
         batch = to_device(batch, self.device, non_blocking=True)
         if self.precision.param_dtype is not None:
-            batch = _cast_floating(batch, self.precision.param_dtype)
+            batch = map_tensors(batch, self.precision.cast)
         with self.precision.forward_context(self.device):
             if self.step_fn is not None:
                 loss = self.step_fn(self._module, batch)
@@ -168,8 +148,8 @@ class Replica:
 
     def _check_dtype(self, inputs: Any) -> None:
         want = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
-        for t in _floating(inputs):
-            if want is not None and t.dtype != want:
+        for t in iter_tensors(inputs):
+            if want is not None and t.is_floating_point() and t.dtype != want:
                 raise TypeError(f"the inputs are {str(t.dtype).removeprefix('torch.')} but the "
                                 f"model's parameters are {str(want).removeprefix('torch.')}: "
                                 "convert the data (x.float()) or the model (model.double())")

@@ -8,6 +8,7 @@ unpickles anything.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from safetensors.torch import save_file
 
 from paraloom.checkpoint import atomic_write
 
-__all__ = ["TrainingCheckpoint", "latest_checkpoint"]
+__all__ = ["TrainingCheckpoint", "SnapshotCollector", "latest_checkpoint"]
 
 _HEADER = "paraloom_checkpoint"
 _FORMAT = 1
@@ -118,6 +119,58 @@ class TrainingCheckpoint:
             raise ValueError(f"{path} was written for another model or configuration ({shown}). "
                              "Resume with the same model, workers, training mode and precision, "
                              "or train without resume_from")
+
+
+@dataclass
+class _Pending:
+    listeners: list[Any]
+    checkpoint: TrainingCheckpoint
+    done: bool = False
+
+
+class SnapshotCollector:
+    """Asks the workers for their state after a round and assembles the checkpoint."""
+
+    def __init__(self, listeners: list[Any], fingerprint: Callable[[], dict[str, Any]],
+                 workers: int) -> None:
+        self.listeners, self.fingerprint, self.workers = listeners, fingerprint, workers
+        self.pending: dict[int, _Pending] = {}
+
+    def reset(self) -> None:
+        """Forget the previous fit()'s snapshots."""
+        self.pending = {}
+
+    def request(self, pool: Any, iteration: int, epoch: int, dealt: int,
+                epoch_rng: torch.Tensor, epoch_end: bool) -> None:
+        """Ask for a snapshot after round ``iteration`` if a listener wants a checkpoint."""
+        wanting = [x for x in self.listeners if x.wants_checkpoint(iteration, epoch, epoch_end)]
+        known = self.pending.get(iteration)
+        if known is not None:  # asked for twice (e.g. every N iterations and at epoch end)
+            late = [x for x in wanting if x not in known.listeners]
+            known.listeners += late
+            if known.done:
+                for listener in late:
+                    listener.on_checkpoint(known.checkpoint)
+            return
+        if not wanting:
+            return
+        self.pending[iteration] = _Pending(wanting, TrainingCheckpoint(
+            fingerprint=self.fingerprint(), epoch=epoch, batch=dealt, iteration=iteration + 1,
+            data_rng=epoch_rng, replicas=[None] * self.workers))
+        for rank in range(self.workers):
+            pool.send(rank, ("snapshot", iteration))
+
+    def receive(self, rank: int, tag: int, state: dict[str, Any]) -> None:
+        """One worker's snapshot; hands the checkpoint to its listeners once all are in."""
+        pending = self.pending[tag]
+        pending.checkpoint.replicas[rank] = state
+        if any(r is None for r in pending.checkpoint.replicas):
+            return
+        pending.done = True
+        for old in [t for t, p in self.pending.items() if p.done and t < tag]:
+            del self.pending[old]  # only the newest may still be asked for again
+        for listener in pending.listeners:
+            listener.on_checkpoint(pending.checkpoint)
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

@@ -26,16 +26,18 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from paraloom.data import IndexedDataset, batch_size, split_batch
+from paraloom.errors import NotPicklableError
 from paraloom.sync.base import Synchronizer
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.replica import Replica
 
-__all__ = ["WorkerSpec", "ReplicaRunner", "worker_main"]
+__all__ = ["WorkerSpec", "ReplicaRunner", "worker_main", "pickle_spec"]
 
 _POLL_S = 0.5
 
@@ -50,6 +52,27 @@ class WorkerSpec:
     step_fn: Any
     synchronizer: Synchronizer
     precision: str = "32-true"
+
+
+def pickle_spec(spec: WorkerSpec) -> bytes:
+    """Pickle what the workers need, by value for classes and lambdas defined in scripts."""
+    try:
+        return cloudpickle.dumps(spec)
+    except Exception as e:
+        raise NotPicklableError(
+            f"cannot send the {_unpicklable_part(spec)} to the worker processes: "
+            f"{type(e).__name__}: {e}. Define it at module level, keep open files, locks, "
+            "threads and generators out of it, and guard your script with "
+            "`if __name__ == \"__main__\":`; workers=1 trains without pickling") from e
+
+
+def _unpicklable_part(spec: WorkerSpec) -> str:
+    for name in ("model", "loss_fn", "step_fn", "optimizer", "synchronizer"):
+        try:
+            cloudpickle.dumps(getattr(spec, name))
+        except Exception:
+            return {"optimizer": "optimizer (or optimizer factory)"}.get(name, name)
+    return "training setup"
 
 
 class ReplicaRunner:

@@ -10,21 +10,20 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import torch
 from torch import nn
 
 from paraloom.data import IndexedDataset, Prefetcher, as_data_source, indexed_view, split_batch
-from paraloom.errors import NotPicklableError, WorkerError
-from paraloom.inference.precision import resolve_precision
+from paraloom.errors import WorkerError
 from paraloom.listeners import TrainingListener, as_listener
+from paraloom.precision import resolve_precision
 from paraloom.training.modes import TrainingMode, make_synchronizer
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.pool import LocalPool, ProcessPool
 from paraloom.training.replica import StepFn
-from paraloom.training.resume import TrainingCheckpoint
+from paraloom.training.resume import SnapshotCollector, TrainingCheckpoint
 from paraloom.training.tracker import RoundTracker
-from paraloom.training.worker import WorkerSpec
+from paraloom.training.worker import WorkerSpec, pickle_spec
 
 __all__ = ["ParallelWrapper"]
 
@@ -83,7 +82,7 @@ class ParallelWrapper:
         self._stop_requested = False
         self._stats: dict[str, Any] = {}
         self._tracker: RoundTracker | None = None
-        self._snapshots: dict[int, _PendingCheckpoint] = {}
+        self._snapshots = SnapshotCollector(self.listeners, self.fingerprint, workers)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> ParallelWrapper:
@@ -123,7 +122,7 @@ class ParallelWrapper:
             self._pool = LocalPool(self._spec, device=device)
         else:
             queue_size = max(2, -(-self.prefetch_buffer // self.workers))
-            self._pool = ProcessPool(_pickle_spec(self._spec), self.workers,
+            self._pool = ProcessPool(pickle_spec(self._spec), self.workers,
                                      timeout_s=self.timeout, queue_size=queue_size)
         return self._pool
 
@@ -148,7 +147,8 @@ class ParallelWrapper:
                                total_batches=_total(data, epochs - start.epoch),
                                progress=self.progress,
                                report_score=self.report_score_after_averaging)
-        self._tracker, self._snapshots = tracker, {}
+        self._tracker = tracker
+        self._snapshots.reset()
         completed = False
         try:
             pool.begin(_master_state(self.model), indexed, start.replicas)
@@ -219,7 +219,7 @@ class ParallelWrapper:
                     payload = payloads[rank] if rank < len(payloads) else None
                     pool.send(rank, ("round", round_id, payload))
                 dealt += len(payloads)
-                self._maybe_snapshot(pool, base + round_id, epoch, dealt, epoch_rng, False)
+                self._snapshots.request(pool, base + round_id, epoch, dealt, epoch_rng, False)
                 round_id += 1
                 self._drain(pool, tracker, block=False)
                 if self._stop_requested:
@@ -228,37 +228,7 @@ class ParallelWrapper:
                 raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
                                  "source (a DataLoader or a list), not a one-shot generator")
             if round_id:
-                self._maybe_snapshot(pool, base + round_id - 1, epoch, dealt, epoch_rng, True)
-
-    def _maybe_snapshot(self, pool: Any, iteration: int, epoch: int, dealt: int,
-                        epoch_rng: torch.Tensor, epoch_end: bool) -> None:
-        """Ask the workers for their state after this round if a listener wants a checkpoint."""
-        wanting = [x for x in self.listeners if x.wants_checkpoint(iteration, epoch, epoch_end)]
-        known = self._snapshots.get(iteration)
-        if known is not None:  # asked for twice (e.g. every N iterations and at epoch end)
-            late = [x for x in wanting if x not in known.listeners]
-            known.listeners += late
-            if known.done:
-                for listener in late:
-                    listener.on_checkpoint(known.checkpoint)
-            return
-        if not wanting:
-            return
-        self._snapshots[iteration] = _PendingCheckpoint(wanting, TrainingCheckpoint(
-            fingerprint=self.fingerprint(), epoch=epoch, batch=dealt, iteration=iteration + 1,
-            data_rng=epoch_rng, replicas=[None] * self.workers))
-        for rank in range(self.workers):
-            pool.send(rank, ("snapshot", iteration))
-
-    def _on_snapshot(self, rank: int, tag: int, state: dict[str, Any]) -> None:
-        pending = self._snapshots[tag]
-        pending.checkpoint.replicas[rank] = state
-        if all(r is not None for r in pending.checkpoint.replicas):
-            pending.done = True
-            for old in [t for t, p in self._snapshots.items() if p.done and t < tag]:
-                del self._snapshots[old]  # only the newest may still be asked for again
-            for listener in pending.listeners:
-                listener.on_checkpoint(pending.checkpoint)
+                self._snapshots.request(pool, base + round_id - 1, epoch, dealt, epoch_rng, True)
 
     def _rounds(self, data: Any, indexed: IndexedDataset | None,
                 skip: int = 0) -> Iterator[list[Any]]:
@@ -300,7 +270,7 @@ class ParallelWrapper:
                 _, _, round_id, loss, rows, synced = msg
                 tracker.reply(round_id, loss, rows, synced)
             elif msg[0] == "snapshot":
-                self._on_snapshot(*msg[1:])
+                self._snapshots.receive(*msg[1:])
             elif block:
                 return msg
 
@@ -344,13 +314,6 @@ class _Position:
     replicas: list[Any] | None = None
 
 
-@dataclass
-class _PendingCheckpoint:
-    listeners: list[TrainingListener]
-    checkpoint: TrainingCheckpoint
-    done: bool = False
-
-
 def _checked(batch: Any) -> Any:
     split_batch(batch)  # raises a TypeError that says what a batch must be
     return batch
@@ -365,27 +328,3 @@ def _total(data: Any, epochs: int) -> int | None:
 
 def _master_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
-def _pickle_spec(spec: WorkerSpec) -> bytes:
-    """Pickle what the workers need, by value for classes and lambdas defined in scripts."""
-    try:
-        return cloudpickle.dumps(spec)
-    except Exception as e:
-        what = _unpicklable_part(spec)
-        raise NotPicklableError(
-            f"cannot send the {what} to the worker processes: {type(e).__name__}: {e}. Define it "
-            "at module level, keep open files, locks, threads and generators out of it, and "
-            "guard your script with `if __name__ == \"__main__\":`; workers=1 trains without "
-            "pickling") from e
-
-
-def _unpicklable_part(spec: WorkerSpec) -> str:
-    for name in ("model", "loss_fn", "step_fn", "optimizer", "synchronizer"):
-        try:
-            cloudpickle.dumps(getattr(spec, name))
-        except Exception:
-            return {"optimizer": "optimizer (or optimizer factory)"}.get(name, name)
-    return "training setup"
-
-

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraloom.inference.payload import map_tensors
+from paraloom.data import map_tensors
 
 __all__ = ["Precision", "PRECISIONS", "resolve_precision"]
 
@@ -52,6 +52,12 @@ class Precision:
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert a replica's floating-point weights and buffers (in place) if this is -true."""
         return module.to(self.param_dtype) if self.param_dtype is not None else module
+
+    def cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A floating-point input cast to the weights' dtype if this is -true."""
+        if self.param_dtype is None or not tensor.is_floating_point():
+            return tensor
+        return tensor.to(self.param_dtype)
 
     def convert_inputs(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Cast floating-point inputs to the weights' dtype if this is -true."""

@@ -1,0 +1,146 @@
+"""The v2 datatypes, and one tensor to and from the wire: JSON data or little-endian bytes."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from paraloom.serving.errors import ProtocolError, short_repr
+
+__all__ = [
+    "DATATYPES",
+    "DataType",
+    "datatype_of",
+    "lookup",
+    "tensor_from_bytes",
+    "tensor_from_json",
+    "tensor_to_bytes",
+    "tensor_to_json",
+]
+
+
+@dataclass(frozen=True)
+class DataType:
+    """One v2 datatype: its torch dtype and its little-endian numpy dtype (None for BF16)."""
+
+    name: str
+    torch_dtype: torch.dtype
+    numpy_dtype: np.dtype | None
+    itemsize: int
+    kinds: str  # numpy kinds accepted in JSON data ('b' bool, 'i'/'u' integers, 'f' floats)
+
+
+def _dt(name: str, tdt: torch.dtype, npdt: str | None, kinds: str) -> DataType:
+    np_dtype = np.dtype(npdt) if npdt else None
+    itemsize = torch.empty((), dtype=tdt).element_size()
+    return DataType(name, tdt, np_dtype, itemsize, kinds)
+
+
+DATATYPES: dict[str, DataType] = {d.name: d for d in [
+    _dt("BOOL", torch.bool, "|b1", "b"),
+    _dt("UINT8", torch.uint8, "|u1", "biu"),
+    _dt("UINT16", torch.uint16, "<u2", "biu"),
+    _dt("UINT32", torch.uint32, "<u4", "biu"),
+    _dt("UINT64", torch.uint64, "<u8", "biu"),
+    _dt("INT8", torch.int8, "|i1", "biu"),
+    _dt("INT16", torch.int16, "<i2", "biu"),
+    _dt("INT32", torch.int32, "<i4", "biu"),
+    _dt("INT64", torch.int64, "<i8", "biu"),
+    _dt("FP16", torch.float16, "<f2", "biuf"),
+    _dt("BF16", torch.bfloat16, None, "biuf"),
+    _dt("FP32", torch.float32, "<f4", "biuf"),
+    _dt("FP64", torch.float64, "<f8", "biuf"),
+]}
+_BY_TORCH = {d.torch_dtype: d for d in DATATYPES.values()}
+
+_LITTLE = sys.byteorder == "little"
+
+
+def datatype_of(dtype: torch.dtype) -> str:
+    """The v2 datatype name of a torch dtype, e.g. ``torch.float32`` -> ``"FP32"``."""
+    if dtype not in _BY_TORCH:
+        raise TypeError(f"torch dtype {dtype} has no Open Inference Protocol datatype; "
+                        f"supported: {', '.join(DATATYPES)}")
+    return _BY_TORCH[dtype].name
+
+
+def lookup(raw: Any, where: str) -> DataType:
+    """The datatype a request names; ``ProtocolError`` for BYTES or an unknown name."""
+    if raw == "BYTES":
+        raise ProtocolError(f"{where} has datatype BYTES, which paraloom does not serve: torch "
+                            f"models take numeric tensors; use one of {', '.join(DATATYPES)}")
+    if not isinstance(raw, str) or raw not in DATATYPES:
+        raise ProtocolError(f"{where} has unknown datatype {short_repr(raw)}; expected one of "
+                            f"{', '.join(DATATYPES)} (case-sensitive)")
+    return DATATYPES[raw]
+
+
+def tensor_from_json(data: Any, dt: DataType, shape: tuple[int, ...], where: str
+                     ) -> torch.Tensor:
+    """A tensor from JSON ``data`` (flat or nested, row-major), checked against its datatype."""
+    if dt.name == "BF16":
+        # numpy has no bfloat16: read floats, then let torch round them.
+        as_fp32 = DATATYPES["FP32"]
+        return tensor_from_json(data, as_fp32, shape, where).to(torch.bfloat16)
+    count = math.prod(shape)
+    try:
+        arr = np.asarray(data)
+    except (ValueError, TypeError) as e:
+        raise ProtocolError(f"{where} data is not a rectangular array of numbers: {e}") from e
+    if arr.size != count:
+        raise ProtocolError(f"{where} has {arr.size} data elements but shape {list(shape)} "
+                            f"needs {count}; send shape and data that agree")
+    if count and arr.dtype.kind not in dt.kinds:
+        raise ProtocolError(f"{where} data holds {_kind_word(arr.dtype.kind)} values, which "
+                            f"datatype {dt.name} does not accept")
+    assert dt.numpy_dtype is not None
+    if count and dt.numpy_dtype.kind in "iu":
+        info = np.iinfo(dt.numpy_dtype)
+        low, high = arr.min(), arr.max()
+        if low < info.min or high > info.max:
+            raise ProtocolError(f"{where} data has values in [{low}, {high}], outside "
+                                f"{dt.name}'s range [{info.min}, {info.max}]")
+    out = arr.astype(dt.numpy_dtype).reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
+def _kind_word(kind: str) -> str:
+    return {"b": "boolean", "i": "integer", "u": "integer", "f": "floating-point",
+            "U": "string", "S": "bytes", "O": "mixed or nested"}.get(kind, f"{kind!r}-kind")
+
+
+def tensor_from_bytes(chunk: memoryview, dt: DataType, shape: tuple[int, ...]) -> torch.Tensor:
+    """A writable tensor from the binary extension's little-endian, row-major bytes."""
+    raw = bytearray(chunk)  # one copy: the request body is read-only, tensors must be writable
+    if not raw:
+        return torch.empty(shape, dtype=dt.torch_dtype)
+    if dt.numpy_dtype is None or _LITTLE:
+        flat = torch.frombuffer(raw, dtype=dt.torch_dtype)
+    else:  # big-endian host: numpy swaps the bytes of the little-endian wire format
+        flat = torch.from_numpy(np.frombuffer(raw, dtype=dt.numpy_dtype).astype(
+            dt.numpy_dtype.newbyteorder("=")))
+    return flat.reshape(shape)
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    """The binary extension's bytes of a tensor: little-endian, row-major, no padding."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)  # numpy has no bfloat16; the bits are what the wire carries
+    arr = t.numpy()
+    if not _LITTLE:
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr.tobytes()
+
+
+def tensor_to_json(t: torch.Tensor) -> list:
+    """A tensor's values as a flat, row-major JSON list."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy().ravel().tolist()

@@ -1,4 +1,4 @@
-"""A custom synchronizer end to end: the shipped fp16 example and the one in docs/sync.md."""
+"""A custom synchronizer end to end: the shipped fp16 example and the one in the README."""
 
 from __future__ import annotations
 

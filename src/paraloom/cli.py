@@ -6,9 +6,8 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "add_data_arguments"]
 
 # Sub-commands that live in their own modules: name -> (module, help).
 _DELEGATED = {
@@ -23,29 +22,8 @@ _BENCHES = {
 }
 
 
-def _dataset(name: str, split: str, data_dir: str | None) -> Any:
-    from paraloom import datasets
-
-    if name == "digits":
-        return datasets.digits(split)
-    if name == "mnist":
-        if not data_dir:
-            raise SystemExit("--dataset mnist needs --data-dir with MNIST's IDX files")
-        return datasets.mnist(data_dir, split)
-    raise SystemExit(f"unknown dataset {name!r}; expected digits or mnist")
-
-
-def _model(name: str, sample: Any) -> Any:
-    from paraloom.models import MLP, LeNet
-
-    if name == "lenet":
-        return LeNet(in_channels=sample.shape[0], image_size=sample.shape[-1])
-    if name == "mlp":
-        return MLP(in_features=sample.numel())
-    raise SystemExit(f"unknown model {name!r}; expected lenet or mlp")
-
-
-def _add_data_args(p: argparse.ArgumentParser) -> None:
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """--dataset, --data-dir and --batch-size, shared by the training commands."""
     p.add_argument("--dataset", default="digits", choices=["digits", "mnist"])
     p.add_argument("--data-dir", help="folder with MNIST's IDX files (.gz or raw)")
     p.add_argument("--batch-size", type=int, default=32)
@@ -57,12 +35,14 @@ def _train(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader
 
     import paraloom
+    from paraloom.datasets import load_dataset
     from paraloom.evaluation import evaluate
+    from paraloom.models import build_model
 
     torch.manual_seed(args.seed)
-    train = _dataset(args.dataset, "train", args.data_dir)
-    test = _dataset(args.dataset, "test", args.data_dir)
-    model = _model(args.model, train[0][0])
+    train = load_dataset(args.dataset, "train", args.data_dir)
+    test = load_dataset(args.dataset, "test", args.data_dir)
+    model = build_model(args.model, train[0][0].shape)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 nesterov=args.momentum > 0)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)
@@ -85,10 +65,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader
 
     import paraloom
+    from paraloom.datasets import load_dataset
     from paraloom.evaluation import evaluate
 
     model = paraloom.load(args.model_file)
-    test = _dataset(args.dataset, "test", args.data_dir)
+    test = load_dataset(args.dataset, "test", args.data_dir)
     result = evaluate(model, DataLoader(test, batch_size=256))
     print(result.report())
     if args.json:
@@ -106,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model with ParallelWrapper and save it")
     p.add_argument("--model", default="lenet", choices=["lenet", "mlp"])
-    _add_data_args(p)
+    add_data_arguments(p)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--mode", default="averaging",
                    choices=["averaging", "shared_gradients", "allreduce"])
@@ -121,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="accuracy and confusion matrix of a saved model")
     p.add_argument("model_file")
-    _add_data_args(p)
+    add_data_arguments(p)
     p.add_argument("--json", action="store_true", help="also print the metrics as JSON")
     p.set_defaults(func=_evaluate)
 
@@ -160,8 +141,12 @@ def _missing(error: ImportError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
-    args = _parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:  # bad input: say so without a traceback
+        parser.exit(2, f"paraloom {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

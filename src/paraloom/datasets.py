@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["digits", "read_idx", "mnist"]
+__all__ = ["digits", "read_idx", "mnist", "load_dataset"]
 
 # The fixed split: the last 20% of a seeded permutation is the test set.
 _DIGITS_SEED = 0
@@ -90,3 +90,15 @@ def mnist(root: str | Path, split: str = "train") -> TensorDataset:
     x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
     y = torch.from_numpy(labels.astype(np.int64))
     return TensorDataset(x, y)
+
+
+def load_dataset(name: str, split: str, data_dir: str | Path | None = None) -> TensorDataset:
+    """A data set by name, as the command line names them: "digits", or "mnist" with data_dir."""
+    if name == "digits":
+        return digits(split)
+    if name == "mnist":
+        if not data_dir:
+            raise ValueError("the mnist data set needs data_dir= (--data-dir): a folder with "
+                             "MNIST's four IDX files")
+        return mnist(data_dir, split)
+    raise ValueError(f"unknown data set {name!r}; expected 'digits' or 'mnist'")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LeNet", "MLP"]
+__all__ = ["LeNet", "MLP", "build_model"]
 
 
 class LeNet(nn.Module):
@@ -64,3 +64,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def build_model(name: str, input_shape: tuple[int, ...] | torch.Size) -> nn.Module:
+    """"lenet" or "mlp" sized for one example of ``input_shape`` (e.g. (1, 8, 8))."""
+    if name == "lenet":
+        return LeNet(in_channels=input_shape[0], image_size=input_shape[-1])
+    if name == "mlp":
+        return MLP(in_features=int(torch.Size(input_shape).numel()))
+    raise ValueError(f"unknown model {name!r}; expected 'lenet' or 'mlp'")

@@ -15,6 +15,7 @@ from spark_helpers import read_page
 from torch import nn
 
 from paraloom.spark.averaging_task import RoundConfig, add_results, averaging_task, weighted
+from paraloom.spark.board import ErrorBoard, settle
 from paraloom.spark.data import (
     Features,
     batch_count,
@@ -160,6 +161,37 @@ def test_meet_reports_setup_errors():
     rdv, store = meet(FakeBarrier(), "ValueError: bad rows", 10)
     assert rdv.errors == ((0, "ValueError: bad rows"),)
     assert rdv.port == store.port > 0 and rdv.run_id
+
+
+def test_error_board_relays_causes_and_reraises_dead_peers():
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    boards = [ErrorBoard(store, r, 3, "run1") for r in range(3)]
+    assert boards[0].causes(wait_s=0.1) == []
+    own = settle(ValueError("bad row 7"), boards[2], rank=2, linger_s=0.1)
+    assert own[0] == "error" and json.loads(own[2])["symptom"] is False
+    dead = RuntimeError("[gloo] Read error: Connection reset by peer")
+    kind, rank, info, _ = settle(dead, boards[1], rank=1, linger_s=0.1)
+    info = json.loads(info)
+    assert (kind, rank, info["cause_rank"], info["symptom"]) == ("error", 1, 2, True)
+    assert info["message"] == "ValueError: bad row 7" and "bad row 7" in info["traceback"]
+    lonely = ErrorBoard(store, 1, 3, "run2")  # another stage attempt: nothing posted there
+    with pytest.raises(RuntimeError, match="reset by peer"):
+        settle(dead, lonely, rank=1, linger_s=0.1)
+    with pytest.raises(RuntimeError, match="reset by peer"):
+        settle(dead, None, rank=1)
+
+
+def test_a_partial_rerun_reports_instead_of_waiting():
+    cfg = SharedConfig(fit_id="partial", world_size=2, epochs=1, batch_size=8, seed=0,
+                       origin=time.time(), features=Features(), rendezvous_timeout_s=5)
+    context = FakeBarrier()
+    [(kind, rank, _, _)] = list(shared_task(b"", b"", cfg, context, _chunk(8)))
+    assert (kind, rank, context.calls) == ("rerun", 0, 0)
 
 
 def _linear_spec(sync) -> tuple[WorkerSpec, nn.Module]:

@@ -1,0 +1,48 @@
+"""paraloom on Apache Spark: DL4J's training masters, distributed evaluation and inference.
+
+    from paraloom.spark import SparkModel, SharedTrainingMaster, AdaptiveThreshold
+    master = SharedTrainingMaster(batch_size_per_worker=32, workers=2,
+                                  threshold_algorithm=AdaptiveThreshold(1e-3))
+    net = SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(), optimizer=opt)
+    net.fit(train_rdd, epochs=3)
+
+Needs the ``spark`` extra: ``pip install "paraloom[spark]"`` (PySpark 4, Java 17+).
+"""
+
+from __future__ import annotations
+
+try:
+    import pyspark  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("paraloom.spark needs PySpark: pip install \"paraloom[spark]\" (PySpark "
+                      ">= 4.0, which needs Java 17 or later)") from e
+
+from paraloom.evaluation import Evaluation
+from paraloom.spark.averaging import ParameterAveragingTrainingMaster
+from paraloom.spark.master import SparkTrainingError, TrainingMaster
+from paraloom.spark.metrics import RegressionEvaluation
+from paraloom.spark.model import SparkModel
+from paraloom.spark.shared import SharedTrainingMaster
+from paraloom.spark.stats import PHASES, TrainingStats
+from paraloom.sync.thresholds import (
+    AdaptiveThreshold,
+    FixedThreshold,
+    ResidualClipping,
+    TargetSparsityThreshold,
+)
+
+__all__ = [
+    "AdaptiveThreshold",
+    "Evaluation",
+    "FixedThreshold",
+    "PHASES",
+    "ParameterAveragingTrainingMaster",
+    "RegressionEvaluation",
+    "ResidualClipping",
+    "SharedTrainingMaster",
+    "SparkModel",
+    "SparkTrainingError",
+    "TargetSparsityThreshold",
+    "TrainingMaster",
+    "TrainingStats",
+]

@@ -1,0 +1,165 @@
+"""One ParameterAveragingTrainingMaster task: load the round's parameters, train, return sums.
+
+An ordinary (non-barrier) Spark task: it talks to no peer, so Spark retries it on its own when
+it fails. It returns its parameters (and optimizer state) *multiplied by its example count*, so
+that the driver's ``treeAggregate`` of these records, divided by the total count, is the
+example-weighted average.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from paraloom.spark.data import Features, epoch_order, round_batches
+from paraloom.spark.executor import cached, task_threads
+from paraloom.spark.state import flatten, split_optimizer_state, unpack
+from paraloom.spark.stats import PhaseRecorder
+from paraloom.spark.task import load_partition, load_spec, make_runner, minibatch
+from paraloom.training.worker import ReplicaRunner
+
+__all__ = ["RoundConfig", "averaging_task", "add_results", "weighted"]
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """One averaging round: which minibatches each partition trains, and how."""
+
+    fit_id: str
+    epoch: int
+    round: int
+    batch_size: int
+    frequency: int
+    seed: int
+    origin: float
+    features: Features
+    save_updater: bool = True
+    threads: int | None = None
+    collect_stats: bool = False
+
+
+def _runner(spec_bytes: bytes, cfg: RoundConfig, index: int) -> tuple[ReplicaRunner, Any]:
+    """This worker's replica for the fit, and the optimizer state it was built with.
+
+    One replica per Python worker and fit: rounds reload its parameters, not its structure.
+    The built-with state is what DL4J's saveUpdater=false restarts from every round.
+    """
+    def build() -> tuple[ReplicaRunner, Any]:
+        runner = make_runner(load_spec(spec_bytes), rank=index, world_size=1, device="cpu",
+                             recorder=None)
+        return runner, copy.deepcopy(runner.replica.optimizer.state_dict())
+
+    return cached(f"averaging/{cfg.fit_id}", build)
+
+
+def averaging_task(spec_bytes: Any, state_bytes: Any, cfg: RoundConfig, index: int,
+                   chunks: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    """Train partition ``index``'s minibatches of this round; yield one summable record.
+
+    ``spec_bytes`` / ``state_bytes`` may be broadcast variables (read on first use here).
+    """
+    task_threads(cfg.threads)
+    rec = PhaseRecorder(index, cfg.origin)
+    begin, t = rec.now(), time.perf_counter()
+    x, y = load_partition(chunks)
+    order = epoch_order(len(x), cfg.seed, cfg.epoch, index)
+    batches = round_batches(order, cfg.batch_size, cfg.round * cfg.frequency, cfg.frequency)
+    data_s = time.perf_counter() - t
+    if not batches:  # a short partition in a late round: nothing to average in
+        yield {"n": 0, "stats": [rec.to_dict()] if cfg.collect_stats else []}
+        return
+    t = time.perf_counter()
+    state = getattr(state_bytes, "value", state_bytes)
+    spec = getattr(spec_bytes, "value", spec_bytes)
+    communicate_s, t = time.perf_counter() - t, time.perf_counter()
+    runner, pristine = _runner(spec, cfg, index)
+    packed = unpack(state)
+    runner.begin(packed.model, None)
+    runner.replica.optimizer.load_state_dict(packed.optimizer or copy.deepcopy(pristine))
+    apply_s = time.perf_counter() - t
+    loss_sum, rows_total = _train(runner, x, y, batches, cfg, rec, begin,
+                                  {"data": data_s, "communicate": communicate_s,
+                                   "apply": apply_s})
+    t = time.perf_counter()
+    record = _record(runner, rows_total, loss_sum, cfg)
+    rec.columns["encode"][-1] += round(time.perf_counter() - t, 6)
+    record["stats"] = [rec.to_dict()] if cfg.collect_stats else []
+    record["bytes_received"] = len(state)
+    yield record
+
+
+def _train(runner: ReplicaRunner, x: np.ndarray, y: np.ndarray, batches: list[np.ndarray],
+           cfg: RoundConfig, rec: PhaseRecorder, begin: float,
+           first: dict[str, float]) -> tuple[float, int]:
+    loss_sum, rows_total = 0.0, 0
+    for i, idx in enumerate(batches):
+        start = begin if i == 0 else rec.now()
+        t = time.perf_counter()
+        batch = minibatch(x, y, idx, cfg.features)
+        data_s, t = time.perf_counter() - t, time.perf_counter()
+        loss, rows, _ = runner.round(("batch", batch))
+        extra = first if i == 0 else {}
+        rec.add(start, compute=time.perf_counter() - t,
+                **{**extra, "data": data_s + extra.get("data", 0.0)})
+        loss_sum += float(loss or 0.0) * rows
+        rows_total += rows
+    return loss_sum, rows_total
+
+
+def _record(runner: ReplicaRunner, n: int, loss_sum: float, cfg: RoundConfig) -> dict[str, Any]:
+    result = runner.finish(send_state=True)
+    model, layout = flatten(result["state"])
+    record: dict[str, Any] = {"n": n, "loss_sum": loss_sum, "model": model, "layout": layout,
+                              "steps": runner.steps, "weighted": False}
+    if cfg.save_updater:
+        tensors, skeleton = split_optimizer_state(result["optimizer"])
+        opt, opt_layout = flatten(tensors)
+        record.update(optimizer=opt, optimizer_layout=opt_layout, skeleton=skeleton)
+    record["bytes_sent"] = sum(v.nbytes for k, v in record.items() if k in ("model", "optimizer"))
+    return record
+
+
+def weighted(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with its vectors turned into float64 sums weighted by its example count.
+
+    Tasks send their plain vectors (float32 for float32 models: half the bytes); the sums,
+    inside treeAggregate and on the driver, are float64.
+    """
+    if record.get("weighted", True):
+        return record
+    for key in ("model", "optimizer"):
+        if key in record:
+            record[key] = record[key].astype(np.float64) * record["n"]
+    record["weighted"] = True
+    return record
+
+
+def add_results(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """treeAggregate's combiner: sums of weighted vectors and counts; stats lists joined."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    a, b = weighted(a), weighted(b)
+    if not b["n"]:
+        a["stats"] = a.get("stats", []) + b.get("stats", [])
+        return a
+    if not a["n"]:
+        b["stats"] = a.get("stats", []) + b.get("stats", [])
+        return b
+    if a["layout"] != b["layout"] or a.get("optimizer_layout") != b.get("optimizer_layout"):
+        raise ValueError("two partitions returned parameters (or optimizer state) of different "
+                         "layouts; every replica must train the same model with the same "
+                         "optimizer")
+    a["model"] += b["model"]
+    if "optimizer" in a:
+        a["optimizer"] += b["optimizer"]
+    for key in ("n", "loss_sum", "steps", "bytes_received", "bytes_sent"):
+        a[key] = a.get(key, 0) + b.get(key, 0)
+    a["stats"] = a.get("stats", []) + b.get("stats", [])
+    return a

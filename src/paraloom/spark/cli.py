@@ -1,0 +1,137 @@
+"""``paraloom spark-train``: train on Spark (an embedded ``local[2]`` by default), then evaluate.
+
+The model and data options are those of ``paraloom train``; ``--master`` takes any Spark
+master URL (``local[4]``, ``spark://host:7077``, ``yarn``, ``k8s://...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import pyspark  # noqa: F401  (the CLI reports a missing [spark] extra when this fails)
+
+__all__ = ["add_arguments", "run", "session"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``spark-train`` options."""
+    from paraloom.cli import add_data_arguments
+
+    p.add_argument("--master", default="local[2]",
+                   help="Spark master URL; local[N] runs an embedded Spark (no cluster needed)")
+    p.add_argument("--training-master", default="shared", choices=["shared", "averaging"],
+                   help="shared: SharedTrainingMaster (update sharing); averaging: "
+                        "ParameterAveragingTrainingMaster")
+    p.add_argument("--model", default="lenet", choices=["lenet", "mlp"])
+    add_data_arguments(p)
+    p.add_argument("--workers", type=int, default=None,
+                   help="Spark workers (default: the cluster's task slots)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threshold", type=float, default=5e-3,
+                   help="initial threshold of AdaptiveThreshold (shared master)")
+    p.add_argument("--averaging-frequency", type=int, default=5,
+                   help="minibatches between averagings (averaging master)")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Spark configuration entry; repeat for more")
+    p.add_argument("--out", help="where to save the model (.safetensors)")
+    p.add_argument("--stats-html", help="write training stats as a self-contained HTML page")
+    p.add_argument("--stats-json", help="write training stats as JSON")
+
+
+def _confs(entries: list[str]) -> dict[str, str]:
+    out = {}
+    for entry in entries:
+        key, sep, value = entry.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--conf {entry!r}; expected KEY=VALUE, e.g. "
+                             f"--conf spark.executor.memory=4g")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def session(master: str, confs: dict[str, str] | None = None) -> tuple[Any, bool]:
+    """(a SparkSession for ``master``, whether this call created it).
+
+    For ``local`` masters the executors use this Python and loopback networking, unless the
+    environment already says otherwise (PYSPARK_PYTHON, SPARK_LOCAL_IP).
+    """
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active, False
+    if master.startswith("local"):
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = SparkSession.builder.master(master).appName("paraloom spark-train")
+    settings = {"spark.ui.showConsoleProgress": "false", "spark.barrier.sync.timeout": "600",
+                **(confs or {})}
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate(), True
+
+
+def _rows(sc: Any, dataset: Any, partitions: int) -> Any:
+    x, y = dataset.tensors
+    return sc.parallelize(list(zip(x.numpy(), y.numpy().tolist(), strict=True)), partitions)
+
+
+def _master(args: argparse.Namespace) -> Any:
+    from paraloom.spark import (
+        AdaptiveThreshold,
+        ParameterAveragingTrainingMaster,
+        SharedTrainingMaster,
+    )
+
+    if args.training_master == "shared":
+        return SharedTrainingMaster(batch_size_per_worker=args.batch_size, workers=args.workers,
+                                    threshold_algorithm=AdaptiveThreshold(args.threshold))
+    return ParameterAveragingTrainingMaster(batch_size_per_worker=args.batch_size,
+                                            averaging_frequency=args.averaging_frequency,
+                                            workers=args.workers)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train, print the test metrics, save the model and the stats if asked."""
+    import torch
+    from torch import nn
+
+    import paraloom
+    from paraloom.datasets import load_dataset
+    from paraloom.models import build_model
+    from paraloom.spark import SparkModel
+
+    torch.manual_seed(args.seed)
+    train = load_dataset(args.dataset, "train", args.data_dir)
+    test = load_dataset(args.dataset, "test", args.data_dir)
+    model = build_model(args.model, train[0][0].shape)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    spark, created = session(args.master, _confs(args.conf))
+    try:
+        master = _master(args)
+        net = SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer)
+        partitions = master.resolve_workers(spark.sparkContext)
+        summary = net.fit(_rows(spark.sparkContext, train, partitions), epochs=args.epochs,
+                          seed=args.seed, collect_stats=bool(args.stats_html or args.stats_json))
+        result = net.evaluate(_rows(spark.sparkContext, test, partitions))
+    finally:
+        if created:
+            spark.stop()
+    print(result.report())
+    print(f"{summary['samples_per_s']:.0f} samples/s end to end ({summary['seconds']:.1f} s, "
+          f"{summary['workers']} workers, {args.training_master} master, {args.master})")
+    stats = net.training_stats()
+    if stats is not None and args.stats_html:
+        print(f"stats written to {stats.export_html(args.stats_html)}")
+    if stats is not None and args.stats_json:
+        print(f"stats written to {stats.export_json(args.stats_json)}")
+    if args.out:
+        paraloom.save(model, args.out, metadata={"dataset": args.dataset})
+        print(f"saved {args.out}")
+    return 0

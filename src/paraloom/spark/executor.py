@@ -1,0 +1,71 @@
+"""What Spark tasks share inside one Python worker: a small model cache and thread settings.
+
+Spark reuses Python workers between tasks (``spark.python.worker.reuse``, on by default), so a
+model built for one task can serve the next ones of the same job, as ``predict_batch_udf``'s
+``ModelCache`` does. Keys are chosen by the caller (a job or fit id plus a state digest).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["cached", "task_threads", "clear_cache", "gpu_addresses"]
+
+T = TypeVar("T")
+_CAPACITY = 4
+_CACHE: OrderedDict[str, Any] = OrderedDict()
+_LOCK = threading.Lock()
+
+
+def cached(key: str, build: Callable[[], T]) -> T:
+    """The object cached under ``key`` in this Python worker, built on first use (LRU of 4)."""
+    with _LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    value = build()
+    with _LOCK:
+        _CACHE[key] = value
+        _CACHE.move_to_end(key)
+        while len(_CACHE) > _CAPACITY:
+            _CACHE.popitem(last=False)
+    return value
+
+
+def clear_cache() -> None:
+    """Forget every cached object (tests; or to free memory in a long-lived worker)."""
+    with _LOCK:
+        _CACHE.clear()
+
+
+def _task_context() -> Any:
+    try:
+        from pyspark import TaskContext
+    except ImportError:  # not inside Spark (unit tests)
+        return None
+    return TaskContext.get()
+
+
+def task_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op threads to ``threads``, else the task's CPUs (``spark.task.cpus``)."""
+    if threads is None:
+        context = _task_context()
+        threads = int(context.cpus()) if context is not None else torch.get_num_threads()
+    threads = max(1, int(threads))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads
+
+
+def gpu_addresses() -> list[str]:
+    """The GPU addresses Spark assigned to this task (``spark.task.resource.gpu.amount``)."""
+    context = _task_context()
+    if context is None:
+        return []
+    info = context.resources().get("gpu")
+    return list(info.addresses) if info is not None else []

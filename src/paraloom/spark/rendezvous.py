@@ -1,0 +1,142 @@
+"""How barrier tasks find each other: one ``allGather``, then a torch.distributed group.
+
+Spark-free: the barrier context is passed in (anything with ``partitionId()``,
+``getTaskInfos()`` and ``allGather(str)``), so these functions are tested without a cluster.
+``BarrierTaskContext.allGather`` costs about a second (Spark polls), so it is called exactly
+once per task: rank 0 opens a ``TCPStore`` on a free port first and announces it, with a run id
+for this stage attempt; every other rank announces only whether its own setup failed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Rendezvous", "task_host", "local_rank", "choose_device", "backend_for",
+           "bounded_call", "meet", "connect", "init_group", "SYMPTOMS", "is_symptom"]
+
+T = TypeVar("T")
+
+# Errors that follow from a peer's failure rather than cause one: report the cause instead.
+SYMPTOMS = ("Connection closed by peer", "Connection reset", "Broken pipe", "timed out",
+            "Timeout", "ECONNREFUSED", "Connection refused", "by peer", "NCCL communicator",
+            "a peer failed", "Read error", "Write error", "DistBackendError", "DistNetworkError",
+            "DistStoreError")
+
+
+def is_symptom(message: str) -> bool:
+    """True when an error message reads like the consequence of another rank's failure."""
+    return any(s.lower() in message.lower() for s in SYMPTOMS)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where rank 0's store listens, the stage attempt's run id, and the ranks' setup errors."""
+
+    host: str
+    port: int
+    run_id: str
+    errors: tuple[tuple[int, str], ...] = ()
+
+
+def task_host(address: str) -> str:
+    """The host part of a ``BarrierTaskInfo.address`` ("host:port" or "[v6]:port")."""
+    if address.startswith("["):
+        return address[1:address.index("]")]
+    host, sep, _ = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"task address {address!r}; expected 'host:port'")
+    return host
+
+
+def local_rank(addresses: Sequence[str], rank: int) -> tuple[int, int]:
+    """(this task's index among the tasks on its host, how many tasks share that host)."""
+    hosts = [task_host(a) for a in addresses]
+    mine = hosts[rank]
+    return hosts[:rank].count(mine), hosts.count(mine)
+
+
+def choose_device(local: int, gpu_addresses: Sequence[str] = ()) -> str:
+    """The task's GPU from Spark's resources, else a CUDA device by local rank, else the CPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    if gpu_addresses:
+        # Spark hands out physical ids; with CUDA_VISIBLE_DEVICES set they are positions in it.
+        return f"cuda:{int(gpu_addresses[0]) % torch.cuda.device_count()}"
+    return f"cuda:{local % torch.cuda.device_count()}"
+
+
+def backend_for(device: str, backend: str | None = None) -> str:
+    """The process-group backend: the one asked for, else NCCL on CUDA and gloo on the CPU."""
+    if backend is not None:
+        return backend
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def bounded_call(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run ``fn`` on a helper thread and give up after ``timeout_s`` with a TimeoutError."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"paraloom-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout_s:g} s: a barrier task did "
+                           f"not start or is stuck; check that the cluster has a free slot per "
+                           f"worker, or raise rendezvous_timeout")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def meet(context: Any, setup_error: str | None, timeout_s: float) -> tuple[Rendezvous, Any]:
+    """The one ``allGather`` of a barrier task: returns the rendezvous and rank 0's store.
+
+    Every rank calls it exactly once whatever happened before (a rank whose setup failed
+    passes its error), so the barrier never waits for a rank that gave up early.
+    """
+    rank = context.partitionId()
+    store = None
+    message: dict[str, Any] = {"error": setup_error}
+    if rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        message.update(port=store.port, run_id=secrets.token_hex(8))
+    replies = bounded_call(lambda: context.allGather(json.dumps(message)), timeout_s,
+                           f"the rendezvous allGather of rank {rank}")
+    parsed = [json.loads(r) for r in replies]
+    first = parsed[0]
+    host = task_host(context.getTaskInfos()[0].address)
+    errors = tuple((r, m["error"]) for r, m in enumerate(parsed) if m.get("error"))
+    return Rendezvous(host, int(first.get("port") or 0), str(first.get("run_id", "")),
+                      errors), store
+
+
+def connect(rdv: Rendezvous, timeout_s: float) -> Any:
+    """A client of rank 0's store (ranks other than 0)."""
+    return dist.TCPStore(rdv.host, rdv.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def init_group(rdv: Rendezvous, rank: int, world_size: int, backend: str, timeout_s: float,
+               store: Any) -> Any:
+    """Join the attempt's torch.distributed group; every collective then times out finitely."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore(f"paraloom/{rdv.run_id}/group", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    return dist.group.WORLD

@@ -1,0 +1,185 @@
+"""SharedTrainingMaster: threshold-encoded update sharing inside one Spark barrier stage.
+
+One barrier task per worker runs ``shared_task``: the tasks meet once through
+``BarrierTaskContext.allGather``, form a torch.distributed group (gloo on CPU, NCCL on GPU) and
+train with the same ``SharedGradients`` synchronizer as ParallelWrapper, every step, for every
+epoch of the ``fit()``. A shuffle after the stage makes it a ShuffleMapStage, which Spark
+re-runs as a whole when a task dies (a barrier ResultStage is never retried); the re-run
+resumes from rank 0's last checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+import time
+from dataclasses import replace
+from typing import Any
+
+from paraloom.spark.master import (
+    FitJob,
+    FitResult,
+    SparkTrainingError,
+    TrainingMaster,
+    positive_int,
+    positive_seconds,
+    run_job,
+)
+from paraloom.spark.shared_task import SharedConfig, checkpoint_path, shared_task
+from paraloom.spark.state import pack, unpack
+from paraloom.spark.stats import TrainingStats
+from paraloom.spark.summary import shared_summary
+from paraloom.spark.task import pickle_spec
+from paraloom.sync.base import Synchronizer
+from paraloom.sync.sharing import SharedGradients
+from paraloom.sync.thresholds import ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm
+
+__all__ = ["SharedTrainingMaster"]
+
+_DEFAULT: Any = object()
+
+
+class SharedTrainingMaster(TrainingMaster):
+    """DL4J's gradient-sharing master: every worker shares its threshold-encoded updates.
+
+    ``threshold_algorithm`` defaults to ``AdaptiveThreshold()``, ``residual_post_processor``
+    to ``ResidualClipping(5.0, 5)`` (DL4J's Spark defaults; pass None for none).
+    ``workers`` defaults to the cluster's task slots; each worker is one barrier task and
+    trains ``batch_size_per_worker`` rows per step. ``workers_per_node`` sets each task's
+    torch threads to the node's cores divided by it (default: ``spark.task.cpus``).
+    ``timeout`` bounds every collective, ``rendezvous_timeout`` the one barrier allGather,
+    ``job_timeout`` (default none) the whole fit. Rank 0 checkpoints every
+    ``checkpoint_every`` rounds and at each epoch's end to ``checkpoint_dir`` (default: a
+    temporary folder; give a shared one on a cluster). ``synchronizer`` replaces
+    SharedGradients by any Synchronizer (e.g. dense all-reduce) for comparisons.
+    """
+
+    name = "shared"
+
+    def __init__(self, batch_size_per_worker: int = 32, workers: int | None = None,
+                 threshold_algorithm: ThresholdAlgorithm | None = None,
+                 residual_post_processor: ResidualPostProcessor | None = _DEFAULT, *,
+                 workers_per_node: int | None = None, storage_level: Any = "MEMORY_ONLY",
+                 repartition: str = "always", timeout: float = 300.0,
+                 rendezvous_timeout: float = 300.0, job_timeout: float | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 50,
+                 backend: str | None = None, synchronizer: Synchronizer | None = None) -> None:
+        super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
+                         repartition=repartition, job_timeout=job_timeout)
+        if residual_post_processor is _DEFAULT:
+            residual_post_processor = ResidualClipping(5.0, 5)
+        if synchronizer is not None:
+            if not isinstance(synchronizer, Synchronizer):
+                raise TypeError(f"synchronizer={synchronizer!r}; expected a paraloom "
+                                f"Synchronizer instance")
+            if threshold_algorithm is not None:
+                raise TypeError("threshold_algorithm applies to the default SharedGradients "
+                                "synchronizer only; configure your synchronizer directly")
+        self.threshold_algorithm = threshold_algorithm
+        self.residual_post_processor = residual_post_processor
+        # Built now so that a wrong threshold or post-processor fails here, not in a task.
+        self.synchronizer = synchronizer or SharedGradients(threshold_algorithm,
+                                                            residual_post_processor)
+        self.workers_per_node = positive_int("workers_per_node", workers_per_node,
+                                              allow_none=True)
+        self.timeout = positive_seconds("timeout", timeout)
+        self.rendezvous_timeout = positive_seconds("rendezvous_timeout", rendezvous_timeout)
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
+        if backend not in (None, "gloo", "nccl", "mpi"):
+            raise ValueError(f"backend={backend!r}; expected None (gloo on CPU, NCCL on GPU), "
+                             f"'gloo', 'nccl' or 'mpi'")
+        self.backend = backend
+
+    def _check_slots(self, sc: Any, workers: int) -> None:
+        cpus = int(sc.getConf().get("spark.task.cpus", "1"))
+        slots = max(1, sc.defaultParallelism // max(1, cpus))
+        if workers > slots:
+            raise ValueError(f"workers={workers} but the cluster has {slots} task slot(s): a "
+                             f"barrier stage runs all its tasks at once. Use workers <= "
+                             f"{slots} or add executors (dynamic allocation must be off)")
+
+    def _config(self, job: FitJob, workers: int, epochs: int, seed: int,
+                collect_stats: bool) -> SharedConfig:
+        directory = self.checkpoint_dir or os.path.join(tempfile.gettempdir(), "paraloom-spark")
+        return SharedConfig(
+            fit_id=job.fit_id, world_size=workers, epochs=epochs,
+            batch_size=self.batch_size_per_worker, seed=seed, origin=time.time(),
+            features=job.features, timeout_s=self.timeout,
+            rendezvous_timeout_s=self.rendezvous_timeout, backend=self.backend,
+            workers_per_node=self.workers_per_node, checkpoint_dir=directory,
+            checkpoint_every=self.checkpoint_every, collect_stats=collect_stats)
+
+    def fit(self, job: FitJob, rows: Any, *, epochs: int, seed: int,
+            collect_stats: bool) -> FitResult:
+        """Train in one barrier stage; returns rank 0's final parameters and optimizer state."""
+        from pyspark import BarrierTaskContext
+
+        sc = job.sc
+        workers = self.resolve_workers(sc)
+        self._check_slots(sc, workers)
+        cfg = self._config(job, workers, epochs, seed, collect_stats)
+        spec = replace(job.spec, synchronizer=copy.deepcopy(self.synchronizer))
+        spec_bc = sc.broadcast(pickle_spec(spec))
+        state_bc = sc.broadcast(pack(job.state, job.optimizer_state))
+        data = self.prepare(rows, workers)
+
+        def run(chunks: Any) -> Any:
+            return shared_task(spec_bc.value, state_bc.value, cfg, BarrierTaskContext.get(),
+                               chunks)
+
+        # The shuffle after the barrier stage is what lets Spark re-run it when a task dies.
+        stage = data.barrier().mapPartitions(run).map(lambda r: (r[1], r)).partitionBy(1)
+        start, launched = time.perf_counter(), time.time() - cfg.origin
+        try:
+            records, attempts = run_job(sc, stage.values().collect,
+                                        f"paraloom SharedTrainingMaster.fit ({workers} workers, "
+                                        f"{epochs} epochs)", self.job_timeout)
+        finally:
+            for handle in (spec_bc, state_bc):
+                handle.unpersist()
+            data.unpersist()
+            checkpoint_path(cfg.checkpoint_dir or "", job.fit_id).unlink(missing_ok=True)
+        return self._result(job, records, attempts, (launched, time.perf_counter() - start), cfg)
+
+    def _result(self, job: FitJob, records: list[Any], attempts: int,
+                timing: tuple[float, float], cfg: SharedConfig) -> FitResult:
+        launched, seconds = timing
+        infos, errors, reran, state = {}, [], [], b""
+        for kind, rank, info, blob in records:
+            parsed = json.loads(info)
+            if kind == "error":
+                errors.append((rank, parsed))
+            elif kind == "rerun":  # re-run alone after the others had finished the fit
+                reran.append(rank)
+            else:
+                infos[rank] = parsed
+                state = blob if rank == 0 else state
+        if errors:
+            raise _training_error(errors, attempts)
+        if sorted([*infos, *reran]) != list(range(cfg.world_size)) or not state:
+            raise SparkTrainingError(f"SharedTrainingMaster: expected reports from workers "
+                                     f"0..{cfg.world_size - 1}, got {sorted(infos)}; the "
+                                     f"stage lost results, run fit() again", attempts=attempts)
+        packed = unpack(state)
+        summary = shared_summary(infos, job, cfg, seconds, attempts)
+        stats = None
+        if cfg.collect_stats:
+            per_worker = [infos[r]["stats"] for r in sorted(infos)]
+            stats = TrainingStats("SharedTrainingMaster", per_worker,
+                                  [{"name": "barrier stage", "start": launched,
+                                    "duration": seconds}], summary)
+        return FitResult(packed.model, packed.optimizer, summary, stats)
+
+
+def _training_error(errors: list[tuple[int, dict[str, Any]]], attempts: int) -> SparkTrainingError:
+    """The error to raise: a rank's own failure first, else one that a peer relayed."""
+    rank, err = min(errors, key=lambda e: (e[1]["symptom"], e[1].get("cause_rank") is None,
+                                           e[0]))
+    worker = err.get("cause_rank")
+    worker = rank if worker is None else worker
+    return SparkTrainingError(f"SharedTrainingMaster: worker {worker} failed: {err['message']}",
+                              worker=worker, remote_traceback=err["traceback"],
+                              attempts=attempts)

@@ -1,0 +1,280 @@
+"""The body of one SharedTrainingMaster barrier task: rendezvous, train every epoch, report.
+
+Spark-free (the barrier context is passed in), so it also runs under a fake context in plain
+processes. Every wait is bounded (``rendezvous_timeout_s`` for the one allGather,
+``timeout_s`` for every collective). How failures end (details in ``board.py``):
+
+* a Python error in one rank (bad data, a loss that raises, NaN) is posted on rank 0's store
+  and reported as an "error" record; its peers find it there and report it too. The stage
+  completes, and the driver raises that error: a retry would only repeat it.
+* a rank that dies (killed process, lost executor) fails its task, and so do its peers, which
+  find nothing posted; Spark re-runs the whole barrier stage, whose rank 0 resumes from its
+  last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from paraloom.checkpoint import atomic_write
+from paraloom.spark.board import ErrorBoard, leave_group, settle
+from paraloom.spark.data import Features, batch_count, epoch_order
+from paraloom.spark.executor import gpu_addresses, task_threads
+from paraloom.spark.rendezvous import (
+    backend_for,
+    choose_device,
+    connect,
+    init_group,
+    local_rank,
+    meet,
+)
+from paraloom.spark.state import Packed, pack, state_digest, unpack
+from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
+from paraloom.spark.task import (
+    EpochLoss,
+    Record,
+    failure,
+    load_partition,
+    load_spec,
+    make_runner,
+    minibatch,
+    ok,
+)
+from paraloom.training.worker import ReplicaRunner
+
+__all__ = ["SharedConfig", "shared_task", "checkpoint_path"]
+
+_DEBUG = os.environ.get("PARALOOM_SPARK_DEBUG", "") not in ("", "0")
+
+
+def _debug(rank: int, message: str) -> None:
+    """With PARALOOM_SPARK_DEBUG=1, a progress line on stderr (the executor's log)."""
+    if _DEBUG:
+        print(f"[paraloom {time.strftime('%H:%M:%S')} pid {os.getpid()} rank {rank}] {message}",
+              file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class SharedConfig:
+    """Everything a barrier task needs besides the spec, the state and its rows."""
+
+    fit_id: str
+    world_size: int
+    epochs: int
+    batch_size: int
+    seed: int
+    origin: float
+    features: Features
+    timeout_s: float = 300.0
+    rendezvous_timeout_s: float = 300.0
+    backend: str | None = None
+    threads: int | None = None
+    """torch threads per task; None: ``cpu_count // workers_per_node``, else spark.task.cpus."""
+    workers_per_node: int | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50
+    collect_stats: bool = False
+
+
+def checkpoint_path(directory: str, fit_id: str) -> Path:
+    """Where rank 0 keeps this fit's latest checkpoint."""
+    return Path(directory) / f"paraloom-{fit_id}.safetensors"
+
+
+@dataclass
+class _Prepared:
+    runner: ReplicaRunner
+    start: Packed
+    x: np.ndarray
+    y: np.ndarray
+    device: str
+    backend: str
+
+
+def _prepare(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: Any,
+             chunks: Iterable[Any], rec: PhaseRecorder) -> _Prepared:
+    rank = context.partitionId()
+    threads = cfg.threads
+    if threads is None and cfg.workers_per_node:
+        threads = max(1, (os.cpu_count() or 1) // cfg.workers_per_node)
+    task_threads(threads)
+    begin, t = rec.now(), time.perf_counter()
+    x, y = load_partition(chunks)
+    rec.event("load data", begin, time.perf_counter() - t)
+    _debug(rank, f"{len(x)} rows loaded")
+    local, _ = local_rank([info.address for info in context.getTaskInfos()], rank)
+    device = choose_device(local, gpu_addresses())
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    runner = make_runner(load_spec(spec_bytes), rank=rank, world_size=cfg.world_size,
+                         device=device, recorder=rec if cfg.collect_stats else None)
+    return _Prepared(runner, unpack(state_bytes), x, y, device, backend_for(device, cfg.backend))
+
+
+def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: Any,
+                chunks: Iterable[Any]) -> Iterator[Record]:
+    """Train this rank's replica on its partition for every epoch; yield one record."""
+    rank = context.partitionId()
+    tasks = len(context.getTaskInfos())
+    _debug(rank, f"task started (fit {cfg.fit_id}, {tasks} task(s))")
+    if tasks != cfg.world_size:
+        # Spark re-ran only some partitions: the others completed this fit (see board.py).
+        yield ("rerun", rank, json.dumps({"rank": rank, "tasks": tasks}), b"")
+        return
+    rec = PhaseRecorder(rank, cfg.origin)
+    prepared, setup_error, setup_tb = None, None, None
+    try:
+        prepared = _prepare(spec_bytes, state_bytes, cfg, context, chunks, rec)
+    except Exception as e:  # announced at the rendezvous so that no peer waits for us
+        setup_error, setup_tb = f"{type(e).__name__}: {e}", traceback.format_exc()
+    _debug(rank, f"set up ({setup_error or 'ok'}); rendezvous")
+    begin, t = rec.now(), time.perf_counter()
+    rdv, store = meet(context, setup_error, cfg.rendezvous_timeout_s)
+    rec.event("rendezvous", begin, time.perf_counter() - t)
+    _debug(rank, f"met: store {rdv.host}:{rdv.port}, run {rdv.run_id}, errors {rdv.errors}")
+    if rdv.errors or prepared is None:
+        failed = [r for r, _ in rdv.errors]
+        yield failure(rank, setup_error, setup_tb) if setup_error else \
+            failure(rank, f"worker(s) {failed} failed while setting up; a peer failed first")
+        return
+    board = None
+    try:
+        begin, t = rec.now(), time.perf_counter()
+        store = store or connect(rdv, cfg.timeout_s)
+        board = ErrorBoard(store, rank, cfg.world_size, rdv.run_id)
+        init_group(rdv, rank, cfg.world_size, prepared.backend, cfg.timeout_s, store)
+        rec.event("process group", begin, time.perf_counter() - t)
+        record = _train(prepared, cfg, rank, rec)
+    except Exception as e:
+        _debug(rank, f"failed: {type(e).__name__}: {e}")
+        record = settle(e, board, rank)  # re-raises when a peer died: Spark re-runs the stage
+    finally:
+        leave_group()
+    _debug(rank, f"done: {record[0]}")
+    yield record
+
+
+def _agree_rounds(local_batches: int, device: str) -> int:
+    """Rounds per epoch: the most minibatches any rank holds (the others idle meanwhile)."""
+    count = torch.tensor([local_batches], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+def _resume(cfg: SharedConfig, rank: int, device: str) -> Packed | None:
+    """Rank 0's latest checkpoint of this fit, broadcast to every rank (None: start afresh)."""
+    data = b""
+    if rank == 0 and cfg.checkpoint_dir:
+        path = checkpoint_path(cfg.checkpoint_dir, cfg.fit_id)
+        if path.exists():
+            data = path.read_bytes()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if int(size.item()) == 0:
+        return None
+    if rank == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=0)
+    packed = unpack(buf.cpu().numpy().tobytes())
+    if packed.meta.get("fit_id") != cfg.fit_id:
+        raise ValueError(f"checkpoint of fit {packed.meta.get('fit_id')!r} found where fit "
+                         f"{cfg.fit_id!r} was expected; clear the checkpoint_dir")
+    return packed
+
+
+def _checkpoint(p: _Prepared, cfg: SharedConfig, position: dict[str, int]) -> None:
+    assert cfg.checkpoint_dir is not None
+    replica = p.runner.replica
+    sync_state = _jsonable(replica.sync.state_dict())
+    data = pack(replica.state(), replica.optimizer.state_dict(),
+                {"fit_id": cfg.fit_id, **position, "sync": sync_state})
+    path = checkpoint_path(cfg.checkpoint_dir, cfg.fit_id)
+    os.makedirs(path.parent, exist_ok=True)
+
+    def write(tmp: str) -> None:
+        Path(tmp).write_bytes(data)
+
+    atomic_write(path, write)  # a crash mid-write leaves the previous checkpoint intact
+
+
+def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in state.items():
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue  # tensors: per-replica state that a resumed run rebuilds
+        out[key] = value
+    return out
+
+
+def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Record:
+    rounds = _agree_rounds(batch_count(len(p.x), cfg.batch_size), p.device)
+    if rounds == 0:
+        raise ValueError("no worker has any training rows: the data is empty")
+    resume = _resume(cfg, rank, p.device)
+    start = resume or p.start
+    p.runner.begin(start.model, None)
+    if start.optimizer is not None:
+        p.runner.replica.optimizer.load_state_dict(start.optimizer)
+    if resume is not None and resume.meta.get("sync"):
+        p.runner.replica.sync.load_state_dict(resume.meta["sync"])
+    position = (int(start.meta.get("epoch", 0)), int(start.meta.get("round", 0)),
+                int(start.meta.get("step", 0)))
+    timing = timed_collectives(rec) if cfg.collect_stats else contextlib.nullcontext()
+    with timing:
+        t = time.perf_counter()
+        losses, samples = _loop(p, cfg, rank, rec, rounds, position)
+        loop_s = time.perf_counter() - t
+        begin, t = rec.now(), time.perf_counter()
+        result = p.runner.finish(send_state=rank == 0)
+        rec.event("finish", begin, time.perf_counter() - t)
+    info: dict[str, Any] = {
+        "rank": rank, "rounds_per_epoch": rounds, "steps": p.runner.steps, "samples": samples,
+        "loop_seconds": loop_s, "rows": len(p.x), "losses": losses.to_dict(),
+        "sync": p.runner.replica.sync.stats(),
+        "digest": state_digest(p.runner.replica.state()), "device": p.device,
+        "resumed_from_step": position[2] if resume is not None else None}
+    if cfg.collect_stats:
+        info["stats"] = rec.to_dict()
+    state = pack(result["state"], result["optimizer"]) if rank == 0 else b""
+    return ok(rank, info, state)
+
+
+def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds: int,
+          position: tuple[int, int, int]) -> tuple[EpochLoss, int]:
+    first_epoch, first_round, step = position
+    losses, samples = EpochLoss.empty(), 0
+    for epoch in range(first_epoch, cfg.epochs):
+        order = epoch_order(len(p.x), cfg.seed, epoch, rank)
+        for r in range(first_round if epoch == first_epoch else 0, rounds):
+            begin, t = rec.now(), time.perf_counter()
+            idx = order[r * cfg.batch_size:(r + 1) * cfg.batch_size]
+            payload = ("batch", minibatch(p.x, p.y, idx, cfg.features)) if len(idx) else None
+            data_s, t = time.perf_counter() - t, time.perf_counter()
+            loss, rows, _ = p.runner.round(payload)
+            phases = split_round(time.perf_counter() - t, rec.take(), payload is None)
+            rec.add(begin, data=data_s, **phases)
+            losses.add(epoch, loss, rows)
+            samples += rows
+            step += 1
+            last = r == rounds - 1
+            if rank == 0 and cfg.checkpoint_dir and (last or step % cfg.checkpoint_every == 0):
+                nxt = (epoch + 1, 0) if last else (epoch, r + 1)
+                _checkpoint(p, cfg, {"epoch": nxt[0], "round": nxt[1], "step": step})
+    return losses, samples

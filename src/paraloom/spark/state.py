@@ -1,0 +1,157 @@
+"""Model and optimizer state as bytes (safetensors + a JSON header) and as flat vectors.
+
+What crosses the driver/task boundary as *data* (parameters, optimizer state, checkpoints)
+travels in these forms, never as pickles: ``pack``/``unpack`` for broadcasts, task results and
+checkpoint files; ``flatten``/``unflatten`` for the parameter-averaging sums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+__all__ = ["Packed", "pack", "unpack", "split_optimizer_state", "join_optimizer_state",
+           "flatten", "unflatten", "state_digest"]
+
+_META = "paraloom"
+_MODEL = "model/"
+_OPTIM = "optim/"
+
+
+@dataclass
+class Packed:
+    """What ``unpack`` returns: tensors by name, optimizer state (or None), and metadata."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def split_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer ``state_dict()`` as (tensors by name, a JSON-able skeleton for the rest)."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, values in state.get("state", {}).items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}/{key}"] = value
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    skeleton = {"scalars": scalars, "param_groups": state.get("param_groups", [])}
+    try:
+        json.dumps(skeleton)
+    except TypeError as e:
+        raise TypeError(f"the optimizer state has a value that is neither a tensor nor a JSON "
+                        f"number/string/list ({e}); use plain numbers for hyperparameters such "
+                        f"as lr") from e
+    return tensors, skeleton
+
+
+def join_optimizer_state(tensors: dict[str, torch.Tensor],
+                         skeleton: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of ``split_optimizer_state``: an optimizer ``state_dict()``."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        index, _, key = name.partition("/")
+        state.setdefault(int(index), {})[key] = value
+    for index, values in skeleton.get("scalars", {}).items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": dict(sorted(state.items())), "param_groups": skeleton.get("param_groups", [])}
+
+
+def _independent(t: torch.Tensor) -> torch.Tensor:
+    # safetensors refuses shared or non-contiguous storage; keep independent CPU copies.
+    return t.detach().to("cpu").contiguous().clone()
+
+
+def pack(model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None = None,
+         meta: dict[str, Any] | None = None) -> bytes:
+    """Model state, optional optimizer state and JSON-able metadata as safetensors bytes."""
+    tensors = {_MODEL + k: _independent(v) for k, v in model.items()}
+    header: dict[str, Any] = {"meta": meta or {}}
+    if optimizer is not None:
+        opt_tensors, header["optimizer"] = split_optimizer_state(optimizer)
+        tensors.update({_OPTIM + k: _independent(v) for k, v in opt_tensors.items()})
+    return st_save(tensors, metadata={_META: json.dumps(header)})
+
+
+def unpack(data: bytes) -> Packed:
+    """Read bytes written by ``pack`` (safetensors: no code runs while loading)."""
+    header_text = _metadata(data)
+    if header_text is None:
+        raise ValueError("these bytes have no paraloom header: they were not written by "
+                         "paraloom.spark.state.pack")
+    tensors = st_load(data)
+    header = json.loads(header_text)
+    model = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}
+    optimizer = None
+    if "optimizer" in header:
+        opt = {k[len(_OPTIM):]: v for k, v in tensors.items() if k.startswith(_OPTIM)}
+        optimizer = join_optimizer_state(opt, header["optimizer"])
+    return Packed(model=model, optimizer=optimizer, meta=header.get("meta", {}))
+
+
+def _metadata(data: bytes) -> str | None:
+    """The ``__metadata__`` entry of a safetensors header (8-byte length, then JSON)."""
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes is too short for a safetensors blob")
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    return header.get("__metadata__", {}).get(_META)
+
+
+Layout = list[tuple[str, list[int], str]]
+"""(name, shape, dtype name) of each tensor in a flattened vector."""
+
+
+def flatten(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, Layout]:
+    """All tensors in one vector, and the layout to undo it.
+
+    The vector is float32, or float64 when any tensor is float64 (or an integer type that
+    float32 cannot hold exactly), so that no value loses precision on the way.
+    """
+    layout = [(name, list(t.shape), str(t.dtype).removeprefix("torch."))
+              for name, t in tensors.items()]
+    wide = any(t.dtype in (torch.float64, torch.int64, torch.int32, torch.complex128)
+               for t in tensors.values())
+    dtype = torch.float64 if wide else torch.float32
+    if not tensors:
+        return np.zeros(0, dtype=np.float32), layout
+    parts = [t.detach().to("cpu", dtype).reshape(-1).numpy() for t in tensors.values()]
+    return np.concatenate(parts), layout
+
+
+def unflatten(vector: np.ndarray, layout: Layout) -> dict[str, torch.Tensor]:
+    """Tensors from a ``flatten`` vector, cast back to their dtypes (integers rounded)."""
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, shape, dtype_name in layout:
+        dtype = getattr(torch, dtype_name)
+        n = int(np.prod(shape)) if shape else 1
+        chunk = torch.from_numpy(np.ascontiguousarray(vector[offset:offset + n])).reshape(shape)
+        if not (dtype.is_floating_point or dtype.is_complex):
+            chunk = chunk.round()
+        out[name] = chunk.to(dtype)
+        offset += n
+    if offset != vector.size:
+        raise ValueError(f"the vector has {vector.size} values but the layout describes "
+                         f"{offset}; flatten and unflatten must see the same tensors")
+    return out
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the tensors' names and raw bytes: equal digests mean bit-identical states."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,115 @@
+"""Pieces both masters' Spark tasks use: the replica, minibatches, and result records."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import torch
+
+from paraloom.errors import NotPicklableError
+from paraloom.spark.data import Features, join_chunks
+from paraloom.spark.rendezvous import is_symptom
+from paraloom.spark.stats import PhaseRecorder, TimedSynchronizer
+from paraloom.training.worker import ReplicaRunner, WorkerSpec
+
+__all__ = ["Record", "failure", "ok", "load_spec", "make_runner", "minibatch", "load_partition",
+           "EpochLoss", "pickle_spec"]
+
+Record = tuple[str, int, str, bytes]
+"""What a training task yields: (kind "ok" | "error", rank, JSON info, packed state or b"")."""
+
+
+def ok(rank: int, info: dict[str, Any], state: bytes = b"") -> Record:
+    """A successful task's record."""
+    return ("ok", rank, json.dumps(info), state)
+
+
+def failure(rank: int, error: BaseException | str, tb: str | None = None, *,
+            cause_rank: int | None = None) -> Record:
+    """A failed task's record: message, traceback, and whether it is a mere symptom.
+
+    ``cause_rank``: the error is another rank's, relayed (that rank may not report itself).
+    """
+    message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    if tb is None and isinstance(error, BaseException):
+        tb = "".join(traceback.format_exception(error))
+    symptom = cause_rank is not None or is_symptom(message)
+    return ("error", rank, json.dumps({"message": message, "traceback": tb or "",
+                                       "symptom": symptom, "cause_rank": cause_rank}), b"")
+
+
+def load_spec(spec_bytes: bytes) -> WorkerSpec:
+    """The replica spec the driver cloudpickled (model, optimizer, loss, synchronizer)."""
+    spec = cloudpickle.loads(spec_bytes)
+    if not isinstance(spec, WorkerSpec):
+        raise TypeError(f"expected a WorkerSpec from the driver, got {type(spec).__name__}")
+    return spec
+
+
+def make_runner(spec: WorkerSpec, *, rank: int, world_size: int, device: str,
+                recorder: PhaseRecorder | None) -> ReplicaRunner:
+    """A ReplicaRunner; with a recorder its synchronizer's step hooks are timed."""
+    if recorder is not None:
+        spec = replace(spec, synchronizer=TimedSynchronizer(spec.synchronizer))
+    runner = ReplicaRunner(spec, rank=rank, world_size=world_size, device=device)
+    sync = runner.replica.sync
+    if isinstance(sync, TimedSynchronizer):
+        sync.recorder = recorder  # the replica holds its own copy: point that one at us
+    return runner
+
+
+def load_partition(chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray,
+                                                                             np.ndarray]:
+    """This task's rows as (features, labels) arrays, in their fixed order."""
+    return join_chunks(chunks)
+
+
+def minibatch(x: np.ndarray, y: np.ndarray, idx: np.ndarray,
+              features: Features) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``idx`` as an (inputs, targets) batch of tensors."""
+    return features.features(x[idx]), features.labels(y[idx])
+
+
+@dataclass
+class EpochLoss:
+    """Loss sum and rows per epoch on one worker."""
+
+    sums: dict[int, float]
+    rows: dict[int, int]
+
+    @classmethod
+    def empty(cls) -> EpochLoss:
+        return cls({}, {})
+
+    def add(self, epoch: int, loss: float | None, rows: int) -> None:
+        if loss is None or not rows:
+            return
+        self.sums[epoch] = self.sums.get(epoch, 0.0) + loss * rows
+        self.rows[epoch] = self.rows.get(epoch, 0) + rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {str(e): [self.sums[e], self.rows[e]] for e in sorted(self.sums)}
+
+
+def pickle_spec(spec: WorkerSpec) -> bytes:
+    """cloudpickle the spec for the executors, naming the part that cannot be pickled."""
+    try:
+        return cloudpickle.dumps(spec)
+    except Exception as e:
+        part = "training setup"
+        for name in ("model", "loss_fn", "step_fn", "optimizer", "synchronizer"):
+            try:
+                cloudpickle.dumps(getattr(spec, name))
+            except Exception:
+                part = name
+                break
+        raise NotPicklableError(
+            f"cannot send the {part} to the Spark executors: {type(e).__name__}: {e}. Keep open "
+            f"files, locks, threads, sockets and the SparkSession out of it; define classes "
+            f"and functions at module level or in the notebook") from e

@@ -122,7 +122,7 @@ def test_callable_score_and_validation():
     result = trainer.fit()
     assert calls == [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
     assert result.best_epoch == 2 and result.best_score == 0.0
-    assert float(result.best_model.w) == -3.0
+    assert float(result.best_model.w.detach()) == -3.0
     with pytest.raises(ValueError, match="score_calculator="):
         EarlyStoppingConfig(epoch_conditions=[MaxEpochs(1)])
     with pytest.raises(ValueError, match="termination condition"):

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from paraloom.errors import ParaloomError
+from paraloom.errors import WorkerError
 from paraloom.spark.data import Features, partition_chunks
 from paraloom.spark.stats import TrainingStats
 from paraloom.training.worker import WorkerSpec
@@ -23,18 +23,17 @@ T = TypeVar("T")
 REPARTITION = ("always", "if_needed", "never")
 
 
-class SparkTrainingError(ParaloomError):
-    """Training on Spark failed; the message names the worker and the root cause."""
+class SparkTrainingError(WorkerError):
+    """Training on Spark failed; the message names the worker and the root cause.
+
+    A ``WorkerError``, so code that handles ParallelWrapper's failures handles these too;
+    ``attempts`` says how many times Spark ran the stage.
+    """
 
     def __init__(self, message: str, *, worker: int | None = None,
                  remote_traceback: str | None = None, attempts: int | None = None) -> None:
-        self.worker = worker
-        self.remote_traceback = remote_traceback
         self.attempts = attempts
-        text = message
-        if remote_traceback:
-            text += "\n\nTraceback in the Spark task:\n" + remote_traceback.rstrip()
-        super().__init__(text)
+        super().__init__(message, worker=worker, remote_traceback=remote_traceback)
 
 
 @dataclass

@@ -263,3 +263,27 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(pid_alive(p) for p in pids), "workers outlived their parent"
+
+
+class _LockedDataset(torch.utils.data.Dataset):
+    """A map-style dataset that cannot be pickled (it holds a lock)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.x, self.y = torch.rand(64, 4), torch.randint(0, 2, (64,))
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_an_unpicklable_dataset_is_streamed_through_the_parent(caplog):
+    model = nn.Linear(4, 2)
+    with caplog.at_level("INFO", logger="paraloom"):
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+            stats = w.fit(DataLoader(_LockedDataset(), batch_size=8), epochs=2)
+    assert stats["batches"] == 16 and stats["samples"] == 128
+    assert any("go through the parent" in r.message for r in caplog.records)

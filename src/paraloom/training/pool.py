@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
 
-from paraloom.errors import WorkerError
+from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.training.worker import ReplicaRunner, WorkerConfig, WorkerSpec, worker_main
 
 __all__ = ["ProcessPool", "LocalPool", "device_plan"]
@@ -113,12 +113,16 @@ class ProcessPool:
         """Start a fit() on every worker: master parameters, and the dataset for index dealing.
 
         Tensors travel through shared memory (torch's ForkingPickler): one pickle per worker,
-        because each carries its own file-descriptor handles.
+        because each carries its own file-descriptor handles. Everything is pickled before
+        anything is sent, so a dataset that cannot be pickled (NotPicklableError) leaves the
+        workers untouched.
         """
+        messages = []
         for rank in range(self.workers):
             snap = snapshots[rank] if snapshots else None
-            self.send(rank, ("begin", *(None if x is None else bytes(ForkingPickler.dumps(x))
-                                        for x in (state, dataset, snap))))
+            messages.append(("begin", _dumps(state), _dumps(dataset, "dataset"), _dumps(snap)))
+        for rank, msg in enumerate(messages):
+            self.send(rank, msg)
 
     def send(self, rank: int, msg: Any) -> None:
         """Queue a message for one worker; waits (checking liveness) while its queue is full."""
@@ -240,6 +244,16 @@ class ProcessPool:
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+
+def _dumps(obj: Any, what: str = "state") -> bytes | None:
+    if obj is None:
+        return None
+    try:
+        return bytes(ForkingPickler.dumps(obj))
+    except Exception as e:
+        raise NotPicklableError(f"the {what} cannot be sent to the workers: "
+                                f"{type(e).__name__}: {e}") from e
 
 
 def _is_symptom(message: str) -> bool:

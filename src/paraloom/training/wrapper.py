@@ -6,7 +6,6 @@ import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 from torch import nn
 
 from paraloom.data import IndexedDataset, Prefetcher, as_data_source, indexed_view, split_batch
-from paraloom.errors import WorkerError
+from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.listeners import TrainingListener, as_listener
 from paraloom.precision import resolve_precision
 from paraloom.training.modes import TrainingMode, make_synchronizer
@@ -141,7 +140,6 @@ class ParallelWrapper:
         data = as_data_source(data, batch_size, shuffle)
         start = self._start_position(resume_from)
         pool = self._ensure_pool()
-        indexed = self._indexed(data)
         self._stop_requested = False
         tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
                                total_batches=_total(data, epochs - start.epoch),
@@ -151,7 +149,7 @@ class ParallelWrapper:
         self._snapshots.reset()
         completed = False
         try:
-            pool.begin(_master_state(self.model), indexed, start.replicas)
+            indexed = self._begin(pool, data, start)
             for listener in self.listeners:
                 listener.on_fit_start(self)
             self._deal(pool, tracker, data, indexed, epochs, start)
@@ -193,16 +191,18 @@ class ParallelWrapper:
         return {"batches": t.batches, "samples": t.rows, "seconds": t.seconds,
                 "total_batches": t.bar.total}
 
-    def _indexed(self, data: Any) -> IndexedDataset | None:
-        view = indexed_view(data)
-        if view is None or self.workers == 1:
-            return view
+    def _begin(self, pool: Any, data: Any, start: _Position) -> IndexedDataset | None:
+        """Start the fit on every worker; returns the dataset dealt by index, if any."""
+        indexed = indexed_view(data)
         try:
-            ForkingPickler.dumps(view)
-        except Exception as e:  # e.g. a dataset holding a lambda: stream its batches instead
-            log.info("dataset cannot be pickled (%s); batches go through the parent", e)
-            return None
-        return view
+            pool.begin(_master_state(self.model), indexed, start.replicas)
+        except NotPicklableError as e:  # e.g. a dataset holding a lambda: stream it instead
+            if indexed is None:
+                raise
+            log.info("%s; its batches go through the parent process instead", e)
+            indexed = None
+            pool.begin(_master_state(self.model), None, start.replicas)
+        return indexed
 
     def _deal(self, pool: Any, tracker: RoundTracker, data: Any, indexed: Any,
               epochs: int, start: _Position) -> None:

@@ -118,3 +118,24 @@ def test_cli_train_then_evaluate(tmp_path, capsys):
     model = paraloom.load(out)
     assert evaluate(model, DataLoader(digits("test"), batch_size=100)).accuracy == \
         pytest.approx(acc, abs=5e-5)
+
+
+def test_load_never_calls_what_a_crafted_header_names(tmp_path):
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    marker = tmp_path / "pwned"
+    for spec in ({"class": "subprocess:run",
+                  "kwargs": {"args": f"touch {marker}", "shell": True}},
+                 {"class": "antigravity:fly", "kwargs": {}}):
+        path = tmp_path / "evil.safetensors"
+        save_file({"w": torch.zeros(1)}, str(path), metadata={"paraloom": _json.dumps(spec)})
+        with pytest.raises(ValueError, match="not an nn.Module|has not imported"):
+            paraloom.load(path)
+    assert not marker.exists()
+    # A class from an imported module still loads (the user's own model).
+    model = torch.nn.Linear(3, 2)
+    paraloom.save(model, tmp_path / "linear.safetensors", kwargs={"in_features": 3,
+                                                                   "out_features": 2})
+    assert torch.equal(paraloom.load(tmp_path / "linear.safetensors").weight, model.weight)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -68,7 +68,8 @@ def save(model: nn.Module, path: str | Path, *, name: str | None = None,
 
     The model is rebuilt from a registered ``name`` (LeNet and MLP are built in; see
     ``register_model``) or its class's import path, called with ``kwargs`` (default: the
-    model's ``config`` attribute if it has one).
+    model's ``config`` attribute if it has one). ``load`` rebuilds a class by path only from a
+    module the loading program has already imported.
     """
     spec = _model_spec(model, name, kwargs)
     if metadata:
@@ -99,11 +100,28 @@ def _build(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> nn
                            f"{sorted(_REGISTRY)}); call paraloom.register_model first or pass "
                            "factory=")
         return _REGISTRY[spec["name"]](**kwargs)
-    module_name, _, qualname = spec["class"].partition(":")
-    obj: Any = importlib.import_module(module_name)
+    return _imported_class(spec["class"])(**kwargs)
+
+
+def _imported_class(path: str) -> type[nn.Module]:
+    """The nn.Module class at ``module:qualname``, from a module this program already imported.
+
+    A file never makes paraloom import a module or call anything but a model class: otherwise a
+    crafted header could run any function (``subprocess:run``) on load.
+    """
+    module_name, _, qualname = path.partition(":")
+    module = sys.modules.get(module_name)
+    if module is None:
+        raise ValueError(f"the file's model class {path!r} is in module {module_name!r}, which "
+                         "this program has not imported: import it first, register the class "
+                         "with paraloom.register_model(name, cls), or pass factory=")
+    obj: Any = module
     for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj(**kwargs)
+        obj = getattr(obj, part, None)
+    if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        raise ValueError(f"the file names {path!r} as its model class, which is not an "
+                         "nn.Module subclass: refusing to call it")
+    return obj
 
 
 def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,

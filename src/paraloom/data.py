@@ -138,7 +138,7 @@ class IndexedDataset:
         self.dataset = dataset
         self.collate_fn = collate_fn
         # TensorDataset + default collate: one fancy index per tensor instead of a Python loop.
-        self._fast = isinstance(dataset, TensorDataset) and collate_fn is default_collate
+        self._fast = type(dataset) is TensorDataset and collate_fn is default_collate
 
     def gather(self, indices: list[int]) -> Any:
         """The batch of rows ``indices``, as the DataLoader would have built it."""

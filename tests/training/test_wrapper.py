@@ -287,3 +287,36 @@ def test_an_unpicklable_dataset_is_streamed_through_the_parent(caplog):
             stats = w.fit(DataLoader(_LockedDataset(), batch_size=8), epochs=2)
     assert stats["batches"] == 16 and stats["samples"] == 128
     assert any("go through the parent" in r.message for r in caplog.records)
+
+
+def test_a_stuck_worker_is_named_within_the_timeout():
+    from training_helpers import stuck_on_rank_one
+
+    model = nn.Linear(2, 1)
+    wrapper = ParallelWrapper(model, step_fn=stuck_on_rank_one, workers=2, progress=False,
+                              timeout=3, averaging_frequency=1000,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    started = time.monotonic()
+    with wrapper, pytest.raises(WorkerError, match="worker 1 has answered nothing for 3 s"):
+        wrapper.fit([(torch.rand(4, 2), torch.rand(4, 1))] * 100)
+    assert time.monotonic() - started < 30
+
+
+def test_a_source_that_refills_one_buffer_loses_no_batch():
+    # Each batch is the same tensor object, refilled: every dealt batch must keep its values.
+    def refilled():
+        buf, y = torch.zeros(1, 1), torch.zeros(1)
+        for v in (1, 3, 5, 7, 9):
+            buf.fill_(v)
+            yield buf, y
+
+    class Source:
+        def __iter__(self):
+            return refilled()
+
+    for workers in (1, 2):
+        model, wrapper = scalar_wrapper(workers, frequency=10)
+        with wrapper:
+            wrapper.fit(Source())
+        expected = -25.0 if workers == 1 else -12.5
+        assert model.w.item() == expected, workers

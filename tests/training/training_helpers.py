@@ -79,3 +79,15 @@ def accuracy(model: nn.Module, dataset) -> float:
     with torch.no_grad():
         x, y = dataset.tensors
         return float((model(x).argmax(1) == y).float().mean())
+
+
+def stuck_on_rank_one(model: nn.Module, batch) -> torch.Tensor:
+    """A step_fn that never returns on rank 1 (a hung data or model call)."""
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)

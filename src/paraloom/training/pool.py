@@ -12,7 +12,6 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
 
 from paraloom.errors import NotPicklableError, WorkerError
+from paraloom.training.transport import dumps
 from paraloom.training.worker import ReplicaRunner, WorkerConfig, WorkerSpec, worker_main
 
 __all__ = ["ProcessPool", "LocalPool", "device_plan"]
@@ -87,6 +87,9 @@ class ProcessPool:
                 p.start()
                 self._procs.append(p)
         self._pending: collections.deque[Any] = collections.deque()
+        # Progress watchdog: work sent to a worker and not yet answered, and since when.
+        self._outstanding = [0] * workers
+        self._since = [time.monotonic()] * workers
         self._await_ready(startup_timeout_s)
 
     @property
@@ -112,8 +115,8 @@ class ProcessPool:
               snapshots: list[Any] | None = None) -> None:
         """Start a fit() on every worker: master parameters, and the dataset for index dealing.
 
-        Tensors travel through shared memory (torch's ForkingPickler): one pickle per worker,
-        because each carries its own file-descriptor handles. Everything is pickled before
+        Tensors travel through shared memory: one pickle per worker, because each carries its
+        own file-descriptor handles. Everything is pickled before
         anything is sent, so a dataset that cannot be pickled (NotPicklableError) leaves the
         workers untouched.
         """
@@ -126,12 +129,19 @@ class ProcessPool:
 
     def send(self, rank: int, msg: Any) -> None:
         """Queue a message for one worker; waits (checking liveness) while its queue is full."""
+        if msg[0] == "round" and msg[2] is not None and msg[2][0] == "batch":
+            msg = ("round", msg[1], ("pickled", dumps(msg[2][1])))  # script classes by value
         while True:
             try:
                 self._tasks[rank].put(msg, timeout=_POLL_S)
-                return
+                break
             except queue.Full:
                 self._check_alive()
+                self._absorb_replies()  # waiting replies count as progress (and may raise)
+        if msg[0] in ("round", "snapshot", "finish"):
+            if self._outstanding[rank] == 0:
+                self._since[rank] = time.monotonic()
+            self._outstanding[rank] += 1
 
     def recv(self, timeout_s: float | None = None) -> Any:
         """The next reply from any worker, or None after ``timeout_s``; raises WorkerError."""
@@ -153,6 +163,8 @@ class ProcessPool:
                 self._results.get_nowait()
         except queue.Empty:
             self._check_alive(starting)
+            if not starting:
+                self._check_progress()
             return None
         except (OSError, EOFError) as e:
             # A reply whose tensors live in a process that has just died cannot be unpickled.
@@ -165,7 +177,28 @@ class ProcessPool:
             raise WorkerError(f"could not read a worker's reply: {e}") from e
         if msg[0] == "error":
             self._raise_error(msg, starting)
+        if msg[0] in ("step", "snapshot", "finished"):
+            rank = msg[1]
+            self._outstanding[rank] -= 1
+            self._since[rank] = time.monotonic()
         return msg
+
+    def _absorb_replies(self) -> None:
+        """Move replies already waiting into the pending list, accounting for them."""
+        while (msg := self._get(0)) is not None:
+            self._pending.append(msg)
+
+    def _check_progress(self) -> None:
+        """Raise if a worker has had work and sent nothing for ``timeout_s`` (it is stuck)."""
+        now = time.monotonic()
+        for rank in range(self.workers):
+            if self._outstanding[rank] and now - self._since[rank] > self.timeout_s:
+                self.kill()
+                raise WorkerError(
+                    f"worker {rank} has answered nothing for {self.timeout_s:.0f} s (timeout=) "
+                    "with work queued: it is stuck in the model, the loss or the data code. "
+                    "The other workers were stopped; raise timeout= if one step really takes "
+                    "that long", worker=rank)
 
     def _check_alive(self, starting: bool = False) -> None:
         for rank, p in enumerate(self._procs):
@@ -250,14 +283,15 @@ def _dumps(obj: Any, what: str = "state") -> bytes | None:
     if obj is None:
         return None
     try:
-        return bytes(ForkingPickler.dumps(obj))
+        return dumps(obj)
     except Exception as e:
         raise NotPicklableError(f"the {what} cannot be sent to the workers: "
                                 f"{type(e).__name__}: {e}") from e
 
 
 def _is_symptom(message: str) -> bool:
-    return any(s in message for s in _SYMPTOMS)
+    lowered = message.lower()
+    return any(s.lower() in lowered for s in _SYMPTOMS)
 
 
 def _death_message(rank: int, pid: int | None, code: int | None, starting: bool) -> str:

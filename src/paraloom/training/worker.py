@@ -105,6 +105,8 @@ class ReplicaRunner:
                 raise RuntimeError("got indices before a dataset: the launcher must send "
                                    "the dataset with begin")
             batch = self.dataset.gather(value)
+        elif kind == "pickled":
+            batch = pickle.loads(value)
         else:
             batch = value
         loss = self.replica.step(batch)

@@ -22,6 +22,7 @@ from paraloom.training.pool import LocalPool, ProcessPool
 from paraloom.training.replica import StepFn
 from paraloom.training.resume import SnapshotCollector, TrainingCheckpoint
 from paraloom.training.tracker import RoundTracker
+from paraloom.training.transport import shared_copy
 from paraloom.training.worker import WorkerSpec, pickle_spec
 
 __all__ = ["ParallelWrapper"]
@@ -238,9 +239,11 @@ class ParallelWrapper:
             source: Iterable[Any] = (("indices", list(b)) for b in batches)
             prefetcher = None
         else:
-            prefetcher = Prefetcher(data, self.prefetch_buffer) if self.prefetch_buffer else None
-            batches = itertools.islice(prefetcher or data, skip, None)
-            source = (("batch", _checked(b)) for b in batches)
+            # Copy each batch as it is read: a source may refill one buffer for every batch.
+            copied = (shared_copy(_checked(b)) for b in itertools.islice(data, skip, None))
+            prefetcher = Prefetcher(copied, self.prefetch_buffer) if self.prefetch_buffer \
+                else None
+            source = (("batch", b) for b in (prefetcher or copied))
         try:
             chunk: list[Any] = []
             for payload in source:

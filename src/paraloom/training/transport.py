@@ -1,0 +1,53 @@
+"""How objects travel to worker processes: cloudpickle, with tensors in shared memory.
+
+Workers do not import the user's ``__main__`` (see ``pool._no_main_reimport``), so anything
+defined in a script (a Dataset, a collate function, a namedtuple batch) must travel by value:
+cloudpickle does that, and torch's reducers put tensor storage in shared memory instead of the
+pickle.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import ChainMap
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's shared-memory reducers)
+
+from paraloom.data import map_tensors
+
+__all__ = ["dumps", "shared_copy"]
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    dispatch_table = ChainMap(ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
+                              cloudpickle.CloudPickler.dispatch_table)
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle for a worker process: classes by value, CPU tensors as shared-memory handles.
+
+    Each result can be loaded once (it carries file-descriptor handles), by ``pickle.loads``.
+    """
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def _shared(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        return t
+    return torch.empty_like(t).share_memory_().copy_(t)
+
+
+def shared_copy(batch: Any) -> Any:
+    """The batch with every CPU tensor copied into fresh shared memory.
+
+    One copy, which moving the tensor into shared memory would make anyway; it also means a
+    source that refills one buffer for every batch cannot change a batch already dealt.
+    """
+    return map_tensors(batch, _shared)

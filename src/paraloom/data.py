@@ -157,9 +157,10 @@ def as_data_source(data: Any, batch_size: int | None = None, shuffle: bool = Fal
             raise TypeError(f"got a {type(data).__name__} (single samples) where batches are "
                             "expected: pass fit(dataset, batch_size=64) or a DataLoader")
         return DataLoader(data, batch_size=batch_size, shuffle=shuffle)
-    if batch_size is not None:
-        raise ValueError("batch_size= applies only when data is a map-style Dataset; your "
-                         f"{type(data).__name__} already yields batches")
+    if batch_size is not None or shuffle:
+        raise ValueError("batch_size= and shuffle= apply only when data is a map-style Dataset; "
+                         f"your {type(data).__name__} already yields batches (shuffle it there, "
+                         "e.g. DataLoader(..., shuffle=True))")
     if not isinstance(data, Iterable):
         raise TypeError(f"data must be iterable, yielding (inputs, targets) batches; got "
                         f"{type(data).__name__}")

@@ -6,6 +6,7 @@ import threading
 import warnings
 from concurrent.futures import wait
 
+import numpy as np
 import pytest
 import torch
 from inference_helpers import WAIT, GatedScale
@@ -14,8 +15,10 @@ from torch import nn
 from paraloom.inference import (
     InferenceClosedError,
     InferenceError,
+    InvalidRequestError,
     ModelUpdateError,
     ParallelInference,
+    execute,
 )
 from paraloom.models import MLP
 
@@ -266,3 +269,72 @@ def test_pools_leave_no_threads_behind():
         warnings.simplefilter("error")
         pi.close()                              # closing again is silent and harmless
     assert pi.closed
+
+
+class Float8(nn.Module):
+    """Returns a dtype numpy has no form for."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_output_numpy_cannot_hold_fails_that_request_and_the_worker_keeps_serving(mode):
+    with ParallelInference(Float8(), inference_mode=mode, workers=1) as pi:
+        fut = pi.submit(np.ones((1, 3), np.float32))
+        with pytest.raises(InferenceError, match="dtype float8_e4m3fn, which has no numpy form"):
+            fut.result(WAIT)
+        with pytest.raises(InferenceError, match="send the input as a torch.Tensor"):
+            pi.output(np.ones((1, 3), np.float32), timeout=WAIT)
+        assert pi.output(torch.ones(1, 3), timeout=WAIT).dtype == torch.float8_e4m3fn
+        assert not pi.closed
+        stats = pi.stats()
+    assert stats["completed"] == 1 and stats["failed"] == 2 and stats["rejections"]["error"] == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_unexpected_error_serving_a_batch_fails_its_requests_not_the_worker(mode, monkeypatch):
+    real = execute.serve_batch
+    calls = []
+
+    def broken_once(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated bug after the forward pass")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(execute, "serve_batch", broken_once)
+    with ParallelInference(Scale(2.0), inference_mode=mode, workers=1) as pi:
+        fut = pi.submit(torch.ones(1, 1))
+        with pytest.raises(InferenceError, match="simulated bug after the forward pass"):
+            fut.result(WAIT)
+        assert pi.output(torch.ones(1, 1), timeout=WAIT).item() == 2.0  # the worker lives
+        pi.close(timeout=WAIT)
+    assert fut.done()
+
+
+class FailsAlways(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the model is broken")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_failing_on_every_input_is_the_models_error_not_the_callers(mode):
+    with ParallelInference(FailsAlways(), inference_mode=mode, workers=1) as pi:
+        with pytest.raises(InferenceError, match="the model is broken") as info:
+            pi.output(torch.ones(1, 2), timeout=WAIT)
+    assert not isinstance(info.value, InvalidRequestError)
+    assert "has not run any input successfully" in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_closed_is_true_once_the_last_worker_thread_died():
+    pi = ParallelInference(Exits(), workers=1)
+    try:
+        assert not pi.closed and pi.output(torch.ones(1, 1), timeout=WAIT).item() == 1.0
+        with pytest.raises(InferenceError):
+            pi.output(-torch.ones(1, 1), timeout=WAIT)
+        assert pi._workers is not None and not pi._workers.join(WAIT)  # the thread is gone
+        assert pi.closed and pi.stats()["closed"]
+    finally:
+        pi.close(timeout=WAIT)

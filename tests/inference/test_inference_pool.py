@@ -118,6 +118,10 @@ def test_every_mode_returns_the_models_output_for_thousands_of_mixed_concurrent_
         assert isinstance(y, np.ndarray) == isinstance(x, np.ndarray)
     assert stats["requests"] == stats["completed"] == 2000
     assert stats["failed"] == 0 and sum(stats["rejections"].values()) == 0
+    if mode == "batched":  # rows of different requests really shared forward passes
+        assert stats["batches"] < 2000, stats["batch_size_histogram"]
+    else:
+        assert stats["batches"] == 2000
     assert stats["rows"] == sum(p[0][0].shape[0] if isinstance(p[0], tuple) else
                                 p[0]["a"].shape[0] if isinstance(p[0], dict) else p[0].shape[0]
                                 for p in pairs)
@@ -353,6 +357,11 @@ def test_stats_reports_counts_histogram_percentiles_and_config():
     ({"max_wait_ms": "5"}, TypeError, "max_wait_ms must be a number of milliseconds"),
     ({"devices": []}, ValueError, "devices=\\[\\]; expected a device"),
     ({"example_input": torch.ones(1, 7)}, ValueError, "the model failed on example_input"),
+    ({"max_wait_ms": float("inf")}, ValueError, "max_wait_ms=inf; expected a finite number"),
+    ({"max_wait_ms": float("nan")}, ValueError, "max_wait_ms=nan; expected a finite number"),
+    ({"timeout": float("inf")}, ValueError, "timeout=inf; expected a finite number > 0 seconds; "
+                                            "pass None for no limit"),
+    ({"timeout": float("nan")}, ValueError, "timeout=nan; expected a finite number"),
 ])
 def test_bad_options_are_refused_at_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -385,3 +394,23 @@ def test_threads_per_worker_sizes_the_workers_pools_and_leaves_the_callers_alone
         later.start()
         later.join(WAIT)
     assert seen == [2]          # threads started afterwards get the process default back
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_request_timeout_is_refused_with_its_name(bad):
+    with ParallelInference(MLP(in_features=4), workers=1) as pi:
+        with pytest.raises(ValueError, match="timeout=(inf|nan); expected a finite number"):
+            pi.submit(torch.ones(1, 4), timeout=bad)
+        with pytest.raises(ValueError, match="expected a finite number"):
+            pi.output(torch.ones(1, 4), timeout=bad)
+        assert pi.output(torch.ones(1, 4), timeout=WAIT).shape[0] == 1  # still serving
+
+
+def test_a_huge_max_wait_is_capped_and_a_full_batch_still_runs():
+    # max_wait_ms=1e300 once overflowed Condition.wait and killed the worker.
+    with ParallelInference(MLP(in_features=4), workers=1, batch_limit=2, queue_limit=2,
+                           max_wait_ms=1e300, timeout=1e300) as pi:
+        futures = [pi.submit(torch.ones(1, 4), timeout=1e10) for _ in range(2)]
+        assert all(f.result(WAIT).shape[0] == 1 for f in futures)  # size closed the batch
+        stats = pi.stats()
+    assert stats["completed"] == 2 and stats["failed"] == 0

@@ -14,7 +14,16 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.http as th
-from serving_helpers import Client, Gate, GatedLeNet, closing, expected, infer_json, outputs_of
+from serving_helpers import (
+    WAIT_S,
+    Client,
+    Gate,
+    GatedLeNet,
+    closing,
+    expected,
+    infer_json,
+    outputs_of,
+)
 from starlette.applications import Starlette
 from torch import nn
 from tritonclient.http._utils import _get_inference_request
@@ -418,5 +427,158 @@ def test_a_request_past_its_pool_timeout_is_504() -> None:
         assert 'reason="timeout"} 1.0' in client.get("/metrics").text
     finally:
         gate.open()
+        client.close()
+        closing(app)
+
+
+def _binary_body(shape: list[int]) -> tuple[bytes, dict[str, str]]:
+    head = json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+                                   "parameters": {"binary_data_size": 0}}]}).encode()
+    return head, {"Inference-Header-Content-Length": str(len(head))}
+
+
+@pytest.mark.parametrize(("item", "fragment"), [
+    ({"shape": [1] * 70, "data": [0.5]}, "shape of 70 dimensions; expected at most 32"),
+    ({"shape": [0, 2**62, 2**62], "data": []}, "multiply to more than"),
+    ({"shape": [0, 2**20, 2**20, 2**20], "data": []}, "multiply to more than"),
+])
+def test_absurd_shapes_are_400_not_500(client: Client, item: dict, fragment: str) -> None:
+    assert_error(client.post(URL, json=lenet_input(**item)), 400, fragment)
+
+
+def test_an_absurd_binary_shape_is_400_not_500(client: Client) -> None:
+    body, headers = _binary_body([0, 2**62, 2**62])
+    assert_error(client.post(URL, content=body, headers=headers), 400, "multiply to more than")
+
+
+def test_a_tensor_that_cannot_be_built_is_400(client: Client, monkeypatch) -> None:
+    from paraloom.serving import protocol
+
+    def refuse(*args: object) -> torch.Tensor:
+        raise ValueError("array is too big; `arr.size * arr.dtype.itemsize` is larger than ...")
+
+    monkeypatch.setattr(protocol, "tensor_from_json", refuse)
+    assert_error(client.post(URL, json=lenet_input()), 400, "cannot be built as a tensor of "
+                 "shape [1, 1, 8, 8]", "array is too big")
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u0663", "1\u00b9"])
+def test_a_header_length_of_non_ascii_digits_is_400(client: Client, value: str) -> None:
+    r = client.post(URL, content=b"{}",
+                    headers=[(b"Inference-Header-Content-Length", value.encode())])
+    assert_error(r, 400, "Inference-Header-Content-Length is", "as ASCII digits")
+
+
+class FailsAlways(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the model is broken")
+
+
+@pytest.mark.parametrize("mode", ["batched", "sequential", "inplace"])
+def test_a_model_failing_on_every_input_is_500_not_the_callers_fault(mode: str) -> None:
+    app = create_app(FailsAlways(4, 2), name="m", inference_mode=mode, workers=1,
+                     inputs=[TensorSpec("input", "FP32", (-1, 4))],
+                     outputs=[TensorSpec("output", "FP32", (-1, 2))])
+    client = Client(app)
+    try:
+        r = client.post("/v2/models/m/infer", json=infer_json(torch.ones(1, 4)))
+        assert_error(r, 500, "the model is broken", "has not run any input successfully")
+    finally:
+        client.close()
+        closing(app)
+
+
+@pytest.mark.parametrize("mode", ["batched", "sequential", "inplace"])
+def test_a_bad_first_request_is_still_400_thanks_to_the_signature_probe(mode: str) -> None:
+    app = create_app(nn.Linear(5, 2), name="m", inference_mode=mode, workers=1,
+                     sample=torch.ones(1, 5), inputs=[TensorSpec("x", "FP32", (-1, -1))])
+    client = Client(app)
+    try:
+        bad = client.post("/v2/models/m/infer", json=infer_json(torch.ones(1, 6), name="x"))
+        assert_error(bad, 400, "failed on this request alone", "Tensor(N, 6) float32",
+                     "Tensor(N, 5) float32")
+    finally:
+        client.close()
+        closing(app)
+
+
+def test_inplace_answers_503_past_workers_plus_queue_limit() -> None:
+    gate = Gate()
+    app = create_app(GatedLeNet(gate), name="lenet", inference_mode="inplace", workers=1,
+                     queue_limit=1, inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
+    client = Client(app)
+    x = torch.rand(1, 1, 8, 8)
+
+    async def refused_then_rest() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        gate.close()
+        tasks = [asyncio.create_task(client.http.post(URL, json=infer_json(x)))
+                 for _ in range(8)]
+        pending = asyncio.as_completed(tasks, timeout=WAIT_S)
+        refused = [await next(pending) for _ in range(6)]
+        gate.open()
+        return refused, [await t for t in pending]
+
+    try:
+        refused, served = client.run(refused_then_rest())
+        for r in refused:
+            assert_error(r, 503, "queue is full", "workers + queue_limit = 2")
+            assert r.headers["Retry-After"] == "1"
+        assert [r.status_code for r in served] == [200, 200]
+        assert 'reason="queue_full"} 6.0' in client.get("/metrics").text
+        assert client.post(URL, json=infer_json(x)).status_code == 200  # the count went down
+    finally:
+        gate.open()
+        client.close()
+        closing(app)
+
+
+@pytest.mark.filterwarnings("ignore:close\\(\\).*still running a batch")
+def test_shutdown_drains_the_pool_only_for_the_graceful_timeout() -> None:
+    from paraloom.inference import InferenceClosedError
+    from paraloom.serving.server import _config
+
+    gate = Gate()
+    app = create_app(GatedLeNet(gate), name="lenet", workers=1, batch_limit=1,
+                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
+    served, pool = app.state.served, app.state.served.pool
+    _config(app, log_level="warning", access_log=False, graceful_timeout=0.05)
+    assert served.close_timeout == 0.05
+    client = Client(app)
+    try:
+        gate.close()
+        held = pool.submit(torch.zeros(1, 1, 8, 8))
+        assert gate.entered.wait(WAIT_S)                    # the only worker is held
+        queued = pool.submit(torch.zeros(1, 1, 8, 8))
+        client.run(served.close())                          # returns although the model hangs
+        with pytest.raises(InferenceClosedError, match="ran out of time"):
+            queued.result(WAIT_S)
+        gate.open()
+        assert held.result(WAIT_S).shape == (1, 10)
+    finally:
+        gate.open()
+        client.close()
+        closing(app)
+
+
+class ExitsOnNegative(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() < 0:
+            raise SystemExit("the model ended its thread")
+        return super().forward(x)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_ready_is_400_once_the_pools_last_worker_died() -> None:
+    app = create_app(ExitsOnNegative(4, 2), name="m", workers=1)
+    client = Client(app)
+    try:
+        assert client.get("/v2/health/ready").status_code == 200
+        assert client.post("/v2/models/m/infer",
+                           json=infer_json(-torch.ones(1, 4))).status_code == 500
+        assert not app.state.served.pool._workers.join(WAIT_S)  # the only worker is gone
+        assert client.get("/v2/health/ready").status_code == 400
+        assert client.get("/v2/models/m/ready").status_code == 400
+        assert client.post("/v2/repository/index").json()[0]["state"] == "UNAVAILABLE"
+    finally:
         client.close()
         closing(app)

@@ -89,6 +89,20 @@ def test_bad_arguments_exit_2_with_a_message(argv: tuple[str, ...], message: str
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--max-wait-ms", "inf", "max_wait_ms=inf; expected a finite number"),
+    ("--max-wait-ms", "nan", "max_wait_ms=nan; expected a finite number"),
+    ("--graceful-timeout", "inf", "--graceful-timeout inf; expected a finite number"),
+])
+def test_non_finite_durations_exit_2_naming_the_option(tmp_path: Path, option: str, value: str,
+                                                        message: str,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    saved(tmp_path / "m.safetensors", 0)
+    assert cli.run(parse(str(tmp_path / "m.safetensors"), option, value)) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_input_shape_must_be_integers(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                       ) -> None:
     saved(tmp_path / "m.safetensors", 0)

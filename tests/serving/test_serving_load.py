@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from starlette.applications import Starlette
 from torch import nn
 
 import paraloom
+from paraloom.inference.parallel import ParallelInference
 from paraloom.models import LeNet
 from paraloom.serving import TensorSpec, create_app
 
@@ -90,8 +92,16 @@ def test_refused_loads_keep_the_old_version(served: tuple, files: dict, body: by
                                output(files["v1"], x))
 
 
+class WorkerGate(Gate):
+    """A gate that holds only the pool's worker threads: warming a new version passes it."""
+
+    def pass_through(self) -> None:
+        if threading.current_thread().name.startswith("paraloom-inference"):
+            super().pass_through()
+
+
 def test_requests_in_flight_during_a_swap_all_succeed(tmp_path: Path) -> None:
-    gate = Gate()
+    gate = WorkerGate()
     torch.manual_seed(1)
     v1 = GatedLeNet(gate).eval()
     torch.manual_seed(2)
@@ -107,8 +117,8 @@ def test_requests_in_flight_during_a_swap_all_succeed(tmp_path: Path) -> None:
         gate.close()
         early = [asyncio.create_task(client.http.post(URL, json=infer_json(x))) for x in xs[:6]]
         assert await asyncio.to_thread(gate.entered.wait, WAIT_S)  # a batch is mid-forward
-        # Version 1 has not finished a batch, so there is nothing to warm version 2 on: the
-        # swap completes while the first batch is held and the rest wait in the queue.
+        # Version 2 warms on the signature's probe input off the worker threads, so the swap
+        # completes while the first batch is held and the rest wait in the queue.
         loaded = await client.http.post(LOAD, json={"parameters": {"path": "v2.safetensors"}})
         late = [asyncio.create_task(client.http.post(URL, json=infer_json(x))) for x in xs[6:]]
         gate.open()
@@ -129,3 +139,35 @@ def test_requests_in_flight_during_a_swap_all_succeed(tmp_path: Path) -> None:
         gate.open()
         client.close()
         closing(app)
+
+
+@pytest.mark.parametrize("name", ["v2\x00.safetensors", "a" * 5000 + ".safetensors"])
+def test_a_path_the_file_system_refuses_is_400(served: tuple, name: str) -> None:
+    app, client = served
+    r = client.post(LOAD, json={"parameters": {"path": name}})
+    assert r.status_code == 400, r.text
+    assert "is not a usable file name" in r.json()["error"]
+    assert app.state.served.version == "1"
+
+
+def test_a_load_after_the_pool_closed_is_503_shutting_down(served: tuple) -> None:
+    app, client = served
+    app.state.served.pool.close(timeout=WAIT_S)  # closed under the app, as at shutdown
+    r = client.post(LOAD, json={"parameters": {"path": "v2.safetensors"}})
+    assert r.status_code == 503, r.text
+    assert "shutting down" in r.json()["error"] and r.headers["Retry-After"] == "1"
+
+
+def test_a_load_racing_close_is_503_shutting_down(served: tuple, monkeypatch) -> None:
+    app, client = served
+    pool = app.state.served.pool
+
+    def update_then_closed(*args: object, **kwargs: object) -> int:
+        pool.close(timeout=WAIT_S)  # close() won the race: update_model refuses
+        return ParallelInference.update_model(pool, *args, **kwargs)
+
+    monkeypatch.setattr(pool, "update_model", update_then_closed)
+    r = client.post(LOAD, json={"parameters": {"path": "v2.safetensors"}})
+    assert r.status_code == 503, r.text
+    assert "update_model() after close()" in r.json()["error"]
+    assert "retry after 1 s" in r.json()["error"]

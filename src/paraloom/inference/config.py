@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import math
 import numbers
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -48,10 +50,15 @@ def check_seconds(name: str, value: object, *, allow_zero: bool,
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of {unit} or None; got "
                         f"{type(value).__name__} {value!r}")
+    rule = ">= 0" if allow_zero else "> 0"
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value}; expected a finite number {rule} {unit}; pass None "
+                         "for no limit")
     if value < 0 or (value == 0 and not allow_zero):
-        rule = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}={value}; expected {rule} {unit}, or None for no limit")
-    return float(value)
+    # Longer than threading's longest wait is "forever" in practice; waits must not overflow.
+    longest = threading.TIMEOUT_MAX * (1000.0 if unit == "milliseconds" else 1.0)
+    return min(float(value), longest)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import InvalidStateError
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from paraloom.inference.payload import collate, describe_key, split_output, to_d
 from paraloom.inference.replicas import Generation
 from paraloom.inference.stats import StatsRecorder
 
-__all__ = ["serve_batch", "fail_requests"]
+__all__ = ["serve_batch", "serve_batch_guarded", "fail_requests", "fail_unfinished"]
 
 
 def serve_batch(generation: Generation, slot: int, batch: Sequence[Request],
@@ -43,8 +44,16 @@ def serve_batch(generation: Generation, slot: int, batch: Sequence[Request],
     stats.batch(sum(r.rows for r in live), [start - r.arrival for r in live], clock() - start)
     first = live[0]
     generation.accepted(first.key, first.spec, first.tensors)
-    _deliver(generation.version, live, outputs)
-    stats.finished(len(live))
+    stats.finished(_deliver(generation.version, live, outputs, stats))
+
+
+def serve_batch_guarded(generation: Generation, slot: int, batch: Sequence[Request],
+                        stats: StatsRecorder) -> None:
+    """serve_batch; an unexpected error fails the batch's unresolved requests, never escapes."""
+    try:
+        serve_batch(generation, slot, batch, stats)
+    except Exception as exc:  # noqa: BLE001 - a bug here must not leave callers waiting
+        fail_unfinished(batch, exc, stats)
 
 
 def _claim(batch: Sequence[Request], now: float, stats: StatsRecorder) -> list[Request]:
@@ -76,11 +85,46 @@ def _run(generation: Generation, slot: int, requests: Sequence[Request]) -> list
     return split_output(output, [r.rows for r in requests])
 
 
-def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any]) -> None:
+def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any],
+             stats: StatsRecorder) -> int:
+    """Give each request its output; one whose output cannot be converted gets an error.
+
+    Returns how many requests got their output.
+    """
+    delivered = failed = 0
     for r, out in zip(requests, outputs, strict=True):
-        if r.numpy:
-            out = to_numpy(out)
-        r.future.set_result((out, version) if r.with_version else out)
+        try:
+            if r.numpy:
+                out = to_numpy(out)
+        except Exception as exc:  # noqa: BLE001 - this request's output, not the batch's
+            failed += _settle(r, _unconvertible(version, exc))
+            continue
+        delivered += _settle(r, None, (out, version) if r.with_version else out)
+    if failed:
+        stats.dropped("error", failed)
+    return delivered
+
+
+def _settle(r: Request, error: BaseException | None, value: Any = None) -> bool:
+    """Resolve r's future unless something else already did; True if this call resolved it."""
+    try:
+        if error is None:
+            r.future.set_result(value)
+        else:
+            r.future.set_exception(error)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def _unconvertible(version: int, exc: Exception) -> InferenceError:
+    failure = InferenceError(
+        f"model version {version} ran, but its output cannot be returned as numpy ({exc}). "
+        "Expected an output of numpy-compatible dtypes for a request sent as numpy; make the "
+        "model return e.g. float32 (.float() / .dequantize()), or send the input as a "
+        "torch.Tensor to get tensors back")
+    failure.__cause__ = exc
+    return failure
 
 
 def _isolate(generation: Generation, slot: int, live: Sequence[Request], exc: Exception,
@@ -95,7 +139,7 @@ def _isolate(generation: Generation, slot: int, live: Sequence[Request], exc: Ex
         r = good[0][0]
         generation.accepted(r.key, r.spec, r.tensors)
     # Blame the request only where the model is known to work on some input.
-    blame = bool(good) or generation.good_key is not None or len(live) == 1
+    blame = bool(good) or generation.good_key is not None
     invalid = errors = 0
     for r, _, err in results:
         if err is not None:
@@ -103,12 +147,11 @@ def _isolate(generation: Generation, slot: int, live: Sequence[Request], exc: Ex
             invalid += isinstance(failure, InvalidRequestError)
             errors += not isinstance(failure, InvalidRequestError)
             r.future.set_exception(failure)
-    _deliver(generation.version, [r for r, _ in good], [out for _, out in good])
     if invalid:
         stats.dropped("invalid", invalid)
     if errors:
         stats.dropped("error", errors)
-    return len(good)
+    return _deliver(generation.version, [r for r, _ in good], [out for _, out in good], stats)
 
 
 def _run_alone(generation: Generation, slot: int, r: Request
@@ -137,6 +180,22 @@ def _classify(generation: Generation, r: Request, exc: Exception, blame: bool) -
             received=received, expected=expected)
     failure.__cause__ = exc
     return failure
+
+
+def fail_unfinished(batch: Sequence[Request], exc: Exception, stats: StatsRecorder) -> None:
+    """Fail every request of a batch that is not resolved yet, after an unexpected error."""
+    failed = 0
+    for r in batch:
+        if r.future.done():
+            continue
+        failure = InferenceError(
+            f"serving this request's batch failed unexpectedly ({type(exc).__name__}: {exc}); "
+            "this is a bug in the model's output handling or in paraloom; the worker keeps "
+            "serving, so retry, and report it if it persists")
+        failure.__cause__ = exc
+        failed += _settle(r, failure)
+    if failed:
+        stats.dropped("error", failed)
 
 
 def fail_requests(requests: Sequence[Request], error: type[InferenceError], message: str,

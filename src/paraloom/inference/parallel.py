@@ -32,7 +32,7 @@ from paraloom.inference.errors import (
     QueueFullError,
     RequestTimeoutError,
 )
-from paraloom.inference.execute import fail_requests, serve_batch
+from paraloom.inference.execute import fail_requests, serve_batch_guarded
 from paraloom.inference.payload import parse
 from paraloom.inference.pending import Pending
 from paraloom.inference.replicas import (
@@ -160,7 +160,7 @@ class ParallelInference:
         try:
             self._stats.accepted()
             with torch.inference_mode():
-                serve_batch(self._generation, slot, [request], self._stats)
+                serve_batch_guarded(self._generation, slot, [request], self._stats)
         finally:
             self._slots.release(slot)
 
@@ -257,8 +257,18 @@ class ParallelInference:
 
     @property
     def closed(self) -> bool:
-        """True once close() was called."""
-        return self._closed
+        """True once close() was called, or once every worker thread has stopped."""
+        return self._closed or (self._workers is not None and not self._workers.alive())
+
+    @property
+    def workers(self) -> int:
+        """The number of replicas (worker slots)."""
+        return len(self._devices)
+
+    @property
+    def queue_limit(self) -> int:
+        """The most requests that wait: queued, or (in place) waiting for a free replica."""
+        return self._config.queue_limit
 
     def update_model(self, model: nn.Module, *, example_input: Any = None) -> int:
         """Swap in a new model without failing or losing a request; returns its version.
@@ -293,7 +303,7 @@ class ParallelInference:
         snap = self._stats.snapshot()
         snap.update(mode=self._config.mode.value, workers=len(self._devices),
                     devices=[str(d) for d in self._devices], precision=self._precision.name,
-                    model_version=self.model_version, closed=self._closed,
+                    model_version=self.model_version, closed=self.closed,
                     queued=len(self._queue) if self._queue is not None else 0)
         return snap
 

@@ -183,7 +183,11 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu()
     if t.dtype in (torch.bfloat16,):  # numpy has no bfloat16
         t = t.float()
-    return t.numpy()
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"an output tensor has dtype {_dtype_name(t.dtype)}, which has no numpy "
+                        f"form ({exc})") from exc
 
 
 def to_numpy(output: Any) -> Any:

@@ -10,7 +10,7 @@ import torch
 
 from paraloom.inference.batching import RequestQueue
 from paraloom.inference.errors import InferenceError
-from paraloom.inference.execute import fail_requests, serve_batch
+from paraloom.inference.execute import fail_requests, serve_batch_guarded
 from paraloom.inference.replicas import Generation
 from paraloom.inference.stats import StatsRecorder
 
@@ -73,7 +73,7 @@ class WorkerThreads:
                 while True:
                     batch = self._queue.take(TICK)
                     if batch:
-                        serve_batch(self._current(), slot, batch, self._stats)
+                        serve_batch_guarded(self._current(), slot, batch, self._stats)
                     elif self._queue.closed and not len(self._queue):
                         return
         finally:

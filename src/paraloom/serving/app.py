@@ -24,7 +24,7 @@ from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
 from paraloom.serving.repository import ModelFiles
 from paraloom.serving.served import ServedModel
-from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
+from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature, probe_input
 
 __all__ = ["create_app"]
 
@@ -78,9 +78,11 @@ def _header_length(request: Request) -> int | None:
     raw = request.headers.get(_HEADER)
     if raw is None:
         return None
-    if not raw.strip().isdigit():
-        raise ProtocolError(f"{_HEADER} is {raw!r}; expected the JSON part's length in bytes")
-    return int(raw)
+    digits = raw.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        raise ProtocolError(f"{_HEADER} is {raw!r}; expected the JSON part's length in bytes, "
+                            "as ASCII digits")
+    return int(digits)
 
 
 def _encode(served: ServedModel, parsed: InferRequest, result: Any, version: str) -> Response:
@@ -215,21 +217,31 @@ _ROUTES = [
 ]
 
 
-def _pool_for(pool_or_model: Any, model: nn.Module | None, pool_options: dict[str, Any]
-              ) -> tuple[Any, nn.Module | None, bool]:
+def _build_pool(model: nn.Module, signature: ModelSignature, sample: Any, probed: bool,
+                pool_options: dict[str, Any]) -> Any:
+    """ParallelInference(model), warmed on the signature's probe so errors are blamed right."""
+    from paraloom.inference.parallel import ParallelInference
+
+    options = dict(pool_options)
+    if probed and options.get("example_input") is None:
+        # An input the model is known to accept: a later failure of one request is then that
+        # request's fault (400), while a model failing on everything is the model's (500).
+        options["example_input"] = probe_input(signature, sample)
+    return ParallelInference(model, **options)
+
+
+def _check_pool(pool_or_model: Any, model: nn.Module | None, pool_options: dict[str, Any]
+                ) -> None:
     if isinstance(pool_or_model, nn.Module):
         if model is not None:
             raise TypeError("model= is for create_app(pool, model=...); pass the model once")
-        from paraloom.inference.parallel import ParallelInference
-
-        return ParallelInference(pool_or_model, **pool_options), pool_or_model, True
+        return
     if pool_options:
         raise TypeError(f"pool options {sorted(pool_options)} only apply when create_app builds "
                         "the pool from a model; configure the ParallelInference you passed")
     if not hasattr(pool_or_model, "submit") or not hasattr(pool_or_model, "model_version"):
         raise TypeError(f"create_app takes an nn.Module or a ParallelInference, got "
                         f"{type(pool_or_model).__name__}")
-    return pool_or_model, model, False
 
 
 def _signature(model: nn.Module | None, **given: Any) -> ModelSignature:
@@ -259,13 +271,15 @@ def create_app(pool_or_model: Any, *, name: str = "model", model: nn.Module | No
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes={max_body_bytes}; expected a positive byte count")
     files = ModelFiles(model_file=model_file, model_dir=model_dir)
-    pool, model, owns = _pool_for(pool_or_model, model, pool_options)
-    try:
-        signature = _signature(model, sample=sample, inputs=inputs, outputs=outputs)
-    except BaseException:
-        if owns:
-            pool.close(drain=False)
-        raise
+    _check_pool(pool_or_model, model, pool_options)
+    owns = isinstance(pool_or_model, nn.Module)
+    if owns:
+        model = pool_or_model
+    signature = _signature(model, sample=sample, inputs=inputs, outputs=outputs)
+    # The probe ran the model only when the outputs were read from it.
+    probe = sample if outputs is None else None
+    pool = _build_pool(pool_or_model, signature, probe, outputs is None, pool_options) \
+        if owns else pool_or_model
     served = ServedModel(name, pool, model, signature, files=files, owns_pool=owns,
                          retry_after=retry_after)
     app_metrics = ServingMetrics()

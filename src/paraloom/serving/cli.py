@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import math
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -146,6 +147,13 @@ def _reload_on_sighup(app: Any) -> None:
     app.router.lifespan_context = lifespan
 
 
+def _check_graceful_timeout(seconds: float) -> None:
+    """Refuse a graceful timeout that is not a finite number of seconds > 0."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"--graceful-timeout {seconds}; expected a finite number of seconds > 0, "
+                         "e.g. --graceful-timeout 30")
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code."""
     from paraloom.serving.app import create_app
@@ -153,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
+        _check_graceful_timeout(args.graceful_timeout)
         model, model_file = build_model(args)
         app = create_app(model, name=args.name, model_file=model_file,
                          model_dir=args.models_dir,

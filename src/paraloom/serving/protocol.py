@@ -102,12 +102,35 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in _tuple(kind))
 
 
+_MAX_RANK = 32  # numpy's limit is 64; no model takes more
+_MAX_ELEMENTS = 1 << 40  # far beyond any body; keeps byte strides inside 64 bits
+
+
 def _parse_shape(raw: Any, where: str) -> tuple[int, ...]:
     if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool)
                                             and d >= 0 for d in raw):
         raise ProtocolError(f"{where} has shape {short_repr(raw)}; expected an array of "
                             "non-negative integers such as [1, 1, 8, 8]")
+    if len(raw) > _MAX_RANK:
+        raise ProtocolError(f"{where} has a shape of {len(raw)} dimensions; expected at most "
+                            f"{_MAX_RANK}; send the tensor with fewer dimensions")
+    if math.prod(d for d in raw if d) > _MAX_ELEMENTS:
+        raise ProtocolError(f"{where} has shape {short_repr(raw)}, whose dimensions multiply to "
+                            f"more than {_MAX_ELEMENTS} elements (zero-size ones left out); "
+                            "expected a shape that fits in memory, with the batch first")
     return tuple(raw)
+
+
+def _build_tensor(build: Any, where: str, shape: tuple[int, ...], *args: Any) -> torch.Tensor:
+    """Run a tensor constructor; numpy's and torch's own refusals become a 400."""
+    try:
+        return build(*args)
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, RuntimeError, MemoryError, OverflowError) as e:
+        raise ProtocolError(f"{where} cannot be built as a tensor of shape {list(shape)}: "
+                            f"{type(e).__name__}: {e}; send a smaller shape with data that "
+                            "matches it") from e
 
 
 def _parse_input(obj: Any, index: int, binary: memoryview | None, offset: int
@@ -125,7 +148,7 @@ def _parse_input(obj: Any, index: int, binary: memoryview | None, offset: int
         if "data" not in obj:
             raise ProtocolError(f"{where} has neither 'data' nor parameters.binary_data_size; "
                                 "send the values as JSON 'data' or as binary tensor data")
-        tensor = tensor_from_json(obj["data"], dt, shape, where)
+        tensor = _build_tensor(tensor_from_json, where, shape, obj["data"], dt, shape, where)
         return RequestInput(name, dt.name, shape, tensor), 0
     if binary is None:
         raise ProtocolError(f"{where} declares binary_data_size but the request has no "
@@ -140,7 +163,8 @@ def _parse_input(obj: Any, index: int, binary: memoryview | None, offset: int
     if offset + size > len(binary):
         raise ProtocolError(f"{where} needs bytes {offset}..{offset + size} of the binary data "
                             f"but the body has only {len(binary)} bytes after the JSON header")
-    tensor = tensor_from_bytes(binary[offset:offset + size], dt, shape)
+    tensor = _build_tensor(tensor_from_bytes, where, shape, binary[offset:offset + size], dt,
+                           shape)
     return RequestInput(name, dt.name, shape, tensor), size
 
 

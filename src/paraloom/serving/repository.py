@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from paraloom.checkpoint import read_header
-from paraloom.serving.errors import ForbiddenError, ProtocolError
+from paraloom.serving.errors import ForbiddenError, ProtocolError, short_repr
 
 __all__ = ["ModelFiles"]
 
@@ -66,15 +66,21 @@ class ModelFiles:
         if self.model_dir is None:
             raise ForbiddenError(f"cannot load {raw!r}: this server has no models directory, "
                                  "so it only reloads the file it was started from (send no path)")
-        path = (self.model_dir / raw).resolve()  # resolve() follows symlinks and '..'
-        if not path.is_relative_to(self.model_dir):
-            raise ForbiddenError(f"path {raw!r} is outside the models directory; name a file "
-                                 "inside it, e.g. 'lenet-v2.safetensors'")
-        if path.suffix != _SUFFIX:
-            raise ForbiddenError(f"path {raw!r} is not a {_SUFFIX} file; only weights written "
-                                 "by paraloom.save can be loaded")
-        if not path.is_file():
-            raise ProtocolError(f"no file {raw!r} in the models directory")
+        try:
+            path = (self.model_dir / raw).resolve()  # resolve() follows symlinks and '..'
+            if not path.is_relative_to(self.model_dir):
+                raise ForbiddenError(f"path {short_repr(raw)} is outside the models directory; "
+                                     "name a file inside it, e.g. 'lenet-v2.safetensors'")
+            if path.suffix != _SUFFIX:
+                raise ForbiddenError(f"path {short_repr(raw)} is not a {_SUFFIX} file; only "
+                                     "weights written by paraloom.save can be loaded")
+            is_file = path.is_file()
+        except (ValueError, OSError) as e:  # a NUL byte, a name too long for the file system
+            raise ProtocolError(f"parameters.path {short_repr(raw)} is not a usable file name "
+                                f"({type(e).__name__}: {e}); name a .safetensors file in the "
+                                "models directory, e.g. 'lenet-v2.safetensors'") from e
+        if not is_file:
+            raise ProtocolError(f"no file {short_repr(raw)} in the models directory")
         return path
 
     def build(self, path: Path, served: nn.Module) -> nn.Module:

@@ -50,6 +50,10 @@ class ServedModel:
         self.draining = False
         self._load_lock = asyncio.Lock()
         self._inplace = str(getattr(pool, "inference_mode", "")).lower().endswith("inplace")
+        # In place, requests wait on threads for a free replica: at most this many at once.
+        self._inplace_limit = _inplace_limit(pool)
+        self._inplace_now = 0  # changed on the event loop only
+        self.close_timeout: float | None = None  # the server sets its graceful timeout here
 
     @property
     def version(self) -> str:
@@ -83,13 +87,10 @@ class ServedModel:
         x: Any = tensors[0] if len(tensors) == 1 else tuple(tensors)
         try:
             if self._inplace:
-                # In place, submit() runs the model in the calling thread, so it runs on a worker
-                # thread; it waits for a free replica as the pool's own output_async does.
-                future = await anyio.to_thread.run_sync(functools.partial(
-                    self.pool.submit, x, block=True, return_version=True))
+                result, version = await self._infer_inplace(x)
             else:  # queued: a full queue must answer 503 now, not block the event loop
                 future = self.pool.submit(x, block=False, return_version=True)
-            result, version = await asyncio.wrap_future(future)
+                result, version = await asyncio.wrap_future(future)
         except QueueFullError as e:
             raise UnavailableError(f"the inference queue is full ({e}); retry after "
                                    f"{self.retry_after} s", reason="queue_full",
@@ -103,6 +104,23 @@ class ServedModel:
             raise _GatewayTimeoutError(str(e)) from e
         return result, str(version)
 
+    async def _infer_inplace(self, x: Any) -> tuple[Any, Any]:
+        """Run x on a thread that waits for a free replica; QueueFullError past the limit."""
+        limit = self._inplace_limit
+        if limit is not None and self._inplace_now >= limit:
+            raise QueueFullError(f"{self._inplace_now} requests are running or waiting for a "
+                                 f"replica, the most this pool takes (workers + queue_limit = "
+                                 f"{limit}); retry later, or add workers or raise queue_limit")
+        self._inplace_now += 1
+        try:
+            # In place, submit() runs the model in the calling thread, so it runs on a worker
+            # thread; it waits for a free replica as the pool's own output_async does.
+            future = await anyio.to_thread.run_sync(functools.partial(
+                self.pool.submit, x, block=True, return_version=True))
+            return await asyncio.wrap_future(future)
+        finally:
+            self._inplace_now -= 1
+
     async def load(self, parameters: dict[str, Any]) -> str:
         """Swap in the weights a load request names (see ``ModelFiles``); returns the version."""
         path = self.files.resolve(parameters)
@@ -110,17 +128,37 @@ class ServedModel:
             raise ForbiddenError("this server was given a pool without model=, so it cannot "
                                  "build new versions; pass model= to create_app")
         async with self._load_lock:  # two loads at once would race on self.model
+            self._check_serving()
             model = await anyio.to_thread.run_sync(self.files.build, path, self.model)
             try:
                 await anyio.to_thread.run_sync(self.pool.update_model, model)
             except ModelUpdateError as e:
                 raise ProtocolError(f"{path.name} could not be served, the old version keeps "
                                     f"serving: {e}") from e
+            except InferenceClosedError as e:
+                raise self._shutting_down(f"cannot load {path.name}: {e}") from e
             self.model = model
         return self.version
 
+    def _check_serving(self) -> None:
+        if self.draining or getattr(self.pool, "closed", False):
+            raise self._shutting_down("the model is not serving: the server is shutting down")
+
+    def _shutting_down(self, message: str) -> UnavailableError:
+        return UnavailableError(f"{message}; retry after {self.retry_after} s, or on a running "
+                                "server", reason="shutting_down", retry_after=self.retry_after)
+
     async def close(self) -> None:
-        """Stop taking requests; if the server owns the pool, drain and close it."""
+        """Stop taking requests; if the server owns the pool, drain it within close_timeout."""
         self.draining = True
         if self.owns_pool:
-            await anyio.to_thread.run_sync(lambda: self.pool.close(drain=True))
+            timeout = self.close_timeout
+            await anyio.to_thread.run_sync(lambda: self.pool.close(drain=True, timeout=timeout))
+
+
+def _inplace_limit(pool: Any) -> int | None:
+    """workers + queue_limit of a pool that says them (a ParallelInference does), else None."""
+    workers, queue_limit = getattr(pool, "workers", None), getattr(pool, "queue_limit", None)
+    if isinstance(workers, int) and isinstance(queue_limit, int):
+        return workers + queue_limit
+    return None

@@ -60,8 +60,12 @@ class _Server(uvicorn.Server):
 
 def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float,
             **uvicorn_options: Any) -> uvicorn.Config:
-    if graceful_timeout <= 0:
-        raise ValueError(f"graceful_timeout={graceful_timeout}; expected seconds > 0")
+    if not math.isfinite(graceful_timeout) or graceful_timeout <= 0:
+        raise ValueError(f"graceful_timeout={graceful_timeout}; expected a finite number of "
+                         "seconds > 0")
+    served = getattr(app.state, "served", None)
+    if served is not None:  # the pool's drain at shutdown gets the same bound
+        served.close_timeout = graceful_timeout
     # uvicorn types the graceful timeout as whole seconds; round up so it is never shortened.
     return uvicorn.Config(app, log_level=log_level, access_log=access_log,
                           timeout_graceful_shutdown=math.ceil(graceful_timeout), lifespan="on",

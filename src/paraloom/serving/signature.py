@@ -13,7 +13,7 @@ from paraloom.serving.datatypes import DATATYPES, datatype_of
 from paraloom.serving.errors import ProtocolError
 from paraloom.serving.protocol import RequestInput
 
-__all__ = ["ModelSignature", "TensorSpec", "infer_signature"]
+__all__ = ["ModelSignature", "TensorSpec", "infer_signature", "probe_input"]
 
 
 @dataclass(frozen=True)
@@ -167,3 +167,12 @@ def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.T
                          f"{[s.as_json() for s in in_specs]} have dimensions of unknown size; "
                          "pass sample=torch.zeros(1, ...) or outputs=[TensorSpec(...)]")
     return ModelSignature(in_specs, _output_specs(model, probe))
+
+
+def probe_input(signature: ModelSignature, sample: torch.Tensor | Sequence[torch.Tensor] | None
+                ) -> Any:
+    """An input the model accepts, as the pool takes it (one tensor or a tuple); None if unknown."""
+    probe = _as_list(sample) if sample is not None else _sample_from_specs(signature.inputs)
+    if probe is None:
+        return None
+    return probe[0] if len(probe) == 1 else tuple(probe)

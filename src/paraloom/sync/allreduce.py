@@ -120,7 +120,8 @@ class AllReduce(Synchronizer):
             loss = self._ddp()
         finally:
             self._joinable.idle = False
-        loss.backward()  # joins the peers' bucket all-reduces with zero gradients
+        # Joins the peers' bucket all-reduces with zero gradients (scaled like theirs in fp16).
+        (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
         _optimizer_step(ctx)
         self.bytes_sent += self._step_bytes
 

@@ -15,8 +15,8 @@ so that every replica makes the same collective calls in the same order. At the 
 ``fit()`` the loop calls ``sync.finish(ctx)``: after it, every replica must hold the same
 parameters.
 
-Subclass ``Synchronizer`` and pass an instance as ``training_mode=`` (or ``synchronizer=``) to
-``ParallelWrapper`` for your own scheme. The instance is pickled into every worker, so keep
+Subclass ``Synchronizer`` and pass an instance as ``training_mode=`` to ``ParallelWrapper``
+for your own scheme. The instance is pickled into every worker, so keep
 its constructor arguments picklable.
 """
 

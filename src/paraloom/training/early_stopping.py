@@ -121,7 +121,7 @@ class EarlyStoppingParallelTrainer:
             while True:
                 epoch += 1
                 try:
-                    self.wrapper.fit(self.train_data, epochs=1)
+                    self.wrapper.fit(self.train_data, epochs=epoch + 1, initial_epoch=epoch)
                 except WorkerError as e:
                     reason, details = self._failure(e)
                     break

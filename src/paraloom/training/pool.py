@@ -112,8 +112,9 @@ class ProcessPool:
                 self._pending.append(msg)
 
     def begin(self, state: dict[str, torch.Tensor], dataset: Any,
-              snapshots: list[Any] | None = None) -> None:
-        """Start a fit() on every worker: master parameters, and the dataset for index dealing.
+              snapshots: list[Any] | None = None, optimizer_state: Any = None,
+              seed: int | None = None) -> None:
+        """Start a fit() on every worker: master state, and the dataset for index dealing.
 
         Tensors travel through shared memory: one pickle per worker, because each carries its
         own file-descriptor handles. Everything is pickled before
@@ -123,7 +124,8 @@ class ProcessPool:
         messages = []
         for rank in range(self.workers):
             snap = snapshots[rank] if snapshots else None
-            messages.append(("begin", _dumps(state), _dumps(dataset, "dataset"), _dumps(snap)))
+            messages.append(("begin", _dumps(state), _dumps(dataset, "dataset"), _dumps(snap),
+                             _dumps(optimizer_state), seed))
         for rank, msg in enumerate(messages):
             self.send(rank, msg)
 
@@ -318,8 +320,10 @@ class LocalPool:
         self.pids: list[int] = []
 
     def begin(self, state: dict[str, torch.Tensor], dataset: Any,
-              snapshots: list[Any] | None = None) -> None:
-        self._runner.begin(state, dataset, snapshots[0] if snapshots else None)
+              snapshots: list[Any] | None = None, optimizer_state: Any = None,
+              seed: int | None = None) -> None:
+        # No seed: the replica shares the caller's RNG, which the caller has seeded.
+        self._runner.begin(state, dataset, snapshots[0] if snapshots else None, optimizer_state)
 
     def send(self, rank: int, msg: Any) -> None:
         round_id = msg[1] if msg[0] == "round" else None

@@ -80,12 +80,19 @@ class Replica:
                                rank=rank, world_size=world_size, device=self.device,
                                scaler=self.scaler)
         self._module: nn.Module = self.model
+        self._rng: torch.Tensor | None = None
 
     def begin_fit(self, state: dict[str, torch.Tensor] | None,
-                  snapshot: dict[str, Any] | None = None) -> None:
-        """Load the master parameters (or a checkpoint's replica) and set up the synchronizer."""
+                  snapshot: dict[str, Any] | None = None,
+                  optimizer_state: dict[str, Any] | None = None, seed: int | None = None) -> None:
+        """Load the master parameters and optimizer state (or a checkpoint's replica), seed the
+        replica's RNG, and set up the synchronizer."""
         if state is not None:
             self.model.load_state_dict(state)
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+        if seed is not None:
+            torch.manual_seed(seed)
         self.ctx.step = 0
         if snapshot is not None:
             self._restore(snapshot)
@@ -97,6 +104,9 @@ class Replica:
     def step(self, batch: Any | None) -> float | None:
         """Train on one batch (None: an idle round); returns the batch's loss."""
         ctx = self.ctx
+        if self._rng is not None:  # restored lazily: with workers=1 the caller shares the RNG
+            torch.set_rng_state(self._rng)
+            self._rng = None
         if batch is None:
             self.sync.idle_step(ctx)
             ctx.step += 1
@@ -177,7 +187,7 @@ class Replica:
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(snap["optimizer"])
         self.ctx.step = int(snap["step"])
-        torch.set_rng_state(snap["rng"])
+        self._rng = snap["rng"]
         if "cuda_rng" in snap and self.device.type == "cuda":
             torch.cuda.set_rng_state(snap["cuda_rng"], self.device)
         if self.scaler is not None and "scaler" in snap:

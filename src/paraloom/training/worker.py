@@ -3,8 +3,9 @@
 ``ReplicaRunner`` speaks the protocol between a launcher and one replica; ``worker_main`` is
 the entry point of a ParallelWrapper worker process. Messages to a worker, in order:
 
-    ("begin", state, dataset, snapshot)     master parameters; dataset for index dealing; a
-                                            checkpoint's replica when resuming (pickled bytes)
+    ("begin", state, dataset, snapshot,     master parameters; dataset for index dealing; a
+     optimizer_state, seed)                 checkpoint's replica when resuming; the user's
+                                            optimizer state (pickled bytes); an RNG seed
     ("round", round_id, payload)            payload: ("batch", batch) | ("indices", list) | None
     ("snapshot", tag)                       report this replica's full state (for checkpoints)
     ("finish",)                             final synchronization; report the result
@@ -89,11 +90,16 @@ class ReplicaRunner:
         self.steps = 0
 
     def begin(self, state: dict[str, torch.Tensor] | None, dataset: IndexedDataset | None,
-              snapshot: dict[str, Any] | None = None) -> None:
-        """Start a fit(): load the master parameters (or a snapshot), set up the synchronizer."""
+              snapshot: dict[str, Any] | None = None,
+              optimizer_state: dict[str, Any] | None = None, seed: int | None = None) -> None:
+        """Start a fit(): load the master state (or a snapshot), set up the synchronizer.
+
+        ``seed`` (with no snapshot) seeds this replica's RNG as ``seed + rank``.
+        """
         self.dataset = dataset
         self.steps = 0
-        self.replica.begin_fit(state, snapshot)
+        seed = None if seed is None or snapshot is not None else seed + self.rank
+        self.replica.begin_fit(state, snapshot, optimizer_state, seed)
 
     def round(self, payload: Any) -> tuple[float | None, int, bool]:
         """Train on this round's payload; returns (loss, rows, whether replicas synced)."""
@@ -195,7 +201,9 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Any, results: Any) 
                 round_id = msg[1]
                 results.put(("step", cfg.rank, round_id, *runner.round(msg[2])))
             elif msg[0] == "begin":
-                runner.begin(*(pickle.loads(m) if m is not None else None for m in msg[1:]))
+                *blobs, seed = msg[1:]
+                runner.begin(*(pickle.loads(m) if m is not None else None for m in blobs),
+                             seed=seed)
             elif msg[0] == "snapshot":
                 results.put(("snapshot", cfg.rank, msg[1], runner.replica.snapshot()))
             elif msg[0] == "finish":

@@ -128,18 +128,24 @@ class ParallelWrapper:
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None,
-            shuffle: bool = False, resume_from: str | Path | None = None) -> dict[str, Any]:
+            shuffle: bool = False, resume_from: str | Path | None = None,
+            initial_epoch: int = 0) -> dict[str, Any]:
         """Train for ``epochs`` passes over ``data``; the model then holds the trained weights.
 
         ``data`` yields ``(inputs, targets)`` batches (a DataLoader, a list, a re-iterable);
         a map-style Dataset is accepted with ``batch_size=``. ``resume_from`` (a checkpoint
         file or a CheckpointListener's directory) continues an interrupted run exactly: same
-        total ``epochs``, same data. Returns ``stats()``.
+        total ``epochs``, same data. ``initial_epoch`` numbers the epochs from there (as in
+        Keras: ``epochs`` is the index to stop before), for training driven epoch by epoch.
+        Returns ``stats()``.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
+        if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
+            raise ValueError(f"initial_epoch={initial_epoch!r}; expected 0 <= initial_epoch < "
+                             f"epochs={epochs}")
         data = as_data_source(data, batch_size, shuffle)
-        start = self._start_position(resume_from)
+        start = self._start_position(resume_from, initial_epoch)
         pool = self._ensure_pool()
         self._stop_requested = False
         tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
@@ -156,10 +162,12 @@ class ParallelWrapper:
             self._deal(pool, tracker, data, indexed, epochs, start)
             result = self._finish(pool, tracker)
             completed = True
-        except BaseException:
+        except BaseException as e:
             if self._pool is not None:
                 self._pool.kill()
                 self._pool = None
+            if isinstance(e, WorkerError) and (where := tracker.batch_of(e.batch, e.worker)):
+                e.args = (f"{e.args[0]}\n(at {where})",)
             raise
         finally:
             self._iteration = tracker.iteration
@@ -169,9 +177,9 @@ class ParallelWrapper:
             listener.on_fit_end(self)
         return self.stats()
 
-    def _start_position(self, resume_from: str | Path | None) -> _Position:
+    def _start_position(self, resume_from: str | Path | None, initial_epoch: int) -> _Position:
         if resume_from is None:
-            return _Position()
+            return _Position(epoch=initial_epoch)
         ckpt = TrainingCheckpoint.load(resume_from)
         ckpt.check(self.fingerprint(), resume_from)
         self._iteration = ckpt.iteration
@@ -193,16 +201,24 @@ class ParallelWrapper:
                 "total_batches": t.bar.total}
 
     def _begin(self, pool: Any, data: Any, start: _Position) -> IndexedDataset | None:
-        """Start the fit on every worker; returns the dataset dealt by index, if any."""
+        """Start the fit on every worker; returns the dataset dealt by index, if any.
+
+        The user's model and optimizer are the master copies: their current state goes out
+        (a learning rate changed between fits applies), and the workers' RNGs are seeded from
+        the caller's, so ``torch.manual_seed`` makes dropout reproducible too.
+        """
         indexed = indexed_view(data)
+        opt = self._user_optimizer.state_dict() if self._user_optimizer is not None else None
+        seed = int(torch.randint(0, 2**62, ()).item())
+        state = _master_state(self.model)
         try:
-            pool.begin(_master_state(self.model), indexed, start.replicas)
-        except NotPicklableError as e:  # e.g. a dataset holding a lambda: stream it instead
+            pool.begin(state, indexed, start.replicas, opt, seed)
+        except NotPicklableError as e:  # e.g. a dataset holding a lock: stream it instead
             if indexed is None:
                 raise
             log.info("%s; its batches go through the parent process instead", e)
             indexed = None
-            pool.begin(_master_state(self.model), None, start.replicas)
+            pool.begin(state, None, start.replicas, opt, seed)
         return indexed
 
     def _deal(self, pool: Any, tracker: RoundTracker, data: Any, indexed: Any,
@@ -260,13 +276,7 @@ class ParallelWrapper:
     def _drain(self, pool: Any, tracker: RoundTracker, block: bool) -> Any:
         """Handle worker replies; returns the first non-step reply when ``block``."""
         while True:
-            try:
-                msg = pool.recv(timeout_s=None if block else 0)
-            except WorkerError as e:
-                where = tracker.batch_of(e.batch, e.worker)
-                if where:
-                    e.args = (f"{e.args[0]}\n(at {where})",)
-                raise
+            msg = pool.recv(timeout_s=None if block else 0)
             if msg is None:
                 return None
             if msg[0] == "step":

@@ -140,3 +140,26 @@ def test_conditions_in_isolation():
     assert MaxScore(10).terminate(0, float("nan")) and MaxScore(10).terminate(0, 11)
     assert not MaxScore(10).terminate(0, 9)
     assert MaxEpochs(3).terminate(2, 0.0, True) and not MaxEpochs(3).terminate(1, 0.0, True)
+
+
+def test_listeners_see_the_real_epochs_under_early_stopping(tmp_path):
+    from paraloom.listeners import CheckpointListener, TrainingListener
+
+    epochs_seen = []
+
+    class Epochs(TrainingListener):
+        def on_epoch_end(self, epoch, loss):
+            epochs_seen.append(epoch)
+
+    model = Scalar()
+    data = [(torch.tensor([[1.0]]), torch.zeros(1))]
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(4)],
+                                 score_calculator=lambda m: float(m.w.detach()))
+    trainer = EarlyStoppingParallelTrainer(
+        config, model, data, loss_fn=linear_loss, workers=1, progress=False,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        listeners=[Epochs(), CheckpointListener(tmp_path, every_n_epochs=2)])
+    trainer.fit()
+    assert epochs_seen == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-epoch1-iter2.safetensors", "checkpoint-epoch3-iter4.safetensors"]

@@ -32,13 +32,13 @@ class _KillAt(TrainingListener):
             os.kill(self.wrapper.worker_pids[-1], signal.SIGKILL)
 
 
-def _run(mode, listeners=(), resume_from=None, epochs=3):
+def _run(mode, listeners=(), resume_from=None, epochs=3, workers=2, dropout=False):
     torch.manual_seed(0)
-    model = LeNet(image_size=8)
+    model = MLP(in_features=64, hidden=[64], dropout=0.3) if dropout else LeNet(image_size=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(digits("train"), batch_size=64, shuffle=True)
     options = {"averaging_frequency": 3} if mode == "averaging" else {}
-    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=workers,
                          training_mode=mode, progress=False, listeners=list(listeners),
                          **options) as w:
         w.fit(loader, epochs=epochs, resume_from=resume_from)
@@ -47,15 +47,35 @@ def _run(mode, listeners=(), resume_from=None, epochs=3):
 
 @pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
 def test_resume_after_a_kill_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, mode):
-    reference = _run(mode)
+    reference = _run(mode, dropout=True)
     kill_at = random.Random(mode).randrange(9, 30)  # a "random" but reproducible step
     with pytest.raises(WorkerError, match="SIGKILL"):
         _run(mode, [CheckpointListener(tmp_path, every_n_iterations=4, every_n_epochs=None),
-                    _KillAt(kill_at)])
+                    _KillAt(kill_at)], dropout=True)
     latest = TrainingCheckpoint.load(tmp_path)
     assert latest.iteration <= kill_at + 1 and latest.iteration % 4 == 0
     assert len(list(tmp_path.glob("*.safetensors"))) <= 3  # keep_last
-    assert _run(mode, resume_from=tmp_path) == reference
+    assert _run(mode, resume_from=tmp_path, dropout=True) == reference
+
+
+class _FailAt(TrainingListener):
+    def __init__(self, at):
+        self.at = at
+
+    def on_iteration(self, iteration, epoch, loss):
+        if iteration == self.at:
+            raise KeyboardInterrupt  # the user pressing Ctrl-C mid-training
+
+
+def test_resume_in_one_process_with_dropout_is_bitwise_equal(tmp_path):
+    # With workers=1 the replica shares the caller's RNG with the data order.
+    reference = _run("averaging", workers=1, dropout=True)
+    with pytest.raises(KeyboardInterrupt):
+        _run("averaging", [CheckpointListener(tmp_path, every_n_iterations=10,
+                                              every_n_epochs=None), _FailAt(37)],
+             workers=1, dropout=True)
+    assert TrainingCheckpoint.load(tmp_path).iteration == 30
+    assert _run("averaging", resume_from=tmp_path, workers=1, dropout=True) == reference
 
 
 class _CrashingWrite(TrainingListener):

@@ -57,6 +57,40 @@ def test_lenet_on_digits_reaches_95_percent_and_replicas_match(digits_loader, di
     assert digest(model) == r0[-1][2], "the user's model must hold the final average"
 
 
+def _simulate_averaging(values, targets, workers, frequency, lr):
+    """The specification in plain Python: one scalar replica per worker, SGD on 0.5*(w*x-t)^2,
+    one batch per worker per round, mean every `frequency` rounds and at the end."""
+    w = [0.0] * workers
+    rounds = [list(range(i, min(i + workers, len(values)))) for i in range(0, len(values),
+                                                                            workers)]
+    for r, batch in enumerate(rounds, start=1):
+        for rank, i in enumerate(batch):
+            w[rank] -= lr * (w[rank] * values[i] - targets[i]) * values[i]
+        if r % frequency == 0:
+            w = [sum(w) / workers] * workers
+    if len(rounds) % frequency:
+        w = [sum(w) / workers] * workers
+    return w[0]
+
+
+@pytest.mark.parametrize("frequency", [1, 2, 3])
+def test_averaging_frequency_matches_the_specification(frequency):
+    from training_helpers import quadratic_loss
+
+    values, targets = [1.0, 2.0, 0.5, 1.5, 1.0, 0.5, 2.0], [1.0, -1.0, 2.0, 0.0, 1.0, 3.0, -2.0]
+    batches = [(torch.tensor([[v]], dtype=torch.float64), torch.tensor([[t]], dtype=torch.float64))
+               for v, t in zip(values, targets, strict=True)]
+    model = Scalar().double()
+    with ParallelWrapper(model, loss_fn=quadratic_loss, workers=2, progress=False,
+                         averaging_frequency=frequency,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.3)) as w:
+        w.fit(batches)
+    expected = _simulate_averaging(values, targets, 2, frequency, 0.3)
+    assert model.w.item() == pytest.approx(expected, abs=1e-12)
+    others = {f: _simulate_averaging(values, targets, 2, f, 0.3) for f in (1, 2, 3)}
+    assert len({round(v, 9) for v in others.values()}) == 3, "the frequencies must differ"
+
+
 @pytest.mark.parametrize("frequency", [1, 2])
 def test_averaging_matches_closed_form(frequency):
     # Worker 0 trains on 1 and 5, worker 1 on 3 and 7; SGD lr=1 moves w by -x each step.
@@ -320,3 +354,54 @@ def test_a_source_that_refills_one_buffer_loses_no_batch():
             wrapper.fit(Source())
         expected = -25.0 if workers == 1 else -12.5
         assert model.w.item() == expected, workers
+
+
+def test_routed_parameters_average_only_the_optimizer_state_every_replica_has():
+    from training_helpers import TwoHeads
+
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)
+    # Round 0: worker 0 trains head a on x=1, worker 1 trains head b on x=3.
+    batches = [((torch.tensor([[1.0]]), torch.tensor(0)), torch.zeros(1)),
+               ((torch.tensor([[3.0]]), torch.tensor(1)), torch.zeros(1))]
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=2,
+                         progress=False) as w:
+        w.fit(batches)
+    assert (model.a.item(), model.b.item()) == (-0.5, -1.5)
+    # a's momentum exists on worker 0 only: it is not mixed with b's (which would give 2.0).
+    assert opt.state[model.a]["momentum_buffer"].item() == 1.0
+    assert model.b not in opt.state or "momentum_buffer" not in opt.state[model.b]
+
+
+def test_the_users_optimizer_is_the_master_copy_across_fits_and_restarts():
+    def run(restart):
+        model = Scalar()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=2,
+                             progress=False) as w:
+            w.fit(scalar_batches([1, 3]))
+            if restart:
+                w.close()  # new workers must continue with the same momentum
+            w.fit(scalar_batches([1, 3]))
+            before = model.w.item()
+            for group in opt.param_groups:
+                group["lr"] = 0.0  # a learning-rate change between fits applies
+            w.fit(scalar_batches([1, 3]))
+        assert model.w.item() == before and opt.param_groups[0]["lr"] == 0.0
+        return before
+
+    assert run(restart=False) == run(restart=True)
+
+
+def test_torch_manual_seed_makes_dropout_in_workers_reproducible():
+    def run(seed):
+        torch.manual_seed(seed)
+        model = MLP(in_features=64, dropout=0.5)
+        batches = [(torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))) for _ in range(4)]
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+            w.fit(batches, epochs=2)
+        return digest(model)
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)

@@ -91,3 +91,20 @@ def stuck_on_rank_one(model: nn.Module, batch) -> torch.Tensor:
         time.sleep(3600)
     x, y = batch
     return nn.functional.mse_loss(model(x), y)
+
+
+class TwoHeads(nn.Module):
+    """Two scalar weights; a batch says which one it trains (a routed, multi-task model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(1))
+        self.b = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return (self.a if int(head) == 0 else self.b) * x
+
+
+def quadratic_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """0.5 * (w*x - t)^2 averaged: the gradient depends on w, so averaging order matters."""
+    return 0.5 * ((out - target) ** 2).mean()

@@ -47,15 +47,13 @@ def average_tensors_(tensors: list[torch.Tensor], group: object, world_size: int
     return sent
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's state tensors (momentum, Adam moments, steps) in a fixed order."""
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """Per parameter, in a fixed order: its optimizer state tensors (momentum, moments, step)."""
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            for key in sorted(optimizer.state.get(p, {})):
-                value = optimizer.state[p][key]
-                if isinstance(value, torch.Tensor):
-                    out.append(value)
+            state = optimizer.state.get(p, {})
+            out.append([state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)])
     return out
 
 
@@ -115,15 +113,20 @@ class Averaging(Synchronizer):
             self._average_optimizer_state(ctx)
 
     def _average_optimizer_state(self, ctx: StepContext) -> None:
-        state = optimizer_state_tensors(ctx.optimizer)
-        # A replica that has not stepped yet has no state: average only when all have the same.
-        count = torch.tensor([len(state), -len(state)], dtype=torch.int64, device=ctx.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ctx.group)
-        if int(count[0]) != -int(count[1]):
-            log.debug("optimizer state differs across replicas; not averaged this time")
-            return
-        if state:
-            self.bytes_sent += average_tensors_(state, ctx.group, ctx.world_size, ctx.device)
+        per_param = optimizer_state_tensors(ctx.optimizer)
+        # A parameter that got no gradient on some replica has no state there (a routed or
+        # multi-task model): average only parameters whose state every replica holds.
+        counts = torch.tensor([len(t) for t in per_param], dtype=torch.int64, device=ctx.device)
+        both = torch.cat([counts, -counts])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
+        most, least = both[:len(counts)], -both[len(counts):]
+        tensors = [t for i, ts in enumerate(per_param) if most[i] == least[i] for t in ts]
+        if len(tensors) < sum(len(ts) for ts in per_param):
+            log.debug("optimizer state missing on some replica for some parameters; those "
+                      "are not averaged this time")
+        if tensors:
+            self.bytes_sent += average_tensors_(tensors, ctx.group, ctx.world_size, ctx.device)
+        self.bytes_sent += Synchronizer.collective_bytes(both, ctx.world_size)
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "averagings": float(self.averagings)}

@@ -90,7 +90,9 @@ class Replica:
         if state is not None:
             self.model.load_state_dict(state)
         if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
+            # A private copy: what arrived from the parent lives in memory shared with the
+            # other replicas, and load_state_dict keeps same-device tensors as they are.
+            self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
         if seed is not None:
             torch.manual_seed(seed)
         self.ctx.step = 0
@@ -185,7 +187,7 @@ class Replica:
 
     def _restore(self, snap: dict[str, Any]) -> None:
         self.model.load_state_dict(snap["model"])
-        self.optimizer.load_state_dict(snap["optimizer"])
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         self.ctx.step = int(snap["step"])
         self._rng = snap["rng"]
         if "cuda_rng" in snap and self.device.type == "cuda":

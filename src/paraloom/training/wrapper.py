@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from collections.abc import Iterable, Iterator
@@ -208,7 +209,8 @@ class ParallelWrapper:
         the caller's, so ``torch.manual_seed`` makes dropout reproducible too.
         """
         indexed = indexed_view(data)
-        opt = self._user_optimizer.state_dict() if self._user_optimizer is not None else None
+        opt = copy.deepcopy(self._user_optimizer.state_dict()) \
+            if self._user_optimizer is not None else None  # never share the user's tensors
         seed = int(torch.randint(0, 2**62, ()).item())
         state = _master_state(self.model)
         try:

@@ -46,7 +46,7 @@ def test_early_stopped_run_returns_the_best_model(digits_loader, digits_test, tm
     config = EarlyStoppingConfig(
         epoch_conditions=[MaxEpochs(8), ScoreImprovement(patience=2, min_delta=0.001)],
         score_calculator=calc, model_saver=LocalDirectorySaver(tmp_path), save_last_model=True)
-    model, trainer = _lenet_trainer(config, digits_loader, training_mode="shared_gradients")
+    model, trainer = _lenet_trainer(config, digits_loader, training_mode="allreduce")
     result = trainer.fit()
     assert result.termination_reason == "epoch_condition"
     assert result.total_epochs == len(result.scores) <= 8

@@ -32,11 +32,13 @@ class _KillAt(TrainingListener):
             os.kill(self.wrapper.worker_pids[-1], signal.SIGKILL)
 
 
-def _run(mode, listeners=(), resume_from=None, epochs=3, workers=2, dropout=False):
+def _run(mode, listeners=(), resume_from=None, epochs=3, workers=2, dropout=False,
+         generator=False):
     torch.manual_seed(0)
     model = MLP(in_features=64, hidden=[64], dropout=0.3) if dropout else LeNet(image_size=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = DataLoader(digits("train"), batch_size=64, shuffle=True)
+    loader = DataLoader(digits("train"), batch_size=64, shuffle=True,
+                        generator=torch.Generator().manual_seed(7) if generator else None)
     options = {"averaging_frequency": 3} if mode == "averaging" else {}
     with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=workers,
                          training_mode=mode, progress=False, listeners=list(listeners),
@@ -139,3 +141,15 @@ def test_a_checkpoint_from_another_configuration_is_refused(tmp_path):
         w3.fit(batches, resume_from=tmp_path / "model.safetensors")
     header = (tmp_path / "checkpoint-epoch0-iter4.safetensors").read_bytes()[:4096]
     assert b"pickle" not in header
+
+
+def test_resume_restores_a_dataloaders_own_generator(tmp_path):
+    reference = _run("averaging", generator=True)
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        _run("averaging", [CheckpointListener(tmp_path, every_n_iterations=5,
+                                              every_n_epochs=None), _KillAt(21)],
+             generator=True)
+    assert TrainingCheckpoint.load(tmp_path).iteration == 20
+    assert _run("averaging", resume_from=tmp_path, generator=True) == reference
+    with pytest.raises(ValueError, match="generator="):
+        _run("averaging", resume_from=tmp_path, generator=False)

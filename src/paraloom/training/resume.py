@@ -69,8 +69,9 @@ class TrainingCheckpoint:
     batch: int
     iteration: int
     """Rounds completed across fit() calls."""
-    data_rng: torch.Tensor
-    """The parent's torch RNG state at the start of ``epoch``: it fixes the shuffle order."""
+    data_rng: list[torch.Tensor]
+    """At the start of ``epoch``: the parent's torch RNG state, then the states of the data
+    source's own generators (``DataLoader(generator=...)``): they fix the shuffle order."""
     replicas: list[dict[str, Any]]
 
     def save(self, path: str | Path) -> Path:
@@ -141,7 +142,7 @@ class SnapshotCollector:
         self.pending = {}
 
     def request(self, pool: Any, iteration: int, epoch: int, dealt: int,
-                epoch_rng: torch.Tensor, epoch_end: bool) -> None:
+                epoch_rng: list[torch.Tensor], epoch_end: bool) -> None:
         """Ask for a snapshot after round ``iteration`` if a listener wants a checkpoint."""
         wanting = [x for x in self.listeners if x.wants_checkpoint(iteration, epoch, epoch_end)]
         known = self.pending.get(iteration)

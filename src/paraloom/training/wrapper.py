@@ -227,9 +227,10 @@ class ParallelWrapper:
               epochs: int, start: _Position) -> None:
         round_id, base = 0, tracker.iteration
         for epoch in range(start.epoch, epochs):
+            generators = _data_generators(data)
             if epoch == start.epoch and start.data_rng is not None:
-                torch.set_rng_state(start.data_rng)  # the interrupted epoch's shuffle order
-            epoch_rng = torch.get_rng_state()
+                _set_data_rng(start.data_rng, generators)  # the interrupted epoch's order
+            epoch_rng = [torch.get_rng_state(), *(g.get_state() for g in generators)]
             skip = start.batch if epoch == start.epoch else 0
             dealt = skip
             for payloads in self._rounds(data, indexed, skip):
@@ -325,8 +326,30 @@ class _Position:
 
     epoch: int = 0
     batch: int = 0
-    data_rng: torch.Tensor | None = None
+    data_rng: list[torch.Tensor] | None = None
     replicas: list[Any] | None = None
+
+
+def _data_generators(data: Any) -> list[torch.Generator]:
+    """The data source's own generators (a DataLoader's, its sampler's), each once."""
+    found: list[torch.Generator] = []
+    sampler = getattr(data, "sampler", None)
+    batch_sampler = getattr(data, "batch_sampler", None)
+    for g in (getattr(data, "generator", None), getattr(sampler, "generator", None),
+              getattr(getattr(batch_sampler, "sampler", None), "generator", None)):
+        if isinstance(g, torch.Generator) and all(g is not x for x in found):
+            found.append(g)
+    return found
+
+
+def _set_data_rng(states: list[torch.Tensor], generators: list[torch.Generator]) -> None:
+    if len(states) != len(generators) + 1:
+        raise ValueError(f"the checkpoint holds {len(states) - 1} data generator state(s) but "
+                         f"this data source has {len(generators)}: resume with the same kind of "
+                         "DataLoader (with or without generator=) as the interrupted run")
+    torch.set_rng_state(states[0])
+    for g, state in zip(generators, states[1:], strict=True):
+        g.set_state(state)
 
 
 def _checked(batch: Any) -> Any:

@@ -48,37 +48,27 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class CrashOnce(nn.Module):
-    """Cross-entropy; on rank ``rank``'s ``at``-th call the process exits, unless ``marker`` exists.
+class Crash(nn.Module):
+    """Cross-entropy; on rank ``rank``'s ``at``-th call the process exits.
 
-    The marker is written just before the exit, so only the first stage attempt dies: a
-    deterministic "task killed mid-fit".
+    With ``marker``, only while the marker file does not exist: it is written just before the
+    exit, so only the first stage attempt dies (a deterministic "task killed mid-fit").
+    Without it, every attempt dies.
     """
 
-    def __init__(self, marker: str, at: int, rank: int = 1) -> None:
+    def __init__(self, at: int, rank: int = 1, marker: str | None = None) -> None:
         super().__init__()
         self.marker, self.at, self.rank, self.calls = marker, at, rank, 0
 
     def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.calls == self.at and _rank() == self.rank and not os.path.exists(self.marker):
-            with open(self.marker, "w") as f:
-                f.write(str(os.getpid()))
-            os._exit(3)
-        return F.cross_entropy(out, target)
-
-
-class AlwaysCrash(nn.Module):
-    """Cross-entropy; rank ``rank`` exits on its ``at``-th call in every attempt."""
-
-    def __init__(self, at: int, rank: int = 1) -> None:
-        super().__init__()
-        self.at, self.rank, self.calls = at, rank, 0
-
-    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
         if self.calls == self.at and _rank() == self.rank:
-            os._exit(3)
+            if self.marker is None:
+                os._exit(3)
+            if not os.path.exists(self.marker):
+                with open(self.marker, "w") as f:
+                    f.write(str(os.getpid()))
+                os._exit(3)
         return F.cross_entropy(out, target)
 
 

@@ -101,7 +101,7 @@ def test_killed_task_is_retried_and_resumes_from_checkpoint(spark, sc, tmp_path)
     model, opt = lenet()
     marker = tmp_path / "killed"
     net = SparkModel(spark, model, shared_master(checkpoint_every=10),
-                     loss_fn=h.CrashOnce(str(marker), at=28), optimizer=opt)
+                     loss_fn=h.Crash(at=28, marker=str(marker)), optimizer=opt)
     summary = net.fit(h.rdd(sc, "train"), epochs=2)
     assert marker.exists()  # rank 1 really died on the first attempt
     assert summary["stage_attempts"] == 2
@@ -112,7 +112,7 @@ def test_killed_task_is_retried_and_resumes_from_checkpoint(spark, sc, tmp_path)
 
 def test_task_killed_in_every_attempt_fails_clearly(spark, sc):
     model, opt = lenet()
-    net = SparkModel(spark, model, shared_master(), loss_fn=h.AlwaysCrash(at=3),
+    net = SparkModel(spark, model, shared_master(), loss_fn=h.Crash(at=3),
                      optimizer=opt)
     before = state_digest(model.state_dict())
     start = time.monotonic()

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 __all__ = ["split_batch", "batch_size", "to_device", "describe", "map_tensors", "iter_tensors",
-           "Prefetcher", "IndexedDataset", "as_data_source"]
+           "cpu_copy", "Prefetcher", "IndexedDataset", "as_data_source"]
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
@@ -71,6 +71,11 @@ def batch_size(inputs: Any) -> int:
 def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor in a tensor / tuple / list / dict structure to ``device``."""
     return map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def cpu_copy(obj: Any) -> Any:
+    """Independent CPU copies of every tensor in a structure (a state_dict, optimizer state)."""
+    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
 
 
 def describe(obj: Any) -> str:

@@ -11,7 +11,7 @@ from paraloom.sync.compressed import Fp16AllReduce
 from paraloom.sync.registry import build_synchronizer, training_modes
 from paraloom.sync.sharing import SharedGradients
 from paraloom.sync.thresholds import FixedThreshold, ResidualClipping
-from paraloom.training.modes import TrainingMode, make_synchronizer
+from paraloom.training.modes import TrainingMode
 
 
 @pytest.mark.parametrize("mode", ["shared_gradients", "SHARED_GRADIENTS", "shared-gradients",
@@ -64,8 +64,8 @@ def test_averaging_is_imported_lazily_and_takes_the_wrapper_option_names() -> No
 
 def test_wrapper_averaging_options_pass_at_defaults_and_fail_otherwise() -> None:
     # ParallelWrapper passes its averaging options whatever the mode (at their defaults).
-    sync = make_synchronizer("shared_gradients", averaging_frequency=1, average_updaters=True,
+    sync = build_synchronizer("shared_gradients", averaging_frequency=1, average_updaters=True,
                              threshold_algorithm=FixedThreshold(1e-3))
     assert isinstance(sync, SharedGradients)
     with pytest.raises(TypeError, match="averaging_frequency=5 applies to"):
-        make_synchronizer("allreduce", averaging_frequency=5, average_updaters=True)
+        build_synchronizer("allreduce", averaging_frequency=5, average_updaters=True)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraloom.data import cpu_copy
 from paraloom.evaluation import Evaluation
 from paraloom.spark.data import Features, as_rows
 from paraloom.spark.inference import evaluate_rdd, predict_dataframe, predict_rdd, ship
@@ -95,7 +96,7 @@ class SparkModel:
             raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
         spec = WorkerSpec(model=self.model, optimizer=self._optimizer_spec, loss_fn=self.loss_fn,
                           step_fn=self.step_fn, synchronizer=NoSync())
-        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        state = cpu_copy(self.model.state_dict())
         job = FitJob(self.sc, spec, state, self._optimizer_state_now(), self.features)
         result = self.master.fit(job, as_rows(data, features, label), epochs=epochs, seed=seed,
                                  collect_stats=collect_stats)

@@ -1,13 +1,10 @@
-"""Training modes and how a mode name becomes a synchronizer."""
+"""Training modes; ``paraloom.sync.registry`` turns one into a synchronizer."""
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
 
-from paraloom.sync.base import Synchronizer
-
-__all__ = ["TrainingMode", "make_synchronizer"]
+__all__ = ["TrainingMode"]
 
 
 class TrainingMode(str, Enum):
@@ -21,10 +18,3 @@ class TrainingMode(str, Enum):
     """Average dense gradients every step through PyTorch DDP."""
     CUSTOM = "custom"
     """A user-supplied ``Synchronizer``."""
-
-
-def make_synchronizer(mode: Any, **options: Any) -> Synchronizer:
-    """The synchronizer for ``mode``: a TrainingMode, its name, or a Synchronizer instance."""
-    from paraloom.sync.registry import build_synchronizer
-
-    return build_synchronizer(mode, **options)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraloom.data import describe, iter_tensors, map_tensors, split_batch, to_device
+from paraloom.data import cpu_copy, describe, iter_tensors, map_tensors, split_batch, to_device
 from paraloom.precision import Precision, resolve_precision
 from paraloom.sync.base import StepContext, Synchronizer
 from paraloom.training.optim import OptimizerSpec
@@ -172,7 +172,7 @@ class Replica:
 
     def state(self) -> dict[str, torch.Tensor]:
         """Independent CPU copies of the parameters and buffers."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return cpu_copy(self.model.state_dict())
 
     def snapshot(self) -> dict[str, Any]:
         """Everything needed to continue this replica exactly: weights, optimizer, sync, RNG."""

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraloom.data import IndexedDataset, batch_size, split_batch
+from paraloom.data import IndexedDataset, batch_size, cpu_copy, split_batch
 from paraloom.errors import NotPicklableError
 from paraloom.sync.base import Synchronizer
 from paraloom.training.optim import OptimizerSpec
@@ -128,7 +128,7 @@ class ReplicaRunner:
         result: dict[str, Any] = {"stats": self.replica.sync.stats(), "steps": self.steps}
         if send_state:
             result["state"] = self.replica.state()
-            result["optimizer"] = _cpu(self.replica.optimizer.state_dict())
+            result["optimizer"] = cpu_copy(self.replica.optimizer.state_dict())
         return result
 
 
@@ -137,16 +137,6 @@ def _rows(batch: Any) -> int:
         return batch_size(split_batch(batch)[0])
     except TypeError:
         return batch_size(batch)
-
-
-def _cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu(v) for v in obj]
-    return obj
 
 
 @dataclass

@@ -13,11 +13,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraloom.data import IndexedDataset, Prefetcher, as_data_source, indexed_view, split_batch
+from paraloom.data import (
+    IndexedDataset,
+    Prefetcher,
+    as_data_source,
+    cpu_copy,
+    indexed_view,
+    split_batch,
+)
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.listeners import TrainingListener, as_listener
 from paraloom.precision import resolve_precision
-from paraloom.training.modes import TrainingMode, make_synchronizer
+from paraloom.sync.registry import build_synchronizer
+from paraloom.training.modes import TrainingMode
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.pool import LocalPool, ProcessPool
 from paraloom.training.replica import StepFn
@@ -67,7 +75,7 @@ class ParallelWrapper:
         self.progress = progress
         self.timeout = timeout
         self.listeners: list[TrainingListener] = [as_listener(x) for x in listeners]
-        self.synchronizer = make_synchronizer(
+        self.synchronizer = build_synchronizer(
             training_mode, averaging_frequency=averaging_frequency,
             average_updaters=average_updaters, **sync_options)
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -212,7 +220,7 @@ class ParallelWrapper:
         opt = copy.deepcopy(self._user_optimizer.state_dict()) \
             if self._user_optimizer is not None else None  # never share the user's tensors
         seed = int(torch.randint(0, 2**62, ()).item())
-        state = _master_state(self.model)
+        state = cpu_copy(self.model.state_dict())
         try:
             pool.begin(state, indexed, start.replicas, opt, seed)
         except NotPicklableError as e:  # e.g. a dataset holding a lock: stream it instead
@@ -362,7 +370,3 @@ def _total(data: Any, epochs: int) -> int | None:
         return len(data) * epochs
     except TypeError:
         return None
-
-
-def _master_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from paraloom.data import split_batch, to_device
-from paraloom.training.replica import forward
+from paraloom.forward import forward
 
 __all__ = ["Evaluation", "evaluate"]
 

@@ -16,7 +16,8 @@ __all__ = ["Averaging", "average_tensors_", "optimizer_state_tensors"]
 log = logging.getLogger(__name__)
 
 
-def average_tensors_(tensors: list[torch.Tensor], group: object, world_size: int,
+def average_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
+                     world_size: int,
                      device: torch.device | None = None) -> int:
     """Average ``tensors`` in place across the group; returns the bytes this rank sent.
 
@@ -79,7 +80,6 @@ class Averaging(Synchronizer):
         self.frequency = frequency
         self.average_updaters = average_updaters
         self.averagings = 0
-        self.synced_last_step = False
 
     def setup(self, ctx: StepContext) -> None:
         self.sync_steps = 0
@@ -94,12 +94,14 @@ class Averaging(Synchronizer):
 
     def _tick(self, ctx: StepContext) -> None:
         self.sync_steps += 1
-        self.synced_last_step = self.sync_steps % self.frequency == 0
-        if self.synced_last_step:
+        if self.synchronized():
             self.average(ctx)
 
+    def synchronized(self) -> bool:
+        return self.sync_steps % self.frequency == 0
+
     def finish(self, ctx: StepContext) -> None:
-        if self.sync_steps % self.frequency != 0:
+        if not self.synchronized():
             self.average(ctx)
 
     def average(self, ctx: StepContext) -> None:

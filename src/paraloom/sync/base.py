@@ -39,7 +39,7 @@ class StepContext:
     model: nn.Module
     """The replica's model (the unwrapped module: its parameters are the replica's)."""
     optimizer: torch.optim.Optimizer
-    group: Any = None
+    group: dist.ProcessGroup | None = None
     """The torch.distributed process group, or None when training in one process."""
     rank: int = 0
     world_size: int = 1
@@ -48,7 +48,7 @@ class StepContext:
     """Rounds completed in this fit() before the current one (counts idle rounds too)."""
     skip_optimizer_step: bool = False
     """Set by ``after_backward`` to tell the loop not to call ``optimizer.step()``."""
-    scaler: Any = None
+    scaler: torch.amp.GradScaler | None = None
     """The replica's ``torch.amp.GradScaler`` with precision="16-mixed", else None: a
     synchronizer that steps the optimizer itself must go through it."""
 
@@ -87,6 +87,12 @@ class Synchronizer:
 
     def idle_step(self, ctx: StepContext) -> None:
         """This replica had no batch this round: make the same collective calls as the others."""
+
+    def synchronized(self) -> bool:
+        """Whether the round just finished ended at a synchronization point: every replica
+        holds the same parameters. True by default (schemes that sync every step); a periodic
+        scheme returns False between its synchronizations."""
+        return True
 
     # -- reporting ---------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:

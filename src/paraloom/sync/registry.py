@@ -30,12 +30,15 @@ def training_modes() -> tuple[str, ...]:
     return (*_FACTORIES, "custom")
 
 
-def _load(name: str) -> Any:
+def _load(name: str) -> type[Synchronizer]:
     module, _, attr = _FACTORIES[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    factory = getattr(importlib.import_module(module), attr)
+    if not (isinstance(factory, type) and issubclass(factory, Synchronizer)):
+        raise TypeError(f"{_FACTORIES[name]} is not a Synchronizer subclass")
+    return factory
 
 
-def _normalize(training_mode: Any) -> str:
+def _normalize(training_mode: object) -> str:
     value = training_mode.value if isinstance(training_mode, Enum) else training_mode
     if not isinstance(value, str):
         raise TypeError(f"training_mode={training_mode!r} ({type(training_mode).__name__}); "
@@ -59,7 +62,8 @@ def _mode_options(name: str, given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_synchronizer(training_mode: Any, **options: Any) -> Synchronizer:
+def build_synchronizer(training_mode: str | Enum | Synchronizer | type[Synchronizer],
+                       **options: Any) -> Synchronizer:
     """Build the synchronizer for ``training_mode`` with the options the user set.
 
     Options whose value is None count as not set. A ``Synchronizer`` instance is returned as

@@ -2,7 +2,7 @@
 
 Each step, every replica:
 
-1. snapshots its parameters (``after_backward``), lets the optimizer step, and takes the
+1. saves its parameters (``after_backward``), lets the optimizer step, and takes the
    update ``delta = new - old`` (learning rate, momentum etc. applied, as in DL4J);
 2. puts its parameters back to ``old`` and adds ``delta`` (divided by the number of replicas
    when ``combine="mean"``) to its residual;
@@ -40,7 +40,7 @@ __all__ = ["SharedGradients", "exchange_messages"]
 _ENCODINGS = ("auto", "threshold", "bitmap")
 
 
-def exchange_messages(msg: Encoded, nonfinite: int, group: Any,
+def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | None,
                       world_size: int) -> tuple[list[Encoded], list[int], int]:
     """All-gather every rank's message: (messages in rank order, non-finite counts, bytes sent).
 
@@ -76,7 +76,7 @@ class _Replica:
     """The tensors one replica keeps between steps (built in ``setup``)."""
 
     __slots__ = ("params", "old", "residual", "residual_views", "applied", "applied_views",
-                 "snapshot")
+                 "old_saved")
 
     def __init__(self, params: list[nn.Parameter], residual: Tensor) -> None:
         self.params = params
@@ -85,7 +85,7 @@ class _Replica:
         self.residual_views = _views(residual, params)
         self.applied = torch.zeros_like(residual)
         self.applied_views = _views(self.applied, params)
-        self.snapshot = False
+        self.old_saved = False
 
 
 def _views(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
@@ -198,14 +198,14 @@ class SharedGradients(Synchronizer):
         with torch.no_grad():
             for p, old in zip(replica.params, replica.old, strict=True):
                 old.copy_(p)
-        replica.snapshot = True
+        replica.old_saved = True
 
     def after_step(self, ctx: StepContext) -> None:
         replica = self._require_setup()
-        if not replica.snapshot:
+        if not replica.old_saved:
             raise RuntimeError("shared_gradients: after_step without after_backward; expected "
                                "the loop to call after_backward before optimizer.step()")
-        replica.snapshot = False
+        replica.old_saved = False
         scale = 1.0 / ctx.world_size if self.combine == "mean" else 1.0
         with torch.no_grad():
             for p, old, r in zip(replica.params, replica.old, replica.residual_views, strict=True):
@@ -226,7 +226,7 @@ class SharedGradients(Synchronizer):
 
     def idle_step(self, ctx: StepContext) -> None:
         replica = self._require_setup()
-        replica.snapshot = False
+        replica.old_saved = False
         msg = empty_message(replica.residual.numel(), replica.residual.device)
         with torch.no_grad():
             # The parameters are still "old": this replica did not step.

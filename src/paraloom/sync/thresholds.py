@@ -45,7 +45,7 @@ def _fraction(name: str, value: Any) -> float:
     value = _positive(name, value)
     if value >= 1:
         raise ValueError(f"{name}={value!r}; expected a fraction of elements in (0, 1)")
-    return value
+    return float(value)
 
 
 def _decay(value: Any) -> float:
@@ -53,7 +53,7 @@ def _decay(value: Any) -> float:
     if not 0.5 <= value < 1:
         raise ValueError(f"decay={value!r}; expected a factor in [0.5, 1), e.g. "
                          f"0.5 ** (1 / 20) = {DEFAULT_DECAY:.5f} (DL4J's default)")
-    return value
+    return float(value)
 
 
 class ThresholdAlgorithm:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from paraloom.training.conditions import (
     MaxEpochs,
 )
 from paraloom.training.savers import InMemoryModelSaver, ModelSaver
-from paraloom.training.scores import as_score_calculator
+from paraloom.training.scores import ScoreCalculator, as_score_calculator
 from paraloom.training.wrapper import ParallelWrapper
 
 __all__ = ["EarlyStoppingConfig", "EarlyStoppingResult", "EarlyStoppingParallelTrainer"]
@@ -37,7 +38,7 @@ class EarlyStoppingConfig:
 
     epoch_conditions: list[EpochTerminationCondition] = field(default_factory=list)
     iteration_conditions: list[IterationTerminationCondition] = field(default_factory=list)
-    score_calculator: Any = None
+    score_calculator: ScoreCalculator | Callable[[nn.Module], float] | None = None
     """A ScoreCalculator or a callable model -> float (lower is better unless declared)."""
     model_saver: ModelSaver = field(default_factory=InMemoryModelSaver)
     evaluate_every_n_epochs: int = 1
@@ -80,10 +81,10 @@ class _IterationWatch(TrainingListener):
 
     def __init__(self, conditions: list[IterationTerminationCondition]) -> None:
         self.conditions = conditions
-        self.wrapper: Any = None
+        self.wrapper: ParallelWrapper | None = None
         self.triggered: IterationTerminationCondition | None = None
 
-    def on_fit_start(self, wrapper: Any) -> None:
+    def on_fit_start(self, wrapper: ParallelWrapper) -> None:
         self.wrapper = wrapper
 
     def on_iteration(self, iteration: int, epoch: int, loss: float) -> None:
@@ -92,14 +93,15 @@ class _IterationWatch(TrainingListener):
         for condition in self.conditions:
             if condition.terminate(iteration, loss):
                 self.triggered = condition
-                self.wrapper.stop()
+                if self.wrapper is not None:
+                    self.wrapper.stop()
                 return
 
 
 class EarlyStoppingParallelTrainer:
     """Train with ParallelWrapper (any mode) until a termination condition holds."""
 
-    def __init__(self, config: EarlyStoppingConfig, model: nn.Module, train_data: Any,
+    def __init__(self, config: EarlyStoppingConfig, model: nn.Module, train_data: Iterable[Any],
                  **wrapper_options: Any) -> None:
         self.config = config
         self.model = model
@@ -110,9 +112,11 @@ class EarlyStoppingParallelTrainer:
 
     def fit(self) -> EarlyStoppingResult:
         """Run to termination; the user's model ends with the last epoch's weights."""
-        cfg, calc = self.config, self.config.score_calculator
-        for c in (*cfg.epoch_conditions, *cfg.iteration_conditions):
-            c.initialize()
+        cfg, calc = self.config, as_score_calculator(self.config.score_calculator)
+        for epoch_condition in cfg.epoch_conditions:
+            epoch_condition.initialize()
+        for iteration_condition in cfg.iteration_conditions:
+            iteration_condition.initialize()
         scores: dict[int, float] = {}
         best_epoch, best_score = -1, math.nan
         reason, details, epoch = "epoch_condition", "", -1

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["OptimizerSpec"]
+__all__ = ["OptimizerSpec", "OptimizerFactory"]
+
+OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+"""``factory(model.parameters()) -> optimizer``, e.g. ``lambda p: torch.optim.SGD(p, lr=0.1)``."""
 
 
 class OptimizerSpec:
     """How to build one replica's optimizer: a class with its param groups, or a factory."""
 
-    def __init__(self, factory: Callable[[Any], torch.optim.Optimizer] | None = None, *,
+    def __init__(self, factory: OptimizerFactory | None = None, *,
                  cls: type[torch.optim.Optimizer] | None = None,
                  groups: list[dict[str, Any]] | None = None,
                  state: dict[str, Any] | None = None) -> None:
@@ -25,7 +28,8 @@ class OptimizerSpec:
         self.state = state
 
     @classmethod
-    def from_user(cls, optimizer: Any, model: nn.Module) -> OptimizerSpec:
+    def from_user(cls, optimizer: torch.optim.Optimizer | OptimizerFactory,
+                  model: nn.Module) -> OptimizerSpec:
         """Accept an optimizer built on ``model``'s parameters, or ``lambda params: ...``."""
         if isinstance(optimizer, torch.optim.Optimizer):
             return cls._from_instance(optimizer, model)
@@ -59,7 +63,8 @@ class OptimizerSpec:
         assert self.cls is not None
         params = list(model.parameters())
         groups = [{**g, "params": [params[i] for i in g["params"]]} for g in self.groups]
-        opt = self.cls(groups)
+        # Every torch optimizer takes its param groups first; only the base class needs more.
+        opt = self.cls(groups)  # type: ignore[call-arg]
         if self.state is not None:
             opt.load_state_dict(self.state)
         return opt

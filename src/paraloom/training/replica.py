@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paraloom.data import cpu_copy, describe, iter_tensors, map_tensors, split_batch, to_device
+from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.precision import Precision, resolve_precision
 from paraloom.sync.base import StepContext, Synchronizer
+from paraloom.training.messages import ModelState, ReplicaState
 from paraloom.training.optim import OptimizerSpec
 
-__all__ = ["Replica", "NonFiniteLossError", "BatchError", "forward"]
+__all__ = ["Replica", "NonFiniteLossError", "BatchError", "LossFn", "StepFn", "require_loss"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
+"""``step_fn(model, batch) -> loss``: the user's own forward and loss."""
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -28,26 +32,14 @@ class BatchError(RuntimeError):
     """The model or the loss failed on a batch; the message describes the batch."""
 
 
-def forward(model: nn.Module, inputs: Any) -> Any:
-    """Call the model on a tensor, a tuple/list (positional inputs) or a dict (keyword inputs)."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
+def require_loss(loss_fn: LossFn | None, step_fn: StepFn | None) -> None:
+    """Refuse a training setup that has no way to compute a loss."""
+    if loss_fn is None and step_fn is None:
+        raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, batch)"
+                         " -> loss")
 
 
-def compute_loss(loss_fn: Any, outputs: Any, targets: Any) -> torch.Tensor:
-    """``loss_fn(outputs, targets)``; a sequence of losses is applied per output and summed."""
-    if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module):
-        if not isinstance(outputs, (tuple, list)) or len(outputs) != len(loss_fn):
-            raise ValueError(f"{len(loss_fn)} loss functions were given but the model returned "
-                             f"{describe(outputs)}; give one loss per output")
-        return sum(f(o, t) for f, o, t in zip(loss_fn, outputs, targets, strict=True))
-    return loss_fn(outputs, targets)
-
-
-def _grad_scaler(precision: Precision, device: torch.device) -> Any:
+def _grad_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
     """fp16 autocast needs loss scaling against gradient underflow; bf16 and -true do not."""
     if precision.autocast_dtype is not torch.float16:
         return None
@@ -58,13 +50,11 @@ class Replica:
     """A private copy of the model and its optimizer on one device, kept in sync by ``sync``."""
 
     def __init__(self, model: nn.Module, optimizer: OptimizerSpec, *,
-                 loss_fn: Any = None, step_fn: StepFn | None = None,
+                 loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
                  synchronizer: Synchronizer, device: torch.device | str = "cpu",
-                 group: Any = None, rank: int = 0, world_size: int = 1,
+                 group: dist.ProcessGroup | None = None, rank: int = 0, world_size: int = 1,
                  precision: str | Precision = "32-true") -> None:
-        if loss_fn is None and step_fn is None:
-            raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, batch)"
-                             " -> loss")
+        require_loss(loss_fn, step_fn)
         self.device = torch.device(device)
         self.precision = resolve_precision(precision)
         self.precision.check_device(self.device)
@@ -82,11 +72,10 @@ class Replica:
         self._module: nn.Module = self.model
         self._rng: torch.Tensor | None = None
 
-    def begin_fit(self, state: dict[str, torch.Tensor] | None,
-                  snapshot: dict[str, Any] | None = None,
+    def begin_fit(self, state: ModelState | None, resume: ReplicaState | None = None,
                   optimizer_state: dict[str, Any] | None = None, seed: int | None = None) -> None:
-        """Load the master parameters and optimizer state (or a checkpoint's replica), seed the
-        replica's RNG, and set up the synchronizer."""
+        """Load the master parameters and optimizer state (or this replica's state from a
+        checkpoint), seed the replica's RNG, and set up the synchronizer."""
         if state is not None:
             self.model.load_state_dict(state)
         if optimizer_state is not None:
@@ -96,11 +85,11 @@ class Replica:
         if seed is not None:
             torch.manual_seed(seed)
         self.ctx.step = 0
-        if snapshot is not None:
-            self._restore(snapshot)
+        if resume is not None:
+            self._restore(resume)
         self.sync.setup(self.ctx)
-        if snapshot is not None:
-            self.sync.load_state_dict(snapshot["sync"])
+        if resume is not None:
+            self.sync.load_state_dict(resume["sync"])
         self._module = self.sync.wrap_model(self.model, self.ctx)
 
     def step(self, batch: Any | None) -> float | None:
@@ -121,7 +110,7 @@ class Replica:
             raise NonFiniteLossError(
                 f"the loss is {value} on a batch of {describe(batch)}: lower the learning rate, "
                 "check the data for NaN/inf, or clip gradients")
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        torch.autograd.backward(self.scaler.scale(loss) if self.scaler else loss)
         ctx.skip_optimizer_step = False
         self.sync.after_backward(ctx)
         if self.scaler is not None:
@@ -149,6 +138,7 @@ class Replica:
         return loss.float()
 
     def _model_loss(self, batch: Any) -> torch.Tensor:
+        assert self.loss_fn is not None  # require_loss: no step_fn means a loss_fn
         inputs, targets = split_batch(batch)
         self._check_dtype(inputs)
         try:
@@ -170,22 +160,23 @@ class Replica:
         """End of fit(): the synchronizer makes every replica hold the same parameters."""
         self.sync.finish(self.ctx)
 
-    def state(self) -> dict[str, torch.Tensor]:
+    def model_state(self) -> ModelState:
         """Independent CPU copies of the parameters and buffers."""
-        return cpu_copy(self.model.state_dict())
+        state: ModelState = cpu_copy(self.model.state_dict())
+        return state
 
-    def snapshot(self) -> dict[str, Any]:
+    def full_state(self) -> ReplicaState:
         """Everything needed to continue this replica exactly: weights, optimizer, sync, RNG."""
-        snap = {"model": self.state(), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "sync": self.sync.state_dict(), "step": self.ctx.step,
-                "rng": torch.get_rng_state()}
+        snap: ReplicaState = {
+            "model": self.model_state(), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "sync": self.sync.state_dict(), "step": self.ctx.step, "rng": torch.get_rng_state()}
         if self.device.type == "cuda":
             snap["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if self.scaler is not None:
             snap["scaler"] = self.scaler.state_dict()
         return snap
 
-    def _restore(self, snap: dict[str, Any]) -> None:
+    def _restore(self, snap: ReplicaState) -> None:
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         self.ctx.step = int(snap["step"])

@@ -18,8 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from paraloom.checkpoint import atomic_write
+from paraloom.listeners import TrainingListener
+from paraloom.training.messages import CheckpointReply, CheckpointRequest, ReplicaState
+from paraloom.training.pool import Pool
 
-__all__ = ["TrainingCheckpoint", "SnapshotCollector", "latest_checkpoint"]
+__all__ = ["TrainingCheckpoint", "CheckpointCollector", "latest_checkpoint"]
 
 _HEADER = "paraloom_checkpoint"
 _FORMAT = 1
@@ -72,7 +75,8 @@ class TrainingCheckpoint:
     data_rng: list[torch.Tensor]
     """At the start of ``epoch``: the parent's torch RNG state, then the states of the data
     source's own generators (``DataLoader(generator=...)``): they fix the shuffle order."""
-    replicas: list[dict[str, Any]]
+    replicas: list[ReplicaState | None]
+    """Per rank, ``Replica.full_state()``: all of them in a saved or loaded checkpoint."""
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (temporary file + rename): a crash leaves the old file intact."""
@@ -124,26 +128,27 @@ class TrainingCheckpoint:
 
 @dataclass
 class _Pending:
-    listeners: list[Any]
+    listeners: list[TrainingListener]
     checkpoint: TrainingCheckpoint
     done: bool = False
 
 
-class SnapshotCollector:
+class CheckpointCollector:
     """Asks the workers for their state after a round and assembles the checkpoint."""
 
-    def __init__(self, listeners: list[Any], fingerprint: Callable[[], dict[str, Any]],
-                 workers: int) -> None:
+    def __init__(self, listeners: list[TrainingListener],
+                 fingerprint: Callable[[], dict[str, Any]], workers: int) -> None:
         self.listeners, self.fingerprint, self.workers = listeners, fingerprint, workers
         self.pending: dict[int, _Pending] = {}
 
     def reset(self) -> None:
-        """Forget the previous fit()'s snapshots."""
+        """Forget the previous fit()'s checkpoints."""
         self.pending = {}
 
-    def request(self, pool: Any, iteration: int, epoch: int, dealt: int,
+    def request(self, pool: Pool, iteration: int, epoch: int, dealt: int,
                 epoch_rng: list[torch.Tensor], epoch_end: bool) -> None:
-        """Ask for a snapshot after round ``iteration`` if a listener wants a checkpoint."""
+        """Ask every replica for its state after round ``iteration`` if a listener wants a
+        checkpoint there."""
         wanting = [x for x in self.listeners if x.wants_checkpoint(iteration, epoch, epoch_end)]
         known = self.pending.get(iteration)
         if known is not None:  # asked for twice (e.g. every N iterations and at epoch end)
@@ -159,16 +164,16 @@ class SnapshotCollector:
             fingerprint=self.fingerprint(), epoch=epoch, batch=dealt, iteration=iteration + 1,
             data_rng=epoch_rng, replicas=[None] * self.workers))
         for rank in range(self.workers):
-            pool.send(rank, ("snapshot", iteration))
+            pool.send(rank, CheckpointRequest(iteration))
 
-    def receive(self, rank: int, tag: int, state: dict[str, Any]) -> None:
-        """One worker's snapshot; hands the checkpoint to its listeners once all are in."""
-        pending = self.pending[tag]
-        pending.checkpoint.replicas[rank] = state
+    def receive(self, reply: CheckpointReply) -> None:
+        """One replica's state; hands the checkpoint to its listeners once all are in."""
+        pending = self.pending[reply.tag]
+        pending.checkpoint.replicas[reply.rank] = reply.state
         if any(r is None for r in pending.checkpoint.replicas):
             return
         pending.done = True
-        for old in [t for t, p in self.pending.items() if p.done and t < tag]:
+        for old in [t for t, p in self.pending.items() if p.done and t < reply.tag]:
             del self.pending[old]  # only the newest may still be asked for again
         for listener in pending.listeners:
             listener.on_checkpoint(pending.checkpoint)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -10,7 +10,7 @@ from torch import nn
 
 from paraloom.data import split_batch, to_device
 from paraloom.evaluation import evaluate
-from paraloom.training.replica import compute_loss, forward
+from paraloom.forward import LossFn, compute_loss, forward
 
 __all__ = ["ScoreCalculator", "LossCalculator", "AccuracyCalculator", "F1Calculator",
            "MSECalculator", "CallableCalculator", "as_score_calculator"]
@@ -36,7 +36,7 @@ def _device(model: nn.Module) -> torch.device:
 class LossCalculator(ScoreCalculator):
     """Mean loss per example on a data set (lower is better)."""
 
-    def __init__(self, data: Any, loss_fn: Any) -> None:
+    def __init__(self, data: Iterable[Any], loss_fn: LossFn) -> None:
         self.data, self.loss_fn = data, loss_fn
 
     @torch.no_grad()
@@ -60,7 +60,7 @@ class AccuracyCalculator(ScoreCalculator):
 
     higher_is_better = True
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Iterable[Any]) -> None:
         self.data = data
 
     def score(self, model: nn.Module) -> float:
@@ -77,7 +77,7 @@ class F1Calculator(AccuracyCalculator):
 class MSECalculator(LossCalculator):
     """Regression mean squared error (lower is better)."""
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Iterable[Any]) -> None:
         super().__init__(data, nn.MSELoss())
 
 
@@ -91,7 +91,7 @@ class CallableCalculator(ScoreCalculator):
         return float(self.fn(model))
 
 
-def as_score_calculator(obj: Any) -> ScoreCalculator:
+def as_score_calculator(obj: object) -> ScoreCalculator:
     """A ScoreCalculator, or a callable (lower is better unless it has higher_is_better=True)."""
     if isinstance(obj, ScoreCalculator):
         return obj

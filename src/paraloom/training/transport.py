@@ -23,7 +23,8 @@ from paraloom.data import map_tensors
 __all__ = ["dumps", "shared_copy"]
 
 
-class _Pickler(cloudpickle.CloudPickler):
+# cloudpickle has no type information, so its pickler class is Any to mypy.
+class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
     dispatch_table = ChainMap(ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
                               cloudpickle.CloudPickler.dispatch_table)
 
@@ -41,7 +42,9 @@ def dumps(obj: Any) -> bytes:
 def _shared(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         return t
-    return torch.empty_like(t).share_memory_().copy_(t)
+    shared = torch.empty_like(t)
+    shared.share_memory_()  # type: ignore[no-untyped-call]
+    return shared.copy_(t)
 
 
 def shared_copy(batch: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,17 +22,33 @@ from paraloom.data import (
     split_batch,
 )
 from paraloom.errors import NotPicklableError, WorkerError
+from paraloom.forward import LossFn
 from paraloom.listeners import TrainingListener, as_listener
 from paraloom.precision import resolve_precision
+from paraloom.sync.base import Synchronizer
 from paraloom.sync.registry import build_synchronizer
+from paraloom.training.local_pool import LocalPool
+from paraloom.training.messages import (
+    Begin,
+    CheckpointReply,
+    Finish,
+    Finished,
+    IdleRound,
+    IndexRound,
+    ReplicaResult,
+    ReplicaState,
+    Round,
+    StepDone,
+)
 from paraloom.training.modes import TrainingMode
-from paraloom.training.optim import OptimizerSpec
-from paraloom.training.pool import LocalPool, ProcessPool
-from paraloom.training.replica import StepFn
-from paraloom.training.resume import SnapshotCollector, TrainingCheckpoint
+from paraloom.training.optim import OptimizerFactory, OptimizerSpec
+from paraloom.training.pool import Pool
+from paraloom.training.process_pool import ProcessPool
+from paraloom.training.replica import StepFn, require_loss
+from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
+from paraloom.training.runner import WorkerSpec, pickle_spec
 from paraloom.training.tracker import RoundTracker
 from paraloom.training.transport import shared_copy
-from paraloom.training.worker import WorkerSpec, pickle_spec
 
 __all__ = ["ParallelWrapper"]
 
@@ -51,12 +67,14 @@ class ParallelWrapper:
     ``training_mode`` decides how the replicas stay consistent.
     """
 
-    def __init__(self, model: nn.Module, *, loss_fn: Any = None, optimizer: Any,
+    def __init__(self, model: nn.Module, *, loss_fn: LossFn | None = None,
+                 optimizer: torch.optim.Optimizer | OptimizerFactory,
                  workers: int | None = None,
-                 training_mode: str | TrainingMode | Any = TrainingMode.AVERAGING,
+                 training_mode: str | TrainingMode | Synchronizer = TrainingMode.AVERAGING,
                  averaging_frequency: int = 1, average_updaters: bool = True,
                  prefetch_buffer: int = 16, report_score_after_averaging: bool = False,
-                 step_fn: StepFn | None = None, listeners: Iterable[Any] = (),
+                 step_fn: StepFn | None = None,
+                 listeners: Iterable[TrainingListener | Callable[[int, int, float], object]] = (),
                  progress: bool = True, timeout: float = 300.0, precision: str = "32-true",
                  **sync_options: Any) -> None:
         if not isinstance(model, nn.Module):
@@ -83,15 +101,13 @@ class ParallelWrapper:
         self._spec = WorkerSpec(model=model, optimizer=OptimizerSpec.from_user(optimizer, model),
                                 loss_fn=loss_fn, step_fn=step_fn, synchronizer=self.synchronizer,
                                 precision=self.precision)
-        if loss_fn is None and step_fn is None:
-            raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, "
-                             "batch) -> loss")
-        self._pool: ProcessPool | LocalPool | None = None
+        require_loss(loss_fn, step_fn)
+        self._pool: Pool | None = None
         self._iteration = 0
         self._stop_requested = False
         self._stats: dict[str, Any] = {}
         self._tracker: RoundTracker | None = None
-        self._snapshots = SnapshotCollector(self.listeners, self.fingerprint, workers)
+        self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, workers)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> ParallelWrapper:
@@ -122,7 +138,7 @@ class ParallelWrapper:
         """Ask a running fit() to stop after the current round (e.g. from a listener)."""
         self._stop_requested = True
 
-    def _ensure_pool(self) -> ProcessPool | LocalPool:
+    def _ensure_pool(self) -> Pool:
         if self._pool is not None and self._pool.alive:
             return self._pool
         self.close()
@@ -162,7 +178,7 @@ class ParallelWrapper:
                                progress=self.progress,
                                report_score=self.report_score_after_averaging)
         self._tracker = tracker
-        self._snapshots.reset()
+        self._checkpoints.reset()
         completed = False
         try:
             indexed = self._begin(pool, data, start)
@@ -209,7 +225,7 @@ class ParallelWrapper:
         return {"batches": t.batches, "samples": t.rows, "seconds": t.seconds,
                 "total_batches": t.bar.total}
 
-    def _begin(self, pool: Any, data: Any, start: _Position) -> IndexedDataset | None:
+    def _begin(self, pool: Pool, data: Any, start: _Position) -> IndexedDataset | None:
         """Start the fit on every worker; returns the dataset dealt by index, if any.
 
         The user's model and optimizer are the master copies: their current state goes out
@@ -221,18 +237,24 @@ class ParallelWrapper:
             if self._user_optimizer is not None else None  # never share the user's tensors
         seed = int(torch.randint(0, 2**62, ()).item())
         state = cpu_copy(self.model.state_dict())
+
+        def messages(dataset: IndexedDataset | None) -> list[Begin]:
+            return [Begin(state, dataset, start.replicas[rank] if start.replicas else None,
+                          opt, seed) for rank in range(self.workers)]
+
         try:
-            pool.begin(state, indexed, start.replicas, opt, seed)
+            pool.begin(messages(indexed))
         except NotPicklableError as e:  # e.g. a dataset holding a lock: stream it instead
             if indexed is None:
                 raise
             log.info("%s; its batches go through the parent process instead", e)
             indexed = None
-            pool.begin(state, None, start.replicas, opt, seed)
+            pool.begin(messages(None))
         return indexed
 
-    def _deal(self, pool: Any, tracker: RoundTracker, data: Any, indexed: Any,
-              epochs: int, start: _Position) -> None:
+    def _deal(self, pool: Pool, tracker: RoundTracker, data: Any,
+              indexed: IndexedDataset | None, epochs: int, start: _Position) -> None:
+        make = IndexRound if indexed is not None else Round
         round_id, base = 0, tracker.iteration
         for epoch in range(start.epoch, epochs):
             generators = _data_generators(data)
@@ -244,10 +266,10 @@ class ParallelWrapper:
             for payloads in self._rounds(data, indexed, skip):
                 tracker.add(round_id, epoch, dealt, len(payloads))
                 for rank in range(self.workers):
-                    payload = payloads[rank] if rank < len(payloads) else None
-                    pool.send(rank, ("round", round_id, payload))
+                    pool.send(rank, make(round_id, payloads[rank]) if rank < len(payloads)
+                              else IdleRound(round_id))
                 dealt += len(payloads)
-                self._snapshots.request(pool, base + round_id, epoch, dealt, epoch_rng, False)
+                self._checkpoints.request(pool, base + round_id, epoch, dealt, epoch_rng, False)
                 round_id += 1
                 self._drain(pool, tracker, block=False)
                 if self._stop_requested:
@@ -256,21 +278,23 @@ class ParallelWrapper:
                 raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
                                  "source (a DataLoader or a list), not a one-shot generator")
             if round_id:
-                self._snapshots.request(pool, base + round_id - 1, epoch, dealt, epoch_rng, True)
+                self._checkpoints.request(pool, base + round_id - 1, epoch, dealt, epoch_rng,
+                                          True)
 
     def _rounds(self, data: Any, indexed: IndexedDataset | None,
                 skip: int = 0) -> Iterator[list[Any]]:
-        """Group the epoch's batches into rounds of ``workers`` payloads (the last may be short)."""
+        """Group the epoch's batches (index lists for an indexed dataset) into rounds of
+        ``workers`` (the last may be short)."""
         if indexed is not None:
             batches = itertools.islice(data.batch_sampler, skip, None)
-            source: Iterable[Any] = (("indices", list(b)) for b in batches)
+            source: Iterable[Any] = (list(b) for b in batches)
             prefetcher = None
         else:
             # Copy each batch as it is read: a source may refill one buffer for every batch.
             copied = (shared_copy(_checked(b)) for b in itertools.islice(data, skip, None))
             prefetcher = Prefetcher(copied, self.prefetch_buffer) if self.prefetch_buffer \
                 else None
-            source = (("batch", b) for b in (prefetcher or copied))
+            source = prefetcher or copied
         try:
             chunk: list[Any] = []
             for payload in source:
@@ -284,42 +308,45 @@ class ParallelWrapper:
             if prefetcher is not None:
                 prefetcher.close()
 
-    def _drain(self, pool: Any, tracker: RoundTracker, block: bool) -> Any:
-        """Handle worker replies; returns the first non-step reply when ``block``."""
+    def _drain(self, pool: Pool, tracker: RoundTracker, block: bool) -> Finished | None:
+        """Handle worker replies until none is waiting, or (``block``) until one finishes."""
         while True:
-            msg = pool.recv(timeout_s=None if block else 0)
-            if msg is None:
-                return None
-            if msg[0] == "step":
-                _, _, round_id, loss, rows, synced = msg
-                tracker.reply(round_id, loss, rows, synced)
-            elif msg[0] == "snapshot":
-                self._snapshots.receive(*msg[1:])
-            elif block:
-                return msg
+            reply = pool.recv(timeout_s=None if block else 0)
+            match reply:
+                case None:
+                    return None
+                case StepDone():
+                    tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced)
+                case CheckpointReply():
+                    self._checkpoints.receive(reply)
+                case Finished():
+                    return reply
 
-    def _finish(self, pool: Any, tracker: RoundTracker) -> dict[str, Any]:
+    def _finish(self, pool: Pool, tracker: RoundTracker) -> ReplicaResult:
         for rank in range(self.workers):
-            pool.send(rank, ("finish",))
-        results: dict[int, Any] = {}
+            pool.send(rank, Finish())
+        results: dict[int, ReplicaResult] = {}
         while len(results) < self.workers:
-            msg = self._drain(pool, tracker, block=True)
-            if msg is not None and msg[0] == "finished":
-                results[msg[1]] = msg[2]
+            finished = self._drain(pool, tracker, block=True)
+            if finished is not None:
+                results[finished.rank] = finished.result
+        per_worker = [results[r].stats for r in range(self.workers)]
         self._stats = {**tracker.summary(), "workers": self.workers,
-                       "mode": self.synchronizer.name,
-                       "per_worker": [results[r]["stats"] for r in range(self.workers)]}
-        per_step = [w.get("bytes_sent_per_step", 0.0) for w in self._stats["per_worker"]]
-        self._stats["bytes_sent_per_step"] = per_step
+                       "mode": self.synchronizer.name, "per_worker": per_worker,
+                       "bytes_sent_per_step": [w.get("bytes_sent_per_step", 0.0)
+                                               for w in per_worker]}
         return results[0]
 
-    def _adopt(self, result: dict[str, Any]) -> None:
+    def _adopt(self, result: ReplicaResult) -> None:
         """Load rank 0's final parameters (and optimizer state) into the user's objects."""
+        if result.state is None:
+            raise WorkerError("worker 0 finished without sending the trained parameters",
+                              worker=0)
         with torch.no_grad():
-            self.model.load_state_dict(result["state"])
-        if self._user_optimizer is not None and "optimizer" in result:
+            self.model.load_state_dict(result.state)
+        if self._user_optimizer is not None and result.optimizer_state is not None:
             try:
-                self._user_optimizer.load_state_dict(result["optimizer"])
+                self._user_optimizer.load_state_dict(result.optimizer_state)
             except (ValueError, KeyError) as e:  # a factory-built optimizer may differ in shape
                 log.debug("optimizer state not copied back: %s", e)
 
@@ -335,7 +362,7 @@ class _Position:
     epoch: int = 0
     batch: int = 0
     data_rng: list[torch.Tensor] | None = None
-    replicas: list[Any] | None = None
+    replicas: list[ReplicaState | None] | None = None
 
 
 def _data_generators(data: Any) -> list[torch.Generator]:

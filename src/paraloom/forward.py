@@ -1,0 +1,39 @@
+"""Calling a model on a batch's inputs and a loss on its outputs, as every part of paraloom does."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraloom.data import describe
+
+__all__ = ["LossFn", "forward", "compute_loss"]
+
+LossFn = Callable[[Any, Any], torch.Tensor] | Sequence[Callable[[Any, Any], torch.Tensor]]
+"""``loss_fn(outputs, targets) -> loss``, or one such loss per model output (summed)."""
+
+
+def forward(model: nn.Module, inputs: Any) -> Any:
+    """Call the model on a tensor, a tuple/list (positional inputs) or a dict (keyword inputs)."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def compute_loss(loss_fn: LossFn, outputs: Any, targets: Any) -> torch.Tensor:
+    """``loss_fn(outputs, targets)``; a sequence of losses is applied per output and summed."""
+    if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module):
+        if not isinstance(outputs, (tuple, list)) or len(outputs) != len(loss_fn):
+            raise ValueError(f"{len(loss_fn)} loss functions were given but the model returned "
+                             f"{describe(outputs)}; give one loss per output")
+        losses = [f(o, t) for f, o, t in zip(loss_fn, outputs, targets, strict=True)]
+        return functools.reduce(operator.add, losses)
+    loss: torch.Tensor = loss_fn(outputs, targets)
+    return loss

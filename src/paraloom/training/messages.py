@@ -1,0 +1,176 @@
+"""The messages between a launcher and its replicas: one frozen dataclass per message.
+
+To a replica, in order: ``Begin``; then per round one of ``Round`` (a batch), ``IndexRound``
+(indices into the dataset sent with ``Begin``) or ``IdleRound`` (no batch in a short last
+round), with a ``CheckpointRequest`` after a round when a listener wants a checkpoint; then
+``Finish``; ``Stop`` ends a worker process. ``Packed`` wraps any of them, pickled by the
+parent (classes by value, tensors in shared memory), where it carries user objects.
+
+From a replica: ``Ready`` once started; ``StepDone`` per round; ``CheckpointReply`` per
+request; ``Finished`` after ``Finish``; ``Failed`` instead of any of them when it fails.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paraloom.data import IndexedDataset
+
+__all__ = [
+    "Begin", "Round", "IndexRound", "IdleRound", "RoundMessage", "CheckpointRequest", "Finish",
+    "Stop", "Packed", "ToReplica", "Ready", "StepDone", "CheckpointReply", "ReplicaResult",
+    "Finished", "Failed", "Reply", "ModelState", "ReplicaState",
+]
+
+ModelState = dict[str, torch.Tensor]
+"""A model's ``state_dict()``: parameters and buffers by name."""
+ReplicaState = dict[str, Any]
+"""Everything needed to continue one replica exactly (``Replica.full_state()``): weights,
+optimizer, synchronizer, step and RNG states. Stored per rank in a training checkpoint."""
+
+
+# -- to a replica ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Begin:
+    """Start a fit(): the master state, the dataset for index rounds, and where to resume."""
+
+    state: ModelState | None
+    dataset: IndexedDataset | None = None
+    resume: ReplicaState | None = None
+    """This rank's state from a checkpoint; replaces ``state`` and ``optimizer_state``."""
+    optimizer_state: dict[str, Any] | None = None
+    """The user's optimizer ``state_dict()`` (a learning rate changed between fits applies)."""
+    seed: int | None = None
+    """Seeds the replica's RNG as ``seed + rank`` (ignored when resuming)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """Train on one batch: ``(inputs, targets)``, its tensors in shared memory."""
+
+    round_id: int
+    batch: Any
+
+
+@dataclass(frozen=True)
+class IndexRound:
+    """Train on the batch made of these rows of the dataset sent with ``Begin``."""
+
+    round_id: int
+    indices: list[int]
+
+
+@dataclass(frozen=True)
+class IdleRound:
+    """No batch for this replica this round: take part in the synchronization only."""
+
+    round_id: int
+
+
+RoundMessage = Round | IndexRound | IdleRound
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    """Report this replica's full state after round ``tag`` (for a training checkpoint)."""
+
+    tag: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """End of fit(): synchronize a last time and report the result."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the worker loop (the process then exits)."""
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A message pickled by ``training.transport.dumps``: user classes travel by value.
+
+    Each can be unpacked once: its tensors are shared-memory handles.
+    """
+
+    data: bytes
+
+    def unpack(self) -> ToReplica:
+        message = pickle.loads(self.data)
+        if not isinstance(message, _TO_REPLICA):
+            raise TypeError(f"a Packed message held a {type(message).__name__}; expected one "
+                            "of " + ", ".join(t.__name__ for t in _TO_REPLICA))
+        return message
+
+
+ToReplica = Begin | Round | IndexRound | IdleRound | CheckpointRequest | Finish | Stop
+_TO_REPLICA = (Begin, Round, IndexRound, IdleRound, CheckpointRequest, Finish, Stop)
+
+
+# -- from a replica ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready:
+    """The worker process has joined the process group and built its replica."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A round is done on one replica."""
+
+    rank: int
+    round_id: int
+    loss: float | None
+    """The batch's loss; None for an idle round."""
+    rows: int
+    synced: bool
+    """Whether the round ended at a synchronization point (every replica holds the same
+    parameters), as ``Synchronizer.synchronized()`` says."""
+
+
+@dataclass(frozen=True)
+class CheckpointReply:
+    """One replica's full state after round ``tag``."""
+
+    rank: int
+    tag: int
+    state: ReplicaState
+
+
+@dataclass(frozen=True)
+class ReplicaResult:
+    """What a replica reports at the end of a fit(); rank 0 adds the final state."""
+
+    stats: dict[str, float]
+    steps: int
+    state: ModelState | None = None
+    optimizer_state: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A replica's answer to ``Finish``."""
+
+    rank: int
+    result: ReplicaResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A replica raised: where, what, and the remote traceback."""
+
+    rank: int
+    round_id: int | None
+    message: str
+    traceback: str
+    kind: str
+    """The exception's type name, e.g. ``"NonFiniteLossError"``."""
+
+
+Reply = Ready | StepDone | CheckpointReply | Finished | Failed

@@ -1,0 +1,301 @@
+"""ProcessPool: N spawned worker processes in one torch.distributed group, fed through queues."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import os
+import queue
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
+
+from paraloom.errors import NotPicklableError, WorkerError
+from paraloom.training.failures import death_message, failure_error, is_symptom
+from paraloom.training.messages import (
+    Begin,
+    CheckpointReply,
+    CheckpointRequest,
+    Failed,
+    Finish,
+    Finished,
+    Packed,
+    Ready,
+    Reply,
+    Round,
+    RoundMessage,
+    StepDone,
+    Stop,
+    ToReplica,
+)
+from paraloom.training.pool import PoolReply, device_plan
+from paraloom.training.transport import dumps
+from paraloom.training.worker import WorkerConfig, worker_main
+
+__all__ = ["ProcessPool"]
+
+_POLL_S = 0.2
+
+
+@contextlib.contextmanager
+def _no_main_reimport() -> Iterator[None]:
+    """Spawned children normally re-run the user's script; ours get all they need by pickle.
+
+    Hiding ``__main__``'s file and spec while the children start means a script without an
+    ``if __name__ == "__main__":`` guard (or a notebook) does not start training again in each
+    worker: the model, loss and optimizer travel by value with cloudpickle.
+    """
+    main = sys.modules.get("__main__")
+    saved: dict[str, object] = {
+        k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
+
+
+class ProcessPool:
+    """N spawned worker processes in one torch.distributed group, fed through queues."""
+
+    def __init__(self, spec_bytes: bytes, workers: int, *, timeout_s: float = 300.0,
+                 startup_timeout_s: float = 120.0, queue_size: int = 4) -> None:
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self.backend, self.devices, self.threads = device_plan(workers)
+        ctx = mp.get_context("spawn")
+        self._results: Queue[Reply] = ctx.Queue()
+        self._tasks: list[Queue[ToReplica | Packed]] = [
+            ctx.Queue(maxsize=max(1, queue_size)) for _ in range(workers)]
+        # The parent hosts the rendezvous store on a port the OS picks (never a guessed port).
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self._procs: list[BaseProcess] = []
+        with _no_main_reimport():
+            for rank in range(workers):
+                cfg = WorkerConfig(rank=rank, world_size=workers, store_port=self._store.port,
+                                   backend=self.backend, device=self.devices[rank],
+                                   threads=self.threads, timeout_s=timeout_s,
+                                   parent_pid=os.getpid())
+                p = ctx.Process(target=worker_main, name=f"paraloom-worker-{rank}", daemon=True,
+                                args=(cfg, spec_bytes, self._tasks[rank], self._results))
+                p.start()
+                self._procs.append(p)
+        self._pending: collections.deque[PoolReply] = collections.deque()
+        # Progress watchdog: work sent to a worker and not yet answered, and since when.
+        self._outstanding = [0] * workers
+        self._since = [time.monotonic()] * workers
+        self._await_ready(startup_timeout_s)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def _await_ready(self, timeout_s: float) -> None:
+        ready: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < self.workers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise WorkerError(f"workers {sorted(set(range(self.workers)) - ready)} did not "
+                                  f"start within {timeout_s:.0f} s")
+            reply = self._get(min(left, _POLL_S), starting=True)
+            if isinstance(reply, Ready):
+                ready.add(reply.rank)
+            elif reply is not None:
+                self._pending.append(reply)
+
+    def begin(self, messages: Sequence[Begin]) -> None:
+        """Start a fit() on every worker: ``messages[rank]`` to each.
+
+        Tensors travel through shared memory: one pickle per worker, because each carries its
+        own file-descriptor handles. Everything is pickled before anything is sent, so a
+        dataset that cannot be pickled (NotPicklableError) leaves the workers untouched.
+        """
+        packed = [_pack(message) for message in messages]
+        for rank, message in enumerate(packed):
+            self._put(rank, message)
+
+    def send(self, rank: int, message: ToReplica) -> None:
+        """Queue a message for one worker; waits (checking liveness) while its queue is full."""
+        # A batch may hold classes defined in the user's script: they travel by value.
+        self._put(rank, _pack(message) if isinstance(message, Round) else message)
+        if isinstance(message, RoundMessage | CheckpointRequest | Finish):
+            if self._outstanding[rank] == 0:
+                self._since[rank] = time.monotonic()
+            self._outstanding[rank] += 1
+
+    def _put(self, rank: int, message: ToReplica | Packed) -> None:
+        while True:
+            try:
+                self._tasks[rank].put(message, timeout=_POLL_S)
+                return
+            except queue.Full:
+                self._check_alive()
+                self._absorb_replies()  # waiting replies count as progress (and may raise)
+
+    def recv(self, timeout_s: float | None = None) -> PoolReply | None:
+        """The next reply from any worker, or None after ``timeout_s``; raises WorkerError."""
+        if self._pending:
+            return self._pending.popleft()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = _POLL_S if deadline is None else deadline - time.monotonic()
+            reply = self._get(max(0.0, min(_POLL_S, left)))
+            if reply is not None and not isinstance(reply, Ready):
+                return reply
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _get(self, timeout_s: float, starting: bool = False) -> PoolReply | Ready | None:
+        try:
+            reply = self._results.get(timeout=timeout_s) if timeout_s > 0 else \
+                self._results.get_nowait()
+        except queue.Empty:
+            self._check_alive(starting)
+            if not starting:
+                self._check_progress()
+            return None
+        except (OSError, EOFError) as e:
+            # A reply whose tensors live in a process that has just died cannot be unpickled.
+            dead = self._silently_dead(set())
+            self.kill()
+            if dead is not None:
+                raise self._death(dead, starting) from e
+            raise WorkerError(f"could not read a worker's reply: {e}") from e
+        if isinstance(reply, Failed):
+            raise self._error(reply, starting)
+        if isinstance(reply, StepDone | CheckpointReply | Finished):
+            self._outstanding[reply.rank] -= 1
+            self._since[reply.rank] = time.monotonic()
+        return reply
+
+    def _absorb_replies(self) -> None:
+        """Move replies already waiting into the pending list, accounting for them."""
+        while (reply := self._get(0)) is not None:
+            if not isinstance(reply, Ready):
+                self._pending.append(reply)
+
+    def _check_progress(self) -> None:
+        """Raise if a worker has had work and sent nothing for ``timeout_s`` (it is stuck)."""
+        now = time.monotonic()
+        for rank in range(self.workers):
+            if self._outstanding[rank] and now - self._since[rank] > self.timeout_s:
+                self.kill()
+                raise WorkerError(
+                    f"worker {rank} has answered nothing for {self.timeout_s:.0f} s (timeout=) "
+                    "with work queued: it is stuck in the model, the loss or the data code. "
+                    "The other workers were stopped; raise timeout= if one step really takes "
+                    "that long", worker=rank)
+
+    def _check_alive(self, starting: bool = False) -> None:
+        for rank, p in enumerate(self._procs):
+            if p.exitcode is not None:
+                # A worker that reported its error before exiting: prefer that report.
+                with contextlib.suppress(queue.Empty, OSError, EOFError):
+                    reply = self._results.get(timeout=0.5)
+                    if isinstance(reply, Failed):
+                        raise self._error(reply, starting)
+                self.kill()
+                raise self._death(rank, starting)
+
+    def _error(self, first: Failed, starting: bool) -> WorkerError:
+        """The error to raise for a failure report: its cause, not a peer's symptom of it."""
+        errors = sorted(self._collect_errors(first), key=lambda f: is_symptom(f.message))
+        cause = errors[0]
+        if is_symptom(cause.message):  # a peer's connection broke: was a worker killed outright?
+            dead = self._silently_dead({f.rank for f in errors})
+            if dead is not None:
+                self.kill()
+                error = self._death(dead, starting)
+                error.batch = cause.round_id
+                return error
+        self.kill()
+        return failure_error(cause, starting)
+
+    def _death(self, rank: int, starting: bool) -> WorkerError:
+        p = self._procs[rank]
+        return WorkerError(death_message(rank, p.pid, p.exitcode, starting), worker=rank)
+
+    def _collect_errors(self, first: Failed) -> list[Failed]:
+        """The first error and any others that follow within half a second."""
+        errors = [first]
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            try:
+                reply = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if isinstance(reply, Failed):
+                errors.append(reply)
+        return errors
+
+    def _silently_dead(self, reported: set[int]) -> int | None:
+        """A worker that died without reporting an error (e.g. SIGKILL), if any, within 2 s."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            for rank, p in enumerate(self._procs):
+                if rank not in reported and p.exitcode is not None:
+                    return rank
+            time.sleep(0.05)
+        return None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask the workers to stop; kill those that do not within ``timeout_s``."""
+        for rank, p in enumerate(self._procs):
+            if p.is_alive():
+                with contextlib.suppress(Exception):
+                    self._tasks[rank].put(Stop(), timeout=1.0)
+        deadline = time.monotonic() + timeout_s
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        """Terminate every worker now and reap it; safe to call twice."""
+        for p in self._procs:
+            if p.is_alive() and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+        for p in self._procs:
+            p.join(timeout=5.0)
+        queues: list[Queue[Any]] = [*self._tasks, self._results]
+        for q in queues:
+            q.cancel_join_thread()
+            q.close()
+
+
+def _pack(message: ToReplica) -> Packed:
+    try:
+        return Packed(dumps(message))
+    except Exception as e:
+        what = "dataset" if isinstance(message, Begin) and _unpicklable(message.dataset) \
+            else type(message).__name__
+        raise NotPicklableError(f"the {what} cannot be sent to the workers: "
+                                f"{type(e).__name__}: {e}") from e
+
+
+def _unpicklable(obj: object) -> bool:
+    try:
+        dumps(obj)
+    except Exception:
+        return True
+    return False

@@ -1,0 +1,150 @@
+"""One replica driven by launcher messages: the loop every launcher shares.
+
+``ReplicaRunner.handle`` serves the worker processes of ``ProcessPool``, the in-process
+``LocalPool`` and the Spark tasks alike (see ``training.messages`` for the protocol).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paraloom.data import IndexedDataset, batch_size, cpu_copy, split_batch
+from paraloom.errors import NotPicklableError
+from paraloom.forward import LossFn
+from paraloom.sync.base import Synchronizer
+from paraloom.training.messages import (
+    Begin,
+    CheckpointReply,
+    CheckpointRequest,
+    Finish,
+    Finished,
+    IdleRound,
+    IndexRound,
+    ReplicaResult,
+    Reply,
+    Round,
+    RoundMessage,
+    StepDone,
+    Stop,
+    ToReplica,
+)
+from paraloom.training.optim import OptimizerSpec
+from paraloom.training.replica import Replica, StepFn
+
+__all__ = ["WorkerSpec", "ReplicaRunner", "pickle_spec"]
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a replica needs; pickled once (with cloudpickle) when the pool starts."""
+
+    model: nn.Module
+    optimizer: OptimizerSpec
+    loss_fn: LossFn | None
+    step_fn: StepFn | None
+    synchronizer: Synchronizer
+    precision: str = "32-true"
+
+
+def pickle_spec(spec: WorkerSpec) -> bytes:
+    """Pickle what the workers need, by value for classes and lambdas defined in scripts."""
+    try:
+        data: bytes = cloudpickle.dumps(spec)
+    except Exception as e:
+        raise NotPicklableError(
+            f"cannot send the {_unpicklable_part(spec)} to the worker processes: "
+            f"{type(e).__name__}: {e}. Define it at module level, keep open files, locks, "
+            "threads and generators out of it, and guard your script with "
+            "`if __name__ == \"__main__\":`; workers=1 trains without pickling") from e
+    return data
+
+
+def _unpicklable_part(spec: WorkerSpec) -> str:
+    for name in ("model", "loss_fn", "step_fn", "optimizer", "synchronizer"):
+        try:
+            cloudpickle.dumps(getattr(spec, name))
+        except Exception:
+            return {"optimizer": "optimizer (or optimizer factory)"}.get(name, name)
+    return "training setup"
+
+
+class ReplicaRunner:
+    """One replica driven by launcher messages."""
+
+    def __init__(self, spec: WorkerSpec, *, rank: int = 0, world_size: int = 1,
+                 device: torch.device | str = "cpu",
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.rank = rank
+        self.replica = Replica(spec.model, spec.optimizer, loss_fn=spec.loss_fn,
+                               step_fn=spec.step_fn, synchronizer=copy.deepcopy(spec.synchronizer),
+                               device=device, group=group, rank=rank, world_size=world_size,
+                               precision=spec.precision)
+        self.dataset: IndexedDataset | None = None
+        self.steps = 0
+
+    def handle(self, message: ToReplica) -> Reply | None:
+        """Act on one message; returns the reply to send back, if it has one."""
+        match message:
+            case Round() | IndexRound() | IdleRound():
+                return self.train(message)
+            case Begin():
+                self.begin(message)
+            case CheckpointRequest():
+                return CheckpointReply(self.rank, message.tag, self.replica.full_state())
+            case Finish():
+                return Finished(self.rank, self.finish(send_state=self.rank == 0))
+            case Stop():
+                pass
+        return None
+
+    def begin(self, message: Begin) -> None:
+        """Start a fit(): load the master state (or this rank's resume state), set up the
+        synchronizer; ``seed`` (when not resuming) seeds this replica's RNG as ``seed + rank``."""
+        self.dataset = message.dataset
+        self.steps = 0
+        seed = None if message.seed is None or message.resume is not None \
+            else message.seed + self.rank
+        self.replica.begin_fit(message.state, message.resume, message.optimizer_state, seed)
+
+    def train(self, message: RoundMessage) -> StepDone:
+        """Train on this round's batch (or take part idly); reports the loss and rows."""
+        if isinstance(message, IdleRound):
+            self.replica.step(None)
+            return StepDone(self.rank, message.round_id, None, 0, self._synchronized())
+        batch = message.batch if isinstance(message, Round) else self._gather(message.indices)
+        loss = self.replica.step(batch)
+        self.steps += 1
+        return StepDone(self.rank, message.round_id, loss, _rows(batch), self._synchronized())
+
+    def _gather(self, indices: list[int]) -> Any:
+        if self.dataset is None:
+            raise RuntimeError("got an IndexRound before a dataset: the launcher must send "
+                               "the dataset with Begin")
+        return self.dataset.gather(indices)
+
+    def _synchronized(self) -> bool:
+        return self.replica.sync.synchronized()
+
+    def finish(self, send_state: bool) -> ReplicaResult:
+        """End of fit(): final synchronization; with ``send_state``, the parameters and
+        optimizer state too."""
+        self.replica.finish()
+        if not send_state:
+            return ReplicaResult(self.replica.sync.stats(), self.steps)
+        return ReplicaResult(self.replica.sync.stats(), self.steps, self.replica.model_state(),
+                             cpu_copy(self.replica.optimizer.state_dict()))
+
+
+def _rows(batch: Any) -> int:
+    try:
+        return batch_size(split_batch(batch)[0])
+    except TypeError:
+        return batch_size(batch)
+

@@ -1,5 +1,6 @@
 """paraloom: data-parallel training and batched inference for PyTorch."""
 
+from paraloom._version import __version__ as __version__
 from paraloom.checkpoint import load, register_model, save
 from paraloom.early_stopping import (
     EarlyStoppingConfig,
@@ -28,8 +29,6 @@ from paraloom.sync.base import StepContext, Synchronizer
 from paraloom.training.modes import TrainingMode
 from paraloom.training.resume import TrainingCheckpoint
 from paraloom.training.wrapper import ParallelWrapper
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AdaptiveThreshold",

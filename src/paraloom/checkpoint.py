@@ -28,7 +28,8 @@ def register_model(name: str, factory: type[nn.Module] | Callable[..., nn.Module
     _REGISTRY[name] = factory
 
 
-def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | None) -> dict:
+def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | None
+                ) -> dict[str, Any]:
     if kwargs is None:
         kwargs = dict(getattr(model, "config", None) or {})
     if name is None:
@@ -115,7 +116,7 @@ def _imported_class(path: str) -> type[nn.Module]:
         raise ValueError(f"the file's model class {path!r} is in module {module_name!r}, which "
                          "this program has not imported: import it first, register the class "
                          "with paraloom.register_model(name, cls), or pass factory=")
-    obj: Any = module
+    obj: object = module
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     if not (isinstance(obj, type) and issubclass(obj, nn.Module)):

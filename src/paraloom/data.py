@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
@@ -20,8 +20,11 @@ from torch.utils.data._utils.collate import default_collate
 __all__ = ["split_batch", "batch_size", "to_device", "describe", "map_tensors", "iter_tensors",
            "cpu_copy", "Prefetcher", "IndexedDataset", "as_data_source"]
 
+# A tensor structure whose tensors a function replaces by tensors: the same structure comes back.
+_Structure = TypeVar("_Structure")
 
-def split_batch(batch: Any) -> tuple[Any, Any]:
+
+def split_batch(batch: object) -> tuple[Any, Any]:
     """Return ``(inputs, targets)`` of a batch, or raise a TypeError that says what a batch is."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
@@ -30,7 +33,7 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
                     "multi-input model takes ((x1, x2), y)")
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
     """Every tensor in a tensor / tuple / list / dict structure, in order."""
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -42,7 +45,7 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(o)
 
 
-def map_tensors(obj: Any, fn: Any) -> Any:
+def map_tensors(obj: object, fn: Callable[[torch.Tensor], Any]) -> Any:
     """Apply ``fn`` to every tensor in a tensor / tuple / list / dict structure."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -61,24 +64,27 @@ def _rebuild_dict(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]
         return items
 
 
-def batch_size(inputs: Any) -> int:
+def batch_size(inputs: object) -> int:
     """Rows in a batch's inputs: the first dimension of its first tensor."""
     for t in iter_tensors(inputs):
         return int(t.shape[0]) if t.dim() > 0 else 1
     raise TypeError(f"batch inputs hold no tensor: {describe(inputs)}")
 
 
-def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+def to_device(obj: _Structure, device: torch.device, non_blocking: bool = False
+              ) -> _Structure:
     """Move every tensor in a tensor / tuple / list / dict structure to ``device``."""
-    return map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
+    moved: _Structure = map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
+    return moved
 
 
-def cpu_copy(obj: Any) -> Any:
+def cpu_copy(obj: _Structure) -> _Structure:
     """Independent CPU copies of every tensor in a structure (a state_dict, optimizer state)."""
-    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
+    copied: _Structure = map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
+    return copied
 
 
-def describe(obj: Any) -> str:
+def describe(obj: object) -> str:
     """A short description of a batch structure, for error messages."""
     if isinstance(obj, torch.Tensor):
         return f"Tensor{tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
@@ -96,13 +102,14 @@ class Prefetcher:
     _DONE = object()
 
     def __init__(self, source: Iterable[Any], size: int) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, size))
+        # ("item", batch), then ("done", None) or ("error", the exception the source raised)
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=max(1, size))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(iter(source),),
                                         name="paraloom-prefetch", daemon=True)
         self._thread.start()
 
-    def _put(self, item: Any) -> bool:
+    def _put(self, item: tuple[str, Any]) -> bool:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
@@ -139,7 +146,7 @@ class Prefetcher:
 class IndexedDataset:
     """A map-style dataset and its collate function, gathered by index inside a worker."""
 
-    def __init__(self, dataset: Dataset, collate_fn: Any) -> None:
+    def __init__(self, dataset: Dataset[Any], collate_fn: Callable[[list[Any]], Any]) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         # TensorDataset + default collate: one fancy index per tensor instead of a Python loop.
@@ -155,7 +162,7 @@ class IndexedDataset:
         return self.collate_fn(rows)
 
 
-def as_data_source(data: Any, batch_size: int | None = None, shuffle: bool = False) -> Any:
+def as_data_source(data: object, batch_size: int | None = None, shuffle: bool = False) -> Any:
     """Validate a data source; a Dataset with ``batch_size`` becomes a DataLoader."""
     if isinstance(data, Dataset) and not isinstance(data, (IterableDataset,)):
         if batch_size is None:
@@ -172,7 +179,7 @@ def as_data_source(data: Any, batch_size: int | None = None, shuffle: bool = Fal
     return data
 
 
-def indexed_view(data: Any) -> IndexedDataset | None:
+def indexed_view(data: object) -> IndexedDataset | None:
     """An IndexedDataset when ``data`` is a DataLoader whose batches can be built in a worker."""
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         return None

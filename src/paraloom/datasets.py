@@ -39,9 +39,9 @@ def digits(split: str = "train") -> TensorDataset:
     return TensorDataset(x[idx], y[idx])
 
 
-_IDX_DTYPES = {
-    0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-    0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8"),
+_IDX_DTYPES: dict[int, np.dtype] = {
+    0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8"),
 }
 
 
@@ -59,7 +59,7 @@ def read_idx(path: str | Path) -> np.ndarray:
     if code not in _IDX_DTYPES:
         raise ValueError(f"{path}: unknown IDX data type 0x{code:02x}")
     dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
-    dtype = np.dtype(_IDX_DTYPES[code])
+    dtype = _IDX_DTYPES[code]
     expected = int(np.prod(dims)) * dtype.itemsize
     body = data[4 + 4 * ndim:]
     if len(body) != expected:

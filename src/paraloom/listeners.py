@@ -10,7 +10,10 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paraloom import ParallelWrapper, TrainingCheckpoint
 
 __all__ = ["TrainingListener", "ScoreListener", "PerformanceListener", "CheckpointListener",
            "as_listener"]
@@ -21,7 +24,7 @@ log = logging.getLogger("paraloom")
 class TrainingListener:
     """Override the hooks you need."""
 
-    def on_fit_start(self, wrapper: Any) -> None:
+    def on_fit_start(self, wrapper: ParallelWrapper) -> None:
         """Before the first round of a fit(); ``wrapper.stop()`` ends the fit early."""
 
     def on_epoch_start(self, epoch: int) -> None:
@@ -33,26 +36,26 @@ class TrainingListener:
     def on_epoch_end(self, epoch: int, loss: float) -> None:
         """After the last round of an epoch; ``loss`` is the epoch's mean round loss."""
 
-    def on_fit_end(self, wrapper: Any) -> None:
+    def on_fit_end(self, wrapper: ParallelWrapper) -> None:
         """After the final synchronization; the user's model holds the result."""
 
     def wants_checkpoint(self, iteration: int, epoch: int, epoch_end: bool) -> bool:
         """Asked when round ``iteration`` is dealt: should a checkpoint be taken after it?"""
         return False
 
-    def on_checkpoint(self, checkpoint: Any) -> None:
+    def on_checkpoint(self, checkpoint: TrainingCheckpoint) -> None:
         """A ``TrainingCheckpoint`` this listener asked for, complete."""
 
 
 class _CallableListener(TrainingListener):
-    def __init__(self, fn: Callable[[int, int, float], Any]) -> None:
+    def __init__(self, fn: Callable[[int, int, float], object]) -> None:
         self.fn = fn
 
     def on_iteration(self, iteration: int, epoch: int, loss: float) -> None:
         self.fn(iteration, epoch, loss)
 
 
-def as_listener(obj: Any) -> TrainingListener:
+def as_listener(obj: object) -> TrainingListener:
     """A TrainingListener, or a callable ``fn(iteration, epoch, loss)`` wrapped as one."""
     if isinstance(obj, TrainingListener):
         return obj
@@ -88,10 +91,10 @@ class PerformanceListener(TrainingListener):
     def __init__(self, frequency: int = 50, logger: logging.Logger | None = None) -> None:
         self.frequency = _positive("frequency", frequency) or 1
         self.logger = logger or log
-        self.wrapper: Any = None
+        self.wrapper: ParallelWrapper | None = None
         self.reports: list[dict[str, float]] = []
 
-    def on_fit_start(self, wrapper: Any) -> None:
+    def on_fit_start(self, wrapper: ParallelWrapper) -> None:
         self.wrapper = wrapper
 
     def on_iteration(self, iteration: int, epoch: int, loss: float) -> None:
@@ -133,7 +136,7 @@ class CheckpointListener(TrainingListener):
         by_epoch = epoch_end and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0
         return bool(by_iteration or by_epoch)
 
-    def on_checkpoint(self, checkpoint: Any) -> None:
+    def on_checkpoint(self, checkpoint: TrainingCheckpoint) -> None:
         name = f"{self.prefix}-epoch{checkpoint.epoch}-iter{checkpoint.iteration}.safetensors"
         started = time.perf_counter()
         path = checkpoint.save(self.directory / name)

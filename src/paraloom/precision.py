@@ -66,7 +66,7 @@ class Precision:
             return tensors
         return [t.to(dtype) if t.is_floating_point() else t for t in tensors]
 
-    def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
         """The context the forward pass runs in: autocast for -mixed, nothing otherwise."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()

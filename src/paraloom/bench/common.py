@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
-__all__ = ["machine", "write_results", "plain_args"]
+__all__ = ["Machine", "machine", "write_results", "plain_args"]
 
 
-def machine() -> dict[str, Any]:
+class Machine(TypedDict):
+    """The facts ``machine()`` reports."""
+
+    cores: int | None
+    torch: str
+    python: str
+    cuda: str | None
+    platform: str
+
+
+def machine() -> Machine:
     """What the numbers were measured on."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cores": cores, "torch": torch.__version__, "python": platform.python_version(),
@@ -29,9 +40,7 @@ def write_results(path: str | Path, results: dict[str, Any]) -> Path:
     return path
 
 
-def plain_args(args: Any) -> Any:
+def plain_args(args: argparse.Namespace) -> argparse.Namespace:
     """The benchmark's own options, without what the CLI attached (functions, modules)."""
-    import argparse
-
     return argparse.Namespace(**{k: v for k, v in vars(args).items()
                                  if isinstance(v, (str, int, float, bool, type(None)))})

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"where to write the JSON ({DEFAULT_OUTPUT})")
 
 
-def _clients(n: int, per_client: int, call: Callable[[], Any]) -> tuple[float, list[float]]:
+def _clients(n: int, per_client: int, call: Callable[[], object]) -> tuple[float, list[float]]:
     """Run ``n`` threads that each call ``call`` ``per_client`` times; (seconds, latencies)."""
     start = threading.Barrier(n + 1)
     latencies: list[list[float]] = [[] for _ in range(n)]

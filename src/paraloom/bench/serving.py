@@ -241,7 +241,7 @@ def _summary(results: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; returns 0, or 2 when wrk or LitServe cannot be found."""
-    import paraloom
+    from paraloom.checkpoint import save
     from paraloom.models import LeNet
 
     wrk = _find_wrk(install=not args.no_install)
@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"load_average_before": list(os.getloadavg())}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "lenet.safetensors"
-        paraloom.save(model, path)
+        save(model, path)
         results["paraloom"] = _bench_paraloom(wrk, path, x, expected, args)
         print("paraloom:", json.dumps(results["paraloom"]))
         if not args.skip_litserve:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import time
-from typing import Any
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from paraloom.bench.common import machine, plain_args, write_results
 from paraloom.models import LeNet
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
 
 __all__ = ["add_arguments", "run"]
 
@@ -47,7 +52,7 @@ def _model(args: argparse.Namespace) -> nn.Module:
     return LeNet(image_size=args.image_size)
 
 
-def _sgd(params: Any) -> torch.optim.Optimizer:
+def _sgd(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
@@ -75,7 +80,7 @@ def _single(args: argparse.Namespace, data: TensorDataset, threads: int) -> floa
 
 
 def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace,
-                data: TensorDataset, threads: int, out: Any) -> None:
+                data: TensorDataset, threads: int, out: Queue[float]) -> None:
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=120))
@@ -188,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(results: dict[str, Any], path: Any) -> None:
+def _print(results: dict[str, Any], path: Path) -> None:
     print(f"{'contender':<28}{'samples/s':>12}{'/linear':>10}{'/DDP':>8}{'bytes/step':>14}")
     for k, v in results["samples_per_s"].items():
         b = results["bytes_per_step_per_worker"].get(k)

@@ -16,32 +16,57 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from paraloom.inference.errors import InferenceClosedError, QueueFullError
 
-__all__ = ["Request", "RequestQueue"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FutureLike", "Request", "RequestQueue"]
+
+
+class FutureLike(Protocol):
+    """The part of a ``concurrent.futures.Future`` that workers and waiters use.
+
+    A ``Future`` has it, and so has the cheaper ``Pending`` of blocking ``output()`` calls.
+    """
+
+    def set_running_or_notify_cancel(self) -> bool: ...
+
+    def set_result(self, value: Any, /) -> None: ...
+
+    def set_exception(self, error: BaseException, /) -> None: ...
+
+    def cancel(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+    def cancelled(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> Any: ...
 
 
 class Request:
     """One caller's request: its input, batch key, row count, timing and future.
 
     ``future`` is a ``concurrent.futures.Future`` (``submit``) or a cheaper ``Pending``
-    (``output``); workers use only the methods both have.
+    (``output``); workers use only the methods both have (:class:`FutureLike`).
     """
 
     __slots__ = ("tensors", "spec", "rows", "key", "numpy", "future", "arrival", "deadline",
                  "with_version")
 
-    def __init__(self, tensors: tuple[Any, ...], spec: Hashable, rows: int, key: Hashable, *,
-                 numpy: bool = False, future: Any = None, arrival: float = 0.0,
-                 deadline: float | None = None, with_version: bool = False) -> None:
+    def __init__(self, tensors: tuple[torch.Tensor, ...], spec: Hashable, rows: int,
+                 key: Hashable, *, numpy: bool = False, future: FutureLike | None = None,
+                 arrival: float = 0.0, deadline: float | None = None,
+                 with_version: bool = False) -> None:
         self.tensors = tensors
         self.spec = spec
         self.rows = rows
         self.key = key
         self.numpy = numpy
-        self.future: Any = future if future is not None else Future()
+        self.future: FutureLike = future if future is not None else Future()
         self.arrival = arrival
         self.deadline = deadline
         self.with_version = with_version

@@ -14,17 +14,18 @@ Stable API, used by ``paraloom.serving``:
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 import time
 import warnings
 from concurrent import futures
 from concurrent.futures import Future, InvalidStateError
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
 
-from paraloom.inference.batching import Request, RequestQueue
+from paraloom.inference.batching import FutureLike, Request, RequestQueue
 from paraloom.inference.config import InferenceConfig, InferenceMode, check_seconds
 from paraloom.inference.errors import (
     InferenceClosedError,
@@ -38,19 +39,27 @@ from paraloom.inference.pending import Pending
 from paraloom.inference.replicas import (
     DeviceSpec,
     Example,
+    Generation,
     SlotPool,
     build_generation,
     example_of,
     resolve_devices,
     warm_up,
 )
-from paraloom.inference.stats import StatsRecorder
+from paraloom.inference.stats import InferenceStats, StatsRecorder
 from paraloom.inference.workers import TICK, WorkerThreads
 from paraloom.precision import Precision, resolve_precision
 
 __all__ = ["ParallelInference"]
 
-_UNSET: Any = object()
+
+class _Unset(enum.Enum):
+    """The type of ``_UNSET``: "no timeout given, use the pool's default"."""
+
+    UNSET = enum.auto()
+
+
+_UNSET: Final = _Unset.UNSET
 # One class from Python 3.11 on; three before.
 _TIMEOUTS = (TimeoutError, asyncio.TimeoutError, futures.TimeoutError)
 
@@ -72,7 +81,7 @@ class ParallelInference:
                  workers: int | None = None, batch_limit: int = 32, queue_limit: int = 64,
                  max_wait_ms: float = 0.0, timeout: float | None = None,
                  devices: DeviceSpec = None, precision: str | Precision = "32-true",
-                 example_input: Any = None, threads_per_worker: int | None = None) -> None:
+                 example_input: object = None, threads_per_worker: int | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         self._config = InferenceConfig.build(
@@ -105,11 +114,11 @@ class ParallelInference:
     # ------------------------------------------------------------------ construction helpers
 
     @staticmethod
-    def _example(example_input: Any) -> Example:
+    def _example(example_input: object) -> Example:
         parsed = parse(example_input)
         return parsed.key, parsed.spec, parsed.tensors
 
-    def _warm(self, generation: Any, example: Example, what: str) -> None:
+    def _warm(self, generation: Generation, example: Example, what: str) -> None:
         try:
             warm_up(generation, example)
         except Exception as exc:
@@ -120,13 +129,13 @@ class ParallelInference:
 
     # ------------------------------------------------------------------------ requests
 
-    def _timeout_for(self, timeout: Any) -> float | None:
+    def _timeout_for(self, timeout: float | None | _Unset) -> float | None:
         if timeout is _UNSET:
             return self._config.timeout
         return check_seconds("timeout", timeout, allow_zero=False)
 
-    def _make_request(self, x: Any, timeout: float | None, with_version: bool,
-                      future: Any = None) -> Request:
+    def _make_request(self, x: object, timeout: float | None, with_version: bool,
+                      future: FutureLike) -> Request:
         try:
             p = parse(x)
         except Exception:
@@ -164,18 +173,19 @@ class ParallelInference:
         finally:
             self._slots.release(slot)
 
-    def submit(self, x: Any, *, block: bool = True, timeout: float | None = _UNSET,
+    def submit(self, x: object, *, block: bool = True, timeout: float | None | _Unset = _UNSET,
                return_version: bool = False) -> Future[Any]:
         """Queue ``x`` and return a Future of its output (``(output, version)`` if asked).
 
         When the queue is full, waits up to ``timeout`` for room (``block=False``: raises
         QueueFullError at once). In 'inplace' mode the request runs before this returns.
         """
-        request = self._make_request(x, self._timeout_for(timeout), return_version)
+        future: Future[Any] = Future()
+        request = self._make_request(x, self._timeout_for(timeout), return_version, future)
         self._enqueue(request, block)
-        return request.future
+        return future
 
-    def output(self, x: Any, *, timeout: float | None = _UNSET,
+    def output(self, x: object, *, timeout: float | None | _Unset = _UNSET,
                return_version: bool = False) -> Any:
         """The model's output for ``x`` (thread-safe); ``(output, version)`` if asked."""
         request = self._make_request(x, self._timeout_for(timeout), return_version, Pending())
@@ -195,7 +205,7 @@ class ParallelInference:
                     raise  # the request's own error (a RequestTimeoutError from the worker)
                 self._check_alive(fut)
 
-    def _check_alive(self, fut: Any) -> None:
+    def _check_alive(self, fut: FutureLike) -> None:
         if self._workers is not None and not self._workers.alive():
             try:
                 fut.set_exception(InferenceClosedError("every inference worker has stopped "
@@ -218,14 +228,15 @@ class ParallelInference:
             f"no output within the request's timeout ({budget:.3g} s); pass a longer timeout, "
             "add workers, or send fewer requests at once")
 
-    async def output_async(self, x: Any, *, timeout: float | None = _UNSET,
+    async def output_async(self, x: object, *, timeout: float | None | _Unset = _UNSET,
                            return_version: bool = False) -> Any:
         """``await`` the model's output for ``x`` without blocking the event loop."""
-        timeout = self._timeout_for(timeout)
+        seconds = self._timeout_for(timeout)
         if self._slots is not None:
-            return await asyncio.to_thread(self.output, x, timeout=timeout,
+            return await asyncio.to_thread(self.output, x, timeout=seconds,
                                            return_version=return_version)
-        request = self._make_request(x, timeout, return_version)
+        future: Future[Any] = Future()
+        request = self._make_request(x, seconds, return_version, future)
         assert self._queue is not None
         try:
             self._queue.put(request, block=False)
@@ -237,10 +248,10 @@ class ParallelInference:
             raise
         remaining = None if request.deadline is None else request.deadline - time.monotonic()
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(request.future), remaining)
+            return await asyncio.wait_for(asyncio.wrap_future(future), remaining)
         except _TIMEOUTS:
-            if request.future.done() and not request.future.cancelled():
-                return request.future.result()  # its own result or error
+            if future.done() and not future.cancelled():
+                return future.result()  # its own result or error
             return self._timed_out(request)
 
     # ------------------------------------------------------------------ model and lifecycle
@@ -270,7 +281,7 @@ class ParallelInference:
         """The most requests that wait: queued, or (in place) waiting for a free replica."""
         return self._config.queue_limit
 
-    def update_model(self, model: nn.Module, *, example_input: Any = None) -> int:
+    def update_model(self, model: nn.Module, *, example_input: object = None) -> int:
         """Swap in a new model without failing or losing a request; returns its version.
 
         New replicas are built and warmed (on ``example_input``, or else on an input the current
@@ -298,14 +309,13 @@ class ParallelInference:
             self._generation = new  # one attribute write: each batch reads it once
             return new.version
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> InferenceStats:
         """Counters, batch-size histogram, queue/forward time percentiles, rejections."""
-        snap = self._stats.snapshot()
-        snap.update(mode=self._config.mode.value, workers=len(self._devices),
-                    devices=[str(d) for d in self._devices], precision=self._precision.name,
-                    model_version=self.model_version, closed=self.closed,
-                    queued=len(self._queue) if self._queue is not None else 0)
-        return snap
+        return {**self._stats.as_dict(), "mode": self._config.mode.value,
+                "workers": len(self._devices), "devices": [str(d) for d in self._devices],
+                "precision": self._precision.name, "model_version": self.model_version,
+                "closed": self.closed,
+                "queued": len(self._queue) if self._queue is not None else 0}
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests; run what is queued (``drain=False``: fail it); stop workers.

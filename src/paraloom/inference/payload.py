@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch import nn
 
 from paraloom.data import _rebuild_dict, map_tensors
 from paraloom.inference.errors import InvalidRequestError
@@ -34,7 +35,7 @@ class Parsed(NamedTuple):
     numpy: bool
 
 
-def _as_tensor(x: Any, where: str) -> tuple[torch.Tensor, bool]:
+def _as_tensor(x: object, where: str) -> tuple[torch.Tensor, bool]:
     if isinstance(x, torch.Tensor):
         return x, False
     if isinstance(x, np.ndarray):
@@ -60,11 +61,11 @@ def _rows(t: torch.Tensor, where: str) -> int:
     return int(t.shape[0])
 
 
-def _signature(t: torch.Tensor) -> tuple[Any, ...]:
+def _signature(t: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
     return (t.shape[1:], t.dtype, t.device)
 
 
-def parse(x: Any) -> Parsed:
+def parse(x: object) -> Parsed:
     """Take a request's input apart, or raise InvalidRequestError saying what is wrong."""
     if isinstance(x, torch.Tensor) and x.dim() > 0:  # the fast path: one tensor
         rows = int(x.shape[0])
@@ -92,7 +93,7 @@ def parse(x: Any) -> Parsed:
     return _parse_many(items, names, spec)
 
 
-def _parse_many(items: list[Any], names: list[str], spec: Hashable) -> Parsed:
+def _parse_many(items: list[object], names: list[str], spec: Hashable) -> Parsed:
     converted = [_as_tensor(v, n) for v, n in zip(items, names, strict=True)]
     tensors = tuple(t for t, _ in converted)
     rows = [_rows(t, n) for t, n in zip(tensors, names, strict=True)]
@@ -141,7 +142,7 @@ def collate(batch: Sequence[tuple[torch.Tensor, ...]], device: torch.device) -> 
     return [t.to(device, non_blocking=True) for t in merged]
 
 
-def call_model(model: Any, spec: Hashable, tensors: Sequence[torch.Tensor]) -> Any:
+def call_model(model: nn.Module, spec: Hashable, tensors: Sequence[torch.Tensor]) -> Any:
     """Call the model: one tensor, positional inputs (tuple/list) or keyword inputs (dict)."""
     if spec is _ONE:
         return model(tensors[0])

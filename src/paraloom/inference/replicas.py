@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -146,8 +146,8 @@ class SlotPool:
                 self._line_free.notify()
             return self._free.pop()
 
-    def _wait(self, cond: threading.Condition, ready: Any, deadline: float | None,
-              timeout: float | None) -> None:
+    def _wait(self, cond: threading.Condition, ready: Callable[[], bool],
+              deadline: float | None, timeout: float | None) -> None:
         while not ready():
             self._check_open()
             remaining = None if deadline is None else deadline - time.monotonic()

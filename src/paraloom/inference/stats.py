@@ -22,14 +22,53 @@ import math
 import threading
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TypedDict
 
-__all__ = ["StatsRecorder", "percentiles", "REJECTION_REASONS"]
+__all__ = ["StatsRecorder", "percentiles", "REJECTION_REASONS", "Percentiles", "RecorderStats",
+           "InferenceStats"]
 
 REJECTION_REASONS = ("queue_full", "timeout", "cancelled", "invalid", "closed", "error")
 
 
-def percentiles(samples: Sequence[float]) -> dict[str, float]:
+class Percentiles(TypedDict):
+    """A timing summary, in the unit of the samples (milliseconds in the stats)."""
+
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    mean: float
+    count: int
+
+
+class RecorderStats(TypedDict):
+    """What :meth:`StatsRecorder.as_dict` returns (the keys are described in the module doc)."""
+
+    requests: int
+    completed: int
+    failed: int
+    rows: int
+    batches: int
+    mean_batch_rows: float
+    batch_size_histogram: dict[int, int]
+    rejections: dict[str, int]
+    queue_time_ms: Percentiles
+    forward_time_ms: Percentiles
+
+
+class InferenceStats(RecorderStats):
+    """What ``ParallelInference.stats()`` returns: the recorder's counters and the pool's setup."""
+
+    mode: str
+    workers: int
+    devices: list[str]
+    precision: str
+    model_version: int
+    closed: bool
+    queued: int
+
+
+def percentiles(samples: Sequence[float]) -> Percentiles:
     """p50/p90/p99 (nearest rank), max, mean and count of samples (zeros when empty)."""
     if not samples:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0, "count": 0}
@@ -88,17 +127,17 @@ class StatsRecorder:
         with self._lock:
             self._completed += completed
 
-    def snapshot(self) -> dict[str, Any]:
-        """A JSON-friendly copy of every counter and the timing percentiles."""
+    def as_dict(self) -> RecorderStats:
+        """A JSON-friendly copy of every counter and the timing percentiles, taken now."""
         with self._lock:
             queue_ms, forward_ms = list(self._queue_ms), list(self._forward_ms)
-            snap: dict[str, Any] = {
-                "requests": self._requests, "completed": self._completed,
-                "failed": self._failed, "rows": self._rows, "batches": self._batches,
-                "mean_batch_rows": self._rows / self._batches if self._batches else 0.0,
-                "batch_size_histogram": dict(sorted(self._batch_sizes.items())),
-                "rejections": dict(self._rejections),
-            }
-        snap["queue_time_ms"] = percentiles(queue_ms)
-        snap["forward_time_ms"] = percentiles(forward_ms)
-        return snap
+            requests, completed, failed = self._requests, self._completed, self._failed
+            rows, batches = self._rows, self._batches
+            histogram = dict(sorted(self._batch_sizes.items()))
+            rejections = dict(self._rejections)
+        return {
+            "requests": requests, "completed": completed, "failed": failed, "rows": rows,
+            "batches": batches, "mean_batch_rows": rows / batches if batches else 0.0,
+            "batch_size_histogram": histogram, "rejections": rejections,
+            "queue_time_ms": percentiles(queue_ms), "forward_time_ms": percentiles(forward_ms),
+        }

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from torch import nn
 
+from paraloom._version import __version__
 from paraloom.serving.body import read_body
 from paraloom.serving.errors import NotFoundError, ProtocolError, ServingError
 from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
@@ -25,6 +26,9 @@ from paraloom.serving.protocol import InferRequest, encode_infer_response, parse
 from paraloom.serving.repository import ModelFiles
 from paraloom.serving.served import ServedModel
 from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature, probe_input
+
+if TYPE_CHECKING:
+    from paraloom.inference.parallel import ParallelInference
 
 __all__ = ["create_app"]
 
@@ -49,8 +53,6 @@ def _served(request: Request) -> ServedModel:
 
 async def server_metadata(request: Request) -> Response:
     """GET /v2."""
-    from paraloom import __version__
-
     return JSONResponse({"name": "paraloom", "version": __version__, "extensions": _EXTENSIONS})
 
 
@@ -217,8 +219,9 @@ _ROUTES = [
 ]
 
 
-def _build_pool(model: nn.Module, signature: ModelSignature, sample: Any, probed: bool,
-                pool_options: dict[str, Any]) -> Any:
+def _build_pool(model: nn.Module, signature: ModelSignature,
+                sample: torch.Tensor | Sequence[torch.Tensor] | None, probed: bool,
+                pool_options: dict[str, Any]) -> ParallelInference:
     """ParallelInference(model), warmed on the signature's probe so errors are blamed right."""
     from paraloom.inference.parallel import ParallelInference
 
@@ -230,7 +233,7 @@ def _build_pool(model: nn.Module, signature: ModelSignature, sample: Any, probed
     return ParallelInference(model, **options)
 
 
-def _check_pool(pool_or_model: Any, model: nn.Module | None, pool_options: dict[str, Any]
+def _check_pool(pool_or_model: object, model: nn.Module | None, pool_options: dict[str, Any]
                 ) -> None:
     if isinstance(pool_or_model, nn.Module):
         if model is not None:
@@ -244,16 +247,20 @@ def _check_pool(pool_or_model: Any, model: nn.Module | None, pool_options: dict[
                         f"{type(pool_or_model).__name__}")
 
 
-def _signature(model: nn.Module | None, **given: Any) -> ModelSignature:
+def _signature(model: nn.Module | None, *,
+               sample: torch.Tensor | Sequence[torch.Tensor] | None,
+               inputs: Sequence[TensorSpec] | None,
+               outputs: Sequence[TensorSpec] | None) -> ModelSignature:
     if model is not None:
-        return infer_signature(model, **given)
-    if given["inputs"] is None or given["outputs"] is None:
+        return infer_signature(model, sample=sample, inputs=inputs, outputs=outputs)
+    if inputs is None or outputs is None:
         raise TypeError("create_app(pool) needs model= (the module the pool serves) or both "
                         "inputs= and outputs= to describe the model")
-    return ModelSignature(tuple(given["inputs"]), tuple(given["outputs"]))
+    return ModelSignature(tuple(inputs), tuple(outputs))
 
 
-def create_app(pool_or_model: Any, *, name: str = "model", model: nn.Module | None = None,
+def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "model",
+               model: nn.Module | None = None,
                sample: torch.Tensor | Sequence[torch.Tensor] | None = None,
                inputs: Sequence[TensorSpec] | None = None,
                outputs: Sequence[TensorSpec] | None = None,
@@ -273,13 +280,15 @@ def create_app(pool_or_model: Any, *, name: str = "model", model: nn.Module | No
     files = ModelFiles(model_file=model_file, model_dir=model_dir)
     _check_pool(pool_or_model, model, pool_options)
     owns = isinstance(pool_or_model, nn.Module)
-    if owns:
+    if isinstance(pool_or_model, nn.Module):
         model = pool_or_model
     signature = _signature(model, sample=sample, inputs=inputs, outputs=outputs)
     # The probe ran the model only when the outputs were read from it.
     probe = sample if outputs is None else None
-    pool = _build_pool(pool_or_model, signature, probe, outputs is None, pool_options) \
-        if owns else pool_or_model
+    if isinstance(pool_or_model, nn.Module):
+        pool = _build_pool(pool_or_model, signature, probe, outputs is None, pool_options)
+    else:
+        pool = pool_or_model
     served = ServedModel(name, pool, model, signature, files=files, owns_pool=owns,
                          retry_after=retry_after)
     app_metrics = ServingMetrics()

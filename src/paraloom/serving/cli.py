@@ -12,9 +12,14 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from paraloom.serving.signature import TensorSpec
 
 __all__ = ["add_arguments", "build_model", "main", "run"]
 
@@ -86,12 +91,12 @@ def _has_header(path: str) -> bool:
 
 def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
     """The model to serve and the paraloom file it came from (the one reloads may re-read)."""
-    import paraloom
+    from paraloom.checkpoint import load
 
     if args.model and args.factory:
         raise ValueError("pass MODEL or --factory, not both")
     if args.model:
-        return paraloom.load(args.model), args.model
+        return load(args.model), args.model
     if not args.factory:
         raise ValueError("nothing to serve: pass MODEL (a file from paraloom.save) or "
                          "--factory pkg.mod:fn [--weights FILE]")
@@ -101,7 +106,7 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
     if not Path(args.weights).is_file():
         raise FileNotFoundError(f"--weights {args.weights!r} does not exist")
     if _has_header(args.weights):
-        return paraloom.load(args.weights, factory=factory), args.weights
+        return load(args.weights, factory=factory), args.weights
     from safetensors.torch import load_file
 
     model = factory()
@@ -109,9 +114,10 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
     return model, None  # plain safetensors: served, but not reloadable (no paraloom header)
 
 
-def _signature_options(args: argparse.Namespace) -> dict[str, Any]:
+def _input_specs(args: argparse.Namespace) -> list[TensorSpec] | None:
+    """The inputs given by --input-shape and friends; None: read them from the model."""
     if not args.input_shape:
-        return {}
+        return None
     from paraloom.serving.signature import TensorSpec
 
     try:
@@ -119,10 +125,10 @@ def _signature_options(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"--input-shape {args.input_shape!r} must be integers separated by "
                          "commas, e.g. -1,1,28,28") from e
-    return {"inputs": [TensorSpec(args.input_name, args.input_datatype, shape)]}
+    return [TensorSpec(args.input_name, args.input_datatype, shape)]
 
 
-def _reload_on_sighup(app: Any) -> None:
+def _reload_on_sighup(app: Starlette) -> None:
     """Make SIGHUP reload the served file, as ``POST .../load`` with no body does."""
     served = app.state.served
     inner = app.router.lifespan_context
@@ -135,7 +141,7 @@ def _reload_on_sighup(app: Any) -> None:
             _log.error("SIGHUP reload failed, the old version keeps serving: %s", e)
 
     @contextlib.asynccontextmanager
-    async def lifespan(a: Any) -> AsyncIterator[None]:
+    async def lifespan(a: Starlette) -> AsyncIterator[None]:
         async with inner(a):
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload()))
@@ -170,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                          batch_limit=args.batch_limit, queue_limit=args.queue_limit,
                          max_wait_ms=args.max_wait_ms,
                          threads_per_worker=args.threads_per_worker,
-                         **_signature_options(args))
+                         inputs=_input_specs(args))
     except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError) as e:
         print(f"paraloom serve: error: {e}", file=sys.stderr)
         return 2

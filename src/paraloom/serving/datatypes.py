@@ -69,7 +69,7 @@ def datatype_of(dtype: torch.dtype) -> str:
     return _BY_TORCH[dtype].name
 
 
-def lookup(raw: Any, where: str) -> DataType:
+def lookup(raw: object, where: str) -> DataType:
     """The datatype a request names; ``ProtocolError`` for BYTES or an unknown name."""
     if raw == "BYTES":
         raise ProtocolError(f"{where} has datatype BYTES, which paraloom does not serve: torch "
@@ -138,7 +138,7 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
     return arr.tobytes()
 
 
-def tensor_to_json(t: torch.Tensor) -> list:
+def tensor_to_json(t: torch.Tensor) -> list[int | float]:
     """A tensor's values as a flat, row-major JSON list."""
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:

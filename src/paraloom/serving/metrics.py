@@ -6,8 +6,8 @@ or one test after another, never see each other's counts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -17,6 +17,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from paraloom.inference.parallel import ParallelInference
 
 __all__ = ["CONTENT_TYPE_LATEST", "PoolCollector", "ServingMetrics"]
 
@@ -54,7 +57,7 @@ class ServingMetrics:
         """Record the server-side latency of one answered request."""
         self.latency.labels(model).observe(seconds)
 
-    def watch(self, model: str, pool: Any) -> None:
+    def watch(self, model: str, pool: ParallelInference) -> None:
         """Export ``pool.stats()`` (queue and forward time, batch sizes, ...) at each scrape."""
         self.registry.register(PoolCollector(model, pool))
 
@@ -66,7 +69,7 @@ class ServingMetrics:
 class PoolCollector:
     """Reads a ParallelInference's ``stats()`` when Prometheus scrapes, and exports it."""
 
-    def __init__(self, model: str, pool: Any) -> None:
+    def __init__(self, model: str, pool: ParallelInference) -> None:
         self.model = model
         self.pool = pool
 
@@ -75,8 +78,9 @@ class PoolCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        """The metric families, built from one ``stats()`` snapshot."""
-        stats = self.pool.stats()
+        """The metric families, built from one ``stats()`` call."""
+        # Read by key name, with a default for any key a pool leaves out.
+        stats: Mapping[str, Any] = self.pool.stats()
         yield from self._counters(stats)
         yield self._batch_sizes(stats.get("batch_size_histogram", {}), stats.get("rows", 0))
         for key, name, what in (
@@ -90,7 +94,7 @@ class PoolCollector:
             gauge.add_metric([self.model], float(stats.get(key, 0)))
             yield gauge
 
-    def _counters(self, stats: dict[str, Any]) -> Iterator[Metric]:
+    def _counters(self, stats: Mapping[str, Any]) -> Iterator[Metric]:
         for key, help_text in (("requests", "Requests ParallelInference accepted."),
                                ("completed", "Requests answered with an output."),
                                ("failed", "Accepted requests answered with an error."),
@@ -106,7 +110,7 @@ class PoolCollector:
             rejected.add_metric([self.model, reason], float(count))
         yield rejected
 
-    def _batch_sizes(self, histogram: dict[int, int], rows: int) -> Metric:
+    def _batch_sizes(self, histogram: Mapping[int, int], rows: int) -> Metric:
         buckets = []
         for bound in _SIZES:  # Prometheus buckets are cumulative: batches of <= bound rows
             seen = sum(n for size, n in histogram.items() if int(size) <= bound)
@@ -117,7 +121,7 @@ class PoolCollector:
         family.add_metric([self.model], buckets, sum_value=float(rows))
         return family
 
-    def _timing(self, summary: dict[str, float], name: str, what: str) -> Metric:
+    def _timing(self, summary: Mapping[str, float], name: str, what: str) -> Metric:
         family = GaugeMetricFamily(
             f"paraloom_{name}_time_seconds",
             f"{what}, over the pool's recent window, by quantile (1: the maximum).",

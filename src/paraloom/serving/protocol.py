@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
@@ -39,7 +40,7 @@ try:  # orjson parses a request's floats ~9x faster than json: it sets the serve
     def _loads(data: bytes) -> Any:
         return orjson.loads(data)
 
-    def _dumps(obj: Any) -> bytes:
+    def _dumps(obj: object) -> bytes:
         return orjson.dumps(obj)
 
 except ImportError:  # pragma: no cover - the same results, slower
@@ -47,7 +48,7 @@ except ImportError:  # pragma: no cover - the same results, slower
     def _loads(data: bytes) -> Any:
         return json.loads(data)
 
-    def _dumps(obj: Any) -> bytes:
+    def _dumps(obj: object) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
 
 @dataclass
@@ -79,8 +80,27 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
-def _get(obj: dict, key: str, kind: type | tuple[type, ...], where: str, required: bool = True
-         ) -> Any:
+class _OutputEntry(TypedDict):
+    """One output of an inference response: JSON ``data``, or ``binary_data_size`` bytes."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    parameters: NotRequired[dict[str, int]]
+    data: NotRequired[list[int | float]]
+
+
+class _InferResponse(TypedDict):
+    """An inference response body (its JSON part)."""
+
+    model_name: str
+    model_version: str
+    outputs: list[_OutputEntry]
+    id: NotRequired[str]
+
+
+def _get(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str,
+         required: bool = True) -> Any:
     value = obj.get(key)
     if value is None:
         if required:
@@ -106,7 +126,7 @@ _MAX_RANK = 32  # numpy's limit is 64; no model takes more
 _MAX_ELEMENTS = 1 << 40  # far beyond any body; keeps byte strides inside 64 bits
 
 
-def _parse_shape(raw: Any, where: str) -> tuple[int, ...]:
+def _parse_shape(raw: object, where: str) -> tuple[int, ...]:
     if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool)
                                             and d >= 0 for d in raw):
         raise ProtocolError(f"{where} has shape {short_repr(raw)}; expected an array of "
@@ -121,7 +141,8 @@ def _parse_shape(raw: Any, where: str) -> tuple[int, ...]:
     return tuple(raw)
 
 
-def _build_tensor(build: Any, where: str, shape: tuple[int, ...], *args: Any) -> torch.Tensor:
+def _build_tensor(build: Callable[..., torch.Tensor], where: str, shape: tuple[int, ...],
+                  *args: Any) -> torch.Tensor:
     """Run a tensor constructor; numpy's and torch's own refusals become a 400."""
     try:
         return build(*args)
@@ -133,7 +154,7 @@ def _build_tensor(build: Any, where: str, shape: tuple[int, ...], *args: Any) ->
                             "matches it") from e
 
 
-def _parse_input(obj: Any, index: int, binary: memoryview | None, offset: int
+def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int
                  ) -> tuple[RequestInput, int]:
     if not isinstance(obj, dict):
         raise ProtocolError(f"inputs[{index}] must be an object with name, shape, datatype and "
@@ -185,7 +206,7 @@ def _split_body(body: bytes, header_length: int | None) -> tuple[Any, memoryview
         raise ProtocolError(f"request body is not valid JSON: {e}{hint}") from e
 
 
-def _parse_outputs(raw: Any) -> list[RequestedOutput] | None:
+def _parse_outputs(raw: object) -> list[RequestedOutput] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
@@ -243,10 +264,11 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
     The JSON length is None when no output is binary (then the body is plain JSON) and must be
     sent as the Inference-Header-Content-Length header otherwise.
     """
-    entries, chunks = [], []
+    entries: list[_OutputEntry] = []
+    chunks: list[bytes] = []
     for name, tensor, as_binary in outputs:
-        entry: dict[str, Any] = {"name": name, "datatype": datatype_of(tensor.dtype),
-                                 "shape": list(tensor.shape)}
+        entry: _OutputEntry = {"name": name, "datatype": datatype_of(tensor.dtype),
+                               "shape": list(tensor.shape)}
         if as_binary:
             chunk = tensor_to_bytes(tensor)
             entry["parameters"] = {"binary_data_size": len(chunk)}
@@ -254,7 +276,7 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
         else:
             entry["data"] = tensor_to_json(tensor)
         entries.append(entry)
-    response: dict[str, Any] = {"model_name": model_name, "model_version": model_version,
+    response: _InferResponse = {"model_name": model_name, "model_version": model_version,
                                 "outputs": entries}
     if request_id is not None:
         response["id"] = request_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import anyio
 import torch
@@ -25,9 +25,22 @@ from paraloom.serving.errors import (
     UnavailableError,
 )
 from paraloom.serving.repository import ModelFiles
-from paraloom.serving.signature import ModelSignature
+from paraloom.serving.signature import ModelSignature, TensorMetadata
 
-__all__ = ["ServedModel"]
+if TYPE_CHECKING:
+    from paraloom.inference.parallel import ParallelInference
+
+__all__ = ["ModelMetadata", "ServedModel"]
+
+
+class ModelMetadata(TypedDict):
+    """The v2 model metadata object (``GET /v2/models/{name}``)."""
+
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
 
 
 class _GatewayTimeoutError(ServingError):
@@ -38,8 +51,9 @@ class _GatewayTimeoutError(ServingError):
 class ServedModel:
     """A named ``ParallelInference`` pool with the signature and file rules the server enforces."""
 
-    def __init__(self, name: str, pool: Any, model: nn.Module | None, signature: ModelSignature, *,
-                 files: ModelFiles, owns_pool: bool, retry_after: int = 1) -> None:
+    def __init__(self, name: str, pool: ParallelInference, model: nn.Module | None,
+                 signature: ModelSignature, *, files: ModelFiles, owns_pool: bool,
+                 retry_after: int = 1) -> None:
         self.name = name
         self.pool = pool
         self.model = model
@@ -73,7 +87,7 @@ class ServedModel:
         """Whether new requests will be accepted."""
         return not self.draining and not getattr(self.pool, "closed", False)
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> ModelMetadata:
         """The v2 model metadata object."""
         return {"name": self.name, "versions": [self.version], "platform": "pytorch",
                 "inputs": [s.as_json() for s in self.signature.inputs],
@@ -84,7 +98,8 @@ class ServedModel:
         if self.draining:
             raise UnavailableError("the server is shutting down and takes no new requests",
                                    reason="shutting_down", retry_after=self.retry_after)
-        x: Any = tensors[0] if len(tensors) == 1 else tuple(tensors)
+        x: torch.Tensor | tuple[torch.Tensor, ...] = \
+            tensors[0] if len(tensors) == 1 else tuple(tensors)
         try:
             if self._inplace:
                 result, version = await self._infer_inplace(x)
@@ -104,7 +119,8 @@ class ServedModel:
             raise _GatewayTimeoutError(str(e)) from e
         return result, str(version)
 
-    async def _infer_inplace(self, x: Any) -> tuple[Any, Any]:
+    async def _infer_inplace(self, x: torch.Tensor | tuple[torch.Tensor, ...]
+                             ) -> tuple[Any, int]:
         """Run x on a thread that waits for a free replica; QueueFullError past the limit."""
         limit = self._inplace_limit
         if limit is not None and self._inplace_now >= limit:
@@ -156,7 +172,7 @@ class ServedModel:
             await anyio.to_thread.run_sync(lambda: self.pool.close(drain=True, timeout=timeout))
 
 
-def _inplace_limit(pool: Any) -> int | None:
+def _inplace_limit(pool: ParallelInference) -> int | None:
     """workers + queue_limit of a pool that says them (a ParallelInference does), else None."""
     workers, queue_limit = getattr(pool, "workers", None), getattr(pool, "queue_limit", None)
     if isinstance(workers, int) and isinstance(queue_limit, int):

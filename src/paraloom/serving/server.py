@@ -7,12 +7,16 @@ import math
 import socket
 import threading
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
+from torch import nn
 
 from paraloom.serving.app import create_app
+
+if TYPE_CHECKING:
+    from paraloom.inference.parallel import ParallelInference
 
 __all__ = ["ServerThread", "bind_socket", "serve"]
 
@@ -72,7 +76,8 @@ def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeou
                           **uvicorn_options)
 
 
-def _as_app(pool_or_model: Any, name: str | None, app_options: dict[str, Any]) -> Starlette:
+def _as_app(pool_or_model: nn.Module | ParallelInference | Starlette, name: str | None,
+            app_options: dict[str, Any]) -> Starlette:
     if isinstance(pool_or_model, Starlette):
         if name is not None or app_options:
             raise TypeError("pass name and app options to create_app, not with an app")
@@ -80,9 +85,9 @@ def _as_app(pool_or_model: Any, name: str | None, app_options: dict[str, Any]) -
     return create_app(pool_or_model, name=name or "model", **app_options)
 
 
-def serve(pool_or_model: Any, *, name: str | None = None, host: str = _DEFAULT_HOST,
-          port: int = 8000, log_level: str = "info", access_log: bool = False,
-          graceful_timeout: float = 30.0, **app_options: Any) -> None:
+def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str | None = None,
+          host: str = _DEFAULT_HOST, port: int = 8000, log_level: str = "info",
+          access_log: bool = False, graceful_timeout: float = 30.0, **app_options: Any) -> None:
     """Serve a model, a ParallelInference or an app from ``create_app`` until SIGINT/SIGTERM.
 
     Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -13,7 +13,15 @@ from paraloom.serving.datatypes import DATATYPES, datatype_of
 from paraloom.serving.errors import ProtocolError
 from paraloom.serving.protocol import RequestInput
 
-__all__ = ["ModelSignature", "TensorSpec", "infer_signature", "probe_input"]
+__all__ = ["ModelSignature", "TensorMetadata", "TensorSpec", "infer_signature", "probe_input"]
+
+
+class TensorMetadata(TypedDict):
+    """One tensor in the v2 model metadata: ``{"name", "datatype", "shape"}``."""
+
+    name: str
+    datatype: str
+    shape: list[int]
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,7 @@ class TensorSpec:
                              "integers >= 0, or -1 for a dimension of any size")
         object.__setattr__(self, "shape", tuple(self.shape))
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> TensorMetadata:
         """The v2 metadata form: ``{"name", "datatype", "shape"}``."""
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
 
@@ -170,7 +178,7 @@ def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.T
 
 
 def probe_input(signature: ModelSignature, sample: torch.Tensor | Sequence[torch.Tensor] | None
-                ) -> Any:
+                ) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
     """An input the model accepts, as the pool takes it (one tensor or a tuple); None if unknown."""
     probe = _as_list(sample) if sample is not None else _sample_from_specs(signature.inputs)
     if probe is None:

@@ -1,61 +1,78 @@
-"""paraloom: data-parallel training and batched inference for PyTorch."""
+"""paraloom: data-parallel training and batched inference for PyTorch.
+
+The public names load on first use (PEP 562), so ``import paraloom.serving`` does not pull in
+the training engine, nor ``import paraloom.training`` the inference server.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from paraloom._version import __version__ as __version__
-from paraloom.checkpoint import load, register_model, save
-from paraloom.early_stopping import (
-    EarlyStoppingConfig,
-    EarlyStoppingParallelTrainer,
-    EarlyStoppingResult,
-)
-from paraloom.errors import NotPicklableError, ParaloomError, WorkerError
-from paraloom.inference import (
-    InferenceClosedError,
-    InferenceError,
-    InferenceMode,
-    InvalidRequestError,
-    ModelUpdateError,
-    ParallelInference,
-    QueueFullError,
-    RequestTimeoutError,
-)
-from paraloom.listeners import TrainingListener
-from paraloom.sync import (
-    AdaptiveThreshold,
-    FixedThreshold,
-    ResidualClipping,
-    TargetSparsityThreshold,
-)
-from paraloom.sync.base import StepContext, Synchronizer
-from paraloom.training.modes import TrainingMode
-from paraloom.training.resume import TrainingCheckpoint
-from paraloom.training.wrapper import ParallelWrapper
 
-__all__ = [
-    "AdaptiveThreshold",
-    "EarlyStoppingConfig",
-    "EarlyStoppingParallelTrainer",
-    "EarlyStoppingResult",
-    "FixedThreshold",
-    "InferenceClosedError",
-    "InferenceError",
-    "InferenceMode",
-    "InvalidRequestError",
-    "ModelUpdateError",
-    "NotPicklableError",
-    "ParallelInference",
-    "ParallelWrapper",
-    "ParaloomError",
-    "QueueFullError",
-    "RequestTimeoutError",
-    "ResidualClipping",
-    "StepContext",
-    "Synchronizer",
-    "TargetSparsityThreshold",
-    "TrainingCheckpoint",
-    "TrainingListener",
-    "TrainingMode",
-    "WorkerError",
-    "load",
-    "register_model",
-    "save",
-]
+if TYPE_CHECKING:
+    from paraloom.checkpoint import load, register_model, save
+    from paraloom.early_stopping import (
+        EarlyStoppingConfig,
+        EarlyStoppingParallelTrainer,
+        EarlyStoppingResult,
+    )
+    from paraloom.errors import NotPicklableError, ParaloomError, WorkerError
+    from paraloom.inference import (
+        InferenceClosedError,
+        InferenceError,
+        InferenceMode,
+        InvalidRequestError,
+        ModelUpdateError,
+        ParallelInference,
+        QueueFullError,
+        RequestTimeoutError,
+    )
+    from paraloom.listeners import TrainingListener
+    from paraloom.sync import (
+        AdaptiveThreshold,
+        FixedThreshold,
+        ResidualClipping,
+        TargetSparsityThreshold,
+    )
+    from paraloom.sync.base import StepContext, Synchronizer
+    from paraloom.training.modes import TrainingMode
+    from paraloom.training.resume import TrainingCheckpoint
+    from paraloom.training.wrapper import ParallelWrapper
+
+_WHERE = {
+    "load": "paraloom.checkpoint", "register_model": "paraloom.checkpoint",
+    "save": "paraloom.checkpoint",
+    "EarlyStoppingConfig": "paraloom.early_stopping",
+    "EarlyStoppingParallelTrainer": "paraloom.early_stopping",
+    "EarlyStoppingResult": "paraloom.early_stopping",
+    "NotPicklableError": "paraloom.errors", "ParaloomError": "paraloom.errors",
+    "WorkerError": "paraloom.errors",
+    "InferenceClosedError": "paraloom.inference", "InferenceError": "paraloom.inference",
+    "InferenceMode": "paraloom.inference", "InvalidRequestError": "paraloom.inference",
+    "ModelUpdateError": "paraloom.inference", "ParallelInference": "paraloom.inference",
+    "QueueFullError": "paraloom.inference", "RequestTimeoutError": "paraloom.inference",
+    "TrainingListener": "paraloom.listeners",
+    "AdaptiveThreshold": "paraloom.sync", "FixedThreshold": "paraloom.sync",
+    "ResidualClipping": "paraloom.sync", "TargetSparsityThreshold": "paraloom.sync",
+    "StepContext": "paraloom.sync.base", "Synchronizer": "paraloom.sync.base",
+    "TrainingMode": "paraloom.training.modes",
+    "TrainingCheckpoint": "paraloom.training.resume",
+    "ParallelWrapper": "paraloom.training.wrapper",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paraloom' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

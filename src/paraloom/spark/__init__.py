@@ -18,12 +18,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       ">= 4.0, which needs Java 17 or later)") from e
 
 from paraloom.evaluation import Evaluation
-from paraloom.spark.averaging import ParameterAveragingTrainingMaster
-from paraloom.spark.master import SparkTrainingError, TrainingMaster
-from paraloom.spark.metrics import RegressionEvaluation
+from paraloom.spark.evaluation import RegressionEvaluation
 from paraloom.spark.model import SparkModel
-from paraloom.spark.shared import SharedTrainingMaster
 from paraloom.spark.stats import PHASES, TrainingStats
+from paraloom.spark.training import (
+    ParameterAveragingTrainingMaster,
+    SharedTrainingMaster,
+    SparkTrainingError,
+    TrainingMaster,
+)
 from paraloom.sync.thresholds import (
     AdaptiveThreshold,
     FixedThreshold,

@@ -12,10 +12,15 @@ from torch import nn
 from paraloom.data import cpu_copy
 from paraloom.evaluation import Evaluation
 from paraloom.spark.data import Features, as_rows
-from paraloom.spark.inference import evaluate_rdd, predict_dataframe, predict_rdd, ship
-from paraloom.spark.master import FitJob, TrainingMaster
-from paraloom.spark.metrics import RegressionEvaluation
+from paraloom.spark.evaluation import (
+    RegressionEvaluation,
+    evaluate_rdd,
+    predict_dataframe,
+    predict_rdd,
+    ship,
+)
 from paraloom.spark.stats import TrainingStats
+from paraloom.spark.training import FitJob, TrainingMaster
 from paraloom.sync.base import NoSync
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.replica import StepFn

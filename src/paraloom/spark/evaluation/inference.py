@@ -23,9 +23,8 @@ from torch import nn
 
 from paraloom.evaluation import Evaluation
 from paraloom.spark.data import Features, partition_arrays, to_array
-from paraloom.spark.executor import cached, task_threads
-from paraloom.spark.metrics import RegressionEvaluation, merge_evaluations
-from paraloom.spark.state import pack, unpack
+from paraloom.spark.evaluation.metrics import RegressionEvaluation, merge_evaluations
+from paraloom.spark.runtime import cached, pack, task_threads, unpack
 from paraloom.training.replica import forward
 
 __all__ = ["Shipment", "ship", "shipped_model", "evaluate_rdd", "predict_rdd",

@@ -213,7 +213,7 @@ class TrainingStats:
 
     def export_html(self, path: str | Path) -> Path:
         """Write a self-contained HTML page (inline SVG, no scripts, no network); returns it."""
-        from paraloom.spark.stats_html import render_html
+        from paraloom.spark.stats.html import render_html
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,13 +14,18 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from paraloom.spark.averaging_task import RoundConfig, add_results, averaging_task, weighted
 from paraloom.spark.data import batch_count
-from paraloom.spark.master import FitJob, FitResult, TrainingMaster, positive_int, run_job
-from paraloom.spark.state import join_optimizer_state, pack, unflatten
+from paraloom.spark.runtime import join_optimizer_state, pack, unflatten
 from paraloom.spark.stats import TrainingStats
-from paraloom.spark.summary import averaging_summary
-from paraloom.spark.task import pickle_spec
+from paraloom.spark.training.averaging_task import (
+    RoundConfig,
+    add_results,
+    averaging_task,
+    weighted,
+)
+from paraloom.spark.training.master import FitJob, FitResult, TrainingMaster, positive_int, run_job
+from paraloom.spark.training.summary import averaging_summary
+from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import NoSync
 
 __all__ = ["ParameterAveragingTrainingMaster"]

@@ -18,7 +18,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from paraloom.spark.master import (
+from paraloom.spark.runtime import pack, unpack
+from paraloom.spark.stats import TrainingStats
+from paraloom.spark.training.master import (
     FitJob,
     FitResult,
     SparkTrainingError,
@@ -27,11 +29,9 @@ from paraloom.spark.master import (
     positive_seconds,
     run_job,
 )
-from paraloom.spark.shared_task import SharedConfig, checkpoint_path, shared_task
-from paraloom.spark.state import pack, unpack
-from paraloom.spark.stats import TrainingStats
-from paraloom.spark.summary import shared_summary
-from paraloom.spark.task import pickle_spec
+from paraloom.spark.training.shared_task import SharedConfig, checkpoint_path, shared_task
+from paraloom.spark.training.summary import shared_summary
+from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import Synchronizer
 from paraloom.sync.sharing import SharedGradients
 from paraloom.sync.thresholds import ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm

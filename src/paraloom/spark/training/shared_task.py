@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 from paraloom.checkpoint import atomic_write
-from paraloom.spark.board import ErrorBoard, leave_group, settle
 from paraloom.spark.data import Features, batch_count, epoch_order
-from paraloom.spark.executor import gpu_addresses, task_threads
-from paraloom.spark.rendezvous import (
+from paraloom.spark.runtime import Packed, gpu_addresses, pack, state_digest, task_threads, unpack
+from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
+from paraloom.spark.training.board import ErrorBoard, leave_group, settle
+from paraloom.spark.training.rendezvous import (
     backend_for,
     choose_device,
     connect,
@@ -41,9 +42,7 @@ from paraloom.spark.rendezvous import (
     local_rank,
     meet,
 )
-from paraloom.spark.state import Packed, pack, state_digest, unpack
-from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
-from paraloom.spark.task import (
+from paraloom.spark.training.task import (
     EpochLoss,
     Record,
     failure,

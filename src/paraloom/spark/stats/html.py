@@ -10,7 +10,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from paraloom.spark.stats import PHASES, TrainingStats
+from paraloom.spark.stats.recorder import PHASES, TrainingStats
 
 __all__ = ["render_html", "COLORS"]
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from paraloom.spark.rendezvous import is_symptom
-from paraloom.spark.task import Record, failure
+from paraloom.spark.training.rendezvous import is_symptom
+from paraloom.spark.training.task import Record, failure
 
 __all__ = ["ErrorBoard", "leave_group", "settle"]
 

@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 
 from paraloom.spark.data import Features, epoch_order, round_batches
-from paraloom.spark.executor import cached, task_threads
-from paraloom.spark.state import flatten, split_optimizer_state, unpack
+from paraloom.spark.runtime import cached, flatten, split_optimizer_state, task_threads, unpack
 from paraloom.spark.stats import PhaseRecorder
-from paraloom.spark.task import load_partition, load_spec, make_runner, minibatch
+from paraloom.spark.training.task import load_partition, load_spec, make_runner, minibatch
 from paraloom.training.worker import ReplicaRunner
 
 __all__ = ["RoundConfig", "averaging_task", "add_results", "weighted"]

@@ -15,7 +15,7 @@ from spark_helpers import read_page
 from torch import nn
 
 from paraloom.spark.data import Features, batch_count, epoch_order, join_chunks, round_batches
-from paraloom.spark.data.rows import chunk_rows
+from paraloom.spark.data.partitions import chunk_rows
 from paraloom.spark.evaluation.metrics import RegressionEvaluation, merge_evaluations
 from paraloom.spark.runtime.state import flatten, pack, state_digest, unflatten, unpack
 from paraloom.spark.stats import PHASES, TimedSynchronizer, TrainingStats, split_round

@@ -7,6 +7,12 @@
     net.fit(train_rdd, epochs=3)
 
 Needs the ``spark`` extra: ``pip install "paraloom[spark]"`` (PySpark 4, Java 17+).
+
+Layout: ``model.py`` (SparkModel) and ``cli.py`` (``paraloom spark-train``) here;
+``training/`` the two masters, their Spark tasks, the barrier rendezvous and error board;
+``evaluation/`` distributed evaluation, inference and regression metrics; ``data/`` rows and
+DataFrames to arrays, deterministic partitions; ``stats/`` per-phase timings and TrainingStats;
+``runtime/`` what both use on the executors (state as bytes, the per-worker model cache).
 """
 
 from __future__ import annotations

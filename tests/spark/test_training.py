@@ -19,7 +19,7 @@ from paraloom.spark import (
     SparkModel,
     SparkTrainingError,
 )
-from paraloom.spark.state import state_digest
+from paraloom.spark.runtime.state import state_digest
 
 pytestmark = pytest.mark.timeout(300)
 

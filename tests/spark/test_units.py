@@ -14,22 +14,21 @@ import torch
 from spark_helpers import read_page
 from torch import nn
 
-from paraloom.spark.averaging_task import RoundConfig, add_results, averaging_task, weighted
-from paraloom.spark.board import ErrorBoard, settle
-from paraloom.spark.data import (
-    Features,
-    batch_count,
-    chunk_rows,
-    epoch_order,
-    join_chunks,
-    round_batches,
-)
-from paraloom.spark.metrics import RegressionEvaluation, merge_evaluations
-from paraloom.spark.rendezvous import bounded_call, local_rank, meet, task_host
-from paraloom.spark.shared_task import SharedConfig, checkpoint_path, shared_task
-from paraloom.spark.state import flatten, pack, state_digest, unflatten, unpack
+from paraloom.spark.data import Features, batch_count, epoch_order, join_chunks, round_batches
+from paraloom.spark.data.partitions import chunk_rows
+from paraloom.spark.evaluation.metrics import RegressionEvaluation, merge_evaluations
+from paraloom.spark.runtime.state import flatten, pack, state_digest, unflatten, unpack
 from paraloom.spark.stats import PHASES, TimedSynchronizer, TrainingStats, split_round
-from paraloom.spark.task import pickle_spec
+from paraloom.spark.training.averaging_task import (
+    RoundConfig,
+    add_results,
+    averaging_task,
+    weighted,
+)
+from paraloom.spark.training.board import ErrorBoard, settle
+from paraloom.spark.training.rendezvous import bounded_call, local_rank, meet, task_host
+from paraloom.spark.training.shared_task import SharedConfig, checkpoint_path, shared_task
+from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import NoSync
 from paraloom.sync.sharing import SharedGradients
 from paraloom.training.optim import OptimizerSpec

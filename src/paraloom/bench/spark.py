@@ -152,7 +152,7 @@ def _ddp(args: argparse.Namespace, spark: Any) -> dict:
 def _warm_up(sc: Any, workers: int) -> None:
     """Start the Python workers and import torch in them, so no contender pays for it."""
     sc.parallelize(range(workers), workers).map(
-        lambda _: __import__("paraloom.spark.shared_task").__name__).collect()
+        lambda _: __import__("paraloom.spark.training.shared_task").__name__).collect()
 
 
 def run(args: argparse.Namespace) -> int:

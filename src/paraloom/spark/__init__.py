@@ -7,6 +7,12 @@
     net.fit(train_rdd, epochs=3)
 
 Needs the ``spark`` extra: ``pip install "paraloom[spark]"`` (PySpark 4, Java 17+).
+
+Layout: ``model.py`` (SparkModel) and ``cli.py`` (``paraloom spark-train``) here;
+``training/`` the two masters, their Spark tasks, the barrier rendezvous and error board;
+``evaluation/`` distributed evaluation, inference and regression metrics; ``data/`` rows and
+DataFrames to arrays, deterministic partitions; ``stats/`` per-phase timings and TrainingStats;
+``runtime/`` what both use on the executors (state as bytes, the per-worker model cache).
 """
 
 from __future__ import annotations
@@ -18,12 +24,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       ">= 4.0, which needs Java 17 or later)") from e
 
 from paraloom.evaluation import Evaluation
-from paraloom.spark.averaging import ParameterAveragingTrainingMaster
-from paraloom.spark.master import SparkTrainingError, TrainingMaster
-from paraloom.spark.metrics import RegressionEvaluation
+from paraloom.spark.evaluation import RegressionEvaluation
 from paraloom.spark.model import SparkModel
-from paraloom.spark.shared import SharedTrainingMaster
 from paraloom.spark.stats import PHASES, TrainingStats
+from paraloom.spark.training import (
+    ParameterAveragingTrainingMaster,
+    SharedTrainingMaster,
+    SparkTrainingError,
+    TrainingMaster,
+)
 from paraloom.sync.thresholds import (
     AdaptiveThreshold,
     FixedThreshold,

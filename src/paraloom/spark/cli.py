@@ -9,9 +9,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pyspark  # noqa: F401  (the CLI reports a missing [spark] extra when this fails)
+
+if TYPE_CHECKING:
+    import numpy as np
+    from pyspark import RDD, SparkContext
+    from pyspark.sql import SparkSession
+    from torch.utils.data import TensorDataset
+
+    from paraloom.spark.training import TrainingMaster
 
 __all__ = ["add_arguments", "run", "session"]
 
@@ -55,7 +63,7 @@ def _confs(entries: list[str]) -> dict[str, str]:
     return out
 
 
-def session(master: str, confs: dict[str, str] | None = None) -> tuple[Any, bool]:
+def session(master: str, confs: dict[str, str] | None = None) -> tuple[SparkSession, bool]:
     """(a SparkSession for ``master``, whether this call created it).
 
     For ``local`` masters the executors use this Python and loopback networking, unless the
@@ -77,12 +85,13 @@ def session(master: str, confs: dict[str, str] | None = None) -> tuple[Any, bool
     return builder.getOrCreate(), True
 
 
-def _rows(sc: Any, dataset: Any, partitions: int) -> Any:
+def _rows(sc: SparkContext, dataset: TensorDataset,
+          partitions: int) -> RDD[tuple[np.ndarray, int]]:
     x, y = dataset.tensors
     return sc.parallelize(list(zip(x.numpy(), y.numpy().tolist(), strict=True)), partitions)
 
 
-def _master(args: argparse.Namespace) -> Any:
+def _master(args: argparse.Namespace) -> TrainingMaster:
     from paraloom.spark import (
         AdaptiveThreshold,
         ParameterAveragingTrainingMaster,

@@ -3,36 +3,48 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 from torch import nn
 
 from paraloom.data import cpu_copy
 from paraloom.evaluation import Evaluation
-from paraloom.spark.data import Features, as_rows
-from paraloom.spark.inference import evaluate_rdd, predict_dataframe, predict_rdd, ship
-from paraloom.spark.master import FitJob, TrainingMaster
-from paraloom.spark.metrics import RegressionEvaluation
+from paraloom.spark.data import Features, as_rows, is_dataframe, is_rdd
+from paraloom.spark.evaluation import (
+    RegressionEvaluation,
+    evaluate_rdd,
+    predict_dataframe,
+    predict_rdd,
+    ship,
+)
 from paraloom.spark.stats import TrainingStats
+from paraloom.spark.training import FitJob, TrainingMaster
 from paraloom.sync.base import NoSync
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.replica import StepFn
 from paraloom.training.worker import WorkerSpec
 
+if TYPE_CHECKING:
+    from pyspark import RDD, SparkContext
+    from pyspark.sql import DataFrame, SparkSession
+
 __all__ = ["SparkModel"]
 
 log = logging.getLogger("paraloom")
 
+OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+"""Builds a replica's optimizer from its parameters: ``lambda params: SGD(params, lr=0.1)``."""
 
-def _spark_context(spark: Any) -> Any:
+
+def _spark_context(spark: SparkSession | SparkContext) -> SparkContext:
     sc = getattr(spark, "sparkContext", spark)
     if not hasattr(sc, "broadcast") or not hasattr(sc, "parallelize"):
         raise TypeError(f"spark must be a SparkSession or SparkContext; got "
                         f"{type(spark).__name__}. Spark Connect sessions have no RDD API: use "
                         f"a classic session (SparkSession.builder.master(...))")
-    return sc
+    return cast("SparkContext", sc)
 
 
 def _dtype_name(model: nn.Module) -> str:
@@ -50,8 +62,10 @@ class SparkModel:
     DataFrame's double labels with a classification loss).
     """
 
-    def __init__(self, spark: Any, model: nn.Module, master: TrainingMaster, *,
-                 loss_fn: Any = None, optimizer: Any = None, step_fn: StepFn | None = None,
+    def __init__(self, spark: SparkSession | SparkContext, model: nn.Module,
+                 master: TrainingMaster, *, loss_fn: Any = None,
+                 optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+                 step_fn: StepFn | None = None,
                  feature_shape: Sequence[int] | None = None,
                  label_dtype: torch.dtype | None = None) -> None:
         if not isinstance(model, nn.Module):
@@ -80,8 +94,9 @@ class SparkModel:
             return self._user_optimizer.state_dict() if self._user_optimizer.state else None
         return self._optimizer_state
 
-    def fit(self, data: Any, epochs: int = 1, *, features: str | Sequence[str] = "features",
-            label: str = "label", collect_stats: bool = False, seed: int = 0) -> dict[str, Any]:
+    def fit(self, data: RDD[Any] | DataFrame, epochs: int = 1, *,
+            features: str | Sequence[str] = "features", label: str = "label",
+            collect_stats: bool = False, seed: int = 0) -> dict[str, Any]:
         """Train ``epochs`` passes over ``data``; returns a summary (samples/s, losses, bytes).
 
         With ``collect_stats=True`` per-worker, per-phase timings are kept: see
@@ -122,30 +137,47 @@ class SparkModel:
         return self._stats
 
     # -- evaluation and inference --------------------------------------------------------------
-    def evaluate(self, data: Any, *, features: str | Sequence[str] = "features",
+    def evaluate(self, data: RDD[Any] | DataFrame, *, features: str | Sequence[str] = "features",
                  label: str = "label", batch_size: int = 256) -> Evaluation:
         """Classification metrics (accuracy, precision, recall, F1, confusion matrix, loss)."""
         return self._evaluate(data, features, label, batch_size, regression=False)
 
-    def evaluate_regression(self, data: Any, *, features: str | Sequence[str] = "features",
-                            label: str = "label", batch_size: int = 256) -> RegressionEvaluation:
+    def evaluate_regression(self, data: RDD[Any] | DataFrame, *,
+                            features: str | Sequence[str] = "features", label: str = "label",
+                            batch_size: int = 256) -> RegressionEvaluation:
         """Regression metrics (MSE, MAE, RMSE, R² per output column, and their means)."""
         return self._evaluate(data, features, label, batch_size, regression=True)
 
-    def _evaluate(self, data: Any, features: str | Sequence[str], label: str, batch_size: int,
-                  regression: bool) -> Any:
+    @overload
+    def _evaluate(self, data: RDD[Any] | DataFrame, features: str | Sequence[str], label: str,
+                  batch_size: int, regression: Literal[False]) -> Evaluation: ...
+    @overload
+    def _evaluate(self, data: RDD[Any] | DataFrame, features: str | Sequence[str], label: str,
+                  batch_size: int, regression: Literal[True]) -> RegressionEvaluation: ...
+    def _evaluate(self, data: RDD[Any] | DataFrame, features: str | Sequence[str], label: str,
+                  batch_size: int, regression: bool) -> Evaluation | RegressionEvaluation:
         rows = as_rows(data, features, label)
         shipment = ship(self.sc, self.model, self.features)
         try:
-            return evaluate_rdd(rows, shipment, loss_fn=self.loss_fn, batch_size=batch_size,
-                                regression=regression)
+            if regression:
+                return evaluate_rdd(rows, shipment, loss_fn=self.loss_fn, batch_size=batch_size,
+                                    regression=True)
+            return evaluate_rdd(rows, shipment, loss_fn=self.loss_fn, batch_size=batch_size)
         finally:
             shipment.model.unpersist()
             shipment.state.unpersist()
 
-    def predict(self, data: Any, *, features: str | Sequence[str] = "features",
+    @overload
+    def predict(self, data: DataFrame, *, features: str | Sequence[str] = ...,
+                output: str = ..., batch_size: int = ..., argmax: bool = ...,
+                keyed: bool = ...) -> DataFrame: ...
+    @overload
+    def predict(self, data: RDD[Any], *, features: str | Sequence[str] = ...,
+                output: str = ..., batch_size: int = ..., argmax: bool = ...,
+                keyed: bool = ...) -> RDD[Any]: ...
+    def predict(self, data: RDD[Any] | DataFrame, *, features: str | Sequence[str] = "features",
                 output: str = "prediction", batch_size: int = 256, argmax: bool = False,
-                keyed: bool = False) -> Any:
+                keyed: bool = False) -> DataFrame | RDD[Any]:
         """The model's outputs: a DataFrame with an ``output`` column, or an RDD of outputs.
 
         A DataFrame gets one ``array<float>`` per row (the row's output, flattened), or with
@@ -154,11 +186,11 @@ class SparkModel:
         pairs and gives ``(key, output)`` pairs (DL4J's feedForwardWithKey).
         """
         shipment = ship(self.sc, self.model, self.features)
-        if hasattr(data, "rdd") and hasattr(data, "columns"):
+        if is_dataframe(data):
             cols = features if isinstance(features, str) else list(features)
             return predict_dataframe(data, shipment, features=cols, output=output,
                                      batch_size=batch_size, argmax=argmax)
-        if hasattr(data, "mapPartitions"):
+        if is_rdd(data):
             return predict_rdd(data, shipment, batch_size=batch_size, argmax=argmax, keyed=keyed)
         raise TypeError(f"data must be a pyspark DataFrame or RDD; got {type(data).__name__}")
 

@@ -30,10 +30,12 @@ import torch
 import torch.distributed as dist
 
 from paraloom.checkpoint import atomic_write
-from paraloom.spark.board import ErrorBoard, leave_group, settle
-from paraloom.spark.data import Features, batch_count, epoch_order
-from paraloom.spark.executor import gpu_addresses, task_threads
-from paraloom.spark.rendezvous import (
+from paraloom.spark.data import Chunk, Features, batch_count, epoch_order
+from paraloom.spark.runtime import Packed, gpu_addresses, pack, state_digest, task_threads, unpack
+from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
+from paraloom.spark.training.board import ErrorBoard, leave_group, settle
+from paraloom.spark.training.rendezvous import (
+    BarrierContext,
     backend_for,
     choose_device,
     connect,
@@ -41,9 +43,7 @@ from paraloom.spark.rendezvous import (
     local_rank,
     meet,
 )
-from paraloom.spark.state import Packed, pack, state_digest, unpack
-from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
-from paraloom.spark.task import (
+from paraloom.spark.training.task import (
     EpochLoss,
     Record,
     failure,
@@ -104,8 +104,8 @@ class _Prepared:
     backend: str
 
 
-def _prepare(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: Any,
-             chunks: Iterable[Any], rec: PhaseRecorder) -> _Prepared:
+def _prepare(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: BarrierContext,
+             chunks: Iterable[Chunk], rec: PhaseRecorder) -> _Prepared:
     rank = context.partitionId()
     threads = cfg.threads
     if threads is None and cfg.workers_per_node:
@@ -124,8 +124,8 @@ def _prepare(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: 
     return _Prepared(runner, unpack(state_bytes), x, y, device, backend_for(device, cfg.backend))
 
 
-def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: Any,
-                chunks: Iterable[Any]) -> Iterator[Record]:
+def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
+                context: BarrierContext, chunks: Iterable[Chunk]) -> Iterator[Record]:
     """Train this rank's replica on its partition for every epoch; yield one record."""
     rank = context.partitionId()
     tasks = len(context.getTaskInfos())

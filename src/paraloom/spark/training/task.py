@@ -14,8 +14,8 @@ import torch
 
 from paraloom.errors import NotPicklableError
 from paraloom.spark.data import Features, join_chunks
-from paraloom.spark.rendezvous import is_symptom
 from paraloom.spark.stats import PhaseRecorder, TimedSynchronizer
+from paraloom.spark.training.rendezvous import is_symptom
 from paraloom.training.worker import ReplicaRunner, WorkerSpec
 
 __all__ = ["Record", "failure", "ok", "load_spec", "make_runner", "minibatch", "load_partition",

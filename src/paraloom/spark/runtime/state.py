@@ -87,7 +87,7 @@ def unpack(data: bytes) -> Packed:
     header_text = _metadata(data)
     if header_text is None:
         raise ValueError("these bytes have no paraloom header: they were not written by "
-                         "paraloom.spark.state.pack")
+                         "paraloom.spark.runtime.state.pack")
     tensors = st_load(data)
     header = json.loads(header_text)
     model = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}

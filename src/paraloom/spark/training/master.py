@@ -7,14 +7,17 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import torch
 
 from paraloom.errors import WorkerError
-from paraloom.spark.data import Features, partition_chunks
+from paraloom.spark.data import Chunk, Features, Pair, partition_chunks
 from paraloom.spark.stats import TrainingStats
 from paraloom.training.worker import WorkerSpec
+
+if TYPE_CHECKING:
+    from pyspark import RDD, SparkContext, StorageLevel
 
 __all__ = ["TrainingMaster", "FitJob", "FitResult", "SparkTrainingError", "run_job",
            "storage_level_of", "REPARTITION", "positive_int", "positive_seconds"]
@@ -40,7 +43,7 @@ class SparkTrainingError(WorkerError):
 class FitJob:
     """What ``SparkModel.fit`` hands a master: the Spark context, the replica spec, the state."""
 
-    sc: Any
+    sc: SparkContext
     spec: WorkerSpec
     state: dict[str, torch.Tensor]
     optimizer_state: dict[str, Any] | None
@@ -58,7 +61,7 @@ class FitResult:
     stats: TrainingStats | None = None
 
 
-def storage_level_of(level: Any) -> Any:
+def storage_level_of(level: StorageLevel | str | None) -> StorageLevel | None:
     """A pyspark StorageLevel from a StorageLevel, its name ("MEMORY_ONLY"), or None."""
     if level is None:
         return None
@@ -74,7 +77,11 @@ def storage_level_of(level: Any) -> Any:
                      f"{names}")
 
 
-def positive_int(name: str, value: Any, allow_none: bool = False) -> Any:
+@overload
+def positive_int(name: str, value: object, allow_none: Literal[False] = False) -> int: ...
+@overload
+def positive_int(name: str, value: object, allow_none: Literal[True]) -> int | None: ...
+def positive_int(name: str, value: object, allow_none: bool = False) -> int | None:
     """``value`` if it is an int >= 1 (or None when allowed), else a ValueError naming it."""
     if value is None and allow_none:
         return None
@@ -83,7 +90,11 @@ def positive_int(name: str, value: Any, allow_none: bool = False) -> Any:
     return value
 
 
-def positive_seconds(name: str, value: Any, allow_none: bool = False) -> Any:
+@overload
+def positive_seconds(name: str, value: object, allow_none: Literal[False] = False) -> float: ...
+@overload
+def positive_seconds(name: str, value: object, allow_none: Literal[True]) -> float | None: ...
+def positive_seconds(name: str, value: object, allow_none: bool = False) -> float | None:
     """``value`` as float seconds if > 0 (or None when allowed), else a ValueError naming it."""
     if value is None and allow_none:
         return None
@@ -98,7 +109,8 @@ class TrainingMaster:
     name = "master"
 
     def __init__(self, batch_size_per_worker: int, workers: int | None, *,
-                 storage_level: Any = "MEMORY_ONLY", repartition: str = "always",
+                 storage_level: StorageLevel | str | None = "MEMORY_ONLY",
+                 repartition: str = "always",
                  job_timeout: float | None = None) -> None:
         self.batch_size_per_worker = positive_int("batch_size_per_worker", batch_size_per_worker)
         self.workers = positive_int("workers", workers, allow_none=True)
@@ -109,13 +121,13 @@ class TrainingMaster:
         self.repartition = repartition
         self.job_timeout = positive_seconds("job_timeout", job_timeout, allow_none=True)
 
-    def resolve_workers(self, sc: Any) -> int:
+    def resolve_workers(self, sc: SparkContext) -> int:
         """``workers``, or every task slot of the cluster (default parallelism / task CPUs)."""
         cpus = int(sc.getConf().get("spark.task.cpus", "1"))
         slots = max(1, sc.defaultParallelism // max(1, cpus))
         return self.workers or slots
 
-    def prepare(self, rows: Any, workers: int) -> Any:
+    def prepare(self, rows: RDD[Pair], workers: int) -> RDD[Chunk]:
         """The training rows as ``workers`` sorted partitions of chunks, persisted if asked."""
         data = partition_chunks(rows, workers, self.repartition)
         level = storage_level_of(self.storage_level)
@@ -123,7 +135,7 @@ class TrainingMaster:
             data.persist(level)
         return data
 
-    def fit(self, job: FitJob, rows: Any, *, epochs: int, seed: int,
+    def fit(self, job: FitJob, rows: RDD[Pair], *, epochs: int, seed: int,
             collect_stats: bool) -> FitResult:
         raise NotImplementedError
 
@@ -132,7 +144,7 @@ class TrainingMaster:
         return f"{type(self).__name__}({', '.join(f'{k}={getattr(self, k)!r}' for k in keys)})"
 
 
-def _attempts(sc: Any, group: str) -> int:
+def _attempts(sc: SparkContext, group: str) -> int:
     """Most attempts any stage of the group's jobs needed (1 when nothing was retried)."""
     tracker = sc.statusTracker()
     most = 0
@@ -163,7 +175,7 @@ def _root_cause(text: str) -> str:
     return "\n".join(keep) if keep else (lines[-1] if lines else text)
 
 
-def run_job(sc: Any, action: Callable[[], T], description: str,
+def run_job(sc: SparkContext, action: Callable[[], T], description: str,
             timeout_s: float | None = None) -> tuple[T, int]:
     """Run a Spark action in its own job group: (result, stage attempts).
 
@@ -194,6 +206,7 @@ def run_job(sc: Any, action: Callable[[], T], description: str,
     finally:
         if timer is not None:
             timer.cancel()
-        sc.setLocalProperty("spark.jobGroup.id", None)
-        sc.setLocalProperty("spark.job.description", None)
+        # None unsets a property (pyspark documents it; its type hint says str only).
+        sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
+        sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
     return result, _attempts(sc, group)

@@ -1,7 +1,8 @@
 """How barrier tasks find each other: one ``allGather``, then a torch.distributed group.
 
-Spark-free: the barrier context is passed in (anything with ``partitionId()``,
-``getTaskInfos()`` and ``allGather(str)``), so these functions are tested without a cluster.
+Spark-free: the barrier context is passed in (a ``BarrierContext``: anything with
+``partitionId()``, ``getTaskInfos()`` and ``allGather(str)``), so these functions are tested
+without a cluster.
 ``BarrierTaskContext.allGather`` costs about a second (Spark polls), so it is called exactly
 once per task: rank 0 opens a ``TCPStore`` on a free port first and announces it, with a run id
 for this stage attempt; every other rank announces only whether its own setup failed.
@@ -15,13 +16,13 @@ import secrets
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Rendezvous", "task_host", "local_rank", "choose_device", "backend_for",
-           "bounded_call", "meet", "connect", "init_group", "SYMPTOMS", "is_symptom"]
+__all__ = ["BarrierContext", "Rendezvous", "task_host", "local_rank", "choose_device",
+           "backend_for", "bounded_call", "meet", "connect", "init_group", "SYMPTOMS", "is_symptom"]
 
 T = TypeVar("T")
 
@@ -35,6 +36,23 @@ SYMPTOMS = ("Connection closed by peer", "Connection reset", "Broken pipe", "tim
 def is_symptom(message: str) -> bool:
     """True when an error message reads like the consequence of another rank's failure."""
     return any(s.lower() in message.lower() for s in SYMPTOMS)
+
+
+class _TaskInfo(Protocol):
+    """A ``BarrierTaskInfo``: where one barrier task runs."""
+
+    @property
+    def address(self) -> str: ...
+
+
+class BarrierContext(Protocol):
+    """What the rendezvous uses of pyspark's ``BarrierTaskContext`` (tests pass a fake one)."""
+
+    def partitionId(self) -> int: ...
+
+    def getTaskInfos(self) -> Sequence[_TaskInfo]: ...
+
+    def allGather(self, message: str = "") -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -83,13 +101,14 @@ def backend_for(device: str, backend: str | None = None) -> str:
 
 def bounded_call(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     """Run ``fn`` on a helper thread and give up after ``timeout_s`` with a TimeoutError."""
-    box: dict[str, Any] = {}
+    values: list[T] = []
+    errors: list[BaseException] = []
 
     def target() -> None:
         try:
-            box["value"] = fn()
+            values.append(fn())
         except BaseException as e:  # re-raised in the caller
-            box["error"] = e
+            errors.append(e)
 
     thread = threading.Thread(target=target, name=f"paraloom-{what}", daemon=True)
     thread.start()
@@ -98,12 +117,13 @@ def bounded_call(fn: Callable[[], T], timeout_s: float, what: str) -> T:
         raise TimeoutError(f"{what} did not finish within {timeout_s:g} s: a barrier task did "
                            f"not start or is stuck; check that the cluster has a free slot per "
                            f"worker, or raise rendezvous_timeout")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    if errors:
+        raise errors[0]
+    return values[0]
 
 
-def meet(context: Any, setup_error: str | None, timeout_s: float) -> tuple[Rendezvous, Any]:
+def meet(context: BarrierContext, setup_error: str | None,
+         timeout_s: float) -> tuple[Rendezvous, dist.TCPStore | None]:
     """The one ``allGather`` of a barrier task: returns the rendezvous and rank 0's store.
 
     Every rank calls it exactly once whatever happened before (a rank whose setup failed
@@ -126,14 +146,14 @@ def meet(context: Any, setup_error: str | None, timeout_s: float) -> tuple[Rende
                       errors), store
 
 
-def connect(rdv: Rendezvous, timeout_s: float) -> Any:
+def connect(rdv: Rendezvous, timeout_s: float) -> dist.TCPStore:
     """A client of rank 0's store (ranks other than 0)."""
     return dist.TCPStore(rdv.host, rdv.port, is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def init_group(rdv: Rendezvous, rank: int, world_size: int, backend: str, timeout_s: float,
-               store: Any) -> Any:
+               store: dist.Store) -> dist.ProcessGroup | None:
     """Join the attempt's torch.distributed group; every collective then times out finitely."""
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(f"paraloom/{rdv.run_id}/group", store)

@@ -10,23 +10,32 @@ failed task is simply retried by Spark.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paraloom.spark.averaging_task import RoundConfig, add_results, averaging_task, weighted
-from paraloom.spark.data import batch_count
-from paraloom.spark.master import FitJob, FitResult, TrainingMaster, positive_int, run_job
-from paraloom.spark.state import join_optimizer_state, pack, unflatten
+from paraloom.spark.data import Chunk, Pair, batch_count
+from paraloom.spark.runtime import join_optimizer_state, pack, unflatten
 from paraloom.spark.stats import TrainingStats
-from paraloom.spark.summary import averaging_summary
-from paraloom.spark.task import pickle_spec
+from paraloom.spark.training.averaging_task import (
+    RoundConfig,
+    add_results,
+    averaging_task,
+    weighted,
+)
+from paraloom.spark.training.master import FitJob, FitResult, TrainingMaster, positive_int, run_job
+from paraloom.spark.training.summary import averaging_summary
+from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import NoSync
+
+if TYPE_CHECKING:
+    from pyspark import RDD, Broadcast, StorageLevel
 
 __all__ = ["ParameterAveragingTrainingMaster"]
 
 
-def _rows(chunks: Any) -> list[int]:
+def _rows(chunks: Iterable[Chunk]) -> list[int]:
     return [sum(len(x) for x, _ in chunks)]
 
 
@@ -43,7 +52,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
 
     def __init__(self, batch_size_per_worker: int = 32, averaging_frequency: int = 5,
                  workers: int | None = None, *, save_updater: bool = True,
-                 aggregation_depth: int = 2, storage_level: Any = "MEMORY_ONLY",
+                 aggregation_depth: int = 2,
+                 storage_level: StorageLevel | str | None = "MEMORY_ONLY",
                  repartition: str = "always", job_timeout: float | None = None) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout)
@@ -53,7 +63,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
             raise TypeError(f"save_updater={save_updater!r}; expected True or False")
         self.save_updater = save_updater
 
-    def fit(self, job: FitJob, rows: Any, *, epochs: int, seed: int,
+    def fit(self, job: FitJob, rows: RDD[Pair], *, epochs: int, seed: int,
             collect_stats: bool) -> FitResult:
         """Train ``epochs`` passes in rounds; returns the averaged parameters."""
         sc, origin = job.sc, time.time()
@@ -81,7 +91,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
             spec_bc.unpersist()
             data.unpersist()
         seconds = time.perf_counter() - start
-        summary = averaging_summary(loop.rounds, job, self, workers, epochs, seconds, attempts)
+        summary = averaging_summary(loop.rounds, job, loop.base, workers, epochs, seconds,
+                                    attempts)
         summary["rows_per_worker"] = sizes
         stats = None
         if collect_stats:
@@ -94,8 +105,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
 class _Loop:
     """The driver's state between rounds: the current parameters and what was recorded."""
 
-    def __init__(self, master: ParameterAveragingTrainingMaster, job: FitJob, data: Any,
-                 spec_bc: Any, base: RoundConfig) -> None:
+    def __init__(self, master: ParameterAveragingTrainingMaster, job: FitJob, data: RDD[Chunk],
+                 spec_bc: Broadcast[bytes], base: RoundConfig) -> None:
         self.master, self.job, self.data, self.spec_bc, self.base = master, job, data, spec_bc, base
         self.state = job.state
         self.optimizer_state = job.optimizer_state

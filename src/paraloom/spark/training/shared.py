@@ -15,10 +15,15 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
-from paraloom.spark.master import (
+from paraloom.spark.data import Chunk, Pair
+from paraloom.spark.runtime import pack, unpack
+from paraloom.spark.stats import TrainingStats
+from paraloom.spark.training.master import (
     FitJob,
     FitResult,
     SparkTrainingError,
@@ -27,18 +32,26 @@ from paraloom.spark.master import (
     positive_seconds,
     run_job,
 )
-from paraloom.spark.shared_task import SharedConfig, checkpoint_path, shared_task
-from paraloom.spark.state import pack, unpack
-from paraloom.spark.stats import TrainingStats
-from paraloom.spark.summary import shared_summary
-from paraloom.spark.task import pickle_spec
+from paraloom.spark.training.shared_task import SharedConfig, checkpoint_path, shared_task
+from paraloom.spark.training.summary import shared_summary
+from paraloom.spark.training.task import Record, pickle_spec
 from paraloom.sync.base import Synchronizer
 from paraloom.sync.sharing import SharedGradients
 from paraloom.sync.thresholds import ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm
 
+if TYPE_CHECKING:
+    from pyspark import RDD, SparkContext, StorageLevel
+
 __all__ = ["SharedTrainingMaster"]
 
-_DEFAULT: Any = object()
+
+class _Default(Enum):
+    """The type of ``_DEFAULT``: "not given", where None means "none"."""
+
+    DEFAULT = "default"
+
+
+_DEFAULT = _Default.DEFAULT
 
 
 class SharedTrainingMaster(TrainingMaster):
@@ -60,8 +73,9 @@ class SharedTrainingMaster(TrainingMaster):
 
     def __init__(self, batch_size_per_worker: int = 32, workers: int | None = None,
                  threshold_algorithm: ThresholdAlgorithm | None = None,
-                 residual_post_processor: ResidualPostProcessor | None = _DEFAULT, *,
-                 workers_per_node: int | None = None, storage_level: Any = "MEMORY_ONLY",
+                 residual_post_processor: ResidualPostProcessor | None | _Default = _DEFAULT,
+                 *, workers_per_node: int | None = None,
+                 storage_level: StorageLevel | str | None = "MEMORY_ONLY",
                  repartition: str = "always", timeout: float = 300.0,
                  rendezvous_timeout: float = 300.0, job_timeout: float | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 50,
@@ -93,7 +107,7 @@ class SharedTrainingMaster(TrainingMaster):
                              f"'gloo', 'nccl' or 'mpi'")
         self.backend = backend
 
-    def _check_slots(self, sc: Any, workers: int) -> None:
+    def _check_slots(self, sc: SparkContext, workers: int) -> None:
         cpus = int(sc.getConf().get("spark.task.cpus", "1"))
         slots = max(1, sc.defaultParallelism // max(1, cpus))
         if workers > slots:
@@ -112,7 +126,7 @@ class SharedTrainingMaster(TrainingMaster):
             workers_per_node=self.workers_per_node, checkpoint_dir=directory,
             checkpoint_every=self.checkpoint_every, collect_stats=collect_stats)
 
-    def fit(self, job: FitJob, rows: Any, *, epochs: int, seed: int,
+    def fit(self, job: FitJob, rows: RDD[Pair], *, epochs: int, seed: int,
             collect_stats: bool) -> FitResult:
         """Train in one barrier stage; returns rank 0's final parameters and optimizer state."""
         from pyspark import BarrierTaskContext
@@ -126,7 +140,7 @@ class SharedTrainingMaster(TrainingMaster):
         state_bc = sc.broadcast(pack(job.state, job.optimizer_state))
         data = self.prepare(rows, workers)
 
-        def run(chunks: Any) -> Any:
+        def run(chunks: Iterable[Chunk]) -> Iterator[Record]:
             return shared_task(spec_bc.value, state_bc.value, cfg, BarrierTaskContext.get(),
                                chunks)
 
@@ -144,7 +158,7 @@ class SharedTrainingMaster(TrainingMaster):
             checkpoint_path(cfg.checkpoint_dir or "", job.fit_id).unlink(missing_ok=True)
         return self._result(job, records, attempts, (launched, time.perf_counter() - start), cfg)
 
-    def _result(self, job: FitJob, records: list[Any], attempts: int,
+    def _result(self, job: FitJob, records: list[Record], attempts: int,
                 timing: tuple[float, float], cfg: SharedConfig) -> FitResult:
         launched, seconds = timing
         infos, errors, reran, state = {}, [], [], b""

@@ -2,18 +2,26 @@
 
 The driver broadcasts the model (cloudpickled structure) and its parameters (safetensors
 bytes); each Python worker builds it once per parameter version and keeps it in the
-``executor.cached`` LRU, as ``predict_batch_udf`` does. Evaluation merges per-partition metric
-states with ``treeAggregate``; DataFrames are scored by an iterator pandas UDF (Arrow
-batches), RDDs by ``mapPartitions``.
+``runtime.executor.cached`` LRU, as ``predict_batch_udf`` does. Evaluation merges
+per-partition metric states with ``treeAggregate``; DataFrames are scored by an iterator
+pandas UDF (Arrow batches), RDDs by ``mapPartitions``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Iterator, Tuple  # noqa: UP035 (pandas_udf reads these type hints)
+from typing import (  # noqa: UP035 (pandas_udf reads these type hints)
+    TYPE_CHECKING,
+    Any,
+    Iterator,
+    Literal,
+    Tuple,
+    TypeVar,
+    overload,
+)
 
 import cloudpickle
 import numpy as np
@@ -22,14 +30,23 @@ import torch
 from torch import nn
 
 from paraloom.evaluation import Evaluation
-from paraloom.spark.data import Features, partition_arrays, to_array
-from paraloom.spark.executor import cached, task_threads
-from paraloom.spark.metrics import RegressionEvaluation, merge_evaluations
-from paraloom.spark.state import pack, unpack
+from paraloom.spark.data import Features, Pair, partition_arrays, to_array
+from paraloom.spark.evaluation.metrics import MetricState, RegressionEvaluation, merge_evaluations
+from paraloom.spark.runtime import cached, pack, task_threads, unpack
 from paraloom.training.replica import forward
+
+if TYPE_CHECKING:
+    from pyspark import RDD, Broadcast, SparkContext
+    from pyspark.sql import DataFrame
 
 __all__ = ["Shipment", "ship", "shipped_model", "evaluate_rdd", "predict_rdd",
            "predict_dataframe"]
+
+T = TypeVar("T")
+S = TypeVar("S", bound=MetricState)
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_Scorer = Callable[[Iterator[pd.Series]], Iterator[pd.Series]]
+_ColumnsScorer = Callable[[Iterator[Tuple[pd.Series, ...]]], Iterator[pd.Series]]  # noqa: UP006
 
 
 @dataclass(frozen=True)
@@ -37,12 +54,14 @@ class Shipment:
     """Broadcast handles for one model version, and how to turn rows into its inputs."""
 
     key: str
-    model: Any
-    state: Any
+    model: Broadcast[bytes]
+    """The cloudpickled module."""
+    state: Broadcast[bytes]
+    """Its parameters, ``pack``ed."""
     features: Features
 
 
-def ship(sc: Any, model: nn.Module, features: Features) -> Shipment:
+def ship(sc: SparkContext, model: nn.Module, features: Features) -> Shipment:
     """Broadcast ``model`` (structure and current parameters) for evaluation or inference."""
     state = pack({k: v for k, v in model.state_dict().items()})
     key = hashlib.sha256(state).hexdigest()[:24]
@@ -52,7 +71,7 @@ def ship(sc: Any, model: nn.Module, features: Features) -> Shipment:
 def shipped_model(shipment: Shipment) -> nn.Module:
     """The shipment's model in this Python worker, in eval mode (built once, then cached)."""
     def build() -> nn.Module:
-        model = cloudpickle.loads(shipment.model.value)
+        model: nn.Module = cloudpickle.loads(shipment.model.value)
         model.load_state_dict(unpack(shipment.state.value).model)
         return model.eval()
 
@@ -66,17 +85,26 @@ def _outputs(model: nn.Module, x: np.ndarray, features: Features, batch_size: in
                       for i in range(0, len(inputs), batch_size)])
 
 
-def _chunks(rows: Iterable[Any], size: int) -> Iterator[list[Any]]:
+def _chunks(rows: Iterable[T], size: int) -> Iterator[list[T]]:
     it = iter(rows)
     while chunk := list(itertools.islice(it, size)):
         yield chunk
 
 
-def _evaluate_partition(shipment: Shipment, loss_fn: Any, batch_size: int, regression: bool,
-                        rows: Iterable[Any]) -> Iterator[Any]:
+def _classification(out: torch.Tensor) -> Evaluation:
+    return Evaluation(int(out.shape[1]))
+
+
+def _regression(out: torch.Tensor) -> RegressionEvaluation:
+    return RegressionEvaluation(out[0].numel())
+
+
+def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: int,
+                        new_state: Callable[[torch.Tensor], S],
+                        rows: Iterable[Pair]) -> Iterator[S | None]:
     task_threads()
     model = shipped_model(shipment)
-    state: Any = None
+    state: S | None = None
     for chunk in _chunks(rows, batch_size):
         x, y = partition_arrays(chunk)
         with torch.no_grad():
@@ -84,23 +112,39 @@ def _evaluate_partition(shipment: Shipment, loss_fn: Any, batch_size: int, regre
             targets = shipment.features.labels(y)
             loss = float(loss_fn(out, targets)) * len(targets) if loss_fn is not None else 0.0
         if state is None:
-            state = RegressionEvaluation(out[0].numel()) if regression else \
-                Evaluation(int(out.shape[1]))
+            state = new_state(out)
         state.update(out, targets, loss)
     yield state
 
 
-def evaluate_rdd(rows: Any, shipment: Shipment, *, loss_fn: Any = None, batch_size: int = 256,
-                 regression: bool = False, depth: int = 2) -> Any:
-    """Evaluation (or RegressionEvaluation) of ``(features, label)`` rows via treeAggregate."""
-    def run(part: Iterable[Any]) -> Iterator[Any]:
-        return _evaluate_partition(shipment, loss_fn, batch_size, regression, part)
+def _aggregate(rows: RDD[Pair], shipment: Shipment, loss_fn: LossFn | None, batch_size: int,
+               new_state: Callable[[torch.Tensor], S], depth: int) -> S:
+    def run(part: Iterable[Pair]) -> Iterator[S | None]:
+        return _evaluate_partition(shipment, loss_fn, batch_size, new_state, part)
 
-    result = rows.mapPartitions(run).treeAggregate(None, merge_evaluations, merge_evaluations,
+    zero: S | None = None
+    result = rows.mapPartitions(run).treeAggregate(zero, merge_evaluations, merge_evaluations,
                                                    depth=depth)
     if result is None:
         raise ValueError("evaluate() got no rows: the data is empty")
     return result
+
+
+@overload
+def evaluate_rdd(rows: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
+                 batch_size: int = 256, regression: Literal[False] = False,
+                 depth: int = 2) -> Evaluation: ...
+@overload
+def evaluate_rdd(rows: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
+                 batch_size: int = 256, regression: Literal[True],
+                 depth: int = 2) -> RegressionEvaluation: ...
+def evaluate_rdd(rows: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
+                 batch_size: int = 256, regression: bool = False,
+                 depth: int = 2) -> Evaluation | RegressionEvaluation:
+    """Evaluation (or RegressionEvaluation) of ``(features, label)`` rows via treeAggregate."""
+    if regression:
+        return _aggregate(rows, shipment, loss_fn, batch_size, _regression, depth)
+    return _aggregate(rows, shipment, loss_fn, batch_size, _classification, depth)
 
 
 def _per_row(out: torch.Tensor, argmax: bool) -> list[Any]:
@@ -109,8 +153,8 @@ def _per_row(out: torch.Tensor, argmax: bool) -> list[Any]:
     return list(out.reshape(len(out), -1).cpu().numpy())
 
 
-def predict_rdd(rdd: Any, shipment: Shipment, *, batch_size: int = 256, argmax: bool = False,
-                keyed: bool = False) -> Any:
+def predict_rdd(rdd: RDD[Any], shipment: Shipment, *, batch_size: int = 256,
+                argmax: bool = False, keyed: bool = False) -> RDD[Any]:
     """Outputs for an RDD of features (same order), or of ``(key, features)`` pairs."""
     def run(rows: Iterable[Any]) -> Iterator[Any]:
         task_threads()
@@ -124,7 +168,8 @@ def predict_rdd(rdd: Any, shipment: Shipment, *, batch_size: int = 256, argmax: 
     return rdd.mapPartitions(run)
 
 
-def _udf(shipment: Shipment, batch_size: int, argmax: bool, columns: int) -> Any:
+def _udf(shipment: Shipment, batch_size: int, argmax: bool,
+         columns: int) -> _Scorer | _ColumnsScorer:
     def score(x: np.ndarray) -> pd.Series:
         model = shipped_model(shipment)
         if not len(x):
@@ -145,9 +190,9 @@ def _udf(shipment: Shipment, batch_size: int, argmax: bool, columns: int) -> Any
     return one if columns == 1 else many
 
 
-def predict_dataframe(df: Any, shipment: Shipment, *, features: str | list[str],
+def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: str | list[str],
                       output: str = "prediction", batch_size: int = 256,
-                      argmax: bool = False) -> Any:
+                      argmax: bool = False) -> DataFrame:
     """``df`` with a column ``output``: the model's output per row (flattened), or its argmax."""
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql.functions import col, pandas_udf

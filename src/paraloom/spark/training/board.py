@@ -19,12 +19,11 @@ import datetime
 import json
 import time
 import traceback
-from typing import Any
 
 import torch.distributed as dist
 
-from paraloom.spark.rendezvous import is_symptom
-from paraloom.spark.task import Record, failure
+from paraloom.spark.training.rendezvous import is_symptom
+from paraloom.spark.training.task import Record, failure
 
 __all__ = ["ErrorBoard", "leave_group", "settle"]
 
@@ -34,7 +33,7 @@ _POLL_S = 0.05
 class ErrorBoard:
     """Error messages and acknowledgements under this stage attempt's prefix of the store."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, run_id: str) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, run_id: str) -> None:
         self.store = dist.PrefixStore(f"paraloom/{run_id}/board", store)
         self.rank = rank
         self.world_size = world_size

@@ -8,11 +8,11 @@ are summed into buckets); the JSON export keeps every round.
 from __future__ import annotations
 
 from html import escape
-from typing import Any
+from typing import Any, Protocol
 
-from paraloom.spark.stats import PHASES, TrainingStats
+from paraloom.spark.stats.recorder import PHASES
 
-__all__ = ["render_html", "COLORS"]
+__all__ = ["StatsView", "render_html", "COLORS"]
 
 COLORS = {"data": "#4e79a7", "compute": "#59a14f", "encode": "#f28e2b",
           "communicate": "#e15759", "apply": "#b07aa1", "wait": "#bab0ac", "event": "#76b7b2"}
@@ -28,11 +28,29 @@ height:12px;margin-right:4px;vertical-align:-1px}svg{background:#fafafa;border:1
 section{margin-bottom:18px}h3{margin:6px 0;font-size:15px}"""
 
 
+class StatsView(Protocol):
+    """What the page reads from a ``TrainingStats`` (which imports this module, not back)."""
+
+    @property
+    def master(self) -> str: ...
+
+    @property
+    def workers(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def driver(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def summary(self) -> dict[str, Any]: ...
+
+    def phase_totals(self) -> dict[int, dict[str, float]]: ...
+
+
 def _fmt(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def _span(stats: TrainingStats) -> float:
+def _span(stats: StatsView) -> float:
     end = 0.0
     for w in stats.workers:
         r = w["rounds"]
@@ -97,17 +115,17 @@ def _timeline(label: str, worker: int | str, rounds: dict[str, list[float]] | No
             + "".join(parts) + "</svg></section>")
 
 
-def _summary_table(stats: TrainingStats) -> str:
+def _summary_table(stats: StatsView) -> str:
     rows = "".join(f"<tr><td>{escape(str(k))}</td><td>{escape(_value(v))}</td></tr>"
                    for k, v in stats.summary.items() if not isinstance(v, (list, dict)))
     return f'<table class="summary"><tr><th>item</th><th>value</th></tr>{rows}</table>'
 
 
-def _value(v: Any) -> str:
+def _value(v: object) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _phase_table(stats: TrainingStats) -> str:
+def _phase_table(stats: StatsView) -> str:
     head = "".join(f"<th>{p}</th>" for p in PHASES)
     rows = []
     for rank, totals in stats.phase_totals().items():
@@ -125,7 +143,7 @@ def _legend() -> str:
     return f'<p class="legend">{items}</p>'
 
 
-def render_html(stats: TrainingStats) -> str:
+def render_html(stats: StatsView) -> str:
     """The whole page as a string."""
     span = _span(stats)
     lanes = []

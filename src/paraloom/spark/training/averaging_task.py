@@ -12,16 +12,18 @@ import copy
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from paraloom.spark.data import Features, epoch_order, round_batches
-from paraloom.spark.executor import cached, task_threads
-from paraloom.spark.state import flatten, split_optimizer_state, unpack
+from paraloom.spark.data import Chunk, Features, epoch_order, round_batches
+from paraloom.spark.runtime import cached, flatten, split_optimizer_state, task_threads, unpack
 from paraloom.spark.stats import PhaseRecorder
-from paraloom.spark.task import load_partition, load_spec, make_runner, minibatch
+from paraloom.spark.training.task import load_partition, load_spec, make_runner, minibatch
 from paraloom.training.worker import ReplicaRunner
+
+if TYPE_CHECKING:
+    from pyspark import Broadcast
 
 __all__ = ["RoundConfig", "averaging_task", "add_results", "weighted"]
 
@@ -43,13 +45,14 @@ class RoundConfig:
     collect_stats: bool = False
 
 
-def _runner(spec_bytes: bytes, cfg: RoundConfig, index: int) -> tuple[ReplicaRunner, Any]:
+def _runner(spec_bytes: bytes, cfg: RoundConfig,
+            index: int) -> tuple[ReplicaRunner, dict[str, Any]]:
     """This worker's replica for the fit, and the optimizer state it was built with.
 
     One replica per Python worker and fit: rounds reload its parameters, not its structure.
     The built-with state is what DL4J's saveUpdater=false restarts from every round.
     """
-    def build() -> tuple[ReplicaRunner, Any]:
+    def build() -> tuple[ReplicaRunner, dict[str, Any]]:
         runner = make_runner(load_spec(spec_bytes), rank=index, world_size=1, device="cpu",
                              recorder=None)
         return runner, copy.deepcopy(runner.replica.optimizer.state_dict())
@@ -57,8 +60,14 @@ def _runner(spec_bytes: bytes, cfg: RoundConfig, index: int) -> tuple[ReplicaRun
     return cached(f"averaging/{cfg.fit_id}", build)
 
 
-def averaging_task(spec_bytes: Any, state_bytes: Any, cfg: RoundConfig, index: int,
-                   chunks: Iterable[Any]) -> Iterator[dict[str, Any]]:
+def _read(data: bytes | Broadcast[bytes]) -> bytes:
+    """The bytes themselves, or a broadcast variable's (fetched on first use)."""
+    return data if isinstance(data, bytes) else data.value
+
+
+def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Broadcast[bytes],
+                   cfg: RoundConfig, index: int,
+                   chunks: Iterable[Chunk]) -> Iterator[dict[str, Any]]:
     """Train partition ``index``'s minibatches of this round; yield one summable record.
 
     ``spec_bytes`` / ``state_bytes`` may be broadcast variables (read on first use here).
@@ -74,8 +83,8 @@ def averaging_task(spec_bytes: Any, state_bytes: Any, cfg: RoundConfig, index: i
         yield {"n": 0, "stats": [rec.to_dict()] if cfg.collect_stats else []}
         return
     t = time.perf_counter()
-    state = getattr(state_bytes, "value", state_bytes)
-    spec = getattr(spec_bytes, "value", spec_bytes)
+    state = _read(state_bytes)
+    spec = _read(spec_bytes)
     communicate_s, t = time.perf_counter() - t, time.perf_counter()
     runner, pristine = _runner(spec, cfg, index)
     packed = unpack(state)

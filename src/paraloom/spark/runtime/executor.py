@@ -10,9 +10,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from pyspark import TaskContext
 
 __all__ = ["cached", "task_threads", "clear_cache", "gpu_addresses"]
 
@@ -43,7 +46,7 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-def _task_context() -> Any:
+def _task_context() -> TaskContext | None:
     try:
         from pyspark import TaskContext
     except ImportError:  # not inside Spark (unit tests)

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 import torch
 
-__all__ = ["RegressionEvaluation", "merge_evaluations"]
+__all__ = ["MetricState", "RegressionEvaluation", "merge_evaluations"]
+
+
+class MetricState(Protocol):
+    """What partitions count and treeAggregate merges: Evaluation, RegressionEvaluation."""
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0,
+               /) -> None: ...
+
+    def merge(self, other: Self, /) -> Self: ...
+
+
+M = TypeVar("M", bound=MetricState)
 
 
 @dataclass
@@ -80,7 +92,7 @@ class RegressionEvaluation:
                 f"R² {m['r2']:.4f}   ({m['count']} examples, {self.columns} column(s))")
 
 
-def merge_evaluations(a: Any, b: Any) -> Any:
+def merge_evaluations(a: M | None, b: M | None) -> M | None:
     """treeAggregate's combiner for Evaluation / RegressionEvaluation states (None: no rows)."""
     if a is None:
         return b

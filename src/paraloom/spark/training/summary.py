@@ -6,6 +6,10 @@ from typing import Any
 
 from torch import nn
 
+from paraloom.spark.training.averaging_task import RoundConfig
+from paraloom.spark.training.master import FitJob
+from paraloom.spark.training.shared_task import SharedConfig
+
 __all__ = ["dense_bytes_per_step", "epoch_losses", "shared_summary", "averaging_summary"]
 
 
@@ -26,8 +30,8 @@ def epoch_losses(per_worker: list[dict[str, list[float]]]) -> list[float]:
     return [sums[e][0] / sums[e][1] for e in sorted(sums) if sums[e][1]]
 
 
-def shared_summary(infos: dict[int, dict[str, Any]], job: Any, cfg: Any, seconds: float,
-                   attempts: int) -> dict[str, Any]:
+def shared_summary(infos: dict[int, dict[str, Any]], job: FitJob, cfg: SharedConfig,
+                   seconds: float, attempts: int) -> dict[str, Any]:
     """Summary of a SharedTrainingMaster fit from every rank's report."""
     ranks = sorted(infos)  # ranks re-run alone after the fit was done are not in ``infos``
     samples = sum(infos[r]["samples"] for r in ranks)
@@ -53,9 +57,12 @@ def shared_summary(infos: dict[int, dict[str, Any]], job: Any, cfg: Any, seconds
         "resumed_from_step": resumed[0], "device": infos[ranks[0]]["device"]}
 
 
-def averaging_summary(rounds: list[dict[str, Any]], job: Any, master: Any, workers: int,
+def averaging_summary(rounds: list[dict[str, Any]], job: FitJob, cfg: RoundConfig, workers: int,
                       epochs: int, seconds: float, attempts: int) -> dict[str, Any]:
-    """Summary of a ParameterAveragingTrainingMaster fit from each round's aggregate."""
+    """Summary of a ParameterAveragingTrainingMaster fit from each round's aggregate.
+
+    ``cfg`` is any of the fit's rounds: its options are the master's.
+    """
     samples = sum(r["n"] for r in rounds)
     steps = sum(r.get("steps", 0) for r in rounds)
     by_epoch: dict[int, list[float]] = {}
@@ -67,8 +74,8 @@ def averaging_summary(rounds: list[dict[str, Any]], job: Any, master: Any, worke
     moved = sum(r.get("bytes_received", 0) + r.get("bytes_sent", 0) for r in rounds if r["n"])
     return {
         "master": "averaging", "workers": workers, "epochs": epochs,
-        "batch_size_per_worker": master.batch_size_per_worker,
-        "averaging_frequency": master.averaging_frequency, "save_updater": master.save_updater,
+        "batch_size_per_worker": cfg.batch_size,
+        "averaging_frequency": cfg.frequency, "save_updater": cfg.save_updater,
         "rounds": len(rounds), "samples": samples, "steps": steps, "seconds": seconds,
         "samples_per_s": samples / max(seconds, 1e-9),
         "loss": losses[-1] if losses else None, "epoch_losses": losses,

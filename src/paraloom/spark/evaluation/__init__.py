@@ -1,0 +1,6 @@
+"""Distributed evaluation and inference: the model shipped once per job, mergeable metrics."""
+
+from paraloom.spark.evaluation.inference import evaluate_rdd, predict_dataframe, predict_rdd, ship
+from paraloom.spark.evaluation.metrics import RegressionEvaluation
+
+__all__ = ["RegressionEvaluation", "evaluate_rdd", "predict_dataframe", "predict_rdd", "ship"]

@@ -126,3 +126,13 @@ def test_importing_a_part_does_not_load_another(module, absent):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()
     assert out == "[]", f"importing {module} loaded {out}"
+
+
+def test_every_public_name_resolves():
+    import paraloom
+
+    assert sorted(paraloom.__all__) == sorted(paraloom._WHERE)
+    for name in paraloom.__all__:
+        assert getattr(paraloom, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = paraloom.nope

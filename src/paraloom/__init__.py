@@ -62,7 +62,35 @@ _WHERE = {
     "ParallelWrapper": "paraloom.training.wrapper",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = [
+    "AdaptiveThreshold",
+    "EarlyStoppingConfig",
+    "EarlyStoppingParallelTrainer",
+    "EarlyStoppingResult",
+    "FixedThreshold",
+    "InferenceClosedError",
+    "InferenceError",
+    "InferenceMode",
+    "InvalidRequestError",
+    "ModelUpdateError",
+    "NotPicklableError",
+    "ParallelInference",
+    "ParallelWrapper",
+    "ParaloomError",
+    "QueueFullError",
+    "RequestTimeoutError",
+    "ResidualClipping",
+    "StepContext",
+    "Synchronizer",
+    "TargetSparsityThreshold",
+    "TrainingCheckpoint",
+    "TrainingListener",
+    "TrainingMode",
+    "WorkerError",
+    "load",
+    "register_model",
+    "save",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -32,7 +32,7 @@ from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import NoSync
 from paraloom.sync.sharing import SharedGradients
 from paraloom.training.optim import OptimizerSpec
-from paraloom.training.worker import WorkerSpec
+from paraloom.training.runner import WorkerSpec
 
 
 def _trained_optimizer(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -24,7 +24,7 @@ from paraloom.spark.training import FitJob, TrainingMaster
 from paraloom.sync.base import NoSync
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.replica import StepFn
-from paraloom.training.worker import WorkerSpec
+from paraloom.training.runner import WorkerSpec
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext

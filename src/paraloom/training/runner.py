@@ -27,6 +27,7 @@ from paraloom.training.messages import (
     Finished,
     IdleRound,
     IndexRound,
+    ModelState,
     ReplicaResult,
     Reply,
     Round,
@@ -53,16 +54,20 @@ class WorkerSpec:
     precision: str = "32-true"
 
 
-def pickle_spec(spec: WorkerSpec) -> bytes:
-    """Pickle what the workers need, by value for classes and lambdas defined in scripts."""
+_PROCESS_HINT = ("Define it at module level, keep open files, locks, threads and generators "
+                 "out of it, and guard your script with `if __name__ == \"__main__\":`; "
+                 "workers=1 trains without pickling")
+
+
+def pickle_spec(spec: WorkerSpec, *, destination: str = "the worker processes",
+                hint: str = _PROCESS_HINT) -> bytes:
+    """Pickle what the replicas need, by value for classes and lambdas defined in scripts;
+    what cannot be pickled is named in a ``NotPicklableError``, with ``hint`` as the fix."""
     try:
         data: bytes = cloudpickle.dumps(spec)
     except Exception as e:
-        raise NotPicklableError(
-            f"cannot send the {_unpicklable_part(spec)} to the worker processes: "
-            f"{type(e).__name__}: {e}. Define it at module level, keep open files, locks, "
-            "threads and generators out of it, and guard your script with "
-            "`if __name__ == \"__main__\":`; workers=1 trains without pickling") from e
+        raise NotPicklableError(f"cannot send the {_unpicklable_part(spec)} to {destination}: "
+                                f"{type(e).__name__}: {e}. {hint}") from e
     return data
 
 
@@ -138,8 +143,11 @@ class ReplicaRunner:
         self.replica.finish()
         if not send_state:
             return ReplicaResult(self.replica.sync.stats(), self.steps)
-        return ReplicaResult(self.replica.sync.stats(), self.steps, self.replica.model_state(),
-                             cpu_copy(self.replica.optimizer.state_dict()))
+        return ReplicaResult(self.replica.sync.stats(), self.steps, *self.final_state())
+
+    def final_state(self) -> tuple[ModelState, dict[str, Any]]:
+        """Independent CPU copies of the parameters and buffers, and of the optimizer state."""
+        return self.replica.model_state(), cpu_copy(self.replica.optimizer.state_dict())
 
 
 def _rows(batch: Any) -> int:

@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from paraloom.evaluation import Evaluation
+from paraloom.forward import forward
 from paraloom.spark.data import Features, Pair, partition_arrays, to_array
 from paraloom.spark.evaluation.metrics import MetricState, RegressionEvaluation, merge_evaluations
 from paraloom.spark.runtime import cached, pack, task_threads, unpack
-from paraloom.training.replica import forward
 
 if TYPE_CHECKING:
     from pyspark import RDD, Broadcast, SparkContext

@@ -20,7 +20,8 @@ from paraloom.spark.data import Chunk, Features, epoch_order, round_batches
 from paraloom.spark.runtime import cached, flatten, split_optimizer_state, task_threads, unpack
 from paraloom.spark.stats import PhaseRecorder
 from paraloom.spark.training.task import load_partition, load_spec, make_runner, minibatch
-from paraloom.training.worker import ReplicaRunner
+from paraloom.training.messages import Begin, Round
+from paraloom.training.runner import ReplicaRunner
 
 if TYPE_CHECKING:
     from pyspark import Broadcast
@@ -88,7 +89,7 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     communicate_s, t = time.perf_counter() - t, time.perf_counter()
     runner, pristine = _runner(spec, cfg, index)
     packed = unpack(state)
-    runner.begin(packed.model, None)
+    runner.begin(Begin(packed.model))
     runner.replica.optimizer.load_state_dict(packed.optimizer or copy.deepcopy(pristine))
     apply_s = time.perf_counter() - t
     loss_sum, rows_total = _train(runner, x, y, batches, cfg, rec, begin,
@@ -111,7 +112,8 @@ def _train(runner: ReplicaRunner, x: np.ndarray, y: np.ndarray, batches: list[np
         t = time.perf_counter()
         batch = minibatch(x, y, idx, cfg.features)
         data_s, t = time.perf_counter() - t, time.perf_counter()
-        loss, rows, _ = runner.round(("batch", batch))
+        done = runner.train(Round(i, batch))
+        loss, rows = done.loss, done.rows
         extra = first if i == 0 else {}
         rec.add(start, compute=time.perf_counter() - t,
                 **{**extra, "data": data_s + extra.get("data", 0.0)})
@@ -121,12 +123,13 @@ def _train(runner: ReplicaRunner, x: np.ndarray, y: np.ndarray, batches: list[np
 
 
 def _record(runner: ReplicaRunner, n: int, loss_sum: float, cfg: RoundConfig) -> dict[str, Any]:
-    result = runner.finish(send_state=True)
-    model, layout = flatten(result["state"])
+    runner.finish(send_state=False)
+    state, optimizer_state = runner.final_state()
+    model, layout = flatten(state)
     record: dict[str, Any] = {"n": n, "loss_sum": loss_sum, "model": model, "layout": layout,
                               "steps": runner.steps, "weighted": False}
     if cfg.save_updater:
-        tensors, skeleton = split_optimizer_state(result["optimizer"])
+        tensors, skeleton = split_optimizer_state(optimizer_state)
         opt, opt_layout = flatten(tensors)
         record.update(optimizer=opt, optimizer_layout=opt_layout, skeleton=skeleton)
     record["bytes_sent"] = sum(v.nbytes for k, v in record.items() if k in ("model", "optimizer"))

@@ -14,7 +14,7 @@ import torch
 from paraloom.errors import WorkerError
 from paraloom.spark.data import Chunk, Features, Pair, partition_chunks
 from paraloom.spark.stats import TrainingStats
-from paraloom.training.worker import WorkerSpec
+from paraloom.training.runner import WorkerSpec
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext, StorageLevel

@@ -53,7 +53,8 @@ from paraloom.spark.training.task import (
     minibatch,
     ok,
 )
-from paraloom.training.worker import ReplicaRunner
+from paraloom.training.messages import Begin, IdleRound, Round
+from paraloom.training.runner import ReplicaRunner
 
 __all__ = ["SharedConfig", "shared_task", "checkpoint_path"]
 
@@ -201,7 +202,7 @@ def _checkpoint(p: _Prepared, cfg: SharedConfig, position: dict[str, int]) -> No
     assert cfg.checkpoint_dir is not None
     replica = p.runner.replica
     sync_state = _jsonable(replica.sync.state_dict())
-    data = pack(replica.state(), replica.optimizer.state_dict(),
+    data = pack(replica.model_state(), replica.optimizer.state_dict(),
                 {"fit_id": cfg.fit_id, **position, "sync": sync_state})
     path = checkpoint_path(cfg.checkpoint_dir, cfg.fit_id)
     os.makedirs(path.parent, exist_ok=True)
@@ -229,7 +230,7 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Re
         raise ValueError("no worker has any training rows: the data is empty")
     resume = _resume(cfg, rank, p.device)
     start = resume or p.start
-    p.runner.begin(start.model, None)
+    p.runner.begin(Begin(start.model))
     if start.optimizer is not None:
         p.runner.replica.optimizer.load_state_dict(start.optimizer)
     if resume is not None and resume.meta.get("sync"):
@@ -242,17 +243,17 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Re
         losses, samples = _loop(p, cfg, rank, rec, rounds, position)
         loop_s = time.perf_counter() - t
         begin, t = rec.now(), time.perf_counter()
-        result = p.runner.finish(send_state=rank == 0)
+        p.runner.finish(send_state=False)
         rec.event("finish", begin, time.perf_counter() - t)
     info: dict[str, Any] = {
         "rank": rank, "rounds_per_epoch": rounds, "steps": p.runner.steps, "samples": samples,
         "loop_seconds": loop_s, "rows": len(p.x), "losses": losses.to_dict(),
         "sync": p.runner.replica.sync.stats(),
-        "digest": state_digest(p.runner.replica.state()), "device": p.device,
+        "digest": state_digest(p.runner.replica.model_state()), "device": p.device,
         "resumed_from_step": position[2] if resume is not None else None}
     if cfg.collect_stats:
         info["stats"] = rec.to_dict()
-    state = pack(result["state"], result["optimizer"]) if rank == 0 else b""
+    state = pack(*p.runner.final_state()) if rank == 0 else b""
     return ok(rank, info, state)
 
 
@@ -265,13 +266,15 @@ def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds
         for r in range(first_round if epoch == first_epoch else 0, rounds):
             begin, t = rec.now(), time.perf_counter()
             idx = order[r * cfg.batch_size:(r + 1) * cfg.batch_size]
-            payload = ("batch", minibatch(p.x, p.y, idx, cfg.features)) if len(idx) else None
+            message = Round(step, minibatch(p.x, p.y, idx, cfg.features)) if len(idx) \
+                else IdleRound(step)
             data_s, t = time.perf_counter() - t, time.perf_counter()
-            loss, rows, _ = p.runner.round(payload)
-            phases = split_round(time.perf_counter() - t, rec.take(), payload is None)
+            done = p.runner.train(message)
+            phases = split_round(time.perf_counter() - t, rec.take(),
+                                 isinstance(message, IdleRound))
             rec.add(begin, data=data_s, **phases)
-            losses.add(epoch, loss, rows)
-            samples += rows
+            losses.add(epoch, done.loss, done.rows)
+            samples += done.rows
             step += 1
             last = r == rounds - 1
             if rank == 0 and cfg.checkpoint_dir and (last or step % cfg.checkpoint_every == 0):

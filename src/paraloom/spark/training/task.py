@@ -12,11 +12,11 @@ import cloudpickle
 import numpy as np
 import torch
 
-from paraloom.errors import NotPicklableError
 from paraloom.spark.data import Features, join_chunks
 from paraloom.spark.stats import PhaseRecorder, TimedSynchronizer
 from paraloom.spark.training.rendezvous import is_symptom
-from paraloom.training.worker import ReplicaRunner, WorkerSpec
+from paraloom.training.runner import ReplicaRunner, WorkerSpec
+from paraloom.training.runner import pickle_spec as pickle_for_workers
 
 __all__ = ["Record", "failure", "ok", "load_spec", "make_runner", "minibatch", "load_partition",
            "EpochLoss", "pickle_spec"]
@@ -99,17 +99,7 @@ class EpochLoss:
 
 def pickle_spec(spec: WorkerSpec) -> bytes:
     """cloudpickle the spec for the executors, naming the part that cannot be pickled."""
-    try:
-        return cloudpickle.dumps(spec)
-    except Exception as e:
-        part = "training setup"
-        for name in ("model", "loss_fn", "step_fn", "optimizer", "synchronizer"):
-            try:
-                cloudpickle.dumps(getattr(spec, name))
-            except Exception:
-                part = name
-                break
-        raise NotPicklableError(
-            f"cannot send the {part} to the Spark executors: {type(e).__name__}: {e}. Keep open "
-            f"files, locks, threads, sockets and the SparkSession out of it; define classes "
-            f"and functions at module level or in the notebook") from e
+    return pickle_for_workers(
+        spec, destination="the Spark executors",
+        hint="Keep open files, locks, threads, sockets and the SparkSession out of it; define "
+             "classes and functions at module level or in the notebook")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from paraloom import ParallelWrapper, TrainingCheckpoint
+    from paraloom import ParallelWrapper, TrainingCheckpoint, WorkerError
 
 __all__ = ["TrainingListener", "ScoreListener", "PerformanceListener", "CheckpointListener",
            "as_listener"]
@@ -45,6 +45,10 @@ class TrainingListener:
 
     def on_checkpoint(self, checkpoint: TrainingCheckpoint) -> None:
         """A ``TrainingCheckpoint`` this listener asked for, complete."""
+
+    def on_worker_failure(self, rank: int | None, error: WorkerError, recovered: bool) -> None:
+        """Worker ``rank`` failed (None: which one is unknown); ``recovered``: training goes on
+        from the last restore point (``max_failures=``), else ``error`` is raised next."""
 
 
 class _CallableListener(TrainingListener):

@@ -8,7 +8,7 @@ import signal
 from paraloom.errors import WorkerError
 from paraloom.training.messages import Failed
 
-__all__ = ["failure_error", "death_message", "is_symptom"]
+__all__ = ["failure_error", "death_message", "is_symptom", "process_state"]
 
 # Errors that are a symptom of a peer's failure, not a cause: report another one if any.
 _SYMPTOMS = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL", "timed out",
@@ -28,6 +28,20 @@ def is_symptom(message: str) -> bool:
     """Whether an error message reads as a peer's failure seen from this side."""
     lowered = message.lower()
     return any(s.lower() in lowered for s in _SYMPTOMS)
+
+
+_STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped",
+           "t": "stopped by a debugger", "Z": "exited", "X": "dead"}
+
+
+def process_state(pid: int | None) -> str:
+    """What the OS says a process is doing ("stopped", "running", ...), from /proc if there."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return _STATES.get(code, code)
 
 
 def death_message(rank: int, pid: int | None, code: int | None, starting: bool) -> str:

@@ -2,12 +2,14 @@
 
 To a replica, in order: ``Begin``; then per round one of ``Round`` (a batch), ``IndexRound``
 (indices into the dataset sent with ``Begin``) or ``IdleRound`` (no batch in a short last
-round), with a ``CheckpointRequest`` after a round when a listener wants a checkpoint; then
+round), with a ``CheckpointRequest`` after a round when a listener wants a checkpoint and a
+``RestorePointRequest`` when the pool keeps restore points to recover from failures; then
 ``Finish``; ``Stop`` ends a worker process. ``Packed`` wraps any of them, pickled by the
 parent (classes by value, tensors in shared memory), where it carries user objects.
 
-From a replica: ``Ready`` once started; ``StepDone`` per round; ``CheckpointReply`` per
-request; ``Finished`` after ``Finish``; ``Failed`` instead of any of them when it fails.
+From a replica: ``Ready`` once started; ``StepDone`` per round; ``CheckpointReply`` and
+``RestorePoint`` per request; ``Finished`` after ``Finish``; ``Failed`` instead of any of them
+when it fails.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import torch
 from paraloom.data import IndexedDataset
 
 __all__ = [
-    "Begin", "Round", "IndexRound", "IdleRound", "RoundMessage", "CheckpointRequest", "Finish",
-    "Stop", "Packed", "ToReplica", "Ready", "StepDone", "CheckpointReply", "ReplicaResult",
-    "Finished", "Failed", "Reply", "ModelState", "ReplicaState",
+    "Begin", "Round", "IndexRound", "IdleRound", "RoundMessage", "CheckpointRequest",
+    "RestorePointRequest", "Finish", "Stop", "Packed", "ToReplica", "Ready", "StepDone",
+    "CheckpointReply", "RestorePoint", "ReplicaResult", "Finished", "Failed", "Reply",
+    "ModelState", "ReplicaState",
 ]
 
 ModelState = dict[str, torch.Tensor]
@@ -82,6 +85,14 @@ class CheckpointRequest:
 
 
 @dataclass(frozen=True)
+class RestorePointRequest:
+    """Report this replica's full state after round ``round_id``: the pool restarts from it
+    if a worker fails later."""
+
+    round_id: int
+
+
+@dataclass(frozen=True)
 class Finish:
     """End of fit(): synchronize a last time and report the result."""
 
@@ -108,8 +119,10 @@ class Packed:
         return message
 
 
-ToReplica = Begin | Round | IndexRound | IdleRound | CheckpointRequest | Finish | Stop
-_TO_REPLICA = (Begin, Round, IndexRound, IdleRound, CheckpointRequest, Finish, Stop)
+ToReplica = (Begin | Round | IndexRound | IdleRound | CheckpointRequest | RestorePointRequest
+             | Finish | Stop)
+_TO_REPLICA = (Begin, Round, IndexRound, IdleRound, CheckpointRequest, RestorePointRequest,
+               Finish, Stop)
 
 
 # -- from a replica ----------------------------------------------------------------------------
@@ -144,6 +157,16 @@ class CheckpointReply:
 
 
 @dataclass(frozen=True)
+class RestorePoint:
+    """One replica's full state after round ``round_id``, and the seconds taking it took."""
+
+    rank: int
+    round_id: int
+    state: ReplicaState
+    seconds: float
+
+
+@dataclass(frozen=True)
 class ReplicaResult:
     """What a replica reports at the end of a fit(); rank 0 adds the final state."""
 
@@ -173,4 +196,4 @@ class Failed:
     """The exception's type name, e.g. ``"NonFiniteLossError"``."""
 
 
-Reply = Ready | StepDone | CheckpointReply | Finished | Failed
+Reply = Ready | StepDone | CheckpointReply | RestorePoint | Finished | Failed

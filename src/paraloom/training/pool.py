@@ -8,12 +8,20 @@ from typing import Protocol
 
 import torch
 
-from paraloom.training.messages import Begin, CheckpointReply, Finished, StepDone, ToReplica
+from paraloom.training.messages import (
+    Begin,
+    CheckpointReply,
+    Finished,
+    RestorePoint,
+    StepDone,
+    ToReplica,
+)
 
 __all__ = ["Pool", "PoolReply", "device_plan"]
 
-PoolReply = StepDone | CheckpointReply | Finished
-"""What ``Pool.recv`` returns: a failure is raised as ``WorkerError`` instead."""
+PoolReply = StepDone | CheckpointReply | RestorePoint | Finished
+"""What ``Pool.recv`` returns: a failure is raised as ``WorkerError`` instead. Restore points
+go only to the pool that asked for them (``training.recovery``)."""
 
 
 class Pool(Protocol):

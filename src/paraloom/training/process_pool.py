@@ -10,7 +10,7 @@ import queue
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableSequence, Sequence
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Any
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
 
 from paraloom.errors import NotPicklableError, WorkerError
-from paraloom.training.failures import death_message, failure_error, is_symptom
+from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
 from paraloom.training.messages import (
     Begin,
     CheckpointReply,
@@ -30,6 +30,8 @@ from paraloom.training.messages import (
     Packed,
     Ready,
     Reply,
+    RestorePoint,
+    RestorePointRequest,
     Round,
     RoundMessage,
     StepDone,
@@ -72,11 +74,16 @@ class ProcessPool:
     """N spawned worker processes in one torch.distributed group, fed through queues."""
 
     def __init__(self, spec_bytes: bytes, workers: int, *, timeout_s: float = 300.0,
+                 step_timeout_s: float | None = None, heartbeat_timeout_s: float | None = 2.0,
                  startup_timeout_s: float = 120.0, queue_size: int = 4) -> None:
         self.workers = workers
         self.timeout_s = timeout_s
+        self.step_timeout_s = timeout_s if step_timeout_s is None else step_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.backend, self.devices, self.threads = device_plan(workers)
         ctx = mp.get_context("spawn")
+        # One heartbeat slot per worker (0.0 until its first beat), written by its own thread.
+        self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
         self._results: Queue[Reply] = ctx.Queue()
         self._tasks: list[Queue[ToReplica | Packed]] = [
             ctx.Queue(maxsize=max(1, queue_size)) for _ in range(workers)]
@@ -91,13 +98,15 @@ class ProcessPool:
                                    threads=self.threads, timeout_s=timeout_s,
                                    parent_pid=os.getpid())
                 p = ctx.Process(target=worker_main, name=f"paraloom-worker-{rank}", daemon=True,
-                                args=(cfg, spec_bytes, self._tasks[rank], self._results))
+                                args=(cfg, spec_bytes, self._tasks[rank], self._results,
+                                      self._beats))
                 p.start()
                 self._procs.append(p)
         self._pending: collections.deque[PoolReply] = collections.deque()
         # Progress watchdog: work sent to a worker and not yet answered, and since when.
         self._outstanding = [0] * workers
         self._since = [time.monotonic()] * workers
+        self._checked = time.monotonic()
         self._await_ready(startup_timeout_s)
 
     @property
@@ -138,7 +147,7 @@ class ProcessPool:
         """Queue a message for one worker; waits (checking liveness) while its queue is full."""
         # A batch may hold classes defined in the user's script: they travel by value.
         self._put(rank, _pack(message) if isinstance(message, Round) else message)
-        if isinstance(message, RoundMessage | CheckpointRequest | Finish):
+        if isinstance(message, RoundMessage | CheckpointRequest | RestorePointRequest | Finish):
             if self._outstanding[rank] == 0:
                 self._since[rank] = time.monotonic()
             self._outstanding[rank] += 1
@@ -183,7 +192,9 @@ class ProcessPool:
             raise WorkerError(f"could not read a worker's reply: {e}") from e
         if isinstance(reply, Failed):
             raise self._error(reply, starting)
-        if isinstance(reply, StepDone | CheckpointReply | Finished):
+        if time.monotonic() - self._checked > _POLL_S:  # replies keep coming: check the rest
+            self._check_alive(starting)
+        if isinstance(reply, StepDone | CheckpointReply | RestorePoint | Finished):
             self._outstanding[reply.rank] -= 1
             self._since[reply.rank] = time.monotonic()
         return reply
@@ -195,18 +206,38 @@ class ProcessPool:
                 self._pending.append(reply)
 
     def _check_progress(self) -> None:
-        """Raise if a worker has had work and sent nothing for ``timeout_s`` (it is stuck)."""
+        """Raise if a worker has had work and sent nothing for ``step_timeout_s`` (it hangs)."""
         now = time.monotonic()
         for rank in range(self.workers):
-            if self._outstanding[rank] and now - self._since[rank] > self.timeout_s:
+            if self._outstanding[rank] and now - self._since[rank] > self.step_timeout_s:
                 self.kill()
                 raise WorkerError(
-                    f"worker {rank} has answered nothing for {self.timeout_s:.0f} s (timeout=) "
-                    "with work queued: it is stuck in the model, the loss or the data code. "
-                    "The other workers were stopped; raise timeout= if one step really takes "
-                    "that long", worker=rank)
+                    f"worker {rank} has answered nothing for {self.step_timeout_s:.0f} s "
+                    "(step_timeout=, or timeout= when it is not set) with work queued: it "
+                    "hangs in the model, the loss, the data code or a collective. It was "
+                    "killed with the other workers; raise step_timeout= if one step really "
+                    "takes that long", worker=rank)
+
+    def _check_heartbeats(self) -> None:
+        """Raise if a started worker's heartbeat stopped for ``heartbeat_timeout_s``."""
+        if self.heartbeat_timeout_s is None:
+            return
+        now = time.monotonic()
+        for rank, p in enumerate(self._procs):
+            last = self._beats[rank]
+            if last > 0.0 and now - last > self.heartbeat_timeout_s:
+                state = process_state(p.pid)
+                self.kill()
+                raise WorkerError(
+                    f"worker {rank} (pid {p.pid}) sent no heartbeat for {now - last:.1f} s "
+                    f"(heartbeat_timeout={self.heartbeat_timeout_s:g}; process state: {state}):"
+                    " it was stopped, frozen, or is stuck in native code that holds the GIL. "
+                    "It was killed with the other workers; raise heartbeat_timeout= if a "
+                    "native call really holds the GIL that long", worker=rank)
 
     def _check_alive(self, starting: bool = False) -> None:
+        self._checked = time.monotonic()
+        self._check_heartbeats()
         for rank, p in enumerate(self._procs):
             if p.exitcode is not None:
                 # A worker that reported its error before exiting: prefer that report.

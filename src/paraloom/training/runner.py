@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ from paraloom.training.messages import (
     ModelState,
     ReplicaResult,
     Reply,
+    RestorePoint,
+    RestorePointRequest,
     Round,
     RoundMessage,
     StepDone,
@@ -103,6 +106,11 @@ class ReplicaRunner:
                 self.begin(message)
             case CheckpointRequest():
                 return CheckpointReply(self.rank, message.tag, self.replica.full_state())
+            case RestorePointRequest():
+                started = time.perf_counter()
+                state = self.replica.full_state()
+                return RestorePoint(self.rank, message.round_id, state,
+                                    time.perf_counter() - started)
             case Finish():
                 return Finished(self.rank, self.finish(send_state=self.rank == 0))
             case Stop():

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from paraloom.listeners import TrainingListener
+from paraloom.training.recovery import Recovery
 
 log = logging.getLogger("paraloom")
 
@@ -43,6 +44,7 @@ class RoundTracker:
         self.started = time.perf_counter()
         self.epoch_losses: list[float] = []
         self.current_epoch: int | None = None
+        self.failures = 0
         self.bar = tqdm(total=total_batches, unit="batch", disable=not progress,
                         dynamic_ncols=True, desc="paraloom")
 
@@ -90,8 +92,11 @@ class RoundTracker:
             listener.on_iteration(self.iteration, r.epoch, loss)
         self.iteration += 1
         self.bar.update(r.expected)
-        self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{self.samples_per_s:.0f}",
-                             refresh=False)
+        postfix: dict[str, object] = {"loss": f"{loss:.4f}",
+                                      "samples_s": f"{self.samples_per_s:.0f}"}
+        if self.failures:
+            postfix["failures"] = self.failures
+        self.bar.set_postfix(postfix, refresh=False)
 
     def _end_epoch(self) -> None:
         if self.current_epoch is None:
@@ -100,6 +105,18 @@ class RoundTracker:
         for listener in self.listeners:
             listener.on_epoch_end(self.current_epoch, mean)
         self.epoch_losses = []
+
+    def recovered(self, recovery: Recovery) -> None:
+        """Say on the progress bar that a worker failed and training went on."""
+        self.failures += 1
+        self.bar.write(f"paraloom: worker {recovery.rank} failed and was replaced; "
+                       f"{recovery.replayed_rounds} round(s) replayed ({recovery.error.args[0]})")
+        self.bar.set_postfix(failures=self.failures, refresh=False)
+
+    def seconds_lost(self, recovery: Recovery) -> float:
+        """The restart, plus the replayed rounds at this fit's mean round time."""
+        per_round = self.seconds / max(1, self.next_round)
+        return recovery.restart_seconds + recovery.replayed_rounds * per_round
 
     @property
     def seconds(self) -> float:

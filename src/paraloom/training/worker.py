@@ -1,4 +1,9 @@
-"""The entry point of a ParallelWrapper worker process: join the group, then serve messages."""
+"""The entry point of a ParallelWrapper worker process: join the group, then serve messages.
+
+A daemon thread writes a heartbeat (``time.monotonic()``, every ``HEARTBEAT_PERIOD_S``) into
+this worker's slot of an array shared with the parent. It does not depend on the training
+thread: a slow step keeps beating, a stopped, frozen or killed process does not.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,10 @@ import datetime
 import os
 import pickle
 import queue
+import threading
+import time
 import traceback
+from collections.abc import MutableSequence
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 
@@ -27,9 +35,10 @@ from paraloom.training.messages import (
 )
 from paraloom.training.runner import ReplicaRunner, WorkerSpec
 
-__all__ = ["WorkerConfig", "worker_main"]
+__all__ = ["WorkerConfig", "worker_main", "HEARTBEAT_PERIOD_S"]
 
 _POLL_S = 0.5
+HEARTBEAT_PERIOD_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,15 @@ def _next_message(tasks: Queue[ToReplica | Packed], parent_pid: int) -> ToReplic
         return message.unpack() if isinstance(message, Packed) else message
 
 
+def _start_heartbeat(beats: MutableSequence[float], rank: int) -> None:
+    def beat() -> None:
+        while True:
+            beats[rank] = time.monotonic()
+            time.sleep(HEARTBEAT_PERIOD_S)
+
+    threading.Thread(target=beat, name="paraloom-heartbeat", daemon=True).start()
+
+
 def _init_group(cfg: WorkerConfig) -> dist.ProcessGroup | None:
     if cfg.world_size == 1:
         return None
@@ -69,9 +87,10 @@ def _init_group(cfg: WorkerConfig) -> dist.ProcessGroup | None:
 
 
 def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | Packed],
-                results: Queue[Reply]) -> None:
+                results: Queue[Reply], beats: MutableSequence[float]) -> None:
     """Entry point of a worker process."""
     round_id = None
+    _start_heartbeat(beats, cfg.rank)
     try:
         torch.set_num_threads(cfg.threads)
         if cfg.device.startswith("cuda"):

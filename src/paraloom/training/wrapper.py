@@ -44,6 +44,7 @@ from paraloom.training.modes import TrainingMode
 from paraloom.training.optim import OptimizerFactory, OptimizerSpec
 from paraloom.training.pool import Pool
 from paraloom.training.process_pool import ProcessPool
+from paraloom.training.recovery import RecoveringPool, Recovery
 from paraloom.training.replica import StepFn, require_loss
 from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
@@ -76,7 +77,8 @@ class ParallelWrapper:
                  step_fn: StepFn | None = None,
                  listeners: Iterable[TrainingListener | Callable[[int, int, float], object]] = (),
                  progress: bool = True, timeout: float = 300.0, precision: str = "32-true",
-                 **sync_options: Any) -> None:
+                 heartbeat_timeout: float | None = 2.0, step_timeout: float | None = None,
+                 max_failures: int = 0, **sync_options: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         workers = _default_workers() if workers is None else workers
@@ -86,12 +88,23 @@ class ParallelWrapper:
             raise ValueError(f"prefetch_buffer={prefetch_buffer}; expected >= 0")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout}; expected seconds > 0")
+        for name, value in (("heartbeat_timeout", heartbeat_timeout),
+                            ("step_timeout", step_timeout)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r}; expected seconds > 0, or None to turn "
+                                 "this watch off")
+        if not isinstance(max_failures, int) or max_failures < 0:
+            raise ValueError(f"max_failures={max_failures!r}; expected an int >= 0 (0 raises "
+                             "WorkerError at the first failure)")
         self.model = model
         self.workers = workers
         self.prefetch_buffer = prefetch_buffer
         self.report_score_after_averaging = report_score_after_averaging
         self.progress = progress
         self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout
+        self.max_failures = max_failures
         self.listeners: list[TrainingListener] = [as_listener(x) for x in listeners]
         self.synchronizer = build_synchronizer(
             training_mode, averaging_frequency=averaging_frequency,
@@ -106,6 +119,7 @@ class ParallelWrapper:
         self._iteration = 0
         self._stop_requested = False
         self._stats: dict[str, Any] = {}
+        self._failures: list[Recovery] = []
         self._tracker: RoundTracker | None = None
         self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, workers)
 
@@ -146,10 +160,26 @@ class ParallelWrapper:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
             self._pool = LocalPool(self._spec, device=device)
         else:
+            spec_bytes = pickle_spec(self._spec)
             queue_size = max(2, -(-self.prefetch_buffer // self.workers))
-            self._pool = ProcessPool(pickle_spec(self._spec), self.workers,
-                                     timeout_s=self.timeout, queue_size=queue_size)
+
+            def start() -> ProcessPool:
+                return ProcessPool(spec_bytes, self.workers, timeout_s=self.timeout,
+                                   step_timeout_s=self.step_timeout,
+                                   heartbeat_timeout_s=self.heartbeat_timeout,
+                                   queue_size=queue_size)
+
+            self._pool = RecoveringPool(start, self.max_failures, self._recovered) \
+                if self.max_failures else start()
         return self._pool
+
+    def _recovered(self, recovery: Recovery) -> None:
+        """A worker failed and the pool recovered: tell the listeners and the progress bar."""
+        self._failures.append(recovery)
+        for listener in self.listeners:
+            listener.on_worker_failure(recovery.rank, recovery.error, True)
+        if self._tracker is not None:
+            self._tracker.recovered(recovery)
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None,
@@ -178,6 +208,7 @@ class ParallelWrapper:
                                progress=self.progress,
                                report_score=self.report_score_after_averaging)
         self._tracker = tracker
+        self._failures = []
         self._checkpoints.reset()
         completed = False
         try:
@@ -191,8 +222,11 @@ class ParallelWrapper:
             if self._pool is not None:
                 self._pool.kill()
                 self._pool = None
-            if isinstance(e, WorkerError) and (where := tracker.batch_of(e.batch, e.worker)):
-                e.args = (f"{e.args[0]}\n(at {where})",)
+            if isinstance(e, WorkerError):
+                if where := tracker.batch_of(e.batch, e.worker):
+                    e.args = (f"{e.args[0]}\n(at {where})",)
+                for listener in self.listeners:
+                    listener.on_worker_failure(e.worker, e, False)
             raise
         finally:
             self._iteration = tracker.iteration
@@ -332,6 +366,8 @@ class ParallelWrapper:
                 results[finished.rank] = finished.result
         per_worker = [results[r].stats for r in range(self.workers)]
         self._stats = {**tracker.summary(), "workers": self.workers,
+                       "failures": len(self._failures),
+                       "seconds_lost": sum(tracker.seconds_lost(f) for f in self._failures),
                        "mode": self.synchronizer.name, "per_worker": per_worker,
                        "bytes_sent_per_step": [w.get("bytes_sent_per_step", 0.0)
                                                for w in per_worker]}

@@ -1,0 +1,214 @@
+"""RecoveringPool: a Pool that survives worker failures by restarting from a restore point.
+
+Every few seconds (at most ~2% of the time: see ``_interval``) it asks every replica for its
+full state right after a round has been dealt: a restore point. When a worker fails (killed,
+stopped, hung, raised, exited), it kills every worker, starts a fresh pool (new processes, a
+new process group on a new port), begins it from the restore point and sends again every
+message sent since. Replies already delivered are not delivered twice, so the caller sees each
+round once: no batch is lost, none is trained twice, and the result is the one an
+uninterrupted run with the same seed and data order would give.
+
+Why not restart from the survivors' state: a survivor is usually blocked inside a collective
+with the failed peer, part way through a round; on one machine the parent can hold a
+consistent state of every replica at little cost instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from paraloom.errors import WorkerError
+from paraloom.training.messages import (
+    Begin,
+    CheckpointReply,
+    Finished,
+    IdleRound,
+    IndexRound,
+    ReplicaState,
+    RestorePoint,
+    RestorePointRequest,
+    Round,
+    StepDone,
+    ToReplica,
+)
+from paraloom.training.pool import Pool, PoolReply
+
+__all__ = ["RecoveringPool", "Recovery"]
+
+log = logging.getLogger("paraloom")
+
+_T = TypeVar("_T")
+_MIN_INTERVAL_S = 2.0
+_COST_SHARE = 0.02  # restore points may take up to this share of the training time
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One survived failure: who failed, why, and what it cost."""
+
+    rank: int | None
+    error: WorkerError
+    restart_seconds: float
+    """From the failure's detection until the new workers had every message again."""
+    replayed_rounds: int
+    """Rounds sent again: those dealt after the restore point."""
+
+
+@dataclass
+class _Restore:
+    round_id: int | None
+    """The last round the restore point includes; None: the start of the fit."""
+    states: list[ReplicaState | None]
+    log_index: int
+    """Where in the message log the restore point was asked for."""
+
+
+class RecoveringPool:
+    """Wraps pools made by ``start``; survives up to ``max_failures`` failures per fit()."""
+
+    def __init__(self, start: Callable[[], Pool], max_failures: int,
+                 on_recovery: Callable[[Recovery], None]) -> None:
+        self._start = start
+        self.max_failures = max_failures
+        self._on_recovery = on_recovery
+        self._pool = start()
+        self.workers = self._pool.workers
+        self.backend, self.devices, self.threads = \
+            self._pool.backend, self._pool.devices, self._pool.threads
+        self.failures = 0
+        self._begins: list[Begin] = []
+        self._log: list[tuple[int, ToReplica]] = []
+        self._restore = _Restore(None, [], 0)
+        self._pending: _Restore | None = None
+        self._last_request = time.monotonic()
+        self._cost_s = 0.0
+        self._delivered: set[tuple[str, int, int]] = set()
+
+    @property
+    def pids(self) -> list[int]:
+        return self._pool.pids
+
+    @property
+    def alive(self) -> bool:
+        return self._pool.alive
+
+    # -- the Pool protocol ------------------------------------------------------------------
+    def begin(self, messages: Sequence[Begin]) -> None:
+        self.failures = 0
+        self._begins = list(messages)
+        self._log = []
+        self._restore = _Restore(None, [], 0)
+        self._pending = None
+        self._delivered = set()
+        self._last_request = time.monotonic()
+        self._guarded(lambda: self._pool.begin(self._begins))
+
+    def send(self, rank: int, message: ToReplica) -> None:
+        self._log.append((rank, message))
+        self._guarded(lambda: self._pool.send(rank, message))
+        if rank == self.workers - 1 and isinstance(message, Round | IndexRound | IdleRound):
+            self._maybe_request(message.round_id)
+
+    def recv(self, timeout_s: float | None = None) -> PoolReply | None:
+        while True:
+            reply = self._guarded(lambda: self._pool.recv(timeout_s))
+            if reply is None:
+                return None
+            if isinstance(reply, RestorePoint):
+                self._keep(reply)
+                continue
+            key = _key(reply)
+            if key in self._delivered:
+                continue  # a round replayed after a recovery: the caller has it already
+            self._delivered.add(key)
+            return reply
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._pool.close(timeout_s)
+
+    def kill(self) -> None:
+        self._pool.kill()
+
+    # -- restore points -----------------------------------------------------------------------
+    def _interval(self) -> float:
+        """Seconds between restore points: taking one costs ``_COST_SHARE`` of the time."""
+        return max(_MIN_INTERVAL_S, self._cost_s / _COST_SHARE)
+
+    def _maybe_request(self, round_id: int) -> None:
+        if self._pending is not None or time.monotonic() - self._last_request < self._interval():
+            return
+        self._last_request = time.monotonic()
+        self._pending = _Restore(round_id, [None] * self.workers, len(self._log))
+        self._guarded(lambda: self._request_all(RestorePointRequest(round_id)))
+
+    def _request_all(self, request: RestorePointRequest) -> None:
+        for rank in range(self.workers):
+            self._pool.send(rank, request)
+
+    def _keep(self, reply: RestorePoint) -> None:
+        pending = self._pending
+        if pending is None or pending.round_id != reply.round_id:
+            return  # asked for before a recovery: that pool is gone
+        pending.states[reply.rank] = reply.state
+        self._cost_s = max(self._cost_s, reply.seconds)
+        if any(s is None for s in pending.states):
+            return
+        self._restore, self._pending = pending, None
+        del self._log[:pending.log_index]
+        pending.log_index = 0
+        self._delivered = {k for k in self._delivered if k[0] != "step" or k[1] > reply.round_id}
+
+    # -- failures -----------------------------------------------------------------------------
+    def _guarded(self, call: Callable[[], _T]) -> _T:
+        while True:
+            try:
+                return call()
+            except WorkerError as e:
+                self._recover(e)
+
+    def _recover(self, error: WorkerError) -> None:
+        """Start new workers from the restore point and send them every message since."""
+        while True:
+            if self.failures >= self.max_failures:
+                raise error
+            self.failures += 1
+            started = time.monotonic()
+            log.warning("paraloom: %s; recovering (failure %d of at most %d)", error,
+                        self.failures, self.max_failures)
+            self._pool.kill()
+            try:
+                self._restart()
+            except WorkerError as e:  # the new workers failed too: that is another failure
+                error = e
+                continue
+            rounds = {m.round_id for _, m in self._log if isinstance(m, Round | IndexRound |
+                                                                     IdleRound)}
+            self._on_recovery(Recovery(error.worker, error, time.monotonic() - started,
+                                       len(rounds)))
+            return
+
+    def _restart(self) -> None:
+        self._pending = None
+        self._pool = self._start()
+        restore = self._restore
+        begins = self._begins if restore.round_id is None else [
+            dataclasses.replace(b, resume=restore.states[rank])
+            for rank, b in enumerate(self._begins)]
+        self._pool.begin(begins)
+        for rank, message in self._log:
+            self._pool.send(rank, message)
+
+
+def _key(reply: StepDone | CheckpointReply | Finished) -> tuple[str, int, int]:
+    match reply:
+        case StepDone():
+            return "step", reply.round_id, reply.rank
+        case CheckpointReply():
+            return "checkpoint", reply.tag, reply.rank
+        case Finished():
+            return "finished", 0, reply.rank

@@ -1,0 +1,54 @@
+"""A model that fails once, in a chosen way, on one replica at a chosen step (fault injection)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+HOWS = ("raise", "exit", "kill", "stop")
+
+
+class FailOnce(nn.Module):
+    """An MLP whose forward, on rank ``rank`` at its ``at``-th training call, fails as ``how``
+    says: raises, exits with code 0, is SIGKILLed or SIGSTOPped. ``marker`` makes it happen
+    once per test: the replica that replaces the failed one trains normally."""
+
+    def __init__(self, marker: Path | None = None, how: str = "raise", at: int = 5,
+                 rank: int = 1) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.marker = None if marker is None else str(marker)
+        self.how, self.at, self.rank, self.calls = how, at, rank, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.marker is not None and dist.is_initialized() \
+                and dist.get_rank() == self.rank:
+            self.calls += 1
+            if self.calls == self.at and not os.path.exists(self.marker):
+                Path(self.marker).touch()
+                _fail(self.how)
+        return self.net(x)
+
+
+def _fail(how: str) -> None:
+    if how == "raise":
+        raise RuntimeError("injected failure")
+    if how == "exit":
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+
+def digits_loader(rows: int = 768, batch_size: int = 32) -> DataLoader:
+    """scikit-learn's digits (8x8), unshuffled: the same data order in every run."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    data = TensorDataset(torch.tensor(x[:rows] / 16.0, dtype=torch.float32).view(-1, 1, 8, 8),
+                         torch.tensor(y[:rows]))
+    return DataLoader(data, batch_size=batch_size)

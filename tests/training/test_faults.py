@@ -1,0 +1,169 @@
+"""Fault injection: a worker that raises, exits, is killed or stopped mid-fit.
+
+With max_failures=0 the fit ends with a WorkerError, quickly and with no worker left behind;
+with max_failures=1 it completes, and its parameters equal those of an uninterrupted run with
+the same seed and data order (every mode: the pool restarts from a full restore point of every
+replica and replays the rounds since).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from fault_helpers import HOWS, FailOnce, digits_loader
+from torch import nn
+from training_helpers import pid_alive
+
+from paraloom import ParallelWrapper, TrainingListener, WorkerError
+from paraloom.training import recovery
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Failures(TrainingListener):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int | None, str, bool]] = []
+
+    def on_worker_failure(self, rank, error, recovered):
+        self.seen.append((rank, type(error).__name__, recovered))
+
+
+def _train(model: nn.Module, mode: str, epochs: int = 2, **options) -> tuple[ParallelWrapper,
+                                                                              dict]:
+    torch.manual_seed(0)
+    options = {"averaging_frequency": 3, **options} if mode == "averaging" else options
+    wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              workers=2, training_mode=mode, progress=False, **options)
+    with wrapper:
+        stats = wrapper.fit(digits_loader(), epochs=epochs)
+    return wrapper, stats
+
+
+def _reference(mode: str) -> nn.Module:
+    torch.manual_seed(1)
+    model = FailOnce()
+    _train(model, mode)
+    return model
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, nn.Module]:
+    return {}
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                   b.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_failure_without_max_failures_raises_quickly_and_leaves_no_worker(tmp_path, how):
+    torch.manual_seed(1)
+    model = FailOnce(tmp_path / "failed", how=how, at=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    failures = Failures()
+    wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                              workers=2, training_mode="allreduce", progress=False,
+                              heartbeat_timeout=1.0, listeners=[failures])
+    pids: list[int] = []
+
+    class Pids(TrainingListener):
+        def on_fit_start(self, w):
+            pids.extend(w.worker_pids)
+
+    wrapper.listeners.append(Pids())
+    started = time.monotonic()
+    expected = {"raise": "injected failure", "exit": "exited with code 0",
+                "kill": "SIGKILL", "stop": "no heartbeat"}[how]
+    with pytest.raises(WorkerError, match=expected) as info:
+        wrapper.fit(digits_loader(), epochs=3)
+    assert time.monotonic() - started < 30
+    assert info.value.worker == 1
+    assert failures.seen == [(1, "WorkerError", False)]
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_allreduce_recovers_to_the_uninterrupted_result(tmp_path, how, references):
+    references.setdefault("allreduce", _reference("allreduce"))
+    torch.manual_seed(1)
+    model = FailOnce(tmp_path / "failed", how=how, at=7)
+    failures = Failures()
+    _, stats = _train(model, "allreduce", max_failures=1, heartbeat_timeout=1.0,
+                      listeners=[failures])
+    assert (tmp_path / "failed").exists()  # the failure did happen
+    assert failures.seen == [(1, "WorkerError", True)]
+    assert stats["failures"] == 1 and stats["seconds_lost"] > 0
+    assert stats["batches"] == 2 * len(digits_loader())  # every batch once in the caller's count
+    assert _same(model, references["allreduce"])
+
+
+@pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
+def test_other_modes_recover_from_a_restore_point(tmp_path, mode, monkeypatch, references):
+    references.setdefault(mode, _reference(mode))
+    monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 0.0)  # a restore point every round
+    torch.manual_seed(1)
+    model = FailOnce(tmp_path / "failed", how="kill", at=20)
+    _, stats = _train(model, mode, max_failures=1)
+    assert stats["failures"] == 1
+    assert _same(model, references[mode])
+
+
+def test_failures_beyond_max_failures_raise(tmp_path):
+    class FailTwice(FailOnce):
+        def forward(self, x):
+            if self.training and self.calls == 3 and self.marker is not None \
+                    and torch.distributed.get_rank() == 0:
+                raise RuntimeError("always fails here")
+            self.calls += 1
+            return self.net(x)
+
+    model = FailTwice(tmp_path / "never-used")
+    failures = Failures()
+    with pytest.raises(WorkerError, match="always fails here"):
+        _train(model, "allreduce", max_failures=2, listeners=[failures])
+    assert [s[2] for s in failures.seen] == [True, True, False]
+
+
+def test_a_slow_healthy_step_is_not_a_failure():
+    """A step far longer than heartbeat_timeout: the heartbeat thread keeps beating."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+    def slow(m, batch):
+        time.sleep(1.5)
+        x, y = batch
+        return nn.functional.cross_entropy(m(x), y)
+
+    wrapper = ParallelWrapper(model, step_fn=slow, optimizer=torch.optim.SGD(model.parameters(),
+                                                                             lr=0.1),
+                              workers=2, training_mode="allreduce", progress=False,
+                              heartbeat_timeout=0.5)
+    with wrapper:
+        stats = wrapper.fit(list(digits_loader(rows=128, batch_size=32)), epochs=1)
+    assert stats["batches"] == 4 and stats["failures"] == 0
+
+
+def test_step_timeout_names_a_hung_worker():
+    from training_helpers import stuck_on_rank_one
+
+    model = nn.Linear(4, 1)
+    wrapper = ParallelWrapper(model, step_fn=stuck_on_rank_one,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2,
+                              training_mode="allreduce", progress=False, step_timeout=2.0)
+    batches = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(4)]
+    with pytest.raises(WorkerError, match=r"worker 1 has answered nothing .*step_timeout"):
+        wrapper.fit(batches)
+
+
+@pytest.mark.parametrize("bad", [{"heartbeat_timeout": 0}, {"step_timeout": -1.0},
+                                 {"max_failures": -1}, {"max_failures": 1.5}])
+def test_bad_fault_options_are_refused(bad):
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        ParallelWrapper(model, loss_fn=nn.MSELoss(),
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **bad)

@@ -3,8 +3,8 @@
 To a replica, in order: ``Begin``; then per round one of ``Round`` (a batch), ``IndexRound``
 (indices into the dataset sent with ``Begin``) or ``IdleRound`` (no batch in a short last
 round), with a ``CheckpointRequest`` after a round when a listener wants a checkpoint; then
-``Finish``; ``Stop`` ends a worker process. ``Packed`` wraps any of them, pickled by the
-parent (classes by value, tensors in shared memory), where it carries user objects.
+``Finish``; ``Stop`` ends a worker process. ``Pickled`` wraps ``Begin`` or ``Round``, pickled by
+the parent (classes by value, tensors in shared memory) because they carry user objects.
 
 From a replica: ``Ready`` once started; ``StepDone`` per round; ``CheckpointReply`` per
 request; ``Finished`` after ``Finish``; ``Failed`` instead of any of them when it fails.
@@ -22,8 +22,8 @@ from paraloom.data import IndexedDataset
 
 __all__ = [
     "Begin", "Round", "IndexRound", "IdleRound", "RoundMessage", "CheckpointRequest", "Finish",
-    "Stop", "Packed", "ToReplica", "Ready", "StepDone", "CheckpointReply", "ReplicaResult",
-    "Finished", "Failed", "Reply", "ModelState", "ReplicaState",
+    "Stop", "Pickled", "ToReplica", "Ready", "StepDone", "CheckpointReply", "ReplicaResult",
+    "Finished", "Failed", "Answer", "Reply", "ModelState", "ReplicaState",
 ]
 
 ModelState = dict[str, torch.Tensor]
@@ -92,24 +92,25 @@ class Stop:
 
 
 @dataclass(frozen=True)
-class Packed:
+class Pickled:
     """A message pickled by ``training.transport.dumps``: user classes travel by value.
 
     Each can be unpacked once: its tensors are shared-memory handles.
     """
 
     data: bytes
+    round_id: int | None = None
+    """The round of a pickled ``Round``, readable before unpickling (for error reports)."""
 
     def unpack(self) -> ToReplica:
         message = pickle.loads(self.data)
-        if not isinstance(message, _TO_REPLICA):
-            raise TypeError(f"a Packed message held a {type(message).__name__}; expected one "
-                            "of " + ", ".join(t.__name__ for t in _TO_REPLICA))
+        if not isinstance(message, ToReplica):
+            raise TypeError(f"a Pickled message held a {type(message).__name__}; expected one "
+                            f"of {ToReplica}")
         return message
 
 
 ToReplica = Begin | Round | IndexRound | IdleRound | CheckpointRequest | Finish | Stop
-_TO_REPLICA = (Begin, Round, IndexRound, IdleRound, CheckpointRequest, Finish, Stop)
 
 
 # -- from a replica ----------------------------------------------------------------------------
@@ -173,4 +174,7 @@ class Failed:
     """The exception's type name, e.g. ``"NonFiniteLossError"``."""
 
 
-Reply = Ready | StepDone | CheckpointReply | Finished | Failed
+Answer = StepDone | CheckpointReply | Finished
+"""What a replica answers to a message; ``Pool.recv`` returns these."""
+Reply = Ready | Answer | Failed
+"""Everything a worker process puts on the result queue."""

@@ -21,13 +21,14 @@ import torch.multiprocessing as mp  # registers the shared-memory tensor reducti
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.training.failures import death_message, failure_error, is_symptom
 from paraloom.training.messages import (
+    Answer,
     Begin,
     CheckpointReply,
     CheckpointRequest,
     Failed,
     Finish,
     Finished,
-    Packed,
+    Pickled,
     Ready,
     Reply,
     Round,
@@ -36,7 +37,7 @@ from paraloom.training.messages import (
     Stop,
     ToReplica,
 )
-from paraloom.training.pool import PoolReply, device_plan
+from paraloom.training.pool import device_plan
 from paraloom.training.transport import dumps
 from paraloom.training.worker import WorkerConfig, worker_main
 
@@ -78,7 +79,7 @@ class ProcessPool:
         self.backend, self.devices, self.threads = device_plan(workers)
         ctx = mp.get_context("spawn")
         self._results: Queue[Reply] = ctx.Queue()
-        self._tasks: list[Queue[ToReplica | Packed]] = [
+        self._tasks: list[Queue[ToReplica | Pickled]] = [
             ctx.Queue(maxsize=max(1, queue_size)) for _ in range(workers)]
         # The parent hosts the rendezvous store on a port the OS picks (never a guessed port).
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -94,7 +95,7 @@ class ProcessPool:
                                 args=(cfg, spec_bytes, self._tasks[rank], self._results))
                 p.start()
                 self._procs.append(p)
-        self._pending: collections.deque[PoolReply] = collections.deque()
+        self._pending: collections.deque[Answer] = collections.deque()
         # Progress watchdog: work sent to a worker and not yet answered, and since when.
         self._outstanding = [0] * workers
         self._since = [time.monotonic()] * workers
@@ -136,14 +137,15 @@ class ProcessPool:
 
     def send(self, rank: int, message: ToReplica) -> None:
         """Queue a message for one worker; waits (checking liveness) while its queue is full."""
-        # A batch may hold classes defined in the user's script: they travel by value.
-        self._put(rank, _pack(message) if isinstance(message, Round) else message)
+        # A batch or a dataset may hold classes defined in the user's script: they travel by
+        # value.
+        self._put(rank, _pack(message) if isinstance(message, Round | Begin) else message)
         if isinstance(message, RoundMessage | CheckpointRequest | Finish):
             if self._outstanding[rank] == 0:
                 self._since[rank] = time.monotonic()
             self._outstanding[rank] += 1
 
-    def _put(self, rank: int, message: ToReplica | Packed) -> None:
+    def _put(self, rank: int, message: ToReplica | Pickled) -> None:
         while True:
             try:
                 self._tasks[rank].put(message, timeout=_POLL_S)
@@ -152,7 +154,7 @@ class ProcessPool:
                 self._check_alive()
                 self._absorb_replies()  # waiting replies count as progress (and may raise)
 
-    def recv(self, timeout_s: float | None = None) -> PoolReply | None:
+    def recv(self, timeout_s: float | None = None) -> Answer | None:
         """The next reply from any worker, or None after ``timeout_s``; raises WorkerError."""
         if self._pending:
             return self._pending.popleft()
@@ -165,7 +167,7 @@ class ProcessPool:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def _get(self, timeout_s: float, starting: bool = False) -> PoolReply | Ready | None:
+    def _get(self, timeout_s: float, starting: bool = False) -> Answer | Ready | None:
         try:
             reply = self._results.get(timeout=timeout_s) if timeout_s > 0 else \
                 self._results.get_nowait()
@@ -283,12 +285,18 @@ class ProcessPool:
             q.close()
 
 
-def _pack(message: ToReplica) -> Packed:
+def _pack(message: Begin | Round) -> Pickled:
     try:
-        return Packed(dumps(message))
+        if isinstance(message, Round):
+            return Pickled(dumps(message), message.round_id)
+        return Pickled(dumps(message))
     except Exception as e:
-        what = "dataset" if isinstance(message, Begin) and _unpicklable(message.dataset) \
-            else type(message).__name__
+        if isinstance(message, Round):
+            what = f"batch of round {message.round_id}"
+        elif _unpicklable(message.dataset):
+            what = "dataset"
+        else:
+            what = "model or optimizer state"
         raise NotPicklableError(f"the {what} cannot be sent to the workers: "
                                 f"{type(e).__name__}: {e}") from e
 

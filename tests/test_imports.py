@@ -136,3 +136,11 @@ def test_every_public_name_resolves():
         assert getattr(paraloom, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = paraloom.nope
+
+
+def test_submodules_are_attributes_of_the_package():
+    code = ("import paraloom; print(paraloom.sync.AllReduce.__name__, "
+            "paraloom.models.LeNet.__name__, 'training' in dir(paraloom))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.strip()
+    assert out == "AllReduce LeNet True"

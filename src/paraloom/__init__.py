@@ -7,6 +7,7 @@ the training engine, nor ``import paraloom.training`` the inference server.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from typing import TYPE_CHECKING
 
 from paraloom._version import __version__ as __version__
@@ -93,14 +94,20 @@ __all__ = [
 ]
 
 
+_SUBMODULES = frozenset(m.name for m in pkgutil.iter_modules(__path__))
+
+
 def __getattr__(name: str) -> object:
-    module = _WHERE.get(name)
-    if module is None:
+    """A public name, or a submodule (``paraloom.sync``, ``paraloom.models``), on first use."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"paraloom.{name}")
+    else:
         raise AttributeError(f"module 'paraloom' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+    return sorted({*globals(), *_WHERE, *_SUBMODULES})

@@ -11,7 +11,10 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:  # typing has NotRequired from Python 3.11 on
+    from typing_extensions import NotRequired
 
 import torch
 

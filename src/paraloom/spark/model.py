@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 
 from paraloom.data import cpu_copy
 from paraloom.evaluation import Evaluation
+from paraloom.forward import LossFn
 from paraloom.spark.data import Features, as_rows, is_dataframe, is_rdd
 from paraloom.spark.evaluation import (
     RegressionEvaluation,
@@ -22,7 +23,7 @@ from paraloom.spark.evaluation import (
 from paraloom.spark.stats import TrainingStats
 from paraloom.spark.training import FitJob, TrainingMaster
 from paraloom.sync.base import NoSync
-from paraloom.training.optim import OptimizerSpec
+from paraloom.training.optim import OptimizerFactory, OptimizerSpec
 from paraloom.training.replica import StepFn
 from paraloom.training.runner import WorkerSpec
 
@@ -34,8 +35,6 @@ __all__ = ["SparkModel"]
 
 log = logging.getLogger("paraloom")
 
-OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
-"""Builds a replica's optimizer from its parameters: ``lambda params: SGD(params, lr=0.1)``."""
 
 
 def _spark_context(spark: SparkSession | SparkContext) -> SparkContext:
@@ -63,7 +62,7 @@ class SparkModel:
     """
 
     def __init__(self, spark: SparkSession | SparkContext, model: nn.Module,
-                 master: TrainingMaster, *, loss_fn: Any = None,
+                 master: TrainingMaster, *, loss_fn: LossFn | None = None,
                  optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
                  step_fn: StepFn | None = None,
                  feature_shape: Sequence[int] | None = None,

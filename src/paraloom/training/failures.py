@@ -8,11 +8,13 @@ import signal
 from paraloom.errors import WorkerError
 from paraloom.training.messages import Failed
 
-__all__ = ["failure_error", "death_message", "is_symptom", "process_state"]
+__all__ = ["failure_error", "death_message", "is_symptom", "process_state", "SYMPTOMS"]
 
 # Errors that are a symptom of a peer's failure, not a cause: report another one if any.
-_SYMPTOMS = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL", "timed out",
-             "Broken pipe", "parent process exited")
+SYMPTOMS = ("Connection closed by peer", "Connection reset", "Connection refused",
+            "ECONNREFUSED", "by peer", "Broken pipe", "timed out", "Timeout", "Gloo", "NCCL",
+            "a peer failed", "Read error", "Write error", "DistBackendError",
+            "DistNetworkError", "DistStoreError", "parent process exited")
 
 
 def failure_error(failed: Failed, starting: bool = False) -> WorkerError:
@@ -27,7 +29,7 @@ def failure_error(failed: Failed, starting: bool = False) -> WorkerError:
 def is_symptom(message: str) -> bool:
     """Whether an error message reads as a peer's failure seen from this side."""
     lowered = message.lower()
-    return any(s.lower() in lowered for s in _SYMPTOMS)
+    return any(s.lower() in lowered for s in SYMPTOMS)
 
 
 _STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped",

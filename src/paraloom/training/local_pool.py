@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import traceback
 from collections.abc import Sequence
 
 import torch
 
 from paraloom.training.failures import failure_error
-from paraloom.training.messages import Begin, Failed, Ready, RoundMessage, ToReplica
-from paraloom.training.pool import PoolReply
+from paraloom.training.messages import (
+    Answer,
+    Begin,
+    Failed,
+    RoundMessage,
+    ToReplica,
+)
 from paraloom.training.runner import ReplicaRunner, WorkerSpec
 
 __all__ = ["LocalPool"]
@@ -23,7 +29,7 @@ class LocalPool:
         self.workers = 1
         self.backend, self.devices, self.threads = "none", [device], torch.get_num_threads()
         self._runner = ReplicaRunner(spec, device=device)
-        self._replies: collections.deque[PoolReply] = collections.deque()
+        self._replies: collections.deque[Answer] = collections.deque()
 
     @property
     def pids(self) -> list[int]:
@@ -35,9 +41,7 @@ class LocalPool:
 
     def begin(self, messages: Sequence[Begin]) -> None:
         # No seed: the replica shares the caller's RNG, which the caller has seeded.
-        first = messages[0]
-        self._runner.begin(Begin(first.state, first.dataset, first.resume,
-                                 first.optimizer_state, seed=None))
+        self._runner.begin(dataclasses.replace(messages[0], seed=None))
 
     def send(self, rank: int, message: ToReplica) -> None:
         round_id = message.round_id if isinstance(message, RoundMessage) else None
@@ -46,10 +50,10 @@ class LocalPool:
         except Exception as e:
             raise failure_error(Failed(0, round_id, f"{type(e).__name__}: {e}",
                                        traceback.format_exc(), type(e).__name__)) from e
-        if reply is not None and not isinstance(reply, (Ready, Failed)):
+        if reply is not None:
             self._replies.append(reply)
 
-    def recv(self, timeout_s: float | None = None) -> PoolReply | None:
+    def recv(self, timeout_s: float | None = None) -> Answer | None:
         return self._replies.popleft() if self._replies else None
 
     def close(self, timeout_s: float = 10.0) -> None:

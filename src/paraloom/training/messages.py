@@ -4,8 +4,8 @@ To a replica, in order: ``Begin``; then per round one of ``Round`` (a batch), ``
 (indices into the dataset sent with ``Begin``) or ``IdleRound`` (no batch in a short last
 round), with a ``CheckpointRequest`` after a round when a listener wants a checkpoint and a
 ``RestorePointRequest`` when the pool keeps restore points to recover from failures; then
-``Finish``; ``Stop`` ends a worker process. ``Packed`` wraps any of them, pickled by the
-parent (classes by value, tensors in shared memory), where it carries user objects.
+``Finish``; ``Stop`` ends a worker process. ``Pickled`` wraps ``Begin`` or ``Round``, pickled by
+the parent (classes by value, tensors in shared memory) because they carry user objects.
 
 From a replica: ``Ready`` once started; ``StepDone`` per round; ``CheckpointReply`` and
 ``RestorePoint`` per request; ``Finished`` after ``Finish``; ``Failed`` instead of any of them
@@ -24,8 +24,8 @@ from paraloom.data import IndexedDataset
 
 __all__ = [
     "Begin", "Round", "IndexRound", "IdleRound", "RoundMessage", "CheckpointRequest",
-    "RestorePointRequest", "Finish", "Stop", "Packed", "ToReplica", "Ready", "StepDone",
-    "CheckpointReply", "RestorePoint", "ReplicaResult", "Finished", "Failed", "Reply",
+    "RestorePointRequest", "Finish", "Stop", "Pickled", "ToReplica", "Ready", "StepDone",
+    "CheckpointReply", "RestorePoint", "ReplicaResult", "Finished", "Failed", "Answer", "Reply",
     "ModelState", "ReplicaState",
 ]
 
@@ -103,26 +103,26 @@ class Stop:
 
 
 @dataclass(frozen=True)
-class Packed:
+class Pickled:
     """A message pickled by ``training.transport.dumps``: user classes travel by value.
 
     Each can be unpacked once: its tensors are shared-memory handles.
     """
 
     data: bytes
+    round_id: int | None = None
+    """The round of a pickled ``Round``, readable before unpickling (for error reports)."""
 
     def unpack(self) -> ToReplica:
         message = pickle.loads(self.data)
-        if not isinstance(message, _TO_REPLICA):
-            raise TypeError(f"a Packed message held a {type(message).__name__}; expected one "
-                            "of " + ", ".join(t.__name__ for t in _TO_REPLICA))
+        if not isinstance(message, ToReplica):
+            raise TypeError(f"a Pickled message held a {type(message).__name__}; expected one "
+                            f"of {ToReplica}")
         return message
 
 
 ToReplica = (Begin | Round | IndexRound | IdleRound | CheckpointRequest | RestorePointRequest
              | Finish | Stop)
-_TO_REPLICA = (Begin, Round, IndexRound, IdleRound, CheckpointRequest, RestorePointRequest,
-               Finish, Stop)
 
 
 # -- from a replica ----------------------------------------------------------------------------
@@ -196,4 +196,8 @@ class Failed:
     """The exception's type name, e.g. ``"NonFiniteLossError"``."""
 
 
-Reply = Ready | StepDone | CheckpointReply | RestorePoint | Finished | Failed
+Answer = StepDone | CheckpointReply | RestorePoint | Finished
+"""What a replica answers to a message; ``Pool.recv`` returns these (restore points only to
+the pool that asked for them: ``training.recovery``)."""
+Reply = Ready | Answer | Failed
+"""Everything a worker process puts on the result queue."""

@@ -8,20 +8,9 @@ from typing import Protocol
 
 import torch
 
-from paraloom.training.messages import (
-    Begin,
-    CheckpointReply,
-    Finished,
-    RestorePoint,
-    StepDone,
-    ToReplica,
-)
+from paraloom.training.messages import Answer, Begin, ToReplica
 
-__all__ = ["Pool", "PoolReply", "device_plan"]
-
-PoolReply = StepDone | CheckpointReply | RestorePoint | Finished
-"""What ``Pool.recv`` returns: a failure is raised as ``WorkerError`` instead. Restore points
-go only to the pool that asked for them (``training.recovery``)."""
+__all__ = ["Pool", "device_plan"]
 
 
 class Pool(Protocol):
@@ -51,9 +40,9 @@ class Pool(Protocol):
         """Queue a message for one worker; waits (watching the workers) while it is busy."""
         ...
 
-    def recv(self, timeout_s: float | None = None) -> PoolReply | None:
-        """The next reply, or None after ``timeout_s`` (0: only what is already there);
-        raises ``WorkerError`` when a worker failed."""
+    def recv(self, timeout_s: float | None = None) -> Answer | None:
+        """The next answer, or None after ``timeout_s`` (0: only what is already there);
+        raises ``WorkerError`` when a worker failed (its ``Failed`` reply)."""
         ...
 
     def close(self, timeout_s: float = 10.0) -> None:

@@ -21,13 +21,14 @@ import torch.multiprocessing as mp  # registers the shared-memory tensor reducti
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
 from paraloom.training.messages import (
+    Answer,
     Begin,
     CheckpointReply,
     CheckpointRequest,
     Failed,
     Finish,
     Finished,
-    Packed,
+    Pickled,
     Ready,
     Reply,
     RestorePoint,
@@ -38,7 +39,7 @@ from paraloom.training.messages import (
     Stop,
     ToReplica,
 )
-from paraloom.training.pool import PoolReply, device_plan
+from paraloom.training.pool import device_plan
 from paraloom.training.transport import dumps
 from paraloom.training.worker import WorkerConfig, worker_main
 
@@ -85,7 +86,7 @@ class ProcessPool:
         # One heartbeat slot per worker (0.0 until its first beat), written by its own thread.
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
         self._results: Queue[Reply] = ctx.Queue()
-        self._tasks: list[Queue[ToReplica | Packed]] = [
+        self._tasks: list[Queue[ToReplica | Pickled]] = [
             ctx.Queue(maxsize=max(1, queue_size)) for _ in range(workers)]
         # The parent hosts the rendezvous store on a port the OS picks (never a guessed port).
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -102,7 +103,7 @@ class ProcessPool:
                                       self._beats))
                 p.start()
                 self._procs.append(p)
-        self._pending: collections.deque[PoolReply] = collections.deque()
+        self._pending: collections.deque[Answer] = collections.deque()
         # Progress watchdog: work sent to a worker and not yet answered, and since when.
         self._outstanding = [0] * workers
         self._since = [time.monotonic()] * workers
@@ -145,14 +146,15 @@ class ProcessPool:
 
     def send(self, rank: int, message: ToReplica) -> None:
         """Queue a message for one worker; waits (checking liveness) while its queue is full."""
-        # A batch may hold classes defined in the user's script: they travel by value.
-        self._put(rank, _pack(message) if isinstance(message, Round) else message)
+        # A batch or a dataset may hold classes defined in the user's script: they travel by
+        # value.
+        self._put(rank, _pack(message) if isinstance(message, Round | Begin) else message)
         if isinstance(message, RoundMessage | CheckpointRequest | RestorePointRequest | Finish):
             if self._outstanding[rank] == 0:
                 self._since[rank] = time.monotonic()
             self._outstanding[rank] += 1
 
-    def _put(self, rank: int, message: ToReplica | Packed) -> None:
+    def _put(self, rank: int, message: ToReplica | Pickled) -> None:
         while True:
             try:
                 self._tasks[rank].put(message, timeout=_POLL_S)
@@ -161,7 +163,7 @@ class ProcessPool:
                 self._check_alive()
                 self._absorb_replies()  # waiting replies count as progress (and may raise)
 
-    def recv(self, timeout_s: float | None = None) -> PoolReply | None:
+    def recv(self, timeout_s: float | None = None) -> Answer | None:
         """The next reply from any worker, or None after ``timeout_s``; raises WorkerError."""
         if self._pending:
             return self._pending.popleft()
@@ -174,7 +176,7 @@ class ProcessPool:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def _get(self, timeout_s: float, starting: bool = False) -> PoolReply | Ready | None:
+    def _get(self, timeout_s: float, starting: bool = False) -> Answer | Ready | None:
         try:
             reply = self._results.get(timeout=timeout_s) if timeout_s > 0 else \
                 self._results.get_nowait()
@@ -314,12 +316,18 @@ class ProcessPool:
             q.close()
 
 
-def _pack(message: ToReplica) -> Packed:
+def _pack(message: Begin | Round) -> Pickled:
     try:
-        return Packed(dumps(message))
+        if isinstance(message, Round):
+            return Pickled(dumps(message), message.round_id)
+        return Pickled(dumps(message))
     except Exception as e:
-        what = "dataset" if isinstance(message, Begin) and _unpicklable(message.dataset) \
-            else type(message).__name__
+        if isinstance(message, Round):
+            what = f"batch of round {message.round_id}"
+        elif _unpicklable(message.dataset):
+            what = "dataset"
+        else:
+            what = "model or optimizer state"
         raise NotPicklableError(f"the {what} cannot be sent to the workers: "
                                 f"{type(e).__name__}: {e}") from e
 

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from paraloom.errors import WorkerError
 from paraloom.training.messages import (
+    Answer,
     Begin,
     CheckpointReply,
     Finished,
@@ -36,7 +37,7 @@ from paraloom.training.messages import (
     StepDone,
     ToReplica,
 )
-from paraloom.training.pool import Pool, PoolReply
+from paraloom.training.pool import Pool
 
 __all__ = ["RecoveringPool", "Recovery"]
 
@@ -114,7 +115,7 @@ class RecoveringPool:
         if rank == self.workers - 1 and isinstance(message, Round | IndexRound | IdleRound):
             self._maybe_request(message.round_id)
 
-    def recv(self, timeout_s: float | None = None) -> PoolReply | None:
+    def recv(self, timeout_s: float | None = None) -> Answer | None:
         while True:
             reply = self._guarded(lambda: self._pool.recv(timeout_s))
             if reply is None:

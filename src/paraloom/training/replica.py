@@ -110,7 +110,8 @@ class Replica:
             raise NonFiniteLossError(
                 f"the loss is {value} on a batch of {describe(batch)}: lower the learning rate, "
                 "check the data for NaN/inf, or clip gradients")
-        torch.autograd.backward(self.scaler.scale(loss) if self.scaler else loss)
+        scaled = self.scaler.scale(loss) if self.scaler else loss
+        scaled.backward()  # type: ignore[no-untyped-call]
         ctx.skip_optimizer_step = False
         self.sync.after_backward(ctx)
         if self.scaler is not None:

@@ -21,6 +21,7 @@ from paraloom.errors import NotPicklableError
 from paraloom.forward import LossFn
 from paraloom.sync.base import Synchronizer
 from paraloom.training.messages import (
+    Answer,
     Begin,
     CheckpointReply,
     CheckpointRequest,
@@ -30,7 +31,6 @@ from paraloom.training.messages import (
     IndexRound,
     ModelState,
     ReplicaResult,
-    Reply,
     RestorePoint,
     RestorePointRequest,
     Round,
@@ -97,7 +97,7 @@ class ReplicaRunner:
         self.dataset: IndexedDataset | None = None
         self.steps = 0
 
-    def handle(self, message: ToReplica) -> Reply | None:
+    def handle(self, message: ToReplica) -> Answer | None:
         """Act on one message; returns the reply to send back, if it has one."""
         match message:
             case Round() | IndexRound() | IdleRound():
@@ -112,9 +112,12 @@ class ReplicaRunner:
                 return RestorePoint(self.rank, message.round_id, state,
                                     time.perf_counter() - started)
             case Finish():
-                return Finished(self.rank, self.finish(send_state=self.rank == 0))
+                return Finished(self.rank, self.finish(with_state=self.rank == 0))
             case Stop():
                 pass
+            case _:
+                raise TypeError(f"a replica got a {type(message).__name__}; expected one of "
+                                f"{ToReplica}")
         return None
 
     def begin(self, message: Begin) -> None:
@@ -145,11 +148,11 @@ class ReplicaRunner:
     def _synchronized(self) -> bool:
         return self.replica.sync.synchronized()
 
-    def finish(self, send_state: bool) -> ReplicaResult:
-        """End of fit(): final synchronization; with ``send_state``, the parameters and
-        optimizer state too."""
+    def finish(self, with_state: bool) -> ReplicaResult:
+        """End of fit(): final synchronization; ``with_state`` adds the parameters and
+        optimizer state to the result."""
         self.replica.finish()
-        if not send_state:
+        if not with_state:
             return ReplicaResult(self.replica.sync.stats(), self.steps)
         return ReplicaResult(self.replica.sync.stats(), self.steps, *self.final_state())
 

@@ -24,12 +24,10 @@ import torch.distributed as dist
 from paraloom.training.messages import (
     Failed,
     Finish,
-    IdleRound,
-    IndexRound,
-    Packed,
+    Pickled,
     Ready,
     Reply,
-    Round,
+    RoundMessage,
     Stop,
     ToReplica,
 )
@@ -55,16 +53,14 @@ class WorkerConfig:
     parent_pid: int
 
 
-def _next_message(tasks: Queue[ToReplica | Packed], parent_pid: int) -> ToReplica:
+def _next_message(tasks: Queue[ToReplica | Pickled], parent_pid: int) -> ToReplica | Pickled:
     """Wait for the next message; exit if the parent process has gone."""
     while True:
         try:
-            message = tasks.get(timeout=_POLL_S)
+            return tasks.get(timeout=_POLL_S)
         except queue.Empty:
             if os.getppid() != parent_pid:
                 raise SystemExit("paraloom worker: parent process exited") from None
-            continue
-        return message.unpack() if isinstance(message, Packed) else message
 
 
 def _start_heartbeat(beats: MutableSequence[float], rank: int) -> None:
@@ -86,7 +82,7 @@ def _init_group(cfg: WorkerConfig) -> dist.ProcessGroup | None:
     return dist.group.WORLD
 
 
-def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | Packed],
+def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | Pickled],
                 results: Queue[Reply], beats: MutableSequence[float]) -> None:
     """Entry point of a worker process."""
     round_id = None
@@ -101,7 +97,12 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
                                device=cfg.device, group=group)
         results.put(Ready(cfg.rank))
         while not isinstance(message := _next_message(tasks, cfg.parent_pid), Stop):
-            if isinstance(message, Round | IndexRound | IdleRound):
+            if isinstance(message, Pickled):
+                # The round is known before unpickling, so a batch that fails to load is
+                # reported on its own round.
+                round_id = round_id if message.round_id is None else message.round_id
+                message = message.unpack()
+            if isinstance(message, RoundMessage):
                 round_id = message.round_id
             elif isinstance(message, Finish):
                 round_id = None

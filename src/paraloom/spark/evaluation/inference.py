@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from paraloom.evaluation import Evaluation
-from paraloom.forward import forward
+from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.spark.data import Features, Pair, partition_arrays, to_array
 from paraloom.spark.evaluation.metrics import MetricState, RegressionEvaluation, merge_evaluations
 from paraloom.spark.runtime import cached, pack, task_threads, unpack
@@ -44,7 +44,6 @@ __all__ = ["Shipment", "ship", "shipped_model", "evaluate_rdd", "predict_rdd",
 
 T = TypeVar("T")
 S = TypeVar("S", bound=MetricState)
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _Scorer = Callable[[Iterator[pd.Series]], Iterator[pd.Series]]
 _ColumnsScorer = Callable[[Iterator[Tuple[pd.Series, ...]]], Iterator[pd.Series]]  # noqa: UP006
 
@@ -110,7 +109,8 @@ def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: 
         with torch.no_grad():
             out = forward(model, shipment.features.features(x))
             targets = shipment.features.labels(y)
-            loss = float(loss_fn(out, targets)) * len(targets) if loss_fn is not None else 0.0
+            loss = float(compute_loss(loss_fn, out, targets)) * len(targets) \
+                if loss_fn is not None else 0.0
         if state is None:
             state = new_state(out)
         state.update(out, targets, loss)

@@ -105,6 +105,9 @@ class TimedSynchronizer(Synchronizer):
     def idle_step(self, ctx: StepContext) -> None:
         self._timed_hook(self.inner.idle_step, ctx)
 
+    def synchronized(self) -> bool:
+        return self.inner.synchronized()
+
     def _timed_hook(self, hook: Callable[[StepContext], None], ctx: StepContext) -> None:
         start = time.perf_counter()
         try:

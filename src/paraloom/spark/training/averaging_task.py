@@ -123,7 +123,7 @@ def _train(runner: ReplicaRunner, x: np.ndarray, y: np.ndarray, batches: list[np
 
 
 def _record(runner: ReplicaRunner, n: int, loss_sum: float, cfg: RoundConfig) -> dict[str, Any]:
-    runner.finish(send_state=False)
+    runner.finish(with_state=False)
     state, optimizer_state = runner.final_state()
     model, layout = flatten(state)
     record: dict[str, Any] = {"n": n, "loss_sum": loss_sum, "model": model, "layout": layout,

@@ -22,8 +22,8 @@ import traceback
 
 import torch.distributed as dist
 
-from paraloom.spark.training.rendezvous import is_symptom
 from paraloom.spark.training.task import Record, failure
+from paraloom.training.failures import is_symptom
 
 __all__ = ["ErrorBoard", "leave_group", "settle"]
 

@@ -22,21 +22,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["BarrierContext", "Rendezvous", "task_host", "local_rank", "choose_device",
-           "backend_for", "bounded_call", "meet", "connect", "init_group", "SYMPTOMS", "is_symptom"]
+           "backend_for", "bounded_call", "meet", "connect", "init_group"]
 
 T = TypeVar("T")
-
-# Errors that follow from a peer's failure rather than cause one: report the cause instead.
-SYMPTOMS = ("Connection closed by peer", "Connection reset", "Broken pipe", "timed out",
-            "Timeout", "ECONNREFUSED", "Connection refused", "by peer", "NCCL communicator",
-            "a peer failed", "Read error", "Write error", "DistBackendError", "DistNetworkError",
-            "DistStoreError")
-
-
-def is_symptom(message: str) -> bool:
-    """True when an error message reads like the consequence of another rank's failure."""
-    return any(s.lower() in message.lower() for s in SYMPTOMS)
-
 
 class _TaskInfo(Protocol):
     """A ``BarrierTaskInfo``: where one barrier task runs."""

@@ -243,7 +243,8 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Re
         losses, samples = _loop(p, cfg, rank, rec, rounds, position)
         loop_s = time.perf_counter() - t
         begin, t = rec.now(), time.perf_counter()
-        p.runner.finish(send_state=False)
+        p.runner.finish(with_state=False)
+        state = pack(*p.runner.final_state()) if rank == 0 else b""
         rec.event("finish", begin, time.perf_counter() - t)
     info: dict[str, Any] = {
         "rank": rank, "rounds_per_epoch": rounds, "steps": p.runner.steps, "samples": samples,
@@ -253,7 +254,6 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Re
         "resumed_from_step": position[2] if resume is not None else None}
     if cfg.collect_stats:
         info["stats"] = rec.to_dict()
-    state = pack(*p.runner.final_state()) if rank == 0 else b""
     return ok(rank, info, state)
 
 

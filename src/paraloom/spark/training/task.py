@@ -14,7 +14,7 @@ import torch
 
 from paraloom.spark.data import Features, join_chunks
 from paraloom.spark.stats import PhaseRecorder, TimedSynchronizer
-from paraloom.spark.training.rendezvous import is_symptom
+from paraloom.training.failures import is_symptom
 from paraloom.training.runner import ReplicaRunner, WorkerSpec
 from paraloom.training.runner import pickle_spec as pickle_for_workers
 

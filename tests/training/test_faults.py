@@ -152,12 +152,16 @@ def test_step_timeout_names_a_hung_worker():
     from training_helpers import stuck_on_rank_one
 
     model = nn.Linear(4, 1)
+    # Averaging rarely: rank 0 keeps training, so only rank 1 is silent (in allreduce mode
+    # rank 0 would wait for it inside the collective, and both would be silent).
     wrapper = ParallelWrapper(model, step_fn=stuck_on_rank_one,
                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2,
-                              training_mode="allreduce", progress=False, step_timeout=2.0)
-    batches = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(4)]
+                              averaging_frequency=1000, progress=False, step_timeout=2.0)
+    batches = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(40)]
+    started = time.monotonic()
     with pytest.raises(WorkerError, match=r"worker 1 has answered nothing .*step_timeout"):
         wrapper.fit(batches)
+    assert time.monotonic() - started < 20
 
 
 @pytest.mark.parametrize("bad", [{"heartbeat_timeout": 0}, {"step_timeout": -1.0},

@@ -34,6 +34,7 @@ from paraloom.training.messages import (
     RestorePoint,
     RestorePointRequest,
     Round,
+    RoundMessage,
     StepDone,
     ToReplica,
 )
@@ -107,11 +108,11 @@ class RecoveringPool:
         self._pending = None
         self._delivered = set()
         self._last_request = time.monotonic()
-        self._guarded(lambda: self._pool.begin(self._begins))
+        self._sent(lambda: self._pool.begin(self._begins))
 
     def send(self, rank: int, message: ToReplica) -> None:
         self._log.append((rank, message))
-        self._guarded(lambda: self._pool.send(rank, message))
+        self._sent(lambda: self._pool.send(rank, message))
         if rank == self.workers - 1 and isinstance(message, Round | IndexRound | IdleRound):
             self._maybe_request(message.round_id)
 
@@ -145,7 +146,7 @@ class RecoveringPool:
             return
         self._last_request = time.monotonic()
         self._pending = _Restore(round_id, [None] * self.workers, len(self._log))
-        self._guarded(lambda: self._request_all(RestorePointRequest(round_id)))
+        self._sent(lambda: self._request_all(RestorePointRequest(round_id)))
 
     def _request_all(self, request: RestorePointRequest) -> None:
         for rank in range(self.workers):
@@ -166,11 +167,19 @@ class RecoveringPool:
 
     # -- failures -----------------------------------------------------------------------------
     def _guarded(self, call: Callable[[], _T]) -> _T:
+        """``call()``; after a failure, recover and call it again (on the new workers)."""
         while True:
             try:
                 return call()
             except WorkerError as e:
                 self._recover(e)
+
+    def _sent(self, send: Callable[[], None]) -> None:
+        """``send()``; after a failure, recover: what it sent is in the log, replayed then."""
+        try:
+            send()
+        except WorkerError as e:
+            self._recover(e)
 
     def _recover(self, error: WorkerError) -> None:
         """Start new workers from the restore point and send them every message since."""
@@ -182,16 +191,17 @@ class RecoveringPool:
             log.warning("paraloom: %s; recovering (failure %d of at most %d)", error,
                         self.failures, self.max_failures)
             self._pool.kill()
+            rounds = {m.round_id for _, m in self._log if isinstance(m, RoundMessage)}
+            again = None
             try:
                 self._restart()
             except WorkerError as e:  # the new workers failed too: that is another failure
-                error = e
-                continue
-            rounds = {m.round_id for _, m in self._log if isinstance(m, Round | IndexRound |
-                                                                     IdleRound)}
+                again = e
             self._on_recovery(Recovery(error.worker, error, time.monotonic() - started,
                                        len(rounds)))
-            return
+            if again is None:
+                return
+            error = again
 
     def _restart(self) -> None:
         self._pending = None

@@ -32,6 +32,19 @@ def make_model(seed: int = 0, batchnorm: bool = False, dtype: torch.dtype = torc
     return nn.Sequential(*layers).to(dtype)
 
 
+def powersgd_elements(model: nn.Module, rank: int, min_compression_rate: float = 2) -> int:
+    """Elements PowerSGD all-reduces per step after its warm-up: r(n + m) for a gradient viewed
+    as an n x m matrix (first dimension by the rest), r = min(n, m, rank), where that is at least
+    ``min_compression_rate`` times less than n * m; the whole tensor otherwise (vectors)."""
+    total = 0
+    for p in model.parameters():
+        n = p.shape[0]
+        m = p.numel() // n
+        r = min(n, m, rank)
+        total += (n + m) * r if (n + m) * r * min_compression_rate < n * m else p.numel()
+    return total
+
+
 def batch(rank: int, step: int, dtype: torch.dtype = torch.float32,
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank- and step-dependent data, reproducible in any process."""
@@ -58,19 +71,23 @@ def train(rank: int, world_size: int, sync: Synchronizer, steps: int, *,
           idle: dict[int, list[int]] | None = None, lr: float = 0.1, momentum: float = 0.9,
           batchnorm: bool = False, dtype: torch.dtype = torch.float32,
           on_update: Callable[[nn.Module, list[torch.Tensor]], None] | None = None,
-          seed: int | None = None) -> dict[str, Any]:
-    """Run ``steps`` rounds; ``idle[step]`` lists the ranks without a batch in that round."""
+          seed: int | None = None, model: nn.Module | None = None) -> dict[str, Any]:
+    """Run ``steps`` rounds; ``idle[step]`` lists the ranks without a batch in that round.
+
+    ``model`` replaces ``make_model``'s (it must map IN features to CLASSES logits)."""
     # Different initial weights per rank unless asked: setup() must make them equal.
-    model = make_model(seed if seed is not None else rank, batchnorm, dtype)
+    if model is None:
+        model = make_model(seed if seed is not None else rank, batchnorm, dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     ctx = StepContext(model=model, optimizer=optimizer, group=dist.group.WORLD, rank=rank,
                       world_size=world_size)
     sync.setup(ctx)
     forward = sync.wrap_model(model, ctx)
     initial = flat(model)
-    digests, local = [], []
+    digests, local, sent = [], [], []
     for step in range(steps):
         ctx.step = step
+        before_bytes = sync.bytes_sent
         if rank in (idle or {}).get(step, []):
             sync.idle_step(ctx)
             local.append(None)
@@ -88,9 +105,10 @@ def train(rank: int, world_size: int, sync: Synchronizer, steps: int, *,
                 on_update(model, before)
             sync.after_step(ctx)
         digests.append(digest(model, buffers=False))
+        sent.append(sync.bytes_sent - before_bytes)
     sync.finish(ctx)
     return {"digests": digests, "local": local, "final": digest(model), "initial": initial,
-            "params": flat(model), "stats": sync.stats()}
+            "params": flat(model), "stats": sync.stats(), "bytes_per_step": sent}
 
 
 def reference_sgd(world_size: int, steps: int, idle: dict[int, list[int]] | None = None, *,

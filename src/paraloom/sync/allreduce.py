@@ -10,6 +10,12 @@ through the same DDP wrapper (no user forward, no batch needed): DDP all-reduces
 gradients for this replica, every replica receives ``sum(active gradients) / world_size``
 (what DDP's own ``join()`` gives by default), and the idle replica calls ``optimizer.step()``
 itself so that its parameters and optimizer state follow the others.
+
+``comm_hook=`` registers one of PyTorch's DDP communication hooks (``paraloom.sync.comm_hooks``):
+``"fp16"`` / ``"bf16"`` all-reduce each bucket in half precision, ``"powersgd"`` all-reduces
+low-rank factors of the gradient matrices after a warm-up of plain all-reduce. Every rank still
+receives the same averaged gradients, so the replicas stay bit-identical; an idle replica's zero
+backward goes through the same hook (for PowerSGD its error feedback goes in with the zeros).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+from paraloom.sync.comm_hooks import PowerSGD, cast_hook, resolve_comm_hook
 
 __all__ = ["AllReduce"]
 
@@ -56,26 +63,41 @@ def _optimizer_step(ctx: StepContext) -> None:
 
 
 class AllReduce(Synchronizer):
-    """Average gradients every step with PyTorch DDP; keyword options go to DDP unchanged.
+    """Average gradients every step with PyTorch DDP; other keyword options go to DDP unchanged.
 
     For example ``AllReduce(bucket_cap_mb=10, gradient_as_bucket_view=True)``. Bytes are
     counted from what DDP all-reduces: every trainable parameter's gradient once per step
     (``2(n-1)/n`` of it on a ring), plus rank 0's buffers when DDP broadcasts them.
+
+    ``comm_hook``: None (plain DDP), ``"fp16"`` or ``"bf16"`` (torch's compress hooks: 2 bytes
+    per gradient element), or ``"powersgd"`` (torch's PowerSGD hook) with ``powersgd_rank``
+    (default 1, torch's), ``powersgd_warmup`` (steps of plain all-reduce first, torch's
+    ``start_powerSGD_iter``, default 1000) and ``comm_hook_options`` (other ``PowerSGDState``
+    keywords, e.g. ``{"min_compression_rate": 2, "orthogonalization_epsilon": 1e-8}``). With a
+    hook, bytes are counted per bucket from what the hook all-reduces.
     """
 
     name = "allreduce"
 
-    def __init__(self, **ddp_options: Any) -> None:
+    def __init__(self, *, comm_hook: str | None = None, powersgd_rank: int | None = None,
+                 powersgd_warmup: int | None = None,
+                 comm_hook_options: dict[str, Any] | None = None, **ddp_options: Any) -> None:
         super().__init__()
         unknown = sorted(set(ddp_options) - _DDP_OPTIONS)
         if unknown:
             raise TypeError(f"AllReduce got unknown DDP option(s) {unknown}; expected keyword "
                             f"arguments of DistributedDataParallel: {sorted(_DDP_OPTIONS)} "
-                            f"(module, devices and process group are set by paraloom)")
+                            f"(module, devices and process group are set by paraloom), or "
+                            f"comm_hook, powersgd_rank, powersgd_warmup, comm_hook_options")
+        self.comm_hook, self._powersgd_options = resolve_comm_hook(
+            comm_hook, powersgd_rank, powersgd_warmup, comm_hook_options)
+        self.comm_hook_options = dict(comm_hook_options or {})
         self.ddp_options = dict(ddp_options)
         self.setup_bytes_sent = 0
         self._ddp: DistributedDataParallel | None = None
         self._joinable: _Joinable | None = None
+        self._powersgd: PowerSGD | None = None
+        self._powersgd_resume: dict[str, Any] | None = None
         self._step_bytes = 0
 
     def wrap_model(self, model: nn.Module, ctx: StepContext) -> nn.Module:
@@ -84,6 +106,11 @@ class AllReduce(Synchronizer):
         if self._ddp is not None and self._joinable is not None \
                 and self._joinable.module is model:
             return self._ddp  # one DDP per model: a second one would all-reduce twice
+        if self.comm_hook == "powersgd" and ctx.scaler is not None:
+            raise ValueError("comm_hook='powersgd' with precision='16-mixed': loss-scaled "
+                             "gradients that overflow would leave inf in PowerSGD's error "
+                             "feedback for good; use precision='bf16-mixed' or '32-true', or "
+                             "comm_hook='fp16'")
         self._ddp = self._joinable = None  # drop the old reducer's autograd hooks first
         self._joinable = _Joinable(model)
         device_ids = None
@@ -94,7 +121,11 @@ class AllReduce(Synchronizer):
                                             process_group=ctx.group, **self.ddp_options)
         grads = [p for p in model.parameters() if p.requires_grad]
         state = list(model.parameters()) + list(model.buffers())
-        self._step_bytes = sum(self.collective_bytes(p, ctx.world_size) for p in grads)
+        if self.comm_hook is None:
+            self._step_bytes = sum(self.collective_bytes(p, ctx.world_size) for p in grads)
+        else:  # the hook counts what it all-reduces
+            self._step_bytes = 0
+            self._register_hook(self._ddp, model, ctx)
         if ctx.rank == 0:  # DDP broadcast rank 0's state at construction, buffers every forward
             self.setup_bytes_sent += sum(self.collective_bytes(t, ctx.world_size, "broadcast")
                                          for t in state)
@@ -102,6 +133,26 @@ class AllReduce(Synchronizer):
                 self._step_bytes += sum(self.collective_bytes(b, ctx.world_size, "broadcast")
                                         for b in model.buffers())
         return self._ddp
+
+    def _register_hook(self, ddp: DistributedDataParallel, model: nn.Module,
+                       ctx: StepContext) -> None:
+        group = ctx.group if ctx.group is not None else dist.group.WORLD
+        assert group is not None  # is_distributed: the default group exists
+        world_size = ctx.world_size
+
+        def count(numel: int, itemsize: int) -> None:
+            self.bytes_sent += self.collective_nbytes(numel * itemsize, world_size)
+
+        self._powersgd = None
+        if self.comm_hook != "powersgd":
+            assert self.comm_hook is not None
+            ddp.register_comm_hook(group, cast_hook(self.comm_hook, count))
+            return
+        self._powersgd = PowerSGD(self._powersgd_options, group, list(model.parameters()), count)
+        if self._powersgd_resume is not None:
+            self._powersgd.load_state_dict(self._powersgd_resume)
+            self._powersgd_resume = None
+        ddp.register_comm_hook(self._powersgd.state, self._powersgd.hook)
 
     def after_step(self, ctx: StepContext) -> None:
         self.sync_steps += 1
@@ -143,10 +194,37 @@ class AllReduce(Synchronizer):
 
     def config(self) -> dict[str, Any]:
         plain = (bool, int, float, str, type(None))
-        return {"ddp_options": {k: v if isinstance(v, plain) else repr(v)
-                                for k, v in sorted(self.ddp_options.items())}}
+        out: dict[str, Any] = {"ddp_options": {k: v if isinstance(v, plain) else repr(v)
+                                               for k, v in sorted(self.ddp_options.items())}}
+        if self.comm_hook is not None:  # absent without a hook: older checkpoints still match
+            out["comm_hook"] = self.comm_hook
+        if self.comm_hook == "powersgd":
+            out["powersgd_rank"] = self._powersgd_options["matrix_approximation_rank"]
+            out["powersgd_warmup"] = self._powersgd_options["start_powerSGD_iter"]
+            out["comm_hook_options"] = dict(sorted(self.comm_hook_options.items()))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """With PowerSGD, also its state: iteration, RNG, error feedback and Q per parameter."""
+        out = super().state_dict()
+        saved = self._powersgd.state_dict() if self._powersgd is not None \
+            else self._powersgd_resume
+        if saved is not None:
+            out["powersgd"] = saved
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        saved = state.get("powersgd")
+        if saved is None or self.comm_hook != "powersgd":
+            return
+        if self._powersgd is not None:  # this replica's DDP is kept: restore into its hook
+            self._powersgd.load_state_dict(saved)
+        else:  # wrap_model, which comes next, builds the hook
+            self._powersgd_resume = saved
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_ddp"] = state["_joinable"] = None  # a live DDP does not travel between processes
+        # A live DDP (and a hook's state, which holds the process group) stays in its process.
+        state["_ddp"] = state["_joinable"] = state["_powersgd"] = None
         return state

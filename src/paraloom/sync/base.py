@@ -125,7 +125,12 @@ class Synchronizer:
         allgather: the tensor once to each of the n-1 peers' shares, i.e. (n-1)/n * n = n-1
         times the per-rank chunk for allgather, and the whole tensor for a broadcast root.
         """
-        nbytes = tensor.numel() * tensor.element_size()
+        return Synchronizer.collective_nbytes(tensor.numel() * tensor.element_size(), world_size,
+                                              kind)
+
+    @staticmethod
+    def collective_nbytes(nbytes: int, world_size: int, kind: str = "allreduce") -> int:
+        """``collective_bytes`` for a tensor of ``nbytes`` bytes (one that is not at hand)."""
         if world_size <= 1:
             return 0
         if kind == "allreduce":

@@ -19,6 +19,7 @@ _BENCHES = {
     "inference": "paraloom.bench.inference",
     "serving": "paraloom.bench.serving",
     "spark": "paraloom.bench.spark",
+    "faults": "paraloom.bench.faults",
 }
 
 

@@ -312,3 +312,17 @@ def test_stats_page_from_synthetic_rounds(tmp_path):
     assert "script" not in page.tags and page.urls == [] and "http" not in text
     assert json.loads((stats.export_json(tmp_path / "s.json")).read_text())["phase_totals"][
         "0"]["compute"] == pytest.approx(n * 0.001)
+
+
+def test_a_cluster_master_with_local_checkpoints_is_warned_about_once():
+    import warnings
+
+    from paraloom.spark import SharedTrainingMaster
+
+    master = SharedTrainingMaster(batch_size_per_worker=8, workers=2)
+    with pytest.warns(UserWarning, match="checkpoint_dir is not set.*spark://host:7077"):
+        master._local_checkpoint_dir("spark://host:7077")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        master._local_checkpoint_dir("spark://host:7077")  # once is enough
+        SharedTrainingMaster(batch_size_per_worker=8, workers=2)._local_checkpoint_dir("local[2]")

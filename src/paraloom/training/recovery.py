@@ -55,6 +55,8 @@ class Recovery:
 
     rank: int | None
     error: WorkerError
+    detected_at: float
+    """``time.monotonic()`` when the failure was detected (the clock is shared by processes)."""
     restart_seconds: float
     """From the failure's detection until the new workers had every message again."""
     replayed_rounds: int
@@ -197,8 +199,8 @@ class RecoveringPool:
                 self._restart()
             except WorkerError as e:  # the new workers failed too: that is another failure
                 again = e
-            self._on_recovery(Recovery(error.worker, error, time.monotonic() - started,
-                                       len(rounds)))
+            self._on_recovery(Recovery(error.worker, error, started,
+                                       time.monotonic() - started, len(rounds)))
             if again is None:
                 return
             error = again

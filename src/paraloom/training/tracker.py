@@ -45,6 +45,7 @@ class RoundTracker:
         self.epoch_losses: list[float] = []
         self.current_epoch: int | None = None
         self.failures = 0
+        self.restart_seconds = 0.0
         self.bar = tqdm(total=total_batches, unit="batch", disable=not progress,
                         dynamic_ncols=True, desc="paraloom")
 
@@ -109,13 +110,15 @@ class RoundTracker:
     def recovered(self, recovery: Recovery) -> None:
         """Say on the progress bar that a worker failed and training went on."""
         self.failures += 1
+        self.restart_seconds += recovery.restart_seconds
         self.bar.write(f"paraloom: worker {recovery.rank} failed and was replaced; "
                        f"{recovery.replayed_rounds} round(s) replayed ({recovery.error.args[0]})")
         self.bar.set_postfix(failures=self.failures, refresh=False)
 
     def seconds_lost(self, recovery: Recovery) -> float:
-        """The restart, plus the replayed rounds at this fit's mean round time."""
-        per_round = self.seconds / max(1, self.next_round)
+        """The restart, plus the replayed rounds at this fit's mean round time (restarts left
+        out)."""
+        per_round = max(0.0, self.seconds - self.restart_seconds) / max(1, self.next_round)
         return recovery.restart_seconds + recovery.replayed_rounds * per_round
 
     @property

@@ -173,6 +173,11 @@ class ParallelWrapper:
                 if self.max_failures else start()
         return self._pool
 
+    @property
+    def recoveries(self) -> list[Recovery]:
+        """The worker failures the last fit() survived (``max_failures=``), in order."""
+        return list(self._failures)
+
     def _recovered(self, recovery: Recovery) -> None:
         """A worker failed and the pool recovered: tell the listeners and the progress bar."""
         self._failures.append(recovery)

@@ -15,6 +15,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from enum import Enum
@@ -101,6 +102,7 @@ class SharedTrainingMaster(TrainingMaster):
         self.timeout = positive_seconds("timeout", timeout)
         self.rendezvous_timeout = positive_seconds("rendezvous_timeout", rendezvous_timeout)
         self.checkpoint_dir = checkpoint_dir
+        self._warned_local_checkpoints = False
         self.checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
         if backend not in (None, "gloo", "nccl", "mpi"):
             raise ValueError(f"backend={backend!r}; expected None (gloo on CPU, NCCL on GPU), "
@@ -117,7 +119,7 @@ class SharedTrainingMaster(TrainingMaster):
 
     def _config(self, job: FitJob, workers: int, epochs: int, seed: int,
                 collect_stats: bool) -> SharedConfig:
-        directory = self.checkpoint_dir or os.path.join(tempfile.gettempdir(), "paraloom-spark")
+        directory = self.checkpoint_dir or self._local_checkpoint_dir(job.sc.master or "local")
         return SharedConfig(
             fit_id=job.fit_id, world_size=workers, epochs=epochs,
             batch_size=self.batch_size_per_worker, seed=seed, origin=time.time(),
@@ -125,6 +127,18 @@ class SharedTrainingMaster(TrainingMaster):
             rendezvous_timeout_s=self.rendezvous_timeout, backend=self.backend,
             workers_per_node=self.workers_per_node, checkpoint_dir=directory,
             checkpoint_every=self.checkpoint_every, collect_stats=collect_stats)
+
+    def _local_checkpoint_dir(self, master_url: str) -> str:
+        """The default checkpoint_dir: this machine's temp folder; warns (once) when the
+        executors may run on other machines, where a re-run stage could not resume from it."""
+        if not master_url.startswith("local") and not self._warned_local_checkpoints:
+            self._warned_local_checkpoints = True
+            warnings.warn(
+                f"SharedTrainingMaster: checkpoint_dir is not set, so checkpoints go to each "
+                f"executor's temp folder, but the master is {master_url!r}: a barrier stage "
+                "that Spark re-runs resumes only if every executor can read the checkpoint. "
+                "Set checkpoint_dir= to shared storage (NFS, HDFS mounted, ...)", stacklevel=4)
+        return os.path.join(tempfile.gettempdir(), "paraloom-spark")
 
     def fit(self, job: FitJob, rows: RDD[Pair], *, epochs: int, seed: int,
             collect_stats: bool) -> FitResult:

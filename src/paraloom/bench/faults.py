@@ -1,0 +1,195 @@
+"""Fault tolerance: workers that fail at random moments of one long fit, against a clean run.
+
+LeNet on scikit-learn's digits, 2 workers. For each kind of failure (an exception in the model,
+a normal exit, SIGKILL, SIGSTOP) one fit runs with ``max_failures=N`` while rank 1 fails N times
+at random steps; a fault-free fit with the same seed and data order runs first. Reported per
+kind: hangs (a fit that does not end within its limit), detection time (from the failure to the
+parent noticing it: median, max), seconds lost per failure (wall time against the clean run),
+and the final test accuracy against the clean run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paraloom.bench.common import machine, plain_args, write_results
+from paraloom.datasets import digits
+from paraloom.evaluation import evaluate
+from paraloom.models import LeNet
+
+__all__ = ["add_arguments", "run", "Injector"]
+
+KINDS = ("raise", "exit", "kill", "stop")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--failures", type=int, default=20, help="injected failures per kind")
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: " + ", ".join(KINDS))
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--mode", default="allreduce")
+    p.add_argument("--heartbeat-timeout", type=float, default=2.0)
+    p.add_argument("--limit", type=float, default=900.0, help="seconds before a fit is a hang")
+    p.add_argument("--out", default="benchmarks/results/faults.json")
+
+
+class Injector(nn.Module):
+    """LeNet that, on rank 1, fails as ``kind`` says with probability ``p`` per training step,
+    ``budget`` times in all (counted in ``log``, shared by the replacement workers)."""
+
+    def __init__(self, kind: str, p: float, budget: int, log: str) -> None:
+        super().__init__()
+        self.net = LeNet(image_size=8)
+        self.kind, self.p, self.budget, self.log = kind, p, budget, log
+        self._rng: random.Random | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.budget and dist.is_initialized() and dist.get_rank() == 1:
+            self._rng = self._rng or random.Random(os.getpid())
+            if self._rng.random() < self.p and self._injected() < self.budget:
+                with open(self.log, "a") as f:
+                    f.write(f"{time.monotonic()}\n")
+                _fail(self.kind)
+        out: torch.Tensor = self.net(x)
+        return out
+
+    def _injected(self) -> int:
+        path = Path(self.log)
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _fail(kind: str) -> None:
+    if kind == "raise":
+        raise RuntimeError("injected failure")
+    if kind == "exit":
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+
+
+def _fit(args: argparse.Namespace, kind: str, log: Path) -> dict[str, Any]:
+    from paraloom import ParallelWrapper
+
+    torch.manual_seed(0)
+    train, test = digits("train"), digits("test")
+    steps = args.epochs * len(train) // args.batch_size // 2  # steps of rank 1
+    budget = args.failures if kind != "none" else 0
+    model = Injector(kind, p=min(0.5, 1.5 * budget / max(1, steps)), budget=budget, log=str(log))
+    wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.05,
+                                                        momentum=0.9),
+                              workers=2, training_mode=args.mode, progress=False,
+                              heartbeat_timeout=args.heartbeat_timeout, max_failures=budget)
+    hung = threading.Event()
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(args.limit):
+            hung.set()
+            for pid in wrapper.worker_pids:
+                os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    loader = DataLoader(train, batch_size=args.batch_size,
+                        generator=torch.Generator().manual_seed(0), shuffle=True)
+    started = time.monotonic()
+    error = None
+    try:
+        with wrapper:
+            stats = wrapper.fit(loader, epochs=args.epochs)
+    except Exception as e:  # reported, not raised: the table shows it
+        stats, error = {}, f"{type(e).__name__}: {e}"
+    finally:
+        done.set()
+    seconds = time.monotonic() - started
+    injected = [float(t) for t in log.read_text().split()] if log.exists() else []
+    detection = [f.detected_at - t for t, f in zip(injected, wrapper.recoveries, strict=False)]
+    return {"kind": kind, "seconds": seconds, "hung": hung.is_set(), "error": error,
+            "injected": len(injected), "recovered": stats.get("failures", 0),
+            "restart_s": [f.restart_seconds for f in wrapper.recoveries],
+            "replayed_rounds": [f.replayed_rounds for f in wrapper.recoveries],
+            "detection_s": detection, "seconds_lost_estimate": stats.get("seconds_lost", 0.0),
+            "accuracy": evaluate(model.net, DataLoader(test, batch_size=256)).accuracy
+            if error is None else None}
+
+
+def run(args: argparse.Namespace) -> int:
+    args = plain_args(args)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"--kinds: unknown {unknown}; expected some of {list(KINDS)}")
+    workdir = Path(args.out).with_suffix("")
+    workdir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(), "runs": []}
+    clean = _fit(args, "none", workdir / "none.log")
+    results["runs"].append(clean)
+    for kind in kinds:
+        log = workdir / f"{kind}.log"
+        log.unlink(missing_ok=True)
+        r = _fit(args, kind, log)
+        r["seconds_lost_per_failure"] = (r["seconds"] - clean["seconds"]) / max(1, r["injected"])
+        r["accuracy_vs_clean"] = None if r["accuracy"] is None else \
+            r["accuracy"] - clean["accuracy"]
+        results["runs"].append(r)
+    path = write_results(args.out, results)
+    _print(results, path)
+    _plot(results, Path(args.out).with_suffix(".png"))
+    return 0
+
+
+def _print(results: dict[str, Any], path: Path) -> None:
+    print(f"{'kind':<8}{'failures':>9}{'hangs':>6}{'detect med':>11}{'max':>7}"
+          f"{'lost/fail s':>12}{'accuracy':>9}{'vs clean':>9}")
+    for r in results["runs"]:
+        d = r["detection_s"]
+        med = f"{statistics.median(d):.2f}" if d else "-"
+        top = f"{max(d):.2f}" if d else "-"
+        lost = f"{r.get('seconds_lost_per_failure', 0.0):.2f}"
+        acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.4f}"
+        diff = r.get("accuracy_vs_clean")
+        print(f"{r['kind']:<8}{r['injected']:>9}{int(r['hung']):>6}{med:>11}{top:>7}{lost:>12}"
+              f"{acc:>9}{'' if diff is None else f'{diff:+.4f}':>9}")
+        if r["error"]:
+            print(f"  {r['kind']}: {r['error']}")
+    print(f"results written to {path}")
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'paraloom[bench]'): no plot")
+        return
+    runs = [r for r in results["runs"] if r["kind"] != "none"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.boxplot([r["detection_s"] or [0.0] for r in runs], tick_labels=[r["kind"] for r in runs])
+    left.set_ylabel("seconds from failure to detection")
+    left.set_title("detection time")
+    right.bar([r["kind"] for r in runs], [r["seconds_lost_per_failure"] for r in runs])
+    right.set_ylabel("seconds lost per failure")
+    right.set_title("cost of a recovery (restart + replay)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot written to {path}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

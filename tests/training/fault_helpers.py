@@ -52,3 +52,21 @@ def digits_loader(rows: int = 768, batch_size: int = 32) -> DataLoader:
     data = TensorDataset(torch.tensor(x[:rows] / 16.0, dtype=torch.float32).view(-1, 1, 8, 8),
                          torch.tensor(y[:rows]))
     return DataLoader(data, batch_size=batch_size)
+
+
+class FailWhenArmed(FailOnce):
+    """Like FailOnce, but counts only the calls made once the file ``armed`` exists: the test
+    arms it between two fits on the same workers."""
+
+    def __init__(self, marker: Path, armed: Path, how: str = "kill", at: int = 3) -> None:
+        super().__init__(marker, how, at)
+        self.armed = str(armed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and dist.is_initialized() and dist.get_rank() == self.rank \
+                and os.path.exists(self.armed) and not os.path.exists(str(self.marker)):
+            self.calls += 1
+            if self.calls == self.at:
+                Path(str(self.marker)).touch()
+                _fail(self.how)
+        return self.net(x)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from fault_helpers import HOWS, FailOnce, digits_loader
+from fault_helpers import HOWS, FailOnce, FailWhenArmed, digits_loader
 from torch import nn
 from training_helpers import pid_alive
 
@@ -192,3 +192,32 @@ def test_checkpoints_written_across_a_recovery_resume_exactly(tmp_path, referenc
     resumed = FailOnce()
     _train(resumed, "allreduce", resume_from=late)
     assert _same(resumed, references["allreduce"])
+
+
+def test_a_failure_early_in_a_second_fit_keeps_what_replicas_carried_over(tmp_path):
+    """Between fits the workers keep state that Begin does not send (the sharing residual and
+    threshold): a restart must restore it, not start it from zero."""
+    armed = tmp_path / "armed"
+
+    def two_fits(model: nn.Module) -> None:
+        torch.manual_seed(0)
+        wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
+                                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1,
+                                                            momentum=0.9),
+                                  workers=2, training_mode="shared_gradients", progress=False,
+                                  max_failures=1)
+        with wrapper:
+            wrapper.fit(digits_loader(rows=256), epochs=1)
+            armed.touch()
+            stats = wrapper.fit(digits_loader(rows=256), epochs=1)
+        armed.unlink()
+        return stats
+
+    torch.manual_seed(1)
+    reference = FailWhenArmed(tmp_path / "never", tmp_path / "not-armed")
+    two_fits(reference)
+    torch.manual_seed(1)
+    model = FailWhenArmed(tmp_path / "failed", armed, how="kill", at=3)
+    stats = two_fits(model)
+    assert (tmp_path / "failed").exists() and stats["failures"] == 1
+    assert _same(model, reference)

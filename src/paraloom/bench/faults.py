@@ -4,13 +4,14 @@ LeNet on scikit-learn's digits, 2 workers. For each kind of failure (an exceptio
 a normal exit, SIGKILL, SIGSTOP) one fit runs with ``max_failures=N`` while rank 1 fails N times
 at random steps; a fault-free fit with the same seed and data order runs first. Reported per
 kind: hangs (a fit that does not end within its limit), detection time (from the failure to the
-parent noticing it: median, max), seconds lost per failure (wall time against the clean run),
-and the final test accuracy against the clean run's.
+parent's recovery starting, diagnosis included: median, max), seconds lost per failure (wall
+time against the clean run), and the final test accuracy against the clean run's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -99,7 +100,8 @@ def _fit(args: argparse.Namespace, kind: str, log: Path) -> dict[str, Any]:
         if not done.wait(args.limit):
             hung.set()
             for pid in wrapper.worker_pids:
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     threading.Thread(target=watchdog, daemon=True).start()
     loader = DataLoader(train, batch_size=args.batch_size,
@@ -115,7 +117,10 @@ def _fit(args: argparse.Namespace, kind: str, log: Path) -> dict[str, Any]:
         done.set()
     seconds = time.monotonic() - started
     injected = [float(t) for t in log.read_text().split()] if log.exists() else []
-    detection = [f.detected_at - t for t, f in zip(injected, wrapper.recoveries, strict=False)]
+    # Each recovery against the last injection before it (a failure that was not injected
+    # would otherwise shift the pairs).
+    detection = [f.detected_at - max((t for t in injected if t <= f.detected_at), default=0.0)
+                 for f in wrapper.recoveries]
     return {"kind": kind, "seconds": seconds, "hung": hung.is_set(), "error": error,
             "injected": len(injected), "recovered": stats.get("failures", 0),
             "restart_s": [f.restart_seconds for f in wrapper.recoveries],

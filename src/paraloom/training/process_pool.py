@@ -9,6 +9,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, MutableSequence, Sequence
 from multiprocessing.process import BaseProcess
@@ -86,6 +87,7 @@ class ProcessPool:
         # One heartbeat slot per worker (0.0 until its first beat), written by its own thread.
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
         self._results: Queue[Reply] = ctx.Queue()
+        self._inbox = _Inbox(self._results)
         self._tasks: list[Queue[ToReplica | Pickled]] = [
             ctx.Queue(maxsize=max(1, queue_size)) for _ in range(workers)]
         # The parent hosts the rendezvous store on a port the OS picks (never a guessed port).
@@ -178,8 +180,7 @@ class ProcessPool:
 
     def _get(self, timeout_s: float, starting: bool = False) -> Answer | Ready | None:
         try:
-            reply = self._results.get(timeout=timeout_s) if timeout_s > 0 else \
-                self._results.get_nowait()
+            reply = self._inbox.get(timeout_s)
         except queue.Empty:
             self._check_alive(starting)
             if not starting:
@@ -239,12 +240,15 @@ class ProcessPool:
 
     def _check_alive(self, starting: bool = False) -> None:
         self._checked = time.monotonic()
+        self._check_exits(starting)
         self._check_heartbeats()
+
+    def _check_exits(self, starting: bool) -> None:
         for rank, p in enumerate(self._procs):
             if p.exitcode is not None:
                 # A worker that reported its error before exiting: prefer that report.
                 with contextlib.suppress(queue.Empty, OSError, EOFError):
-                    reply = self._results.get(timeout=0.5)
+                    reply = self._inbox.get(0.5)
                     if isinstance(reply, Failed):
                         raise self._error(reply, starting)
                 self.kill()
@@ -274,7 +278,7 @@ class ProcessPool:
         deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:
             try:
-                reply = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+                reply = self._inbox.get(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
             if isinstance(reply, Failed):
@@ -310,10 +314,49 @@ class ProcessPool:
                     os.kill(p.pid, signal.SIGKILL)
         for p in self._procs:
             p.join(timeout=5.0)
+        self._inbox.close()
         queues: list[Queue[Any]] = [*self._tasks, self._results]
         for q in queues:
             q.cancel_join_thread()
             q.close()
+
+
+class _Inbox:
+    """The replies, read off the result queue by a thread of their own.
+
+    Unpickling a reply fetches its tensors from the worker that sent it, and waits while that
+    worker is stopped; with the read on this thread, the parent keeps watching the workers and
+    kills a stopped one, which ends the wait.
+    """
+
+    def __init__(self, results: Queue[Reply]) -> None:
+        self._results = results
+        self._items: queue.Queue[Reply | Exception] = queue.Queue()
+        self._closed = threading.Event()
+        threading.Thread(target=self._read, name="paraloom-replies", daemon=True).start()
+
+    def _read(self) -> None:
+        while not self._closed.is_set():
+            try:
+                item: Reply | Exception = self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            except Exception as e:  # a closed queue, or tensors of a worker that died
+                if self._closed.is_set():
+                    return
+                item = e
+                time.sleep(0.01)
+            self._items.put(item)
+
+    def get(self, timeout_s: float) -> Reply:
+        """The next reply; raises queue.Empty after ``timeout_s``, or what reading it raised."""
+        item = self._items.get(timeout=timeout_s) if timeout_s > 0 else self._items.get_nowait()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._closed.set()
 
 
 def _pack(message: Begin | Round) -> Pickled:

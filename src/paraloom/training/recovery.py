@@ -1,12 +1,14 @@
 """RecoveringPool: a Pool that survives worker failures by restarting from a restore point.
 
-Every few seconds (at most ~2% of the time: see ``_interval``) it asks every replica for its
-full state right after a round has been dealt: a restore point. When a worker fails (killed,
-stopped, hung, raised, exited), it kills every worker, starts a fresh pool (new processes, a
-new process group on a new port), begins it from the restore point and sends again every
-message sent since. Replies already delivered are not delivered twice, so the caller sees each
-round once: no batch is lost, none is trained twice, and the result is the one an
-uninterrupted run with the same seed and data order would give.
+Right after each fit's ``Begin``, then every few seconds (at most ~2% of the time: see
+``_interval``) or every ``_MAX_LOGGED_ROUNDS`` rounds, it asks every replica for its full state
+right after a round has been dealt: a restore point. (The first also holds what replicas carry
+from one fit() to the next on a reused pool: residuals, a factory-built optimizer's state.)
+When a worker fails (killed, stopped, hung, raised, exited), it kills every worker, starts a
+fresh pool (new processes, a new process group on a new port), begins it from the restore
+point and sends again every message sent since. Replies already delivered are not delivered
+twice, so the caller sees each round once: no batch is lost, none is trained twice, and the
+result is the one an uninterrupted run with the same seed and data order would give.
 
 Why not restart from the survivors' state: a survivor is usually blocked inside a collective
 with the failed peer, part way through a round; on one machine the parent can hold a
@@ -46,6 +48,8 @@ log = logging.getLogger("paraloom")
 
 _T = TypeVar("_T")
 _MIN_INTERVAL_S = 2.0
+_MAX_LOGGED_ROUNDS = 64  # batches in the log hold shared memory (and file descriptors)
+_BEFORE_ROUND_0 = -1
 _COST_SHARE = 0.02  # restore points may take up to this share of the training time
 
 
@@ -109,8 +113,8 @@ class RecoveringPool:
         self._restore = _Restore(None, [], 0)
         self._pending = None
         self._delivered = set()
-        self._last_request = time.monotonic()
         self._sent(lambda: self._pool.begin(self._begins))
+        self._request(_BEFORE_ROUND_0)
 
     def send(self, rank: int, message: ToReplica) -> None:
         self._log.append((rank, message))
@@ -144,8 +148,14 @@ class RecoveringPool:
         return max(_MIN_INTERVAL_S, self._cost_s / _COST_SHARE)
 
     def _maybe_request(self, round_id: int) -> None:
-        if self._pending is not None or time.monotonic() - self._last_request < self._interval():
+        if self._pending is not None:
             return
+        logged = len(self._log) // self.workers
+        if time.monotonic() - self._last_request >= self._interval() \
+                or logged >= _MAX_LOGGED_ROUNDS:
+            self._request(round_id)
+
+    def _request(self, round_id: int) -> None:
         self._last_request = time.monotonic()
         self._pending = _Restore(round_id, [None] * self.workers, len(self._log))
         self._sent(lambda: self._request_all(RestorePointRequest(round_id)))
@@ -190,8 +200,8 @@ class RecoveringPool:
                 raise error
             self.failures += 1
             started = time.monotonic()
-            log.warning("paraloom: %s; recovering (failure %d of at most %d)", error,
-                        self.failures, self.max_failures)
+            log.warning("paraloom: %s; recovering (failure %d of at most %d)",
+                        str(error).splitlines()[0], self.failures, self.max_failures)
             self._pool.kill()
             rounds = {m.round_id for _, m in self._log if isinstance(m, RoundMessage)}
             again = None
@@ -199,7 +209,8 @@ class RecoveringPool:
                 self._restart()
             except WorkerError as e:  # the new workers failed too: that is another failure
                 again = e
-            self._on_recovery(Recovery(error.worker, error, started,
+            # Without its traceback: its frames would keep the dead pool alive.
+            self._on_recovery(Recovery(error.worker, error.with_traceback(None), started,
                                        time.monotonic() - started, len(rounds)))
             if again is None:
                 return

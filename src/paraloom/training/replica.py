@@ -167,10 +167,12 @@ class Replica:
         return state
 
     def full_state(self) -> ReplicaState:
-        """Everything needed to continue this replica exactly: weights, optimizer, sync, RNG."""
+        """Everything needed to continue this replica exactly: weights, optimizer, sync, RNG;
+        as independent CPU copies (CUDA memory must not outlive its process in another)."""
         snap: ReplicaState = {
-            "model": self.model_state(), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "sync": self.sync.state_dict(), "step": self.ctx.step, "rng": torch.get_rng_state()}
+            "model": self.model_state(), "optimizer": cpu_copy(self.optimizer.state_dict()),
+            "sync": cpu_copy(self.sync.state_dict()), "step": self.ctx.step,
+            "rng": torch.get_rng_state()}
         if self.device.type == "cuda":
             snap["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if self.scaler is not None:

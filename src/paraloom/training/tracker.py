@@ -112,7 +112,8 @@ class RoundTracker:
         self.failures += 1
         self.restart_seconds += recovery.restart_seconds
         self.bar.write(f"paraloom: worker {recovery.rank} failed and was replaced; "
-                       f"{recovery.replayed_rounds} round(s) replayed ({recovery.error.args[0]})")
+                       f"{recovery.replayed_rounds} round(s) replayed "
+                       f"({str(recovery.error).splitlines()[0]})")
         self.bar.set_postfix(failures=self.failures, refresh=False)
 
     def seconds_lost(self, recovery: Recovery) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,10 @@ class ParallelWrapper:
         if not isinstance(max_failures, int) or max_failures < 0:
             raise ValueError(f"max_failures={max_failures!r}; expected an int >= 0 (0 raises "
                              "WorkerError at the first failure)")
+        if max_failures and workers == 1:
+            warnings.warn("max_failures= applies to worker processes; with workers=1 training "
+                          "runs in this process and an error is raised as it happens",
+                          stacklevel=2)
         self.model = model
         self.workers = workers
         self.prefetch_buffer = prefetch_buffer

@@ -70,3 +70,13 @@ class FailWhenArmed(FailOnce):
                 Path(str(self.marker)).touch()
                 _fail(self.how)
         return self.net(x)
+
+
+def gil_holding_step(model: nn.Module, batch) -> torch.Tensor:
+    """A step_fn whose first call on rank 1 spends a second in C code that keeps the GIL (the
+    heartbeat thread cannot run meanwhile), as a long native call would."""
+    if dist.get_rank() == 1 and not getattr(model, "_held", False):
+        sum(range(30_000_000))
+        model._held = True
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)

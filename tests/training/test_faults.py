@@ -221,3 +221,15 @@ def test_a_failure_early_in_a_second_fit_keeps_what_replicas_carried_over(tmp_pa
     stats = two_fits(model)
     assert (tmp_path / "failed").exists() and stats["failures"] == 1
     assert _same(model, reference)
+
+
+def test_native_code_that_holds_the_gil_is_not_taken_for_dead():
+    from fault_helpers import gil_holding_step
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    wrapper = ParallelWrapper(model, step_fn=gil_holding_step,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2,
+                              training_mode="allreduce", progress=False, heartbeat_timeout=0.3)
+    with wrapper:
+        stats = wrapper.fit(list(digits_loader(rows=128, batch_size=32)), epochs=1)
+    assert stats["batches"] == 4 and stats["failures"] == 0

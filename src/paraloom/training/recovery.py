@@ -62,7 +62,8 @@ class Recovery:
     detected_at: float
     """``time.monotonic()`` when the failure was detected (the clock is shared by processes)."""
     restart_seconds: float
-    """From the failure's detection until the new workers had every message again."""
+    """From the failure's detection until the new workers had begun from the restore point
+    (the replay then runs as training does)."""
     replayed_rounds: int
     """Rounds sent again: those dealt after the restore point."""
 
@@ -96,6 +97,7 @@ class RecoveringPool:
         self._last_request = time.monotonic()
         self._cost_s = 0.0
         self._delivered: set[tuple[str, int, int]] = set()
+        self._begun_at: float | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -205,13 +207,15 @@ class RecoveringPool:
             self._pool.kill()
             rounds = {m.round_id for _, m in self._log if isinstance(m, RoundMessage)}
             again = None
+            self._begun_at = None
             try:
                 self._restart()
             except WorkerError as e:  # the new workers failed too: that is another failure
                 again = e
+            begun = self._begun_at or time.monotonic()
             # Without its traceback: its frames would keep the dead pool alive.
             self._on_recovery(Recovery(error.worker, error.with_traceback(None), started,
-                                       time.monotonic() - started, len(rounds)))
+                                       begun - started, len(rounds)))
             if again is None:
                 return
             error = again
@@ -224,6 +228,7 @@ class RecoveringPool:
             dataclasses.replace(b, resume=restore.states[rank])
             for rank, b in enumerate(self._begins)]
         self._pool.begin(begins)
+        self._begun_at = time.monotonic()
         for rank, message in self._log:
             self._pool.send(rank, message)
 

@@ -1,9 +1,10 @@
 """RecoveringPool: a Pool that survives worker failures by restarting from a restore point.
 
-Right after each fit's ``Begin``, then every few seconds (at most ~2% of the time: see
-``_interval``) or every ``_MAX_LOGGED_ROUNDS`` rounds, it asks every replica for its full state
-right after a round has been dealt: a restore point. (The first also holds what replicas carry
-from one fit() to the next on a reused pool: residuals, a factory-built optimizer's state.)
+Every few seconds (at most ~2% of the time: see ``_interval``) or every ``_MAX_LOGGED_ROUNDS``
+rounds, it asks every replica for its full state right after a round has been dealt: a restore
+point. At the end of each fit() it takes one more, the *carry-over*: what replicas keep from
+one fit() to the next on a reused pool (residuals, a factory-built optimizer's state), which
+a restart before the next fit's first restore point begins from, before that fit's ``Begin``.
 When a worker fails (killed, stopped, hung, raised, exited), it kills every worker, starts a
 fresh pool (new processes, a new process group on a new port), begins it from the restore
 point and sends again every message sent since. Replies already delivered are not delivered
@@ -49,7 +50,7 @@ log = logging.getLogger("paraloom")
 _T = TypeVar("_T")
 _MIN_INTERVAL_S = 2.0
 _MAX_LOGGED_ROUNDS = 64  # batches in the log hold shared memory (and file descriptors)
-_BEFORE_ROUND_0 = -1
+_CARRY_OVER = -1  # the round id of the restore point taken at the end of a fit
 _COST_SHARE = 0.02  # restore points may take up to this share of the training time
 
 
@@ -98,6 +99,9 @@ class RecoveringPool:
         self._cost_s = 0.0
         self._delivered: set[tuple[str, int, int]] = set()
         self._begun_at: float | None = None
+        self._carry: list[ReplicaState | None] | None = None
+        """Each replica's state at the end of the last fit(), on this pool's workers."""
+        self._finished: set[int] = set()
 
     @property
     def pids(self) -> list[int]:
@@ -115,8 +119,9 @@ class RecoveringPool:
         self._restore = _Restore(None, [], 0)
         self._pending = None
         self._delivered = set()
+        self._finished = set()
+        self._last_request = time.monotonic()
         self._sent(lambda: self._pool.begin(self._begins))
-        self._request(_BEFORE_ROUND_0)
 
     def send(self, rank: int, message: ToReplica) -> None:
         self._log.append((rank, message))
@@ -136,7 +141,22 @@ class RecoveringPool:
             if key in self._delivered:
                 continue  # a round replayed after a recovery: the caller has it already
             self._delivered.add(key)
+            if isinstance(reply, Finished):
+                self._finished.add(reply.rank)
+                if len(self._finished) == self.workers:
+                    self._take_carry_over()
             return reply
+
+    def _take_carry_over(self) -> None:
+        """Every replica's state between this fit and the next, while all are idle and alive."""
+        self._carry = None
+        self._request(_CARRY_OVER)
+        while self._pending is not None and self._pending.round_id == _CARRY_OVER:
+            reply = self._guarded(lambda: self._pool.recv(None))
+            if isinstance(reply, RestorePoint):
+                self._keep(reply)
+        if self._restore.round_id == _CARRY_OVER:
+            self._carry = self._restore.states
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._pool.close(timeout_s)
@@ -224,7 +244,11 @@ class RecoveringPool:
         self._pending = None
         self._pool = self._start()
         restore = self._restore
-        begins = self._begins if restore.round_id is None else [
+        if restore.round_id is None and self._carry is not None:
+            # As the lost workers did: what they carried from the last fit, then this Begin.
+            carry = self._carry
+            self._pool.begin([Begin(None, resume=carry[rank]) for rank in range(self.workers)])
+        begins = self._begins if restore.round_id in (None, _CARRY_OVER) else [
             dataclasses.replace(b, resume=restore.states[rank])
             for rank, b in enumerate(self._begins)]
         self._pool.begin(begins)

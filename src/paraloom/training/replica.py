@@ -76,6 +76,7 @@ class Replica:
                   optimizer_state: dict[str, Any] | None = None, seed: int | None = None) -> None:
         """Load the master parameters and optimizer state (or this replica's state from a
         checkpoint), seed the replica's RNG, and set up the synchronizer."""
+        self._rng = None  # a fresh fit's seed wins over an earlier fit's restored RNG
         if state is not None:
             self.model.load_state_dict(state)
         if optimizer_state is not None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from paraloom.bench.faults import inject_failure as _fail
 
 HOWS = ("raise", "exit", "kill", "stop")
 
@@ -34,14 +35,6 @@ class FailOnce(nn.Module):
                 Path(self.marker).touch()
                 _fail(self.how)
         return self.net(x)
-
-
-def _fail(how: str) -> None:
-    if how == "raise":
-        raise RuntimeError("injected failure")
-    if how == "exit":
-        os._exit(0)
-    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
 
 def digits_loader(rows: int = 768, batch_size: int = 32) -> DataLoader:

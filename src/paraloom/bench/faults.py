@@ -31,7 +31,7 @@ from paraloom.datasets import digits
 from paraloom.evaluation import evaluate
 from paraloom.models import LeNet
 
-__all__ = ["add_arguments", "run", "Injector"]
+__all__ = ["add_arguments", "run", "Injector", "inject_failure"]
 
 KINDS = ("raise", "exit", "kill", "stop")
 
@@ -63,7 +63,7 @@ class Injector(nn.Module):
             if self._rng.random() < self.p and self._injected() < self.budget:
                 with open(self.log, "a") as f:
                     f.write(f"{time.monotonic()}\n")
-                _fail(self.kind)
+                inject_failure(self.kind)
         out: torch.Tensor = self.net(x)
         return out
 
@@ -72,7 +72,8 @@ class Injector(nn.Module):
         return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _fail(kind: str) -> None:
+def inject_failure(kind: str) -> None:
+    """Fail this process as ``kind`` says: raise, exit with code 0, SIGKILL or SIGSTOP itself."""
     if kind == "raise":
         raise RuntimeError("injected failure")
     if kind == "exit":

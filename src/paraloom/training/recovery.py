@@ -31,12 +31,9 @@ from paraloom.training.messages import (
     Begin,
     CheckpointReply,
     Finished,
-    IdleRound,
-    IndexRound,
     ReplicaState,
     RestorePoint,
     RestorePointRequest,
-    Round,
     RoundMessage,
     StepDone,
     ToReplica,
@@ -72,7 +69,8 @@ class Recovery:
 @dataclass
 class _Restore:
     round_id: int | None
-    """The last round the restore point includes; None: the start of the fit."""
+    """The last round the restore point includes; None: the start of the fit (nothing kept);
+    ``_CARRY_OVER``: the end of the last fit."""
     states: list[ReplicaState | None]
     log_index: int
     """Where in the message log the restore point was asked for."""
@@ -126,7 +124,7 @@ class RecoveringPool:
     def send(self, rank: int, message: ToReplica) -> None:
         self._log.append((rank, message))
         self._sent(lambda: self._pool.send(rank, message))
-        if rank == self.workers - 1 and isinstance(message, Round | IndexRound | IdleRound):
+        if rank == self.workers - 1 and isinstance(message, RoundMessage):
             self._maybe_request(message.round_id)
 
     def recv(self, timeout_s: float | None = None) -> Answer | None:

@@ -44,8 +44,8 @@ class RoundTracker:
         self.started = time.perf_counter()
         self.epoch_losses: list[float] = []
         self.current_epoch: int | None = None
-        self.failures = 0
-        self.restart_seconds = 0.0
+        self.recoveries: list[Recovery] = []
+        """The worker failures survived in this fit(), in order."""
         self.bar = tqdm(total=total_batches, unit="batch", disable=not progress,
                         dynamic_ncols=True, desc="paraloom")
 
@@ -95,8 +95,8 @@ class RoundTracker:
         self.bar.update(r.expected)
         postfix: dict[str, object] = {"loss": f"{loss:.4f}",
                                       "samples_s": f"{self.samples_per_s:.0f}"}
-        if self.failures:
-            postfix["failures"] = self.failures
+        if self.recoveries:
+            postfix["failures"] = len(self.recoveries)
         self.bar.set_postfix(postfix, refresh=False)
 
     def _end_epoch(self) -> None:
@@ -109,18 +109,18 @@ class RoundTracker:
 
     def recovered(self, recovery: Recovery) -> None:
         """Say on the progress bar that a worker failed and training went on."""
-        self.failures += 1
-        self.restart_seconds += recovery.restart_seconds
+        self.recoveries.append(recovery)
         self.bar.write(f"paraloom: worker {recovery.rank} failed and was replaced; "
                        f"{recovery.replayed_rounds} round(s) replayed "
                        f"({str(recovery.error).splitlines()[0]})")
-        self.bar.set_postfix(failures=self.failures, refresh=False)
+        self.bar.set_postfix(failures=len(self.recoveries), refresh=False)
 
-    def seconds_lost(self, recovery: Recovery) -> float:
-        """The restart, plus the replayed rounds at this fit's mean round time (restarts left
-        out)."""
-        per_round = max(0.0, self.seconds - self.restart_seconds) / max(1, self.next_round)
-        return recovery.restart_seconds + recovery.replayed_rounds * per_round
+    def seconds_lost(self) -> float:
+        """Per recovery, the restart plus the replayed rounds at this fit's mean round time
+        (restarts left out of that mean)."""
+        restarts = sum(r.restart_seconds for r in self.recoveries)
+        per_round = max(0.0, self.seconds - restarts) / max(1, self.next_round)
+        return restarts + sum(r.replayed_rounds for r in self.recoveries) * per_round
 
     @property
     def seconds(self) -> float:

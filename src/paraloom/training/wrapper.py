@@ -124,7 +124,6 @@ class ParallelWrapper:
         self._iteration = 0
         self._stop_requested = False
         self._stats: dict[str, Any] = {}
-        self._failures: list[Recovery] = []
         self._tracker: RoundTracker | None = None
         self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, workers)
 
@@ -181,11 +180,10 @@ class ParallelWrapper:
     @property
     def recoveries(self) -> list[Recovery]:
         """The worker failures the last fit() survived (``max_failures=``), in order."""
-        return list(self._failures)
+        return list(self._tracker.recoveries) if self._tracker is not None else []
 
     def _recovered(self, recovery: Recovery) -> None:
         """A worker failed and the pool recovered: tell the listeners and the progress bar."""
-        self._failures.append(recovery)
         for listener in self.listeners:
             listener.on_worker_failure(recovery.rank, recovery.error, True)
         if self._tracker is not None:
@@ -218,7 +216,6 @@ class ParallelWrapper:
                                progress=self.progress,
                                report_score=self.report_score_after_averaging)
         self._tracker = tracker
-        self._failures = []
         self._checkpoints.reset()
         completed = False
         try:
@@ -376,8 +373,8 @@ class ParallelWrapper:
                 results[finished.rank] = finished.result
         per_worker = [results[r].stats for r in range(self.workers)]
         self._stats = {**tracker.summary(), "workers": self.workers,
-                       "failures": len(self._failures),
-                       "seconds_lost": sum(tracker.seconds_lost(f) for f in self._failures),
+                       "failures": len(tracker.recoveries),
+                       "seconds_lost": tracker.seconds_lost(),
                        "mode": self.synchronizer.name, "per_worker": per_worker,
                        "bytes_sent_per_step": [w.get("bytes_sent_per_step", 0.0)
                                                for w in per_worker]}

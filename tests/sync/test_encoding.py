@@ -18,6 +18,7 @@ from paraloom.sync.encoding import (
     empty_message,
     encode,
     full_step_mask,
+    moved_index,
     quantize_threshold,
     threshold_encode,
 )
@@ -222,3 +223,13 @@ def test_decode_into_a_wider_dtype_and_on_views() -> None:
     msg = encode(v, 0.5)
     assert decode(msg, torch.zeros(2, 2, dtype=torch.float64)).tolist() == [[0.5, -0.5],
                                                                              [0.0, 0.5]]
+
+
+@pytest.mark.parametrize("fmt", [Format.THRESHOLD, Format.BITMAP])
+def test_moved_index_names_exactly_the_elements_a_message_changes(fmt: Format) -> None:
+    v = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    msg = threshold_encode(v, 1.0) if fmt == Format.THRESHOLD else bitmap_encode(v, 1.0, -1)
+    changed = torch.nonzero(decode(msg, torch.zeros(1000)) != 0).reshape(-1)
+    index = moved_index(msg)
+    assert index.dtype == torch.int64 and index.tolist() == changed.tolist()
+    assert moved_index(empty_message(1000)).numel() == 0

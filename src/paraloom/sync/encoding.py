@@ -37,7 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "Format", "Encoded", "quantize_threshold", "full_step_mask", "choose_format",
-    "threshold_encode", "bitmap_encode", "encode", "decode", "empty_message",
+    "threshold_encode", "bitmap_encode", "encode", "decode", "empty_message", "moved_index",
 ]
 
 _ELEMENTS_PER_WORD = 16
@@ -218,13 +218,26 @@ def empty_message(numel: int, device: torch.device | str = "cpu") -> Encoded:
     return Encoded(Format.THRESHOLD, 1, 0, 1, numel, 0, payload)
 
 
-def _bitmap_values(msg: Encoded, dtype: torch.dtype) -> Tensor:
+def _bitmap_codes(msg: Encoded) -> Tensor:
     words = msg.payload.to(torch.int64) & 0xFFFFFFFF
     shifts = 2 * torch.arange(_ELEMENTS_PER_WORD, dtype=torch.int64, device=words.device)
-    codes = ((words.unsqueeze(1) >> shifts) & 3).reshape(-1)[: msg.numel]
+    return ((words.unsqueeze(1) >> shifts) & 3).reshape(-1)[: msg.numel]
+
+
+def moved_index(msg: Encoded) -> Tensor:
+    """The flat indices (int64, ascending) of the elements the message moves, half steps too."""
+    if msg.payload.numel() == 0:
+        return torch.empty(0, dtype=torch.int64, device=msg.payload.device)
+    if msg.format == Format.BITMAP:
+        return torch.nonzero(_bitmap_codes(msg)).reshape(-1)
+    return msg.payload.abs().to(torch.int64) - 1
+
+
+def _bitmap_values(msg: Encoded, dtype: torch.dtype) -> Tensor:
+    codes = _bitmap_codes(msg)
     tau = msg.tau
     table = torch.tensor([0.0, tau, -tau, msg.half_sign * tau / 2], dtype=dtype,
-                         device=words.device)
+                         device=codes.device)
     return table[codes]
 
 

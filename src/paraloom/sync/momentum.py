@@ -40,7 +40,15 @@ def mask_momentum_(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
             for key in MOMENTUM_STATE_KEYS:
                 buffer = state.get(key)
                 if isinstance(buffer, Tensor):
-                    buffer.view(-1).index_fill_(0, index[start:end] - begin, 0.0)
+                    _zero_at(buffer, index[start:end] - begin)
                     zeroed += end - start
         start, begin = end, begin + p.numel()
     return zeroed
+
+
+def _zero_at(t: Tensor, flat: Tensor) -> None:
+    """Zero ``t`` at row-major flat indices, whatever its memory layout (channels_last too)."""
+    if t.is_contiguous():
+        t.view(-1).index_fill_(0, flat, 0.0)
+    else:
+        t[torch.unravel_index(flat, t.shape)] = 0.0

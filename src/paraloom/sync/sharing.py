@@ -33,6 +33,7 @@ from paraloom.sync.encoding import (
     Format,
     bitmap_encode,
     decode,
+    decode_into,
     empty_message,
     encode,
     moved_index,
@@ -88,18 +89,18 @@ def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | N
 class _Replica:
     """The tensors one replica keeps between steps (built in ``setup``)."""
 
-    __slots__ = ("params", "old", "residual", "residual_views", "applied", "applied_views",
-                 "old_saved", "bounds")
+    __slots__ = ("params", "old", "residual", "residual_views", "old_saved", "bounds",
+                 "scratch")
 
     def __init__(self, params: list[nn.Parameter], residual: Tensor) -> None:
         self.params = params
         self.old = [torch.empty_like(p) for p in params]
         self.residual = residual
         self.residual_views = _views(residual, params)
-        self.applied = torch.zeros_like(residual)
-        self.applied_views = _views(self.applied, params)
         self.old_saved = False
         self.bounds = torch.tensor([p.numel() for p in params], dtype=torch.int64).cumsum(0)
+        self.scratch = (torch.empty(residual.shape, dtype=torch.bool, device=residual.device),
+                        torch.empty(residual.shape, dtype=torch.bool, device=residual.device))
 
 
 def _views(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
@@ -247,10 +248,11 @@ class SharedGradients(Synchronizer):
         scale = 1.0 / ctx.world_size if self.combine == "mean" else 1.0
         with torch.no_grad():
             for p, old, r in zip(replica.params, replica.old, replica.residual_views, strict=True):
-                r.add_(p - old, alpha=scale)
+                p.sub_(old)  # the update, computed in place: no temporary the size of p
+                r.add_(p, alpha=scale)
                 p.copy_(old)  # from here on only the decoded messages move the parameters
             tau = self.threshold_algorithm.choose(replica.residual)
-            msg = self._encode(replica.residual, tau)
+            msg = self._encode(replica.residual, tau, replica.scratch)
             decode(msg, replica.residual, sign=-1)  # exact: see encoding's module docstring
             if self.momentum_masking:
                 self._masked += mask_momentum_(ctx.optimizer, replica.params, replica.bounds,
@@ -282,12 +284,13 @@ class SharedGradients(Synchronizer):
                                "setup(ctx) once per fit() before the first step")
         return self._replica
 
-    def _encode(self, residual: Tensor, tau: float) -> Encoded:
+    def _encode(self, residual: Tensor, tau: float, scratch: tuple[Tensor, Tensor]) -> Encoded:
         if self.encoding == "bitmap":
-            return bitmap_encode(residual, tau, self._half_sign)
+            return bitmap_encode(residual, tau, self._half_sign, scratch=scratch)
         if self.encoding == "threshold":
-            return threshold_encode(residual, tau)
-        return encode(residual, tau, previous=self._format, half_sign=self._half_sign)
+            return threshold_encode(residual, tau, scratch=scratch)
+        return encode(residual, tau, previous=self._format, half_sign=self._half_sign,
+                      scratch=scratch)
 
     def _record(self, msg: Encoded) -> None:
         self._format = msg.format
@@ -316,11 +319,9 @@ class SharedGradients(Synchronizer):
                 f"({[bad[r] for r in ranks]} elements) at sync step {self.sync_steps}; the "
                 f"parameters were left at their last consistent values. Lower the learning "
                 f"rate or clip gradients")
-        replica.applied.zero_()
-        for message in messages:  # rank order: the same float sums on every replica
-            decode(message, replica.applied)
-        for p, old, applied in zip(replica.params, replica.old, replica.applied_views, strict=True):
-            p.copy_(old).add_(applied)
+        # The parameters hold "old" here. Rank order: the same float sums on every replica.
+        for message in messages:
+            decode_into(message, replica.params, replica.bounds)
         if self.broadcast_buffers and is_distributed(ctx):
             buffers = list(ctx.model.buffers())
             if buffers:

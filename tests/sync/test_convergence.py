@@ -1,11 +1,12 @@
 """LeNet on digits, 2 workers: shared_gradients against allreduce through ParallelWrapper.
 
 Same model, data order, optimizer and epochs; shared_gradients must land within 1 point of
-allreduce's test accuracy (1 test image is 0.28 points) while sending at most 1% of its bytes
-per step, as counted by the synchronizers. Measured on this setup: 98.89% vs 98.61%, 524,320
-vs 3,515 bytes per step (0.67%). allreduce with comm_hook="powersgd" (rank 1, 34 dense warm-up
-steps) must stay within 1 point of plain allreduce: measured 98.89%, 9,540 bytes per step after
-the warm-up (1.82%).
+allreduce's test accuracy (1 test image is 0.28 points) while sending a small fraction of its
+bytes per step, as counted by the synchronizers: the default recipe at lr 0.1 (measured: 98.05%
+for both, 1/284 of the bytes), and DL4J's adaptive threshold with averaged updates at lr 0.05
+(98.89% vs 98.33%, 524,320 vs 3,549 bytes per step: 0.68%). allreduce with
+comm_hook="powersgd" (rank 1, 34 dense warm-up steps) must stay within 1 point of plain
+allreduce: measured 98.89%, 9,540 bytes per step after the warm-up (1.82%).
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def _train(mode: str, options: tuple[tuple[str, Any], ...] = (),
 
 
 @pytest.mark.timeout(240)
-def test_shared_gradients_matches_allreduce_with_one_percent_of_the_bytes() -> None:
+def test_adaptive_threshold_sharing_matches_allreduce_with_one_percent_of_the_bytes() -> None:
     dense_accuracy, dense = _train("allreduce")
-    shared_accuracy, shared = _train("shared_gradients")
+    shared_accuracy, shared = _train("shared_gradients", (("recipe", "dl4j"),
+                                                          ("combine", "mean")))
     dense_bytes = max(dense["bytes_sent_per_step"])
     shared_bytes = max(shared["bytes_sent_per_step"])
     report = (f"allreduce {dense_accuracy:.4f} ({dense_bytes:.0f} B/step), shared_gradients "

@@ -2,7 +2,7 @@
 
 ``concurrency`` callers spread over ``processes`` processes (so the client's own GIL does not
 cap the load), each sending one pre-encoded request and waiting for its answer, again and again:
-over HTTP a keep-alive ``http.client`` connection POSTing the same bytes, over gRPC a channel per
+over HTTP a keep-alive connection POSTing the same bytes in one write, over gRPC a channel per
 caller calling the method with the same serialized message. Neither side re-encodes tensors per
 request, so every server gets the same work from the client. Measured: answers per second over
 the window, latency percentiles, errors, and the CPU seconds the server's processes used.
@@ -10,10 +10,10 @@ the window, latency percentiles, errors, and the CPU seconds the server's proces
 
 from __future__ import annotations
 
-import http.client
 import math
 import multiprocessing as mp
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -42,27 +42,74 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
+class _HttpConnection:
+    """A keep-alive HTTP/1.1 connection sending one pre-built request (head and body in one
+    write, TCP_NODELAY: no Nagle stall) and reading the answer by Content-Length."""
+
+    def __init__(self, target: Target) -> None:
+        head = [f"POST {target.path} HTTP/1.1", f"Host: {target.host}:{target.port}",
+                f"Content-Length: {len(target.body)}", *(f"{k}: {v}" for k, v in target.headers)]
+        self.request = ("\r\n".join(head) + "\r\n\r\n").encode() + target.body
+        self.address = (target.host, target.port)
+        self.sock: socket.socket | None = None
+        self.buffer = b""
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(self.address, timeout=60)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.buffer = sock, b""
+        return sock
+
+    def call(self) -> int:
+        """Send the request, read the whole answer; returns the HTTP status."""
+        sock = self.sock or self._connect()
+        sock.sendall(self.request)
+        while b"\r\n\r\n" not in self.buffer:
+            self._read(sock)
+        head, _, rest = self.buffer.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(rest) < length:
+            rest += self._recv(sock)
+        self.buffer = rest[length:]
+        return status
+
+    def _read(self, sock: socket.socket) -> None:
+        self.buffer += self._recv(sock)
+
+    def _recv(self, sock: socket.socket) -> bytes:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
 def _http_caller(target: Target, stop_at: float, measure_from: float,
                  out: list[float], errors: list[str]) -> None:
-    conn = http.client.HTTPConnection(target.host, target.port, timeout=60)
-    headers = dict(target.headers)
+    conn = _HttpConnection(target)
     while True:
         start = time.perf_counter()
         if start >= stop_at:
             break
         try:
-            conn.request("POST", target.path, body=target.body, headers=headers)
-            response = conn.getresponse()
-            response.read()
-            ok = response.status == 200
-        except (OSError, http.client.HTTPException) as e:
+            status = conn.call()
+        except (OSError, ValueError, IndexError) as e:
             errors.append(type(e).__name__)
             conn.close()
-            conn = http.client.HTTPConnection(target.host, target.port, timeout=60)
             continue
         end = time.perf_counter()
-        if not ok:
-            errors.append(f"HTTP {response.status}")
+        if status != 200:
+            errors.append(f"HTTP {status}")
         elif start >= measure_from and end <= stop_at:
             out.append(end - start)
     conn.close()
@@ -90,9 +137,13 @@ def _grpc_caller(target: Target, stop_at: float, measure_from: float,
     channel.close()
 
 
-def _process(target: Target, callers: int, start_at: float, warmup: float, duration: float,
-             results: Any) -> None:
-    measure_from = start_at + warmup
+def _process(target: Target, callers: int, ready: Any, go: Any, start: Any, warmup: float,
+             duration: float, results: Any) -> None:
+    ready.put(os.getpid())  # imported and ready: the parent starts every process at once
+    if not go.wait(300):
+        results.put(([], ["never started"], time.process_time()))
+        return
+    measure_from = start.value + warmup
     stop_at = measure_from + duration
     caller = _grpc_caller if target.method else _http_caller
     latencies: list[list[float]] = [[] for _ in range(callers)]
@@ -100,13 +151,11 @@ def _process(target: Target, callers: int, start_at: float, warmup: float, durat
     threads = [threading.Thread(target=caller, args=(target, stop_at, measure_from,
                                                      latencies[i], errors), daemon=True)
                for i in range(callers)]
-    time.sleep(max(0.0, start_at - time.perf_counter()))
     for t in threads:
         t.start()
     for t in threads:
         t.join(duration + warmup + 120)
-    results.put(([x for one in latencies for x in one], errors,
-                 time.process_time()))
+    results.put(([x for one in latencies for x in one], errors, time.process_time()))
 
 
 def cpu_seconds(pgid: int) -> float:
@@ -131,15 +180,19 @@ def run_load(target: Target, *, concurrency: int, duration: float, warmup: float
     """Load ``target`` from ``concurrency`` callers; requests/s, p50/p90/p99 ms, CPU use."""
     processes = max(1, min(processes, concurrency))
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    start_at = time.perf_counter() + 1.5  # every process starts its callers at once
+    results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    start = ctx.Value("d", 0.0)
     counts = [concurrency // processes + (i < concurrency % processes)
               for i in range(processes)]
-    procs = [ctx.Process(target=_process, args=(target, n, start_at, warmup, duration, results))
-             for n in counts]
+    procs = [ctx.Process(target=_process, args=(target, n, ready, go, start, warmup, duration,
+                                                results), daemon=True) for n in counts]
     for p in procs:
         p.start()
-    time.sleep(max(0.0, start_at + warmup - time.perf_counter()))
+    for _ in procs:
+        ready.get(timeout=300)  # bounded: a process that cannot even import fails the run
+    start.value = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process
+    go.set()
+    time.sleep(max(0.0, start.value + warmup - time.perf_counter()))
     cpu_before = cpu_seconds(server_pgid) if server_pgid else math.nan
     time.sleep(duration)
     cpu_after = cpu_seconds(server_pgid) if server_pgid else math.nan

@@ -279,7 +279,8 @@ def test_unload_then_load_serves_the_model_again_in_a_new_pool(app: Starlette,
     assert client.post("/v2/repository/models/lenet/unload").status_code == 200
     assert old_pool.closed  # unload drained and closed the pool the server built
     assert_error(client.post(URL, json=infer_json(x)), 404, "not loaded", "/load")
-    assert client.get("/v2/models/lenet/ready").status_code == 404
+    assert client.get("/v2/models/lenet/ready").status_code == 400  # known, not ready
+    assert client.get("/v2/models/nope/ready").status_code == 404
     assert client.post("/v2/repository/index").json() == [
         {"name": "lenet", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]
     assert client.post("/v2/repository/models/lenet/load").json() == {"name": "lenet",

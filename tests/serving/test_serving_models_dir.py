@@ -136,7 +136,7 @@ def test_unload_and_load_over_grpc_and_http(server: ServerThread, models_dir: di
     old_pool = server.app.state.registry.pools()["lenet"]
     grpc.unload_model("lenet")
     assert old_pool.closed
-    assert not http.is_model_ready("lenet")
+    assert not http.is_model_ready("lenet") and not grpc.is_model_ready("lenet")
     with pytest.raises(InferenceServerException) as caught:
         _infer(grpc, tg, "lenet", img)
     assert caught.value.status() == "StatusCode.NOT_FOUND"

@@ -78,7 +78,9 @@ async def model_metadata(request: Request) -> Response:
 
 async def model_ready(request: Request) -> Response:
     """GET /v2/models/{name}[/versions/{version}]/ready."""
-    return Response(status_code=200 if _served(request).ready else 400)
+    ready = _registry(request).is_ready(request.path_params["name"],
+                                        request.path_params.get("version"))
+    return Response(status_code=200 if ready else 400)
 
 
 def _header_length(request: Request) -> int | None:

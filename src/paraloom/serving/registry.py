@@ -84,6 +84,13 @@ class ModelRegistry:
         entry.served.check_version(version)
         return entry.served
 
+    def is_ready(self, name: str, version: str | None = None) -> bool:
+        """Whether ``name`` takes requests: False once unloaded; ``NotFoundError`` if unknown."""
+        entry = self._entries.get(name)
+        if entry is not None and entry.served is None:
+            return False
+        return self.get(name, version).ready
+
     def label(self, name: str) -> str:
         """The metrics label for requests naming ``name`` (bounded: unknown names share one)."""
         return name if name in self._entries else UNKNOWN

@@ -57,8 +57,7 @@ class _Service:
         return response(ready=self.registry.ready)
 
     async def ModelReady(self, request: Any, response: Any) -> Any:  # noqa: N802
-        served = self.registry.get(request.name, request.version or None)
-        return response(ready=served.ready)
+        return response(ready=self.registry.is_ready(request.name, request.version or None))
 
     async def ServerMetadata(self, request: Any, response: Any) -> Any:  # noqa: N802
         return response(name="paraloom", version=__version__, extensions=EXTENSIONS)

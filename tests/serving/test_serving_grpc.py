@@ -14,6 +14,8 @@ import pytest
 import torch
 import tritonclient.grpc as tg
 import tritonclient.http as th
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serving_helpers import WAIT_S, Gate, GatedLeNet
 from torch import nn
 from tritonclient.grpc import service_pb2 as pb
@@ -301,3 +303,51 @@ def test_the_messages_are_wire_compatible_with_tritonclient() -> None:
             assert fields(mine.DESCRIPTOR) == fields(other)
     for name in ("InferParameter", "InferTensorContents", "ModelRepositoryParameter"):
         assert fields(message(name).DESCRIPTOR) == fields(pb.DESCRIPTOR.message_types_by_name[name])
+
+
+_DATATYPES = ["FP32", "FP64", "FP16", "BF16", "INT8", "INT32", "INT64", "UINT8", "UINT64",
+              "BOOL", "BYTES", "fp32", ""]
+_CONTENTS = ["bool_contents", "int_contents", "int64_contents", "uint_contents",
+             "uint64_contents", "fp32_contents", "fp64_contents", "bytes_contents"]
+
+
+@st.composite
+def _fuzzed_requests(draw: st.DrawFn) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=draw(st.sampled_from(["lenet", "lenet", "x", ""])),
+                                   model_version=draw(st.sampled_from(["", "1", "2", "a"])))
+    raw = draw(st.booleans())
+    for _ in range(draw(st.integers(0, 2))):
+        tensor = request.inputs.add(
+            name=draw(st.sampled_from(["input", "input", "other", ""])),
+            datatype=draw(st.sampled_from(_DATATYPES)),
+            shape=draw(st.lists(st.sampled_from([-1, 0, 1, 2, 8, 1 << 40]), max_size=5)))
+        if raw:
+            request.raw_input_contents.append(draw(st.sampled_from(
+                [b"", bytes(256), bytes(512), bytes(7)])))
+        else:
+            field = draw(st.sampled_from(_CONTENTS))
+            values = {"bool_contents": [True, False], "bytes_contents": [b"ab"],
+                      "fp32_contents": [0.5] * 64, "fp64_contents": [1e300] * 64}.get(
+                field, [draw(st.sampled_from([0, 1, 127, 255, 70000]))] * 64)
+            getattr(tensor.contents, field).extend(values)
+    if draw(st.booleans()):
+        request.outputs.add(name=draw(st.sampled_from(["output", "logits"])))
+    if draw(st.booleans()) and request.raw_input_contents:
+        request.raw_input_contents.append(b"\0")
+    return request
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=_fuzzed_requests())
+def test_fuzzed_requests_are_answered_or_refused_never_internal(
+        stub: service_pb2_grpc.GRPCInferenceServiceStub, request: pb.ModelInferRequest) -> None:
+    try:
+        response = stub.ModelInfer(request, timeout=WAIT_S)
+    except grpc.RpcError as error:
+        assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED), \
+            (error.code(), error.details())
+        assert error.details()
+    else:
+        assert response.model_name == "lenet" and len(response.raw_output_contents) == 1

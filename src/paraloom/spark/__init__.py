@@ -23,7 +23,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("paraloom.spark needs PySpark: pip install \"paraloom[spark]\" (PySpark "
                       ">= 4.0, which needs Java 17 or later)") from e
 
-from paraloom.evaluation import Evaluation
+from paraloom.evaluation import ROC, Evaluation
 from paraloom.spark.evaluation import RegressionEvaluation
 from paraloom.spark.model import SparkModel
 from paraloom.spark.stats import PHASES, TrainingStats
@@ -46,6 +46,7 @@ __all__ = [
     "FixedThreshold",
     "PHASES",
     "ParameterAveragingTrainingMaster",
+    "ROC",
     "RegressionEvaluation",
     "ResidualClipping",
     "SharedTrainingMaster",

@@ -12,14 +12,28 @@ from torch import nn
 from paraloom.data import cpu_copy
 from paraloom.evaluation import Evaluation
 from paraloom.forward import LossFn
-from paraloom.spark.data import Features, as_rows, is_dataframe, is_rdd
+from paraloom.spark.data import (
+    Columns,
+    Features,
+    Inputs,
+    Label,
+    Spec,
+    as_rows,
+    is_dataframe,
+    is_rdd,
+    rows_of,
+)
+from paraloom.spark.data.arrow import arrow_chunks
+from paraloom.spark.data.features import normalize_shapes
 from paraloom.spark.evaluation import (
     RegressionEvaluation,
+    evaluate_metrics,
     evaluate_rdd,
     predict_dataframe,
     predict_rdd,
     ship,
 )
+from paraloom.spark.evaluation.metrics import MetricSet
 from paraloom.spark.stats import TrainingStats
 from paraloom.spark.training import FitJob, TrainingMaster
 from paraloom.sync.base import NoSync
@@ -56,16 +70,22 @@ class SparkModel:
 
     ``data`` for ``fit`` / ``evaluate`` is an RDD of ``(features, label)`` pairs or a DataFrame
     with ``features=`` (one array/vector column, or a list of numeric columns) and ``label=``
-    columns. ``feature_shape`` reshapes each row's features for the model (e.g. ``(1, 8, 8)``
-    for flat 64-value rows); ``label_dtype`` forces the label dtype (e.g. ``torch.long`` for a
-    DataFrame's double labels with a classification loss).
+    columns. Multi-input models take ``inputs=(spec, spec, ...)`` instead (called as
+    ``model(*inputs)``; a dict of specs: ``model(**inputs)``), each spec a column or a list of
+    columns assembled into one array; ``label=("a", "b")`` gives several targets, and the
+    loss gets tuples: ``loss_fn(outputs, targets)``, or one loss per output (a list), summed.
+    ``feature_shape`` reshapes each row's features for the model (e.g. ``(1, 8, 8)`` for flat
+    64-value rows; one shape or None per input for ``inputs=``); ``label_dtype`` forces the
+    label dtype (e.g. ``torch.long`` for a DataFrame's double labels with a classification
+    loss).
     """
 
     def __init__(self, spark: SparkSession | SparkContext, model: nn.Module,
                  master: TrainingMaster, *, loss_fn: LossFn | None = None,
                  optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
                  step_fn: StepFn | None = None,
-                 feature_shape: Sequence[int] | None = None,
+                 feature_shape: Sequence[int] | Sequence[Sequence[int] | None]
+                 | dict[str, Sequence[int] | None] | None = None,
                  label_dtype: torch.dtype | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -73,6 +93,8 @@ class SparkModel:
             raise TypeError(f"master must be a SharedTrainingMaster or a "
                             f"ParameterAveragingTrainingMaster; got {type(master).__name__}")
         self.sc = _spark_context(spark)
+        self._session: SparkSession | None = (
+            cast("SparkSession", spark) if hasattr(spark, "read") else None)
         self.model = model
         self.master = master
         self.loss_fn = loss_fn
@@ -82,7 +104,7 @@ class SparkModel:
             if optimizer is not None else None
         self._optimizer_state: dict[str, Any] | None = None
         label = None if label_dtype is None else str(label_dtype).removeprefix("torch.")
-        self.features = Features(tuple(feature_shape) if feature_shape else None,
+        self.features = Features(normalize_shapes(feature_shape) if feature_shape else None,
                                  _dtype_name(model), label)
         self._stats: TrainingStats | None = None
         self._last_fit: dict[str, Any] = {}
@@ -94,9 +116,13 @@ class SparkModel:
         return self._optimizer_state
 
     def fit(self, data: RDD[Any] | DataFrame, epochs: int = 1, *,
-            features: str | Sequence[str] = "features", label: str = "label",
+            features: Spec | None = None, label: Label = "label", inputs: Inputs | None = None,
             collect_stats: bool = False, seed: int = 0) -> dict[str, Any]:
         """Train ``epochs`` passes over ``data``; returns a summary (samples/s, losses, bytes).
+
+        A DataFrame is read by ``features=`` (default "features") or ``inputs=``, and
+        ``label=``; an RDD holds ``(features, label)`` pairs, where a tuple of arrays is several
+        inputs (or targets).
 
         With ``collect_stats=True`` per-worker, per-phase timings are kept: see
         ``training_stats()``.
@@ -112,7 +138,12 @@ class SparkModel:
                           step_fn=self.step_fn, synchronizer=NoSync())
         state = cpu_copy(self.model.state_dict())
         job = FitJob(self.sc, spec, state, self._optimizer_state_now(), self.features)
-        result = self.master.fit(job, as_rows(data, features, label), epochs=epochs, seed=seed,
+        if is_dataframe(data):  # decoded on the executors from Arrow batches, in chunks
+            job.chunked = True
+            rows = arrow_chunks(data, Columns.of(features, label, inputs))
+        else:
+            rows = as_rows(data, features, label, inputs)
+        result = self.master.fit(job, rows, epochs=epochs, seed=seed,
                                  collect_stats=collect_stats)
         with torch.no_grad():
             self.model.load_state_dict(result.state)
@@ -120,6 +151,30 @@ class SparkModel:
         self._stats = result.stats
         self._last_fit = result.summary
         return dict(result.summary)
+
+    def fit_paths(self, path: str | Sequence[str], epochs: int = 1, *,
+                  features: Spec | None = None, label: Label = "label",
+                  inputs: Inputs | None = None, collect_stats: bool = False,
+                  seed: int = 0) -> dict[str, Any]:
+        """Train on Parquet file(s) or directories (DL4J's fitPaths): any path Spark reads.
+
+        The executors read their own partitions (``spark.read.parquet``) and decode them from
+        Arrow batches; the driver never holds the data. Same columns and summary as ``fit``.
+        """
+        from pyspark.sql import SparkSession
+
+        paths = [path] if isinstance(path, str) else list(path)
+        if not paths or not all(isinstance(p, str) for p in paths):
+            raise TypeError(f"path={path!r}; expected a Parquet file or directory path (or a "
+                            f"list of them)")
+        session = self._session or SparkSession.getActiveSession() or SparkSession(self.sc)
+        try:
+            df = session.read.parquet(*paths)
+        except Exception as e:
+            raise ValueError(f"fit_paths could not read Parquet from {paths}: "
+                             f"{str(e).splitlines()[0]}") from e
+        return self.fit(df, epochs, features=features, label=label, inputs=inputs,
+                        collect_stats=collect_stats, seed=seed)
 
     def _adopt_optimizer(self, state: dict[str, Any] | None) -> None:
         if state is None:
@@ -136,58 +191,93 @@ class SparkModel:
         return self._stats
 
     # -- evaluation and inference --------------------------------------------------------------
-    def evaluate(self, data: RDD[Any] | DataFrame, *, features: str | Sequence[str] = "features",
-                 label: str = "label", batch_size: int = 256) -> Evaluation:
-        """Classification metrics (accuracy, precision, recall, F1, confusion matrix, loss)."""
-        return self._evaluate(data, features, label, batch_size, regression=False)
+    @overload
+    def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = ...,
+                 label: Label = ..., inputs: Inputs | None = ...,
+                 output: int | str | None = ..., batch_size: int = ...,
+                 metrics: None = ...) -> Evaluation: ...
+    @overload
+    def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = ...,
+                 label: Label = ..., inputs: Inputs | None = ...,
+                 output: int | str | None = ..., batch_size: int = ...,
+                 metrics: Sequence[str]) -> dict[str, Any]: ...
+    def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
+                 label: Label = "label", inputs: Inputs | None = None,
+                 output: int | str | None = None, batch_size: int = 256,
+                 metrics: Sequence[str] | None = None) -> Evaluation | dict[str, Any]:
+        """Classification metrics (accuracy, precision, recall, F1, confusion matrix, loss).
 
-    def evaluate_regression(self, data: RDD[Any] | DataFrame, *,
-                            features: str | Sequence[str] = "features", label: str = "label",
+        ``metrics=["classification", "roc", "regression"]`` (any of them) computes several in
+        one pass over the data and returns ``{name: Evaluation | ROC | RegressionEvaluation}``.
+        A model with several outputs is evaluated on one: ``output=`` its index (or its key
+        for a dict), matched with the same target of ``label=(...)``.
+        """
+        columns = Columns.of(features, label, inputs)
+        if metrics is None:
+            return self._evaluate(data, columns, output, batch_size, regression=False)
+        names = [metrics] if isinstance(metrics, str) else list(metrics)
+        MetricSet.factory(names)  # a wrong name fails here, before any Spark job
+        shipment = ship(self.sc, self.model, self.features)
+        try:
+            return evaluate_metrics(rows_of(data, columns), shipment, names,
+                                    loss_fn=self.loss_fn, batch_size=batch_size, output=output)
+        finally:
+            shipment.model.unpersist()
+            shipment.state.unpersist()
+
+    def evaluate_regression(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
+                            label: Label = "label", inputs: Inputs | None = None,
+                            output: int | str | None = None,
                             batch_size: int = 256) -> RegressionEvaluation:
         """Regression metrics (MSE, MAE, RMSE, R² per output column, and their means)."""
-        return self._evaluate(data, features, label, batch_size, regression=True)
+        return self._evaluate(data, Columns.of(features, label, inputs), output, batch_size,
+                              regression=True)
 
     @overload
-    def _evaluate(self, data: RDD[Any] | DataFrame, features: str | Sequence[str], label: str,
+    def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
                   batch_size: int, regression: Literal[False]) -> Evaluation: ...
     @overload
-    def _evaluate(self, data: RDD[Any] | DataFrame, features: str | Sequence[str], label: str,
+    def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
                   batch_size: int, regression: Literal[True]) -> RegressionEvaluation: ...
-    def _evaluate(self, data: RDD[Any] | DataFrame, features: str | Sequence[str], label: str,
+    def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
                   batch_size: int, regression: bool) -> Evaluation | RegressionEvaluation:
-        rows = as_rows(data, features, label)
+        rows = rows_of(data, columns)
         shipment = ship(self.sc, self.model, self.features)
         try:
             if regression:
                 return evaluate_rdd(rows, shipment, loss_fn=self.loss_fn, batch_size=batch_size,
-                                    regression=True)
-            return evaluate_rdd(rows, shipment, loss_fn=self.loss_fn, batch_size=batch_size)
+                                    regression=True, output=output)
+            return evaluate_rdd(rows, shipment, loss_fn=self.loss_fn, batch_size=batch_size,
+                                output=output)
         finally:
             shipment.model.unpersist()
             shipment.state.unpersist()
 
     @overload
-    def predict(self, data: DataFrame, *, features: str | Sequence[str] = ...,
-                output: str = ..., batch_size: int = ..., argmax: bool = ...,
-                keyed: bool = ...) -> DataFrame: ...
+    def predict(self, data: DataFrame, *, features: Spec | None = ...,
+                inputs: Inputs | None = ..., output: str | tuple[str, ...] = ...,
+                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...) -> DataFrame: ...
     @overload
-    def predict(self, data: RDD[Any], *, features: str | Sequence[str] = ...,
-                output: str = ..., batch_size: int = ..., argmax: bool = ...,
-                keyed: bool = ...) -> RDD[Any]: ...
-    def predict(self, data: RDD[Any] | DataFrame, *, features: str | Sequence[str] = "features",
-                output: str = "prediction", batch_size: int = 256, argmax: bool = False,
+    def predict(self, data: RDD[Any], *, features: Spec | None = ...,
+                inputs: Inputs | None = ..., output: str | tuple[str, ...] = ...,
+                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...) -> RDD[Any]: ...
+    def predict(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
+                inputs: Inputs | None = None, output: str | tuple[str, ...] = "prediction",
+                batch_size: int = 256, argmax: bool = False,
                 keyed: bool = False) -> DataFrame | RDD[Any]:
         """The model's outputs: a DataFrame with an ``output`` column, or an RDD of outputs.
 
         A DataFrame gets one ``array<float>`` per row (the row's output, flattened), or with
-        ``argmax=True`` the class index as a long. An RDD of features gives one numpy array (or
-        class index) per element, in order; with ``keyed=True`` it holds ``(key, features)``
-        pairs and gives ``(key, output)`` pairs (DL4J's feedForwardWithKey).
+        ``argmax=True`` the class index as a long; a model with several outputs needs
+        ``output=("a", "b", ...)``, one new column per output. An RDD of features gives one
+        numpy array (or class index, or a tuple of them for several outputs) per element, in
+        order; with ``keyed=True`` it holds ``(key, features)`` pairs and gives
+        ``(key, output)`` pairs (DL4J's feedForwardWithKey).
         """
         shipment = ship(self.sc, self.model, self.features)
         if is_dataframe(data):
-            cols = features if isinstance(features, str) else list(features)
-            return predict_dataframe(data, shipment, features=cols, output=output,
+            columns = Columns.of(features, inputs=inputs)
+            return predict_dataframe(data, shipment, features=columns.features, output=output,
                                      batch_size=batch_size, argmax=argmax)
         if is_rdd(data):
             return predict_rdd(data, shipment, batch_size=batch_size, argmax=argmax, keyed=keyed)

@@ -3,36 +3,87 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-__all__ = ["Features"]
+__all__ = ["Features", "Shapes"]
+
+Shape = tuple[int, ...]
+Shapes = Shape | tuple[Shape | None, ...] | dict[str, Shape | None]
+"""One input's per-row shape, or one per input (a tuple in argument order, or by name)."""
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, tuple) and all(isinstance(v, int) for v in value)
+
+
+def normalize_shapes(value: Any) -> Shapes | None:
+    """``feature_shape=`` as tuples: a shape, a sequence of shapes (or None), or a dict."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {str(k): None if v is None else tuple(int(d) for d in v) for k, v in value.items()}
+    items = tuple(value)
+    if all(isinstance(v, (int, np.integer)) for v in items):
+        return tuple(int(v) for v in items)
+    if all(v is None or isinstance(v, (list, tuple)) for v in items):
+        return tuple(None if v is None else tuple(int(d) for d in v) for v in items)
+    raise TypeError(f"feature_shape={value!r}; expected a shape (e.g. (1, 8, 8)), one shape "
+                    f"(or None) per input, or a dict of them by input name")
 
 
 @dataclass(frozen=True)
 class Features:
-    """How stacked numpy rows become tensors: feature shape and dtypes."""
+    """How stacked numpy rows become tensors: feature shape(s) and dtypes.
 
-    shape: tuple[int, ...] | None = None
-    """Per-row shape the model expects (e.g. (1, 8, 8)); None keeps the rows' own shape."""
+    Several inputs (or targets) arrive as tuples or dicts of arrays and leave as tuples or
+    dicts of tensors, ready for ``model(*inputs)`` / ``model(**inputs)``.
+    """
+
+    shape: Shapes | None = None
+    """Per-row shape the model expects (e.g. (1, 8, 8)), or one per input; None keeps the
+    rows' own shape (read from the data)."""
     dtype: str = "float32"
     label_dtype: str | None = None
     """None: integer labels become int64, floating ones ``dtype``."""
 
-    def features(self, x: np.ndarray) -> torch.Tensor:
-        """A batch of feature rows as a tensor of the model's dtype and input shape."""
+    def _input(self, x: np.ndarray, shape: Shape | None, name: str) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(x)).to(getattr(torch, self.dtype))
-        if self.shape is not None:
-            per_row = int(np.prod(self.shape))
+        if shape is not None:
+            per_row = int(np.prod(shape))
             if len(t) and t[0].numel() != per_row:
-                raise ValueError(f"a feature row has {t[0].numel()} values but feature_shape="
-                                 f"{self.shape} needs {per_row}; fix feature_shape")
-            t = t.reshape(len(t), *self.shape)
+                raise ValueError(f"a row of {name} has {t[0].numel()} values but feature_shape="
+                                 f"{shape} needs {per_row}; fix feature_shape")
+            t = t.reshape(len(t), *shape)
         return t
 
-    def labels(self, y: np.ndarray) -> torch.Tensor:
-        """A batch of labels: int64 for integers (class indices), else the feature dtype."""
+    def features(self, x: Any) -> Any:
+        """A batch of feature rows as tensor(s) of the model's dtype and input shape(s)."""
+        shape = self.shape
+        if isinstance(x, tuple):
+            shapes: tuple[Any, ...] | None = (
+                shape if isinstance(shape, tuple) and not _is_shape(shape) else None)
+            if shapes is not None and len(shapes) != len(x):
+                raise ValueError(f"feature_shape gives {len(shapes)} shapes but the rows hold "
+                                 f"{len(x)} inputs; give one shape (or None) per input")
+            return tuple(self._input(v, shapes[i] if shapes else None, f"input {i}")
+                         for i, v in enumerate(x))
+        if isinstance(x, dict):
+            named = shape if isinstance(shape, dict) else {}
+            unknown = sorted(set(named) - set(x))
+            if unknown:
+                raise ValueError(f"feature_shape names inputs {unknown} that the rows do not "
+                                 f"have; their inputs are {sorted(x)}")
+            return {k: self._input(v, named.get(k), f"input {k!r}") for k, v in x.items()}
+        if shape is not None and not _is_shape(shape):
+            raise ValueError(f"feature_shape={shape} gives several shapes but the rows hold one "
+                             f"input; give one shape, or pass inputs=")
+        one = cast("Shape", shape) if _is_shape(shape) else None
+        return self._input(x, one, "features")
+
+    def _label(self, y: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(y))
         if self.label_dtype is not None:
             return t.to(getattr(torch, self.label_dtype))
@@ -41,3 +92,12 @@ class Features:
         if t.dtype == torch.bool:
             return t.long()
         return t.to(torch.int64)
+
+    def labels(self, y: Any) -> Any:
+        """A batch of labels: int64 for integers (class indices), else the feature dtype; a
+        tuple (or dict) of them for several outputs."""
+        if isinstance(y, tuple):
+            return tuple(self._label(v) for v in y)
+        if isinstance(y, dict):
+            return {k: self._label(v) for k, v in y.items()}
+        return self._label(y)

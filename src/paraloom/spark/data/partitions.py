@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from paraloom.spark.data.arrays import concat, num_rows
 from paraloom.spark.data.rows import Pair, partition_arrays
 
 if TYPE_CHECKING:
     from pyspark import RDD
 
-__all__ = ["Chunk", "chunk_rows", "join_chunks", "partition_chunks"]
+__all__ = ["Chunk", "chunk_rows", "join_chunks", "partition_chunks", "spread_chunks"]
 
 _CHUNK_ROWS = 1024
 
-Chunk = tuple[np.ndarray, np.ndarray]
-"""Consecutive rows of one partition, stacked: (features, labels) arrays."""
+Chunk = Pair
+"""Consecutive rows of one partition, stacked: (features, labels) arrays (or tuples of them)."""
 
 _Key = tuple[int, int]
 """Where a row came from: (source partition, position in it)."""
@@ -38,13 +39,13 @@ def chunk_rows(keyed: Iterable[tuple[_Key, Pair]], size: int = _CHUNK_ROWS) -> I
 
 def join_chunks(chunks: Iterable[Chunk]) -> Chunk:
     """Concatenate a partition's chunks back into one (features, labels) pair of arrays."""
-    parts = [c for c in chunks if len(c[0])]
+    parts = [c for c in chunks if num_rows(c[0])]
     if not parts:
         return np.zeros((0,), np.float32), np.zeros((0,), np.int64)
-    return np.concatenate([c[0] for c in parts]), np.concatenate([c[1] for c in parts])
+    return concat([c[0] for c in parts]), concat([c[1] for c in parts])
 
 
-def _keyed(index: int, rows: Iterable[Pair]) -> Iterator[tuple[_Key, Pair]]:
+def _keyed(index: int, rows: Iterable[Pair]) -> Iterator[tuple[_Key, Pair]]:  # or chunks
     for position, row in enumerate(rows):
         yield (index, position), row
 
@@ -68,3 +69,29 @@ def partition_chunks(rows: RDD[Pair], workers: int, repartition: str = "always")
         return keyed.mapPartitions(chunk_rows, preservesPartitioning=True)
     spread = keyed.partitionBy(workers, lambda key: key[0] + key[1])
     return spread.mapPartitions(chunk_rows, preservesPartitioning=True)
+
+
+def _in_order(keyed: Iterable[tuple[_Key, Chunk]]) -> Iterator[Chunk]:
+    for _, chunk in sorted(keyed, key=lambda kv: kv[0]):
+        yield chunk
+
+
+def spread_chunks(chunks: RDD[Chunk], workers: int, repartition: str = "always") -> RDD[Chunk]:
+    """Already-stacked chunks spread over ``workers`` partitions whole, deterministically.
+
+    ``partition_chunks`` for chunk RDDs (Arrow-decoded DataFrames and Parquet paths): chunk
+    ``j`` of source partition ``i`` goes to partition ``(i + j) % workers``, each partition
+    sorted by origin; the rows of a chunk are never split or re-pickled one by one.
+    """
+    have = chunks.getNumPartitions()
+    if repartition == "if_needed":
+        repartition = "never" if have == workers else "always"
+    keyed = chunks.mapPartitionsWithIndex(_keyed)
+    if repartition == "never":
+        if have != workers:
+            raise ValueError(f"repartition='never' but the data has {have} partitions and "
+                             f"workers={workers}; use repartition='always' or 'if_needed', or "
+                             f"repartition the data to {workers} partitions")
+        return keyed.mapPartitions(_in_order, preservesPartitioning=True)
+    spread = keyed.partitionBy(workers, lambda key: key[0] + key[1])
+    return spread.mapPartitions(_in_order, preservesPartitioning=True)

@@ -1,26 +1,34 @@
 """Rows in: RDD elements and DataFrame rows as ``(features, label)`` numpy pairs.
 
+Several inputs or targets are tuples (or dicts) of arrays; ``Columns`` says which DataFrame
+columns make each.
+
 Every element a master trains on or evaluates comes from ``as_rows``; ``to_array`` accepts
 numbers, lists, numpy arrays, tensors and Spark ML vectors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
 
+from paraloom.spark.data.arrays import map_arrays, stack
+
 if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import DataFrame, Row
 
-__all__ = ["Pair", "to_array", "row_pair", "partition_arrays", "as_rows", "is_dataframe",
-           "is_rdd"]
+__all__ = ["Pair", "field", "Spec", "Inputs", "Label", "Columns", "to_array", "row_pair",
+           "partition_arrays", "as_rows", "rows_of", "row_extractor", "check_columns",
+           "is_dataframe", "is_rdd"]
 
-Pair = tuple[np.ndarray, np.ndarray]
-"""One element, or a stack of them: (features, label) arrays."""
+Pair = tuple[Any, Any]
+"""One element, or a stack of them: (features, label), each an array or a tuple / dict of them
+(see ``arrays.Arrays``)."""
 
 
 def to_array(value: Any) -> np.ndarray:
@@ -35,30 +43,43 @@ def to_array(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+def _is_scalar(value: Any) -> bool:
+    return np.ndim(value) == 0 and not isinstance(value, (list, tuple, dict))
+
+
+def field(value: Any, *, label: bool = False) -> Any:
+    """An RDD element's features or label: one array, or a tuple / dict of them (several).
+
+    Features: a tuple holding any array-like value is several inputs (DL4J's MultiDataSet); a
+    tuple of numbers, a list, an array, a tensor or a vector is one array. Labels: a tuple is
+    always several targets (give one vector target as a list or an array).
+    """
+    if isinstance(value, dict):
+        return {str(k): to_array(v) for k, v in value.items()}
+    if isinstance(value, tuple) and value and (label or not all(_is_scalar(v) for v in value)):
+        return tuple(to_array(v) for v in value)
+    return to_array(value)
+
+
 def row_pair(row: Any) -> Pair:
-    """One training element as ``(features, label)`` arrays."""
+    """One training element as ``(features, label)``: arrays, or tuples / dicts of arrays."""
     if not isinstance(row, (tuple, list)) or len(row) != 2:
         raise TypeError(f"a training element must be a pair (features, label); got "
                         f"{type(row).__name__}. "
                         f"Map your RDD to (features, label) tuples, or pass a DataFrame with "
                         f"features= and label= column names")
-    return to_array(row[0]), to_array(row[1])
+    return field(row[0]), field(row[1], label=True)
 
 
 def partition_arrays(pairs: Iterable[tuple[Any, Any]]) -> Pair:
-    """Stack ``(features, label)`` rows into two arrays (empty arrays for no rows)."""
+    """Stack ``(features, label)`` rows into arrays per field (empty arrays for no rows)."""
     xs, ys = [], []
     for x, y in pairs:
-        xs.append(to_array(x))
-        ys.append(to_array(y))
+        xs.append(map_arrays(to_array, x))
+        ys.append(map_arrays(to_array, y))
     if not xs:
         return np.zeros((0,), np.float32), np.zeros((0,), np.int64)
-    try:
-        return np.stack(xs), np.stack(ys)
-    except ValueError as e:
-        shapes = sorted({a.shape for a in xs})[:4]
-        raise ValueError(f"feature rows have different shapes {shapes}: every row must have "
-                         f"the same shape ({e})") from e
+    return stack(xs, "feature"), stack(ys, "label")
 
 
 def is_dataframe(data: object) -> TypeGuard[DataFrame]:
@@ -71,24 +92,130 @@ def is_rdd(data: object) -> TypeGuard[RDD[Any]]:
     return hasattr(data, "mapPartitions")
 
 
-def _feature_extractor(features: str | Sequence[str]) -> Callable[[Row], np.ndarray]:
-    if isinstance(features, str):
-        return lambda row: to_array(row[features])
-    cols = list(features)
-    return lambda row: np.asarray([row[c] for c in cols])
+Spec = str | Sequence[str]
+"""One column, or a list of columns assembled into one flat array per row."""
+
+Inputs = Sequence[Spec] | Mapping[str, Spec]
+"""Several model inputs: specs in the model's argument order, or by keyword."""
+
+Label = Spec | tuple[Spec, ...]
+"""One target (a column, or a list of columns assembled), or a tuple of them: one per output."""
 
 
-def as_rows(data: RDD[Any] | DataFrame, features: str | Sequence[str] = "features",
-            label: str = "label") -> RDD[Pair]:
-    """An RDD of ``(features, label)`` numpy pairs from an RDD of pairs or a DataFrame."""
+@dataclass(frozen=True)
+class Columns:
+    """Which DataFrame columns make a row's features and label, and in what structure."""
+
+    features: Spec | tuple[Spec, ...] | dict[str, Spec]
+    """A spec (one input), a tuple of specs (``model(*inputs)``) or a dict (``model(**inputs)``)."""
+    label: Spec | tuple[Spec, ...]
+
+    @classmethod
+    def of(cls, features: Spec | None = None, label: Label = "label",
+           inputs: Inputs | None = None) -> Columns:
+        """Columns from ``features=`` or ``inputs=`` and ``label=``, checked."""
+        if inputs is not None and features is not None:
+            raise ValueError("give either features= (one model input) or inputs= (several), "
+                             "not both")
+        chosen: Spec | tuple[Spec, ...] | dict[str, Spec]
+        if inputs is None:
+            chosen = _spec(features if features is not None else "features", "features")
+        elif isinstance(inputs, Mapping):
+            if not inputs:
+                raise ValueError("inputs={} names no input; give {'arg': column, ...}")
+            chosen = {str(k): _spec(v, f"inputs[{k!r}]") for k, v in inputs.items()}
+        elif isinstance(inputs, (tuple, list)) and inputs:
+            chosen = tuple(_spec(v, f"inputs[{i}]") for i, v in enumerate(inputs))
+        else:
+            raise TypeError(f"inputs={inputs!r}; expected a tuple of column specs (a column "
+                            f"name, or a list of columns assembled into one array) or a dict "
+                            f"of them by argument name")
+        target: Spec | tuple[Spec, ...] = (
+            tuple(_spec(v, f"label[{i}]") for i, v in enumerate(label))
+            if isinstance(label, tuple) else _spec(label, "label"))
+        return cls(chosen, target)
+
+    def names(self) -> list[str]:
+        """Every column these specs read, once each, in order."""
+        out: list[str] = []
+        for spec in [*_specs(self.features), *_specs(self.label)]:
+            for name in ([spec] if isinstance(spec, str) else spec):
+                if name not in out:
+                    out.append(name)
+        return out
+
+    def inputs(self) -> int:
+        """How many model inputs (1 for ``features=``)."""
+        return len(_specs(self.features))
+
+    def outputs(self) -> int:
+        """How many targets (1 for one label)."""
+        return len(self.label) if isinstance(self.label, tuple) else 1
+
+
+def _spec(value: Any, what: str) -> Spec:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(c, str) for c in value):
+        return list(value)
+    raise TypeError(f"{what}={value!r}; expected a column name or a non-empty list of column "
+                    f"names (assembled into one array)")
+
+
+def _specs(field: Spec | tuple[Spec, ...] | dict[str, Spec]) -> list[Spec]:
+    if isinstance(field, tuple):
+        return list(field)
+    if isinstance(field, dict):
+        return list(field.values())
+    return [field]
+
+
+def _column(row: Row, spec: Spec) -> np.ndarray:
+    if isinstance(spec, str):
+        return to_array(row[spec])
+    if len(spec) == 1:
+        return np.ravel(to_array(row[spec[0]]))
+    return np.concatenate([np.ravel(to_array(row[c])) for c in spec])
+
+
+def _extract(row: Row, field: Spec | tuple[Spec, ...] | dict[str, Spec]) -> Any:
+    if isinstance(field, tuple):
+        return tuple(_column(row, s) for s in field)
+    if isinstance(field, dict):
+        return {k: _column(row, s) for k, s in field.items()}
+    return _column(row, field)
+
+
+def row_extractor(columns: Columns) -> Callable[[Row], Pair]:
+    """A function from a DataFrame row to its ``(features, label)`` arrays."""
+    return lambda row: (_extract(row, columns.features), _extract(row, columns.label))
+
+
+def check_columns(df: DataFrame, columns: Columns) -> list[str]:
+    """The columns to select; a ValueError naming any that ``df`` lacks."""
+    names = columns.names()
+    missing = [c for c in names if c not in df.columns]
+    if missing:
+        raise ValueError(f"the DataFrame has no column(s) {missing}; its columns are "
+                         f"{df.columns}. Pass features= (or inputs=) and label= column names")
+    return names
+
+
+def as_rows(data: RDD[Any] | DataFrame, features: Spec | None = None, label: Label = "label",
+            inputs: Inputs | None = None) -> RDD[Pair]:
+    """An RDD of ``(features, label)`` numpy pairs from an RDD of pairs or a DataFrame.
+
+    DataFrames are read by ``features=`` (one input) or ``inputs=`` (several) and ``label=``
+    (one column, a list of columns assembled, or a tuple of those for several outputs).
+    """
+    return rows_of(data, Columns.of(features, label, inputs))
+
+
+def rows_of(data: RDD[Any] | DataFrame, columns: Columns) -> RDD[Pair]:
+    """``as_rows`` with the columns already chosen (ignored for an RDD of pairs)."""
     if is_dataframe(data):
-        names = [features] if isinstance(features, str) else list(features)
-        missing = [c for c in [*names, label] if c not in data.columns]
-        if missing:
-            raise ValueError(f"the DataFrame has no column(s) {missing}; its columns are "
-                             f"{data.columns}. Pass features= and label= column names")
-        get = _feature_extractor(features)
-        return data.select(*names, label).rdd.map(lambda row: (get(row), to_array(row[label])))
+        get = row_extractor(columns)
+        return data.select(*check_columns(data, columns)).rdd.map(get)
     if is_rdd(data):
         return data.map(row_pair)
     raise TypeError(f"data must be a pyspark RDD of (features, label) or a DataFrame; got "

@@ -15,7 +15,7 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from paraloom.spark.data import Chunk, Pair, batch_count
+from paraloom.spark.data import Chunk, Pair, batch_count, num_rows
 from paraloom.spark.runtime import join_optimizer_state, pack, unflatten
 from paraloom.spark.stats import TrainingStats
 from paraloom.spark.training.averaging_task import (
@@ -36,7 +36,7 @@ __all__ = ["ParameterAveragingTrainingMaster"]
 
 
 def _rows(chunks: Iterable[Chunk]) -> list[int]:
-    return [sum(len(x) for x, _ in chunks)]
+    return [sum(num_rows(x) for x, _ in chunks)]
 
 
 class ParameterAveragingTrainingMaster(TrainingMaster):
@@ -68,7 +68,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         """Train ``epochs`` passes in rounds; returns the averaged parameters."""
         sc, origin = job.sc, time.time()
         workers = self.resolve_workers(sc)
-        data = self.prepare(rows, workers)
+        data = self.prepare(rows, workers, job.chunked)
         spec_bc = sc.broadcast(pickle_spec(replace(job.spec, synchronizer=NoSync())))
         start = time.perf_counter()
         try:

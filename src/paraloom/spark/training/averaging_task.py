@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from paraloom.spark.data import Chunk, Features, epoch_order, round_batches
+from paraloom.spark.data import Arrays, Chunk, Features, epoch_order, num_rows, round_batches
 from paraloom.spark.runtime import cached, flatten, split_optimizer_state, task_threads, unpack
 from paraloom.spark.stats import PhaseRecorder
 from paraloom.spark.training.task import load_partition, load_spec, make_runner, minibatch
@@ -77,7 +77,7 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     rec = PhaseRecorder(index, cfg.origin)
     begin, t = rec.now(), time.perf_counter()
     x, y = load_partition(chunks)
-    order = epoch_order(len(x), cfg.seed, cfg.epoch, index)
+    order = epoch_order(num_rows(x), cfg.seed, cfg.epoch, index)
     batches = round_batches(order, cfg.batch_size, cfg.round * cfg.frequency, cfg.frequency)
     data_s = time.perf_counter() - t
     if not batches:  # a short partition in a late round: nothing to average in
@@ -103,7 +103,7 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     yield record
 
 
-def _train(runner: ReplicaRunner, x: np.ndarray, y: np.ndarray, batches: list[np.ndarray],
+def _train(runner: ReplicaRunner, x: Arrays, y: Arrays, batches: list[np.ndarray],
            cfg: RoundConfig, rec: PhaseRecorder, begin: float,
            first: dict[str, float]) -> tuple[float, int]:
     loss_sum, rows_total = 0.0, 0

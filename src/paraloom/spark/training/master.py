@@ -13,6 +13,7 @@ import torch
 
 from paraloom.errors import WorkerError
 from paraloom.spark.data import Chunk, Features, Pair, partition_chunks
+from paraloom.spark.data.partitions import spread_chunks
 from paraloom.spark.stats import TrainingStats
 from paraloom.training.runner import WorkerSpec
 
@@ -49,6 +50,8 @@ class FitJob:
     optimizer_state: dict[str, Any] | None
     features: Features
     fit_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    chunked: bool = False
+    """The rows come as stacked chunks (Arrow-decoded DataFrames, Parquet paths)."""
 
 
 @dataclass
@@ -127,9 +130,11 @@ class TrainingMaster:
         slots = max(1, sc.defaultParallelism // max(1, cpus))
         return self.workers or slots
 
-    def prepare(self, rows: RDD[Pair], workers: int) -> RDD[Chunk]:
-        """The training rows as ``workers`` sorted partitions of chunks, persisted if asked."""
-        data = partition_chunks(rows, workers, self.repartition)
+    def prepare(self, rows: RDD[Pair], workers: int, chunked: bool = False) -> RDD[Chunk]:
+        """The training rows (or chunks) as ``workers`` sorted partitions of chunks, persisted
+        if asked."""
+        data = (spread_chunks(rows, workers, self.repartition) if chunked
+                else partition_chunks(rows, workers, self.repartition))
         level = storage_level_of(self.storage_level)
         if level is not None:
             data.persist(level)

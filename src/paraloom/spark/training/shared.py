@@ -159,7 +159,7 @@ class SharedTrainingMaster(TrainingMaster):
         spec = replace(job.spec, synchronizer=copy.deepcopy(self.synchronizer))
         spec_bc = sc.broadcast(pickle_spec(spec))
         state_bc = sc.broadcast(pack(job.state, job.optimizer_state))
-        data = self.prepare(rows, workers)
+        data = self.prepare(rows, workers, job.chunked)
 
         def run(chunks: Iterable[Chunk]) -> Iterator[Record]:
             return shared_task(spec_bc.value, state_bc.value, cfg, BarrierTaskContext.get(),

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from paraloom.checkpoint import atomic_write
-from paraloom.spark.data import Chunk, Features, batch_count, epoch_order
+from paraloom.spark.data import Arrays, Chunk, Features, batch_count, epoch_order, num_rows
 from paraloom.spark.runtime import Packed, gpu_addresses, pack, state_digest, task_threads, unpack
 from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
 from paraloom.spark.training.board import ErrorBoard, leave_group, settle
@@ -99,8 +98,8 @@ def checkpoint_path(directory: str, fit_id: str) -> Path:
 class _Prepared:
     runner: ReplicaRunner
     start: Packed
-    x: np.ndarray
-    y: np.ndarray
+    x: Arrays
+    y: Arrays
     device: str
     backend: str
 
@@ -115,7 +114,7 @@ def _prepare(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: 
     begin, t = rec.now(), time.perf_counter()
     x, y = load_partition(chunks)
     rec.event("load data", begin, time.perf_counter() - t)
-    _debug(rank, f"{len(x)} rows loaded")
+    _debug(rank, f"{num_rows(x)} rows loaded")
     local, _ = local_rank([info.address for info in context.getTaskInfos()], rank)
     device = choose_device(local, gpu_addresses())
     if device.startswith("cuda"):
@@ -225,7 +224,7 @@ def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Record:
-    rounds = _agree_rounds(batch_count(len(p.x), cfg.batch_size), p.device)
+    rounds = _agree_rounds(batch_count(num_rows(p.x), cfg.batch_size), p.device)
     if rounds == 0:
         raise ValueError("no worker has any training rows: the data is empty")
     resume = _resume(cfg, rank, p.device)
@@ -248,7 +247,7 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Re
         rec.event("finish", begin, time.perf_counter() - t)
     info: dict[str, Any] = {
         "rank": rank, "rounds_per_epoch": rounds, "steps": p.runner.steps, "samples": samples,
-        "loop_seconds": loop_s, "rows": len(p.x), "losses": losses.to_dict(),
+        "loop_seconds": loop_s, "rows": num_rows(p.x), "losses": losses.to_dict(),
         "sync": p.runner.replica.sync.stats(),
         "digest": state_digest(p.runner.replica.model_state()), "device": p.device,
         "resumed_from_step": position[2] if resume is not None else None}
@@ -262,7 +261,7 @@ def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds
     first_epoch, first_round, step = position
     losses, samples = EpochLoss.empty(), 0
     for epoch in range(first_epoch, cfg.epochs):
-        order = epoch_order(len(p.x), cfg.seed, epoch, rank)
+        order = epoch_order(num_rows(p.x), cfg.seed, epoch, rank)
         for r in range(first_round if epoch == first_epoch else 0, rounds):
             begin, t = rec.now(), time.perf_counter()
             idx = order[r * cfg.batch_size:(r + 1) * cfg.batch_size]

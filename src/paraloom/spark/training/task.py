@@ -10,9 +10,8 @@ from typing import Any
 
 import cloudpickle
 import numpy as np
-import torch
 
-from paraloom.spark.data import Features, join_chunks
+from paraloom.spark.data import Arrays, Chunk, Features, join_chunks, take
 from paraloom.spark.stats import PhaseRecorder, TimedSynchronizer
 from paraloom.training.failures import is_symptom
 from paraloom.training.runner import ReplicaRunner, WorkerSpec
@@ -64,16 +63,14 @@ def make_runner(spec: WorkerSpec, *, rank: int, world_size: int, device: str,
     return runner
 
 
-def load_partition(chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray,
-                                                                             np.ndarray]:
-    """This task's rows as (features, labels) arrays, in their fixed order."""
+def load_partition(chunks: Iterable[Chunk]) -> Chunk:
+    """This task's rows as (features, labels) arrays (or tuples of them), in their fixed order."""
     return join_chunks(chunks)
 
 
-def minibatch(x: np.ndarray, y: np.ndarray, idx: np.ndarray,
-              features: Features) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``idx`` as an (inputs, targets) batch of tensors."""
-    return features.features(x[idx]), features.labels(y[idx])
+def minibatch(x: Arrays, y: Arrays, idx: np.ndarray, features: Features) -> tuple[Any, Any]:
+    """Rows ``idx`` as an (inputs, targets) batch of tensors (tuples for several)."""
+    return features.features(take(x, idx)), features.labels(take(y, idx))
 
 
 @dataclass

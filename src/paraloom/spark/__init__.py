@@ -28,6 +28,7 @@ from paraloom.spark.evaluation import RegressionEvaluation
 from paraloom.spark.model import SparkModel
 from paraloom.spark.stats import PHASES, TrainingStats
 from paraloom.spark.training import (
+    NetworkSettings,
     ParameterAveragingTrainingMaster,
     SharedTrainingMaster,
     SparkTrainingError,
@@ -44,6 +45,7 @@ __all__ = [
     "AdaptiveThreshold",
     "Evaluation",
     "FixedThreshold",
+    "NetworkSettings",
     "PHASES",
     "ParameterAveragingTrainingMaster",
     "ROC",

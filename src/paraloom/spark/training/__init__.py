@@ -2,7 +2,8 @@
 
 from paraloom.spark.training.averaging import ParameterAveragingTrainingMaster
 from paraloom.spark.training.master import FitJob, SparkTrainingError, TrainingMaster
+from paraloom.spark.training.rendezvous import NetworkSettings
 from paraloom.spark.training.shared import SharedTrainingMaster
 
-__all__ = ["FitJob", "ParameterAveragingTrainingMaster", "SharedTrainingMaster",
+__all__ = ["FitJob", "NetworkSettings", "ParameterAveragingTrainingMaster", "SharedTrainingMaster",
            "SparkTrainingError", "TrainingMaster"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import secrets
 import threading
 from collections.abc import Callable, Sequence
@@ -41,6 +42,60 @@ class BarrierContext(Protocol):
     def getTaskInfos(self) -> Sequence[_TaskInfo]: ...
 
     def allGather(self, message: str = "") -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class NetworkSettings:
+    """Where the shared-gradients master talks (DL4J's VoidConfiguration port and network).
+
+    ``port_range=(first, last)``: rank 0's rendezvous store listens on the first free port
+    in it (inclusive; default: any free port). ``host``: the address the other ranks connect
+    to (default: the address Spark gives rank 0's task). ``interface``: the network
+    interface gloo / NCCL use for the collectives (``GLOO_SOCKET_IFNAME`` /
+    ``NCCL_SOCKET_IFNAME``, e.g. "eth1"; default: their own choice).
+    """
+
+    port_range: tuple[int, int] | None = None
+    host: str | None = None
+    interface: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port_range, list):
+            object.__setattr__(self, "port_range", tuple(self.port_range))
+        if self.port_range is not None:
+            ok = (isinstance(self.port_range, tuple) and len(self.port_range) == 2
+                  and all(isinstance(p, int) and not isinstance(p, bool)
+                          for p in self.port_range))
+            if not ok or not 1 <= self.port_range[0] <= self.port_range[1] <= 65535:
+                raise ValueError(f"port_range={self.port_range!r}; expected (first, last) "
+                                 f"ports with 1 <= first <= last <= 65535")
+        for name in ("host", "interface"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name}={value!r}; expected a non-empty string or None")
+
+    def apply_interface(self) -> None:
+        """Point gloo and NCCL at ``interface`` in this process (before the group forms)."""
+        if self.interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = self.interface
+            os.environ["NCCL_SOCKET_IFNAME"] = self.interface
+
+
+def open_store(network: NetworkSettings | None, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store: on any free port, or on the first free one of ``port_range``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if network is None or network.port_range is None:
+        return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                             timeout=timeout)
+    first, last = network.port_range
+    for port in range(first, last + 1):
+        try:
+            return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                                 timeout=timeout)
+        except (RuntimeError, OSError):  # in use: try the next one
+            continue
+    raise RuntimeError(f"no free port in port_range=({first}, {last}) for the rendezvous "
+                       f"store: widen the range or free a port")
 
 
 @dataclass(frozen=True)
@@ -110,8 +165,8 @@ def bounded_call(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return values[0]
 
 
-def meet(context: BarrierContext, setup_error: str | None,
-         timeout_s: float) -> tuple[Rendezvous, dist.TCPStore | None]:
+def meet(context: BarrierContext, setup_error: str | None, timeout_s: float,
+         network: NetworkSettings | None = None) -> tuple[Rendezvous, dist.TCPStore | None]:
     """The one ``allGather`` of a barrier task: returns the rendezvous and rank 0's store.
 
     Every rank calls it exactly once whatever happened before (a rank whose setup failed
@@ -121,14 +176,17 @@ def meet(context: BarrierContext, setup_error: str | None,
     store = None
     message: dict[str, Any] = {"error": setup_error}
     if rank == 0:
-        store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        message.update(port=store.port, run_id=secrets.token_hex(8))
+        try:
+            store = open_store(network, timeout_s)
+            message.update(port=store.port, run_id=secrets.token_hex(8),
+                           host=network.host if network else None)
+        except Exception as e:  # announced, so that no peer waits for a store never opened
+            message["error"] = message["error"] or f"{type(e).__name__}: {e}"
     replies = bounded_call(lambda: context.allGather(json.dumps(message)), timeout_s,
                            f"the rendezvous allGather of rank {rank}")
     parsed = [json.loads(r) for r in replies]
     first = parsed[0]
-    host = task_host(context.getTaskInfos()[0].address)
+    host = first.get("host") or task_host(context.getTaskInfos()[0].address)
     errors = tuple((r, m["error"]) for r, m in enumerate(parsed) if m.get("error"))
     return Rendezvous(host, int(first.get("port") or 0), str(first.get("run_id", "")),
                       errors), store

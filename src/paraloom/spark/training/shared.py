@@ -33,6 +33,7 @@ from paraloom.spark.training.master import (
     positive_seconds,
     run_job,
 )
+from paraloom.spark.training.rendezvous import NetworkSettings
 from paraloom.spark.training.shared_task import SharedConfig, checkpoint_path, shared_task
 from paraloom.spark.training.summary import shared_summary
 from paraloom.spark.training.task import Record, pickle_spec
@@ -70,7 +71,9 @@ class SharedTrainingMaster(TrainingMaster):
     ``timeout`` bounds every collective, ``rendezvous_timeout`` the one barrier allGather,
     ``job_timeout`` (default none) the whole fit. Rank 0 checkpoints every
     ``checkpoint_every`` rounds and at each epoch's end to ``checkpoint_dir`` (default: a
-    temporary folder; give a shared one on a cluster). ``synchronizer`` replaces
+    temporary folder; give a shared one on a cluster). ``network``: a NetworkSettings
+    (rendezvous port range, announced host, interface for the collectives; DL4J's
+    VoidConfiguration). ``synchronizer`` replaces
     SharedGradients by any Synchronizer (e.g. dense all-reduce) for comparisons.
     """
 
@@ -85,7 +88,7 @@ class SharedTrainingMaster(TrainingMaster):
                  rendezvous_timeout: float = 300.0, job_timeout: float | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 50,
                  backend: str | None = None, synchronizer: Synchronizer | None = None,
-                 recipe: str = "dgc") -> None:
+                 recipe: str = "dgc", network: NetworkSettings | None = None) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout)
         if residual_post_processor is _DEFAULT:
@@ -115,6 +118,10 @@ class SharedTrainingMaster(TrainingMaster):
             raise ValueError(f"backend={backend!r}; expected None (gloo on CPU, NCCL on GPU), "
                              f"'gloo', 'nccl' or 'mpi'")
         self.backend = backend
+        if network is not None and not isinstance(network, NetworkSettings):
+            raise TypeError(f"network={network!r}; expected a NetworkSettings(port_range=, "
+                            f"host=, interface=)")
+        self.network = network
 
     def _check_slots(self, sc: SparkContext, workers: int) -> None:
         cpus = int(sc.getConf().get("spark.task.cpus", "1"))
@@ -133,7 +140,8 @@ class SharedTrainingMaster(TrainingMaster):
             features=job.features, timeout_s=self.timeout,
             rendezvous_timeout_s=self.rendezvous_timeout, backend=self.backend,
             workers_per_node=self.workers_per_node, checkpoint_dir=directory,
-            checkpoint_every=self.checkpoint_every, collect_stats=collect_stats)
+            checkpoint_every=self.checkpoint_every, collect_stats=collect_stats,
+            network=self.network)
 
     def _local_checkpoint_dir(self, master_url: str) -> str:
         """The default checkpoint_dir: this machine's temp folder; warns (once) when the

@@ -35,6 +35,7 @@ from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
 from paraloom.spark.training.board import ErrorBoard, leave_group, settle
 from paraloom.spark.training.rendezvous import (
     BarrierContext,
+    NetworkSettings,
     backend_for,
     choose_device,
     connect,
@@ -87,6 +88,7 @@ class SharedConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 50
     collect_stats: bool = False
+    network: NetworkSettings | None = None
 
 
 def checkpoint_path(directory: str, fit_id: str) -> Path:
@@ -142,7 +144,7 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
         setup_error, setup_tb = f"{type(e).__name__}: {e}", traceback.format_exc()
     _debug(rank, f"set up ({setup_error or 'ok'}); rendezvous")
     begin, t = rec.now(), time.perf_counter()
-    rdv, store = meet(context, setup_error, cfg.rendezvous_timeout_s)
+    rdv, store = meet(context, setup_error, cfg.rendezvous_timeout_s, cfg.network)
     rec.event("rendezvous", begin, time.perf_counter() - t)
     _debug(rank, f"met: store {rdv.host}:{rdv.port}, run {rdv.run_id}, errors {rdv.errors}")
     if rdv.errors or prepared is None:
@@ -153,6 +155,8 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
     board = None
     try:
         begin, t = rec.now(), time.perf_counter()
+        if cfg.network is not None:
+            cfg.network.apply_interface()
         store = store or connect(rdv, cfg.timeout_s)
         board = ErrorBoard(store, rank, cfg.world_size, rdv.run_id)
         init_group(rdv, rank, cfg.world_size, prepared.backend, cfg.timeout_s, store)

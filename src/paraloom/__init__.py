@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         RequestTimeoutError,
     )
     from paraloom.listeners import TrainingListener
+    from paraloom.placement import ReplicaInfo, replica_info
     from paraloom.sync import (
         AdaptiveThreshold,
         FixedThreshold,
@@ -55,6 +56,7 @@ _WHERE = {
     "ModelUpdateError": "paraloom.inference", "ParallelInference": "paraloom.inference",
     "QueueFullError": "paraloom.inference", "RequestTimeoutError": "paraloom.inference",
     "TrainingListener": "paraloom.listeners",
+    "ReplicaInfo": "paraloom.placement", "replica_info": "paraloom.placement",
     "AdaptiveThreshold": "paraloom.sync", "FixedThreshold": "paraloom.sync",
     "ResidualClipping": "paraloom.sync", "TargetSparsityThreshold": "paraloom.sync",
     "StepContext": "paraloom.sync.base", "Synchronizer": "paraloom.sync.base",
@@ -79,6 +81,7 @@ __all__ = [
     "ParallelWrapper",
     "ParaloomError",
     "QueueFullError",
+    "ReplicaInfo",
     "RequestTimeoutError",
     "ResidualClipping",
     "StepContext",
@@ -90,6 +93,7 @@ __all__ = [
     "WorkerError",
     "load",
     "register_model",
+    "replica_info",
     "save",
 ]
 

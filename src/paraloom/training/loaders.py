@@ -214,7 +214,7 @@ class ReplicaLoader:
 
     def _open(self, position: int) -> None:
         self._close_iter()
-        loader = self._loader or self._build()
+        loader = self._loader if self._loader is not None else self._build()
         self._loader = loader
         loader.generator = torch.Generator().manual_seed(self._seed + self.rank)
         if self.spec.stream:

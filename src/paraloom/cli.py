@@ -20,6 +20,7 @@ _BENCHES = {
     "serving": "paraloom.bench.serving",
     "spark": "paraloom.bench.spark",
     "faults": "paraloom.bench.faults",
+    "data": "paraloom.bench.data",
 }
 
 

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from fault_helpers import FailWhenArmed, digits_loader
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from training_helpers import digest
@@ -19,6 +20,7 @@ from paraloom import (
     WorkerError,
 )
 from paraloom.listeners import CheckpointListener
+from paraloom.training import recovery
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -213,3 +215,30 @@ def test_a_dataset_that_cannot_be_pickled_is_named(wrapper):
     loader = DataLoader(_Locked(8), batch_size=2, num_workers=1)
     with pytest.raises(NotPicklableError, match="_Locked.*picklable"):
         _fit(wrapper, loader)
+
+
+def test_a_worker_replaced_mid_epoch_goes_on_from_its_share_of_the_batches(tmp_path,
+                                                                            monkeypatch):
+    # The new worker gets the epoch's plan again (its LoaderEpoch outlives the restore point)
+    # and each replayed round names its position: the result is the uninterrupted one.
+    monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 0.0)  # a restore point every round
+    base = digits_loader(rows=384)
+    torch.manual_seed(1)
+    model = FailWhenArmed(tmp_path / "failed", tmp_path / "armed", how="kill", at=5)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer, workers=2,
+                         max_failures=1, progress=False) as w:
+        def fit():
+            model.load_state_dict(start)
+            optimizer.state.clear()
+            return w.fit(DataLoader(base.dataset, batch_size=32, shuffle=True, num_workers=1,
+                                    generator=torch.Generator().manual_seed(5)), epochs=2)
+
+        fit()
+        reference = digest(model)
+        (tmp_path / "armed").touch()
+        stats = fit()
+    assert (tmp_path / "failed").exists() and stats["failures"] == 1
+    assert stats["batches"] == 24
+    assert digest(model) == reference

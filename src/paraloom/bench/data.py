@@ -226,9 +226,12 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace, conf
     data = AugmentedImages(args.images, args.size)
     sampler: DistributedSampler[Any] = DistributedSampler(data, world, rank, shuffle=True,
                                                           seed=0, drop_last=True)
-    loader = DataLoader(data, batch_size=_batch(args, config), sampler=sampler,
-                        num_workers=args.num_workers, drop_last=True,
-                        persistent_workers=args.num_workers > 0)
+
+    def loader() -> DataLoader[Any]:
+        return DataLoader(data, batch_size=_batch(args, config), sampler=sampler,
+                          num_workers=args.num_workers, drop_last=True,
+                          persistent_workers=args.num_workers > 0)
+
     rows = 0
 
     def epoch(e: int, loader: DataLoader[Any]) -> int:
@@ -241,15 +244,16 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace, conf
             n += len(x)
         return n
 
-    epoch(0, loader)
+    epoch(0, loader())  # warm-up; its loader processes end here (as a fit's do)
     dist.barrier()
     cpu = _cpu_seconds(os.getpid())
     start = time.perf_counter()
+    timed = loader()
     for e in range(args.epochs):
-        rows += epoch(e + 1, loader)
+        rows += epoch(e + 1, timed)
     dist.barrier()
     seconds = time.perf_counter() - start
-    del loader  # its persistent loader processes exit and are reaped: their CPU counts
+    del timed  # its loader processes exit and are reaped: their CPU counts
     out.put((rank, rows / seconds, seconds, _cpu_seconds(os.getpid()) - cpu))
     dist.destroy_process_group()
 

@@ -222,7 +222,7 @@ def test_a_worker_replaced_mid_epoch_goes_on_from_its_share_of_the_batches(tmp_p
     # The new worker gets the epoch's plan again (its LoaderEpoch outlives the restore point)
     # and each replayed round names its position: the result is the uninterrupted one.
     monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 0.0)  # a restore point every round
-    base = digits_loader(rows=384)
+    base = digits_loader(rows=192)
     torch.manual_seed(1)
     model = FailWhenArmed(tmp_path / "failed", tmp_path / "armed", how="kill", at=5)
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -240,5 +240,5 @@ def test_a_worker_replaced_mid_epoch_goes_on_from_its_share_of_the_batches(tmp_p
         (tmp_path / "armed").touch()
         stats = fit()
     assert (tmp_path / "failed").exists() and stats["failures"] == 1
-    assert stats["batches"] == 24
+    assert stats["batches"] == 12
     assert digest(model) == reference

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         RequestTimeoutError,
     )
     from paraloom.listeners import TrainingListener
+    from paraloom.placement import ReplicaInfo, replica_info
     from paraloom.sync import (
         AdaptiveThreshold,
         FixedThreshold,
@@ -56,6 +57,7 @@ _WHERE = {
     "ModelUpdateError": "paraloom.inference", "ParallelInference": "paraloom.inference",
     "QueueFullError": "paraloom.inference", "RequestTimeoutError": "paraloom.inference",
     "TrainingListener": "paraloom.listeners",
+    "ReplicaInfo": "paraloom.placement", "replica_info": "paraloom.placement",
     "AdaptiveThreshold": "paraloom.sync", "FixedThreshold": "paraloom.sync",
     "QuantileThreshold": "paraloom.sync", "ResidualClipping": "paraloom.sync",
     "TargetSparsityThreshold": "paraloom.sync",
@@ -82,6 +84,7 @@ __all__ = [
     "ParaloomError",
     "QuantileThreshold",
     "QueueFullError",
+    "ReplicaInfo",
     "RequestTimeoutError",
     "ResidualClipping",
     "StepContext",
@@ -93,6 +96,7 @@ __all__ = [
     "WorkerError",
     "load",
     "register_model",
+    "replica_info",
     "save",
 ]
 

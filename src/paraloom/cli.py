@@ -21,6 +21,7 @@ _BENCHES = {
     "spark": "paraloom.bench.spark",
     "faults": "paraloom.bench.faults",
     "convergence": "paraloom.bench.convergence",
+    "data": "paraloom.bench.data",
 }
 
 

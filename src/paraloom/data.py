@@ -163,12 +163,18 @@ class IndexedDataset:
 
 
 def as_data_source(data: object, batch_size: int | None = None, shuffle: bool = False) -> Any:
-    """Validate a data source; a Dataset with ``batch_size`` becomes a DataLoader."""
+    """Validate a data source; a Dataset (or an IterableDataset of single samples) with
+    ``batch_size`` becomes a DataLoader."""
     if isinstance(data, Dataset) and not isinstance(data, (IterableDataset,)):
         if batch_size is None:
             raise TypeError(f"got a {type(data).__name__} (single samples) where batches are "
                             "expected: pass fit(dataset, batch_size=64) or a DataLoader")
         return DataLoader(data, batch_size=batch_size, shuffle=shuffle)
+    if isinstance(data, IterableDataset) and shuffle:
+        raise ValueError(f"shuffle=True does not apply to an IterableDataset (a stream has no "
+                         f"indices to permute): shuffle inside {type(data).__name__}.__iter__")
+    if isinstance(data, IterableDataset) and batch_size is not None:
+        return DataLoader(data, batch_size=batch_size)  # each worker batches its own stream
     if batch_size is not None or shuffle:
         raise ValueError("batch_size= and shuffle= apply only when data is a map-style Dataset; "
                          f"your {type(data).__name__} already yields batches (shuffle it there, "

@@ -32,8 +32,11 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run"]
 
 
-_ROUNDS = {"lenet": 64, "transformer": 12, "resnet18": 12, "mlp": 12}
+_ROUNDS = {"lenet": 64, "transformer": 8, "resnet18": 8, "mlp": 8}
 """Rounds per timed epoch by default: enough for a steady rate, few for the large models."""
+_BATCH = {"lenet": 64, "transformer": 8, "resnet18": 16, "mlp": 64}
+"""Rows per worker per step by default (8 x 128 tokens for the transformer): each model's
+step then costs 0.3-0.5 s on one core, so the whole table takes minutes, not hours."""
 _WHOLE_FIT_ROUNDS = 30
 
 
@@ -41,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="lenet",
                    help="comma-separated, or 'all': " + ", ".join(WORKLOADS))
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64, help="per worker")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="per worker (default: " + ", ".join(f"{m} {b}" for m, b in
+                                                           _BATCH.items()) + ")")
     p.add_argument("--samples", type=int, default=None,
                    help="training rows per epoch (default: "
                         + ", ".join(f"{m} {r} rounds" for m, r in _ROUNDS.items()) + ")")
@@ -189,6 +194,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     data = _data(args)
     parameters = sum(p.numel() for p in _model(args).parameters())
     results: dict[str, Any] = {"parameters": parameters, "rows_per_epoch": len(data),
+                               "batch_size_per_worker": args.batch_size,
                                "threads_per_worker": threads, "samples_per_s": {}}
     sps = results["samples_per_s"]
     sps["single_1_thread"] = _single(args, data, 1)
@@ -222,8 +228,9 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         workload(name)  # an unknown name fails before anything runs
     results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(), "models": {}}
+    batch_size = args.batch_size
     for name in names:
-        args.model = name
+        args.model, args.batch_size = name, batch_size or _BATCH[name]
         results["models"][name] = _measure(args)
         _print(name, results["models"][name])
         write_results(args.out, results)  # after each model: a long run keeps what it measured

@@ -1,11 +1,13 @@
 """The messages between a launcher and its replicas: one frozen dataclass per message.
 
 To a replica, in order: ``Begin``; then per round one of ``Round`` (a batch), ``IndexRound``
-(indices into the dataset sent with ``Begin``) or ``IdleRound`` (no batch in a short last
-round), with a ``CheckpointRequest`` after a round when a listener wants a checkpoint and a
-``RestorePointRequest`` when the pool keeps restore points to recover from failures; then
-``Finish``; ``Stop`` ends a worker process. ``Pickled`` wraps ``Begin`` or ``Round``, pickled by
-the parent (classes by value, tensors in shared memory) because they carry user objects.
+(indices into the dataset sent with ``Begin``), ``LoaderRound`` (the next batch of the
+replica's own DataLoader, whose epoch a ``LoaderEpoch`` starts) or ``IdleRound`` (no batch in
+a short last round), with a ``CheckpointRequest`` after a round when a listener wants a
+checkpoint and a ``RestorePointRequest`` when the pool keeps restore points to recover from
+failures; then ``Finish``; ``Stop`` ends a worker process. ``Pickled`` wraps ``Begin`` or
+``Round``, pickled by the parent (classes by value, tensors in shared memory) because they carry
+user objects.
 
 From a replica: ``Ready`` once started; ``StepDone`` per round; ``CheckpointReply`` and
 ``RestorePoint`` per request; ``Finished`` after ``Finish``; ``Failed`` instead of any of them
@@ -21,9 +23,11 @@ from typing import Any
 import torch
 
 from paraloom.data import IndexedDataset
+from paraloom.training.loaders import LoaderSpec
 
 __all__ = [
-    "Begin", "Round", "IndexRound", "IdleRound", "RoundMessage", "CheckpointRequest",
+    "Begin", "Round", "IndexRound", "LoaderEpoch", "LoaderRound", "IdleRound", "RoundMessage",
+    "CheckpointRequest",
     "RestorePointRequest", "Finish", "Stop", "Pickled", "ToReplica", "Ready", "StepDone",
     "CheckpointReply", "RestorePoint", "ReplicaResult", "Finished", "Failed", "Answer", "Reply",
     "ModelState", "ReplicaState",
@@ -49,6 +53,8 @@ class Begin:
     """The user's optimizer ``state_dict()`` (a learning rate changed between fits applies)."""
     seed: int | None = None
     """Seeds the replica's RNG as ``seed + rank`` (ignored when resuming)."""
+    loader: LoaderSpec | None = None
+    """The data source each replica loads itself (``LoaderEpoch`` / ``LoaderRound``)."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +74,39 @@ class IndexRound:
 
 
 @dataclass(frozen=True)
+class LoaderEpoch:
+    """Start ``epoch`` of the replica's own DataLoader (``Begin.loader``).
+
+    For a map-style dataset ``batches`` are this replica's batches of indices, in order: the
+    ``first``-th batch of the epoch, then every ``stride``-th (batch ``k`` loads with the RNGs
+    seeded ``seed + k``); None for a stream, whose loader generator is seeded ``seed + rank``.
+    """
+
+    epoch: int
+    seed: int
+    batches: list[list[int]] | None = None
+    first: int = 0
+    stride: int = 1
+
+
+@dataclass(frozen=True)
+class LoaderRound:
+    """Train on the batch at ``position`` of this replica's share of ``epoch``; a stream that
+    has ended takes part idly."""
+
+    round_id: int
+    epoch: int
+    position: int
+
+
+@dataclass(frozen=True)
 class IdleRound:
     """No batch for this replica this round: take part in the synchronization only."""
 
     round_id: int
 
 
-RoundMessage = Round | IndexRound | IdleRound
+RoundMessage = Round | IndexRound | LoaderRound | IdleRound
 
 
 @dataclass(frozen=True)
@@ -121,8 +153,8 @@ class Pickled:
         return message
 
 
-ToReplica = (Begin | Round | IndexRound | IdleRound | CheckpointRequest | RestorePointRequest
-             | Finish | Stop)
+ToReplica = (Begin | Round | IndexRound | LoaderEpoch | LoaderRound | IdleRound | CheckpointRequest
+             | RestorePointRequest | Finish | Stop)
 
 
 # -- from a replica ----------------------------------------------------------------------------
@@ -145,6 +177,10 @@ class StepDone:
     synced: bool
     """Whether the round ended at a synchronization point (every replica holds the same
     parameters), as ``Synchronizer.synchronized()`` says."""
+    more: bool = True
+    """After a ``LoaderRound`` over a stream: whether this replica has another batch."""
+    digest: str | None = None
+    """A fingerprint of a stream's first batches (replicas that all read the same data)."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from paraloom.training.messages import (
     Begin,
     CheckpointReply,
     Finished,
+    LoaderEpoch,
     ReplicaState,
     RestorePoint,
     RestorePointRequest,
@@ -193,7 +194,10 @@ class RecoveringPool:
         if any(s is None for s in pending.states):
             return
         self._restore, self._pending = pending, None
-        del self._log[:pending.log_index]
+        # A worker's LoaderEpoch stays: the rounds after the restore point load from its plan.
+        epochs = {rank: (rank, m) for rank, m in self._log[:pending.log_index]
+                  if isinstance(m, LoaderEpoch)}
+        self._log[:pending.log_index] = list(epochs.values())
         pending.log_index = 0
         self._delivered = {k for k in self._delivered if k[0] != "step" or k[1] > reply.round_id}
 

@@ -19,7 +19,9 @@ from torch import nn
 from paraloom.data import IndexedDataset, batch_size, cpu_copy, split_batch
 from paraloom.errors import NotPicklableError
 from paraloom.forward import LossFn
+from paraloom.placement import ReplicaInfo, set_replica_info
 from paraloom.sync.base import Synchronizer
+from paraloom.training.loaders import ReplicaLoader, digest
 from paraloom.training.messages import (
     Answer,
     Begin,
@@ -29,6 +31,8 @@ from paraloom.training.messages import (
     Finished,
     IdleRound,
     IndexRound,
+    LoaderEpoch,
+    LoaderRound,
     ModelState,
     ReplicaResult,
     RestorePoint,
@@ -90,20 +94,25 @@ class ReplicaRunner:
                  device: torch.device | str = "cpu",
                  group: dist.ProcessGroup | None = None) -> None:
         self.rank = rank
+        self.world_size = world_size
         self.replica = Replica(spec.model, spec.optimizer, loss_fn=spec.loss_fn,
                                step_fn=spec.step_fn, synchronizer=copy.deepcopy(spec.synchronizer),
                                device=device, group=group, rank=rank, world_size=world_size,
                                precision=spec.precision)
         self.dataset: IndexedDataset | None = None
+        self.loader: ReplicaLoader | None = None
         self.steps = 0
 
     def handle(self, message: ToReplica) -> Answer | None:
         """Act on one message; returns the reply to send back, if it has one."""
         match message:
-            case Round() | IndexRound() | IdleRound():
+            case Round() | IndexRound() | LoaderRound() | IdleRound():
                 return self.train(message)
             case Begin():
                 self.begin(message)
+            case LoaderEpoch():
+                self._own_loader().start_epoch(message.epoch, message.seed, message.batches,
+                                               message.first, message.stride)
             case CheckpointRequest():
                 return CheckpointReply(self.rank, message.tag, self.replica.full_state())
             case RestorePointRequest():
@@ -124,6 +133,11 @@ class ReplicaRunner:
         """Start a fit(): load the master state (or this rank's resume state), set up the
         synchronizer; ``seed`` (when not resuming) seeds this replica's RNG as ``seed + rank``."""
         self.dataset = message.dataset
+        if self.loader is not None:
+            self.loader.close()
+        self.loader = None if message.loader is None else \
+            ReplicaLoader(message.loader, self.rank, self.world_size)
+        set_replica_info(ReplicaInfo(self.rank, self.world_size))
         self.steps = 0
         seed = None if message.seed is None or message.resume is not None \
             else message.seed + self.rank
@@ -134,10 +148,32 @@ class ReplicaRunner:
         if isinstance(message, IdleRound):
             self.replica.step(None)
             return StepDone(self.rank, message.round_id, None, 0, self._synchronized())
+        if isinstance(message, LoaderRound):
+            return self._train_loaded(message)
         batch = message.batch if isinstance(message, Round) else self._gather(message.indices)
         loss = self.replica.step(batch)
         self.steps += 1
         return StepDone(self.rank, message.round_id, loss, _rows(batch), self._synchronized())
+
+    def _train_loaded(self, message: LoaderRound) -> StepDone:
+        """Train on the next batch of this replica's own DataLoader (idly once a stream ends)."""
+        loader = self._own_loader()
+        batch = loader.take(message.epoch, message.position)
+        loss = self.replica.step(batch)
+        rows = 0
+        if batch is not None:
+            self.steps += 1
+            rows = _rows(batch)
+        fingerprint = digest(batch) if batch is not None and loader.spec.stream and \
+            message.position < max(1, loader.spec.num_workers) else None
+        return StepDone(self.rank, message.round_id, loss, rows, self._synchronized(),
+                        more=loader.has_more(), digest=fingerprint)
+
+    def _own_loader(self) -> ReplicaLoader:
+        if self.loader is None:
+            raise RuntimeError("got a LoaderEpoch or LoaderRound before a loader: the launcher "
+                               "must send the loader with Begin")
+        return self.loader
 
     def _gather(self, indices: list[int]) -> Any:
         if self.dataset is None:
@@ -152,6 +188,9 @@ class ReplicaRunner:
         """End of fit(): final synchronization; ``with_state`` adds the parameters and
         optimizer state to the result."""
         self.replica.finish()
+        if self.loader is not None:
+            self.loader.close()
+        set_replica_info(None)
         if not with_state:
             return ReplicaResult(self.replica.sync.stats(), self.steps)
         return ReplicaResult(self.replica.sync.stats(), self.steps, *self.final_state())

@@ -84,7 +84,7 @@ class RoundTracker:
             for listener in self.listeners:
                 listener.on_epoch_start(r.epoch)
         loss = sum(r.losses) / len(r.losses) if r.losses else float("nan")
-        self.batches += r.expected
+        self.batches += len(r.losses)  # batches trained (a stream may end before expected)
         self.rows += r.rows
         self.epoch_losses.append(loss)
         if self.report_score and r.synced:
@@ -92,7 +92,7 @@ class RoundTracker:
         for listener in self.listeners:
             listener.on_iteration(self.iteration, r.epoch, loss)
         self.iteration += 1
-        self.bar.update(r.expected)
+        self.bar.update(len(r.losses))
         postfix: dict[str, object] = {"loss": f"{loss:.4f}",
                                       "samples_s": f"{self.samples_per_s:.0f}"}
         if self.recoveries:

@@ -8,6 +8,7 @@ thread: a slow step keeps beating, a stopped, frozen or killed process does not.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import queue
@@ -86,6 +87,9 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
                 results: Queue[Reply], beats: MutableSequence[float]) -> None:
     """Entry point of a worker process."""
     round_id = None
+    # The parent still treats this process as a daemon (ended when it exits); in here the flag
+    # would forbid the loader worker processes of a DataLoader the replica runs itself.
+    multiprocessing.current_process().daemon = False
     _start_heartbeat(beats, cfg.rank)
     try:
         torch.set_num_threads(cfg.threads)

@@ -28,17 +28,22 @@ from paraloom.listeners import TrainingListener, as_listener
 from paraloom.precision import resolve_precision
 from paraloom.sync.base import Synchronizer
 from paraloom.sync.registry import build_synchronizer
+from paraloom.training.loaders import LoaderSpec, epoch_batches, loader_spec
 from paraloom.training.local_pool import LocalPool
 from paraloom.training.messages import (
+    Answer,
     Begin,
     CheckpointReply,
     Finish,
     Finished,
     IdleRound,
     IndexRound,
+    LoaderEpoch,
+    LoaderRound,
     ReplicaResult,
     ReplicaState,
     Round,
+    RoundMessage,
     StepDone,
 )
 from paraloom.training.modes import TrainingMode
@@ -125,6 +130,7 @@ class ParallelWrapper:
         self._stop_requested = False
         self._stats: dict[str, Any] = {}
         self._tracker: RoundTracker | None = None
+        self._warned_unsharded = False
         self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, workers)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -219,10 +225,10 @@ class ParallelWrapper:
         self._checkpoints.reset()
         completed = False
         try:
-            indexed = self._begin(pool, data, start)
+            source = self._begin(pool, data, start)
             for listener in self.listeners:
                 listener.on_fit_start(self)
-            self._deal(pool, tracker, data, indexed, epochs, start)
+            self._deal(pool, tracker, data, source, epochs, start)
             result = self._finish(pool, tracker)
             completed = True
         except BaseException as e:
@@ -266,14 +272,16 @@ class ParallelWrapper:
         return {"batches": t.batches, "samples": t.rows, "seconds": t.seconds,
                 "total_batches": t.bar.total}
 
-    def _begin(self, pool: Pool, data: Any, start: _Position) -> IndexedDataset | None:
-        """Start the fit on every worker; returns the dataset dealt by index, if any.
+    def _begin(self, pool: Pool, data: Any, start: _Position) -> _Source:
+        """Start the fit on every worker; returns what the workers load themselves: the loader
+        each runs, or the dataset dealt by index (None: batches go through this process).
 
         The user's model and optimizer are the master copies: their current state goes out
         (a learning rate changed between fits applies), and the workers' RNGs are seeded from
         the caller's, so ``torch.manual_seed`` makes dropout reproducible too.
         """
-        indexed = indexed_view(data)
+        loader = loader_spec(data)
+        indexed = indexed_view(data) if loader is None else None
         opt = copy.deepcopy(self._user_optimizer.state_dict()) \
             if self._user_optimizer is not None else None  # never share the user's tensors
         seed = int(torch.randint(0, 2**62, ()).item())
@@ -281,64 +289,151 @@ class ParallelWrapper:
 
         def messages(dataset: IndexedDataset | None) -> list[Begin]:
             return [Begin(state, dataset, start.replicas[rank] if start.replicas else None,
-                          opt, seed) for rank in range(self.workers)]
+                          opt, seed, loader) for rank in range(self.workers)]
 
         try:
             pool.begin(messages(indexed))
         except NotPicklableError as e:  # e.g. a dataset holding a lock: stream it instead
+            if loader is not None:
+                raise NotPicklableError(
+                    f"{e}. Each worker runs its own DataLoader over this "
+                    f"{type(loader.dataset).__name__}, so it must be picklable: define it at "
+                    "module level and open files or connections lazily in __getitem__ / "
+                    "__iter__; or pass a generator of batches, which this process reads") from e
             if indexed is None:
                 raise
             log.info("%s; its batches go through the parent process instead", e)
             indexed = None
             pool.begin(messages(None))
-        return indexed
+        return loader or indexed
 
-    def _deal(self, pool: Pool, tracker: RoundTracker, data: Any,
-              indexed: IndexedDataset | None, epochs: int, start: _Position) -> None:
-        make = IndexRound if indexed is not None else Round
-        round_id, base = 0, tracker.iteration
+    def _deal(self, pool: Pool, tracker: RoundTracker, data: Any, source: _Source,
+              epochs: int, start: _Position) -> None:
+        dealing = _Dealing(base=tracker.iteration)
+        self._warned_unsharded = False
         for epoch in range(start.epoch, epochs):
             generators = _data_generators(data)
             if epoch == start.epoch and start.data_rng is not None:
                 _set_data_rng(start.data_rng, generators)  # the interrupted epoch's order
             epoch_rng = [torch.get_rng_state(), *(g.get_state() for g in generators)]
             skip = start.batch if epoch == start.epoch else 0
-            dealt = skip
-            for payloads in self._rounds(data, indexed, skip):
-                tracker.add(round_id, epoch, dealt, len(payloads))
-                for rank in range(self.workers):
-                    pool.send(rank, make(round_id, payloads[rank]) if rank < len(payloads)
-                              else IdleRound(round_id))
-                dealt += len(payloads)
-                self._checkpoints.request(pool, base + round_id, epoch, dealt, epoch_rng, False)
-                round_id += 1
-                self._drain(pool, tracker, block=False)
-                if self._stop_requested:
-                    return
+            if isinstance(source, LoaderSpec) and source.stream:
+                dealt = self._deal_stream(pool, tracker, source, epoch, skip, epoch_rng,
+                                          dealing)
+            else:
+                dealt = self._deal_epoch(pool, tracker, data, source, epoch, skip, epoch_rng,
+                                         dealing)
+            if self._stop_requested:
+                return
             if dealt == 0:
                 raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
                                  "source (a DataLoader or a list), not a one-shot generator")
-            if round_id:
-                self._checkpoints.request(pool, base + round_id - 1, epoch, dealt, epoch_rng,
-                                          True)
+            if dealing.round_id:
+                self._checkpoints.request(pool, dealing.base + dealing.round_id - 1, epoch,
+                                          dealt, epoch_rng, True)
 
-    def _rounds(self, data: Any, indexed: IndexedDataset | None,
+    def _deal_epoch(self, pool: Pool, tracker: RoundTracker, data: Any, source: _Source,
+                    epoch: int, skip: int, epoch_rng: list[torch.Tensor],
+                    dealing: _Dealing) -> int:
+        """Deal one epoch whose batches are known up front, a round at a time without waiting
+        for replies (bounded by the workers' queues); returns the batches dealt."""
+        dealt = skip
+        for payloads in self._rounds(pool, data, source, epoch, skip):
+            round_id = dealing.round_id
+            tracker.add(round_id, epoch, dealt, len(payloads))
+            for rank in range(self.workers):
+                pool.send(rank, _round(source, round_id, epoch, payloads[rank])
+                          if rank < len(payloads) else IdleRound(round_id))
+            dealt += len(payloads)
+            self._checkpoints.request(pool, dealing.base + round_id, epoch, dealt, epoch_rng,
+                                      False)
+            dealing.round_id += 1
+            self._drain(pool, tracker, block=False)
+            if self._stop_requested:
+                break
+        return dealt
+
+    def _deal_stream(self, pool: Pool, tracker: RoundTracker, source: LoaderSpec, epoch: int,
+                     skip: int, epoch_rng: list[torch.Tensor], dealing: _Dealing) -> int:
+        """Deal one epoch of an IterableDataset that every worker iterates itself: a round
+        goes out once the last is answered, to the workers whose stream goes on (the others
+        take part idly) until every stream has ended. A checkpoint's ``batch`` counts
+        ``workers`` per round, so a resumed worker skips ``batch // workers`` of its batches."""
+        seed = int(torch.randint(0, 2**62, ()).item())
+        for rank in range(self.workers):
+            pool.send(rank, LoaderEpoch(epoch, seed))
+        active, position, dealt, trained = list(range(self.workers)), skip // self.workers, \
+            skip, False
+        seen: set[str] = set()
+        while active:
+            round_id = dealing.round_id
+            tracker.add(round_id, epoch, dealt, len(active))
+            for rank in range(self.workers):
+                pool.send(rank, LoaderRound(round_id, epoch, position) if rank in active
+                          else IdleRound(round_id))
+            replies = self._await_round(pool, tracker, round_id)
+            active = [rank for rank in active if replies[rank].more]
+            trained = trained or any(r.loss is not None for r in replies.values())
+            self._check_sharded(source, replies.values(), seen)
+            position, dealt = position + 1, dealt + self.workers
+            self._checkpoints.request(pool, dealing.base + round_id, epoch, dealt, epoch_rng,
+                                      False)
+            dealing.round_id += 1
+            if self._stop_requested:
+                break
+        return dealt if trained else skip
+
+    def _await_round(self, pool: Pool, tracker: RoundTracker,
+                     round_id: int) -> dict[int, StepDone]:
+        """Handle replies until every worker has answered round ``round_id``."""
+        got: dict[int, StepDone] = {}
+        while len(got) < self.workers:
+            reply = pool.recv(timeout_s=None)
+            self._handle(reply, tracker)
+            if isinstance(reply, StepDone) and reply.round_id == round_id:
+                got[reply.rank] = reply
+        return got
+
+    def _check_sharded(self, source: LoaderSpec, replies: Iterable[StepDone],
+                       seen: set[str]) -> None:
+        """Warn (once per fit) when two of an epoch's first batches are the same: every worker
+        (or loader worker) reads the whole stream, so each batch is trained several times."""
+        for reply in replies:
+            if reply.digest is None:
+                continue
+            if reply.digest in seen and not self._warned_unsharded:
+                self._warned_unsharded = True
+                warnings.warn(
+                    f"the workers read the same batches from your "
+                    f"{type(source.dataset).__name__}: every worker iterates its own copy of an "
+                    "IterableDataset, so unless it shards itself each batch is trained several "
+                    "times. Shard it in __iter__: keep every info.world_size-th item from "
+                    "info.rank on, with info = paraloom.replica_info(), and within a worker's "
+                    "DataLoader every num_workers-th from torch.utils.data.get_worker_info().id",
+                    stacklevel=4)
+            seen.add(reply.digest)
+
+    def _rounds(self, pool: Pool, data: Any, source: _Source, epoch: int,
                 skip: int = 0) -> Iterator[list[Any]]:
-        """Group the epoch's batches (index lists for an indexed dataset) into rounds of
-        ``workers`` (the last may be short)."""
-        if indexed is not None:
+        """Group the epoch's batches (index lists for an indexed dataset, positions in each
+        worker's share for a loader) into rounds of ``workers`` (the last may be short)."""
+        if isinstance(source, LoaderSpec):
+            yield from self._loader_rounds(pool, data, epoch, skip)
+            return
+        if source is not None:
             batches = itertools.islice(data.batch_sampler, skip, None)
-            source: Iterable[Any] = (list(b) for b in batches)
+            payloads: Iterable[Any] = (list(b) for b in batches)
             prefetcher = None
         else:
             # Copy each batch as it is read: a source may refill one buffer for every batch.
             copied = (shared_copy(_checked(b)) for b in itertools.islice(data, skip, None))
-            prefetcher = Prefetcher(copied, self.prefetch_buffer) if self.prefetch_buffer \
-                else None
-            source = prefetcher or copied
+            # prefetch_buffer counts batches per worker, as DL4J's prefetchBuffer does.
+            prefetcher = Prefetcher(copied, self.prefetch_buffer * self.workers) \
+                if self.prefetch_buffer else None
+            payloads = prefetcher or copied
         try:
             chunk: list[Any] = []
-            for payload in source:
+            for payload in payloads:
                 chunk.append(payload)
                 if len(chunk) == self.workers:
                     yield chunk
@@ -349,19 +444,35 @@ class ParallelWrapper:
             if prefetcher is not None:
                 prefetcher.close()
 
+    def _loader_rounds(self, pool: Pool, data: Any, epoch: int,
+                       skip: int) -> Iterator[list[int]]:
+        """Send each worker its share of the epoch's batches (``LoaderEpoch``: batch ``skip +
+        rank``, then every ``workers``-th); a round is the next position in every share."""
+        batches = epoch_batches(data)[skip:]
+        seed = int(torch.randint(0, 2**62, ()).item())
+        for rank in range(self.workers):
+            pool.send(rank, LoaderEpoch(epoch, seed, batches[rank::self.workers], skip + rank,
+                                        self.workers))
+        for position in range(-(-len(batches) // self.workers)):
+            yield [position] * min(self.workers, len(batches) - position * self.workers)
+
     def _drain(self, pool: Pool, tracker: RoundTracker, block: bool) -> Finished | None:
         """Handle worker replies until none is waiting, or (``block``) until one finishes."""
         while True:
             reply = pool.recv(timeout_s=None if block else 0)
-            match reply:
-                case None:
-                    return None
-                case StepDone():
-                    tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced)
-                case CheckpointReply():
-                    self._checkpoints.receive(reply)
-                case Finished():
-                    return reply
+            if reply is None:
+                return None
+            if isinstance(reply, Finished):
+                return reply
+            self._handle(reply, tracker)
+
+    def _handle(self, reply: Answer | None, tracker: RoundTracker) -> None:
+        """Account for a worker's reply to a round or a checkpoint request."""
+        match reply:
+            case StepDone():
+                tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced)
+            case CheckpointReply():
+                self._checkpoints.receive(reply)
 
     def _finish(self, pool: Pool, tracker: RoundTracker) -> ReplicaResult:
         for rank in range(self.workers):
@@ -396,6 +507,28 @@ class ParallelWrapper:
     def stats(self) -> dict[str, Any]:
         """Counters of the last fit(): rounds, samples, samples/s, bytes sent per step."""
         return dict(self._stats)
+
+
+_Source = LoaderSpec | IndexedDataset | None
+"""What the workers load themselves: their own DataLoader, a dataset to gather rows of by index,
+or nothing (batches go through the parent)."""
+
+
+@dataclass
+class _Dealing:
+    """Rounds dealt in this fit() so far, and the iteration the fit began at."""
+
+    base: int
+    round_id: int = 0
+
+
+def _round(source: _Source, round_id: int, epoch: int, payload: Any) -> RoundMessage:
+    """The message that deals ``payload`` (a batch, an index list, a position) in a round."""
+    if isinstance(source, LoaderSpec):
+        return LoaderRound(round_id, epoch, payload)
+    if source is not None:
+        return IndexRound(round_id, payload)
+    return Round(round_id, payload)
 
 
 @dataclass

@@ -13,7 +13,6 @@ from torch import nn
 
 from paraloom.models import LeNet
 from paraloom.spark import (
-    AdaptiveThreshold,
     ParameterAveragingTrainingMaster,
     SharedTrainingMaster,
     SparkModel,
@@ -31,11 +30,10 @@ def lenet() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def shared_master(**options) -> SharedTrainingMaster:
-    # Start tau where this model's updates sit and keep messages under 0.5% of the elements.
+    # The default recipe: the top ~1/300 of the residual per message, momentum masking.
     options = {"batch_size_per_worker": 32, "workers": 2, "timeout": 60,
                "rendezvous_timeout": 120, **options}
-    return SharedTrainingMaster(threshold_algorithm=AdaptiveThreshold(5e-3, max_sparsity=5e-3),
-                                **options)
+    return SharedTrainingMaster(**options)
 
 
 @pytest.fixture(scope="module")

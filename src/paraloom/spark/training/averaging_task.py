@@ -164,10 +164,13 @@ def add_results(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str,
     if not a["n"]:
         b["stats"] = a.get("stats", []) + b.get("stats", [])
         return b
-    if a["layout"] != b["layout"] or a.get("optimizer_layout") != b.get("optimizer_layout"):
-        raise ValueError("two partitions returned parameters (or optimizer state) of different "
-                         "layouts; every replica must train the same model with the same "
-                         "optimizer")
+    for key in ("layout", "optimizer_layout"):
+        if a.get(key) != b.get(key):
+            first = next((x, y) for x, y in zip(a.get(key) or [], b.get(key) or [])
+                         if x != y) if a.get(key) and b.get(key) else (a.get(key), b.get(key))
+            raise ValueError(f"two partitions returned {key.replace('_', ' ')}s that differ "
+                             f"(first difference: {first[0]} against {first[1]}); every "
+                             f"replica must train the same model with the same optimizer")
     a["model"] += b["model"]
     if "optimizer" in a:
         a["optimizer"] += b["optimizer"]

@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="averaging,allreduce,shared_gradients",
                    help="ParallelWrapper modes to measure, comma-separated")
     p.add_argument("--out", default="benchmarks/results/training.json")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the 1..N GPU scaling table instead (see bench.gpu_scaling)")
 
 
 def _data(args: argparse.Namespace) -> TensorDataset:
@@ -163,6 +165,10 @@ def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> dict[s
 
 def run(args: argparse.Namespace) -> int:
     args = plain_args(args)
+    if args.device == "cuda":
+        from paraloom.bench.gpu_scaling import run_gpu
+
+        return run_gpu(args, _data(args))
     cores = machine()["cores"] or 1
     threads = max(1, cores // args.workers)
     data = _data(args)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from paraloom.devices import parse_devices
+
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
@@ -44,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--mode", default="batched", choices=["batched", "sequential", "inplace"],
                       help="inference mode (default batched)")
     pool.add_argument("--workers", type=int, default=2, help="model replicas (default 2)")
+    pool.add_argument("--devices", default="auto", type=parse_devices,
+                      help="auto (every GPU, else the CPU), cpu, a GPU count, or a list such "
+                      "as cuda:0,cuda:1; replicas are dealt round robin (default auto)")
     pool.add_argument("--batch-limit", type=int, default=32, help="rows per batch (default 32)")
     pool.add_argument("--queue-limit", type=int, default=256,
                       help="queued requests before answering 503 (default 256)")
@@ -173,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                          model_dir=args.models_dir,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
                          inference_mode=args.mode, workers=args.workers,
+                         devices=args.devices,
                          batch_limit=args.batch_limit, queue_limit=args.queue_limit,
                          max_wait_ms=args.max_wait_ms,
                          threads_per_worker=args.threads_per_worker,

@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
 
+from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
 from paraloom.training.messages import (
@@ -40,7 +41,6 @@ from paraloom.training.messages import (
     Stop,
     ToReplica,
 )
-from paraloom.training.pool import device_plan
 from paraloom.training.transport import dumps
 from paraloom.training.worker import WorkerConfig, worker_main
 
@@ -77,12 +77,16 @@ class ProcessPool:
 
     def __init__(self, spec_bytes: bytes, workers: int, *, timeout_s: float = 300.0,
                  step_timeout_s: float | None = None, heartbeat_timeout_s: float | None = 2.0,
-                 startup_timeout_s: float = 120.0, queue_size: int = 4) -> None:
+                 startup_timeout_s: float = 120.0, queue_size: int = 4,
+                 devices: TrainingDevices | None = None) -> None:
+        plan = devices or training_devices("auto", workers)
+        if plan.workers != workers:
+            raise ValueError(f"devices for {plan.workers} workers given to a pool of {workers}")
         self.workers = workers
         self.timeout_s = timeout_s
         self.step_timeout_s = timeout_s if step_timeout_s is None else step_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.backend, self.devices, self.threads = device_plan(workers)
+        self.backend, self.devices, self.threads = plan.backend, list(plan.devices), plan.threads
         ctx = mp.get_context("spawn")
         # One heartbeat slot per worker (0.0 until its first beat), written by its own thread.
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)

@@ -35,7 +35,7 @@ from paraloom.inference.errors import (
     RequestTimeoutError,
 )
 from paraloom.inference.execute import fail_requests, serve_batch_guarded
-from paraloom.inference.payload import parse
+from paraloom.inference.payload import one_example, parse, with_keywords
 from paraloom.inference.pending import Pending
 from paraloom.inference.replicas import (
     Example,
@@ -61,6 +61,15 @@ class _Unset(enum.Enum):
 _UNSET: Final = _Unset.UNSET
 # One class from Python 3.11 on; three before.
 _TIMEOUTS = (TimeoutError, asyncio.TimeoutError, futures.TimeoutError)
+
+
+def _call_input(x: object, keywords: dict[str, object]) -> object:
+    """``output()``'s input: a single example as one row (its keyword inputs too), plus the
+    keyword inputs."""
+    single = one_example(x)
+    if single is not x:
+        keywords = {k: one_example(v) for k, v in keywords.items()}
+    return with_keywords(single, keywords)
 
 
 class ParallelInference:
@@ -187,8 +196,14 @@ class ParallelInference:
         return future
 
     def output(self, x: object, *, timeout: float | None | _Unset = _UNSET,
-               return_version: bool = False) -> Any:
-        """The model's output for ``x`` (thread-safe); ``(output, version)`` if asked."""
+               return_version: bool = False, **inputs: object) -> Any:
+        """The model's output for ``x`` (thread-safe); ``(output, version)`` if asked.
+
+        A single example (a list of numbers, a 1-D tensor or array) is one row, as DL4J's
+        ``output(float[])``: the output has one row. Keyword inputs (masks) go to the model by
+        name, batched with ``x``: ``output(x, mask=m)`` runs ``model(x, mask=m)``.
+        """
+        x = _call_input(x, inputs)
         request = self._make_request(x, self._timeout_for(timeout), return_version, Pending())
         self._enqueue(request, True)
         return self._wait(request)
@@ -230,8 +245,10 @@ class ParallelInference:
             "add workers, or send fewer requests at once")
 
     async def output_async(self, x: object, *, timeout: float | None | _Unset = _UNSET,
-                           return_version: bool = False) -> Any:
-        """``await`` the model's output for ``x`` without blocking the event loop."""
+                           return_version: bool = False, **inputs: object) -> Any:
+        """``await`` the model's output for ``x`` without blocking the event loop (inputs as
+        ``output()``'s)."""
+        x = _call_input(x, inputs)
         seconds = self._timeout_for(timeout)
         if self._slots is not None:
             return await asyncio.to_thread(self.output, x, timeout=seconds,

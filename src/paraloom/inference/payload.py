@@ -103,11 +103,11 @@ def parse(x: object) -> Parsed:
     if isinstance(x, _Call):
         names = [*(f"input[{i}]" for i in range(len(x.args))),
                  *(f"keyword input {k!r}" for k in x.kwargs)]
-        spec = ("call", len(x.args), tuple(x.kwargs))
+        spec: Hashable = ("call", len(x.args), tuple(x.kwargs))
         return _parse_many([*x.args, *x.kwargs.values()], names, spec)
     if isinstance(x, (tuple, list)):
         kind, names = type(x).__name__, [f"input[{i}]" for i in range(len(x))]
-        spec: Hashable = (kind, len(x))
+        spec = (kind, len(x))
         items = list(x)
     elif isinstance(x, dict):
         kind, names = "dict", [f"input[{k!r}]" for k in x]

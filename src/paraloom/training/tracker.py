@@ -13,8 +13,34 @@ from paraloom.listeners import TrainingListener
 from paraloom.training.recovery import Recovery
 
 log = logging.getLogger("paraloom")
+score_log = logging.getLogger("paraloom.score")
+"""Where ``report_score_after_averaging`` writes; shown even where no logging is configured."""
 
-__all__ = ["RoundTracker"]
+__all__ = ["RoundTracker", "show_scores"]
+
+
+class _BarSafeHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes through tqdm, so a line does not break a progress bar being drawn."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
+def show_scores() -> None:
+    """Make the score lines visible, as DL4J printed them, if the user configured no logging:
+    a handler on ``paraloom.score`` (installed once, only if no handler would take them)."""
+    if score_log.hasHandlers() and score_log.getEffectiveLevel() <= logging.INFO:
+        return  # the user's logging shows them (or already ours)
+    if score_log.hasHandlers() and logging.getLogger().handlers:
+        return  # the user configured logging and chose a level that hides them
+    handler = _BarSafeHandler()
+    handler.setFormatter(logging.Formatter("paraloom: %(message)s"))
+    score_log.addHandler(handler)
+    score_log.setLevel(logging.INFO)
+    score_log.propagate = False
 
 
 @dataclass
@@ -48,6 +74,8 @@ class RoundTracker:
         """The worker failures survived in this fit(), in order."""
         self.bar = tqdm(total=total_batches, unit="batch", disable=not progress,
                         dynamic_ncols=True, desc="paraloom")
+        if report_score:
+            show_scores()
 
     def add(self, round_id: int, epoch: int, first_batch: int, batches: int) -> None:
         """A round was dealt: ``batches`` workers got a batch, every worker gets a reply."""
@@ -88,7 +116,8 @@ class RoundTracker:
         self.rows += r.rows
         self.epoch_losses.append(loss)
         if self.report_score and r.synced:
-            log.info("Averaged score: %.6f (iteration %d, epoch %d)", loss, self.iteration, r.epoch)
+            score_log.info("Averaged score: %.6f (iteration %d, epoch %d)", loss, self.iteration,
+                           r.epoch)
         for listener in self.listeners:
             listener.on_iteration(self.iteration, r.epoch, loss)
         self.iteration += 1

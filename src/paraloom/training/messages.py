@@ -145,6 +145,8 @@ class StepDone:
     synced: bool
     """Whether the round ended at a synchronization point (every replica holds the same
     parameters), as ``Synchronizer.synchronized()`` says."""
+    skipped: bool = False
+    """The round was queued when ``stop()`` halted the fit: no replica trained it."""
 
 
 @dataclass(frozen=True)

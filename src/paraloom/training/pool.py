@@ -33,6 +33,11 @@ class Pool(Protocol):
         sent (``NotPicklableError``)."""
         ...
 
+    def halt(self, last: int | None = None) -> int:
+        """``stop()``: the workers skip every queued round after the one in flight (or after
+        round ``last``); returns the last round that is trained."""
+        ...
+
     def send(self, rank: int, message: ToReplica) -> None:
         """Queue a message for one worker; waits (watching the workers) while it is busy."""
         ...

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp  # registers the shared-memory tensor reducti
 from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
+from paraloom.training.gate import RoundGate
 from paraloom.training.messages import (
     Answer,
     Begin,
@@ -90,6 +91,7 @@ class ProcessPool:
         ctx = mp.get_context("spawn")
         # One heartbeat slot per worker (0.0 until its first beat), written by its own thread.
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
+        self._gate = RoundGate.create(ctx, workers)
         self._results: Queue[Reply] = ctx.Queue()
         self._inbox = _Inbox(self._results)
         self._tasks: list[Queue[ToReplica | Pickled]] = [
@@ -106,7 +108,7 @@ class ProcessPool:
                                    parent_pid=os.getpid())
                 p = ctx.Process(target=worker_main, name=f"paraloom-worker-{rank}", daemon=True,
                                 args=(cfg, spec_bytes, self._tasks[rank], self._results,
-                                      self._beats))
+                                      self._beats, self._gate.array))
                 p.start()
                 self._procs.append(p)
         self._pending: collections.deque[Answer] = collections.deque()
@@ -147,8 +149,14 @@ class ProcessPool:
         dataset that cannot be pickled (NotPicklableError) leaves the workers untouched.
         """
         packed = [_pack(message) for message in messages]
+        self._gate.reset()
         for rank, message in enumerate(packed):
             self._put(rank, message)
+
+    def halt(self, last: int | None = None) -> int:
+        """Let the workers train no queued round after the one in flight (or ``last``);
+        returns the last round they train."""
+        return self._gate.halt(last)
 
     def send(self, rank: int, message: ToReplica) -> None:
         """Queue a message for one worker; waits (checking liveness) while its queue is full."""

@@ -52,6 +52,7 @@ class _Round:
     rows: int = 0
     replies: int = 0
     synced: bool = False
+    skipped: bool = False
 
 
 class RoundTracker:
@@ -65,6 +66,8 @@ class RoundTracker:
         self.report_score = report_score
         self.rounds: dict[int, _Round] = {}
         self.next_round = 0
+        self.skipped = 0
+        """Rounds that stop() cut off: dealt, never trained."""
         self.batches = 0
         self.rows = 0
         self.started = time.perf_counter()
@@ -88,10 +91,12 @@ class RoundTracker:
             return ""
         return f"epoch {r.epoch}, batch {r.first_batch + (rank or 0)}"
 
-    def reply(self, round_id: int, loss: float | None, rows: int, synced: bool) -> None:
-        """A worker's ``step`` reply."""
+    def reply(self, round_id: int, loss: float | None, rows: int, synced: bool,
+              skipped: bool = False) -> None:
+        """A worker's ``step`` reply (``skipped``: a round that stop() cut off)."""
         r = self.rounds[round_id]
         r.replies += 1
+        r.skipped = r.skipped or skipped
         r.synced = r.synced or synced
         if loss is not None:
             r.losses.append(loss)
@@ -106,6 +111,9 @@ class RoundTracker:
         return len(self.rounds)
 
     def _complete(self, round_id: int, r: _Round) -> None:
+        if r.skipped:
+            self.skipped += 1
+            return  # never trained: no iteration, no listener call
         if r.epoch != self.current_epoch:
             self._end_epoch()
             self.current_epoch = r.epoch
@@ -166,5 +174,5 @@ class RoundTracker:
         self.bar.close()
 
     def summary(self) -> dict[str, Any]:
-        return {"rounds": self.next_round, "batches": self.batches, "samples": self.rows,
-                "seconds": self.seconds, "samples_per_s": self.samples_per_s}
+        return {"rounds": self.next_round - self.skipped, "batches": self.batches,
+                "samples": self.rows, "seconds": self.seconds, "samples_per_s": self.samples_per_s}

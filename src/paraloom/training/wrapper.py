@@ -151,7 +151,8 @@ class ParallelWrapper:
         return list(self._pool.pids) if self._pool is not None else []
 
     def stop(self) -> None:
-        """Ask a running fit() to stop after the current round (e.g. from a listener)."""
+        """Ask a running fit() to stop after the round in flight (e.g. from a listener); the
+        rounds queued behind it are not trained."""
         self._stop_requested = True
 
     def _ensure_pool(self) -> Pool:
@@ -311,6 +312,8 @@ class ParallelWrapper:
                 round_id += 1
                 self._drain(pool, tracker, block=False)
                 if self._stop_requested:
+                    # Queued rounds after the one in flight are skipped by every worker.
+                    self._checkpoints.cut(base + pool.halt())
                     return
             if dealt == 0:
                 raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
@@ -354,7 +357,8 @@ class ParallelWrapper:
                 case None:
                     return None
                 case StepDone():
-                    tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced)
+                    tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced,
+                                  reply.skipped)
                 case CheckpointReply():
                     self._checkpoints.receive(reply)
                 case Finished():

@@ -114,6 +114,9 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
         return load(args.weights, factory=factory), args.weights
     from safetensors.torch import load_file
 
+    from paraloom.checkpoint import check_safetensors
+
+    check_safetensors(args.weights)  # a torch.save pickle: say so, and how to convert it
     model = factory()
     model.load_state_dict(load_file(args.weights), strict=True)
     return model, None  # plain safetensors: served, but not reloadable (no paraloom header)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ from paraloom.bench.common import machine, write_results
 
 __all__ = ["gpu_counts", "run_gpu"]
 
+ModelFn = Callable[[], nn.Module]
+OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+
 
 def gpu_counts(available: int) -> list[int]:
     """1, 2, ... every GPU; the error says what to do when there is none."""
@@ -30,13 +34,12 @@ def gpu_counts(available: int) -> list[int]:
     return list(range(1, available + 1))
 
 
-def _plain_loop(args: argparse.Namespace, data: TensorDataset) -> float:
+def _plain_loop(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
+                make_optimizer: OptimizerFn) -> float:
     """Samples/s of a plain training loop on cuda:0 (the data already on the GPU)."""
-    from paraloom.bench.training import _model, _sgd
-
     device = torch.device("cuda", 0)
-    model, loss_fn = _model(args).to(device), nn.CrossEntropyLoss()
-    opt = _sgd(model.parameters())
+    model, loss_fn = make_model().to(device), nn.CrossEntropyLoss()
+    opt = make_optimizer(model.parameters())
     x, y = (t.to(device) for t in data.tensors)
     bs = args.batch_size
 
@@ -55,30 +58,35 @@ def _plain_loop(args: argparse.Namespace, data: TensorDataset) -> float:
     return args.epochs * (len(x) // bs) * bs / (time.perf_counter() - start)
 
 
-def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: str) -> float:
-    """Steady-state samples/s of ParallelWrapper on ``gpus`` GPUs, one worker each."""
+def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: str,
+              make_model: ModelFn, make_optimizer: OptimizerFn) -> float:
+    """Steady-state samples/s of ParallelWrapper on ``gpus`` GPUs, one worker each (timed
+    between the first and last round of a second fit(), as the CPU benchmark does)."""
     from paraloom import ParallelWrapper
-    from paraloom.bench.training import _Clock, _model, _sgd
 
-    model = _model(args)
+    model = make_model()
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
     kwargs: dict[str, Any] = {"averaging_frequency": 3} if mode == "averaging" else {}
-    clock = _Clock()
-    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(model.parameters()),
-                         devices=gpus, workers=gpus, training_mode=mode, progress=False,
-                         listeners=[clock], **kwargs) as wrapper:
+    times: list[float] = []
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=make_optimizer(model.parameters()), devices=gpus,
+                         workers=gpus, training_mode=mode, progress=False,
+                         listeners=[lambda i, e, loss: times.append(time.perf_counter())],
+                         **kwargs) as wrapper:
         wrapper.fit(loader, epochs=1)  # starts the workers; warm-up
-        clock.times.clear()
+        times.clear()
         wrapper.fit(loader, epochs=args.epochs)
-    return (len(clock.times) - 1) * args.batch_size * gpus / (clock.times[-1] - clock.times[0])
+    return (len(times) - 1) * args.batch_size * gpus / (times[-1] - times[0])
 
 
-def run_gpu(args: argparse.Namespace, data: TensorDataset) -> int:
+def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
+            make_optimizer: OptimizerFn) -> int:
     """Measure and print the scaling table; writes JSON next to the CPU benchmark's."""
     counts = gpu_counts(torch.cuda.device_count() if torch.cuda.is_available() else 0)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    baseline = _plain_loop(args, data)
-    rows = [{"gpus": n, "mode": mode, "samples_per_s": _paraloom(args, data, n, mode)}
+    baseline = _plain_loop(args, data, make_model, make_optimizer)
+    rows = [{"gpus": n, "mode": mode,
+             "samples_per_s": _paraloom(args, data, n, mode, make_model, make_optimizer)}
             for mode in modes for n in counts]
     for row in rows:
         row["speedup"] = row["samples_per_s"] / baseline

@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         from paraloom.bench.gpu_scaling import run_gpu
 
-        return run_gpu(args, _data(args))
+        return run_gpu(args, _data(args), lambda: _model(args), _sgd)
     cores = machine()["cores"] or 1
     threads = max(1, cores // args.workers)
     data = _data(args)

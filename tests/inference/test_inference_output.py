@@ -40,8 +40,9 @@ def test_a_single_example_is_one_row(model, mode):
             assert tuple(out.shape) == (1, 2), type(x)
             torch.testing.assert_close(torch.as_tensor(out), expected)
         assert isinstance(pool.output(np.array(row, dtype=np.float32)), np.ndarray)
-        # a 2-D input is still a batch of rows
+        # a 2-D input is still a batch of rows, as is a list of rows
         assert pool.output(torch.tensor([row, row, row])).shape == (3, 2)
+        torch.testing.assert_close(pool.output([row, row]), expected.expand(2, 2))
 
 
 def test_masks_go_by_keyword_and_batch_with_the_rows(model):

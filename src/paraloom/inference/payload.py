@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
 import torch
@@ -66,12 +66,20 @@ def _signature(t: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
     return (t.shape[1:], t.dtype, t.device)
 
 
+def _numbers(x: object) -> TypeGuard[list[float] | tuple[float, ...]]:
+    return isinstance(x, (list, tuple)) and bool(x) and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in x)
+
+
 def one_example(x: object) -> object:
     """``output()``'s single example: a list of numbers or a 1-D tensor/array is one row (as
-    DL4J's ``output(float[])``); anything else is returned as it is."""
-    if isinstance(x, (list, tuple)) and x and all(
-            isinstance(v, numbers.Real) and not isinstance(v, bool) for v in x):
+    DL4J's ``output(float[])``), a list of such lists is rows; anything else is returned as
+    it is."""
+    if _numbers(x):
         return torch.tensor([list(x)], dtype=torch.get_default_dtype())
+    if isinstance(x, list) and x and all(_numbers(row) for row in x) \
+            and len({len(row) for row in x}) == 1:
+        return torch.tensor(x, dtype=torch.get_default_dtype())
     if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 1:
         return x[None]
     return x

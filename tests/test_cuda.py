@@ -47,7 +47,7 @@ def test_one_worker_trains_on_the_gpu(digits_loader, digits_test):
     model, wrapper = _lenet_wrapper(workers=1, devices="cuda:0")
     with wrapper:
         assert wrapper.device_plan.devices == ("cuda:0",)
-        wrapper.fit(digits_loader, epochs=3)
+        wrapper.fit(digits_loader, epochs=5)
     assert next(model.parameters()).device.type == "cpu"  # the user's model stays where it was
     assert _accuracy(model, digits_test) > 0.9
 
@@ -57,7 +57,7 @@ def test_amp_fp16_with_a_grad_scaler_per_replica(digits_loader, digits_test):
 
     model, wrapper = _lenet_wrapper(workers=1, devices="cuda:0", precision="16-mixed")
     with wrapper:
-        wrapper.fit(digits_loader, epochs=3)
+        wrapper.fit(digits_loader, epochs=5)
         replica = wrapper._pool._runner.replica  # the in-process replica (workers=1)
         assert isinstance(replica, Replica) and replica.scaler is not None
         assert replica.scaler.get_scale() > 0
@@ -68,8 +68,8 @@ def test_two_workers_sharing_one_gpu_train_over_gloo(digits_loader, digits_test)
     model, wrapper = _lenet_wrapper(devices=["cuda:0", "cuda:0"])
     with wrapper:
         assert wrapper.device_plan.backend == "gloo" and wrapper.workers == 2
-        stats = wrapper.fit(digits_loader, epochs=3)
-    assert stats["samples"] == 3 * len(digits_loader.dataset)
+        stats = wrapper.fit(digits_loader, epochs=5)
+    assert stats["samples"] == 5 * len(digits_loader.dataset)
     assert _accuracy(model, digits_test) > 0.9
 
 
@@ -85,7 +85,7 @@ def test_nccl_on_two_gpus_keeps_replicas_identical(digits_loader, digits_test):
         model, wrapper = _lenet_wrapper(devices=2, training_mode=mode)
         with wrapper:
             assert wrapper.device_plan.backend == "nccl"
-            wrapper.fit(digits_loader, epochs=3)
+            wrapper.fit(digits_loader, epochs=5)
         assert _accuracy(model, digits_test) > 0.9, mode
 
 

@@ -35,6 +35,8 @@ def test_an_executor_without_paraloom_gets_the_fix():
              "org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage "
              "1.0 failed 1 times\nModuleNotFoundError: No module named 'paraloom'")
     assert missing_paraloom_hint("ValueError: bad", "python3") is None
+    assert "cannot import torch" in missing_paraloom_hint(
+        "ModuleNotFoundError: No module named 'torch'", "/usr/bin/python3")
 
     def fail():
         raise RuntimeError(error)

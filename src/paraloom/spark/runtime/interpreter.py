@@ -22,10 +22,11 @@ def use_driver_python(sc: Any) -> bool:
 
 
 def missing_paraloom_hint(error: str, python: str) -> str | None:
-    """The fix for an executor that cannot import paraloom (None for other errors)."""
-    if "No module named 'paraloom'" not in error:
+    """The fix for an executor that cannot import paraloom or torch (None for other errors)."""
+    missing = next((m for m in ("paraloom", "torch") if f"No module named '{m}'" in error), None)
+    if missing is None:
         return None
-    return (f"the executors' Python ({python!r}) cannot import paraloom. Point Spark at an "
+    return (f"the executors' Python ({python!r}) cannot import {missing}. Point Spark at an "
             "interpreter that has it: export PYSPARK_PYTHON=/path/to/venv/bin/python (or set "
             "spark.pyspark.python) before the SparkSession starts, or install paraloom on every "
             "executor (or ship the environment with --archives)")

@@ -25,8 +25,8 @@ __all__ = ["DeviceSpec", "TrainingDevices", "resolve_devices", "replica_devices"
 DeviceSpec = str | int | torch.device | Sequence[str | torch.device] | None
 """What ``devices=`` takes; None means ``"auto"``."""
 
-_HELP = ("expected 'auto', 'cpu', 'cuda', a device such as 'cuda:0', a non-empty list of "
-         "devices, or an int count of GPUs")
+_HELP = ("expected a device ('cpu', 'cuda:0'), 'auto', 'cuda' (every GPU), a non-empty list "
+         "of devices, or an int count of GPUs")
 
 
 def _cuda_count() -> int:

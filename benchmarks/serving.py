@@ -1,4 +1,4 @@
-"""LeNet behind ``paraloom serve`` vs LitServe under wrk; see ``paraloom bench serving --help``."""
+"""LeNet behind ``paraloom serve`` (HTTP, gRPC), MLServer and LitServe: ``--help`` says more."""
 
 from paraloom.bench.serving import main
 

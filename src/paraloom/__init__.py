@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from paraloom.sync import (
         AdaptiveThreshold,
         FixedThreshold,
+        QuantileThreshold,
         ResidualClipping,
         TargetSparsityThreshold,
     )
@@ -56,7 +57,8 @@ _WHERE = {
     "QueueFullError": "paraloom.inference", "RequestTimeoutError": "paraloom.inference",
     "TrainingListener": "paraloom.listeners",
     "AdaptiveThreshold": "paraloom.sync", "FixedThreshold": "paraloom.sync",
-    "ResidualClipping": "paraloom.sync", "TargetSparsityThreshold": "paraloom.sync",
+    "QuantileThreshold": "paraloom.sync", "ResidualClipping": "paraloom.sync",
+    "TargetSparsityThreshold": "paraloom.sync",
     "StepContext": "paraloom.sync.base", "Synchronizer": "paraloom.sync.base",
     "TrainingMode": "paraloom.training.modes",
     "TrainingCheckpoint": "paraloom.training.resume",
@@ -78,6 +80,7 @@ __all__ = [
     "ParallelInference",
     "ParallelWrapper",
     "ParaloomError",
+    "QuantileThreshold",
     "QueueFullError",
     "RequestTimeoutError",
     "ResidualClipping",

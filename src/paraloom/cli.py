@@ -21,6 +21,7 @@ _BENCHES = {
     "serving": "paraloom.bench.serving",
     "spark": "paraloom.bench.spark",
     "faults": "paraloom.bench.faults",
+    "convergence": "paraloom.bench.convergence",
 }
 
 

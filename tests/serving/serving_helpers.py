@@ -104,5 +104,7 @@ def expected(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def closing(app: Starlette) -> None:
-    """Close the pool an app built (the lifespan would, under a real server)."""
-    app.state.served.pool.close(drain=False, timeout=WAIT_S)
+    """Close the pools an app built (the lifespan would, under a real server)."""
+    for served in app.state.registry.models().values():
+        if served.owns_pool:
+            served.pool.close(drain=False, timeout=WAIT_S)

@@ -133,7 +133,7 @@ def test_bad_header_length_is_400(client: Client) -> None:
 
 
 @pytest.mark.parametrize(("method", "url", "status", "fragment"), [
-    ("GET", "/v2/models/resnet", 404, "unknown model 'resnet'; this server serves 'lenet'"),
+    ("GET", "/v2/models/resnet", 404, "unknown model 'resnet'; this server serves ['lenet']"),
     ("GET", "/v2/models/lenet/versions/9", 404, "has no version '9'; it serves version '1'"),
     ("GET", "/v2/models/lenet/versions/9/ready", 404, "no version '9'"),
     ("POST", "/v2/models/resnet/infer", 404, "unknown model 'resnet'"),
@@ -253,9 +253,12 @@ def test_metrics_count_requests_and_failures_by_reason(client: Client) -> None:
     client.post(URL, content=b"{")
     client.post("/v2/models/nope/infer", json=lenet_input())
     text = client.get("/metrics").text
-    assert 'paraloom_inference_requests_total{model="lenet"} 3.0' in text
+    assert 'paraloom_inference_requests_total{model="lenet"} 2.0' in text
     assert 'paraloom_inference_failures_total{model="lenet",reason="bad_request"} 1.0' in text
-    assert 'paraloom_inference_failures_total{model="lenet",reason="not_found"} 1.0' in text
+    # Names the server does not have share one label: a client cannot grow the label set.
+    assert 'paraloom_inference_requests_total{model="unknown"} 1.0' in text
+    assert 'paraloom_inference_failures_total{model="unknown",reason="not_found"} 1.0' in text
+    assert 'model="nope"' not in text
     assert 'paraloom_request_duration_seconds_count{model="lenet"} 1.0' in text
     assert 'paraloom_pool_rows_total{model="lenet"} 1.0' in text  # recorded before delivery
     assert 'paraloom_model_version{model="lenet"} 1.0' in text
@@ -268,8 +271,27 @@ def test_repository_index_lists_the_model(client: Client) -> None:
         {"name": "lenet", "version": "1", "state": "READY", "reason": ""}]
 
 
-def test_unload_is_refused(client: Client) -> None:
-    assert_error(client.post("/v2/repository/models/lenet/unload"), 400, "not supported")
+def test_unload_then_load_serves_the_model_again_in_a_new_pool(app: Starlette,
+                                                               client: Client) -> None:
+    x = torch.rand(2, 1, 8, 8)
+    before = outputs_of(client.post(URL, json=infer_json(x)))
+    old_pool = app.state.registry.get("lenet").pool
+    assert client.post("/v2/repository/models/lenet/unload").status_code == 200
+    assert old_pool.closed  # unload drained and closed the pool the server built
+    assert_error(client.post(URL, json=infer_json(x)), 404, "not loaded", "/load")
+    assert client.get("/v2/models/lenet/ready").status_code == 400  # known, not ready
+    assert client.get("/v2/models/nope/ready").status_code == 404
+    assert client.post("/v2/repository/index").json() == [
+        {"name": "lenet", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]
+    assert client.post("/v2/repository/models/lenet/load").json() == {"name": "lenet",
+                                                                      "version": "2"}
+    served = app.state.registry.get("lenet")
+    assert served.pool is not old_pool and not served.pool.closed
+    torch.testing.assert_close(outputs_of(client.post(URL, json=infer_json(x))), before)
+
+
+def test_unload_of_an_unknown_model_is_404(client: Client) -> None:
+    assert_error(client.post("/v2/repository/models/nope/unload"), 404, "unknown model 'nope'")
 
 
 def test_load_is_forbidden_without_a_file_or_directory(client: Client) -> None:

@@ -1,42 +1,61 @@
-"""The serving benchmark's pure parts (the benchmark itself is not part of the test suite)."""
+"""The serving benchmark's parts (the benchmark itself is not part of the test suite)."""
 
 from __future__ import annotations
 
-import pytest
+import math
+import os
+import time
 
-from paraloom.bench.serving import _parse_wrk
+import torch
 
-WRK = """Running 15s test @ http://127.0.0.1:40001/v2/models/lenet/infer
-  2 threads and 64 connections
-  Thread Stats   Avg      Stdev     Max   +/- Stdev
-    Latency    30.12ms   20.01ms 400.00ms   90.00%
-    Req/Sec     1.09k   200.00     1.50k    70.00%
-  Latency Distribution
-     50%   25.99ms
-     75%   31.99ms
-     90%   48.86ms
-     99%  116.85ms
-  32506 requests in 15.02s, 10.00MB read
-  Socket errors: connect 0, read 0, write 0, timeout 3
-  Non-2xx or 3xx responses: 5
-Requests/sec:   2164.88
-Transfer/sec:    681.00KB
-"""
+from paraloom.bench.load import Target, cpu_seconds, percentile, run_load
+from paraloom.bench.serving import _grpc_request, _v2_json, summarize
+from paraloom.models import LeNet
+from paraloom.serving import ServerThread, create_app
 
 
-def test_wrk_output_is_read_into_numbers() -> None:
-    assert _parse_wrk(WRK) == {
-        "requests_per_s": 2164.88, "requests": 32506, "p50_ms": 25.99, "p75_ms": 31.99,
-        "p90_ms": 48.86, "p99_ms": 116.85, "non_2xx": 5,
-        "socket_errors": "connect 0, read 0, write 0, timeout 3"}
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 99), percentile(values, 100)) == \
+        (50.0, 99.0, 100.0)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
 
 
-def test_latency_units_are_converted_to_ms() -> None:
-    text = WRK.replace("25.99ms", "850.00us").replace("116.85ms", "1.20s")
-    parsed = _parse_wrk(text)
-    assert parsed["p50_ms"] == pytest.approx(0.85) and parsed["p99_ms"] == pytest.approx(1200.0)
+def test_summary_takes_medians_over_rounds() -> None:
+    def run(rps: float, p99: float) -> dict:
+        return {"requests_per_s": rps, "p50_ms": 1.0, "p99_ms": p99, "server_cpu_per_s": 1.0,
+                "errors": 1}
+    rounds = [{"a @1": run(100, 9)}, {"a @1": run(300, 3)}, {"a @1": run(200, 5)}]
+    assert summarize(rounds)["a @1"] == {
+        "requests_per_s": 200, "p50_ms": 1.0, "p99_ms": 5, "server_cpu_per_s": 1.0,
+        "range_requests_per_s": [100, 300], "errors": 3}
 
 
-def test_unreadable_output_says_so() -> None:
-    with pytest.raises(ValueError, match="cannot read wrk's output"):
-        _parse_wrk("wrk: connection refused")
+def test_cpu_seconds_of_this_process_group_grow_with_work() -> None:
+    group = os.getpgid(0)
+    before = cpu_seconds(group)
+    start = time.process_time()
+    while time.process_time() - start < 0.3:  # 0.3 s of this process's CPU, however busy
+        pass
+    assert cpu_seconds(group) - before >= 0.25
+
+
+def test_the_load_generator_gets_answers_over_http_and_grpc() -> None:
+    torch.manual_seed(0)
+    model = LeNet(image_size=8).eval()
+    x = torch.rand(1, 1, 8, 8)
+    with ServerThread(create_app(model, name="lenet", workers=1), grpc_port=0) as server:
+        port = int(server.grpc_url.rsplit(":", 1)[1])
+        for target in (Target(server.host, server.port, _v2_json(x),
+                              path="/v2/models/lenet/infer"),
+                       Target(server.host, port, _grpc_request(x),
+                              method="/inference.GRPCInferenceService/ModelInfer")):
+            result = run_load(target, concurrency=3, duration=0.5, warmup=0.1, processes=2)
+            assert result["errors"] == 0 and result["requests"] > 0
+            assert 0 < result["p50_ms"] <= result["p99_ms"]
+        bad = Target(server.host, server.port, b"{", path="/v2/models/lenet/infer")
+        result = run_load(bad, concurrency=1, duration=0.3, warmup=0.0, processes=1)
+        assert result["requests"] == 0 and result["errors"] > 0
+        assert result["error_kinds"] == ["HTTP 400"]
+

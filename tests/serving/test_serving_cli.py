@@ -209,3 +209,61 @@ def test_a_taken_port_exits_2_and_stops_the_pool(tmp_path: Path,
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     leaked = {t.name for t in threading.enumerate()} - before
     assert not [n for n in leaked if n.startswith("paraloom-inference")]
+
+
+def test_models_dir_with_grpc_port_0_serves_every_model_over_both(tmp_path: Path) -> None:
+    import tritonclient.grpc as tg
+
+    root = tmp_path / "models"
+    root.mkdir()
+    a = saved(root / "a.safetensors", 1)
+    b = saved(root / "b.safetensors", 2)
+    running = Process("--models-dir", str(root), "--port", "0", "--grpc-port", "0",
+                      "--workers", "1", "--log-level", "info")
+    try:
+        grpc_port = int(running.wait_for(r"paraloom: gRPC on 127\.0\.0\.1:(\d+)").group(1))
+        port = int(running.wait_for(r"paraloom serving on http://127\.0\.0\.1:(\d+)").group(1))
+        x = np.random.default_rng(0).random((2, 1, 8, 8), dtype=np.float32)
+        client = tg.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        for name, model in (("a", a), ("b", b)):
+            item = tg.InferInput("input", list(x.shape), "FP32")
+            item.set_data_from_numpy(x)
+            with torch.no_grad():
+                want = model(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(client.infer(name, [item]).as_numpy("output"), want,
+                                       rtol=1e-5, atol=1e-6)
+        client.close()
+        http = th.InferenceServerClient(url=f"127.0.0.1:{port}")
+        assert [m["name"] for m in http.get_model_repository_index()] == ["a", "b"]
+    finally:
+        assert running.stop() in (0, -signal.SIGTERM)
+
+
+def test_a_taken_grpc_port_exits_2_and_stops_the_pool(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    saved(tmp_path / "m.safetensors", 0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = {t.name for t in threading.enumerate()}
+        code = cli.run(parse(str(tmp_path / "m.safetensors"), "--port", "0", "--grpc-port",
+                             str(port), "--workers", "1"))
+    assert code == 2
+    assert f"cannot listen for gRPC on 127.0.0.1:{port}" in capsys.readouterr().err
+    leaked = {t.name for t in threading.enumerate()} - before
+    assert not [n for n in leaked if n.startswith("paraloom-inference")]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_bad_gil_switch_interval_exits_2(tmp_path: Path, value: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import sys as _sys
+
+    saved(tmp_path / "m.safetensors", 0)
+    before = _sys.getswitchinterval()
+    code = cli.run(parse(str(tmp_path / "m.safetensors"), "--port", "0", "--workers", "1",
+                         f"--gil-switch-ms={value}"))
+    assert code == 2
+    assert "switch_interval" in capsys.readouterr().err
+    assert _sys.getswitchinterval() == before  # refused before anything changed

@@ -15,9 +15,11 @@ from paraloom.sync.encoding import (
     bitmap_encode,
     choose_format,
     decode,
+    decode_into,
     empty_message,
     encode,
     full_step_mask,
+    moved_index,
     quantize_threshold,
     threshold_encode,
 )
@@ -222,3 +224,28 @@ def test_decode_into_a_wider_dtype_and_on_views() -> None:
     msg = encode(v, 0.5)
     assert decode(msg, torch.zeros(2, 2, dtype=torch.float64)).tolist() == [[0.5, -0.5],
                                                                              [0.0, 0.5]]
+
+
+@pytest.mark.parametrize("fmt", [Format.THRESHOLD, Format.BITMAP])
+def test_moved_index_names_exactly_the_elements_a_message_changes(fmt: Format) -> None:
+    v = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    msg = threshold_encode(v, 1.0) if fmt == Format.THRESHOLD else bitmap_encode(v, 1.0, -1)
+    changed = torch.nonzero(decode(msg, torch.zeros(1000)) != 0).reshape(-1)
+    index = moved_index(msg)
+    assert index.dtype == torch.int64 and index.tolist() == changed.tolist()
+    assert moved_index(empty_message(1000)).numel() == 0
+
+
+@pytest.mark.parametrize("fmt", [Format.THRESHOLD, Format.BITMAP])
+def test_decode_into_tensors_end_to_end_equals_decode_into_one(fmt: Format) -> None:
+    g = torch.Generator().manual_seed(4)
+    v = torch.randn(2 * 3 * 4 + 5 + 7, generator=g)
+    msg = threshold_encode(v, 1.0) if fmt == Format.THRESHOLD else bitmap_encode(v, 1.0, 1)
+    base = torch.randn(v.numel(), generator=g)
+    outs = [base[:24].clone().view(2, 3, 4).permute(2, 0, 1),  # non-contiguous
+            base[24:29].clone(), base[29:].clone().view(7, 1)]
+    bounds = torch.tensor([o.numel() for o in outs]).cumsum(0)
+    before = torch.cat([o.reshape(-1) for o in outs])  # row-major, whatever the layout
+    decode_into(msg, outs, bounds)
+    after = torch.cat([o.reshape(-1) for o in outs])
+    assert torch.equal(after, decode(msg, before))

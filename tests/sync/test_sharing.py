@@ -12,7 +12,12 @@ from torch import nn
 from paraloom.sync.base import StepContext
 from paraloom.sync.encoding import Format
 from paraloom.sync.sharing import SharedGradients
-from paraloom.sync.thresholds import AdaptiveThreshold, FixedThreshold, ResidualClipping
+from paraloom.sync.thresholds import (
+    AdaptiveThreshold,
+    FixedThreshold,
+    QuantileThreshold,
+    ResidualClipping,
+)
 
 from .replicas import batch, make_model, train
 
@@ -39,7 +44,8 @@ def _shared_run(rank: int, world_size: int, **options: Any) -> dict[str, Any]:
     {"encoding": "bitmap", "combine": "sum", "idle": {3: [0], 7: [1]}},
     {"residual_post_processor": ResidualClipping(2.0, 2),
      "threshold_algorithm": AdaptiveThreshold(initial=1e-2)},
-], ids=["auto-batchnorm-idle", "threshold", "bitmap-sum-idle", "clipping"])
+    {"recipe": "dl4j", "idle": {5: [1]}},
+], ids=["auto-batchnorm-idle", "threshold", "bitmap-sum-idle", "clipping", "dl4j-idle"])
 def test_replicas_are_bit_identical_after_every_step(pool, options) -> None:
     results = pool.run(_shared_run, **options)
     _identical(results)
@@ -61,7 +67,7 @@ def _conservation_run(rank: int, world_size: int, combine: str) -> dict[str, Any
                                                                         before, strict=True)]
         total.append(torch.cat(deltas))
 
-    sync = SharedGradients(FixedThreshold(2.0 ** -9), combine=combine)
+    sync = SharedGradients(FixedThreshold(2.0 ** -9), recipe="dl4j", combine=combine)
     out = train(rank, world_size, sync, STEPS, on_update=on_update, dtype=torch.float64,
                 seed=0)
     out["sum_updates"] = torch.stack(total).sum(0).tolist()
@@ -172,6 +178,41 @@ def test_hooks_out_of_order_and_bad_options_are_explained() -> None:
         SharedGradients(combine="avg")
     with pytest.raises(ValueError, match="encoding="):
         SharedGradients(encoding="dense")
+    with pytest.raises(ValueError, match="'dgc'.*'dl4j'"):
+        SharedGradients(recipe="strom")
+
+
+def test_recipes_set_the_defaults_and_explicit_options_win() -> None:
+    dgc, dl4j = SharedGradients(), SharedGradients(recipe="dl4j")
+    assert isinstance(dgc.threshold_algorithm, QuantileThreshold)
+    assert (dgc.combine, dgc.momentum_masking) == ("mean", True)
+    assert dgc.config()["residual_post_processor"] == {"type": "ResidualClipping", "ratio": 2.0,
+                                                       "frequency": 1}
+    assert isinstance(dl4j.threshold_algorithm, AdaptiveThreshold)
+    assert dl4j.threshold_algorithm.tau == 1e-3
+    assert (dl4j.combine, dl4j.momentum_masking) == ("sum", False)
+    assert dl4j.residual_post_processor is None
+    mixed = SharedGradients(FixedThreshold(0.5), recipe="dl4j", combine="mean",
+                            momentum_masking=True)
+    assert mixed.config()["threshold_algorithm"]["type"] == "FixedThreshold"
+    assert (mixed.combine, mixed.momentum_masking, mixed.config()["recipe"]) == \
+        ("mean", True, "dl4j")
+
+
+def test_momentum_masking_zeroes_the_momentum_of_the_elements_sent() -> None:
+    for masking in (True, False):
+        model = nn.Linear(4, 1, bias=False)
+        nn.init.zeros_(model.weight)
+        ctx = StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0,
+                                                                  momentum=0.9))
+        sync = SharedGradients(FixedThreshold(0.125), momentum_masking=masking,
+                               encoding="threshold")
+        sync.setup(ctx)
+        _step(sync, ctx, [[-0.3, 0.05, 0.2, -0.1]])  # elements 0 and 2 reach tau
+        buffer = ctx.optimizer.state[model.weight]["momentum_buffer"].reshape(-1)
+        expected = [0.0, 0.05, 0.0, -0.1] if masking else [-0.3, 0.05, 0.2, -0.1]
+        assert buffer.tolist() == pytest.approx(expected)
+        assert sync.stats()["momentum_masked"] == (2 if masking else 0)
 
 
 def test_state_dict_round_trip_and_pickling() -> None:

@@ -12,12 +12,14 @@ from paraloom.sync.thresholds import (
     DEFAULT_DECAY,
     AdaptiveThreshold,
     FixedThreshold,
+    QuantileThreshold,
     ResidualClipping,
     ResidualPostProcessor,
     TargetSparsityThreshold,
     ThresholdAlgorithm,
     adapt_threshold,
     clip_residual_,
+    sampled_quantile,
 )
 
 
@@ -125,3 +127,54 @@ def test_residual_clipping_clamps_every_frequency_steps_but_not_step_zero() -> N
     assert clip_residual_(torch.tensor([-3.0, 3.0]), 2.0).tolist() == [-2.0, 2.0]
     ResidualPostProcessor().process(residual, 1.0, 5)  # the base class does nothing
     assert residual.tolist() == [5.0, -5.0, 3.0]
+
+
+@pytest.mark.parametrize("density", [1 / 300, 1e-2])
+def test_quantile_threshold_moves_about_density_of_the_elements(density: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    residual, algorithm, moved = torch.zeros(300_000), QuantileThreshold(density), []
+    for step in range(30):
+        residual += torch.randn(residual.numel(), generator=g) * 10.0 ** -(step % 3)
+        msg = encode(residual, algorithm.choose(residual))
+        decode(msg, residual, sign=-1)
+        moved.append(msg.moved / residual.numel())
+    assert algorithm.calls == 30
+    # A sampled quantile: each message within 25% of the target, their mean within 5%.
+    assert all(0.75 * density <= m <= 1.25 * density for m in moved), moved
+    assert sum(moved) / len(moved) == pytest.approx(density, rel=0.05)
+
+
+def test_sampled_quantile_is_exact_on_a_full_sample_and_deterministic() -> None:
+    v = torch.arange(1.0, 1001.0) * torch.tensor([1.0, -1.0]).repeat(500)
+    assert sampled_quantile(v, 0.01, sample=10_000) == 990.0  # 10 elements are >= 990 in size
+    picked = [sampled_quantile(v, 0.1, sample=100, offset=k) for k in range(3)]
+    assert picked == [sampled_quantile(v, 0.1, sample=100, offset=k) for k in range(3)]
+    assert len(set(picked)) == 3, "the offset should move the sample"
+    assert sampled_quantile(torch.zeros(50), 0.1, sample=100) == 0.0
+
+
+def test_quantile_threshold_keeps_its_tau_on_zero_or_nonfinite_residuals() -> None:
+    algorithm = QuantileThreshold(0.01, initial=0.5)
+    assert algorithm.choose(torch.zeros(1000)) == 0.5
+    assert algorithm.choose(torch.full((1000,), float("nan"))) == 0.5
+    assert algorithm.choose(torch.full((1000,), 2.0)) == 2.0
+
+
+def test_quantile_threshold_state_round_trips() -> None:
+    algorithm = QuantileThreshold(0.01, sample=1000)
+    algorithm.choose(torch.randn(5000))
+    fresh = QuantileThreshold(0.01, sample=1000)
+    fresh.load_state_dict(algorithm.state_dict())
+    assert (fresh.tau, fresh.calls) == (algorithm.tau, 1)
+    assert repr(pickle.loads(pickle.dumps(algorithm))) == repr(algorithm)
+    assert algorithm.config() == {"type": "QuantileThreshold", "initial": 1e-3,
+                                  "density": 0.01, "sample": 1000}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"density": 0}, "density"), ({"density": 1.0}, "density"),
+    ({"sample": 8}, "sample"), ({"density": 1e-4, "sample": 1000}, "fewer than 4"),
+])
+def test_quantile_threshold_rejects_bad_settings(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        QuantileThreshold(**kwargs)

@@ -24,6 +24,7 @@ __all__ = ["gpu_counts", "run_gpu"]
 
 ModelFn = Callable[[], nn.Module]
 OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+LossFn = Callable[[], nn.Module]
 
 
 def gpu_counts(available: int) -> list[int]:
@@ -35,10 +36,10 @@ def gpu_counts(available: int) -> list[int]:
 
 
 def _plain_loop(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
-                make_optimizer: OptimizerFn) -> float:
+                make_optimizer: OptimizerFn, make_loss: LossFn) -> float:
     """Samples/s of a plain training loop on cuda:0 (the data already on the GPU)."""
     device = torch.device("cuda", 0)
-    model, loss_fn = make_model().to(device), nn.CrossEntropyLoss()
+    model, loss_fn = make_model().to(device), make_loss()
     opt = make_optimizer(model.parameters())
     x, y = (t.to(device) for t in data.tensors)
     bs = args.batch_size
@@ -59,7 +60,7 @@ def _plain_loop(args: argparse.Namespace, data: TensorDataset, make_model: Model
 
 
 def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: str,
-              make_model: ModelFn, make_optimizer: OptimizerFn) -> float:
+              make_model: ModelFn, make_optimizer: OptimizerFn, make_loss: LossFn) -> float:
     """Steady-state samples/s of ParallelWrapper on ``gpus`` GPUs, one worker each (timed
     between the first and last round of a second fit(), as the CPU benchmark does)."""
     from paraloom import ParallelWrapper
@@ -68,7 +69,7 @@ def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: st
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
     kwargs: dict[str, Any] = {"averaging_frequency": 3} if mode == "averaging" else {}
     times: list[float] = []
-    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
+    with ParallelWrapper(model, loss_fn=make_loss(),
                          optimizer=make_optimizer(model.parameters()), devices=gpus,
                          workers=gpus, training_mode=mode, progress=False,
                          listeners=[lambda i, e, loss: times.append(time.perf_counter())],
@@ -80,13 +81,14 @@ def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: st
 
 
 def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
-            make_optimizer: OptimizerFn) -> int:
+            make_optimizer: OptimizerFn, make_loss: LossFn) -> int:
     """Measure and print the scaling table; writes JSON next to the CPU benchmark's."""
     counts = gpu_counts(torch.cuda.device_count() if torch.cuda.is_available() else 0)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    baseline = _plain_loop(args, data, make_model, make_optimizer)
+    baseline = _plain_loop(args, data, make_model, make_optimizer, make_loss)
     rows = [{"gpus": n, "mode": mode,
-             "samples_per_s": _paraloom(args, data, n, mode, make_model, make_optimizer)}
+             "samples_per_s": _paraloom(args, data, n, mode, make_model, make_optimizer,
+                                        make_loss)}
             for mode in modes for n in counts]
     for row in rows:
         row["speedup"] = row["samples_per_s"] / baseline
@@ -97,7 +99,8 @@ def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
                "plain_loop_cuda0_samples_per_s": baseline, "scaling": rows}
     out = Path(args.out)
     path = write_results(str(out.with_name(out.stem + "_cuda" + out.suffix)), results)
-    print(f"plain loop on cuda:0: {baseline:.0f} samples/s (batch {args.batch_size} per GPU)")
+    print(f"{args.model}: plain loop on cuda:0: {baseline:.0f} samples/s (batch "
+          f"{args.batch_size} per GPU)")
     print(f"{'mode':<18}{'GPUs':>5}{'samples/s':>12}{'speed-up':>10}{'efficiency':>12}")
     for row in rows:
         print(f"{row['mode']:<18}{row['gpus']:>5}{row['samples_per_s']:>12.0f}"

@@ -1,8 +1,11 @@
 """Training throughput: ParallelWrapper against single-process training and PyTorch DDP.
 
-Every contender trains the same LeNet on the same data with the same per-worker batch, in this
-process tree, one after the other; the report gives samples/s and ratios against the linear
-limit (workers x the single-thread rate) and against DDP.
+For each model (``--model``: LeNet 0.43M parameters, a small GPT-style transformer 3.5M,
+ResNet-18 11.2M, a wide MLP 37.8M; see ``bench.models``), every contender trains the same model
+on the same synthetic data with the same per-worker batch, in this process tree, one after the
+other. The report gives steady-state samples/s with ratios against the linear limit (workers x
+the single-thread rate) and against DDP, the rate of a whole 30-round ``fit()`` on the warm
+pool against the same mode's steady rate, and the bytes each worker sends per step.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from paraloom.bench.common import machine, plain_args, write_results
-from paraloom.models import LeNet
+from paraloom.bench.models import WORKLOADS, workload
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -29,12 +32,25 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run"]
 
 
+_ROUNDS = {"lenet": 64, "transformer": 8, "resnet18": 8, "mlp": 8}
+"""Rounds per timed epoch by default: enough for a steady rate, few for the large models."""
+_BATCH = {"lenet": 64, "transformer": 8, "resnet18": 16, "mlp": 64}
+"""Rows per worker per step by default (8 x 128 tokens for the transformer): each model's
+step then costs 0.3-0.5 s on one core, so the whole table takes minutes, not hours."""
+_WHOLE_FIT_ROUNDS = 30
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="lenet",
+                   help="comma-separated, or 'all': " + ", ".join(WORKLOADS))
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--samples", type=int, default=8192, help="training rows per epoch")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="per worker (default: " + ", ".join(f"{m} {b}" for m, b in
+                                                           _BATCH.items()) + ")")
+    p.add_argument("--samples", type=int, default=None,
+                   help="training rows per epoch (default: "
+                        + ", ".join(f"{m} {r} rounds" for m, r in _ROUNDS.items()) + ")")
     p.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up)")
-    p.add_argument("--image-size", type=int, default=28, help="28: MNIST-sized LeNet")
     p.add_argument("--modes", default="averaging,allreduce,shared_gradients",
                    help="ParallelWrapper modes to measure, comma-separated")
     p.add_argument("--out", default="benchmarks/results/training.json")
@@ -43,15 +59,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _data(args: argparse.Namespace) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.rand(args.samples, 1, args.image_size, args.image_size, generator=g)
-    y = torch.randint(0, 10, (args.samples,), generator=g)
-    return TensorDataset(x, y)
+    rows = args.samples or _ROUNDS[args.model] * args.batch_size * args.workers
+    return workload(args.model).data(rows, torch.Generator().manual_seed(0))
 
 
 def _model(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(0)
-    return LeNet(image_size=args.image_size)
+    return workload(args.model).build()
+
+
+def _loss(args: argparse.Namespace) -> nn.Module:
+    return workload(args.model).loss()
 
 
 def _sgd(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
@@ -63,7 +81,7 @@ def _single(args: argparse.Namespace, data: TensorDataset, threads: int) -> floa
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model, loss_fn = _model(args), nn.CrossEntropyLoss()
+        model, loss_fn = _model(args), _loss(args)
         opt = _sgd(model.parameters())
         x, y = data.tensors
         bs = args.batch_size
@@ -89,7 +107,7 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace,
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     model = nn.parallel.DistributedDataParallel(_model(args))
-    opt, loss_fn = _sgd(model.parameters()), nn.CrossEntropyLoss()
+    opt, loss_fn = _sgd(model.parameters()), _loss(args)
     x, y = data.tensors
     bs = args.batch_size
     steps = len(x) // (bs * world)
@@ -143,44 +161,50 @@ class _Clock:
 
 
 def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> dict[str, Any]:
-    """Samples/s (steady state and whole fit()) and bytes/step of ParallelWrapper in one mode."""
+    """Samples/s (steady state, whole fit() of 30 rounds) and bytes/step in one mode."""
     from paraloom import ParallelWrapper
 
     model = _model(args)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    rows_per_round = args.batch_size * args.workers
+    short = DataLoader(Subset(data, range(min(len(data), _WHOLE_FIT_ROUNDS * rows_per_round))),
+                       batch_size=args.batch_size, shuffle=True, drop_last=True)
     kwargs: dict[str, Any] = {"averaging_frequency": 3} if mode == "averaging" else {}
     clock = _Clock()
-    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(model.parameters()),
+    with ParallelWrapper(model, loss_fn=_loss(args), optimizer=_sgd(model.parameters()),
                          workers=args.workers, training_mode=mode, progress=False,
                          listeners=[clock], **kwargs) as wrapper:
         wrapper.fit(loader, epochs=1)  # starts the workers; warm-up
         clock.times.clear()
         stats = wrapper.fit(loader, epochs=args.epochs)
+        steady = (len(clock.times) - 1) * rows_per_round / (clock.times[-1] - clock.times[0])
+        rounds_per_epoch = -(-len(short) // args.workers)
+        clock.times.clear()
+        start = time.perf_counter()  # a whole call: sending the model, the rounds, the final sync
+        wrapper.fit(short, epochs=-(-_WHOLE_FIT_ROUNDS // rounds_per_epoch))
+        whole = len(clock.times) * rows_per_round / (time.perf_counter() - start)
     per_step = stats["bytes_sent_per_step"]
-    rows_per_round = args.batch_size * args.workers
-    steady = (len(clock.times) - 1) * rows_per_round / (clock.times[-1] - clock.times[0])
     return {"samples_per_s": steady, "fit_samples_per_s": stats["samples_per_s"],
+            "whole_fit_30_samples_per_s": whole,
             "bytes_per_step_per_worker": sum(per_step) / len(per_step)}
 
 
-def run(args: argparse.Namespace) -> int:
-    args = plain_args(args)
-    if args.device == "cuda":
-        from paraloom.bench.gpu_scaling import run_gpu
-
-        return run_gpu(args, _data(args), lambda: _model(args), _sgd)
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every contender on one model (``args.model``)."""
     cores = machine()["cores"] or 1
     threads = max(1, cores // args.workers)
     data = _data(args)
-    results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(),
+    parameters = sum(p.numel() for p in _model(args).parameters())
+    results: dict[str, Any] = {"parameters": parameters, "rows_per_epoch": len(data),
+                               "batch_size_per_worker": args.batch_size,
                                "threads_per_worker": threads, "samples_per_s": {}}
     sps = results["samples_per_s"]
     sps["single_1_thread"] = _single(args, data, 1)
     sps[f"single_{cores}_threads"] = _single(args, data, cores)
     sps["ddp"] = _ddp(args, data, threads)
     results["bytes_per_step_per_worker"] = {
-        "ddp": 2 * (args.workers - 1) / args.workers * 4 * sum(
-            p.numel() for p in _model(args).parameters())}
+        "ddp": 2 * (args.workers - 1) / args.workers * 4 * parameters}
+    results["whole_fit_30_samples_per_s"] = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         try:
             r = _wrapper(args, data, mode)
@@ -188,28 +212,83 @@ def run(args: argparse.Namespace) -> int:
             results.setdefault("skipped", {})[mode] = str(e)
             continue
         sps[f"paraloom_{mode}"] = r["samples_per_s"]
-        results.setdefault("whole_fit_samples_per_s", {})[f"paraloom_{mode}"] = \
-            r["fit_samples_per_s"]
+        results["whole_fit_30_samples_per_s"][f"paraloom_{mode}"] = \
+            r["whole_fit_30_samples_per_s"]
         results["bytes_per_step_per_worker"][f"paraloom_{mode}"] = r["bytes_per_step_per_worker"]
     linear = args.workers * sps["single_1_thread"]
     results["ratio_to_linear"] = {k: v / linear for k, v in sps.items()}
     results["ratio_to_ddp"] = {k: v / sps["ddp"] for k, v in sps.items()}
+    results["whole_fit_30_to_steady"] = {
+        k: v / sps[k] for k, v in results["whole_fit_30_samples_per_s"].items()}
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    args = plain_args(args)
+    names = list(WORKLOADS) if args.model == "all" else \
+        [m.strip() for m in args.model.split(",") if m.strip()]
+    for name in names:
+        workload(name)  # an unknown name fails before anything runs
+    if args.device == "cuda":
+        if len(names) != 1:
+            raise ValueError("--device cuda measures one --model at a time")
+        from paraloom.bench.gpu_scaling import run_gpu
+
+        args.model, args.batch_size = names[0], args.batch_size or _BATCH[names[0]]
+        return run_gpu(args, _data(args), lambda: _model(args), _sgd, lambda: _loss(args))
+    results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(), "models": {}}
+    batch_size = args.batch_size
+    for name in names:
+        args.model, args.batch_size = name, batch_size or _BATCH[name]
+        results["models"][name] = _measure(args)
+        _print(name, results["models"][name])
+        write_results(args.out, results)  # after each model: a long run keeps what it measured
     path = write_results(args.out, results)
-    _print(results, path)
+    _plot(results, Path(args.out).with_suffix(".png"))
+    print(f"results written to {path}")
     return 0
 
 
-def _print(results: dict[str, Any], path: Path) -> None:
-    print(f"{'contender':<28}{'samples/s':>12}{'/linear':>10}{'/DDP':>8}{'bytes/step':>14}")
+def _print(name: str, results: dict[str, Any]) -> None:
+    print(f"\n{name}: {results['parameters'] / 1e6:.2f}M parameters")
+    print(f"{'contender':<28}{'samples/s':>12}{'/linear':>10}{'/DDP':>8}{'fit(30)':>9}"
+          f"{'bytes/step':>14}")
     for k, v in results["samples_per_s"].items():
         b = results["bytes_per_step_per_worker"].get(k)
-        print(f"{k:<28}{v:>12.0f}{results['ratio_to_linear'][k]:>10.2f}"
-              f"{results['ratio_to_ddp'][k]:>8.2f}{'' if b is None else f'{b:>14.0f}'}")
+        whole = results["whole_fit_30_to_steady"].get(k)
+        print(f"{k:<28}{v:>12.1f}{results['ratio_to_linear'][k]:>10.2f}"
+              f"{results['ratio_to_ddp'][k]:>8.2f}{'' if whole is None else f'{whole:>9.2f}':>9}"
+              f"{'' if b is None else f'{b:>14.0f}'}")
     for mode, why in results.get("skipped", {}).items():
         print(f"skipped {mode}: {why}")
-    for k, v in results.get("whole_fit_samples_per_s", {}).items():
-        print(f"{k}: {v:.0f} samples/s over the whole fit() (start-up and final sync included)")
-    print(f"results written to {path}")
+    print("fit(30): samples/s of a whole 30-round fit() on the warm pool / the steady rate")
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'paraloom[bench]'): no plot")
+        return
+    models = list(results["models"])
+    contenders = [k for k in results["models"][models[0]]["ratio_to_ddp"] if k != "ddp"]
+    fig, ax = plt.subplots(figsize=(2.2 * len(models) + 3, 4))
+    width = 0.8 / max(1, len(contenders))
+    for i, contender in enumerate(contenders):
+        ax.bar([m + i * width for m in range(len(models))],
+               [results["models"][name]["ratio_to_ddp"].get(contender, 0.0) for name in models],
+               width, label=contender)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([m + width * (len(contenders) - 1) / 2 for m in range(len(models))],
+                  [f"{n}\n{results['models'][n]['parameters'] / 1e6:.1f}M" for n in models])
+    ax.set_ylabel("steady samples/s / PyTorch DDP's")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot written to {path}")
 
 
 if __name__ == "__main__":

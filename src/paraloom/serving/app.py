@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -20,23 +20,25 @@ from torch import nn
 
 from paraloom._version import __version__
 from paraloom.serving.body import read_body
-from paraloom.serving.errors import NotFoundError, ProtocolError, ServingError
+from paraloom.serving.errors import ProtocolError, ServingError
+from paraloom.serving.handling import InferAnswer, handle_infer
 from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
+from paraloom.serving.registry import ModelRegistry
 from paraloom.serving.repository import ModelFiles
-from paraloom.serving.served import ServedModel
-from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature, probe_input
+from paraloom.serving.served import ServedModel, build_pool
+from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
 
 if TYPE_CHECKING:
     from paraloom.inference.parallel import ParallelInference
 
-__all__ = ["create_app"]
+__all__ = ["EXTENSIONS", "create_app", "create_repository_app"]
 
 _log = logging.getLogger("paraloom.serving")
 _HEADER = "Inference-Header-Content-Length"
 _PARSE_IN_THREAD = 1 << 20  # decode bodies this large off the event loop
 _LOAD_BODY_LIMIT = 64 << 10
-_EXTENSIONS = ["binary_tensor_data", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "model_repository"]
 
 
 def error_response(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
@@ -45,15 +47,18 @@ def error_response(status: int, message: str, retry_after: int | None = None) ->
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
+def _registry(request: Request) -> ModelRegistry:
+    registry: ModelRegistry = request.app.state.registry
+    return registry
+
+
 def _served(request: Request) -> ServedModel:
-    served: ServedModel = request.app.state.served
-    served.check(request.path_params["name"], request.path_params.get("version"))
-    return served
+    return _registry(request).get(request.path_params["name"], request.path_params.get("version"))
 
 
 async def server_metadata(request: Request) -> Response:
     """GET /v2."""
-    return JSONResponse({"name": "paraloom", "version": __version__, "extensions": _EXTENSIONS})
+    return JSONResponse({"name": "paraloom", "version": __version__, "extensions": EXTENSIONS})
 
 
 async def live(request: Request) -> Response:
@@ -62,8 +67,8 @@ async def live(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """GET /v2/health/ready: 200 while the model takes requests, 400 (the spec's 4xx) otherwise."""
-    return Response(status_code=200 if request.app.state.served.ready else 400)
+    """GET /v2/health/ready: 200 while the models take requests, 400 (the spec's 4xx) otherwise."""
+    return Response(status_code=200 if _registry(request).ready else 400)
 
 
 async def model_metadata(request: Request) -> Response:
@@ -73,7 +78,9 @@ async def model_metadata(request: Request) -> Response:
 
 async def model_ready(request: Request) -> Response:
     """GET /v2/models/{name}[/versions/{version}]/ready."""
-    return Response(status_code=200 if _served(request).ready else 400)
+    ready = _registry(request).is_ready(request.path_params["name"],
+                                        request.path_params.get("version"))
+    return Response(status_code=200 if ready else 400)
 
 
 def _header_length(request: Request) -> int | None:
@@ -87,66 +94,46 @@ def _header_length(request: Request) -> int | None:
     return int(digits)
 
 
-def _encode(served: ServedModel, parsed: InferRequest, result: Any, version: str) -> Response:
-    named = dict(served.signature.name_outputs(result))
-    if parsed.outputs is None:
-        chosen = [(n, t, parsed.binary_output) for n, t in named.items()]
-    else:
-        unknown = [o.name for o in parsed.outputs if o.name not in named]
-        if unknown:
-            raise ProtocolError(f"request asks for outputs {unknown} that the model does not "
-                                f"have; its outputs are {list(named)}")
-        chosen = [(o.name, named[o.name], parsed.binary_output if o.binary is None
-                   else o.binary) for o in parsed.outputs]
+def _encode(answer: InferAnswer) -> Response:
     body, header_length = encode_infer_response(
-        model_name=served.name, model_version=version, request_id=parsed.id, outputs=chosen)
+        model_name=answer.model_name, model_version=answer.model_version,
+        request_id=answer.request_id, outputs=answer.outputs)
     if header_length is None:
         return Response(body, media_type="application/json")
     return Response(body, media_type="application/octet-stream",
                     headers={_HEADER: str(header_length)})
 
 
-async def _infer(request: Request, served: ServedModel) -> Response:
-    pinned = request.path_params.get("version")
-    body = await read_body(request, request.app.state.max_body_bytes)
-    header_length = _header_length(request)
-    if len(body) > _PARSE_IN_THREAD:
-        parsed = await anyio.to_thread.run_sync(parse_infer_request, body, header_length)
-    else:
-        parsed = parse_infer_request(body, header_length)
-    tensors = served.signature.check(parsed.inputs)
-    result, version = await served.infer(tensors)
-    if pinned is not None and version != pinned:
-        raise NotFoundError(f"model {served.name!r} moved to version {version!r} while this "
-                            f"request waited; version {pinned!r} is gone, send it again")
-    return _encode(served, parsed, result, version)
-
-
 async def infer(request: Request) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer."""
-    served, metrics = request.app.state.served, request.app.state.metrics
-    started = time.perf_counter()
-    metrics.request(served.name)
+    async def decode() -> InferRequest:
+        body = await read_body(request, request.app.state.max_body_bytes)
+        header_length = _header_length(request)
+        if len(body) > _PARSE_IN_THREAD:
+            return await anyio.to_thread.run_sync(parse_infer_request, body, header_length)
+        return parse_infer_request(body, header_length)
+
     try:
-        served.check(request.path_params["name"], request.path_params.get("version"))
-        response = await _infer(request, served)
+        answer = await handle_infer(_registry(request), request.app.state.metrics,
+                                    request.path_params["name"],
+                                    request.path_params.get("version"), decode)
     except ServingError as e:
-        metrics.failure(served.name, e.reason)
         return error_response(e.status, e.message, e.retry_after)
-    except Exception as e:  # the model itself raised on every try: a server-side failure
-        _log.exception("inference failed")
-        metrics.failure(served.name, "model_error")
-        return error_response(500, f"the model failed: {type(e).__name__}: {e}")
-    metrics.done(served.name, time.perf_counter() - started)
-    return response
+    return _encode(answer)
 
 
 async def repository_index(request: Request) -> Response:
-    """POST /v2/repository/index."""
-    served: ServedModel = request.app.state.served
-    state = "READY" if served.ready else "UNAVAILABLE"
-    return JSONResponse([{"name": served.name, "version": served.version, "state": state,
-                          "reason": ""}])
+    """POST /v2/repository/index: every model, its version and state (READY, UNAVAILABLE)."""
+    body = await read_body(request, _LOAD_BODY_LIMIT)
+    rows = _registry(request).index()
+    if body.strip():
+        try:
+            obj = json.loads(body)
+        except ValueError as e:
+            raise ProtocolError(f"index request body is not valid JSON: {e}") from e
+        if isinstance(obj, dict) and obj.get("ready") is True:
+            rows = [r for r in rows if r["state"] == "READY"]
+    return JSONResponse(rows)
 
 
 async def _load_parameters(request: Request) -> dict[str, Any]:
@@ -164,18 +151,19 @@ async def _load_parameters(request: Request) -> dict[str, Any]:
 
 
 async def load_model(request: Request) -> Response:
-    """POST /v2/repository/models/{name}/load: swap in new weights (see ``ModelFiles``)."""
-    served = _served(request)
-    version = await served.load(await _load_parameters(request))
-    _log.info("model %r now serves version %s", served.name, version)
-    return JSONResponse({"name": served.name, "version": version})
+    """POST /v2/repository/models/{name}/load: load, reload or swap in new weights."""
+    name = request.path_params["name"]
+    version = await _registry(request).load(name, await _load_parameters(request))
+    _log.info("model %r now serves version %s", name, version)
+    return JSONResponse({"name": name, "version": version})
 
 
 async def unload_model(request: Request) -> Response:
-    """POST /v2/repository/models/{name}/unload: refused, the server serves one model."""
-    served = _served(request)
-    raise ProtocolError(f"unloading is not supported: this server exists to serve "
-                        f"{served.name!r}; stop the server instead")
+    """POST /v2/repository/models/{name}/unload: stop serving it once in-flight requests end."""
+    name = request.path_params["name"]
+    await read_body(request, _LOAD_BODY_LIMIT)
+    await _registry(request).unload(name)
+    return JSONResponse({"name": name})
 
 
 async def metrics(request: Request) -> Response:
@@ -217,20 +205,6 @@ _ROUTES = [
     Route("/v2/repository/models/{name}/unload", unload_model, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]
-
-
-def _build_pool(model: nn.Module, signature: ModelSignature,
-                sample: torch.Tensor | Sequence[torch.Tensor] | None, probed: bool,
-                pool_options: dict[str, Any]) -> ParallelInference:
-    """ParallelInference(model), warmed on the signature's probe so errors are blamed right."""
-    from paraloom.inference.parallel import ParallelInference
-
-    options = dict(pool_options)
-    if probed and options.get("example_input") is None:
-        # An input the model is known to accept: a later failure of one request is then that
-        # request's fault (400), while a model failing on everything is the model's (500).
-        options["example_input"] = probe_input(signature, sample)
-    return ParallelInference(model, **options)
 
 
 def _check_pool(pool_or_model: object, model: nn.Module | None, pool_options: dict[str, Any]
@@ -286,21 +260,69 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
     # The probe ran the model only when the outputs were read from it.
     probe = sample if outputs is None else None
     if isinstance(pool_or_model, nn.Module):
-        pool = _build_pool(pool_or_model, signature, probe, outputs is None, pool_options)
+        pool = build_pool(pool_or_model, signature, probe, outputs is None, pool_options)
     else:
         pool = pool_or_model
     served = ServedModel(name, pool, model, signature, files=files, owns_pool=owns,
                          retry_after=retry_after)
+
+    def rebuild(last: ServedModel) -> ServedModel:
+        """After an unload: the same model (its latest weights) in a new pool."""
+        if not last.owns_pool:  # the caller's pool was left open: serve it again
+            return ServedModel(name, last.pool, last.model, signature, files=files,
+                               owns_pool=False, retry_after=retry_after)
+        assert last.model is not None
+        fresh = build_pool(last.model, signature, probe, outputs is None, pool_options)
+        return ServedModel(name, fresh, last.model, signature, files=files, owns_pool=True,
+                           retry_after=retry_after, first_version=int(last.version) + 1)
+
+    registry = ModelRegistry()
+    registry.add(served, rebuild)
+    app = _app(registry, max_body_bytes)
+    app.state.served = served
+    return app
+
+
+def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 << 20,
+                          retry_after: int = 1, **pool_defaults: Any) -> Starlette:
+    """An ASGI app serving every model in ``models_dir`` (see ``paraloom.serving.model_dir``).
+
+    Each model gets its own ``ParallelInference``, built with ``pool_defaults`` overridden by
+    the model's config. Models that fail to load are listed as UNAVAILABLE with the reason.
+    """
+    from paraloom.serving.model_dir import ModelDir
+
+    if max_body_bytes <= 0:
+        raise ValueError(f"max_body_bytes={max_body_bytes}; expected a positive byte count")
+    source = ModelDir(models_dir, pool_defaults=pool_defaults, retry_after=retry_after)
+    registry = ModelRegistry(source)
+    try:
+        for name, found in source.scan().items():
+            try:
+                registry.add(source.build(found))
+            except (ValueError, TypeError, RuntimeError, OSError) as e:
+                _log.error("model %r not loaded: %s", name, e)
+                registry.fail(name, str(e))
+    except BaseException:
+        for served in registry.models().values():
+            served.pool.close(drain=False)
+        raise
+    app = _app(registry, max_body_bytes)
+    app.state.served = None
+    return app
+
+
+def _app(registry: ModelRegistry, max_body_bytes: int) -> Starlette:
     app_metrics = ServingMetrics()
-    app_metrics.watch(name, pool)
+    app_metrics.watch(registry.pools)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
-        await served.close()
+        await registry.close()
 
     app = Starlette(routes=_ROUTES, lifespan=lifespan, exception_handlers={
         ServingError: _on_serving_error, HTTPException: _on_http_error})
-    app.state.served, app.state.metrics = served, app_metrics
+    app.state.registry, app.state.metrics = registry, app_metrics
     app.state.max_body_bytes = max_body_bytes
     return app

@@ -31,7 +31,8 @@ _log = logging.getLogger("paraloom.serving")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``paraloom serve``'s arguments to ``parser``."""
     parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help="a .safetensors file written by paraloom.save or paraloom train")
+                        help="a .safetensors file written by paraloom.save or paraloom train "
+                        "(leave out with --models-dir to serve every model in DIR)")
     parser.add_argument("--factory", metavar="PKG.MOD:FN",
                         help="build the model by calling this function (your own architecture)")
     parser.add_argument("--weights", metavar="FILE",
@@ -62,12 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sig.add_argument("--input-datatype", default="FP32", help="e.g. FP32 (default)")
     sig.add_argument("--input-name", default="input", help="default: input")
     http = parser.add_argument_group("HTTP")
-    http.add_argument("--models-dir", metavar="DIR", help="folder of .safetensors files that "
+    http.add_argument("--models-dir", metavar="DIR", help="without MODEL: serve every model "
+                      "in DIR (a model repository: one sub-folder or .safetensors file per "
+                      "model); with MODEL: the folder of .safetensors files that "
                       "POST /v2/repository/models/NAME/load may read (default: only MODEL)")
+    http.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
+                      help="also serve the v2 gRPC endpoint on PORT (default: off; 0: any free "
+                      "port, printed)")
     http.add_argument("--max-body-mb", type=float, default=16.0,
                       help="largest request body in MiB (default 16); larger gets 413")
     http.add_argument("--graceful-timeout", type=float, default=30.0,
                       help="seconds to finish in-flight requests at shutdown (default 30)")
+    http.add_argument("--gil-switch-ms", type=float, default=1.0,
+                      help="Python's GIL switch interval in ms for this server (default 1; "
+                      "Python's own is 5, which makes the event loop wait on the workers)")
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     http.add_argument("--access-log", action="store_true", help="log every request")
 
@@ -138,13 +147,13 @@ def _input_specs(args: argparse.Namespace) -> list[TensorSpec] | None:
 
 def _reload_on_sighup(app: Starlette) -> None:
     """Make SIGHUP reload the served file, as ``POST .../load`` with no body does."""
-    served = app.state.served
+    registry, name = app.state.registry, app.state.served.name
     inner = app.router.lifespan_context
 
     async def reload() -> None:
         try:
-            version = await served.load({})
-            _log.info("SIGHUP: model %r now serves version %s", served.name, version)
+            version = await registry.load(name, {})
+            _log.info("SIGHUP: model %r now serves version %s", name, version)
         except Exception as e:  # a bad file must not stop the server: log it, keep serving
             _log.error("SIGHUP reload failed, the old version keeps serving: %s", e)
 
@@ -168,36 +177,55 @@ def _check_graceful_timeout(seconds: float) -> None:
                          "e.g. --graceful-timeout 30")
 
 
+def _pool_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"inference_mode": args.mode, "workers": args.workers, "devices": args.devices,
+            "batch_limit": args.batch_limit, "queue_limit": args.queue_limit,
+            "max_wait_ms": args.max_wait_ms, "threads_per_worker": args.threads_per_worker}
+
+
+def _build_app(args: argparse.Namespace) -> tuple[Starlette, str | None]:
+    """The app to serve and the paraloom file it serves (None: a repository or no file)."""
+    from paraloom.serving.app import create_app, create_repository_app
+
+    max_body = int(args.max_body_mb * (1 << 20))
+    if args.models_dir and not args.model and not args.factory:
+        if args.input_shape:
+            raise ValueError("--input-shape applies to one model; with a models directory, put "
+                             '"inputs" in each model\'s config.json')
+        return create_repository_app(args.models_dir, max_body_bytes=max_body,
+                                     **_pool_options(args)), None
+    model, model_file = build_model(args)
+    app = create_app(model, name=args.name, model_file=model_file, model_dir=args.models_dir,
+                     max_body_bytes=max_body, inputs=_input_specs(args), **_pool_options(args))
+    return app, model_file
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code."""
-    from paraloom.serving.app import create_app
-    from paraloom.serving.server import serve
+    from paraloom.serving.server import close_owned_pools, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
         _check_graceful_timeout(args.graceful_timeout)
-        model, model_file = build_model(args)
-        app = create_app(model, name=args.name, model_file=model_file,
-                         model_dir=args.models_dir,
-                         max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                         inference_mode=args.mode, workers=args.workers,
-                         devices=args.devices,
-                         batch_limit=args.batch_limit, queue_limit=args.queue_limit,
-                         max_wait_ms=args.max_wait_ms,
-                         threads_per_worker=args.threads_per_worker,
-                         inputs=_input_specs(args))
+        app, model_file = _build_app(args)
     except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError) as e:
         print(f"paraloom serve: error: {e}", file=sys.stderr)
         return 2
     if model_file is not None and hasattr(signal, "SIGHUP"):
         _reload_on_sighup(app)
-    meta = app.state.served.metadata()
-    _log.info("model %r: inputs %s, outputs %s", args.name, meta["inputs"], meta["outputs"])
+    for row in app.state.registry.index():
+        if row["state"] == "READY":
+            meta = app.state.registry.get(row["name"]).metadata()
+            _log.info("model %r: inputs %s, outputs %s", row["name"], meta["inputs"],
+                      meta["outputs"])
+        else:
+            _log.warning("model %r not served: %s", row["name"], row["reason"])
     try:
         serve(app, host=args.host, port=args.port, log_level=args.log_level,
-              access_log=args.access_log, graceful_timeout=args.graceful_timeout)
-    except OSError as e:  # e.g. the port is taken: nothing was served, stop the pool we built
-        app.state.served.pool.close(drain=False)
+              access_log=args.access_log, graceful_timeout=args.graceful_timeout,
+              grpc_port=args.grpc_port, switch_interval=args.gil_switch_ms / 1e3)
+    except (OSError, ValueError) as e:  # e.g. a port is taken: nothing was served
+        close_owned_pools(app)
         print(f"paraloom serve: error: {e}", file=sys.stderr)
         return 2
     return 0

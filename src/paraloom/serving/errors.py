@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "ForbiddenError",
+    "ModelFailedError",
     "NotFoundError",
     "PayloadTooLargeError",
     "ProtocolError",
@@ -69,3 +70,10 @@ class UnavailableError(ServingError):
                  ) -> None:
         super().__init__(message, retry_after=retry_after)
         self.reason = reason
+
+
+class ModelFailedError(ServingError):
+    """The model itself failed (on every try), not the request: HTTP 500."""
+
+    status = 500
+    reason = "model_error"

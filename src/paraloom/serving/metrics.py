@@ -6,7 +6,7 @@ or one test after another, never see each other's counts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -57,9 +57,10 @@ class ServingMetrics:
         """Record the server-side latency of one answered request."""
         self.latency.labels(model).observe(seconds)
 
-    def watch(self, model: str, pool: ParallelInference) -> None:
-        """Export ``pool.stats()`` (queue and forward time, batch sizes, ...) at each scrape."""
-        self.registry.register(PoolCollector(model, pool))
+    def watch(self, pools: Callable[[], Mapping[str, ParallelInference]]) -> None:
+        """Export each pool's ``stats()`` (queue and forward time, batch sizes, ...) at each
+        scrape; ``pools()`` gives the pools serving then, by model name."""
+        self.registry.register(PoolCollector(pools))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
@@ -67,65 +68,72 @@ class ServingMetrics:
 
 
 class PoolCollector:
-    """Reads a ParallelInference's ``stats()`` when Prometheus scrapes, and exports it."""
+    """Reads the serving pools' ``stats()`` when Prometheus scrapes, and exports them."""
 
-    def __init__(self, model: str, pool: ParallelInference) -> None:
-        self.model = model
-        self.pool = pool
+    def __init__(self, pools: Callable[[], Mapping[str, ParallelInference]]) -> None:
+        self.pools = pools
 
     def describe(self) -> list[Metric]:
         """Nothing up front: the registry must not call ``stats()`` when this is registered."""
         return []
 
     def collect(self) -> Iterator[Metric]:
-        """The metric families, built from one ``stats()`` call."""
+        """The metric families, one sample per model, from one ``stats()`` call per pool."""
         # Read by key name, with a default for any key a pool leaves out.
-        stats: Mapping[str, Any] = self.pool.stats()
+        stats: dict[str, Mapping[str, Any]] = {m: p.stats() for m, p in self.pools().items()}
         yield from self._counters(stats)
-        yield self._batch_sizes(stats.get("batch_size_histogram", {}), stats.get("rows", 0))
+        yield self._batch_sizes(stats)
         for key, name, what in (
                 ("queue_time_ms", "queue", "Time requests waited in the queue"),
                 ("forward_time_ms", "forward", "Time of each batched forward pass")):
-            yield self._timing(stats.get(key, {}), name, what)
+            yield self._timing(stats, key, name, what)
         for key, name, help_text in (("model_version", "model_version",
                                       "Version of the model now served."),
                                      ("queued", "queue_length", "Requests waiting now.")):
             gauge = GaugeMetricFamily(f"paraloom_{name}", help_text, labels=["model"])
-            gauge.add_metric([self.model], float(stats.get(key, 0)))
+            for model, s in stats.items():
+                gauge.add_metric([model], float(s.get(key, 0)))
             yield gauge
 
-    def _counters(self, stats: Mapping[str, Any]) -> Iterator[Metric]:
+    def _counters(self, stats: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
         for key, help_text in (("requests", "Requests ParallelInference accepted."),
                                ("completed", "Requests answered with an output."),
                                ("failed", "Accepted requests answered with an error."),
                                ("rows", "Rows run through the model."),
                                ("batches", "Forward passes.")):
             family = CounterMetricFamily(f"paraloom_pool_{key}", help_text, labels=["model"])
-            family.add_metric([self.model], float(stats.get(key, 0)))
+            for model, s in stats.items():
+                family.add_metric([model], float(s.get(key, 0)))
             yield family
         rejected = CounterMetricFamily("paraloom_pool_rejections",
                                        "Requests ParallelInference refused or dropped, by reason.",
                                        labels=["model", "reason"])
-        for reason, count in sorted(stats.get("rejections", {}).items()):
-            rejected.add_metric([self.model, reason], float(count))
+        for model, s in stats.items():
+            for reason, count in sorted(s.get("rejections", {}).items()):
+                rejected.add_metric([model, reason], float(count))
         yield rejected
 
-    def _batch_sizes(self, histogram: Mapping[int, int], rows: int) -> Metric:
-        buckets = []
-        for bound in _SIZES:  # Prometheus buckets are cumulative: batches of <= bound rows
-            seen = sum(n for size, n in histogram.items() if int(size) <= bound)
-            buckets.append((str(float(bound)), float(seen)))
-        buckets.append(("+Inf", float(sum(histogram.values()))))
+    def _batch_sizes(self, stats: Mapping[str, Mapping[str, Any]]) -> Metric:
         family = HistogramMetricFamily("paraloom_batch_size", "Rows in each forward pass.",
                                        labels=["model"])
-        family.add_metric([self.model], buckets, sum_value=float(rows))
+        for model, s in stats.items():
+            histogram: Mapping[int, int] = s.get("batch_size_histogram", {})
+            buckets = []
+            for bound in _SIZES:  # Prometheus buckets are cumulative: batches of <= bound rows
+                seen = sum(n for size, n in histogram.items() if int(size) <= bound)
+                buckets.append((str(float(bound)), float(seen)))
+            buckets.append(("+Inf", float(sum(histogram.values()))))
+            family.add_metric([model], buckets, sum_value=float(s.get("rows", 0)))
         return family
 
-    def _timing(self, summary: Mapping[str, float], name: str, what: str) -> Metric:
+    def _timing(self, stats: Mapping[str, Mapping[str, Any]], key: str, name: str, what: str
+                ) -> Metric:
         family = GaugeMetricFamily(
             f"paraloom_{name}_time_seconds",
             f"{what}, over the pool's recent window, by quantile (1: the maximum).",
             labels=["model", "quantile"])
-        for key, quantile in _QUANTILES.items():
-            family.add_metric([self.model, quantile], summary.get(key, 0.0) / 1e3)
+        for model, s in stats.items():
+            summary: Mapping[str, float] = s.get(key, {})
+            for k, quantile in _QUANTILES.items():
+                family.add_metric([model, quantile], summary.get(k, 0.0) / 1e3)
         return family

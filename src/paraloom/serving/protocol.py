@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # typing has NotRequired from Python 3.11 on
 import torch
 
 from paraloom.serving.datatypes import (
+    DataType,
     datatype_of,
     lookup,
     tensor_from_bytes,
@@ -32,8 +33,11 @@ __all__ = [
     "InferRequest",
     "RequestInput",
     "RequestedOutput",
+    "binary_input",
     "encode_infer_response",
+    "json_input",
     "parse_infer_request",
+    "parse_shape",
 ]
 
 
@@ -129,7 +133,7 @@ _MAX_RANK = 32  # numpy's limit is 64; no model takes more
 _MAX_ELEMENTS = 1 << 40  # far beyond any body; keeps byte strides inside 64 bits
 
 
-def _parse_shape(raw: object, where: str) -> tuple[int, ...]:
+def parse_shape(raw: object, where: str) -> tuple[int, ...]:
     if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool)
                                             and d >= 0 for d in raw):
         raise ProtocolError(f"{where} has shape {short_repr(raw)}; expected an array of "
@@ -164,7 +168,7 @@ def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int
                             f"data, got {short_repr(obj)}")
     name = _get(obj, "name", str, f"inputs[{index}]")
     where = f"input {name!r}"
-    shape = _parse_shape(obj.get("shape"), where)
+    shape = parse_shape(obj.get("shape"), where)
     dt = lookup(obj.get("datatype"), where)
     params = _get(obj, "parameters", dict, where, required=False) or {}
     size = params.get("binary_data_size")
@@ -172,8 +176,7 @@ def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int
         if "data" not in obj:
             raise ProtocolError(f"{where} has neither 'data' nor parameters.binary_data_size; "
                                 "send the values as JSON 'data' or as binary tensor data")
-        tensor = _build_tensor(tensor_from_json, where, shape, obj["data"], dt, shape, where)
-        return RequestInput(name, dt.name, shape, tensor), 0
+        return RequestInput(name, dt.name, shape, json_input(name, dt, shape, obj["data"])), 0
     if binary is None:
         raise ProtocolError(f"{where} declares binary_data_size but the request has no "
                             "Inference-Header-Content-Length header giving the JSON length")
@@ -187,9 +190,25 @@ def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int
     if offset + size > len(binary):
         raise ProtocolError(f"{where} needs bytes {offset}..{offset + size} of the binary data "
                             f"but the body has only {len(binary)} bytes after the JSON header")
-    tensor = _build_tensor(tensor_from_bytes, where, shape, binary[offset:offset + size], dt,
-                           shape)
+    tensor = binary_input(name, dt, shape, binary[offset:offset + size], size)
     return RequestInput(name, dt.name, shape, tensor), size
+
+
+def json_input(name: str, dt: DataType, shape: tuple[int, ...], data: Any) -> torch.Tensor:
+    """The tensor of an input sent as values (JSON ``data``, or gRPC's typed contents)."""
+    where = f"input {name!r}"
+    return _build_tensor(tensor_from_json, where, shape, data, dt, shape, where)
+
+
+def binary_input(name: str, dt: DataType, shape: tuple[int, ...], chunk: memoryview,
+                 size: int) -> torch.Tensor:
+    """The tensor of an input sent as raw bytes (binary extension, gRPC raw contents)."""
+    where = f"input {name!r}"
+    expected = math.prod(shape) * dt.itemsize
+    if size != expected:
+        raise ProtocolError(f"{where} has {size} bytes of binary data but shape {list(shape)} "
+                            f"of {dt.name} needs {expected} bytes")
+    return _build_tensor(tensor_from_bytes, where, shape, chunk, dt, shape)
 
 
 def _split_body(body: bytes, header_length: int | None) -> tuple[Any, memoryview | None]:

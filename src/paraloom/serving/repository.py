@@ -19,9 +19,18 @@ from torch import nn
 from paraloom.checkpoint import read_header
 from paraloom.serving.errors import ForbiddenError, ProtocolError, short_repr
 
-__all__ = ["ModelFiles"]
+__all__ = ["ModelFiles", "check_load_parameters"]
 
 _SUFFIX = ".safetensors"
+
+
+def check_load_parameters(parameters: dict[str, Any]) -> None:
+    """Refuse Triton's upload parameters (``file:...``, ``config``): 403."""
+    for key in parameters:
+        if key.startswith("file:") or key == "config":
+            raise ForbiddenError(f"load parameter {key!r} is refused: paraloom never takes "
+                                 "model files or configs from clients; copy the file into "
+                                 "the server's models directory and send {\"path\": NAME}")
 
 
 class ModelFiles:
@@ -47,11 +56,7 @@ class ModelFiles:
         if not self.enabled:
             raise ForbiddenError("model loading is disabled on this server: start it from a "
                                  "model file or with a models directory (model_dir=...)")
-        for key in parameters:
-            if key.startswith("file:") or key == "config":
-                raise ForbiddenError(f"load parameter {key!r} is refused: paraloom never takes "
-                                     "model files or configs from clients; copy the file into "
-                                     "the server's models directory and send {\"path\": NAME}")
+        check_load_parameters(parameters)
         raw = parameters.get("path")
         if raw is None:
             if self.model_file is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import anyio
@@ -25,12 +26,12 @@ from paraloom.serving.errors import (
     UnavailableError,
 )
 from paraloom.serving.repository import ModelFiles
-from paraloom.serving.signature import ModelSignature, TensorMetadata
+from paraloom.serving.signature import ModelSignature, TensorMetadata, probe_input
 
 if TYPE_CHECKING:
     from paraloom.inference.parallel import ParallelInference
 
-__all__ = ["ModelMetadata", "ServedModel"]
+__all__ = ["ModelMetadata", "ServedModel", "build_pool"]
 
 
 class ModelMetadata(TypedDict):
@@ -53,8 +54,9 @@ class ServedModel:
 
     def __init__(self, name: str, pool: ParallelInference, model: nn.Module | None,
                  signature: ModelSignature, *, files: ModelFiles, owns_pool: bool,
-                 retry_after: int = 1) -> None:
+                 retry_after: int = 1, first_version: int = 1) -> None:
         self.name = name
+        self.first_version = first_version  # the version the pool's first model is served as
         self.pool = pool
         self.model = model
         self.signature = signature
@@ -72,15 +74,13 @@ class ServedModel:
     @property
     def version(self) -> str:
         """The version now served, as the protocol's string."""
-        return str(self.pool.model_version)
+        return str(self.first_version + self.pool.model_version - 1)
 
-    def check(self, name: str, version: str | None = None) -> None:
-        """Raise ``NotFoundError`` unless this is the model (and version) named in the URL."""
-        if name != self.name:
-            raise NotFoundError(f"unknown model {name!r}; this server serves {self.name!r}")
+    def check_version(self, version: str | None) -> None:
+        """Raise ``NotFoundError`` unless ``version`` (None: any) is the one served."""
         if version is not None and version != self.version:
-            raise NotFoundError(f"model {name!r} has no version {version!r}; it serves version "
-                                f"{self.version!r} (or leave the version out of the URL)")
+            raise NotFoundError(f"model {self.name!r} has no version {version!r}; it serves "
+                                f"version {self.version!r} (or leave the version out of the URL)")
 
     @property
     def ready(self) -> bool:
@@ -164,12 +164,29 @@ class ServedModel:
         return UnavailableError(f"{message}; retry after {self.retry_after} s, or on a running "
                                 "server", reason="shutting_down", retry_after=self.retry_after)
 
-    async def close(self) -> None:
-        """Stop taking requests; if the server owns the pool, drain it within close_timeout."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Stop taking requests; if the server owns the pool, drain it within the timeout.
+
+        ``timeout`` None: the server's ``close_timeout`` (None there too: wait for the drain).
+        """
         self.draining = True
         if self.owns_pool:
-            timeout = self.close_timeout
+            timeout = self.close_timeout if timeout is None else timeout
             await anyio.to_thread.run_sync(lambda: self.pool.close(drain=True, timeout=timeout))
+
+
+def build_pool(model: nn.Module, signature: ModelSignature,
+               sample: torch.Tensor | Sequence[torch.Tensor] | None, probed: bool,
+               pool_options: dict[str, Any]) -> ParallelInference:
+    """ParallelInference(model), warmed on the signature's probe so errors are blamed right."""
+    from paraloom.inference.parallel import ParallelInference
+
+    options = dict(pool_options)
+    if probed and options.get("example_input") is None:
+        # An input the model is known to accept: a later failure of one request is then that
+        # request's fault (400), while a model failing on everything is the model's (500).
+        options["example_input"] = probe_input(signature, sample)
+    return ParallelInference(model, **options)
 
 
 def _inplace_limit(pool: ParallelInference) -> int | None:

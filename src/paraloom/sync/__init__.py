@@ -9,6 +9,7 @@ from paraloom.sync.sharing import SharedGradients
 from paraloom.sync.thresholds import (
     AdaptiveThreshold,
     FixedThreshold,
+    QuantileThreshold,
     ResidualClipping,
     ResidualPostProcessor,
     TargetSparsityThreshold,
@@ -17,7 +18,7 @@ from paraloom.sync.thresholds import (
 
 __all__ = [
     "AdaptiveThreshold", "AllReduce", "Averaging", "FixedThreshold", "Fp16AllReduce", "NoSync",
-    "ResidualClipping", "ResidualPostProcessor", "SharedGradients", "StepContext",
-    "Synchronizer", "TargetSparsityThreshold", "ThresholdAlgorithm", "build_synchronizer",
-    "training_modes",
+    "QuantileThreshold", "ResidualClipping", "ResidualPostProcessor", "SharedGradients",
+    "StepContext", "Synchronizer", "TargetSparsityThreshold", "ThresholdAlgorithm",
+    "build_synchronizer", "training_modes",
 ]

@@ -16,32 +16,59 @@ __all__ = ["Averaging", "average_tensors_", "optimizer_state_tensors"]
 log = logging.getLogger(__name__)
 
 
+BUCKET_BYTES = 25 * 2**20
+"""Bytes per all-reduce when averaging: DDP's default bucket size."""
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``tensors`` of at most ``limit`` bytes each (one tensor may exceed)."""
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
 def average_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
-                     world_size: int,
-                     device: torch.device | None = None) -> int:
+                     world_size: int, device: torch.device | None = None,
+                     bucket_bytes: int = BUCKET_BYTES) -> int:
     """Average ``tensors`` in place across the group; returns the bytes this rank sent.
 
-    Floating tensors are flattened per dtype into one buffer, summed with one all-reduce and
-    divided (gloo has no AVG), so every rank ends with the same bits. Other tensors (integer
-    counters such as BatchNorm's num_batches_tracked) are taken from rank 0. The collective
-    runs on ``device`` (the process group's device: NCCL needs CUDA tensors).
+    Floating tensors are packed per dtype into buckets of ``bucket_bytes``, each summed with
+    its own non-blocking all-reduce as soon as it is packed (packing the next bucket overlaps
+    the transfer of the previous one) and divided (gloo has no AVG), so every rank ends with
+    the same bits. Other tensors (integer counters such as BatchNorm's num_batches_tracked)
+    are taken from rank 0. The collectives run on ``device`` (the process group's device: NCCL
+    needs CUDA tensors).
     """
     sent = 0
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, group_tensors in by_dtype.items():
-        flat = torch.cat([t.detach().reshape(-1).to(device or t.device) for t in group_tensors])
-        if dtype.is_floating_point or dtype.is_complex:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            flat.div_(world_size)
-            sent += Synchronizer.collective_bytes(flat, world_size, "allreduce")
-        else:
-            dist.broadcast(flat, src=0, group=group)
-            sent += Synchronizer.collective_bytes(flat, world_size, "broadcast")
-        offset = 0
-        with torch.no_grad():
-            for t in group_tensors:
+    pending = []
+    for dtype, same_dtype in by_dtype.items():
+        floating = dtype.is_floating_point or dtype.is_complex
+        for bucket in _buckets(same_dtype, bucket_bytes):
+            flat = torch.cat([t.detach().reshape(-1).to(device or t.device) for t in bucket])
+            if floating:
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                sent += Synchronizer.collective_bytes(flat, world_size, "allreduce")
+            else:
+                work = dist.broadcast(flat, src=0, group=group, async_op=True)
+                sent += Synchronizer.collective_bytes(flat, world_size, "broadcast")
+            pending.append((work, flat, bucket, floating))
+    with torch.no_grad():
+        for work, flat, bucket, floating in pending:
+            work.wait()
+            if floating:
+                flat.div_(world_size)
+            offset = 0
+            for t in bucket:
                 n = t.numel()
                 t.copy_(flat[offset:offset + n].view_as(t))
                 offset += n
@@ -105,30 +132,33 @@ class Averaging(Synchronizer):
             self.average(ctx)
 
     def average(self, ctx: StepContext) -> None:
-        """Average parameters and buffers (and optimizer state if asked) across replicas."""
+        """Average parameters and buffers (and optimizer state if asked) across replicas.
+
+        One pipelined pass over all of them (see ``average_tensors_``).
+        """
         if not is_distributed(ctx):
             return
         self.averagings += 1
-        self.bytes_sent += average_tensors_(_model_tensors(ctx.model), ctx.group, ctx.world_size,
-                                            ctx.device)
+        tensors = _model_tensors(ctx.model)
         if self.average_updaters:
-            self._average_optimizer_state(ctx)
+            tensors += self._common_optimizer_state(ctx)
+        self.bytes_sent += average_tensors_(tensors, ctx.group, ctx.world_size, ctx.device)
 
-    def _average_optimizer_state(self, ctx: StepContext) -> None:
+    def _common_optimizer_state(self, ctx: StepContext) -> list[torch.Tensor]:
+        """The optimizer state tensors of the parameters whose state every replica holds."""
         per_param = optimizer_state_tensors(ctx.optimizer)
         # A parameter that got no gradient on some replica has no state there (a routed or
         # multi-task model): average only parameters whose state every replica holds.
         counts = torch.tensor([len(t) for t in per_param], dtype=torch.int64, device=ctx.device)
         both = torch.cat([counts, -counts])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
+        self.bytes_sent += Synchronizer.collective_bytes(both, ctx.world_size)
         most, least = both[:len(counts)], -both[len(counts):]
         tensors = [t for i, ts in enumerate(per_param) if most[i] == least[i] for t in ts]
         if len(tensors) < sum(len(ts) for ts in per_param):
             log.debug("optimizer state missing on some replica for some parameters; those "
                       "are not averaged this time")
-        if tensors:
-            self.bytes_sent += average_tensors_(tensors, ctx.group, ctx.world_size, ctx.device)
-        self.bytes_sent += Synchronizer.collective_bytes(both, ctx.world_size)
+        return tensors
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "averagings": float(self.averagings)}

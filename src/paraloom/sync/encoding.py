@@ -29,6 +29,7 @@ residual and then discarded its message when it switched to the bitmap).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -37,7 +38,8 @@ from torch import Tensor
 
 __all__ = [
     "Format", "Encoded", "quantize_threshold", "full_step_mask", "choose_format",
-    "threshold_encode", "bitmap_encode", "encode", "decode", "empty_message",
+    "threshold_encode", "bitmap_encode", "encode", "decode", "empty_message", "moved_index",
+    "decode_into",
 ]
 
 _ELEMENTS_PER_WORD = 16
@@ -103,15 +105,29 @@ def quantize_threshold(tau: float, dtype: torch.dtype = torch.float32) -> tuple[
     return mantissa, exponent
 
 
-def full_step_mask(v: Tensor, mantissa: int, exponent: int) -> Tensor:
-    """Elements a full step moves exactly: ``tau <= |v| < 2**(exponent + p)``, never NaN/inf."""
-    magnitude = v.abs()
+def full_step_mask(v: Tensor, mantissa: int, exponent: int,
+                   scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Elements a full step moves exactly: ``tau <= |v| < 2**(exponent + p)``, never NaN/inf.
+
+    Comparisons on ``v`` itself, not on ``|v|``: no float temporary the size of ``v``. Two
+    bool tensors shaped like ``v`` given as ``scratch`` are reused instead of allocated (the
+    mask returned is the first).
+    """
     # Python floats compare in v's dtype; a bound above the dtype's range becomes inf (no bound).
+    tau = math.ldexp(mantissa, exponent)
     upper = math.ldexp(1.0, exponent + _precision(v.dtype))
-    full = magnitude >= math.ldexp(mantissa, exponent)
-    # The bound rarely matters: skip its (costly) comparison when even the largest is below it.
-    if magnitude.numel() and not float(magnitude.max()) < upper:  # also true for NaN
-        full &= magnitude < upper
+    if scratch is None:
+        scratch = (torch.empty(v.shape, dtype=torch.bool, device=v.device),
+                   torch.empty(v.shape, dtype=torch.bool, device=v.device))
+    full, other = scratch
+    torch.ge(v, tau, out=full)
+    full |= torch.le(v, -tau, out=other)
+    # The bound rarely matters: skip its (costly) comparisons when every element is within it.
+    if v.numel():
+        low, high = torch.aminmax(v)
+        if not (float(high) < upper and float(low) > -upper):  # also true for NaN
+            full &= torch.lt(v, upper, out=other)
+            full &= torch.gt(v, -upper, out=other)
     return full
 
 
@@ -161,10 +177,11 @@ def _bitmap_payload(flat: Tensor, full: Tensor, tau: float, half_sign: int) -> T
     return words.to(torch.int32)
 
 
-def _prepare(v: Tensor, tau: float) -> tuple[Tensor, int, int, Tensor]:
+def _prepare(v: Tensor, tau: float, scratch: tuple[Tensor, Tensor] | None = None,
+             ) -> tuple[Tensor, int, int, Tensor]:
     flat = _check_flat(v)
     mantissa, exponent = quantize_threshold(tau, flat.dtype)
-    return flat, mantissa, exponent, full_step_mask(flat, mantissa, exponent)
+    return flat, mantissa, exponent, full_step_mask(flat, mantissa, exponent, scratch)
 
 
 def _check_indexable(numel: int) -> None:
@@ -173,31 +190,36 @@ def _check_indexable(numel: int) -> None:
                          f"{_MAX_THRESHOLD_NUMEL}: encode the tensor in chunks")
 
 
-def threshold_encode(v: Tensor, tau: float) -> Encoded:
+def threshold_encode(v: Tensor, tau: float, *,
+                     scratch: tuple[Tensor, Tensor] | None = None) -> Encoded:
     """Sparse message: a signed 1-based int32 index for each element with ``|v| >= tau``."""
-    flat, mantissa, exponent, full = _prepare(v, tau)
+    flat, mantissa, exponent, full = _prepare(v, tau, scratch)
     _check_indexable(flat.numel())
     payload = _threshold_payload(flat, _full_index(full))
     return Encoded(Format.THRESHOLD, mantissa, exponent, 1, flat.numel(), payload.numel(),
                    payload)
 
 
-def bitmap_encode(v: Tensor, tau: float, half_sign: int = 1) -> Encoded:
+def bitmap_encode(v: Tensor, tau: float, half_sign: int = 1, *,
+                  scratch: tuple[Tensor, Tensor] | None = None) -> Encoded:
     """Dense message: 2 bits per element (``+tau``, ``-tau``, or a half step on one side)."""
     if half_sign not in (1, -1):
         raise ValueError(f"half_sign={half_sign!r}; expected 1 or -1")
-    flat, mantissa, exponent, full = _prepare(v, tau)
+    flat, mantissa, exponent, full = _prepare(v, tau, scratch)
     payload = _bitmap_payload(flat, full, math.ldexp(mantissa, exponent), half_sign)
     return Encoded(Format.BITMAP, mantissa, exponent, half_sign, flat.numel(), int(full.sum()),
                    payload)
 
 
 def encode(v: Tensor, tau: float, *, previous: Format = Format.THRESHOLD,
-           half_sign: int = 1) -> Encoded:
-    """Encode in the format ``choose_format`` picks, given the format of the previous message."""
+           half_sign: int = 1, scratch: tuple[Tensor, Tensor] | None = None) -> Encoded:
+    """Encode in the format ``choose_format`` picks, given the format of the previous message.
+
+    ``scratch``: two bool tensors shaped like ``v`` to reuse (see ``full_step_mask``).
+    """
     if half_sign not in (1, -1):
         raise ValueError(f"half_sign={half_sign!r}; expected 1 or -1")
-    flat, mantissa, exponent, full = _prepare(v, tau)
+    flat, mantissa, exponent, full = _prepare(v, tau, scratch)
     # Sparse messages are the common case: their index list gives the count (one pass, one
     # host sync) and is reused as the payload; dense steps pay an extra bitmap pass.
     index = _full_index(full) if flat.numel() <= _MAX_THRESHOLD_NUMEL else None
@@ -218,13 +240,26 @@ def empty_message(numel: int, device: torch.device | str = "cpu") -> Encoded:
     return Encoded(Format.THRESHOLD, 1, 0, 1, numel, 0, payload)
 
 
-def _bitmap_values(msg: Encoded, dtype: torch.dtype) -> Tensor:
+def _bitmap_codes(msg: Encoded) -> Tensor:
     words = msg.payload.to(torch.int64) & 0xFFFFFFFF
     shifts = 2 * torch.arange(_ELEMENTS_PER_WORD, dtype=torch.int64, device=words.device)
-    codes = ((words.unsqueeze(1) >> shifts) & 3).reshape(-1)[: msg.numel]
+    return ((words.unsqueeze(1) >> shifts) & 3).reshape(-1)[: msg.numel]
+
+
+def moved_index(msg: Encoded) -> Tensor:
+    """The flat indices (int64, ascending) of the elements the message moves, half steps too."""
+    if msg.payload.numel() == 0:
+        return torch.empty(0, dtype=torch.int64, device=msg.payload.device)
+    if msg.format == Format.BITMAP:
+        return torch.nonzero(_bitmap_codes(msg)).reshape(-1)
+    return msg.payload.abs().to(torch.int64) - 1
+
+
+def _bitmap_values(msg: Encoded, dtype: torch.dtype) -> Tensor:
+    codes = _bitmap_codes(msg)
     tau = msg.tau
     table = torch.tensor([0.0, tau, -tau, msg.half_sign * tau / 2], dtype=dtype,
-                         device=words.device)
+                         device=codes.device)
     return table[codes]
 
 
@@ -254,3 +289,34 @@ def decode(msg: Encoded, out: Tensor, *, sign: int = 1) -> Tensor:
     values = torch.where(payload > 0, step, -step)
     flat.index_put_((index,), values, accumulate=True)  # indices are unique: exact, deterministic
     return out
+
+
+def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor) -> None:
+    """Add the decoded message into tensors laid end to end (e.g. a model's parameters).
+
+    ``bounds`` holds their cumulative element counts; the tensors are read in row-major order
+    whatever their memory layout. A threshold message touches only its own elements (no
+    temporary of the model's size).
+    """
+    if msg.payload.numel() == 0:
+        return
+    if msg.format == Format.BITMAP:
+        values = _bitmap_values(msg, outs[0].dtype)
+        begin = 0
+        for out in outs:
+            out.add_(values[begin: begin + out.numel()].view(out.shape).to(out.device, out.dtype))
+            begin += out.numel()
+        return
+    payload = msg.payload
+    index = payload.abs().to(torch.int64) - 1
+    cuts = torch.searchsorted(index, bounds.to(index.device)).tolist()
+    start = begin = 0
+    for out, end in zip(outs, cuts, strict=True):
+        if end > start:
+            step = torch.tensor(msg.tau, dtype=out.dtype, device=out.device)
+            part = payload[start:end].to(out.device)
+            flat = index[start:end].to(out.device) - begin
+            where = (flat,) if out.is_contiguous() else torch.unravel_index(flat, out.shape)
+            target = out.view(-1) if out.is_contiguous() else out
+            target.index_put_(where, torch.where(part > 0, step, -step), accumulate=True)
+        start, begin = end, begin + out.numel()

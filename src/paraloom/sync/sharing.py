@@ -6,13 +6,17 @@ Each step, every replica:
    update ``delta = new - old`` (learning rate, momentum etc. applied, as in DL4J);
 2. puts its parameters back to ``old`` and adds ``delta`` (divided by the number of replicas
    when ``combine="mean"``) to its residual;
-3. encodes the residual (threshold or bitmap message, see ``encoding``), subtracts exactly what
-   the message carries, and lets the post-processor (e.g. ``ResidualClipping``) act;
+3. encodes the residual with the tau its threshold algorithm chooses (threshold or bitmap
+   message, see ``encoding``), subtracts exactly what the message carries, zeroes the
+   optimizer's momentum where the message moved an element (``momentum_masking``, see
+   ``momentum``), and lets the post-processor (e.g. ``ResidualClipping``) act;
 4. all-gathers every replica's message and adds their decoded sum, in rank order, to ``old``.
 
 Every replica applies the same messages in the same order to the same ``old``, so the replicas
 stay bit-identical after every step; no replica ever applies its own raw update. The optimizer
-state (momentum, Adam moments) stays local to each replica, as in DL4J.
+state (momentum, Adam moments) stays local to each replica, as in DL4J. Accumulating the
+optimizer's update (velocity times learning rate) rather than the raw gradient is DGC's
+"momentum correction".
 """
 
 from __future__ import annotations
@@ -29,15 +33,25 @@ from paraloom.sync.encoding import (
     Format,
     bitmap_encode,
     decode,
+    decode_into,
     empty_message,
     encode,
+    moved_index,
     threshold_encode,
 )
-from paraloom.sync.thresholds import AdaptiveThreshold, ResidualPostProcessor, ThresholdAlgorithm
+from paraloom.sync.momentum import mask_momentum_
+from paraloom.sync.thresholds import (
+    AdaptiveThreshold,
+    QuantileThreshold,
+    ResidualClipping,
+    ResidualPostProcessor,
+    ThresholdAlgorithm,
+)
 
 __all__ = ["SharedGradients", "exchange_messages"]
 
 _ENCODINGS = ("auto", "threshold", "bitmap")
+_RECIPES = ("dgc", "dl4j")
 
 
 def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | None,
@@ -75,17 +89,18 @@ def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | N
 class _Replica:
     """The tensors one replica keeps between steps (built in ``setup``)."""
 
-    __slots__ = ("params", "old", "residual", "residual_views", "applied", "applied_views",
-                 "old_saved")
+    __slots__ = ("params", "old", "residual", "residual_views", "old_saved", "bounds",
+                 "scratch")
 
     def __init__(self, params: list[nn.Parameter], residual: Tensor) -> None:
         self.params = params
         self.old = [torch.empty_like(p) for p in params]
         self.residual = residual
         self.residual_views = _views(residual, params)
-        self.applied = torch.zeros_like(residual)
-        self.applied_views = _views(self.applied, params)
         self.old_saved = False
+        self.bounds = torch.tensor([p.numel() for p in params], dtype=torch.int64).cumsum(0)
+        self.scratch = (torch.empty(residual.shape, dtype=torch.bool, device=residual.device),
+                        torch.empty(residual.shape, dtype=torch.bool, device=residual.device))
 
 
 def _views(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
@@ -118,41 +133,64 @@ def _broadcast_from_first(tensors: list[Tensor], ctx: StepContext) -> int:
 class SharedGradients(Synchronizer):
     """Threshold-encoded update sharing with residuals (``training_mode="shared_gradients"``).
 
-    ``threshold_algorithm`` defaults to ``AdaptiveThreshold()``; ``residual_post_processor``
-    to none (as DL4J's ParallelWrapper; Spark DL4J uses ``ResidualClipping(5.0, 5)``).
-    ``combine="mean"`` divides each update by the number of replicas before encoding, so the
-    applied step is the mean of the replicas' updates, as with all-reduce: learning rates carry
-    over from single-process or DDP training unchanged. ``combine="sum"`` is DL4J's rule (each
-    replica's quantized update is applied in full: an N times larger step with N replicas).
-    ``encoding`` forces "threshold" or "bitmap" messages instead of choosing by density ("auto").
-    ``broadcast_buffers`` copies rank 0's buffers (e.g. BatchNorm statistics) after each step.
+    Two recipes, both in DL4J's exchange format (threshold or bitmap messages, residuals):
+
+    * ``recipe="dgc"`` (the default) is meant for the dense recipe's learning rate and
+      momentum, after Deep Gradient Compression: ``QuantileThreshold()`` picks tau so that each
+      message moves the largest ~1/300 of the residual's elements, updates are averaged
+      (``combine="mean"``, so learning rates carry over from DDP), momentum factor masking
+      zeroes the optimizer's momentum where a message moved an element, and
+      ``ResidualClipping(2.0, 1)`` keeps each residual element within 2 tau (DGC's local
+      clipping: a surplus that far beyond tau is stale, and sending it later destabilizes).
+    * ``recipe="dl4j"``: DL4J's ParallelWrapper exactly: ``AdaptiveThreshold()`` (tau moves
+      by a factor of 2 per 20 steps to keep 1e-4..1e-2 of the elements), each replica's update
+      applied in full (``combine="sum"``), no masking. It needs a smaller learning rate.
+
+    Each of ``threshold_algorithm``, ``residual_post_processor``, ``combine`` and
+    ``momentum_masking`` overrides the recipe. ``ResidualPostProcessor()``, the no-op base
+    class, turns the clipping off (the dl4j recipe has none, as DL4J's ParallelWrapper; Spark
+    DL4J uses ``ResidualClipping(5.0, 5)``). ``encoding`` forces "threshold" or "bitmap"
+    messages instead of choosing by density ("auto"). ``broadcast_buffers`` copies rank 0's
+    buffers (e.g. BatchNorm statistics) after each step.
     """
 
     name = "shared_gradients"
 
     def __init__(self, threshold_algorithm: ThresholdAlgorithm | None = None,
                  residual_post_processor: ResidualPostProcessor | None = None, *,
-                 combine: str = "mean", encoding: str = "auto",
+                 recipe: str = "dgc", combine: str | None = None,
+                 momentum_masking: bool | None = None, encoding: str = "auto",
                  broadcast_buffers: bool = True) -> None:
         super().__init__()
+        if recipe not in _RECIPES:
+            raise ValueError(f"recipe={recipe!r}; expected 'dgc' (top-k sharing with momentum "
+                             f"masking, trains at the dense recipe) or 'dl4j' (DL4J's exact "
+                             f"rules)")
         if threshold_algorithm is None:
-            threshold_algorithm = AdaptiveThreshold()
+            threshold_algorithm = QuantileThreshold() if recipe == "dgc" else AdaptiveThreshold()
         if not isinstance(threshold_algorithm, ThresholdAlgorithm):
             raise TypeError(f"threshold_algorithm={threshold_algorithm!r}; expected a "
-                            f"ThresholdAlgorithm such as FixedThreshold(1e-3) or "
-                            f"AdaptiveThreshold(initial=1e-3)")
+                            f"ThresholdAlgorithm such as QuantileThreshold(1/300), "
+                            f"FixedThreshold(1e-3) or AdaptiveThreshold(initial=1e-3)")
+        if residual_post_processor is None and recipe == "dgc":
+            residual_post_processor = ResidualClipping(2.0, 1)
         if residual_post_processor is not None and \
                 not isinstance(residual_post_processor, ResidualPostProcessor):
             raise TypeError(f"residual_post_processor={residual_post_processor!r}; expected None "
                             f"or a ResidualPostProcessor such as ResidualClipping(5.0, 5)")
+        if combine is None:
+            combine = "mean" if recipe == "dgc" else "sum"
         if combine not in ("mean", "sum"):
             raise ValueError(f"combine={combine!r}; expected 'mean' (average the replicas' "
                              f"updates, like all-reduce) or 'sum' (DL4J's rule)")
         if encoding not in _ENCODINGS:
             raise ValueError(f"encoding={encoding!r}; expected one of {_ENCODINGS}")
+        self.recipe = recipe
         self.threshold_algorithm = threshold_algorithm
         self.residual_post_processor = residual_post_processor
         self.combine = combine
+        self.momentum_masking = recipe == "dgc" if momentum_masking is None \
+            else bool(momentum_masking)
         self.encoding = encoding
         self.broadcast_buffers = bool(broadcast_buffers)
         self.setup_bytes_sent = 0
@@ -165,6 +203,7 @@ class SharedGradients(Synchronizer):
         self._sparsity_sum = 0.0
         self._encoded_steps = 0
         self._bitmap_steps = 0
+        self._masked = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, ctx: StepContext) -> None:
@@ -209,11 +248,15 @@ class SharedGradients(Synchronizer):
         scale = 1.0 / ctx.world_size if self.combine == "mean" else 1.0
         with torch.no_grad():
             for p, old, r in zip(replica.params, replica.old, replica.residual_views, strict=True):
-                r.add_(p - old, alpha=scale)
+                p.sub_(old)  # the update, computed in place: no temporary the size of p
+                r.add_(p, alpha=scale)
                 p.copy_(old)  # from here on only the decoded messages move the parameters
-            tau = self.threshold_algorithm.tau
-            msg = self._encode(replica.residual, tau)
+            tau = self.threshold_algorithm.choose(replica.residual)
+            msg = self._encode(replica.residual, tau, replica.scratch)
             decode(msg, replica.residual, sign=-1)  # exact: see encoding's module docstring
+            if self.momentum_masking:
+                self._masked += mask_momentum_(ctx.optimizer, replica.params, replica.bounds,
+                                               moved_index(msg))
             # One cheap reduction: the sum is finite unless an element is NaN/inf (or huge);
             # only then count them, with the costlier elementwise test.
             nonfinite = 0 if torch.isfinite(replica.residual.sum()) else \
@@ -241,12 +284,13 @@ class SharedGradients(Synchronizer):
                                "setup(ctx) once per fit() before the first step")
         return self._replica
 
-    def _encode(self, residual: Tensor, tau: float) -> Encoded:
+    def _encode(self, residual: Tensor, tau: float, scratch: tuple[Tensor, Tensor]) -> Encoded:
         if self.encoding == "bitmap":
-            return bitmap_encode(residual, tau, self._half_sign)
+            return bitmap_encode(residual, tau, self._half_sign, scratch=scratch)
         if self.encoding == "threshold":
-            return threshold_encode(residual, tau)
-        return encode(residual, tau, previous=self._format, half_sign=self._half_sign)
+            return threshold_encode(residual, tau, scratch=scratch)
+        return encode(residual, tau, previous=self._format, half_sign=self._half_sign,
+                      scratch=scratch)
 
     def _record(self, msg: Encoded) -> None:
         self._format = msg.format
@@ -275,11 +319,9 @@ class SharedGradients(Synchronizer):
                 f"({[bad[r] for r in ranks]} elements) at sync step {self.sync_steps}; the "
                 f"parameters were left at their last consistent values. Lower the learning "
                 f"rate or clip gradients")
-        replica.applied.zero_()
-        for message in messages:  # rank order: the same float sums on every replica
-            decode(message, replica.applied)
-        for p, old, applied in zip(replica.params, replica.old, replica.applied_views, strict=True):
-            p.copy_(old).add_(applied)
+        # The parameters hold "old" here. Rank order: the same float sums on every replica.
+        for message in messages:
+            decode_into(message, replica.params, replica.bounds)
         if self.broadcast_buffers and is_distributed(ctx):
             buffers = list(ctx.model.buffers())
             if buffers:
@@ -293,7 +335,8 @@ class SharedGradients(Synchronizer):
         out.update(tau=self._last_tau, sparsity=self._last_sparsity,
                    mean_sparsity=self._sparsity_sum / steps,
                    bitmap_fraction=self._bitmap_steps / steps,
-                   setup_bytes_sent=float(self.setup_bytes_sent))
+                   setup_bytes_sent=float(self.setup_bytes_sent),
+                   momentum_masked=float(self._masked))
         if self._replica is not None:
             out["residual_norm"] = float(self._replica.residual.norm())
         return out
@@ -302,7 +345,8 @@ class SharedGradients(Synchronizer):
         post = self.residual_post_processor
         return {"threshold_algorithm": self.threshold_algorithm.config(),
                 "residual_post_processor": None if post is None else post.config(),
-                "combine": self.combine, "encoding": self.encoding,
+                "recipe": self.recipe, "combine": self.combine,
+                "momentum_masking": self.momentum_masking, "encoding": self.encoding,
                 "broadcast_buffers": self.broadcast_buffers}
 
     def state_dict(self) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Each replica holds its own copies (they are pickled into every worker), as in DL4J: the
 residuals differ between replicas, so their thresholds may too. A threshold algorithm is a
-small state object around a pure rule (``adapt_threshold``); it is asked for ``tau`` before each
-encode and told the fraction of elements that message moved afterwards.
+small state object around a pure rule (``adapt_threshold``, ``sampled_quantile``); it is asked
+for ``tau`` before each encode (``choose``, which may look at the residual) and told the fraction
+of elements that message moved afterwards (``update``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from torch import Tensor
 
 __all__ = [
     "ThresholdAlgorithm", "FixedThreshold", "AdaptiveThreshold", "TargetSparsityThreshold",
-    "ResidualPostProcessor", "ResidualClipping", "adapt_threshold", "clip_residual_",
-    "DEFAULT_DECAY",
+    "QuantileThreshold", "ResidualPostProcessor", "ResidualClipping", "adapt_threshold",
+    "sampled_quantile", "clip_residual_", "DEFAULT_DECAY", "DEFAULT_DENSITY",
 ]
 
 DEFAULT_DECAY = 0.5 ** (1 / 20)
 """DL4J's decay rate: tau changes by a factor of 2 in 20 steps of consistent pressure."""
+
+DEFAULT_DENSITY = 1 / 300
+"""``QuantileThreshold``'s default fraction of elements per message: 1/300 of dense bytes."""
 
 
 def adapt_threshold(tau: float, sparsity: float, low: float, high: float, decay: float) -> float:
@@ -31,6 +35,22 @@ def adapt_threshold(tau: float, sparsity: float, low: float, high: float, decay:
     if sparsity > high:
         return tau / decay
     return tau
+
+
+def sampled_quantile(v: Tensor, density: float, sample: int, offset: int = 0) -> float:
+    """The magnitude that about ``density`` of ``v``'s elements reach, from a strided sample.
+
+    The sample is every ``len(v) // sample``-th element from ``offset`` (mod the stride): no
+    random numbers, so a resumed run picks the same tau. 0.0 when the sample is all zero;
+    NaN or inf when the sample holds them (the caller keeps its previous tau).
+    """
+    flat = v.reshape(-1)
+    stride = max(1, flat.numel() // sample)
+    picked = flat[offset % stride::stride].abs()
+    if picked.numel() == 0:
+        return 0.0
+    rank = min(picked.numel(), max(1, math.ceil(picked.numel() * (1 - density))))
+    return float(picked.kthvalue(rank).values)
 
 
 def _positive(name: str, value: Any) -> float:
@@ -63,6 +83,10 @@ class ThresholdAlgorithm:
 
     def __init__(self, tau: float) -> None:
         self.tau = self.initial = _positive("tau", tau)
+
+    def choose(self, residual: Tensor) -> float:
+        """The tau for the message about to be encoded from ``residual`` (default: ``tau``)."""
+        return self.tau
 
     def update(self, sparsity: float) -> float:
         """Observe the fraction of elements the last message moved; return the next tau."""
@@ -139,6 +163,50 @@ class TargetSparsityThreshold(ThresholdAlgorithm):
 
     def _settings(self) -> tuple[str, ...]:
         return ("sparsity", "decay")
+
+
+class QuantileThreshold(ThresholdAlgorithm):
+    """tau is the residual's (1 - ``density``) quantile, estimated each step from a sample.
+
+    Each message then moves about ``density`` of the elements, the largest ones, by tau: top-k
+    selection as in Deep Gradient Compression, within DL4J's threshold format. The quantile is
+    taken from ``sample`` evenly strided elements (the offset turns each step), so choosing
+    costs a small fraction of the encode. ``initial`` is used only until the residual has a
+    nonzero sample.
+    """
+
+    __slots__ = ("density", "sample", "calls")
+
+    def __init__(self, density: float = DEFAULT_DENSITY, initial: float = 1e-3,
+                 sample: int = 65536) -> None:
+        super().__init__(initial)
+        self.density = _fraction("density", density)
+        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 16:
+            raise ValueError(f"sample={sample!r}; expected an int >= 16 (elements sampled to "
+                             f"estimate the quantile)")
+        if sample * self.density < 4:
+            raise ValueError(f"sample={sample} with density={density!r} keeps fewer than 4 "
+                             f"sampled elements above tau; expected sample >= "
+                             f"{math.ceil(4 / self.density)}")
+        self.sample = sample
+        self.calls = 0
+
+    def choose(self, residual: Tensor) -> float:
+        tau = sampled_quantile(residual, self.density, self.sample, self.calls)
+        self.calls += 1
+        if math.isfinite(tau) and tau > 0:
+            self.tau = tau
+        return self.tau
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tau": self.tau, "calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.calls = int(state.get("calls", 0))
+
+    def _settings(self) -> tuple[str, ...]:
+        return ("density", "sample")
 
 
 def clip_residual_(residual: Tensor, limit: float) -> Tensor:

@@ -58,8 +58,12 @@ _DEFAULT = _Default.DEFAULT
 class SharedTrainingMaster(TrainingMaster):
     """DL4J's gradient-sharing master: every worker shares its threshold-encoded updates.
 
-    ``threshold_algorithm`` defaults to ``AdaptiveThreshold()``, ``residual_post_processor``
-    to ``ResidualClipping(5.0, 5)`` (DL4J's Spark defaults; pass None for none).
+    ``recipe`` is SharedGradients' (see ``paraloom.sync.sharing``): "dgc" (the default: top
+    ~1/300 of the residual per message, momentum masking, ``ResidualClipping(2.0, 1)``; it
+    trains at the dense recipe's learning rate) or "dl4j" (``AdaptiveThreshold()``,
+    ``ResidualClipping(5.0, 5)``, each worker's update applied in full: DL4J's Spark
+    defaults). ``threshold_algorithm`` and ``residual_post_processor`` override the recipe's
+    (``residual_post_processor=None`` for none).
     ``workers`` defaults to the cluster's task slots; each worker is one barrier task and
     trains ``batch_size_per_worker`` rows per step. ``workers_per_node`` sets each task's
     torch threads to the node's cores divided by it (default: ``spark.task.cpus``).
@@ -80,11 +84,14 @@ class SharedTrainingMaster(TrainingMaster):
                  repartition: str = "always", timeout: float = 300.0,
                  rendezvous_timeout: float = 300.0, job_timeout: float | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 50,
-                 backend: str | None = None, synchronizer: Synchronizer | None = None) -> None:
+                 backend: str | None = None, synchronizer: Synchronizer | None = None,
+                 recipe: str = "dgc") -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout)
         if residual_post_processor is _DEFAULT:
-            residual_post_processor = ResidualClipping(5.0, 5)
+            residual_post_processor = ResidualClipping(5.0, 5) if recipe == "dl4j" else None
+        elif residual_post_processor is None:
+            residual_post_processor = ResidualPostProcessor()  # none: the no-op base class
         if synchronizer is not None:
             if not isinstance(synchronizer, Synchronizer):
                 raise TypeError(f"synchronizer={synchronizer!r}; expected a paraloom "
@@ -95,8 +102,8 @@ class SharedTrainingMaster(TrainingMaster):
         self.threshold_algorithm = threshold_algorithm
         self.residual_post_processor = residual_post_processor
         # Built now so that a wrong threshold or post-processor fails here, not in a task.
-        self.synchronizer = synchronizer or SharedGradients(threshold_algorithm,
-                                                            residual_post_processor)
+        self.synchronizer = synchronizer or SharedGradients(
+            threshold_algorithm, residual_post_processor, recipe=recipe)
         self.workers_per_node = positive_int("workers_per_node", workers_per_node,
                                               allow_none=True)
         self.timeout = positive_seconds("timeout", timeout)

@@ -1,0 +1,1 @@
+"""The Open Inference Protocol (v2) over gRPC: ``inference.GRPCInferenceService`` on grpcio."""

@@ -1,0 +1,114 @@
+"""ModelInferRequest -> ``InferRequest`` and ``InferAnswer`` -> ModelInferResponse.
+
+The tensors are decoded by the same functions as HTTP's (``paraloom.serving.protocol`` and
+``datatypes``), so both transports accept and refuse the same inputs with the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from paraloom.serving.datatypes import DataType, datatype_of, lookup, tensor_to_bytes
+from paraloom.serving.errors import ProtocolError
+from paraloom.serving.grpc.messages import message
+from paraloom.serving.handling import InferAnswer
+from paraloom.serving.protocol import (
+    InferRequest,
+    RequestedOutput,
+    RequestInput,
+    binary_input,
+    json_input,
+    parse_shape,
+)
+
+__all__ = ["decode_infer_request", "encode_infer_response", "parameter_value"]
+
+# The typed contents field each datatype's values travel in (FP16 and BF16 have none: raw only).
+_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+          "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+          "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+          "FP32": "fp32_contents", "FP64": "fp64_contents"}
+_NUMPY = {"bool_contents": np.bool_, "int_contents": np.int32, "int64_contents": np.int64,
+          "uint_contents": np.uint32, "uint64_contents": np.uint64, "fp32_contents": np.float32,
+          "fp64_contents": np.float64}
+_CONTENTS = [*_NUMPY, "bytes_contents"]
+_Response = message("ModelInferResponse")
+
+
+def parameter_value(param: Any) -> Any:
+    """The Python value of an ``InferParameter`` or ``ModelRepositoryParameter``."""
+    which = param.WhichOneof("parameter_choice")
+    return None if which is None else getattr(param, which)
+
+
+def _typed(tensor: Any, dt: DataType, shape: tuple[int, ...], where: str) -> Any:
+    used = [f for f in _CONTENTS if len(getattr(tensor.contents, f))]
+    field = _FIELD.get(dt.name)
+    if field is None:
+        raise ProtocolError(f"{where} is {dt.name}, which has no typed contents field in the "
+                            "protocol; send it in raw_input_contents (tritonclient.grpc does)")
+    wrong = [f for f in used if f != field]
+    if wrong:
+        raise ProtocolError(f"{where} is {dt.name} but its values are in {wrong}; send "
+                            f"{dt.name} values in contents.{field}")
+    values: np.ndarray = np.asarray(getattr(tensor.contents, field), dtype=_NUMPY[field])
+    return json_input(tensor.name, dt, shape, values)
+
+
+def _input(tensor: Any, index: int, raw: list[bytes] | None) -> RequestInput:
+    if not tensor.name:
+        raise ProtocolError(f"inputs[{index}] has no name; the v2 protocol requires it")
+    where = f"input {tensor.name!r}"
+    shape = parse_shape(list(tensor.shape), where)
+    dt = lookup(tensor.datatype, where)
+    if raw is None:
+        return RequestInput(tensor.name, dt.name, shape, _typed(tensor, dt, shape, where))
+    if tensor.HasField("contents"):
+        raise ProtocolError(f"{where} has typed contents but the request also carries "
+                            "raw_input_contents; send every input one way")
+    chunk = memoryview(raw[index])
+    return RequestInput(tensor.name, dt.name, shape,
+                        binary_input(tensor.name, dt, shape, chunk, len(chunk)))
+
+
+def decode_infer_request(request: Any) -> InferRequest:
+    """The ``InferRequest`` a ModelInferRequest carries; ``ProtocolError`` if it is malformed."""
+    if not request.inputs:
+        raise ProtocolError("request has no inputs; send at least one tensor")
+    raw = list(request.raw_input_contents) or None
+    if raw is not None and len(raw) != len(request.inputs):
+        raise ProtocolError(f"request has {len(request.inputs)} inputs but "
+                            f"{len(raw)} raw_input_contents; send one raw entry per input, "
+                            "in order, or typed contents for all")
+    inputs = [_input(t, i, raw) for i, t in enumerate(request.inputs)]
+    names = [t.name for t in inputs]
+    if len(set(names)) != len(names):
+        raise ProtocolError(f"request names an input more than once: {names}")
+    outputs = None
+    if request.outputs:
+        outputs = []
+        for i, out in enumerate(request.outputs):
+            if not out.name:
+                raise ProtocolError(f"outputs[{i}] has no name")
+            if "classification" in out.parameters:
+                raise ProtocolError(f"output {out.name!r} asks for classification, an "
+                                    "extension paraloom does not implement; request the raw "
+                                    "output instead")
+            outputs.append(RequestedOutput(out.name, True))
+    params = {k: parameter_value(v) for k, v in request.parameters.items()}
+    return InferRequest(id=request.id or None, inputs=inputs, outputs=outputs,
+                        binary_output=True, parameters=params)
+
+
+def encode_infer_response(answer: InferAnswer) -> Any:
+    """A ModelInferResponse with every output in ``raw_output_contents`` (as Triton sends)."""
+    response = _Response(model_name=answer.model_name, model_version=answer.model_version,
+                         id=answer.request_id or "")
+    for name, tensor, _ in answer.outputs:
+        response.outputs.add(name=name, datatype=datatype_of(tensor.dtype),
+                             shape=list(tensor.shape))
+        response.raw_output_contents.append(tensor_to_bytes(tensor))
+    return response
+

@@ -1,0 +1,159 @@
+"""``inference.GRPCInferenceService`` on grpc.aio, over the same registry and metrics as HTTP.
+
+The gRPC server runs on the HTTP server's event loop (it is started and stopped with it), so
+both transports share the models, their pools, the batching and the metrics. Errors map to
+gRPC status codes by their HTTP status: 400 INVALID_ARGUMENT, 403 PERMISSION_DENIED,
+404 NOT_FOUND, 413 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, and only a model
+that failed by itself 500 INTERNAL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from paraloom._version import __version__
+from paraloom.serving.app import EXTENSIONS
+from paraloom.serving.errors import ServingError
+from paraloom.serving.grpc.codec import (
+    decode_infer_request,
+    encode_infer_response,
+    parameter_value,
+)
+from paraloom.serving.grpc.messages import SERVICE, method_types
+from paraloom.serving.handling import handle_infer
+from paraloom.serving.metrics import ServingMetrics
+from paraloom.serving.protocol import InferRequest
+from paraloom.serving.registry import ModelRegistry
+
+__all__ = ["GrpcServer", "status_code"]
+
+_log = logging.getLogger("paraloom.serving")
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
+          404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def status_code(error: ServingError) -> grpc.StatusCode:
+    """The gRPC status code of a serving error (by its HTTP status)."""
+    return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+class _Service:
+    """The RPC handlers; each takes the decoded request message and returns the response."""
+
+    def __init__(self, registry: ModelRegistry, metrics: ServingMetrics) -> None:
+        self.registry = registry
+        self.metrics = metrics
+
+    async def ServerLive(self, request: Any, response: Any) -> Any:  # noqa: N802
+        return response(live=True)
+
+    async def ServerReady(self, request: Any, response: Any) -> Any:  # noqa: N802
+        return response(ready=self.registry.ready)
+
+    async def ModelReady(self, request: Any, response: Any) -> Any:  # noqa: N802
+        return response(ready=self.registry.is_ready(request.name, request.version or None))
+
+    async def ServerMetadata(self, request: Any, response: Any) -> Any:  # noqa: N802
+        return response(name="paraloom", version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request: Any, response: Any) -> Any:  # noqa: N802
+        meta = self.registry.get(request.name, request.version or None).metadata()
+        return response(name=meta["name"], versions=meta["versions"],
+                        platform=meta["platform"], inputs=meta["inputs"],
+                        outputs=meta["outputs"])
+
+    async def ModelInfer(self, request: Any, response: Any) -> Any:  # noqa: N802
+        async def decode() -> InferRequest:
+            return decode_infer_request(request)
+
+        answer = await handle_infer(self.registry, self.metrics, request.model_name,
+                                    request.model_version or None, decode)
+        return encode_infer_response(answer)
+
+    async def RepositoryIndex(self, request: Any, response: Any) -> Any:  # noqa: N802
+        rows = self.registry.index()
+        if request.ready:
+            rows = [r for r in rows if r["state"] == "READY"]
+        return response(models=rows)
+
+    async def RepositoryModelLoad(self, request: Any, response: Any) -> Any:  # noqa: N802
+        params = {k: parameter_value(v) for k, v in request.parameters.items()}
+        await self.registry.load(request.model_name, params)
+        return response()
+
+    async def RepositoryModelUnload(self, request: Any, response: Any) -> Any:  # noqa: N802
+        await self.registry.unload(request.model_name)
+        return response()
+
+
+_METHODS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+            "ModelInfer", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"]
+
+
+def _handler(call: Callable[[Any, Any], Awaitable[Any]], request_type: Any,
+             response_type: Any) -> grpc.RpcMethodHandler:
+    async def handle(request: Any, context: aio.ServicerContext) -> Any:
+        try:
+            return await call(request, response_type)
+        except ServingError as e:
+            await context.abort(status_code(e), e.message)
+        except (ValueError, TypeError) as e:  # a message field of the wrong shape
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}")
+
+    return grpc.unary_unary_rpc_method_handler(
+        handle, request_deserializer=request_type.FromString,
+        response_serializer=response_type.SerializeToString)
+
+
+def _generic_handler(service: _Service) -> grpc.GenericRpcHandler:
+    handlers = {}
+    for name in _METHODS:
+        request_type, response_type = method_types(name)
+        handlers[name] = _handler(getattr(service, name), request_type, response_type)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+class GrpcServer:
+    """A grpc.aio server of ``GRPCInferenceService``; start and stop it on a running loop."""
+
+    def __init__(self, registry: ModelRegistry, metrics: ServingMetrics, *,
+                 host: str = "127.0.0.1", port: int = 0, max_message_bytes: int = 16 << 20
+                 ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.host = host
+        self.requested_port = port
+        self.max_message_bytes = max_message_bytes
+        self.port: int | None = None
+        self._server: aio.Server | None = None
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the port (the OS's pick when asked for 0)."""
+        options = [("grpc.max_receive_message_length", self.max_message_bytes),
+                   ("grpc.max_send_message_length", -1),
+                   ("grpc.so_reuseport", 0)]
+        server = aio.server(options=options)
+        server.add_generic_rpc_handlers((_generic_handler(_Service(self.registry,
+                                                                   self.metrics)),))
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        try:
+            port = server.add_insecure_port(f"{host}:{self.requested_port}")
+        except RuntimeError as e:
+            raise OSError(f"cannot listen for gRPC on {self.host}:{self.requested_port}: {e}; "
+                          "pick another --grpc-port or stop the process using it") from e
+        await server.start()
+        self._server, self.port = server, port
+        _log.info("paraloom serving gRPC on %s:%d", self.host, port)
+        return port
+
+    async def stop(self, grace: float | None) -> None:
+        """Refuse new calls; let calls in flight finish within ``grace`` seconds."""
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None

@@ -1,0 +1,218 @@
+"""A models directory: which models it holds, their configs, and how one is built to serve.
+
+Layout (one entry per model; names starting with '.' or '_' are skipped)::
+
+    DIR/lenet.safetensors            model "lenet", defaults; options in DIR/lenet.json
+    DIR/mlp/model.safetensors        model "mlp"; options in DIR/mlp/config.json
+    DIR/cnn/1/model.safetensors      numbered versions: the version policy picks one to serve
+    DIR/cnn/2/model.safetensors
+    DIR/cnn/config.json
+
+Every file must be a ``.safetensors`` written by ``paraloom.save``; pickles (``.pt``, ``.pth``,
+``.pkl``, ``.bin``, ``.ckpt``) are listed as refused, never opened. Paths that resolve outside
+DIR (symlinks) are refused. A config is JSON: ``name``, ``version_policy`` (``{"latest": {}}``
+or ``{"specific": {"versions": [2]}}``), ``mode``, ``workers``, ``batch_limit``, ``queue_limit``,
+``max_wait_ms``, ``threads_per_worker``, ``inputs`` and ``outputs``
+(``[{"name", "datatype", "shape"}]``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paraloom.serving.errors import NotFoundError
+from paraloom.serving.repository import ModelFiles
+from paraloom.serving.served import ServedModel, build_pool
+from paraloom.serving.signature import TensorSpec, infer_signature
+
+__all__ = ["Found", "ModelDir", "ModelConfig"]
+
+_WEIGHTS = "model.safetensors"
+_PICKLES = {".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".joblib", ".npy"}
+_POOL_KEYS = {"mode": "inference_mode", "workers": "workers", "batch_limit": "batch_limit",
+              "queue_limit": "queue_limit", "max_wait_ms": "max_wait_ms",
+              "threads_per_worker": "threads_per_worker"}
+_KEYS = {"name", "version_policy", "inputs", "outputs", *_POOL_KEYS}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model's optional config: its served name, version policy, pool options and signature."""
+
+    name: str
+    versions: tuple[int, ...] | None = None  # None: the latest
+    pool_options: dict[str, Any] = field(default_factory=dict)
+    inputs: tuple[TensorSpec, ...] | None = None
+    outputs: tuple[TensorSpec, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Found:
+    """One model of the directory: the file to serve and its version, or why it is refused."""
+
+    name: str
+    path: Path | None
+    version: int = 1
+    config: ModelConfig | None = None
+    folder: Path | None = None
+    error: str = ""
+
+
+def _specs(raw: object, key: str, where: str) -> tuple[TensorSpec, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"{where}: {key!r} must be a non-empty list of "
+                         '{"name": ..., "datatype": "FP32", "shape": [-1, ...]}')
+    specs = []
+    for item in raw:
+        if not isinstance(item, dict) or set(item) != {"name", "datatype", "shape"}:
+            raise ValueError(f"{where}: each of {key!r} needs exactly name, datatype and "
+                             f"shape; got {item!r}")
+        specs.append(TensorSpec(str(item["name"]), str(item["datatype"]),
+                                tuple(item["shape"])))
+    return tuple(specs)
+
+
+def _versions(raw: object, where: str) -> tuple[int, ...] | None:
+    if raw is None or raw == {"latest": {}} or raw == {"latest": {"num_versions": 1}}:
+        return None
+    if isinstance(raw, dict) and set(raw) == {"specific"} and isinstance(raw["specific"], dict):
+        versions = raw["specific"].get("versions")
+        if (isinstance(versions, list) and len(versions) == 1
+                and all(isinstance(v, int) and v >= 1 for v in versions)):
+            return tuple(versions)
+    raise ValueError(f"{where}: version_policy {raw!r} is not supported; use "
+                     '{"latest": {}} or {"specific": {"versions": [N]}} (one version is served '
+                     "at a time)")
+
+
+def read_config(path: Path, default_name: str) -> ModelConfig:
+    """The config in ``path`` (JSON); ``ValueError`` naming the problem."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path.name} is not readable JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path.name} must hold a JSON object")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ValueError(f"{path.name} has unknown keys {unknown}; known: {sorted(_KEYS)}")
+    name = raw.get("name", default_name)
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"{path.name}: name {name!r} must be a non-empty string without '/'")
+    options = {_POOL_KEYS[k]: v for k, v in raw.items() if k in _POOL_KEYS}
+    return ModelConfig(
+        name=name, versions=_versions(raw.get("version_policy"), path.name),
+        pool_options=options,
+        inputs=None if "inputs" not in raw else _specs(raw["inputs"], "inputs", path.name),
+        outputs=None if "outputs" not in raw else _specs(raw["outputs"], "outputs", path.name))
+
+
+class ModelDir:
+    """The models in a directory, and how to build a ``ServedModel`` of one of them."""
+
+    def __init__(self, root: str | Path, *, pool_defaults: dict[str, Any] | None = None,
+                 retry_after: int = 1) -> None:
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            raise ValueError(f"models directory {str(root)!r} is not a directory; pass the "
+                             "folder that holds one sub-folder or .safetensors file per model")
+        self.pool_defaults = dict(pool_defaults or {})
+        self.retry_after = retry_after
+
+    def _inside(self, path: Path) -> bool:
+        return path.resolve().is_relative_to(self.root)
+
+    def _entry(self, path: Path) -> Found | None:
+        stem = path.stem if path.is_file() else path.name
+        if not self._inside(path):
+            return Found(stem, None, error=f"{path.name} resolves outside the models directory: "
+                         "refused")
+        if path.is_file():
+            if path.suffix in _PICKLES:
+                return Found(stem, None, error=f"{path.name} is a pickle-based file: refused, "
+                             "paraloom never unpickles; save the model with paraloom.save "
+                             "as .safetensors")
+            if path.suffix != ".safetensors":
+                return None  # configs, READMEs
+            return self._found(stem, path, path.with_suffix(".json"), folder=None)
+        return self._folder(path)
+
+    def _folder(self, folder: Path) -> Found:
+        numbered = sorted((int(p.name), p) for p in folder.iterdir()
+                          if p.is_dir() and p.name.isdigit() and int(p.name) >= 1)
+        config_path = folder / "config.json"
+        if not numbered:
+            return self._found(folder.name, folder / _WEIGHTS, config_path, folder=folder)
+        try:
+            config = read_config(config_path, folder.name) if config_path.is_file() else None
+        except ValueError as e:
+            return Found(folder.name, None, error=str(e))
+        wanted = config.versions if config is not None else None
+        versions = dict(numbered)
+        version = wanted[0] if wanted else numbered[-1][0]
+        if version not in versions:
+            return Found(config.name if config else folder.name, None,
+                         error=f"version {version} is not in {folder.name}/ (found "
+                         f"{sorted(versions)})")
+        return self._found(folder.name, versions[version] / _WEIGHTS, config_path,
+                           folder=versions[version], version=version)
+
+    def _found(self, stem: str, weights: Path, config_path: Path, *, folder: Path | None,
+               version: int = 1) -> Found:
+        try:
+            config = read_config(config_path, stem) if config_path.is_file() else None
+        except ValueError as e:
+            return Found(stem, None, error=str(e))
+        name = config.name if config is not None else stem
+        if not weights.is_file():
+            pickles = [p.name for p in weights.parent.glob("*") if p.suffix in _PICKLES]
+            hint = f" ({pickles} are pickle-based: refused)" if pickles else ""
+            return Found(name, None, error=f"no {weights.relative_to(self.root)}{hint}")
+        if not self._inside(weights):
+            return Found(name, None, error=f"{weights.name} resolves outside the models "
+                         "directory: refused")
+        return Found(name, weights, version, config, folder)
+
+    def scan(self) -> dict[str, Found]:
+        """Every model the directory holds now, by served name."""
+        found: dict[str, Found] = {}
+        for path in sorted(self.root.iterdir()):
+            if path.name.startswith((".", "_")):
+                continue
+            entry = self._entry(path)
+            if entry is None:
+                continue
+            if entry.name in found:
+                entry = Found(entry.name, None, error=f"two entries serve the name "
+                              f"{entry.name!r}; rename one (or its config's name)")
+            found[entry.name] = entry
+        return found
+
+    def find(self, name: str) -> Found:
+        """The model served as ``name``; ``NotFoundError`` if the directory has none."""
+        found = self.scan()
+        if name not in found:
+            raise NotFoundError(f"no model {name!r} in the models directory {str(self.root)!r}; "
+                                f"it holds {sorted(found)}")
+        return found[name]
+
+    def build(self, found: Found) -> ServedModel:
+        """A ``ServedModel`` with its own pool for one found model; ``ValueError`` if it fails."""
+        from paraloom.checkpoint import load
+
+        if found.path is None:
+            raise ValueError(found.error)
+        config = found.config or ModelConfig(found.name)
+        try:
+            model = load(found.path).eval()
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot load {found.path.relative_to(self.root)}: {e}") from e
+        signature = infer_signature(model, inputs=config.inputs, outputs=config.outputs)
+        options = {**self.pool_defaults, **config.pool_options}
+        pool = build_pool(model, signature, None, config.outputs is None, options)
+        files = ModelFiles(model_file=found.path, model_dir=found.folder)
+        return ServedModel(found.name, pool, model, signature, files=files, owns_pool=True,
+                           retry_after=self.retry_after, first_version=found.version)

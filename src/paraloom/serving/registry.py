@@ -1,0 +1,207 @@
+"""The models a server serves, by name: lookups, the index, and load/unload at run time.
+
+One registry serves both transports (HTTP and gRPC). Each model is a ``ServedModel`` with its
+own ``ParallelInference`` pool. Replacing or unloading a model takes it out of the lookup table
+first, then drains its pool: requests already submitted to it finish on it, later ones go to the
+new model (or get 404 once it is unloaded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import anyio
+
+from paraloom.serving.errors import NotFoundError, ProtocolError, UnavailableError
+from paraloom.serving.repository import check_load_parameters
+from paraloom.serving.served import ServedModel
+
+if TYPE_CHECKING:
+    from paraloom.inference.parallel import ParallelInference
+    from paraloom.serving.model_dir import ModelDir
+
+__all__ = ["IndexEntry", "ModelRegistry"]
+
+_log = logging.getLogger("paraloom.serving")
+_RETIRE_TIMEOUT = 30.0  # the longest an unloaded model's in-flight requests may take to finish
+UNKNOWN = "unknown"  # the metrics label of requests for models the server does not have
+
+
+class IndexEntry(TypedDict):
+    """One row of ``/v2/repository/index``."""
+
+    name: str
+    version: str
+    state: str
+    reason: str
+
+
+@dataclass
+class _Entry:
+    served: ServedModel | None
+    last: ServedModel | None  # the last served model, kept after an unload to serve it again
+    rebuild: Callable[[ServedModel], ServedModel] | None
+    reason: str = ""
+
+
+class ModelRegistry:
+    """Named ``ServedModel``s; with a ``ModelDir``, models are found and built from it."""
+
+    def __init__(self, source: ModelDir | None = None) -> None:
+        self.source = source
+        self._entries: dict[str, _Entry] = {}
+        self._lock: asyncio.Lock | None = None  # made on the event loop, at the first load
+        self.draining = False
+        self.close_timeout: float | None = None
+
+    def add(self, served: ServedModel,
+            rebuild: Callable[[ServedModel], ServedModel] | None = None) -> None:
+        """Serve ``served`` under its name; ``rebuild`` serves it again after an unload."""
+        served.close_timeout = self.close_timeout
+        self._entries[served.name] = _Entry(served, served, rebuild)
+
+    def fail(self, name: str, reason: str) -> None:
+        """List ``name`` as unavailable for ``reason`` (a model that could not be loaded)."""
+        entry = self._entries.get(name)
+        if entry is None:
+            self._entries[name] = _Entry(None, None, None, reason)
+        elif entry.served is None:
+            entry.reason = reason
+
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        """The model serving ``name`` (and ``version``, when given); ``NotFoundError`` if none."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise NotFoundError(f"unknown model {name!r}; this server serves "
+                                f"{sorted(self._entries)}")
+        if entry.served is None:
+            raise NotFoundError(f"model {name!r} is not loaded ({entry.reason or 'unloaded'}); "
+                                f"load it with POST /v2/repository/models/{name}/load")
+        entry.served.check_version(version)
+        return entry.served
+
+    def is_ready(self, name: str, version: str | None = None) -> bool:
+        """Whether ``name`` takes requests: False once unloaded; ``NotFoundError`` if unknown."""
+        entry = self._entries.get(name)
+        if entry is not None and entry.served is None:
+            return False
+        return self.get(name, version).ready
+
+    def label(self, name: str) -> str:
+        """The metrics label for requests naming ``name`` (bounded: unknown names share one)."""
+        return name if name in self._entries else UNKNOWN
+
+    def models(self) -> dict[str, ServedModel]:
+        """The models loaded now, by name."""
+        return {n: e.served for n, e in self._entries.items() if e.served is not None}
+
+    def pools(self) -> dict[str, ParallelInference]:
+        """The pools serving now, by model name (for metrics)."""
+        return {n: s.pool for n, s in self.models().items()}
+
+    @property
+    def ready(self) -> bool:
+        """Whether the server takes requests: not shutting down, every loaded model ready."""
+        return not self.draining and all(s.ready for s in self.models().values())
+
+    def index(self) -> list[IndexEntry]:
+        """Every model known (loaded, unloaded, failed, or in the models directory)."""
+        rows: dict[str, IndexEntry] = {}
+        if self.source is not None:
+            for name, found in self.source.scan().items():
+                rows[name] = {"name": name, "version": str(found.version) if found.path else "",
+                              "state": "UNAVAILABLE", "reason": found.error or "not loaded"}
+        for name, entry in self._entries.items():
+            if entry.served is not None:
+                state = "READY" if entry.served.ready else "UNAVAILABLE"
+                reason = "" if entry.served.ready else "shutting down"
+                rows[name] = {"name": name, "version": entry.served.version, "state": state,
+                              "reason": reason}
+            elif entry.reason or name not in rows:
+                version = entry.last.version if entry.last is not None else ""
+                rows[name] = {"name": name, "version": version, "state": "UNAVAILABLE",
+                              "reason": entry.reason or "unloaded"}
+        return [rows[n] for n in sorted(rows)]
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise UnavailableError("the server is shutting down: no loads or unloads",
+                                   reason="shutting_down")
+
+    def _guard(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def load(self, name: str, parameters: dict[str, Any]) -> str:
+        """Load, reload or replace ``name``; returns the version now served.
+
+        ``parameters.path`` swaps the weights of the loaded model in place (its pool stays);
+        otherwise a models-directory model is built anew from the directory (a new pool: config
+        changes apply) and replaces the old one, whose in-flight requests finish on it.
+        """
+        async with self._guard():  # one load or unload at a time
+            self._check_open()
+            entry = self._entries.get(name)
+            current = entry.served if entry is not None else None
+            if current is not None and (self.source is None or "path" in parameters):
+                return await current.load(parameters)
+            new = await self._build(name, entry, parameters)
+            self._entries[name] = _Entry(new, new, entry.rebuild if entry else None)
+            if current is not None:
+                await self._retire(current)
+            if "path" in parameters:
+                return await new.load(parameters)
+            return new.version
+
+    async def _build(self, name: str, entry: _Entry | None, parameters: dict[str, Any]
+                     ) -> ServedModel:
+        check_load_parameters(parameters)  # the same refusals as a weights load
+        if self.source is not None:
+            found = self.source.find(name)
+            try:
+                served: ServedModel = await anyio.to_thread.run_sync(self.source.build, found)
+            except (ValueError, TypeError, RuntimeError, OSError) as e:
+                kept = entry is not None and entry.served is not None
+                if not kept:
+                    self.fail(name, str(e))
+                raise ProtocolError(f"model {name!r} could not be loaded: {e}"
+                                    + ("; the old version keeps serving" if kept else "")) from e
+        elif entry is not None and entry.rebuild is not None and entry.last is not None:
+            served = await anyio.to_thread.run_sync(entry.rebuild, entry.last)
+        else:
+            raise NotFoundError(f"unknown model {name!r}; this server serves "
+                                f"{sorted(self._entries)} and has no models directory to "
+                                "load others from (paraloom serve --models-dir DIR)")
+        served.close_timeout = self.close_timeout
+        _log.info("model %r loaded, version %s", name, served.version)
+        return served
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name``; its in-flight requests finish first (bounded)."""
+        async with self._guard():
+            self._check_open()
+            entry = self._entries.get(name)
+            if entry is None:
+                raise NotFoundError(f"unknown model {name!r}; this server serves "
+                                    f"{sorted(self._entries)}")
+            served, entry.served, entry.reason = entry.served, None, "unloaded"
+            if served is not None:
+                await self._retire(served)
+                _log.info("model %r unloaded", name)
+
+    async def _retire(self, served: ServedModel) -> None:
+        timeout = self.close_timeout if self.close_timeout is not None else _RETIRE_TIMEOUT
+        await served.close(timeout=timeout)
+
+    async def close(self) -> None:
+        """Stop taking requests; drain every pool the server owns."""
+        self.draining = True
+        models = list(self.models().values())
+        for served in models:
+            served.draining = True
+        await asyncio.gather(*(s.close() for s in models))

@@ -1,0 +1,220 @@
+"""A models directory served at once: several models, each in its own pool, loaded, replaced and
+unloaded at run time over HTTP and gRPC (tritonclient.http and tritonclient.grpc)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc as grpc_lib
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as tg
+import tritonclient.http as th
+from serving_helpers import WAIT_S
+from torch import nn
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+import paraloom
+from paraloom.models import MLP, LeNet
+from paraloom.serving import ServerThread, create_repository_app
+
+
+def _lenet(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return LeNet(image_size=8).eval()
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return MLP(in_features=6, hidden=(8,), num_classes=3).eval()
+
+
+@pytest.fixture()
+def models_dir(tmp_path: Path) -> dict[str, object]:
+    root = tmp_path / "models"
+    root.mkdir()
+    lenet = _lenet(0)
+    paraloom.save(lenet, root / "lenet.safetensors")
+    (root / "mlp").mkdir()
+    mlp = _mlp(1)
+    paraloom.save(mlp, root / "mlp" / "model.safetensors")
+    (root / "mlp" / "config.json").write_text(json.dumps(
+        {"name": "tabular", "workers": 1, "batch_limit": 4}))
+    cnn = {v: _lenet(10 + v) for v in (1, 2, 3)}
+    for v, model in cnn.items():
+        (root / "cnn" / str(v)).mkdir(parents=True)
+        paraloom.save(model, root / "cnn" / str(v) / "model.safetensors")
+    (root / "cnn" / "config.json").write_text(json.dumps(
+        {"version_policy": {"specific": {"versions": [2]}}}))
+    torch.save(lenet.state_dict(), root / "pickled.pt")  # must never be opened
+    outside = tmp_path / "outside.safetensors"
+    paraloom.save(lenet, outside)
+    os.symlink(outside, root / "escape.safetensors")
+    return {"root": root, "lenet": lenet, "mlp": mlp, "cnn": cnn, "tmp": tmp_path}
+
+
+@pytest.fixture()
+def server(models_dir: dict) -> Iterator[ServerThread]:
+    app = create_repository_app(models_dir["root"], workers=2, batch_limit=8, max_wait_ms=0)
+    with ServerThread(app, grpc_port=0) as s:
+        yield s
+
+
+def _run(model: nn.Module, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(x)).numpy()
+
+
+def _http(server: ServerThread) -> th.InferenceServerClient:
+    return th.InferenceServerClient(f"{server.host}:{server.port}", network_timeout=WAIT_S)
+
+
+def _infer(client: th.InferenceServerClient | tg.InferenceServerClient, module, model: str,
+           x: np.ndarray) -> np.ndarray:
+    item = module.InferInput("input", list(x.shape), "FP32")
+    item.set_data_from_numpy(x)
+    return client.infer(model, [item]).as_numpy("output")
+
+
+def test_every_model_is_served_with_its_own_pool_and_config(server: ServerThread,
+                                                            models_dir: dict) -> None:
+    http, grpc = _http(server), tg.InferenceServerClient(server.grpc_url)
+    img = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
+    tab = np.random.default_rng(1).random((2, 6), dtype=np.float32)
+    for client, module in ((http, th), (grpc, tg)):
+        np.testing.assert_allclose(_infer(client, module, "lenet", img),
+                                   _run(models_dir["lenet"], img), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(_infer(client, module, "tabular", tab),
+                                   _run(models_dir["mlp"], tab), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(_infer(client, module, "cnn", img),  # version 2, the policy
+                                   _run(models_dir["cnn"][2], img), rtol=1e-5, atol=1e-6)
+    assert http.get_model_metadata("cnn")["versions"] == ["2"]
+    assert http.get_model_metadata("tabular")["inputs"] == [
+        {"name": "input", "datatype": "FP32", "shape": [-1, 6]}]
+    registry = server.app.state.registry
+    pools = registry.pools()
+    assert len({id(p) for p in pools.values()}) == 3
+    assert (pools["tabular"].workers, pools["tabular"]._config.batch_limit) == (1, 4)
+    assert (pools["lenet"].workers, pools["lenet"]._config.batch_limit) == (2, 8)
+    index = {row["name"]: row for row in http.get_model_repository_index()}
+    assert {n: (r["state"], r["version"]) for n, r in index.items() if r["state"] == "READY"} \
+        == {"cnn": ("READY", "2"), "lenet": ("READY", "1"), "tabular": ("READY", "1")}
+    assert "pickle" in index["pickled"]["reason"] and index["pickled"]["state"] == "UNAVAILABLE"
+    assert "outside the models directory" in index["escape"]["reason"]
+    grpc_index = {m.name: m.state for m in grpc.get_model_repository_index().models}
+    assert grpc_index == {n: r["state"] for n, r in index.items()}
+    with pytest.raises(InferenceServerException, match="not loaded"):
+        _infer(grpc, tg, "pickled", img)
+    grpc.close()
+
+
+def test_metrics_carry_each_model_label(server: ServerThread) -> None:
+    import urllib.request
+
+    http = _http(server)
+    _infer(http, th, "lenet", np.zeros((1, 1, 8, 8), dtype=np.float32))
+    _infer(http, th, "tabular", np.zeros((3, 6), dtype=np.float32))
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=WAIT_S) as r:
+        text = r.read().decode()
+    assert 'paraloom_inference_requests_total{model="lenet"} 1.0' in text
+    assert 'paraloom_inference_requests_total{model="tabular"} 1.0' in text
+    assert 'paraloom_pool_rows_total{model="tabular"} 3.0' in text
+    assert 'paraloom_pool_rows_total{model="cnn"} 0.0' in text
+
+
+def test_unload_and_load_over_grpc_and_http(server: ServerThread, models_dir: dict) -> None:
+    http, grpc = _http(server), tg.InferenceServerClient(server.grpc_url)
+    img = np.random.default_rng(2).random((1, 1, 8, 8), dtype=np.float32)
+    old_pool = server.app.state.registry.pools()["lenet"]
+    grpc.unload_model("lenet")
+    assert old_pool.closed
+    assert not http.is_model_ready("lenet") and not grpc.is_model_ready("lenet")
+    with pytest.raises(InferenceServerException) as caught:
+        _infer(grpc, tg, "lenet", img)
+    assert caught.value.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException, match="not loaded"):
+        _infer(http, th, "lenet", img)
+    # The other models are untouched.
+    np.testing.assert_allclose(_infer(http, th, "cnn", img), _run(models_dir["cnn"][2], img),
+                               rtol=1e-5, atol=1e-6)
+    http.load_model("lenet")
+    np.testing.assert_allclose(_infer(grpc, tg, "lenet", img), _run(models_dir["lenet"], img),
+                               rtol=1e-5, atol=1e-6)
+    # A model added to the directory at run time is loaded by name.
+    new = _lenet(99)
+    paraloom.save(new, models_dir["root"] / "late.safetensors")
+    grpc.load_model("late")
+    np.testing.assert_allclose(_infer(http, th, "late", img), _run(new, img), rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(InferenceServerException) as missing:
+        grpc.load_model("nothere")
+    assert missing.value.status() == "StatusCode.NOT_FOUND"
+    grpc.close()
+
+
+def test_load_replaces_a_model_and_in_flight_requests_finish_on_the_old_one(
+        server: ServerThread, models_dir: dict) -> None:
+    http = _http(server)
+    root = models_dir["root"]
+    img = np.random.default_rng(3).random((2, 1, 8, 8), dtype=np.float32)
+    old = _run(models_dir["cnn"][2], img)
+    # Change the policy to the latest version; a reload builds a new pool from the directory.
+    (root / "cnn" / "config.json").write_text(json.dumps({"workers": 1}))
+    old_pool = server.app.state.registry.pools()["cnn"]
+
+    def call(i: int) -> np.ndarray:
+        client = _http(server)
+        return _infer(client, th, "cnn", img)
+
+    with ThreadPoolExecutor(8) as pool:
+        before = [pool.submit(call, i) for i in range(24)]
+        time.sleep(0.01)
+        http.load_model("cnn")
+        answers = [f.result(WAIT_S) for f in before]
+    # Every request got a whole answer of one version or the other, none failed.
+    new = _run(models_dir["cnn"][3], img)
+    for out in answers:
+        assert np.allclose(out, old, atol=1e-5) or np.allclose(out, new, atol=1e-5)
+    assert old_pool.closed
+    assert http.get_model_metadata("cnn")["versions"] == ["3"]
+    np.testing.assert_allclose(_infer(http, th, "cnn", img), new, rtol=1e-5, atol=1e-6)
+    assert server.app.state.registry.pools()["cnn"].workers == 1
+
+
+def test_loads_that_break_the_rules_are_refused(server: ServerThread, models_dir: dict) -> None:
+    grpc = tg.InferenceServerClient(server.grpc_url)
+    http = _http(server)
+    channel = grpc_lib.insecure_channel(server.grpc_url)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    with pytest.raises(grpc_lib.RpcError) as outside:  # weights from outside the model's folder
+        stub.RepositoryModelLoad(_load_request("lenet", "../outside.safetensors"),
+                                 timeout=WAIT_S)
+    assert outside.value.code() == grpc_lib.StatusCode.PERMISSION_DENIED, outside.value.details()
+    with pytest.raises(grpc_lib.RpcError) as escape:  # a symlink out of the directory
+        stub.RepositoryModelLoad(_load_request("escape", ""), timeout=WAIT_S)
+    assert escape.value.code() == grpc_lib.StatusCode.INVALID_ARGUMENT
+    assert "outside the models directory" in escape.value.details()
+    channel.close()
+    with pytest.raises(InferenceServerException) as pickled:
+        http.load_model("pickled")
+    assert "pickle" in pickled.value.message()
+    with pytest.raises(InferenceServerException) as upload:
+        grpc.load_model("lenet", config='{"x": 1}')
+    assert upload.value.status() == "StatusCode.PERMISSION_DENIED"
+    assert "never takes model files or configs" in upload.value.message()
+    grpc.close()
+
+
+def _load_request(name: str, path: str) -> pb.RepositoryModelLoadRequest:
+    request = pb.RepositoryModelLoadRequest(model_name=name)
+    if path:
+        request.parameters["path"].string_param = path
+    return request

@@ -11,6 +11,16 @@ from torch.utils.data import DataLoader
 from paraloom.datasets import digits
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests run where torch sees a GPU and are skipped elsewhere."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def digits_train():
     return digits("train")

@@ -32,3 +32,53 @@ def test_every_python_example_parses():
     assert len(blocks) >= 15
     for block in blocks:
         compile(block, "README.md", "exec")
+
+
+def _free_names(code: str) -> set[str]:
+    """Names a block reads before binding them (nor are builtins): what it expects from
+    elsewhere. Statement by statement; within one statement (a def, a with) order is ignored."""
+    import ast
+    import builtins
+
+    bound, free = set(dir(builtins)) | {"__name__"}, set()
+    for statement in ast.parse(code).body:
+        loaded, stored = set(), set()
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Name):
+                (loaded if isinstance(node.ctx, ast.Load) else stored).add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                stored.add(node.name)
+            elif isinstance(node, ast.arg):
+                stored.add(node.arg)
+            elif isinstance(node, ast.alias):
+                stored.add((node.asname or node.name).split(".")[0])
+        free |= loaded - bound - stored
+        bound |= stored
+    return free
+
+
+# Blocks that need something a test cannot have: a running server, a JVM, the network.
+_EXTERNAL = ("tritonclient", "SparkSession", "serve(app")
+
+
+def _standalone_blocks() -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    return [b for b in blocks if not _free_names(b) and not any(x in b for x in _EXTERNAL)]
+
+
+def test_the_complete_examples_import_what_they_use():
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    for needle in ("EarlyStoppingConfig(", "ParallelInference(model, inference_mode",
+                   "paraloom.save(model"):
+        block = next(b for b in blocks if needle in b)
+        assert not _free_names(block), (needle, _free_names(block))
+
+
+@pytest.mark.parametrize("index", range(len(_standalone_blocks())))
+def test_the_standalone_examples_run(index, tmp_path, monkeypatch):
+    """Each block that needs nothing from elsewhere runs as written (in a fresh namespace, in
+    a scratch folder); what it guards with ``if __name__ == "__main__":`` (long training) is
+    left out."""
+    monkeypatch.chdir(tmp_path)
+    code = _standalone_blocks()[index]
+    exec(compile(code, f"README.md block {index}", "exec"), {"__name__": "readme_example"})

@@ -17,7 +17,7 @@ from torch import nn
 
 from paraloom.models import MLP, LeNet
 
-__all__ = ["save", "load", "register_model", "atomic_write"]
+__all__ = ["save", "load", "register_model", "atomic_write", "check_safetensors"]
 
 _HEADER_KEY = "paraloom"
 _REGISTRY: dict[str, type[nn.Module] | Callable[..., nn.Module]] = {"lenet": LeNet, "mlp": MLP}
@@ -81,8 +81,29 @@ def save(model: nn.Module, path: str | Path, *, name: str | None = None,
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
 
 
+def check_safetensors(path: str | Path) -> None:
+    """Raise ValueError, saying what the file is and how to convert it, unless ``path`` starts
+    as a safetensors file does (an 8-byte header length, then a JSON header that fits)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    size = path.stat().st_size
+    if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= size - 8:
+        return
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        what = "a PyTorch pickle (torch.save's format: a .pt/.pth/.bin checkpoint)"
+    else:
+        what = "not a safetensors file"
+    raise ValueError(
+        f"{path} is {what}; paraloom reads only safetensors files (loading them runs no code). "
+        "Convert it once, where you trust the file: model = YourModel(); model.load_state_dict("
+        f"torch.load({str(path)!r}, weights_only=True)); paraloom.save(model, "
+        "'model.safetensors')")
+
+
 def read_header(path: str | Path) -> dict[str, Any]:
     """The JSON header written by ``save``."""
+    check_safetensors(path)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     if _HEADER_KEY not in meta:

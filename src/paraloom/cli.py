@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import sys
+from typing import Any
 
 __all__ = ["main", "add_data_arguments"]
 
@@ -35,49 +36,125 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
-    from torch.utils.data import DataLoader
 
     import paraloom
-    from paraloom.datasets import load_dataset
-    from paraloom.evaluation import evaluate
-    from paraloom.models import build_model
+    from paraloom.devices import parse_devices
 
     torch.manual_seed(args.seed)
-    train = load_dataset(args.dataset, "train", args.data_dir)
-    test = load_dataset(args.dataset, "test", args.data_dir)
-    model = build_model(args.model, train[0][0].shape)
+    model, loader, test = _training_setup(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 nesterov=args.momentum > 0)
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)
     mode_options = {"averaging_frequency": args.averaging_frequency} \
         if args.mode == "averaging" else {}
-    with paraloom.ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer,
-                                  workers=args.workers, training_mode=args.mode,
-                                  **mode_options) as wrapper:
+    loss_fn = nn.CrossEntropyLoss() if args.loss == "cross_entropy" else nn.MSELoss()
+    with paraloom.ParallelWrapper(model, loss_fn=loss_fn, optimizer=optimizer,
+                                  workers=args.workers, devices=parse_devices(args.devices),
+                                  training_mode=args.mode, **mode_options) as wrapper:
         stats = wrapper.fit(loader, epochs=args.epochs)
-    result = evaluate(model, DataLoader(test, batch_size=256))
-    print(f"test accuracy {result.accuracy:.4f}  ({stats['samples_per_s']:.0f} samples/s, "
-          f"{args.workers} workers, {args.mode})")
+    speed = (f"{stats['samples_per_s']:.0f} samples/s, {wrapper.workers} workers, "
+             f"{args.mode}")
+    if test is None:
+        print(f"trained {stats['samples']} samples ({speed})")
+    elif args.loss == "cross_entropy":
+        from paraloom.evaluation import evaluate
+
+        print(f"test accuracy {evaluate(model, test).accuracy:.4f}  ({speed})")
+    else:
+        print(f"test mse {_mean_loss(model, test, nn.MSELoss()):.6g}  ({speed})")
     if args.out:
-        paraloom.save(model, args.out, metadata={"dataset": args.dataset})
+        metadata = {"dataset": args.dataset} if args.data is None else {"data": args.data}
+        paraloom.save(model, args.out, metadata=metadata)
         print(f"saved {args.out}")
     return 0
+
+
+def _training_setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(model, training loader, test loader or None): built-in or the user's (--factory,
+    --data, --test-data)."""
+    from torch.utils.data import DataLoader
+
+    from paraloom.user_code import build_user_model, user_data
+
+    if args.data is not None:
+        loader = user_data(args.data, "--data", args.batch_size, shuffle=True)
+        test = user_data(args.test_data, "--test-data", 256, shuffle=False) \
+            if args.test_data else None
+    else:
+        from paraloom.datasets import load_dataset
+
+        train = load_dataset(args.dataset, "train", args.data_dir)
+        loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)
+        test = DataLoader(load_dataset(args.dataset, "test", args.data_dir), batch_size=256)
+    if args.factory is not None:
+        return build_user_model(args.factory), loader, test
+    if args.data is not None:
+        raise ValueError("--data needs --factory pkg.module:function (the model for your data)")
+    from paraloom.models import build_model
+
+    return build_model(args.model, loader.dataset[0][0].shape), loader, test
+
+
+def _mean_loss(model: Any, data: Any, loss_fn: Any) -> float:
+    import torch
+
+    from paraloom.data import split_batch
+    from paraloom.forward import forward
+
+    total, rows = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for batch in data:
+            inputs, targets = split_batch(batch)
+            n = int(targets.shape[0])
+            total += float(loss_fn(forward(model, inputs), targets)) * n
+            rows += n
+    return total / max(1, rows)
 
 
 def _evaluate(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader
 
-    import paraloom
-    from paraloom.datasets import load_dataset
     from paraloom.evaluation import evaluate
 
-    model = paraloom.load(args.model_file)
-    test = load_dataset(args.dataset, "test", args.data_dir)
-    result = evaluate(model, DataLoader(test, batch_size=256))
+    model = _load_model(args.model_file, args.factory)
+    if args.data is not None:
+        from paraloom.user_code import user_data
+
+        test = user_data(args.data, "--data", args.batch_size, shuffle=False)
+    else:
+        from paraloom.datasets import load_dataset
+
+        test = DataLoader(load_dataset(args.dataset, "test", args.data_dir), batch_size=256)
+    result = evaluate(model, test)
     print(result.report())
     if args.json:
         print(json.dumps(result.metrics()))
     return 0
+
+
+def _load_model(path: str, factory_spec: str | None) -> Any:
+    """A paraloom file, or (with --factory) the user's model with the file's weights."""
+    from pathlib import Path
+
+    import paraloom
+    from paraloom.checkpoint import check_safetensors, read_header
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"model file {path!r} does not exist")
+    if factory_spec is None:
+        return paraloom.load(path)
+    from safetensors.torch import load_file
+
+    from paraloom.user_code import build_user_model, import_callable
+
+    check_safetensors(path)
+    try:
+        read_header(path)
+    except ValueError:  # plain safetensors weights (no paraloom header)
+        model = build_user_model(factory_spec)
+        model.load_state_dict(load_file(path), strict=True)
+        return model
+    return paraloom.load(path, factory=import_callable(factory_spec, "--factory"))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -91,7 +168,14 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model with ParallelWrapper and save it")
     p.add_argument("--model", default="lenet", choices=["lenet", "mlp"])
     add_data_arguments(p)
-    p.add_argument("--workers", type=int, default=2)
+    _add_user_code_arguments(p)
+    p.add_argument("--test-data", metavar="PKG.MOD:FN",
+                   help="with --data: a function returning the test Dataset or DataLoader")
+    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes (default: one per GPU, else 2)")
+    p.add_argument("--devices", default="auto",
+                   help="auto (every GPU, else the CPU), cpu, a GPU count, or cuda:0,cuda:1")
     p.add_argument("--mode", default="averaging",
                    choices=["averaging", "shared_gradients", "allreduce"])
     p.add_argument("--averaging-frequency", type=int, default=3,
@@ -104,8 +188,10 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_train)
 
     p = sub.add_parser("evaluate", help="accuracy and confusion matrix of a saved model")
-    p.add_argument("model_file")
+    p.add_argument("model_file", help="a .safetensors file (paraloom.save, or plain weights "
+                   "with --factory)")
     add_data_arguments(p)
+    _add_user_code_arguments(p)
     p.add_argument("--json", action="store_true", help="also print the metrics as JSON")
     p.set_defaults(func=_evaluate)
 
@@ -119,6 +205,14 @@ def _parser() -> argparse.ArgumentParser:
         _attach(bench_sub.add_parser(name, help=f"the {name} benchmark"), module,
                 bench=True)
     return parser
+
+
+def _add_user_code_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--factory", metavar="PKG.MOD:FN",
+                   help="your model: a function returning an nn.Module (instead of --model)")
+    p.add_argument("--data", metavar="PKG.MOD:FN",
+                   help="your data: a function returning a Dataset (batched with --batch-size) "
+                   "or a DataLoader (instead of --dataset)")
 
 
 def _attach(p: argparse.ArgumentParser, module_name: str, bench: bool = False) -> None:
@@ -148,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:  # bad input: say so without a traceback
+    except (ValueError, TypeError, FileNotFoundError) as e:  # bad input: no traceback
         parser.exit(2, f"paraloom {args.command}: error: {e}\n")
 
 

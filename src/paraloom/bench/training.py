@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="averaging,allreduce,shared_gradients",
                    help="ParallelWrapper modes to measure, comma-separated")
     p.add_argument("--out", default="benchmarks/results/training.json")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the 1..N GPU scaling table instead (see bench.gpu_scaling)")
 
 
 def _data(args: argparse.Namespace) -> TensorDataset:
@@ -227,6 +229,13 @@ def run(args: argparse.Namespace) -> int:
         [m.strip() for m in args.model.split(",") if m.strip()]
     for name in names:
         workload(name)  # an unknown name fails before anything runs
+    if args.device == "cuda":
+        if len(names) != 1:
+            raise ValueError("--device cuda measures one --model at a time")
+        from paraloom.bench.gpu_scaling import run_gpu
+
+        args.model, args.batch_size = names[0], args.batch_size or _BATCH[names[0]]
+        return run_gpu(args, _data(args), lambda: _model(args), _sgd, lambda: _loss(args))
     results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(), "models": {}}
     batch_size = args.batch_size
     for name in names:

@@ -25,6 +25,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from paraloom.devices import DeviceSpec, replica_devices
 from paraloom.inference.batching import FutureLike, Request, RequestQueue
 from paraloom.inference.config import InferenceConfig, InferenceMode, check_seconds
 from paraloom.inference.errors import (
@@ -34,16 +35,14 @@ from paraloom.inference.errors import (
     RequestTimeoutError,
 )
 from paraloom.inference.execute import fail_requests, serve_batch_guarded
-from paraloom.inference.payload import parse
+from paraloom.inference.payload import one_example, parse, with_keywords
 from paraloom.inference.pending import Pending
 from paraloom.inference.replicas import (
-    DeviceSpec,
     Example,
     Generation,
     SlotPool,
     build_generation,
     example_of,
-    resolve_devices,
     warm_up,
 )
 from paraloom.inference.stats import InferenceStats, StatsRecorder
@@ -64,14 +63,25 @@ _UNSET: Final = _Unset.UNSET
 _TIMEOUTS = (TimeoutError, asyncio.TimeoutError, futures.TimeoutError)
 
 
+def _call_input(x: object, keywords: dict[str, object]) -> object:
+    """``output()``'s input: a single example as one row (its keyword inputs too), plus the
+    keyword inputs."""
+    single = one_example(x)
+    if single is not x:
+        keywords = {k: one_example(v) for k, v in keywords.items()}
+    return with_keywords(single, keywords)
+
+
 class ParallelInference:
     """Run a model from many threads at once on replicas, batching concurrent requests.
 
     ``inference_mode``: ``"batched"`` (merge concurrent requests into batches of up to
     ``batch_limit`` rows), ``"sequential"`` (one request per forward pass, FIFO) or
     ``"inplace"`` (the caller's thread runs a free replica). ``workers`` replicas (default: one
-    per CUDA device, else 1) are spread round robin over ``devices``. ``queue_limit`` caps the
-    queued requests; ``timeout`` (seconds) is every request's default deadline;
+    per device) are spread round robin over ``devices`` (``"auto"``: every CUDA device, else
+    the CPU; ``"cpu"``, ``["cuda:0", "cuda:1"]``, a GPU count: as ParallelWrapper's).
+    ``queue_limit`` caps the queued requests; ``timeout`` (seconds) is every request's default
+    deadline;
     ``max_wait_ms`` lets a free worker wait for a fuller batch; ``precision`` takes Lightning's
     names; ``example_input`` warms every replica and validates the setup at construction;
     ``threads_per_worker`` sets torch's intra-op threads in each worker thread.
@@ -80,7 +90,7 @@ class ParallelInference:
     def __init__(self, model: nn.Module, *, inference_mode: InferenceMode | str = "batched",
                  workers: int | None = None, batch_limit: int = 32, queue_limit: int = 64,
                  max_wait_ms: float = 0.0, timeout: float | None = None,
-                 devices: DeviceSpec = None, precision: str | Precision = "32-true",
+                 devices: DeviceSpec = "auto", precision: str | Precision = "32-true",
                  example_input: object = None, threads_per_worker: int | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -89,7 +99,7 @@ class ParallelInference:
             queue_limit=queue_limit, max_wait_ms=max_wait_ms, timeout=timeout,
             threads_per_worker=threads_per_worker)
         self._precision = resolve_precision(precision)
-        self._devices = resolve_devices(devices, self._config.workers)
+        self._devices = replica_devices(devices, self._config.workers)
         self._stats = StatsRecorder()
         self._swap_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -186,8 +196,14 @@ class ParallelInference:
         return future
 
     def output(self, x: object, *, timeout: float | None | _Unset = _UNSET,
-               return_version: bool = False) -> Any:
-        """The model's output for ``x`` (thread-safe); ``(output, version)`` if asked."""
+               return_version: bool = False, **inputs: object) -> Any:
+        """The model's output for ``x`` (thread-safe); ``(output, version)`` if asked.
+
+        A single example (a list of numbers, a 1-D tensor or array) is one row, as DL4J's
+        ``output(float[])``: the output has one row. Keyword inputs (masks) go to the model by
+        name, batched with ``x``: ``output(x, mask=m)`` runs ``model(x, mask=m)``.
+        """
+        x = _call_input(x, inputs)
         request = self._make_request(x, self._timeout_for(timeout), return_version, Pending())
         self._enqueue(request, True)
         return self._wait(request)
@@ -229,8 +245,10 @@ class ParallelInference:
             "add workers, or send fewer requests at once")
 
     async def output_async(self, x: object, *, timeout: float | None | _Unset = _UNSET,
-                           return_version: bool = False) -> Any:
-        """``await`` the model's output for ``x`` without blocking the event loop."""
+                           return_version: bool = False, **inputs: object) -> Any:
+        """``await`` the model's output for ``x`` without blocking the event loop (inputs as
+        ``output()``'s)."""
+        x = _call_input(x, inputs)
         seconds = self._timeout_for(timeout)
         if self._slots is not None:
             return await asyncio.to_thread(self.output, x, timeout=seconds,

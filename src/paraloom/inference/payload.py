@@ -8,8 +8,9 @@ same shape after the first dimension, dtype and device.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
 import torch
@@ -18,8 +19,8 @@ from torch import nn
 from paraloom.data import _rebuild_dict, map_tensors
 from paraloom.inference.errors import InvalidRequestError
 
-__all__ = ["Parsed", "parse", "describe_key", "collate", "call_model", "split_output",
-           "map_tensors", "to_numpy", "to_device"]
+__all__ = ["Parsed", "parse", "one_example", "with_keywords", "describe_key", "collate",
+           "call_model", "split_output", "map_tensors", "to_numpy", "to_device"]
 
 # spec of a request's structure: None for one tensor, ("tuple"|"list", n) or ("dict", keys).
 _ONE = None
@@ -65,6 +66,40 @@ def _signature(t: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
     return (t.shape[1:], t.dtype, t.device)
 
 
+def _numbers(x: object) -> TypeGuard[list[float] | tuple[float, ...]]:
+    return isinstance(x, (list, tuple)) and bool(x) and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in x)
+
+
+def one_example(x: object) -> object:
+    """``output()``'s single example: a list of numbers or a 1-D tensor/array is one row (as
+    DL4J's ``output(float[])``), a list of such lists is rows; anything else is returned as
+    it is."""
+    if _numbers(x):
+        return torch.tensor([list(x)], dtype=torch.get_default_dtype())
+    if isinstance(x, list) and x and all(_numbers(row) for row in x) \
+            and len({len(row) for row in x}) == 1:
+        return torch.tensor(x, dtype=torch.get_default_dtype())
+    if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 1:
+        return x[None]
+    return x
+
+
+def with_keywords(x: object, keywords: dict[str, object]) -> object:
+    """The model's call as one input: positional ``x`` plus keyword inputs (masks...)."""
+    if not keywords:
+        return x
+    positional = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    return _Call(positional, keywords)
+
+
+class _Call(NamedTuple):
+    """Positional and keyword inputs of one call, e.g. ``model(x, mask=m)``."""
+
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+
+
 def parse(x: object) -> Parsed:
     """Take a request's input apart, or raise InvalidRequestError saying what is wrong."""
     if isinstance(x, torch.Tensor) and x.dim() > 0:  # the fast path: one tensor
@@ -73,9 +108,14 @@ def parse(x: object) -> Parsed:
             raise _empty("the input", x)
         return Parsed((x,), _ONE, rows, (_ONE, x.shape[1:], x.dtype, x.device), False)
     kind: str
+    if isinstance(x, _Call):
+        names = [*(f"input[{i}]" for i in range(len(x.args))),
+                 *(f"keyword input {k!r}" for k in x.kwargs)]
+        spec: Hashable = ("call", len(x.args), tuple(x.kwargs))
+        return _parse_many([*x.args, *x.kwargs.values()], names, spec)
     if isinstance(x, (tuple, list)):
         kind, names = type(x).__name__, [f"input[{i}]" for i in range(len(x))]
-        spec: Hashable = (kind, len(x))
+        spec = (kind, len(x))
         items = list(x)
     elif isinstance(x, dict):
         kind, names = "dict", [f"input[{k!r}]" for k in x]
@@ -130,6 +170,10 @@ def describe_key(key: Hashable) -> str:
     parts = [_describe_tensor(shape, dtype) for shape, dtype, _ in sigs]
     if spec[0] == "dict":
         return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(spec[1], parts, strict=True)) + "}"
+    if spec[0] == "call":
+        n = spec[1]
+        named = [f"{k}={p}" for k, p in zip(spec[2], parts[n:], strict=True)]
+        return f"call({', '.join([*parts[:n], *named])})"
     return f"{spec[0]}({', '.join(parts)})"
 
 
@@ -149,6 +193,9 @@ def call_model(model: nn.Module, spec: Hashable, tensors: Sequence[torch.Tensor]
     assert isinstance(spec, tuple)
     if spec[0] == "dict":
         return model(**dict(zip(spec[1], tensors, strict=True)))
+    if spec[0] == "call":
+        n = spec[1]
+        return model(*tensors[:n], **dict(zip(spec[2], tensors[n:], strict=True)))
     return model(*tensors)
 
 

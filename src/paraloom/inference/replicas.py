@@ -1,4 +1,4 @@
-"""Model replicas: devices, building and warming copies, versions, and the in-place slot pool."""
+"""Model replicas: building and warming copies, versions, and the in-place slot pool."""
 
 from __future__ import annotations
 
@@ -15,27 +15,10 @@ from paraloom.inference.errors import InferenceClosedError, QueueFullError
 from paraloom.inference.payload import call_model
 from paraloom.precision import Precision
 
-__all__ = ["resolve_devices", "build_replica", "Generation", "build_generation", "warm_up",
+__all__ = ["build_replica", "Generation", "build_generation", "warm_up",
            "example_of", "SlotPool"]
 
-DeviceSpec = str | torch.device | Sequence[str | torch.device] | None
 Example = tuple[Hashable, Hashable, tuple[torch.Tensor, ...]]  # (key, spec, tensors)
-
-
-def resolve_devices(devices: DeviceSpec, workers: int | None) -> list[torch.device]:
-    """One device per worker: round robin over ``devices`` (default: every CUDA device, or CPU)."""
-    if devices is None:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        pool = [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
-    elif isinstance(devices, (str, torch.device)):
-        pool = [torch.device(devices)]
-    elif isinstance(devices, Sequence) and devices:
-        pool = [torch.device(d) for d in devices]
-    else:
-        raise ValueError(f"devices={devices!r}; expected a device ('cpu', 'cuda:0'), a non-empty "
-                         "list of devices, or None for every CUDA device (CPU without one)")
-    n = len(pool) if workers is None else workers
-    return [pool[i % len(pool)] for i in range(n)]
 
 
 def build_replica(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:

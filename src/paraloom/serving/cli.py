@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from paraloom.devices import parse_devices
+
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
@@ -45,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--mode", default="batched", choices=["batched", "sequential", "inplace"],
                       help="inference mode (default batched)")
     pool.add_argument("--workers", type=int, default=2, help="model replicas (default 2)")
+    pool.add_argument("--devices", default="auto", type=parse_devices,
+                      help="auto (every GPU, else the CPU), cpu, a GPU count, or a list such "
+                      "as cuda:0,cuda:1; replicas are dealt round robin (default auto)")
     pool.add_argument("--batch-limit", type=int, default=32, help="rows per batch (default 32)")
     pool.add_argument("--queue-limit", type=int, default=256,
                       help="queued requests before answering 503 (default 256)")
@@ -118,6 +123,9 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
         return load(args.weights, factory=factory), args.weights
     from safetensors.torch import load_file
 
+    from paraloom.checkpoint import check_safetensors
+
+    check_safetensors(args.weights)  # a torch.save pickle: say so, and how to convert it
     model = factory()
     model.load_state_dict(load_file(args.weights), strict=True)
     return model, None  # plain safetensors: served, but not reloadable (no paraloom header)
@@ -170,7 +178,7 @@ def _check_graceful_timeout(seconds: float) -> None:
 
 
 def _pool_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"inference_mode": args.mode, "workers": args.workers,
+    return {"inference_mode": args.mode, "workers": args.workers, "devices": args.devices,
             "batch_limit": args.batch_limit, "queue_limit": args.queue_limit,
             "max_wait_ms": args.max_wait_ms, "threads_per_worker": args.threads_per_worker}
 

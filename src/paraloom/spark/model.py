@@ -34,6 +34,7 @@ from paraloom.spark.evaluation import (
     ship,
 )
 from paraloom.spark.evaluation.metrics import MetricSet
+from paraloom.spark.runtime.interpreter import use_driver_python
 from paraloom.spark.stats import TrainingStats
 from paraloom.spark.training import FitJob, TrainingMaster
 from paraloom.sync.base import NoSync
@@ -57,6 +58,7 @@ def _spark_context(spark: SparkSession | SparkContext) -> SparkContext:
         raise TypeError(f"spark must be a SparkSession or SparkContext; got "
                         f"{type(spark).__name__}. Spark Connect sessions have no RDD API: use "
                         f"a classic session (SparkSession.builder.master(...))")
+    use_driver_python(sc)
     return cast("SparkContext", sc)
 
 

@@ -30,6 +30,7 @@ class LocalPool:
         self.backend, self.devices, self.threads = "none", [device], torch.get_num_threads()
         self._runner = ReplicaRunner(spec, device=device)
         self._replies: collections.deque[Answer] = collections.deque()
+        self._last_round = -1
 
     @property
     def pids(self) -> list[int]:
@@ -42,9 +43,16 @@ class LocalPool:
     def begin(self, messages: Sequence[Begin]) -> None:
         # No seed: the replica shares the caller's RNG, which the caller has seeded.
         self._runner.begin(dataclasses.replace(messages[0], seed=None))
+        self._last_round = -1
+
+    def halt(self, last: int | None = None) -> int:
+        """Nothing is queued here: the last round is the last one sent."""
+        return self._last_round if last is None else min(last, self._last_round)
 
     def send(self, rank: int, message: ToReplica) -> None:
         round_id = message.round_id if isinstance(message, RoundMessage) else None
+        if round_id is not None:
+            self._last_round = round_id
         try:
             reply = self._runner.handle(message)
         except Exception as e:

@@ -181,6 +181,8 @@ class StepDone:
     """After a ``LoaderRound`` over a stream: whether this replica has another batch."""
     digest: str | None = None
     """A fingerprint of a stream's first batches (replicas that all read the same data)."""
+    skipped: bool = False
+    """The round was queued when ``stop()`` halted the fit: no replica trained it."""
 
 
 @dataclass(frozen=True)

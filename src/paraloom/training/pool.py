@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch
-
 from paraloom.training.messages import Answer, Begin, ToReplica
 
-__all__ = ["Pool", "device_plan"]
+__all__ = ["Pool"]
 
 
 class Pool(Protocol):
@@ -36,6 +33,11 @@ class Pool(Protocol):
         sent (``NotPicklableError``)."""
         ...
 
+    def halt(self, last: int | None = None) -> int:
+        """``stop()``: the workers skip every queued round after the one in flight (or after
+        round ``last``); returns the last round that is trained."""
+        ...
+
     def send(self, rank: int, message: ToReplica) -> None:
         """Queue a message for one worker; waits (watching the workers) while it is busy."""
         ...
@@ -52,12 +54,3 @@ class Pool(Protocol):
     def kill(self) -> None:
         """Stop every worker now; safe to call twice."""
         ...
-
-
-def device_plan(workers: int) -> tuple[str, list[str], int]:
-    """(backend, device per worker, threads per worker) for this machine."""
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        return "nccl", [f"cuda:{i % n}" for i in range(workers)], 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return "gloo", ["cpu"] * workers, max(1, (cores or 1) // workers)

@@ -19,8 +19,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
 
+from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
+from paraloom.training.gate import RoundGate
 from paraloom.training.messages import (
     Answer,
     Begin,
@@ -40,7 +42,6 @@ from paraloom.training.messages import (
     Stop,
     ToReplica,
 )
-from paraloom.training.pool import device_plan
 from paraloom.training.transport import dumps
 from paraloom.training.worker import WorkerConfig, worker_main
 
@@ -77,15 +78,20 @@ class ProcessPool:
 
     def __init__(self, spec_bytes: bytes, workers: int, *, timeout_s: float = 300.0,
                  step_timeout_s: float | None = None, heartbeat_timeout_s: float | None = 2.0,
-                 startup_timeout_s: float = 120.0, queue_size: int = 4) -> None:
+                 startup_timeout_s: float = 120.0, queue_size: int = 4,
+                 devices: TrainingDevices | None = None) -> None:
+        plan = devices or training_devices("auto", workers)
+        if plan.workers != workers:
+            raise ValueError(f"devices for {plan.workers} workers given to a pool of {workers}")
         self.workers = workers
         self.timeout_s = timeout_s
         self.step_timeout_s = timeout_s if step_timeout_s is None else step_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.backend, self.devices, self.threads = device_plan(workers)
+        self.backend, self.devices, self.threads = plan.backend, list(plan.devices), plan.threads
         ctx = mp.get_context("spawn")
         # One heartbeat slot per worker (0.0 until its first beat), written by its own thread.
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
+        self._gate = RoundGate.create(ctx, workers)
         self._results: Queue[Reply] = ctx.Queue()
         self._inbox = _Inbox(self._results)
         self._tasks: list[Queue[ToReplica | Pickled]] = [
@@ -102,7 +108,7 @@ class ProcessPool:
                                    parent_pid=os.getpid())
                 p = ctx.Process(target=worker_main, name=f"paraloom-worker-{rank}", daemon=True,
                                 args=(cfg, spec_bytes, self._tasks[rank], self._results,
-                                      self._beats))
+                                      self._beats, self._gate.array))
                 p.start()
                 self._procs.append(p)
         self._pending: collections.deque[Answer] = collections.deque()
@@ -143,8 +149,14 @@ class ProcessPool:
         dataset that cannot be pickled (NotPicklableError) leaves the workers untouched.
         """
         packed = [_pack(message) for message in messages]
+        self._gate.reset()
         for rank, message in enumerate(packed):
             self._put(rank, message)
+
+    def halt(self, last: int | None = None) -> int:
+        """Let the workers train no queued round after the one in flight (or ``last``);
+        returns the last round they train."""
+        return self._gate.halt(last)
 
     def send(self, rank: int, message: ToReplica) -> None:
         """Queue a message for one worker; waits (checking liveness) while its queue is full."""

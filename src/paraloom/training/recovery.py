@@ -101,6 +101,7 @@ class RecoveringPool:
         self._carry: list[ReplicaState | None] | None = None
         """Each replica's state at the end of the last fit(), on this pool's workers."""
         self._finished: set[int] = set()
+        self._halted: int | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -119,6 +120,7 @@ class RecoveringPool:
         self._pending = None
         self._delivered = set()
         self._finished = set()
+        self._halted = None
         self._last_request = time.monotonic()
         self._sent(lambda: self._pool.begin(self._begins))
 
@@ -127,6 +129,10 @@ class RecoveringPool:
         self._sent(lambda: self._pool.send(rank, message))
         if rank == self.workers - 1 and isinstance(message, RoundMessage):
             self._maybe_request(message.round_id)
+
+    def halt(self, last: int | None = None) -> int:
+        self._halted = self._guarded(lambda: self._pool.halt(last))
+        return self._halted
 
     def recv(self, timeout_s: float | None = None) -> Answer | None:
         while True:
@@ -254,6 +260,8 @@ class RecoveringPool:
             dataclasses.replace(b, resume=restore.states[rank])
             for rank, b in enumerate(self._begins)]
         self._pool.begin(begins)
+        if self._halted is not None:  # replay no round that stop() cut off
+            self._pool.halt(self._halted)
         self._begun_at = time.monotonic()
         for rank, message in self._log:
             self._pool.send(rank, message)

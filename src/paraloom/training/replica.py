@@ -18,7 +18,8 @@ from paraloom.sync.base import StepContext, Synchronizer
 from paraloom.training.messages import ModelState, ReplicaState
 from paraloom.training.optim import OptimizerSpec
 
-__all__ = ["Replica", "NonFiniteLossError", "BatchError", "LossFn", "StepFn", "require_loss"]
+__all__ = ["Replica", "NonFiniteLossError", "BatchError", "LossFn", "StepFn", "require_loss",
+           "host_to_device"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 """``step_fn(model, batch) -> loss``: the user's own forward and loss."""
@@ -37,6 +38,20 @@ def require_loss(loss_fn: LossFn | None, step_fn: StepFn | None) -> None:
     if loss_fn is None and step_fn is None:
         raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, batch)"
                          " -> loss")
+
+
+def host_to_device(batch: Any, device: torch.device) -> Any:
+    """A batch on ``device``; CPU tensors bound for a GPU go through pinned memory, so the copy
+    is asynchronous (``non_blocking``) as with a DataLoader's ``pin_memory=True``."""
+    if device.type != "cuda":
+        return to_device(batch, device)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+
+    return map_tensors(batch, move)
 
 
 def _grad_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
@@ -126,7 +141,7 @@ class Replica:
         return value
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        batch = to_device(batch, self.device, non_blocking=True)
+        batch = host_to_device(batch, self.device)
         if self.precision.param_dtype is not None:
             batch = map_tensors(batch, self.precision.cast)
         with self.precision.forward_context(self.device):

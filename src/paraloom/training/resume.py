@@ -140,10 +140,17 @@ class CheckpointCollector:
                  fingerprint: Callable[[], dict[str, Any]], workers: int) -> None:
         self.listeners, self.fingerprint, self.workers = listeners, fingerprint, workers
         self.pending: dict[int, _Pending] = {}
+        self.last: int | None = None
 
     def reset(self) -> None:
         """Forget the previous fit()'s checkpoints."""
         self.pending = {}
+        self.last = None
+
+    def cut(self, last: int) -> None:
+        """stop() halted the fit after iteration ``last``: later checkpoints would claim rounds
+        that were never trained, so they are dropped."""
+        self.last = last
 
     def request(self, pool: Pool, iteration: int, epoch: int, dealt: int,
                 epoch_rng: list[torch.Tensor], epoch_end: bool) -> None:
@@ -168,6 +175,8 @@ class CheckpointCollector:
 
     def receive(self, reply: CheckpointReply) -> None:
         """One replica's state; hands the checkpoint to its listeners once all are in."""
+        if self.last is not None and reply.tag > self.last:
+            return
         pending = self.pending[reply.tag]
         pending.checkpoint.replicas[reply.rank] = reply.state
         if any(r is None for r in pending.checkpoint.replicas):

@@ -13,8 +13,34 @@ from paraloom.listeners import TrainingListener
 from paraloom.training.recovery import Recovery
 
 log = logging.getLogger("paraloom")
+score_log = logging.getLogger("paraloom.score")
+"""Where ``report_score_after_averaging`` writes; shown even where no logging is configured."""
 
-__all__ = ["RoundTracker"]
+__all__ = ["RoundTracker", "show_scores"]
+
+
+class _BarSafeHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes through tqdm, so a line does not break a progress bar being drawn."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
+def show_scores() -> None:
+    """Make the score lines visible, as DL4J printed them, if the user configured no logging:
+    a handler on ``paraloom.score`` (installed once, only if no handler would take them)."""
+    if score_log.hasHandlers() and score_log.getEffectiveLevel() <= logging.INFO:
+        return  # the user's logging shows them (or already ours)
+    if score_log.hasHandlers() and logging.getLogger().handlers:
+        return  # the user configured logging and chose a level that hides them
+    handler = _BarSafeHandler()
+    handler.setFormatter(logging.Formatter("paraloom: %(message)s"))
+    score_log.addHandler(handler)
+    score_log.setLevel(logging.INFO)
+    score_log.propagate = False
 
 
 @dataclass
@@ -26,6 +52,7 @@ class _Round:
     rows: int = 0
     replies: int = 0
     synced: bool = False
+    skipped: bool = False
 
 
 class RoundTracker:
@@ -39,6 +66,8 @@ class RoundTracker:
         self.report_score = report_score
         self.rounds: dict[int, _Round] = {}
         self.next_round = 0
+        self.skipped = 0
+        """Rounds that stop() cut off: dealt, never trained."""
         self.batches = 0
         self.rows = 0
         self.started = time.perf_counter()
@@ -48,6 +77,8 @@ class RoundTracker:
         """The worker failures survived in this fit(), in order."""
         self.bar = tqdm(total=total_batches, unit="batch", disable=not progress,
                         dynamic_ncols=True, desc="paraloom")
+        if report_score:
+            show_scores()
 
     def add(self, round_id: int, epoch: int, first_batch: int, batches: int) -> None:
         """A round was dealt: ``batches`` workers got a batch, every worker gets a reply."""
@@ -60,10 +91,12 @@ class RoundTracker:
             return ""
         return f"epoch {r.epoch}, batch {r.first_batch + (rank or 0)}"
 
-    def reply(self, round_id: int, loss: float | None, rows: int, synced: bool) -> None:
-        """A worker's ``step`` reply."""
+    def reply(self, round_id: int, loss: float | None, rows: int, synced: bool,
+              skipped: bool = False) -> None:
+        """A worker's ``step`` reply (``skipped``: a round that stop() cut off)."""
         r = self.rounds[round_id]
         r.replies += 1
+        r.skipped = r.skipped or skipped
         r.synced = r.synced or synced
         if loss is not None:
             r.losses.append(loss)
@@ -78,6 +111,9 @@ class RoundTracker:
         return len(self.rounds)
 
     def _complete(self, round_id: int, r: _Round) -> None:
+        if r.skipped:
+            self.skipped += 1
+            return  # never trained: no iteration, no listener call
         if r.epoch != self.current_epoch:
             self._end_epoch()
             self.current_epoch = r.epoch
@@ -88,7 +124,8 @@ class RoundTracker:
         self.rows += r.rows
         self.epoch_losses.append(loss)
         if self.report_score and r.synced:
-            log.info("Averaged score: %.6f (iteration %d, epoch %d)", loss, self.iteration, r.epoch)
+            score_log.info("Averaged score: %.6f (iteration %d, epoch %d)", loss, self.iteration,
+                           r.epoch)
         for listener in self.listeners:
             listener.on_iteration(self.iteration, r.epoch, loss)
         self.iteration += 1
@@ -137,5 +174,5 @@ class RoundTracker:
         self.bar.close()
 
     def summary(self) -> dict[str, Any]:
-        return {"rounds": self.next_round, "batches": self.batches, "samples": self.rows,
-                "seconds": self.seconds, "samples_per_s": self.samples_per_s}
+        return {"rounds": self.next_round - self.skipped, "batches": self.batches,
+                "samples": self.rows, "seconds": self.seconds, "samples_per_s": self.samples_per_s}

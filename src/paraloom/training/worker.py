@@ -22,6 +22,7 @@ from multiprocessing.queues import Queue
 import torch
 import torch.distributed as dist
 
+from paraloom.training.gate import RoundGate
 from paraloom.training.messages import (
     Failed,
     Finish,
@@ -29,6 +30,7 @@ from paraloom.training.messages import (
     Ready,
     Reply,
     RoundMessage,
+    StepDone,
     Stop,
     ToReplica,
 )
@@ -84,12 +86,14 @@ def _init_group(cfg: WorkerConfig) -> dist.ProcessGroup | None:
 
 
 def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | Pickled],
-                results: Queue[Reply], beats: MutableSequence[float]) -> None:
-    """Entry point of a worker process."""
+                results: Queue[Reply], beats: MutableSequence[float],
+                gate_array: object = None) -> None:
+    """Entry point of a worker process (``gate_array``: the pool's RoundGate)."""
     round_id = None
     # The parent still treats this process as a daemon (ended when it exits); in here the flag
     # would forbid the loader worker processes of a DataLoader the replica runs itself.
     multiprocessing.current_process().daemon = False
+    gate = RoundGate(gate_array) if gate_array is not None else None
     _start_heartbeat(beats, cfg.rank)
     try:
         torch.set_num_threads(cfg.threads)
@@ -105,7 +109,15 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
                 # The round is known before unpickling, so a batch that fails to load is
                 # reported on its own round.
                 round_id = round_id if message.round_id is None else message.round_id
+                held = message.round_id
+                if held is not None and gate is not None and not gate.admit(cfg.rank, held):
+                    results.put(StepDone(cfg.rank, held, None, 0, False, skipped=True))
+                    continue  # stop() halted the fit before this queued round
                 message = message.unpack()
+            elif isinstance(message, RoundMessage) and gate is not None and \
+                    not gate.admit(cfg.rank, message.round_id):
+                results.put(StepDone(cfg.rank, message.round_id, None, 0, False, skipped=True))
+                continue
             if isinstance(message, RoundMessage):
                 round_id = message.round_id
             elif isinstance(message, Finish):

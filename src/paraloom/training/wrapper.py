@@ -22,6 +22,7 @@ from paraloom.data import (
     indexed_view,
     split_batch,
 )
+from paraloom.devices import DeviceSpec, training_devices
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.forward import LossFn
 from paraloom.listeners import TrainingListener, as_listener
@@ -62,21 +63,19 @@ __all__ = ["ParallelWrapper"]
 log = logging.getLogger("paraloom")
 
 
-def _default_workers() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
-
-
 class ParallelWrapper:
     """Train ``model`` on ``workers`` replicas at once; ``fit()`` leaves the result in ``model``.
 
-    Workers are spawned processes, started on the first ``fit()`` and kept until ``close()``
+    ``devices`` (``"auto"``, ``"cpu"``, ``["cuda:0", "cuda:1"]``, a GPU count) places the
+    replicas round robin; ``workers`` defaults to one per GPU (2 on the CPU). Workers are
+    spawned processes, started on the first ``fit()`` and kept until ``close()``
     (or the end of a ``with`` block). Each round deals one batch to each worker; the
     ``training_mode`` decides how the replicas stay consistent.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn | None = None,
                  optimizer: torch.optim.Optimizer | OptimizerFactory,
-                 workers: int | None = None,
+                 workers: int | None = None, devices: DeviceSpec = "auto",
                  training_mode: str | TrainingMode | Synchronizer = TrainingMode.AVERAGING,
                  averaging_frequency: int = 1, average_updaters: bool = True,
                  prefetch_buffer: int = 16, report_score_after_averaging: bool = False,
@@ -87,9 +86,8 @@ class ParallelWrapper:
                  max_failures: int = 0, **sync_options: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-        workers = _default_workers() if workers is None else workers
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers={workers!r}; expected an int >= 1")
+        self.device_plan = training_devices(devices, workers)
+        workers = self.device_plan.workers
         if prefetch_buffer < 0:
             raise ValueError(f"prefetch_buffer={prefetch_buffer}; expected >= 0")
         if timeout <= 0:
@@ -159,7 +157,8 @@ class ParallelWrapper:
         return list(self._pool.pids) if self._pool is not None else []
 
     def stop(self) -> None:
-        """Ask a running fit() to stop after the current round (e.g. from a listener)."""
+        """Ask a running fit() to stop after the round in flight (e.g. from a listener); the
+        rounds queued behind it are not trained."""
         self._stop_requested = True
 
     def _ensure_pool(self) -> Pool:
@@ -167,8 +166,7 @@ class ParallelWrapper:
             return self._pool
         self.close()
         if self.workers == 1:
-            device = "cuda:0" if torch.cuda.is_available() else "cpu"
-            self._pool = LocalPool(self._spec, device=device)
+            self._pool = LocalPool(self._spec, device=self.device_plan.devices[0])
         else:
             spec_bytes = pickle_spec(self._spec)
             queue_size = max(2, -(-self.prefetch_buffer // self.workers))
@@ -177,7 +175,7 @@ class ParallelWrapper:
                 return ProcessPool(spec_bytes, self.workers, timeout_s=self.timeout,
                                    step_timeout_s=self.step_timeout,
                                    heartbeat_timeout_s=self.heartbeat_timeout,
-                                   queue_size=queue_size)
+                                   queue_size=queue_size, devices=self.device_plan)
 
             self._pool = RecoveringPool(start, self.max_failures, self._recovered) \
                 if self.max_failures else start()
@@ -324,6 +322,8 @@ class ParallelWrapper:
                 dealt = self._deal_epoch(pool, tracker, data, source, epoch, skip, epoch_rng,
                                          dealing)
             if self._stop_requested:
+                # Queued rounds after the one in flight are skipped by every worker.
+                self._checkpoints.cut(dealing.base + pool.halt())
                 return
             if dealt == 0:
                 raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
@@ -470,7 +470,8 @@ class ParallelWrapper:
         """Account for a worker's reply to a round or a checkpoint request."""
         match reply:
             case StepDone():
-                tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced)
+                tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced,
+                              reply.skipped)
             case CheckpointReply():
                 self._checkpoints.receive(reply)
 

@@ -12,6 +12,7 @@ import copy
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -166,8 +167,8 @@ def add_results(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str,
         return b
     for key in ("layout", "optimizer_layout"):
         if a.get(key) != b.get(key):
-            first = next((x, y) for x, y in zip(a.get(key) or [], b.get(key) or [])
-                         if x != y) if a.get(key) and b.get(key) else (a.get(key), b.get(key))
+            first = next(((x, y) for x, y in zip_longest(a.get(key) or [], b.get(key) or [])
+                          if x != y), (a.get(key), b.get(key)))
             raise ValueError(f"two partitions returned {key.replace('_', ' ')}s that differ "
                              f"(first difference: {first[0]} against {first[1]}); every "
                              f"replica must train the same model with the same optimizer")

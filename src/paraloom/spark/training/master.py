@@ -14,6 +14,7 @@ import torch
 from paraloom.errors import WorkerError
 from paraloom.spark.data import Chunk, Features, Pair, partition_chunks
 from paraloom.spark.data.partitions import spread_chunks
+from paraloom.spark.runtime.interpreter import missing_paraloom_hint
 from paraloom.spark.stats import TrainingStats
 from paraloom.training.runner import WorkerSpec
 
@@ -206,8 +207,10 @@ def run_job(sc: SparkContext, action: Callable[[], T], description: str,
         if timed_out.is_set():
             raise SparkTrainingError(f"{description} did not finish within job_timeout="
                                      f"{timeout_s:g} s and was cancelled", attempts=attempts) from e
+        hint = missing_paraloom_hint(str(e), getattr(sc, "pythonExec", "python3"))
         raise SparkTrainingError(f"{description} failed after {attempts} stage attempt(s): "
-                                 f"{_root_cause(str(e))}", attempts=attempts) from e
+                                 f"{_root_cause(str(e))}" + (f"\n{hint}" if hint else ""),
+                                 attempts=attempts) from e
     finally:
         if timer is not None:
             timer.cancel()

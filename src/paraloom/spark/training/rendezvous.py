@@ -19,13 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-import torch
 import torch.distributed as dist
 
-__all__ = ["BarrierContext", "Rendezvous", "task_host", "local_rank", "choose_device",
-           "backend_for", "bounded_call", "meet", "connect", "init_group"]
+__all__ = ["BarrierContext", "Rendezvous", "task_host", "local_rank", "bounded_call", "meet",
+           "connect", "init_group"]
 
 T = TypeVar("T")
+
 
 class _TaskInfo(Protocol):
     """A ``BarrierTaskInfo``: where one barrier task runs."""
@@ -123,23 +123,6 @@ def local_rank(addresses: Sequence[str], rank: int) -> tuple[int, int]:
     hosts = [task_host(a) for a in addresses]
     mine = hosts[rank]
     return hosts[:rank].count(mine), hosts.count(mine)
-
-
-def choose_device(local: int, gpu_addresses: Sequence[str] = ()) -> str:
-    """The task's GPU from Spark's resources, else a CUDA device by local rank, else the CPU."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    if gpu_addresses:
-        # Spark hands out physical ids; with CUDA_VISIBLE_DEVICES set they are positions in it.
-        return f"cuda:{int(gpu_addresses[0]) % torch.cuda.device_count()}"
-    return f"cuda:{local % torch.cuda.device_count()}"
-
-
-def backend_for(device: str, backend: str | None = None) -> str:
-    """The process-group backend: the one asked for, else NCCL on CUDA and gloo on the CPU."""
-    if backend is not None:
-        return backend
-    return "nccl" if device.startswith("cuda") else "gloo"
 
 
 def bounded_call(fn: Callable[[], T], timeout_s: float, what: str) -> T:

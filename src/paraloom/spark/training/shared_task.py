@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from paraloom.checkpoint import atomic_write
+from paraloom.devices import task_device
 from paraloom.spark.data import Arrays, Chunk, Features, batch_count, epoch_order, num_rows
 from paraloom.spark.runtime import Packed, gpu_addresses, pack, state_digest, task_threads, unpack
 from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
@@ -36,8 +37,6 @@ from paraloom.spark.training.board import ErrorBoard, leave_group, settle
 from paraloom.spark.training.rendezvous import (
     BarrierContext,
     NetworkSettings,
-    backend_for,
-    choose_device,
     connect,
     init_group,
     local_rank,
@@ -117,13 +116,13 @@ def _prepare(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: 
     x, y = load_partition(chunks)
     rec.event("load data", begin, time.perf_counter() - t)
     _debug(rank, f"{num_rows(x)} rows loaded")
-    local, _ = local_rank([info.address for info in context.getTaskInfos()], rank)
-    device = choose_device(local, gpu_addresses())
+    local, per_host = local_rank([info.address for info in context.getTaskInfos()], rank)
+    device, backend = task_device(local, per_host, gpu_addresses(), cfg.backend)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     runner = make_runner(load_spec(spec_bytes), rank=rank, world_size=cfg.world_size,
                          device=device, recorder=rec if cfg.collect_stats else None)
-    return _Prepared(runner, unpack(state_bytes), x, y, device, backend_for(device, cfg.backend))
+    return _Prepared(runner, unpack(state_bytes), x, y, device, backend)
 
 
 def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,

@@ -1,0 +1,109 @@
+"""``paraloom bench training --device cuda``: the 1..N GPU scaling table.
+
+For each GPU count n (1, 2, ... every visible GPU), ParallelWrapper trains
+the training benchmark's model with one worker per GPU (``devices=n``, NCCL from n = 2) in each
+mode; the baseline is a plain training loop on ``cuda:0`` in this process, the same batch per
+step. Speed-up is against that loop, efficiency is speed-up / n.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from paraloom.bench.common import machine, write_results
+
+__all__ = ["gpu_counts", "run_gpu"]
+
+ModelFn = Callable[[], nn.Module]
+OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+LossFn = Callable[[], nn.Module]
+
+
+def gpu_counts(available: int) -> list[int]:
+    """1, 2, ... every GPU; the error says what to do when there is none."""
+    if available < 1:
+        raise ValueError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() "
+                         "is False); run on a GPU machine, or use --device cpu")
+    return list(range(1, available + 1))
+
+
+def _plain_loop(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
+                make_optimizer: OptimizerFn, make_loss: LossFn) -> float:
+    """Samples/s of a plain training loop on cuda:0 (the data already on the GPU)."""
+    device = torch.device("cuda", 0)
+    model, loss_fn = make_model().to(device), make_loss()
+    opt = make_optimizer(model.parameters())
+    x, y = (t.to(device) for t in data.tensors)
+    bs = args.batch_size
+
+    def epoch() -> None:
+        for i in range(0, len(x) - bs + 1, bs):
+            opt.zero_grad()
+            loss_fn(model(x[i:i + bs]), y[i:i + bs]).backward()
+            opt.step()
+
+    epoch()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        epoch()
+    torch.cuda.synchronize(device)
+    return args.epochs * (len(x) // bs) * bs / (time.perf_counter() - start)
+
+
+def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: str,
+              make_model: ModelFn, make_optimizer: OptimizerFn, make_loss: LossFn) -> float:
+    """Steady-state samples/s of ParallelWrapper on ``gpus`` GPUs, one worker each (timed
+    between the first and last round of a second fit(), as the CPU benchmark does)."""
+    from paraloom import ParallelWrapper
+
+    model = make_model()
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    kwargs: dict[str, Any] = {"averaging_frequency": 3} if mode == "averaging" else {}
+    times: list[float] = []
+    with ParallelWrapper(model, loss_fn=make_loss(),
+                         optimizer=make_optimizer(model.parameters()), devices=gpus,
+                         workers=gpus, training_mode=mode, progress=False,
+                         listeners=[lambda i, e, loss: times.append(time.perf_counter())],
+                         **kwargs) as wrapper:
+        wrapper.fit(loader, epochs=1)  # starts the workers; warm-up
+        times.clear()
+        wrapper.fit(loader, epochs=args.epochs)
+    return (len(times) - 1) * args.batch_size * gpus / (times[-1] - times[0])
+
+
+def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
+            make_optimizer: OptimizerFn, make_loss: LossFn) -> int:
+    """Measure and print the scaling table; writes JSON next to the CPU benchmark's."""
+    counts = gpu_counts(torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    baseline = _plain_loop(args, data, make_model, make_optimizer, make_loss)
+    rows = [{"gpus": n, "mode": mode,
+             "samples_per_s": _paraloom(args, data, n, mode, make_model, make_optimizer,
+                                        make_loss)}
+            for mode in modes for n in counts]
+    for row in rows:
+        row["speedup"] = row["samples_per_s"] / baseline
+        row["efficiency"] = row["speedup"] / row["gpus"]
+    results = {"machine": {**machine(), "gpus": [torch.cuda.get_device_name(i)
+                                                 for i in range(torch.cuda.device_count())]},
+               "config": vars(args).copy(),
+               "plain_loop_cuda0_samples_per_s": baseline, "scaling": rows}
+    out = Path(args.out)
+    path = write_results(str(out.with_name(out.stem + "_cuda" + out.suffix)), results)
+    print(f"{args.model}: plain loop on cuda:0: {baseline:.0f} samples/s (batch "
+          f"{args.batch_size} per GPU)")
+    print(f"{'mode':<18}{'GPUs':>5}{'samples/s':>12}{'speed-up':>10}{'efficiency':>12}")
+    for row in rows:
+        print(f"{row['mode']:<18}{row['gpus']:>5}{row['samples_per_s']:>12.0f}"
+              f"{row['speedup']:>10.2f}{row['efficiency']:>12.2f}")
+    print(f"results written to {path}")
+    return 0

@@ -1,0 +1,54 @@
+"""RoundGate: which rounds the workers may still train once ``stop()`` was called.
+
+The rounds are queued ahead of the workers; ``stop()`` must end a fit after the round in
+flight, not after every queued one. A round is trained by every worker or by none (each holds
+collectives the others wait in), so the parent and the workers decide under one lock: a worker
+records each round it starts, and the parent, halting, allows no round past the last one any
+worker has started. Later rounds are skipped by every worker alike.
+"""
+
+from __future__ import annotations
+
+from multiprocessing.context import SpawnContext
+from typing import Any
+
+__all__ = ["RoundGate"]
+
+_OPEN = 2**62
+
+
+class RoundGate:
+    """A shared array: the last round each worker started, then the last round to train."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array  # a multiprocessing.Array("q", workers + 1) with its lock
+        self.workers = len(array) - 1
+
+    @classmethod
+    def create(cls, ctx: SpawnContext, workers: int) -> RoundGate:
+        gate = cls(ctx.Array("q", workers + 1))
+        gate.reset()
+        return gate
+
+    def reset(self) -> None:
+        """A new fit(): no round started, every round open."""
+        with self.array.get_lock():
+            for rank in range(self.workers):
+                self.array[rank] = -1
+            self.array[self.workers] = _OPEN
+
+    def admit(self, rank: int, round_id: int) -> bool:
+        """Whether worker ``rank`` trains ``round_id`` (recorded as started) or skips it."""
+        with self.array.get_lock():
+            if round_id > self.array[self.workers]:
+                return False
+            self.array[rank] = max(self.array[rank], round_id)
+            return True
+
+    def halt(self, last: int | None = None) -> int:
+        """Allow no round after the last one a worker started (or ``last``); returns it."""
+        with self.array.get_lock():
+            if last is None:
+                last = max(self.array[rank] for rank in range(self.workers))
+            self.array[self.workers] = min(self.array[self.workers], last)
+            return int(self.array[self.workers])

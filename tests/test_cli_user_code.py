@@ -1,0 +1,82 @@
+"""paraloom train / evaluate with the user's own model and data (--factory, --data)."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+
+import pytest
+
+from paraloom.cli import main
+
+USER_MODULE = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Blobs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2))
+
+        def forward(self, x):
+            return self.net(x)
+
+    def model():
+        return Blobs()
+
+    def _blobs(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        y = torch.randint(0, 2, (n,), generator=g)
+        x = torch.randn(n, 2, generator=g) * 0.5 + (y[:, None] * 2.0 - 1.0) * 1.5
+        return TensorDataset(x, y)
+
+    def train_set():
+        return _blobs(512, 0)
+
+    def test_loader():
+        return DataLoader(_blobs(256, 1), batch_size=64)
+
+    def not_data():
+        return 42
+""")
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_project.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_train_and_evaluate_the_users_model_and_data(user_module, capsys):
+    out = user_module / "blobs.safetensors"
+    assert main(["train", "--factory", "my_project:model", "--data", "my_project:train_set",
+                 "--test-data", "my_project:test_loader", "--workers", "1", "--epochs", "3",
+                 "--lr", "0.1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    accuracy = float(re.search(r"test accuracy ([\d.]+)", printed).group(1))
+    assert accuracy > 0.95 and out.is_file()
+    assert main(["evaluate", str(out), "--factory", "my_project:model",
+                 "--data", "my_project:test_loader", "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert round(metrics["accuracy"], 4) == accuracy  # the same weights, the same test set
+
+
+def test_bad_user_code_gets_a_clear_error(user_module, capsys):
+    for argv, message in [
+        (["train", "--data", "my_project:train_set"], "--data needs --factory"),
+        (["train", "--factory", "my_project", "--data", "my_project:train_set"],
+         "must look like 'package.module:function'"),
+        (["train", "--factory", "no_such_module:model", "--data", "my_project:train_set"],
+         "cannot import 'no_such_module'"),
+        (["train", "--factory", "my_project:model", "--data", "my_project:not_data"],
+         "returned a int; expected a torch Dataset or DataLoader"),
+        (["train", "--factory", "my_project:train_set", "--data", "my_project:train_set"],
+         "returned a TensorDataset; expected a torch.nn.Module"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err, argv

@@ -1,0 +1,46 @@
+"""A model file that is not safetensors (a torch.save pickle): an error saying how to convert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paraloom
+from paraloom.cli import main
+from paraloom.models import MLP
+
+
+@pytest.mark.parametrize("zipfile", [True, False])
+def test_a_torch_pickle_is_named_with_the_conversion(tmp_path, zipfile):
+    path = tmp_path / "model.pt"
+    torch.save(MLP().state_dict(), path, _use_new_zipfile_serialization=zipfile)
+    with pytest.raises(ValueError) as info:
+        paraloom.load(path)
+    message = str(info.value)
+    assert "is a PyTorch pickle" in message and "header too large" not in message
+    assert "torch.load(" in message and "weights_only=True" in message
+    assert "paraloom.save(model, 'model.safetensors')" in message
+
+
+def test_other_files_are_not_safetensors(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="is not a safetensors file"):
+        paraloom.load(path)
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match="is not a safetensors file"):
+        paraloom.load(path)
+
+
+def test_a_paraloom_file_still_loads_and_the_cli_reports_a_pickle(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = MLP()
+    paraloom.save(model, tmp_path / "ok.safetensors")
+    loaded = paraloom.load(tmp_path / "ok.safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 loaded.state_dict().values(), strict=True))
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    with pytest.raises(SystemExit) as info:
+        main(["evaluate", str(tmp_path / "model.pt")])
+    assert info.value.code == 2
+    assert "is a PyTorch pickle" in capsys.readouterr().err

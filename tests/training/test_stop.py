@@ -1,0 +1,55 @@
+"""stop() ends a fit after the round in flight; the rounds queued behind it are not trained."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import torch
+from training_helpers import Scalar
+
+from paraloom import ParallelWrapper
+from paraloom.training.gate import RoundGate
+
+
+def slow_step(model, batch):
+    """Scalar's step, slow enough that rounds queue up behind the one in flight."""
+    time.sleep(0.05)
+    x, _ = batch
+    return model(x).mean()  # d/dw = mean(x) = 1: each trained round moves w by -1
+
+
+def test_the_gate_halts_after_the_last_round_started():
+    gate = RoundGate.create(multiprocessing.get_context("spawn"), 2)
+    assert gate.admit(0, 0) and gate.admit(0, 1) and gate.admit(1, 0)
+    assert gate.halt() == 1  # worker 0 is in round 1: worker 1 must train it too
+    assert gate.admit(1, 1) and not gate.admit(1, 2) and not gate.admit(0, 2)
+    gate.reset()  # the next fit()
+    assert gate.admit(0, 5)
+    assert gate.halt(3) == 3 and not gate.admit(1, 4)
+
+
+def test_stop_skips_the_queued_rounds():
+    model = Scalar()
+    iterations: list[int] = []
+
+    def listener(iteration, epoch, loss):
+        iterations.append(iteration)
+        if iteration == 1:
+            wrapper.stop()
+
+    wrapper = ParallelWrapper(model, step_fn=slow_step,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=1.0), workers=2,
+                              prefetch_buffer=40, progress=False, listeners=[listener])
+    batches = [(torch.ones(1, 1), torch.zeros(1))] * 80  # 40 rounds of 2 workers
+    with wrapper:
+        stats = wrapper.fit(batches)
+        trained = stats["rounds"]
+        # round 1 completed, rounds started meanwhile finish; of the ~20 queued, none runs
+        assert 2 <= trained <= 4, stats
+        assert iterations == list(range(trained))
+        assert stats["samples"] == 2 * trained
+        assert model.w.item() == -trained  # exactly the trained rounds moved the weight
+        # the wrapper trains again after a stop
+        stats = wrapper.fit(batches[:4])
+        assert stats["rounds"] == 2 and model.w.item() == -trained - 2

@@ -11,7 +11,7 @@ from typing import Any, TypedDict
 
 import torch
 
-__all__ = ["Machine", "machine", "write_results", "plain_args"]
+__all__ = ["Machine", "machine", "write_results", "plain_args", "pyplot", "save_figure"]
 
 
 class Machine(TypedDict):
@@ -44,3 +44,26 @@ def plain_args(args: argparse.Namespace) -> argparse.Namespace:
     """The benchmark's own options, without what the CLI attached (functions, modules)."""
     return argparse.Namespace(**{k: v for k, v in vars(args).items()
                                  if isinstance(v, (str, int, float, bool, type(None)))})
+
+
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` on the file-only Agg backend; None, with a note, without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'paraloom[bench]'): no plot")
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write the PNG, close the figure and say where."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"plot written to {path}")

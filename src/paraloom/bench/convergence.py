@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.common import machine, plain_args, write_results
+from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
 
 __all__ = ["add_arguments", "run", "shifted_digits", "CONTENDERS", "TASKS"]
 
@@ -196,13 +196,8 @@ def _print(results: dict[str, Any], path: Path) -> None:
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'paraloom[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     tasks = list(results["runs"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
@@ -220,9 +215,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("test accuracy")
         ax.set_title(task)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

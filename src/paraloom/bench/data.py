@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from paraloom.bench.common import machine, plain_args, write_results
+from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -392,13 +392,8 @@ def _print(results: dict[str, Any], path: Path) -> None:
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'paraloom[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     configs = list(results["runs"])
     fig, axes = plt.subplots(1, len(configs), figsize=(5 * len(configs), 3.5), squeeze=False)
@@ -408,10 +403,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
                color=["#888888", "#1f77b4", "#ff7f0e"][:len(runs)])
         ax.set_title(f"{config}: samples/s")
         ax.tick_params(axis="x", labelrotation=15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from paraloom.bench.common import machine, plain_args, write_results
+from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
 from paraloom.datasets import digits
 from paraloom.evaluation import evaluate
 from paraloom.models import LeNet
@@ -174,13 +174,8 @@ def _print(results: dict[str, Any], path: Path) -> None:
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'paraloom[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     runs = [r for r in results["runs"] if r["kind"] != "none"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -190,9 +185,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     right.bar([r["kind"] for r in runs], [r["seconds_lost_per_failure"] for r in runs])
     right.set_ylabel("seconds lost per failure")
     right.set_title("cost of a recovery (restart + replay)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

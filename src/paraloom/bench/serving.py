@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paraloom.bench.common import machine, write_results
+from paraloom.bench.common import machine, pyplot, save_figure, write_results
 from paraloom.bench.load import Target, run_load
 
 __all__ = ["add_arguments", "main", "run", "summarize"]
@@ -457,13 +457,8 @@ def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
 
 def _plot(medians: dict[str, dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'paraloom[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     names = sorted({k.rsplit(" @", 1)[0] for k in medians})
     levels = sorted({int(k.rsplit("@", 1)[1]) for k in medians})
@@ -480,9 +475,7 @@ def _plot(medians: dict[str, dict[str, Any]], path: Path) -> None:
                       [f"concurrency {c}" for c in levels])
         ax.set_ylabel(label)
     left.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

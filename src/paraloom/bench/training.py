@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from paraloom.bench.common import machine, plain_args, write_results
+from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
 from paraloom.bench.models import WORKLOADS, workload
 
 if TYPE_CHECKING:
@@ -265,13 +265,8 @@ def _print(name: str, results: dict[str, Any]) -> None:
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'paraloom[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     models = list(results["models"])
     contenders = [k for k in results["models"][models[0]]["ratio_to_ddp"] if k != "ddp"]
@@ -286,9 +281,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
                   [f"{n}\n{results['models'][n]['parameters'] / 1e6:.1f}M" for n in models])
     ax.set_ylabel("steady samples/s / PyTorch DDP's")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

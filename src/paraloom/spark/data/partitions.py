@@ -8,8 +8,8 @@ costs a few large array copies rather than one unpickle per row.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,24 @@ def _keyed(index: int, rows: Iterable[Pair]) -> Iterator[tuple[_Key, Pair]]:  # 
         yield (index, position), row
 
 
+def _spread(rdd: RDD[Any], workers: int, repartition: str,
+            finish: Callable[[Iterable[tuple[_Key, Any]]], Iterator[Chunk]]) -> RDD[Chunk]:
+    """Element ``j`` of source partition ``i`` to partition ``(i + j) % workers``; then
+    ``finish`` turns each partition's keyed elements into sorted chunks."""
+    have = rdd.getNumPartitions()
+    if repartition == "if_needed":
+        repartition = "never" if have == workers else "always"
+    keyed = rdd.mapPartitionsWithIndex(_keyed)
+    if repartition == "never":
+        if have != workers:
+            raise ValueError(f"repartition='never' but the data has {have} partitions and "
+                             f"workers={workers}; use repartition='always' or 'if_needed', or "
+                             f"repartition the data to {workers} partitions")
+        return keyed.mapPartitions(finish, preservesPartitioning=True)
+    spread = keyed.partitionBy(workers, lambda key: key[0] + key[1])
+    return spread.mapPartitions(finish, preservesPartitioning=True)
+
+
 def partition_chunks(rows: RDD[Pair], workers: int, repartition: str = "always") -> RDD[Chunk]:
     """``rows`` spread over ``workers`` partitions, deterministically, as sorted array chunks.
 
@@ -57,18 +75,7 @@ def partition_chunks(rows: RDD[Pair], workers: int, repartition: str = "always")
     one row per source partition. ``repartition="never"`` keeps the existing partitions (there
     must be exactly ``workers``); ``"if_needed"`` repartitions only when the count differs.
     """
-    have = rows.getNumPartitions()
-    if repartition == "if_needed":
-        repartition = "never" if have == workers else "always"
-    keyed = rows.mapPartitionsWithIndex(_keyed)
-    if repartition == "never":
-        if have != workers:
-            raise ValueError(f"repartition='never' but the data has {have} partitions and "
-                             f"workers={workers}; use repartition='always' or 'if_needed', or "
-                             f"repartition the data to {workers} partitions")
-        return keyed.mapPartitions(chunk_rows, preservesPartitioning=True)
-    spread = keyed.partitionBy(workers, lambda key: key[0] + key[1])
-    return spread.mapPartitions(chunk_rows, preservesPartitioning=True)
+    return _spread(rows, workers, repartition, chunk_rows)
 
 
 def _in_order(keyed: Iterable[tuple[_Key, Chunk]]) -> Iterator[Chunk]:
@@ -83,15 +90,4 @@ def spread_chunks(chunks: RDD[Chunk], workers: int, repartition: str = "always")
     ``j`` of source partition ``i`` goes to partition ``(i + j) % workers``, each partition
     sorted by origin; the rows of a chunk are never split or re-pickled one by one.
     """
-    have = chunks.getNumPartitions()
-    if repartition == "if_needed":
-        repartition = "never" if have == workers else "always"
-    keyed = chunks.mapPartitionsWithIndex(_keyed)
-    if repartition == "never":
-        if have != workers:
-            raise ValueError(f"repartition='never' but the data has {have} partitions and "
-                             f"workers={workers}; use repartition='always' or 'if_needed', or "
-                             f"repartition the data to {workers} partitions")
-        return keyed.mapPartitions(_in_order, preservesPartitioning=True)
-    spread = keyed.partitionBy(workers, lambda key: key[0] + key[1])
-    return spread.mapPartitions(_in_order, preservesPartitioning=True)
+    return _spread(chunks, workers, repartition, _in_order)

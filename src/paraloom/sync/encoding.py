@@ -29,7 +29,7 @@ residual and then discarded its message when it switched to the bitmap).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -39,7 +39,7 @@ from torch import Tensor
 __all__ = [
     "Format", "Encoded", "quantize_threshold", "full_step_mask", "choose_format",
     "threshold_encode", "bitmap_encode", "encode", "decode", "empty_message", "moved_index",
-    "decode_into",
+    "decode_into", "per_tensor", "at_flat",
 ]
 
 _ELEMENTS_PER_WORD = 16
@@ -308,15 +308,31 @@ def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor) -> None:
             begin += out.numel()
         return
     payload = msg.payload
-    index = payload.abs().to(torch.int64) - 1
+    for out, part, flat in per_tensor(payload.abs().to(torch.int64) - 1, outs, bounds):
+        step = torch.tensor(msg.tau, dtype=out.dtype, device=out.device)
+        target, where = at_flat(out, flat)
+        target.index_put_(where, torch.where(payload[part].to(out.device) > 0, step, -step),
+                          accumulate=True)
+
+
+def per_tensor(index: Tensor, tensors: Sequence[Tensor], bounds: Tensor,
+               ) -> Iterator[tuple[Tensor, slice, Tensor]]:
+    """Split ascending flat ``index``es of tensors laid end to end (``bounds``: their cumulative
+    element counts): ``(tensor, slice of index, indices within the tensor)`` for each tensor
+    that has some."""
+    if index.numel() == 0:
+        return
     cuts = torch.searchsorted(index, bounds.to(index.device)).tolist()
     start = begin = 0
-    for out, end in zip(outs, cuts, strict=True):
+    for t, end in zip(tensors, cuts, strict=True):
         if end > start:
-            step = torch.tensor(msg.tau, dtype=out.dtype, device=out.device)
-            part = payload[start:end].to(out.device)
-            flat = index[start:end].to(out.device) - begin
-            where = (flat,) if out.is_contiguous() else torch.unravel_index(flat, out.shape)
-            target = out.view(-1) if out.is_contiguous() else out
-            target.index_put_(where, torch.where(part > 0, step, -step), accumulate=True)
-        start, begin = end, begin + out.numel()
+            yield t, slice(start, end), index[start:end].to(t.device) - begin
+        start, begin = end, begin + t.numel()
+
+
+def at_flat(t: Tensor, flat: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """``(target, where)`` such that ``target[where]`` are ``t``'s elements at the row-major
+    flat indices ``flat``, whatever ``t``'s memory layout (channels_last too)."""
+    if t.is_contiguous():
+        return t.view(-1), (flat,)
+    return t, torch.unravel_index(flat, t.shape)

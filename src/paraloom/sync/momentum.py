@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from paraloom.sync.encoding import at_flat, per_tensor
+
 __all__ = ["MOMENTUM_STATE_KEYS", "has_momentum", "mask_momentum_"]
 
 MOMENTUM_STATE_KEYS = ("momentum_buffer",)
@@ -30,25 +32,13 @@ def mask_momentum_(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
     ``bounds`` holds the cumulative element counts of ``params`` (``bounds[i]`` is where
     parameter ``i + 1`` starts); ``index`` is ascending. Returns the elements zeroed.
     """
-    if index.numel() == 0:
-        return 0
-    cuts = torch.searchsorted(index, bounds.to(index.device)).tolist()
-    zeroed, start, begin = 0, 0, 0
-    for p, end in zip(params, cuts, strict=True):
-        if end > start:
-            state = optimizer.state.get(p, {})
-            for key in MOMENTUM_STATE_KEYS:
-                buffer = state.get(key)
-                if isinstance(buffer, Tensor):
-                    _zero_at(buffer, index[start:end] - begin)
-                    zeroed += end - start
-        start, begin = end, begin + p.numel()
+    zeroed = 0
+    for p, _, flat in per_tensor(index, params, bounds):
+        state = optimizer.state.get(p, {})
+        for key in MOMENTUM_STATE_KEYS:
+            buffer = state.get(key)
+            if isinstance(buffer, Tensor):
+                target, where = at_flat(buffer, flat)
+                target[where] = 0.0
+                zeroed += flat.numel()
     return zeroed
-
-
-def _zero_at(t: Tensor, flat: Tensor) -> None:
-    """Zero ``t`` at row-major flat indices, whatever its memory layout (channels_last too)."""
-    if t.is_contiguous():
-        t.view(-1).index_fill_(0, flat, 0.0)
-    else:
-        t[torch.unravel_index(flat, t.shape)] = 0.0

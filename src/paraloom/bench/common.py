@@ -11,7 +11,8 @@ from typing import Any, TypedDict
 
 import torch
 
-__all__ = ["Machine", "machine", "write_results", "plain_args", "pyplot", "save_figure"]
+__all__ = ["Machine", "machine", "write_results", "plain_args", "pyplot", "save_figure",
+           "plain_epoch"]
 
 
 class Machine(TypedDict):
@@ -67,3 +68,15 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     print(f"plot written to {path}")
+
+
+def plain_epoch(model: torch.nn.Module, loss_fn: Any, opt: torch.optim.Optimizer,
+                x: torch.Tensor, y: torch.Tensor, batch_size: int) -> int:
+    """One epoch of a plain training loop over pre-made tensors; returns the rows trained."""
+    rows = 0
+    for i in range(0, len(x) - batch_size + 1, batch_size):
+        opt.zero_grad()
+        loss_fn(model(x[i:i + batch_size]), y[i:i + batch_size]).backward()
+        opt.step()
+        rows += batch_size
+    return rows

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.common import machine, write_results
+from paraloom.bench.common import machine, plain_epoch, write_results
 
 __all__ = ["gpu_counts", "run_gpu"]
 
@@ -42,21 +42,13 @@ def _plain_loop(args: argparse.Namespace, data: TensorDataset, make_model: Model
     model, loss_fn = make_model().to(device), make_loss()
     opt = make_optimizer(model.parameters())
     x, y = (t.to(device) for t in data.tensors)
-    bs = args.batch_size
-
-    def epoch() -> None:
-        for i in range(0, len(x) - bs + 1, bs):
-            opt.zero_grad()
-            loss_fn(model(x[i:i + bs]), y[i:i + bs]).backward()
-            opt.step()
-
-    epoch()
+    plain_epoch(model, loss_fn, opt, x, y, args.batch_size)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    for _ in range(args.epochs):
-        epoch()
+    rows = sum(plain_epoch(model, loss_fn, opt, x, y, args.batch_size)
+               for _ in range(args.epochs))
     torch.cuda.synchronize(device)
-    return args.epochs * (len(x) // bs) * bs / (time.perf_counter() - start)
+    return rows / (time.perf_counter() - start)
 
 
 def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: str,

@@ -23,7 +23,14 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
+from paraloom.bench.common import (
+    machine,
+    plain_args,
+    plain_epoch,
+    pyplot,
+    save_figure,
+    write_results,
+)
 from paraloom.bench.models import WORKLOADS, workload
 
 if TYPE_CHECKING:
@@ -84,17 +91,11 @@ def _single(args: argparse.Namespace, data: TensorDataset, threads: int) -> floa
         model, loss_fn = _model(args), _loss(args)
         opt = _sgd(model.parameters())
         x, y = data.tensors
-        bs = args.batch_size
-        def epoch() -> None:
-            for i in range(0, len(x) - bs + 1, bs):
-                opt.zero_grad()
-                loss_fn(model(x[i:i + bs]), y[i:i + bs]).backward()
-                opt.step()
-        epoch()  # warm-up
+        plain_epoch(model, loss_fn, opt, x, y, args.batch_size)  # warm-up
         start = time.perf_counter()
-        for _ in range(args.epochs):
-            epoch()
-        return args.epochs * (len(x) // bs) * bs / (time.perf_counter() - start)
+        rows = sum(plain_epoch(model, loss_fn, opt, x, y, args.batch_size)
+                   for _ in range(args.epochs))
+        return rows / (time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)
 

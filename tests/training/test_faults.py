@@ -220,6 +220,7 @@ def test_a_failure_early_in_a_second_fit_keeps_what_replicas_carried_over(tmp_pa
     model = FailWhenArmed(tmp_path / "failed", armed, how="kill", at=3)
     stats = two_fits(model)
     assert (tmp_path / "failed").exists() and stats["failures"] == 1
+    assert not stats["model_sent"], "the restart must restore the model the Begin left out"
     assert _same(model, reference)
 
 

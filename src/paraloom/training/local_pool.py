@@ -40,6 +40,10 @@ class LocalPool:
     def alive(self) -> bool:
         return True
 
+    @property
+    def warm(self) -> bool:
+        return True
+
     def begin(self, messages: Sequence[Begin]) -> None:
         # No seed: the replica shares the caller's RNG, which the caller has seeded.
         self._runner.begin(dataclasses.replace(messages[0], seed=None))

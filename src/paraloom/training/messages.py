@@ -43,7 +43,9 @@ optimizer, synchronizer, step and RNG states. Stored per rank in a training chec
 # -- to a replica ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Begin:
-    """Start a fit(): the master state, the dataset for index rounds, and where to resume."""
+    """Start a fit(): the master state, the dataset for index rounds, and where to resume.
+    ``state`` None: keep the parameters this replica holds (a warm fit() of an unchanged
+    model)."""
 
     state: ModelState | None
     dataset: IndexedDataset | None = None
@@ -55,6 +57,9 @@ class Begin:
     """Seeds the replica's RNG as ``seed + rank`` (ignored when resuming)."""
     loader: LoaderSpec | None = None
     """The data source each replica loads itself (``LoaderEpoch`` / ``LoaderRound``)."""
+    hyperparameters: list[dict[str, Any]] | None = None
+    """Each optimizer param group's settings, applied when ``optimizer_state`` is None (a warm
+    fit() whose optimizer state the replicas already hold)."""
 
 
 @dataclass(frozen=True)

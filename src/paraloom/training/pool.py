@@ -28,6 +28,12 @@ class Pool(Protocol):
         """Whether every worker can still take messages."""
         ...
 
+    @property
+    def warm(self) -> bool:
+        """Whether the replicas keep what they ended the last fit() with, so the next ``Begin``
+        may leave the model out (a restart, if any, restores it)."""
+        ...
+
     def begin(self, messages: Sequence[Begin]) -> None:
         """Start a fit(): ``messages[rank]`` to each worker; sends nothing if one cannot be
         sent (``NotPicklableError``)."""

@@ -126,6 +126,10 @@ class ProcessPool:
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
+    @property
+    def warm(self) -> bool:
+        return True
+
     def _await_ready(self, timeout_s: float) -> None:
         ready: set[int] = set()
         deadline = time.monotonic() + timeout_s

@@ -111,6 +111,11 @@ class RecoveringPool:
     def alive(self) -> bool:
         return self._pool.alive
 
+    @property
+    def warm(self) -> bool:
+        """A restart before the next fit's first restore point needs the carry-over."""
+        return self._carry is not None
+
     # -- the Pool protocol ------------------------------------------------------------------
     def begin(self, messages: Sequence[Begin]) -> None:
         self.failures = 0

@@ -88,9 +88,11 @@ class Replica:
         self._rng: torch.Tensor | None = None
 
     def begin_fit(self, state: ModelState | None, resume: ReplicaState | None = None,
-                  optimizer_state: dict[str, Any] | None = None, seed: int | None = None) -> None:
+                  optimizer_state: dict[str, Any] | None = None, seed: int | None = None,
+                  hyperparameters: list[dict[str, Any]] | None = None) -> None:
         """Load the master parameters and optimizer state (or this replica's state from a
-        checkpoint), seed the replica's RNG, and set up the synchronizer."""
+        checkpoint; None: keep what this replica holds), seed the replica's RNG, and set up the
+        synchronizer."""
         self._rng = None  # a fresh fit's seed wins over an earlier fit's restored RNG
         if state is not None:
             self.model.load_state_dict(state)
@@ -98,6 +100,8 @@ class Replica:
             # A private copy: what arrived from the parent lives in memory shared with the
             # other replicas, and load_state_dict keeps same-device tensors as they are.
             self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        elif hyperparameters is not None:
+            self._set_hyperparameters(hyperparameters)
         if seed is not None:
             torch.manual_seed(seed)
         self.ctx.step = 0
@@ -107,6 +111,15 @@ class Replica:
         if resume is not None:
             self.sync.load_state_dict(resume["sync"])
         self._module = self.sync.wrap_model(self.model, self.ctx)
+
+    def _set_hyperparameters(self, hyperparameters: list[dict[str, Any]]) -> None:
+        groups = self.optimizer.param_groups
+        if len(groups) != len(hyperparameters):
+            raise ValueError(f"the optimizer has {len(hyperparameters)} param groups but the "
+                             f"replicas' has {len(groups)}: add param groups before the first "
+                             "fit(), or pass an optimizer factory")
+        for group, settings in zip(groups, hyperparameters, strict=True):
+            group.update(copy.deepcopy(settings))
 
     def step(self, batch: Any | None) -> float | None:
         """Train on one batch (None: an idle round); returns the batch's loss."""

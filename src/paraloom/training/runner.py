@@ -141,7 +141,8 @@ class ReplicaRunner:
         self.steps = 0
         seed = None if message.seed is None or message.resume is not None \
             else message.seed + self.rank
-        self.replica.begin_fit(message.state, message.resume, message.optimizer_state, seed)
+        self.replica.begin_fit(message.state, message.resume, message.optimizer_state, seed,
+                               message.hyperparameters)
 
     def train(self, message: RoundMessage) -> StepDone:
         """Train on this round's batch (or take part idly); reports the loss and rows."""

@@ -57,6 +57,7 @@ from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
 from paraloom.training.tracker import RoundTracker
 from paraloom.training.transport import shared_copy
+from paraloom.training.versions import ReplicaMirror, hyperparameters
 
 __all__ = ["ParallelWrapper"]
 
@@ -129,6 +130,9 @@ class ParallelWrapper:
         self._stats: dict[str, Any] = {}
         self._tracker: RoundTracker | None = None
         self._warned_unsharded = False
+        self._mirror: ReplicaMirror | None = None
+        """What the replicas hold after the last fit(): a warm fit() sends only changes."""
+        self._sent = {"model_sent": True, "optimizer_state_sent": True}
         self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, workers)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -140,6 +144,7 @@ class ParallelWrapper:
 
     def close(self) -> None:
         """Stop the worker processes; the wrapper starts new ones if fit() is called again."""
+        self._mirror = None
         if self._pool is not None:
             pool, self._pool = self._pool, None
             pool.close()
@@ -230,6 +235,7 @@ class ParallelWrapper:
             result = self._finish(pool, tracker)
             completed = True
         except BaseException as e:
+            self._mirror = None
             if self._pool is not None:
                 self._pool.kill()
                 self._pool = None
@@ -243,6 +249,7 @@ class ParallelWrapper:
             self._iteration = tracker.iteration
             tracker.close(completed)
         self._adopt(result)
+        self._mirror = ReplicaMirror(self.model, self._user_optimizer, pool)
         for listener in self.listeners:
             listener.on_fit_end(self)
         return self.stats()
@@ -276,18 +283,30 @@ class ParallelWrapper:
 
         The user's model and optimizer are the master copies: their current state goes out
         (a learning rate changed between fits applies), and the workers' RNGs are seeded from
-        the caller's, so ``torch.manual_seed`` makes dropout reproducible too.
+        the caller's, so ``torch.manual_seed`` makes dropout reproducible too. On a warm pool
+        the model and the optimizer state go out only if they changed since the last fit()
+        (``versions.ReplicaMirror``); the optimizer's hyperparameters always do.
         """
         loader = loader_spec(data)
         indexed = indexed_view(data) if loader is None else None
-        opt = copy.deepcopy(self._user_optimizer.state_dict()) \
-            if self._user_optimizer is not None else None  # never share the user's tensors
+        user_opt = self._user_optimizer
+        mirror = self._mirror if self._mirror is not None and self._mirror.pool is pool \
+            and pool.warm and start.replicas is None else None
+        send_model = mirror is None or not mirror.model_unchanged(self.model)
+        send_opt = user_opt is not None and (
+            mirror is None or not mirror.optimizer_unchanged(user_opt))
+        self._sent = {"model_sent": send_model, "optimizer_state_sent": send_opt}
+        # Copies: never share the user's tensors with the workers.
+        opt = copy.deepcopy(user_opt.state_dict()) if user_opt is not None and send_opt \
+            else None
+        settings = hyperparameters(user_opt) if user_opt is not None and not send_opt \
+            else None
         seed = int(torch.randint(0, 2**62, ()).item())
-        state = cpu_copy(self.model.state_dict())
+        state = cpu_copy(self.model.state_dict()) if send_model else None
 
         def messages(dataset: IndexedDataset | None) -> list[Begin]:
             return [Begin(state, dataset, start.replicas[rank] if start.replicas else None,
-                          opt, seed, loader) for rank in range(self.workers)]
+                          opt, seed, loader, settings) for rank in range(self.workers)]
 
         try:
             pool.begin(messages(indexed))
@@ -484,7 +503,7 @@ class ParallelWrapper:
             if finished is not None:
                 results[finished.rank] = finished.result
         per_worker = [results[r].stats for r in range(self.workers)]
-        self._stats = {**tracker.summary(), "workers": self.workers,
+        self._stats = {**tracker.summary(), **self._sent, "workers": self.workers,
                        "failures": len(tracker.recoveries),
                        "seconds_lost": tracker.seconds_lost(),
                        "mode": self.synchronizer.name, "per_worker": per_worker,

@@ -1,0 +1,111 @@
+"""Version stamps of the user's model and optimizer, so a warm fit() sends the replicas only
+what changed since they last reported it.
+
+A stamp is cheap (no hash of the values): the tensor's identity, storage address and autograd
+version counter, which every in-place write bumps (``load_state_dict``, an optimizer step,
+``nn.init``, ``p.add_()`` under ``no_grad``), plus a few sampled values, which catch most
+writes through ``p.data``: those bypass the version counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Stamp", "ReplicaMirror", "hyperparameters"]
+
+_SAMPLES = 16
+"""Values sampled per tensor: evenly spaced, first and last included."""
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What identifies one tensor's contents without reading them all."""
+
+    ident: int
+    address: int
+    version: int
+    shape: tuple[int, ...]
+    sample: torch.Tensor
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Stamp:
+        return cls(id(t), t.data_ptr(), t._version, tuple(t.shape), _sample(t))
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return (self.ident == id(t) and self.address == t.data_ptr()
+                and self.version == t._version and self.shape == tuple(t.shape)
+                and torch.equal(self.sample, _sample(t)))
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """Up to ``_SAMPLES`` values of ``t``, as an independent copy."""
+    flat = t.detach().flatten()  # a view unless the layout is unusual (channels_last)
+    if flat.numel() <= _SAMPLES:
+        return flat.clone()
+    index = torch.linspace(0, flat.numel() - 1, _SAMPLES, device=flat.device).long()
+    return flat[index]
+
+
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _optimizer_entries(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, Any]]:
+    """Each parameter's place in its group and the values of its optimizer state, in order."""
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            yield f"{g}.{i}", id(p)
+            for key, value in optimizer.state.get(p, {}).items():
+                yield f"{g}.{i}.{key}", value
+
+
+def _stamp_entries(entries: Iterator[tuple[str, Any]]) -> dict[str, Any]:
+    return {k: Stamp.of(v) if isinstance(v, torch.Tensor) else v for k, v in entries}
+
+
+def _same(stamps: dict[str, Any], entries: dict[str, Any]) -> bool:
+    if stamps.keys() != entries.keys():
+        return False
+    for key, stamp in stamps.items():
+        value = entries[key]
+        if isinstance(stamp, Stamp):
+            if not isinstance(value, torch.Tensor) or not stamp.matches(value):
+                return False
+        elif isinstance(value, torch.Tensor) or stamp != value:
+            return False
+    return True
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings (lr, momentum, ...) without its parameters: small, so a
+    warm fit() always sends them (a learning rate changed between fits applies)."""
+    return [{k: v for k, v in group.items() if k != "params"}
+            for group in optimizer.param_groups]
+
+
+class ReplicaMirror:
+    """Stamps of the user's model and optimizer taken when they were last equal to what the
+    replicas hold (right after a fit() copied the trained state back into them)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 pool: object) -> None:
+        self.pool = pool
+        self._model = _stamp_entries(iter(_model_tensors(model).items()))
+        self._optimizer = None if optimizer is None \
+            else _stamp_entries(_optimizer_entries(optimizer))
+
+    def model_unchanged(self, model: nn.Module) -> bool:
+        """Whether every parameter and buffer still holds what the replicas hold."""
+        return _same(self._model, _model_tensors(model))
+
+    def optimizer_unchanged(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether the optimizer's state (momentum, moments, steps) is what the replicas hold;
+        its hyperparameters are not compared (they are always sent)."""
+        if optimizer is None or self._optimizer is None:
+            return optimizer is None and self._optimizer is None
+        return _same(self._optimizer, dict(_optimizer_entries(optimizer)))

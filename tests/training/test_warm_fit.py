@@ -1,0 +1,131 @@
+"""A warm fit() sends the model and optimizer state only when the user changed them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from paraloom import ParallelWrapper
+from paraloom.training.versions import ReplicaMirror
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _data(rows: int = 128) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=g)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_mirror_sees_every_kind_of_write():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+
+    def mirror() -> ReplicaMirror:
+        return ReplicaMirror(model, opt, pool=None)
+
+    m = mirror()
+    model(torch.randn(4, 6))  # a forward pass writes nothing
+    assert m.model_unchanged(model) and m.optimizer_unchanged(opt)
+    with torch.no_grad():
+        model[0].weight.add_(0.0)  # same values, but an in-place write: counted as a change
+    assert not m.model_unchanged(model)
+    m = mirror()
+    model[2].bias.data.copy_(torch.tensor([5.0, -5.0]))  # .data bypasses the version counter
+    assert not m.model_unchanged(model)
+    m = mirror()
+    model[0].weight.data = torch.zeros(8, 6)  # new storage
+    assert not m.model_unchanged(model)
+    m = mirror()
+    model.load_state_dict(_model().state_dict())
+    assert not m.model_unchanged(model)
+    m = mirror()
+    opt.param_groups[0]["lr"] = 0.5  # hyperparameters are always sent, not compared
+    assert m.optimizer_unchanged(opt)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()  # momentum buffers written in place
+    assert not m.optimizer_unchanged(opt) and not m.model_unchanged(model)
+    m = mirror()
+    opt.state.clear()
+    assert not m.optimizer_unchanged(opt)
+
+
+def test_a_warm_fit_of_an_unchanged_model_sends_nothing_and_trains_the_same():
+    """Leaving the model out must not change the result: compared with a fit() made to send
+    it (a no-op in-place write marks the model changed). With allreduce every replica holds
+    rank 0's optimizer state, so the two are bit-identical."""
+    finals = []
+    for force in (False, True):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                             training_mode="allreduce", progress=False) as w:
+            first = w.fit(_data(), epochs=1)
+            assert first["model_sent"] and first["optimizer_state_sent"]
+            if force:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1.0)
+                    for state in opt.state.values():
+                        state["momentum_buffer"].mul_(1.0)
+            second = w.fit(_data(), epochs=1)
+        assert second["model_sent"] is force and second["optimizer_state_sent"] is force
+        finals.append(_params(model))
+    for a, b in zip(*finals, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_changes_between_fits_reach_the_replicas():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         training_mode="allreduce", progress=False) as w:
+        w.fit(_data(), epochs=1)
+        # A learning rate of 0 and no momentum left: the next fit() must not move anything.
+        opt.param_groups[0]["lr"] = 0.0
+        stats = w.fit(_data(), epochs=1)
+        assert not stats["model_sent"] and not stats["optimizer_state_sent"]
+        trained = _params(model)
+        stats = w.fit(_data(), epochs=1)
+        for a, b in zip(trained, _params(model), strict=True):
+            assert torch.equal(a, b), "lr=0 was not applied on the replicas"
+        # New weights written through .data, as old code does: sent, and kept by lr=0.
+        for p in model.parameters():
+            p.data.copy_(torch.full_like(p, 0.25))
+        stats = w.fit(_data(), epochs=1)
+        assert stats["model_sent"] and not stats["optimizer_state_sent"]
+        assert all(torch.equal(p, torch.full_like(p, 0.25)) for p in model.parameters())
+        # The optimizer's state replaced by the user: sent.
+        opt.param_groups[0]["lr"] = 0.1
+        opt.state.clear()
+        stats = w.fit(_data(), epochs=1)
+        assert stats["optimizer_state_sent"] and not stats["model_sent"]
+        assert not torch.equal(next(model.parameters()), torch.full((8, 6), 0.25))
+
+
+def test_a_new_pool_after_a_failure_gets_the_model_again():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         progress=False) as w:
+        w.fit(_data(), epochs=1)
+        with pytest.raises(Exception, match="expected|shape|size"):
+            w.fit([(torch.randn(4, 3), torch.zeros(4, dtype=torch.long))], epochs=1)
+        before = _params(model)
+        stats = w.fit(_data(), epochs=1)
+        assert stats["model_sent"]
+        assert any(not torch.equal(a, b) for a, b in zip(before, _params(model), strict=True))

@@ -1,4 +1,4 @@
-"""ProcessPool: N spawned worker processes in one torch.distributed group, fed through queues."""
+"""ProcessPool: N worker processes in one torch.distributed group, fed through queues."""
 
 from __future__ import annotations
 
@@ -73,8 +73,25 @@ def _no_main_reimport() -> Iterator[None]:
                 main.__dict__.pop("__spec__", None)
 
 
+def _context() -> Any:
+    """How workers start: forked from a server process that has imported torch and the worker
+    code once (a new worker starts in a fraction of a second instead of importing torch again,
+    2-3 s each), or spawned where there is no forkserver (Windows) or
+    ``PARALOOM_START_METHOD=spawn`` asks for it. Either way nothing of this process is
+    inherited but what is sent: the forkserver is started clean, before any CUDA or threads."""
+    method = os.environ.get("PARALOOM_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"PARALOOM_START_METHOD={method!r}; expected 'forkserver' or 'spawn'")
+    if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        # torch._dynamo: torch.optim imports it on the first optimizer built (seconds).
+        ctx.set_forkserver_preload(["paraloom.training.worker", "torch._dynamo"])
+        return ctx
+    return mp.get_context("spawn")
+
+
 class ProcessPool:
-    """N spawned worker processes in one torch.distributed group, fed through queues."""
+    """N worker processes in one torch.distributed group, fed through queues."""
 
     def __init__(self, spec_bytes: bytes, workers: int, *, timeout_s: float = 300.0,
                  step_timeout_s: float | None = None, heartbeat_timeout_s: float | None = 2.0,
@@ -88,7 +105,7 @@ class ProcessPool:
         self.step_timeout_s = timeout_s if step_timeout_s is None else step_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.backend, self.devices, self.threads = plan.backend, list(plan.devices), plan.threads
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         # One heartbeat slot per worker (0.0 until its first beat), written by its own thread.
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
         self._gate = RoundGate.create(ctx, workers)
@@ -263,13 +280,26 @@ class ProcessPool:
     def _check_exits(self, starting: bool) -> None:
         for rank, p in enumerate(self._procs):
             if p.exitcode is not None:
-                # A worker that reported its error before exiting: prefer that report.
-                with contextlib.suppress(queue.Empty, OSError, EOFError):
-                    reply = self._inbox.get(0.5)
-                    if isinstance(reply, Failed):
-                        raise self._error(reply, starting)
+                # Workers that reported their errors before exiting: prefer those reports (a
+                # peer may exit first, after reporting a symptom of the failure).
+                report = self._next_failure(0.5)
+                if report is not None:
+                    raise self._error(report, starting)
                 self.kill()
                 raise self._death(rank, starting)
+
+    def _next_failure(self, within_s: float) -> Failed | None:
+        """The first failure report among the replies of the next ``within_s`` seconds (the
+        fit is ending in an error: the other replies are dropped)."""
+        deadline = time.monotonic() + within_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reply = self._inbox.get(left)
+            except (queue.Empty, OSError, EOFError):
+                return None
+            if isinstance(reply, Failed):
+                return reply
+        return None
 
     def _error(self, first: Failed, starting: bool) -> WorkerError:
         """The error to raise for a failure report: its cause, not a peer's symptom of it."""

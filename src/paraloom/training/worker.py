@@ -56,14 +56,27 @@ class WorkerConfig:
     parent_pid: int
 
 
-def _next_message(tasks: Queue[ToReplica | Pickled], parent_pid: int) -> ToReplica | Pickled:
-    """Wait for the next message; exit if the parent process has gone."""
+def _next_message(tasks: Queue[ToReplica | Pickled], parent_pid: int,
+                  started_ppid: int) -> ToReplica | Pickled:
+    """Wait for the next message; exit if the parent process has gone. (A worker started by
+    the forkserver is its child; the forkserver exits with the parent, so either check sees
+    it.)"""
     while True:
         try:
             return tasks.get(timeout=_POLL_S)
         except queue.Empty:
-            if os.getppid() != parent_pid:
+            if os.getppid() != started_ppid or not _exists(parent_pid):
                 raise SystemExit("paraloom worker: parent process exited") from None
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user: the pid was reused
+        return False
+    return True
 
 
 def _start_heartbeat(beats: MutableSequence[float], rank: int) -> None:
@@ -90,6 +103,7 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
                 gate_array: object = None) -> None:
     """Entry point of a worker process (``gate_array``: the pool's RoundGate)."""
     round_id = None
+    started_ppid = os.getppid()
     # The parent still treats this process as a daemon (ended when it exits); in here the flag
     # would forbid the loader worker processes of a DataLoader the replica runs itself.
     multiprocessing.current_process().daemon = False
@@ -104,7 +118,8 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
         runner = ReplicaRunner(spec, rank=cfg.rank, world_size=cfg.world_size,
                                device=cfg.device, group=group)
         results.put(Ready(cfg.rank))
-        while not isinstance(message := _next_message(tasks, cfg.parent_pid), Stop):
+        while not isinstance(message := _next_message(tasks, cfg.parent_pid, started_ppid),
+                                                Stop):
             if isinstance(message, Pickled):
                 # The round is known before unpickling, so a batch that fails to load is
                 # reported on its own round.

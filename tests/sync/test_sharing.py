@@ -56,6 +56,8 @@ def test_replicas_are_bit_identical_after_every_step(pool, options) -> None:
     stats = a["stats"]
     assert stats["bytes_sent"] > 0 and stats["tau"] > 0 and 0 <= stats["sparsity"] <= 1
     assert stats["setup_bytes_sent"] > 0
+    assert all(stats[f"seconds_{phase}_per_step"] > 0
+               for phase in ("encoding", "exchange", "applying"))
 
 
 def _conservation_run(rank: int, world_size: int, combine: str) -> dict[str, Any]:

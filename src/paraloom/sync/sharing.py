@@ -21,6 +21,7 @@ optimizer's update (velocity times learning rate) rather than the raw gradient i
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -204,6 +205,8 @@ class SharedGradients(Synchronizer):
         self._encoded_steps = 0
         self._bitmap_steps = 0
         self._masked = 0
+        self._seconds = {"encoding": 0.0, "exchange": 0.0, "applying": 0.0}
+        """Time spent per phase of the exchange, for ``stats()``."""
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, ctx: StepContext) -> None:
@@ -246,6 +249,7 @@ class SharedGradients(Synchronizer):
                                "the loop to call after_backward before optimizer.step()")
         replica.old_saved = False
         scale = 1.0 / ctx.world_size if self.combine == "mean" else 1.0
+        started = time.perf_counter()
         with torch.no_grad():
             for p, old, r in zip(replica.params, replica.old, replica.residual_views, strict=True):
                 p.sub_(old)  # the update, computed in place: no temporary the size of p
@@ -264,6 +268,7 @@ class SharedGradients(Synchronizer):
             if self.residual_post_processor is not None:
                 self.residual_post_processor.process(replica.residual, msg.tau, self.sync_steps)
             self._record(msg)
+            self._seconds["encoding"] += time.perf_counter() - started
             self._exchange_and_apply(msg, nonfinite, ctx)
         self.threshold_algorithm.update(msg.moved / msg.numel)
 
@@ -305,10 +310,13 @@ class SharedGradients(Synchronizer):
     def _exchange_and_apply(self, msg: Encoded, nonfinite: int, ctx: StepContext) -> None:
         replica = self._replica
         assert replica is not None
+        started = time.perf_counter()
         if is_distributed(ctx):
             messages, bad, sent = exchange_messages(msg, nonfinite, ctx.group, ctx.world_size)
         else:
             messages, bad, sent = [msg], [nonfinite], 0
+        exchanged = time.perf_counter()
+        self._seconds["exchange"] += exchanged - started
         self.bytes_sent += sent
         self.sync_steps += 1
         if any(bad):
@@ -326,11 +334,16 @@ class SharedGradients(Synchronizer):
             buffers = list(ctx.model.buffers())
             if buffers:
                 self.bytes_sent += _broadcast_from_first(buffers, ctx)
+        self._seconds["applying"] += time.perf_counter() - exchanged
 
     # -- reporting ---------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Adds tau and sparsity (fraction of elements moved) of this replica's last message."""
+        """Adds tau and sparsity (fraction of elements moved) of this replica's last message,
+        and the seconds per step spent encoding (residual, threshold, message, masking),
+        exchanging and applying the messages."""
         out = super().stats()
+        out.update({f"seconds_{phase}_per_step": seconds / max(1, self.sync_steps)
+                    for phase, seconds in self._seconds.items()})
         steps = max(1, self._encoded_steps)
         out.update(tau=self._last_tau, sparsity=self._last_sparsity,
                    mean_sparsity=self._sparsity_sum / steps,

@@ -185,8 +185,11 @@ def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> dict[s
         wrapper.fit(short, epochs=-(-_WHOLE_FIT_ROUNDS // rounds_per_epoch))
         whole = len(clock.times) * rows_per_round / (time.perf_counter() - start)
     per_step = stats["bytes_sent_per_step"]
+    phases = {k.removeprefix("seconds_").removesuffix("_per_step"): v
+              for k, v in stats["per_worker"][0].items() if k.startswith("seconds_")}
     return {"samples_per_s": steady, "fit_samples_per_s": stats["samples_per_s"],
-            "whole_fit_30_samples_per_s": whole,
+            "whole_fit_30_samples_per_s": whole, "sync_seconds_per_step": phases,
+            "step_seconds": rows_per_round / steady,
             "bytes_per_step_per_worker": sum(per_step) / len(per_step)}
 
 
@@ -216,6 +219,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         results["whole_fit_30_samples_per_s"][f"paraloom_{mode}"] = \
             r["whole_fit_30_samples_per_s"]
         results["bytes_per_step_per_worker"][f"paraloom_{mode}"] = r["bytes_per_step_per_worker"]
+        if r["sync_seconds_per_step"]:  # where a step's time goes (shared_gradients)
+            results.setdefault("sync_seconds_per_step", {})[f"paraloom_{mode}"] = {
+                "step": r["step_seconds"], **r["sync_seconds_per_step"]}
     linear = args.workers * sps["single_1_thread"]
     results["ratio_to_linear"] = {k: v / linear for k, v in sps.items()}
     results["ratio_to_ddp"] = {k: v / sps["ddp"] for k, v in sps.items()}
@@ -260,6 +266,9 @@ def _print(name: str, results: dict[str, Any]) -> None:
         print(f"{k:<28}{v:>12.1f}{results['ratio_to_linear'][k]:>10.2f}"
               f"{results['ratio_to_ddp'][k]:>8.2f}{'' if whole is None else f'{whole:>9.2f}':>9}"
               f"{'' if b is None else f'{b:>14.0f}'}")
+    for k, phases in results.get("sync_seconds_per_step", {}).items():
+        print(f"{k}: a step takes {phases['step'] * 1e3:.1f} ms, of which " + ", ".join(
+            f"{phase} {s * 1e3:.1f} ms" for phase, s in phases.items() if phase != "step"))
     for mode, why in results.get("skipped", {}).items():
         print(f"skipped {mode}: {why}")
     print("fit(30): samples/s of a whole 30-round fit() on the warm pool / the steady rate")

@@ -281,8 +281,9 @@ class ProcessPool:
         for rank, p in enumerate(self._procs):
             if p.exitcode is not None:
                 # Workers that reported their errors before exiting: prefer those reports (a
-                # peer may exit first, after reporting a symptom of the failure).
-                report = self._next_failure(0.5)
+                # peer may exit first, after reporting a symptom of the failure). A report is
+                # sent before its worker exits, so it is there already, behind other replies.
+                report = self._next_failure(0.1)
                 if report is not None:
                     raise self._error(report, starting)
                 self.kill()
@@ -320,14 +321,21 @@ class ProcessPool:
         return WorkerError(death_message(rank, p.pid, p.exitcode, starting), worker=rank)
 
     def _collect_errors(self, first: Failed) -> list[Failed]:
-        """The first error and any others that follow within half a second."""
+        """The first error and any others that follow within half a second; less once every
+        worker has reported or exited (a killed worker reports nothing, and one that exits
+        after reporting has its report queued already)."""
         errors = [first]
         deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline:
-            try:
-                reply = self._inbox.get(max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+        while (now := time.monotonic()) < deadline:
+            silent = set(range(self.workers)) - {f.rank for f in errors}
+            if not silent:
                 break
+            if all(self._procs[rank].exitcode is not None for rank in silent):
+                deadline = min(deadline, now + 0.1)
+            try:
+                reply = self._inbox.get(min(0.05, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                continue
             if isinstance(reply, Failed):
                 errors.append(reply)
         return errors

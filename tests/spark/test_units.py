@@ -17,7 +17,14 @@ from torch import nn
 from paraloom.spark.data import Features, batch_count, epoch_order, join_chunks, round_batches
 from paraloom.spark.data.partitions import chunk_rows
 from paraloom.spark.evaluation.metrics import RegressionEvaluation, merge_evaluations
-from paraloom.spark.runtime.state import flatten, pack, state_digest, unflatten, unpack
+from paraloom.spark.runtime.state import (
+    flatten,
+    pack,
+    split_optimizer_state,
+    state_digest,
+    unflatten,
+    unpack,
+)
 from paraloom.spark.stats import PHASES, TimedSynchronizer, TrainingStats, split_round
 from paraloom.spark.training.averaging_task import (
     RoundConfig,
@@ -60,6 +67,20 @@ def test_pack_round_trips_model_and_optimizer_state(kind):
         for key, value in opt.state[p].items():
             torch.testing.assert_close(fresh.state[p][key], value, rtol=0, atol=0)
     assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_optimizer_layout_is_the_same_whatever_the_dicts_order(kind):
+    # Averaging sums replicas' optimizer vectors; their layouts must match key for key.
+    model, opt = _trained_optimizer(kind)
+    state = opt.state_dict()
+    shuffled = {"state": {i: dict(reversed(list(v.items())))
+                          for i, v in reversed(list(state["state"].items()))},
+                "param_groups": state["param_groups"]}
+    assert flatten(split_optimizer_state(state)[0])[1] == \
+        flatten(split_optimizer_state(shuffled)[0])[1]
+    again = unpack(pack(model.state_dict(), shuffled)).optimizer
+    assert list(split_optimizer_state(again)[0]) == list(split_optimizer_state(state)[0])
 
 
 def test_unpack_refuses_foreign_bytes():

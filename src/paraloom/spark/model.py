@@ -270,15 +270,17 @@ class SparkModel:
     @overload
     def predict(self, data: DataFrame, *, features: Spec | None = ...,
                 inputs: Inputs | None = ..., output: str | tuple[str, ...] = ...,
-                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...) -> DataFrame: ...
+                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...,
+                prebatched: bool = ...) -> DataFrame: ...
     @overload
     def predict(self, data: RDD[Any], *, features: Spec | None = ...,
                 inputs: Inputs | None = ..., output: str | tuple[str, ...] = ...,
-                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...) -> RDD[Any]: ...
+                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...,
+                prebatched: bool = ...) -> RDD[Any]: ...
     def predict(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
                 inputs: Inputs | None = None, output: str | tuple[str, ...] = "prediction",
                 batch_size: int = 256, argmax: bool = False,
-                keyed: bool = False) -> DataFrame | RDD[Any]:
+                keyed: bool = False, prebatched: bool = False) -> DataFrame | RDD[Any]:
         """The model's outputs: a DataFrame with an ``output`` column, or an RDD of outputs.
 
         A DataFrame gets one ``array<float>`` per row (the row's output, flattened), or with
@@ -286,15 +288,21 @@ class SparkModel:
         ``output=("a", "b", ...)``, one new column per output. An RDD of features gives one
         numpy array (or class index, or a tuple of them for several outputs) per element, in
         order; with ``keyed=True`` it holds ``(key, features)`` pairs and gives
-        ``(key, output)`` pairs (DL4J's feedForwardWithKey).
+        ``(key, output)`` pairs (DL4J's feedForwardWithKey). ``prebatched=True`` (RDDs): each
+        element is a minibatch of ``n`` rows and gets one array of ``n`` outputs.
         """
+        if prebatched and is_dataframe(data):
+            raise ValueError("predict(prebatched=True) takes an RDD of minibatches; for a "
+                             "DataFrame of pre-batched rows, explode them into one row per "
+                             "example first (F.explode(F.arrays_zip(...)))")
         shipment = ship(self.sc, self.model, self.features)
         if is_dataframe(data):
             columns = Columns.of(features, inputs=inputs)
             return predict_dataframe(data, shipment, features=columns.features, output=output,
                                      batch_size=batch_size, argmax=argmax)
         if is_rdd(data):
-            return predict_rdd(data, shipment, batch_size=batch_size, argmax=argmax, keyed=keyed)
+            return predict_rdd(data, shipment, batch_size=batch_size, argmax=argmax, keyed=keyed,
+                               prebatched=prebatched)
         raise TypeError(f"data must be a pyspark DataFrame or RDD; got {type(data).__name__}")
 
     def __repr__(self) -> str:

@@ -125,7 +125,7 @@ def unbatched_pair(batch: pa.RecordBatch, columns: Columns, names: list[str]) ->
         kind = arr.type
         if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)
                 or pa.types.is_fixed_size_list(kind)):
-            raise TypeError(f"prebatched=True but column {name!r} holds {kind}, not a list per "
+            raise TypeError(f"prebatched=True but column {name!r} holds {kind}, no list per "
                             f"row; a pre-batched row holds one entry per example in every "
                             f"column (features [n, ...], label [n])")
         lengths = np.asarray(arr.value_lengths())
@@ -153,6 +153,15 @@ def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
     import pyarrow as pa
 
     names = check_columns(df, columns)
+    if prebatched:
+        from pyspark.sql.types import ArrayType
+
+        flat = {n: df.schema[n].dataType.simpleString() for n in names
+                if not isinstance(df.schema[n].dataType, ArrayType)}
+        if flat:
+            raise TypeError(f"prebatched=True but column(s) {flat} hold no list per row; a "
+                            f"pre-batched row holds one entry per example in every column "
+                            f"(features [n, ...], label [n])")
 
     def decode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:

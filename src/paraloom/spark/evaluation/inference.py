@@ -224,13 +224,32 @@ def _several(out: Any) -> list[torch.Tensor] | None:
     return None
 
 
+def _whole(out: torch.Tensor, argmax: bool) -> np.ndarray:
+    """A pre-batched element's outputs: class indices (n,), or the rows (n, ...) as numpy."""
+    if argmax:
+        return np.asarray(_per_row(out, argmax), dtype=np.int64)
+    return out.detach().cpu().numpy()
+
+
 def predict_rdd(rdd: RDD[Any], shipment: Shipment, *, batch_size: int = 256,
-                argmax: bool = False, keyed: bool = False) -> RDD[Any]:
+                argmax: bool = False, keyed: bool = False, prebatched: bool = False) -> RDD[Any]:
     """Outputs for an RDD of features (same order), or of ``(key, features)`` pairs.
 
     Features that are a tuple (or dict) of arrays are several inputs; a model with several
-    outputs gives a tuple per row.
+    outputs gives a tuple per row. ``prebatched``: each element is a minibatch of ``n`` rows
+    and gets one array of ``n`` outputs (a tuple of them for several outputs).
     """
+    def run_batches(elements: Iterable[Any]) -> Iterator[Any]:
+        task_threads()
+        model = shipped_model(shipment)
+        for element in elements:
+            key, x = element if keyed else (None, element)
+            out = _outputs(model, field(x), shipment.features, batch_size)
+            parts = _several(out)
+            result = (_whole(out, argmax) if parts is None
+                      else tuple(_whole(o, argmax) for o in parts))
+            yield (key, result) if keyed else result
+
     def run(rows: Iterable[Any]) -> Iterator[Any]:
         task_threads()
         model = shipped_model(shipment)
@@ -243,7 +262,7 @@ def predict_rdd(rdd: RDD[Any], shipment: Shipment, *, batch_size: int = 256,
                        list(zip(*[_per_row(o, argmax) for o in parts], strict=True)))
             yield from (zip(keys, per_row, strict=True) if keys is not None else per_row)
 
-    return rdd.mapPartitions(run)
+    return rdd.mapPartitions(run_batches if prebatched else run)
 
 
 def _layout(features: Any) -> list[str]:

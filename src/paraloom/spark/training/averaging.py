@@ -152,7 +152,7 @@ class _Loop:
         n = total["n"]
         self.rounds.append({"epoch": epoch, **{k: total.get(k, 0) for k in
                                                 ("n", "loss_sum", "steps", "bytes_received",
-                                                 "bytes_sent")}})
+                                                 "bytes_sent", "peak_rss")}})
         if not n:
             return
         self.state = unflatten(total["model"] / n, total["layout"])

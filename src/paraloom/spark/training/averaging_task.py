@@ -20,7 +20,14 @@ import numpy as np
 
 from paraloom.spark.data import Chunk, Features, Pair
 from paraloom.spark.data.stream import stream_batches
-from paraloom.spark.runtime import cached, flatten, split_optimizer_state, task_threads, unpack
+from paraloom.spark.runtime import (
+    cached,
+    flatten,
+    peak_rss,
+    split_optimizer_state,
+    task_threads,
+    unpack,
+)
 from paraloom.spark.stats import PhaseRecorder
 from paraloom.spark.training.task import batch_tensors, load_spec, make_runner
 from paraloom.training.messages import Begin, Round
@@ -90,7 +97,8 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     if head is None:  # a short partition in a late round: nothing to average in
         for _ in source:  # read to the end, so that Spark can reuse this Python worker
             pass
-        yield {"n": 0, "stats": [rec.to_dict()] if cfg.collect_stats else []}
+        yield {"n": 0, "stats": [rec.to_dict()] if cfg.collect_stats else [],
+               "peak_rss": peak_rss()}
         return
     t = time.perf_counter()
     state = _read(state_bytes)
@@ -111,6 +119,7 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     rec.columns["encode"][-1] += round(time.perf_counter() - t, 6)
     record["stats"] = [rec.to_dict()] if cfg.collect_stats else []
     record["bytes_received"] = len(state)
+    record["peak_rss"] = peak_rss()
     yield record
 
 
@@ -173,6 +182,7 @@ def add_results(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str,
     if b is None:
         return a
     a, b = weighted(a), weighted(b)
+    a["peak_rss"] = b["peak_rss"] = max(a.get("peak_rss", 0), b.get("peak_rss", 0))
     if not b["n"]:
         a["stats"] = a.get("stats", []) + b.get("stats", [])
         return a

@@ -32,7 +32,15 @@ from paraloom.checkpoint import atomic_write
 from paraloom.devices import task_device
 from paraloom.spark.data import Chunk, Features, batch_count
 from paraloom.spark.data.stream import Spill, stream_batches
-from paraloom.spark.runtime import Packed, gpu_addresses, pack, state_digest, task_threads, unpack
+from paraloom.spark.runtime import (
+    Packed,
+    gpu_addresses,
+    pack,
+    peak_rss,
+    state_digest,
+    task_threads,
+    unpack,
+)
 from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
 from paraloom.spark.training.board import ErrorBoard, leave_group, settle
 from paraloom.spark.training.rendezvous import (
@@ -263,7 +271,8 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Re
         "loop_seconds": loop_s, "rows": p.data.rows, "losses": losses.to_dict(),
         "sync": p.runner.replica.sync.stats(),
         "digest": state_digest(p.runner.replica.model_state()), "device": p.device,
-        "resumed_from_step": position[2] if resume is not None else None}
+        "resumed_from_step": position[2] if resume is not None else None,
+        "peak_rss": peak_rss()}
     if cfg.collect_stats:
         info["stats"] = rec.to_dict()
     return ok(rank, info, state)

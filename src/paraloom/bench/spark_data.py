@@ -79,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=1_000_000, help="rows of the large Parquet set")
     p.add_argument("--small-rows", type=int, default=100_000, help="rows of the small one")
     p.add_argument("--files", type=int, default=8, help="Parquet files per data set")
-    p.add_argument("--averaging-frequency", type=int, default=500)
+    p.add_argument("--data-averaging-frequency", type=int, default=500,
+                   help="--mode data: minibatches per averaging round")
     p.add_argument("--data-contenders", default="ingest,fit_paths,fit_cached,torch_distributor")
     p.add_argument("--keep-data", default=None, help="a folder to keep the Parquet in")
 
@@ -122,7 +123,7 @@ def _spark_model(spark: Any, args: argparse.Namespace) -> Any:
     from paraloom.spark import ParameterAveragingTrainingMaster, SparkModel
 
     model = _model()
-    master = ParameterAveragingTrainingMaster(args.batch_size, args.averaging_frequency,
+    master = ParameterAveragingTrainingMaster(args.batch_size, args.data_averaging_frequency,
                                               args.workers)
     return SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(),
                       optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))

@@ -45,7 +45,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     ``save_updater=True`` (the default) averages and re-broadcasts the optimizer state too;
     False restarts every round from the optimizer's initial state, as DL4J's real default
     does (which resets momentum and Adam's moments every round). ``aggregation_depth`` is the
-    ``treeAggregate`` depth. ``job_timeout`` bounds each round's job.
+    ``treeAggregate`` depth. ``job_timeout`` bounds each round's job. ``prefetch_batches``:
+    minibatches a task reads ahead, shuffles and holds at once (its memory bound).
     """
 
     name = "averaging"

@@ -73,7 +73,9 @@ class SharedTrainingMaster(TrainingMaster):
     ``checkpoint_every`` rounds and at each epoch's end to ``checkpoint_dir`` (default: a
     temporary folder; give a shared one on a cluster). ``network``: a NetworkSettings
     (rendezvous port range, announced host, interface for the collectives; DL4J's
-    VoidConfiguration). ``synchronizer`` replaces
+    VoidConfiguration). ``prefetch_batches``: minibatches a task reads ahead, shuffles and
+    holds at once (its memory bound; the partition itself waits on local disk between
+    epochs). ``synchronizer`` replaces
     SharedGradients by any Synchronizer (e.g. dense all-reduce) for comparisons.
     """
 

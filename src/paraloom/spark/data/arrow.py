@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 __all__ = ["arrow_column", "arrow_field", "batch_pair", "encode_chunk", "decode_chunk",
-           "arrow_chunks", "data_chunks"]
+           "arrow_chunks", "arrow_columns", "data_chunks"]
 
 CHUNK_ROWS = 256
 
@@ -113,6 +113,15 @@ def decode_chunk(blob: bytes) -> Pair:
     return _unflat("x", arrays), _unflat("y", arrays)
 
 
+def arrow_columns(df: DataFrame, names: list[str]) -> list[Any]:
+    """``df``'s columns ``names`` ready for Arrow: Spark ML vectors as arrays of doubles."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql.functions import col
+
+    return [vector_to_array(col(n)).alias(n)
+            if type(df.schema[n].dataType).__name__ == "VectorUDT" else col(n) for n in names]
+
+
 def unbatched_pair(batch: pa.RecordBatch, columns: Columns, names: list[str]) -> Pair:
     """Pre-batched rows (each cell a list with one entry per example) as the examples'
     ``(features, label)`` arrays: the outer list level of every column is flattened."""
@@ -175,7 +184,7 @@ def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
                 yield pa.RecordBatch.from_pydict(
                     {"chunk": pa.array([encode_chunk(pair)], pa.binary())})
 
-    encoded = df.select(*names).mapInArrow(decode, "chunk binary")
+    encoded = df.select(*arrow_columns(df, names)).mapInArrow(decode, "chunk binary")
     return encoded.rdd.map(lambda row: decode_chunk(row[0]))
 
 

@@ -28,6 +28,7 @@ from paraloom.evaluation import Evaluation
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.spark.data import Features, Pair, num_rows, take
 from paraloom.spark.data.arrays import stack
+from paraloom.spark.data.arrow import arrow_columns
 from paraloom.spark.data.rows import field
 from paraloom.spark.evaluation.metrics import (
     MetricSet,
@@ -335,7 +336,6 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
     a model with several outputs needs ``output`` to name one column per output.
     """
     import pyarrow as pa
-    from pyspark.ml.functions import vector_to_array
     from pyspark.sql.functions import ArrowUDFType, arrow_udf, col
     from pyspark.sql.types import (
         ArrayType,
@@ -351,10 +351,7 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
     if missing:
         raise ValueError(f"the DataFrame has no column(s) {missing}; its columns are "
                          f"{df.columns}. Pass features= (or inputs=) the input column name(s)")
-    cols = []
-    for name in names:
-        kind = type(df.schema[name].dataType).__name__
-        cols.append(vector_to_array(col(name)) if kind == "VectorUDT" else col(name))
+    cols = arrow_columns(df, names)
     element = DoubleType() if shipment.features.dtype == "float64" else FloatType()
     one = LongType() if argmax else ArrayType(element)
     outputs = (output,) if isinstance(output, str) else tuple(output)

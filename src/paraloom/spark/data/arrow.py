@@ -189,19 +189,9 @@ def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
 
 
 def _stacked(size: int) -> Callable[[Iterable[Pair]], Iterator[Pair]]:
-    def stack_rows(rows: Iterable[Pair]) -> Iterator[Pair]:
-        from paraloom.spark.data.rows import partition_arrays
+    from paraloom.spark.data.partitions import chunk_rows
 
-        block: list[Pair] = []
-        for row in rows:
-            block.append(row)
-            if len(block) == size:
-                yield partition_arrays(block)
-                block = []
-        if block:
-            yield partition_arrays(block)
-
-    return stack_rows
+    return lambda rows: chunk_rows((((0, 0), row) for row in rows), size)
 
 
 def data_chunks(data: RDD[Any] | DataFrame, columns: Columns, rows: int = CHUNK_ROWS,

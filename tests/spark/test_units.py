@@ -14,7 +14,7 @@ import torch
 from spark_helpers import read_page
 from torch import nn
 
-from paraloom.spark.data import Features, batch_count, epoch_order, join_chunks, round_batches
+from paraloom.spark.data import Features, batch_count, join_chunks
 from paraloom.spark.data.partitions import chunk_rows
 from paraloom.spark.evaluation.metrics import RegressionEvaluation, merge_evaluations
 from paraloom.spark.runtime.state import (
@@ -117,14 +117,8 @@ def test_chunks_stack_rows_in_the_order_given():
     assert y.tolist() == list(range(10)) and x[:, 0].tolist() == list(range(10))
 
 
-def test_epoch_order_and_round_batches():
-    order = epoch_order(10, seed=1, epoch=2, rank=0)
-    assert sorted(order.tolist()) == list(range(10))
-    assert np.array_equal(order, epoch_order(10, seed=1, epoch=2, rank=0))
-    assert not np.array_equal(order, epoch_order(10, seed=1, epoch=3, rank=0))
-    assert batch_count(10, 4) == 3 and batch_count(0, 4) == 0
-    batches = round_batches(order, 4, first=1, count=5)
-    assert [len(b) for b in batches] == [4, 2]  # minibatches 1 and 2 exist, 3.. do not
+def test_batch_count():
+    assert batch_count(10, 4) == 3 and batch_count(8, 4) == 2 and batch_count(0, 4) == 0
 
 
 def test_features_reshape_and_dtypes():

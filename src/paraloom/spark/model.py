@@ -18,12 +18,11 @@ from paraloom.spark.data import (
     Inputs,
     Label,
     Spec,
-    as_rows,
     is_dataframe,
     is_rdd,
     rows_of,
 )
-from paraloom.spark.data.arrow import arrow_chunks
+from paraloom.spark.data.arrow import data_chunks
 from paraloom.spark.data.features import normalize_shapes
 from paraloom.spark.evaluation import (
     RegressionEvaluation,
@@ -119,12 +118,15 @@ class SparkModel:
 
     def fit(self, data: RDD[Any] | DataFrame, epochs: int = 1, *,
             features: Spec | None = None, label: Label = "label", inputs: Inputs | None = None,
-            collect_stats: bool = False, seed: int = 0) -> dict[str, Any]:
+            collect_stats: bool = False, seed: int = 0,
+            prebatched: bool = False) -> dict[str, Any]:
         """Train ``epochs`` passes over ``data``; returns a summary (samples/s, losses, bytes).
 
         A DataFrame is read by ``features=`` (default "features") or ``inputs=``, and
         ``label=``; an RDD holds ``(features, label)`` pairs, where a tuple of arrays is several
-        inputs (or targets).
+        inputs (or targets). ``prebatched=True``: every row (element) holds a whole minibatch
+        (DL4J's examplesPerDataSetObject), features ``[n, ...]`` and labels ``[n]``; the
+        workers re-cut the examples into ``batch_size_per_worker`` minibatches.
 
         With ``collect_stats=True`` per-worker, per-phase timings are kept: see
         ``training_stats()``.
@@ -140,11 +142,12 @@ class SparkModel:
                           step_fn=self.step_fn, synchronizer=NoSync())
         state = cpu_copy(self.model.state_dict())
         job = FitJob(self.sc, spec, state, self._optimizer_state_now(), self.features)
-        if is_dataframe(data):  # decoded on the executors from Arrow batches, in chunks
+        columns = Columns.of(features, label, inputs)
+        if is_dataframe(data) or prebatched:  # DataFrames: decoded from Arrow batches
             job.chunked = True
-            rows = arrow_chunks(data, Columns.of(features, label, inputs))
+            rows = data_chunks(data, columns, prebatched=prebatched)
         else:
-            rows = as_rows(data, features, label, inputs)
+            rows = rows_of(data, columns)
         result = self.master.fit(job, rows, epochs=epochs, seed=seed,
                                  collect_stats=collect_stats)
         with torch.no_grad():
@@ -157,11 +160,12 @@ class SparkModel:
     def fit_paths(self, path: str | Sequence[str], epochs: int = 1, *,
                   features: Spec | None = None, label: Label = "label",
                   inputs: Inputs | None = None, collect_stats: bool = False,
-                  seed: int = 0) -> dict[str, Any]:
+                  seed: int = 0, prebatched: bool = False) -> dict[str, Any]:
         """Train on Parquet file(s) or directories (DL4J's fitPaths): any path Spark reads.
 
         The executors read their own partitions (``spark.read.parquet``) and decode them from
-        Arrow batches; the driver never holds the data. Same columns and summary as ``fit``.
+        Arrow batches; the driver never holds the data. Same columns, ``prebatched`` and
+        summary as ``fit``.
         """
         from pyspark.sql import SparkSession
 
@@ -176,7 +180,7 @@ class SparkModel:
             raise ValueError(f"fit_paths could not read Parquet from {paths}: "
                              f"{str(e).splitlines()[0]}") from e
         return self.fit(df, epochs, features=features, label=label, inputs=inputs,
-                        collect_stats=collect_stats, seed=seed)
+                        collect_stats=collect_stats, seed=seed, prebatched=prebatched)
 
     def _adopt_optimizer(self, state: dict[str, Any] | None) -> None:
         if state is None:
@@ -197,17 +201,20 @@ class SparkModel:
     def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = ...,
                  label: Label = ..., inputs: Inputs | None = ...,
                  output: int | str | None = ..., batch_size: int = ...,
-                 metrics: None = ...) -> Evaluation: ...
+                 metrics: None = ..., prebatched: bool = ...) -> Evaluation: ...
     @overload
     def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = ...,
                  label: Label = ..., inputs: Inputs | None = ...,
                  output: int | str | None = ..., batch_size: int = ...,
-                 metrics: Sequence[str]) -> dict[str, Any]: ...
+                 metrics: Sequence[str], prebatched: bool = ...) -> dict[str, Any]: ...
     def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
                  label: Label = "label", inputs: Inputs | None = None,
                  output: int | str | None = None, batch_size: int = 256,
-                 metrics: Sequence[str] | None = None) -> Evaluation | dict[str, Any]:
+                 metrics: Sequence[str] | None = None,
+                 prebatched: bool = False) -> Evaluation | dict[str, Any]:
         """Classification metrics (accuracy, precision, recall, F1, confusion matrix, loss).
+
+        DataFrames are decoded from Arrow batches; ``prebatched=True`` as for ``fit``.
 
         ``metrics=["classification", "roc", "regression"]`` (any of them) computes several in
         one pass over the data and returns ``{name: Evaluation | ROC | RegressionEvaluation}``.
@@ -216,12 +223,14 @@ class SparkModel:
         """
         columns = Columns.of(features, label, inputs)
         if metrics is None:
-            return self._evaluate(data, columns, output, batch_size, regression=False)
+            return self._evaluate(data, columns, output, batch_size, regression=False,
+                                  prebatched=prebatched)
         names = [metrics] if isinstance(metrics, str) else list(metrics)
         MetricSet.factory(names)  # a wrong name fails here, before any Spark job
         shipment = ship(self.sc, self.model, self.features)
         try:
-            return evaluate_metrics(rows_of(data, columns), shipment, names,
+            return evaluate_metrics(data_chunks(data, columns, batch_size, prebatched), shipment,
+                                    names,
                                     loss_fn=self.loss_fn, batch_size=batch_size, output=output)
         finally:
             shipment.model.unpersist()
@@ -229,27 +238,30 @@ class SparkModel:
 
     def evaluate_regression(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
                             label: Label = "label", inputs: Inputs | None = None,
-                            output: int | str | None = None,
-                            batch_size: int = 256) -> RegressionEvaluation:
+                            output: int | str | None = None, batch_size: int = 256,
+                            prebatched: bool = False) -> RegressionEvaluation:
         """Regression metrics (MSE, MAE, RMSE, R² per output column, and their means)."""
         return self._evaluate(data, Columns.of(features, label, inputs), output, batch_size,
-                              regression=True)
+                              regression=True, prebatched=prebatched)
 
     @overload
     def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
-                  batch_size: int, regression: Literal[False]) -> Evaluation: ...
+                  batch_size: int, regression: Literal[False],
+                  prebatched: bool = ...) -> Evaluation: ...
     @overload
     def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
-                  batch_size: int, regression: Literal[True]) -> RegressionEvaluation: ...
+                  batch_size: int, regression: Literal[True],
+                  prebatched: bool = ...) -> RegressionEvaluation: ...
     def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
-                  batch_size: int, regression: bool) -> Evaluation | RegressionEvaluation:
-        rows = rows_of(data, columns)
+                  batch_size: int, regression: bool,
+                  prebatched: bool = False) -> Evaluation | RegressionEvaluation:
+        chunks = data_chunks(data, columns, batch_size, prebatched)
         shipment = ship(self.sc, self.model, self.features)
         try:
             if regression:
-                return evaluate_rdd(rows, shipment, loss_fn=self.loss_fn, batch_size=batch_size,
-                                    regression=True, output=output)
-            return evaluate_rdd(rows, shipment, loss_fn=self.loss_fn, batch_size=batch_size,
+                return evaluate_rdd(chunks, shipment, loss_fn=self.loss_fn,
+                                    batch_size=batch_size, regression=True, output=output)
+            return evaluate_rdd(chunks, shipment, loss_fn=self.loss_fn, batch_size=batch_size,
                                 output=output)
         finally:
             shipment.model.unpersist()
@@ -258,15 +270,17 @@ class SparkModel:
     @overload
     def predict(self, data: DataFrame, *, features: Spec | None = ...,
                 inputs: Inputs | None = ..., output: str | tuple[str, ...] = ...,
-                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...) -> DataFrame: ...
+                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...,
+                prebatched: bool = ...) -> DataFrame: ...
     @overload
     def predict(self, data: RDD[Any], *, features: Spec | None = ...,
                 inputs: Inputs | None = ..., output: str | tuple[str, ...] = ...,
-                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...) -> RDD[Any]: ...
+                batch_size: int = ..., argmax: bool = ..., keyed: bool = ...,
+                prebatched: bool = ...) -> RDD[Any]: ...
     def predict(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
                 inputs: Inputs | None = None, output: str | tuple[str, ...] = "prediction",
                 batch_size: int = 256, argmax: bool = False,
-                keyed: bool = False) -> DataFrame | RDD[Any]:
+                keyed: bool = False, prebatched: bool = False) -> DataFrame | RDD[Any]:
         """The model's outputs: a DataFrame with an ``output`` column, or an RDD of outputs.
 
         A DataFrame gets one ``array<float>`` per row (the row's output, flattened), or with
@@ -274,15 +288,21 @@ class SparkModel:
         ``output=("a", "b", ...)``, one new column per output. An RDD of features gives one
         numpy array (or class index, or a tuple of them for several outputs) per element, in
         order; with ``keyed=True`` it holds ``(key, features)`` pairs and gives
-        ``(key, output)`` pairs (DL4J's feedForwardWithKey).
+        ``(key, output)`` pairs (DL4J's feedForwardWithKey). ``prebatched=True`` (RDDs): each
+        element is a minibatch of ``n`` rows and gets one array of ``n`` outputs.
         """
+        if prebatched and is_dataframe(data):
+            raise ValueError("predict(prebatched=True) takes an RDD of minibatches; for a "
+                             "DataFrame of pre-batched rows, explode them into one row per "
+                             "example first (F.explode(F.arrays_zip(...)))")
         shipment = ship(self.sc, self.model, self.features)
         if is_dataframe(data):
             columns = Columns.of(features, inputs=inputs)
             return predict_dataframe(data, shipment, features=columns.features, output=output,
                                      batch_size=batch_size, argmax=argmax)
         if is_rdd(data):
-            return predict_rdd(data, shipment, batch_size=batch_size, argmax=argmax, keyed=keyed)
+            return predict_rdd(data, shipment, batch_size=batch_size, argmax=argmax, keyed=keyed,
+                               prebatched=prebatched)
         raise TypeError(f"data must be a pyspark DataFrame or RDD; got {type(data).__name__}")
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """Training data on Spark: rows and DataFrames to numpy arrays, deterministic partitions."""
 
 from paraloom.spark.data.arrays import Arrays, num_rows, take
-from paraloom.spark.data.batches import batch_count, epoch_order, round_batches
+from paraloom.spark.data.batches import batch_count
 from paraloom.spark.data.features import Features
 from paraloom.spark.data.partitions import Chunk, join_chunks, partition_chunks
 from paraloom.spark.data.rows import (
@@ -21,6 +21,6 @@ from paraloom.spark.data.rows import (
 )
 
 __all__ = ["Arrays", "Chunk", "Columns", "Features", "Inputs", "Label", "Pair", "Spec", "as_rows",
-           "batch_count", "check_columns", "epoch_order", "is_dataframe", "is_rdd", "join_chunks",
-           "num_rows", "partition_arrays", "partition_chunks", "round_batches", "row_extractor",
+           "batch_count", "check_columns", "is_dataframe", "is_rdd", "join_chunks",
+           "num_rows", "partition_arrays", "partition_chunks", "row_extractor",
            "rows_of", "take", "to_array"]

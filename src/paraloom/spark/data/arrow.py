@@ -9,7 +9,7 @@ data; an executor holds one record batch and one chunk at a time while decoding.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import DataFrame
 
-__all__ = ["arrow_column", "batch_pair", "encode_chunk", "decode_chunk", "arrow_chunks"]
+__all__ = ["arrow_column", "arrow_field", "batch_pair", "encode_chunk", "decode_chunk",
+           "arrow_chunks", "arrow_columns", "data_chunks"]
 
 CHUNK_ROWS = 256
 
@@ -56,24 +57,28 @@ def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=False)
 
 
-def _spec(batch: pa.RecordBatch, spec: Spec) -> np.ndarray:
+def _spec(get: Callable[[str], pa.Array], rows: int, spec: Spec) -> np.ndarray:
     if isinstance(spec, str):
-        return arrow_column(batch.column(spec), spec)
-    parts = [arrow_column(batch.column(c), c).reshape(batch.num_rows, -1) for c in spec]
+        return arrow_column(get(spec), spec)
+    parts = [arrow_column(get(c), c).reshape(rows, -1) for c in spec]
     return np.concatenate(parts, axis=1)
 
 
-def _field(batch: pa.RecordBatch, field: Any) -> Any:
+def arrow_field(get: Callable[[str], pa.Array], rows: int, field: Any) -> Any:
+    """One field (a spec, a tuple or a dict of specs) of ``rows`` rows as numpy array(s), each
+    column read with ``get(name)``: the one decoding path of training, evaluation and
+    prediction."""
     if isinstance(field, tuple):
-        return tuple(_spec(batch, s) for s in field)
+        return tuple(_spec(get, rows, s) for s in field)
     if isinstance(field, dict):
-        return {k: _spec(batch, s) for k, s in field.items()}
-    return _spec(batch, field)
+        return {k: _spec(get, rows, s) for k, s in field.items()}
+    return _spec(get, rows, field)
 
 
 def batch_pair(batch: pa.RecordBatch, columns: Columns) -> Pair:
     """A record batch's ``(features, label)`` arrays (tuples / dicts of them for several)."""
-    return _field(batch, columns.features), _field(batch, columns.label)
+    return (arrow_field(batch.column, batch.num_rows, columns.features),
+            arrow_field(batch.column, batch.num_rows, columns.label))
 
 
 def _flat(prefix: str, a: Any) -> dict[str, np.ndarray]:
@@ -108,22 +113,108 @@ def decode_chunk(blob: bytes) -> Pair:
     return _unflat("x", arrays), _unflat("y", arrays)
 
 
-def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS) -> RDD[Pair]:
+def arrow_columns(df: DataFrame, names: list[str]) -> list[Any]:
+    """``df``'s columns ``names`` ready for Arrow: Spark ML vectors as arrays of doubles."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql.functions import col
+
+    return [vector_to_array(col(n)).alias(n)
+            if type(df.schema[n].dataType).__name__ == "VectorUDT" else col(n) for n in names]
+
+
+def unbatched_pair(batch: pa.RecordBatch, columns: Columns, names: list[str]) -> Pair:
+    """Pre-batched rows (each cell a list with one entry per example) as the examples'
+    ``(features, label)`` arrays: the outer list level of every column is flattened."""
+    import pyarrow as pa
+
+    flat: dict[str, pa.Array] = {}
+    counts = None
+    for name in names:
+        arr = batch.column(name)
+        kind = arr.type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)
+                or pa.types.is_fixed_size_list(kind)):
+            raise TypeError(f"prebatched=True but column {name!r} holds {kind}, no list per "
+                            f"row; a pre-batched row holds one entry per example in every "
+                            f"column (features [n, ...], label [n])")
+        lengths = np.asarray(arr.value_lengths())
+        if counts is None:
+            counts = lengths
+        elif not np.array_equal(lengths, counts):
+            raise ValueError(f"prebatched=True but column {name!r} holds "
+                             f"{lengths.tolist()[:4]} examples per row where {names[0]!r} holds "
+                             f"{counts.tolist()[:4]}: every column of a row needs the same "
+                             f"count")
+        flat[name] = arr.flatten()
+    total = int(counts.sum()) if counts is not None else 0
+    return (arrow_field(flat.__getitem__, total, columns.features),
+            arrow_field(flat.__getitem__, total, columns.label))
+
+
+def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
+                 prebatched: bool = False) -> RDD[Pair]:
     """``df``'s rows as an RDD of chunks (stacked ``(features, label)`` arrays), per partition.
 
     Decoded on the executors from Arrow record batches; partitions keep their rows' order.
+    ``prebatched``: each row holds a whole minibatch (DL4J's examplesPerDataSetObject) and
+    becomes one chunk.
     """
     import pyarrow as pa
 
     names = check_columns(df, columns)
+    if prebatched:
+        from pyspark.sql.types import ArrayType
+
+        flat = {n: df.schema[n].dataType.simpleString() for n in names
+                if not isinstance(df.schema[n].dataType, ArrayType)}
+        if flat:
+            raise TypeError(f"prebatched=True but column(s) {flat} hold no list per row; a "
+                            f"pre-batched row holds one entry per example in every column "
+                            f"(features [n, ...], label [n])")
 
     def decode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
-            for start in range(0, batch.num_rows, rows):
-                part = batch.slice(start, rows)
+            if prebatched:  # every row a minibatch: one chunk per row
+                parts = (unbatched_pair(batch.slice(i, 1), columns, names)
+                         for i in range(batch.num_rows))
+            else:
+                parts = (batch_pair(batch.slice(start, rows), columns)
+                         for start in range(0, batch.num_rows, rows))
+            for pair in parts:
                 yield pa.RecordBatch.from_pydict(
-                    {"chunk": pa.array([encode_chunk(batch_pair(part, columns))],
-                                       pa.binary())})
+                    {"chunk": pa.array([encode_chunk(pair)], pa.binary())})
 
-    encoded = df.select(*names).mapInArrow(decode, "chunk binary")
+    encoded = df.select(*arrow_columns(df, names)).mapInArrow(decode, "chunk binary")
     return encoded.rdd.map(lambda row: decode_chunk(row[0]))
+
+
+def _stacked(size: int) -> Callable[[Iterable[Pair]], Iterator[Pair]]:
+    from paraloom.spark.data.partitions import chunk_rows
+
+    return lambda rows: chunk_rows((((0, 0), row) for row in rows), size)
+
+
+def data_chunks(data: RDD[Any] | DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
+                prebatched: bool = False) -> RDD[Pair]:
+    """Chunks of at most ``rows`` stacked ``(features, label)`` rows from a DataFrame (decoded
+    from Arrow batches on the executors) or an RDD of ``(features, label)`` pairs.
+
+    ``prebatched``: every row (element) already holds a minibatch, which is one chunk.
+    """
+    from paraloom.spark.data.rows import is_dataframe, rows_of
+
+    if is_dataframe(data):
+        return arrow_chunks(data, columns, rows, prebatched)
+    pairs = rows_of(data, columns)
+    return pairs.map(_checked_batch) if prebatched else pairs.mapPartitions(_stacked(rows))
+
+
+def _checked_batch(pair: Pair) -> Pair:
+    from paraloom.spark.data.arrays import leaves
+
+    counts = {len(a) if np.ndim(a) else -1 for a in leaves(pair[0]) + leaves(pair[1])}
+    if len(counts) != 1 or -1 in counts:
+        raise ValueError(f"prebatched=True but an element's arrays hold {sorted(counts)} "
+                         f"examples: each element must be (features [n, ...], labels [n]), "
+                         f"every array with the same n")
+    return pair

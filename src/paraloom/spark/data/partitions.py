@@ -3,7 +3,9 @@
 ``partition_chunks`` spreads the rows over ``workers`` partitions with a fixed rule and sorts
 each partition by the rows' origin, so a re-run stage attempt (or the next averaging round)
 sees the same rows in the same order; rows are stacked into chunks so that reading a partition
-costs a few large array copies rather than one unpickle per row.
+costs a few large array copies rather than one unpickle per row. The sort is Spark's
+(``repartitionAndSortWithinPartitions``, which spills to disk past
+``spark.python.worker.memory``): no step holds a whole partition in a Python worker.
 """
 
 from __future__ import annotations
@@ -31,14 +33,20 @@ _Key = tuple[int, int]
 
 
 def chunk_rows(keyed: Iterable[tuple[_Key, Pair]], size: int = _CHUNK_ROWS) -> Iterator[Chunk]:
-    """Sort ``(key, (features, label))`` by key and stack consecutive rows into chunks."""
-    rows = sorted(keyed, key=lambda kv: kv[0])
-    for start in range(0, len(rows), size):
-        yield partition_arrays(pair for _, pair in rows[start:start + size])
+    """Stack consecutive ``(key, (features, label))`` rows, in the order given, into chunks of
+    ``size`` rows (one chunk's rows held at a time)."""
+    block: list[Pair] = []
+    for _, pair in keyed:
+        block.append(pair)
+        if len(block) == size:
+            yield partition_arrays(block)
+            block = []
+    if block:
+        yield partition_arrays(block)
 
 
 def join_chunks(chunks: Iterable[Chunk]) -> Chunk:
-    """Concatenate a partition's chunks back into one (features, labels) pair of arrays."""
+    """Concatenate chunks into one (features, labels) pair of arrays (tests, small data)."""
     parts = [c for c in chunks if num_rows(c[0])]
     if not parts:
         return np.zeros((0,), np.float32), np.zeros((0,), np.int64)
@@ -50,10 +58,14 @@ def _keyed(index: int, rows: Iterable[Pair]) -> Iterator[tuple[_Key, Pair]]:  # 
         yield (index, position), row
 
 
+def _target(workers: int) -> Callable[[_Key], int]:
+    return lambda key: (key[0] + key[1]) % workers
+
+
 def _spread(rdd: RDD[Any], workers: int, repartition: str,
             finish: Callable[[Iterable[tuple[_Key, Any]]], Iterator[Chunk]]) -> RDD[Chunk]:
-    """Element ``j`` of source partition ``i`` to partition ``(i + j) % workers``; then
-    ``finish`` turns each partition's keyed elements into sorted chunks."""
+    """Element ``j`` of source partition ``i`` to partition ``(i + j) % workers``, each
+    partition sorted by origin; then ``finish`` turns its keyed elements into chunks."""
     have = rdd.getNumPartitions()
     if repartition == "if_needed":
         repartition = "never" if have == workers else "always"
@@ -63,8 +75,8 @@ def _spread(rdd: RDD[Any], workers: int, repartition: str,
             raise ValueError(f"repartition='never' but the data has {have} partitions and "
                              f"workers={workers}; use repartition='always' or 'if_needed', or "
                              f"repartition the data to {workers} partitions")
-        return keyed.mapPartitions(finish, preservesPartitioning=True)
-    spread = keyed.partitionBy(workers, lambda key: key[0] + key[1])
+        return keyed.mapPartitions(finish, preservesPartitioning=True)  # already in order
+    spread = keyed.repartitionAndSortWithinPartitions(workers, _target(workers))
     return spread.mapPartitions(finish, preservesPartitioning=True)
 
 
@@ -78,8 +90,8 @@ def partition_chunks(rows: RDD[Pair], workers: int, repartition: str = "always")
     return _spread(rows, workers, repartition, chunk_rows)
 
 
-def _in_order(keyed: Iterable[tuple[_Key, Chunk]]) -> Iterator[Chunk]:
-    for _, chunk in sorted(keyed, key=lambda kv: kv[0]):
+def _values(keyed: Iterable[tuple[_Key, Chunk]]) -> Iterator[Chunk]:
+    for _, chunk in keyed:
         yield chunk
 
 
@@ -90,4 +102,4 @@ def spread_chunks(chunks: RDD[Chunk], workers: int, repartition: str = "always")
     ``j`` of source partition ``i`` goes to partition ``(i + j) % workers``, each partition
     sorted by origin; the rows of a chunk are never split or re-pickled one by one.
     """
-    return _spread(chunks, workers, repartition, _in_order)
+    return _spread(chunks, workers, repartition, _values)

@@ -4,28 +4,21 @@ The driver broadcasts the model (cloudpickled structure) and its parameters (saf
 bytes); each Python worker builds it once per parameter version and keeps it in the
 ``runtime.executor.cached`` LRU, as ``predict_batch_udf`` does. Evaluation merges
 per-partition metric states with ``treeAggregate``; DataFrames are scored by an iterator
-pandas UDF (Arrow batches), RDDs by ``mapPartitions``.
+Arrow UDF (record batches decoded column by column, as for training), RDDs by
+``mapPartitions``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import (  # noqa: UP035 (pandas_udf reads these type hints)
-    TYPE_CHECKING,
-    Any,
-    Iterator,
-    Literal,
-    Tuple,
-    TypeVar,
-    overload,
-)
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import cloudpickle
 import numpy as np
-import pandas as pd
 import torch
 from torch import nn
 
@@ -33,8 +26,9 @@ from paraloom.data import batch_size as batch_size_of
 from paraloom.data import map_tensors
 from paraloom.evaluation import Evaluation
 from paraloom.forward import LossFn, compute_loss, forward
-from paraloom.spark.data import Features, Pair, partition_arrays, to_array
+from paraloom.spark.data import Features, Pair, num_rows, take
 from paraloom.spark.data.arrays import stack
+from paraloom.spark.data.arrow import arrow_columns
 from paraloom.spark.data.rows import field
 from paraloom.spark.evaluation.metrics import (
     MetricSet,
@@ -140,14 +134,22 @@ def _regression(out: torch.Tensor) -> RegressionEvaluation:
     return RegressionEvaluation(out[0].numel())
 
 
+def _slices(chunks: Iterable[Pair], size: int) -> Iterator[Pair]:
+    """Chunks cut to at most ``size`` rows (never joined: metrics add up per slice)."""
+    for x, y in chunks:
+        n = num_rows(x)
+        for start in range(0, n, size):
+            part = slice(start, start + size)
+            yield (take(x, part), take(y, part)) if n > size else (x, y)  # type: ignore[arg-type]
+
+
 def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: int,
                         new_state: Callable[[torch.Tensor], S], output: int | str | None,
-                        rows: Iterable[Pair]) -> Iterator[S | None]:
+                        chunks: Iterable[Pair]) -> Iterator[S | None]:
     task_threads()
     model = shipped_model(shipment)
     state: S | None = None
-    for chunk in _chunks(rows, batch_size):
-        x, y = partition_arrays(chunk)
+    for x, y in _slices(chunks, batch_size):
         with torch.no_grad():
             out = forward(model, shipment.features.features(x))
             targets = shipment.features.labels(y)
@@ -160,14 +162,14 @@ def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: 
     yield state
 
 
-def _aggregate(rows: RDD[Pair], shipment: Shipment, loss_fn: LossFn | None, batch_size: int,
+def _aggregate(chunks: RDD[Pair], shipment: Shipment, loss_fn: LossFn | None, batch_size: int,
                new_state: Callable[[torch.Tensor], S], depth: int,
                output: int | str | None = None) -> S:
     def run(part: Iterable[Pair]) -> Iterator[S | None]:
         return _evaluate_partition(shipment, loss_fn, batch_size, new_state, output, part)
 
     zero: S | None = None
-    result = rows.mapPartitions(run).treeAggregate(zero, merge_evaluations, merge_evaluations,
+    result = chunks.mapPartitions(run).treeAggregate(zero, merge_evaluations, merge_evaluations,
                                                    depth=depth)
     if result is None:
         raise ValueError("evaluate() got no rows: the data is empty")
@@ -175,31 +177,32 @@ def _aggregate(rows: RDD[Pair], shipment: Shipment, loss_fn: LossFn | None, batc
 
 
 @overload
-def evaluate_rdd(rows: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
+def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
                  batch_size: int = 256, regression: Literal[False] = False,
                  depth: int = 2, output: int | str | None = None) -> Evaluation: ...
 @overload
-def evaluate_rdd(rows: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
+def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
                  batch_size: int = 256, regression: Literal[True],
                  depth: int = 2, output: int | str | None = None) -> RegressionEvaluation: ...
-def evaluate_rdd(rows: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
+def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
                  batch_size: int = 256, regression: bool = False,
                  depth: int = 2,
                  output: int | str | None = None) -> Evaluation | RegressionEvaluation:
-    """Evaluation (or RegressionEvaluation) of ``(features, label)`` rows via treeAggregate.
+    """Evaluation (or RegressionEvaluation) of chunks of stacked ``(features, label)`` rows
+    (``data.arrow.data_chunks``) via treeAggregate.
 
     ``output`` picks which of a multi-output model's outputs (and targets) is counted.
     """
     if regression:
-        return _aggregate(rows, shipment, loss_fn, batch_size, _regression, depth, output)
-    return _aggregate(rows, shipment, loss_fn, batch_size, _classification, depth, output)
+        return _aggregate(chunks, shipment, loss_fn, batch_size, _regression, depth, output)
+    return _aggregate(chunks, shipment, loss_fn, batch_size, _classification, depth, output)
 
 
-def evaluate_metrics(rows: RDD[Pair], shipment: Shipment, metrics: Sequence[str], *,
+def evaluate_metrics(chunks: RDD[Pair], shipment: Shipment, metrics: Sequence[str], *,
                      loss_fn: LossFn | None = None, batch_size: int = 256, depth: int = 2,
                      output: int | str | None = None) -> dict[str, Any]:
-    """Several metrics (``metrics.METRICS`` names) of ``(features, label)`` rows, one pass."""
-    result = _aggregate(rows, shipment, loss_fn, batch_size, MetricSet.factory(metrics), depth,
+    """Several metrics (``metrics.METRICS`` names) of chunks of rows, in one pass."""
+    result = _aggregate(chunks, shipment, loss_fn, batch_size, MetricSet.factory(metrics), depth,
                         output)
     return dict(result.states)
 
@@ -222,13 +225,32 @@ def _several(out: Any) -> list[torch.Tensor] | None:
     return None
 
 
+def _whole(out: torch.Tensor, argmax: bool) -> np.ndarray:
+    """A pre-batched element's outputs: class indices (n,), or the rows (n, ...) as numpy."""
+    if argmax:
+        return np.asarray(_per_row(out, argmax), dtype=np.int64)
+    return out.detach().cpu().numpy()
+
+
 def predict_rdd(rdd: RDD[Any], shipment: Shipment, *, batch_size: int = 256,
-                argmax: bool = False, keyed: bool = False) -> RDD[Any]:
+                argmax: bool = False, keyed: bool = False, prebatched: bool = False) -> RDD[Any]:
     """Outputs for an RDD of features (same order), or of ``(key, features)`` pairs.
 
     Features that are a tuple (or dict) of arrays are several inputs; a model with several
-    outputs gives a tuple per row.
+    outputs gives a tuple per row. ``prebatched``: each element is a minibatch of ``n`` rows
+    and gets one array of ``n`` outputs (a tuple of them for several outputs).
     """
+    def run_batches(elements: Iterable[Any]) -> Iterator[Any]:
+        task_threads()
+        model = shipped_model(shipment)
+        for element in elements:
+            key, x = element if keyed else (None, element)
+            out = _outputs(model, field(x), shipment.features, batch_size)
+            parts = _several(out)
+            result = (_whole(out, argmax) if parts is None
+                      else tuple(_whole(o, argmax) for o in parts))
+            yield (key, result) if keyed else result
+
     def run(rows: Iterable[Any]) -> Iterator[Any]:
         task_threads()
         model = shipped_model(shipment)
@@ -241,89 +263,68 @@ def predict_rdd(rdd: RDD[Any], shipment: Shipment, *, batch_size: int = 256,
                        list(zip(*[_per_row(o, argmax) for o in parts], strict=True)))
             yield from (zip(keys, per_row, strict=True) if keys is not None else per_row)
 
-    return rdd.mapPartitions(run)
+    return rdd.mapPartitions(run_batches if prebatched else run)
 
 
-def _assemble(cols: list[pd.Series], whole: bool) -> np.ndarray:
-    """One input's rows from its columns: one column's values, or several assembled."""
-    if whole:
-        series = cols[0]
-        return np.stack([to_array(v) for v in series]) if len(series) \
-            else np.zeros((0,), np.float32)
-    if all(pd.api.types.is_numeric_dtype(c.dtype) for c in cols):
-        return np.column_stack([c.to_numpy() for c in cols])
-    return np.stack([np.concatenate([np.ravel(to_array(c.iloc[i])) for c in cols])
-                     for i in range(len(cols[0]))])
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """How the UDF's flat argument columns regroup into the model's inputs."""
-
-    kind: str
-    """"one" (features=), "tuple" (model(*inputs)) or "dict" (model(**inputs))."""
-    names: tuple[str, ...]
-    """Input names for "dict"."""
-    spans: tuple[tuple[int, int, bool], ...]
-    """Per input: (first column, column count, whole: a single column given by name)."""
-
-    def inputs(self, cols: tuple[pd.Series, ...]) -> Any:
-        arrays = [_assemble(list(cols[a:a + n]), whole) for a, n, whole in self.spans]
-        if self.kind == "one":
-            return arrays[0]
-        if self.kind == "dict":
-            return dict(zip(self.names, arrays, strict=True))
-        return tuple(arrays)
-
-
-def _layout(features: Any) -> tuple[_Layout, list[str]]:
+def _layout(features: Any) -> list[str]:
+    """Every column an input spec (one, a tuple or a dict of them) reads, once each."""
     specs = (list(features.values()) if isinstance(features, dict)
              else list(features) if isinstance(features, tuple) else [features])
-    spans: list[tuple[int, int, bool]] = []
-    columns: list[str] = []
+    names: list[str] = []
     for spec in specs:
-        names = [spec] if isinstance(spec, str) else list(spec)
-        spans.append((len(columns), len(names), isinstance(spec, str)))
-        columns.extend(names)
-    kind = "dict" if isinstance(features, dict) else "tuple" if isinstance(features, tuple) \
-        else "one"
-    keys = tuple(features) if isinstance(features, dict) else ()
-    return _Layout(kind, keys, tuple(spans)), columns
+        for name in ([spec] if isinstance(spec, str) else spec):
+            if name not in names:
+                names.append(name)
+    return names
 
 
-def _udf(shipment: Shipment, batch_size: int, argmax: bool, layout: _Layout,
-         outputs: tuple[str, ...] | None) -> Callable[..., Any]:
-    def score(x: Any, rows: int) -> pd.Series | pd.DataFrame:
-        model = shipped_model(shipment)
-        empty = pd.Series([], dtype="int64" if argmax else "object")
+def _arrow_output(out: torch.Tensor, argmax: bool, dtype: str) -> Any:
+    """One output per row as an Arrow array: the class index (int64), or the flattened row."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+    if argmax:
+        return pa.array(np.asarray(_per_row(out, argmax), dtype=np.int64), pa.int64())
+    flat = out.detach().reshape(len(out), -1).cpu().numpy().astype(dtype, copy=False)
+    width = flat.shape[1]
+    offsets = np.arange(0, (len(flat) + 1) * width, width, dtype=np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.reshape(-1)))
+
+
+def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: Any,
+               names: list[str], outputs: tuple[str, ...] | None,
+               empty: Any) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    from paraloom.spark.data.arrow import arrow_field
+
+    dtype = shipment.features.dtype
+
+    def score(cols: tuple[Any, ...]) -> Any:
+        import pyarrow as pa
+
+        rows = len(cols[0])
         if not rows:
-            return empty if outputs is None else pd.DataFrame({n: empty for n in outputs})
-        out = _outputs(model, x, shipment.features, batch_size)
+            return pa.array([], empty)
+        by_name = dict(zip(names, cols, strict=True))
+        x = arrow_field(by_name.__getitem__, rows, features)
+        out = _outputs(shipped_model(shipment), x, shipment.features, batch_size)
         parts = _several(out)
         if outputs is None:
             if parts is not None:
                 raise ValueError(f"the model returned {len(parts)} outputs; give predict() "
                                  f"output=(name, ...) with one column name per output")
-            return pd.Series(_per_row(out, argmax))
+            return _arrow_output(out, argmax, dtype)
         if parts is None or len(parts) != len(outputs):
             got = 1 if parts is None else len(parts)
             raise ValueError(f"output={outputs} names {len(outputs)} columns but the model "
                              f"returned {got} output(s); give one name per output")
-        return pd.DataFrame({n: _per_row(o, argmax) for n, o in zip(outputs, parts,
-                                                                     strict=True)})
+        return pa.StructArray.from_arrays([_arrow_output(o, argmax, dtype) for o in parts],
+                                          names=list(outputs))
 
-    def one(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
-        task_threads()
-        for series in batches:
-            yield score(layout.inputs((series,)), len(series))  # type: ignore[misc]
-
-    def many(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.Series]:  # noqa: UP006
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
         task_threads()
         for cols in batches:
-            yield score(layout.inputs(tuple(cols)), len(cols[0]))  # type: ignore[misc]
+            yield score(cols if isinstance(cols, tuple) else (cols,))
 
-    # pandas_udf reads these type hints (a struct result is yielded as a pandas DataFrame)
-    return one if sum(n for _, n, _ in layout.spans) == 1 else many
+    return run
 
 
 def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
@@ -334,8 +335,8 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
     ``features`` is a column spec, a tuple of them or a dict of them (``Columns.features``);
     a model with several outputs needs ``output`` to name one column per output.
     """
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.sql.functions import col, pandas_udf
+    import pyarrow as pa
+    from pyspark.sql.functions import ArrowUDFType, arrow_udf, col
     from pyspark.sql.types import (
         ArrayType,
         DoubleType,
@@ -345,15 +346,12 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
         StructType,
     )
 
-    layout, names = _layout(features)
+    names = _layout(features)
     missing = [n for n in names if n not in df.columns]
     if missing:
         raise ValueError(f"the DataFrame has no column(s) {missing}; its columns are "
                          f"{df.columns}. Pass features= (or inputs=) the input column name(s)")
-    cols = []
-    for name in names:
-        kind = type(df.schema[name].dataType).__name__
-        cols.append(vector_to_array(col(name)) if kind == "VectorUDT" else col(name))
+    cols = arrow_columns(df, names)
     element = DoubleType() if shipment.features.dtype == "float64" else FloatType()
     one = LongType() if argmax else ArrayType(element)
     outputs = (output,) if isinstance(output, str) else tuple(output)
@@ -362,8 +360,15 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
                         f"per model output)")
     several = not isinstance(output, str)
     return_type = StructType([StructField(n, one) for n in outputs]) if several else one
-    udf = pandas_udf(_udf(shipment, batch_size, argmax, layout,  # type: ignore[call-overload]
-                          outputs if several else None), return_type)
+    element_pa = pa.float64() if shipment.features.dtype == "float64" else pa.float32()
+    one_pa = pa.int64() if argmax else pa.list_(element_pa)
+    empty = pa.struct([(n, one_pa) for n in outputs]) if several else one_pa
+    with warnings.catch_warnings():  # "prefer type hints": the type is given, hints need pa
+        warnings.simplefilter("ignore", UserWarning)
+        udf = arrow_udf(_arrow_udf(shipment, batch_size, argmax, features, names,
+                                   outputs if several else None, empty),
+                        return_type,  # type: ignore[arg-type]  # a struct is allowed (documented)
+                        ArrowUDFType.SCALAR_ITER)
     if not several:
         return df.withColumn(outputs[0], udf(*cols))
     scored = "__paraloom_outputs"

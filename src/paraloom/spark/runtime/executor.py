@@ -17,7 +17,7 @@ import torch
 if TYPE_CHECKING:
     from pyspark import TaskContext
 
-__all__ = ["cached", "task_threads", "clear_cache", "gpu_addresses"]
+__all__ = ["cached", "task_threads", "clear_cache", "gpu_addresses", "peak_rss"]
 
 T = TypeVar("T")
 _CAPACITY = 4
@@ -72,3 +72,13 @@ def gpu_addresses() -> list[str]:
         return []
     info = context.resources().get("gpu")
     return list(info.addresses) if info is not None else []
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes since it started (a reused Python worker
+    counts its earlier tasks too: ``spark.python.worker.reuse=false`` measures one fit)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

@@ -35,11 +35,16 @@ class Packed:
 
 
 def split_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer ``state_dict()`` as (tensors by name, a JSON-able skeleton for the rest)."""
+    """An optimizer ``state_dict()`` as (tensors by name, a JSON-able skeleton for the rest).
+
+    Tensors come in one canonical order (parameter index, then key), whatever order the
+    state's dicts happen to have: a state loaded from safetensors comes back in hash order,
+    which differs between processes, and averaging needs every replica's layout alike.
+    """
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for index, values in state.get("state", {}).items():
-        for key, value in values.items():
+    for index, values in sorted(state.get("state", {}).items(), key=lambda kv: int(kv[0])):
+        for key, value in sorted(values.items()):
             if isinstance(value, torch.Tensor):
                 tensors[f"{index}/{key}"] = value
             else:
@@ -63,7 +68,8 @@ def join_optimizer_state(tensors: dict[str, torch.Tensor],
         state.setdefault(int(index), {})[key] = value
     for index, values in skeleton.get("scalars", {}).items():
         state.setdefault(int(index), {}).update(values)
-    return {"state": dict(sorted(state.items())), "param_groups": skeleton.get("param_groups", [])}
+    ordered = {i: dict(sorted(values.items())) for i, values in sorted(state.items())}
+    return {"state": ordered, "param_groups": skeleton.get("param_groups", [])}
 
 
 def _independent(t: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ __all__ = ["ParameterAveragingTrainingMaster"]
 
 
 def _rows(chunks: Iterable[Chunk]) -> list[int]:
-    return [sum(num_rows(x) for x, _ in chunks)]
+    return [sum(num_rows(x) for x, _ in chunks)]  # one chunk at a time
 
 
 class ParameterAveragingTrainingMaster(TrainingMaster):
@@ -45,7 +45,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     ``save_updater=True`` (the default) averages and re-broadcasts the optimizer state too;
     False restarts every round from the optimizer's initial state, as DL4J's real default
     does (which resets momentum and Adam's moments every round). ``aggregation_depth`` is the
-    ``treeAggregate`` depth. ``job_timeout`` bounds each round's job.
+    ``treeAggregate`` depth. ``job_timeout`` bounds each round's job. ``prefetch_batches``:
+    minibatches a task reads ahead, shuffles and holds at once (its memory bound).
     """
 
     name = "averaging"
@@ -54,9 +55,11 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                  workers: int | None = None, *, save_updater: bool = True,
                  aggregation_depth: int = 2,
                  storage_level: StorageLevel | str | None = "MEMORY_ONLY",
-                 repartition: str = "always", job_timeout: float | None = None) -> None:
+                 repartition: str = "always", job_timeout: float | None = None,
+                 prefetch_batches: int = 16) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
-                         repartition=repartition, job_timeout=job_timeout)
+                         repartition=repartition, job_timeout=job_timeout,
+                         prefetch_batches=prefetch_batches)
         self.averaging_frequency = positive_int("averaging_frequency", averaging_frequency)
         self.aggregation_depth = positive_int("aggregation_depth", aggregation_depth)
         if not isinstance(save_updater, bool):
@@ -82,7 +85,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                                batch_size=self.batch_size_per_worker,
                                frequency=self.averaging_frequency, seed=seed, origin=origin,
                                features=job.features, save_updater=self.save_updater,
-                               collect_stats=collect_stats)
+                               collect_stats=collect_stats, window_rows=self.window_rows())
             loop = _Loop(self, job, data, spec_bc, base)
             for epoch in range(epochs):
                 for r in range(per_epoch):
@@ -150,7 +153,7 @@ class _Loop:
         n = total["n"]
         self.rounds.append({"epoch": epoch, **{k: total.get(k, 0) for k in
                                                 ("n", "loss_sum", "steps", "bytes_received",
-                                                 "bytes_sent")}})
+                                                 "bytes_sent", "peak_rss")}})
         if not n:
             return
         self.state = unflatten(total["model"] / n, total["layout"])

@@ -9,6 +9,7 @@ example-weighted average.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -17,10 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from paraloom.spark.data import Arrays, Chunk, Features, epoch_order, num_rows, round_batches
-from paraloom.spark.runtime import cached, flatten, split_optimizer_state, task_threads, unpack
+from paraloom.spark.data import Chunk, Features, Pair
+from paraloom.spark.data.stream import stream_batches
+from paraloom.spark.runtime import (
+    cached,
+    flatten,
+    peak_rss,
+    split_optimizer_state,
+    task_threads,
+    unpack,
+)
 from paraloom.spark.stats import PhaseRecorder
-from paraloom.spark.training.task import load_partition, load_spec, make_runner, minibatch
+from paraloom.spark.training.task import batch_tensors, load_spec, make_runner
 from paraloom.training.messages import Begin, Round
 from paraloom.training.runner import ReplicaRunner
 
@@ -45,6 +54,8 @@ class RoundConfig:
     save_updater: bool = True
     threads: int | None = None
     collect_stats: bool = False
+    window_rows: int = 512
+    """Rows a task shuffles and holds at once (``prefetch_batches`` minibatches)."""
 
 
 def _runner(spec_bytes: bytes, cfg: RoundConfig,
@@ -77,12 +88,17 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     task_threads(cfg.threads)
     rec = PhaseRecorder(index, cfg.origin)
     begin, t = rec.now(), time.perf_counter()
-    x, y = load_partition(chunks)
-    order = epoch_order(num_rows(x), cfg.seed, cfg.epoch, index)
-    batches = round_batches(order, cfg.batch_size, cfg.round * cfg.frequency, cfg.frequency)
+    source = iter(chunks)
+    batches = stream_batches(source, cfg.batch_size, seed=cfg.seed, epoch=cfg.epoch, rank=index,
+                             window_rows=cfg.window_rows, first=cfg.round * cfg.frequency,
+                             count=cfg.frequency)
+    head = next(batches, None)
     data_s = time.perf_counter() - t
-    if not batches:  # a short partition in a late round: nothing to average in
-        yield {"n": 0, "stats": [rec.to_dict()] if cfg.collect_stats else []}
+    if head is None:  # a short partition in a late round: nothing to average in
+        for _ in source:  # read to the end, so that Spark can reuse this Python worker
+            pass
+        yield {"n": 0, "stats": [rec.to_dict()] if cfg.collect_stats else [],
+               "peak_rss": peak_rss()}
         return
     t = time.perf_counter()
     state = _read(state_bytes)
@@ -93,25 +109,31 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     runner.begin(Begin(packed.model))
     runner.replica.optimizer.load_state_dict(packed.optimizer or copy.deepcopy(pristine))
     apply_s = time.perf_counter() - t
-    loss_sum, rows_total = _train(runner, x, y, batches, cfg, rec, begin,
+    loss_sum, rows_total = _train(runner, itertools.chain([head], batches), cfg, rec, begin,
                                   {"data": data_s, "communicate": communicate_s,
                                    "apply": apply_s})
+    for _ in source:  # the rest of the partition: read past, so that the worker is reused
+        pass
     t = time.perf_counter()
     record = _record(runner, rows_total, loss_sum, cfg)
     rec.columns["encode"][-1] += round(time.perf_counter() - t, 6)
     record["stats"] = [rec.to_dict()] if cfg.collect_stats else []
     record["bytes_received"] = len(state)
+    record["peak_rss"] = peak_rss()
     yield record
 
 
-def _train(runner: ReplicaRunner, x: Arrays, y: Arrays, batches: list[np.ndarray],
-           cfg: RoundConfig, rec: PhaseRecorder, begin: float,
-           first: dict[str, float]) -> tuple[float, int]:
+def _train(runner: ReplicaRunner, batches: Iterator[Pair], cfg: RoundConfig,
+           rec: PhaseRecorder, begin: float, first: dict[str, float]) -> tuple[float, int]:
     loss_sum, rows_total = 0.0, 0
-    for i, idx in enumerate(batches):
+    i = 0
+    while True:
         start = begin if i == 0 else rec.now()
         t = time.perf_counter()
-        batch = minibatch(x, y, idx, cfg.features)
+        arrays = next(batches, None)
+        if arrays is None:
+            break
+        batch = batch_tensors(arrays, cfg.features)
         data_s, t = time.perf_counter() - t, time.perf_counter()
         done = runner.train(Round(i, batch))
         loss, rows = done.loss, done.rows
@@ -120,6 +142,7 @@ def _train(runner: ReplicaRunner, x: Arrays, y: Arrays, batches: list[np.ndarray
                 **{**extra, "data": data_s + extra.get("data", 0.0)})
         loss_sum += float(loss or 0.0) * rows
         rows_total += rows
+        i += 1
     return loss_sum, rows_total
 
 
@@ -159,6 +182,7 @@ def add_results(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str,
     if b is None:
         return a
     a, b = weighted(a), weighted(b)
+    a["peak_rss"] = b["peak_rss"] = max(a.get("peak_rss", 0), b.get("peak_rss", 0))
     if not b["n"]:
         a["stats"] = a.get("stats", []) + b.get("stats", [])
         return a

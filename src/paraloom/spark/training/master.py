@@ -115,8 +115,9 @@ class TrainingMaster:
     def __init__(self, batch_size_per_worker: int, workers: int | None, *,
                  storage_level: StorageLevel | str | None = "MEMORY_ONLY",
                  repartition: str = "always",
-                 job_timeout: float | None = None) -> None:
+                 job_timeout: float | None = None, prefetch_batches: int = 16) -> None:
         self.batch_size_per_worker = positive_int("batch_size_per_worker", batch_size_per_worker)
+        self.prefetch_batches = positive_int("prefetch_batches", prefetch_batches)
         self.workers = positive_int("workers", workers, allow_none=True)
         storage_level_of(storage_level)  # a wrong name fails here, not at the first fit()
         self.storage_level = storage_level
@@ -124,6 +125,11 @@ class TrainingMaster:
             raise ValueError(f"repartition={repartition!r}; expected one of {REPARTITION}")
         self.repartition = repartition
         self.job_timeout = positive_seconds("job_timeout", job_timeout, allow_none=True)
+
+    def window_rows(self) -> int:
+        """Rows a worker reads ahead, shuffles and holds at once: ``prefetch_batches``
+        minibatches (DL4J's workerPrefetchNumBatches); memory does not grow with the data."""
+        return self.prefetch_batches * self.batch_size_per_worker
 
     def resolve_workers(self, sc: SparkContext) -> int:
         """``workers``, or every task slot of the cluster (default parallelism / task CPUs)."""

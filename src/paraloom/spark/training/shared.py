@@ -73,7 +73,9 @@ class SharedTrainingMaster(TrainingMaster):
     ``checkpoint_every`` rounds and at each epoch's end to ``checkpoint_dir`` (default: a
     temporary folder; give a shared one on a cluster). ``network``: a NetworkSettings
     (rendezvous port range, announced host, interface for the collectives; DL4J's
-    VoidConfiguration). ``synchronizer`` replaces
+    VoidConfiguration). ``prefetch_batches``: minibatches a task reads ahead, shuffles and
+    holds at once (its memory bound; the partition itself waits on local disk between
+    epochs). ``synchronizer`` replaces
     SharedGradients by any Synchronizer (e.g. dense all-reduce) for comparisons.
     """
 
@@ -88,9 +90,11 @@ class SharedTrainingMaster(TrainingMaster):
                  rendezvous_timeout: float = 300.0, job_timeout: float | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 50,
                  backend: str | None = None, synchronizer: Synchronizer | None = None,
-                 recipe: str = "dgc", network: NetworkSettings | None = None) -> None:
+                 recipe: str = "dgc", network: NetworkSettings | None = None,
+                 prefetch_batches: int = 16) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
-                         repartition=repartition, job_timeout=job_timeout)
+                         repartition=repartition, job_timeout=job_timeout,
+                         prefetch_batches=prefetch_batches)
         if residual_post_processor is _DEFAULT:
             residual_post_processor = ResidualClipping(5.0, 5) if recipe == "dl4j" else None
         elif residual_post_processor is None:
@@ -137,7 +141,7 @@ class SharedTrainingMaster(TrainingMaster):
         return SharedConfig(
             fit_id=job.fit_id, world_size=workers, epochs=epochs,
             batch_size=self.batch_size_per_worker, seed=seed, origin=time.time(),
-            features=job.features, timeout_s=self.timeout,
+            features=job.features, timeout_s=self.timeout, window_rows=self.window_rows(),
             rendezvous_timeout_s=self.rendezvous_timeout, backend=self.backend,
             workers_per_node=self.workers_per_node, checkpoint_dir=directory,
             checkpoint_every=self.checkpoint_every, collect_stats=collect_stats,

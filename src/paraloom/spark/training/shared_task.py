@@ -30,8 +30,17 @@ import torch.distributed as dist
 
 from paraloom.checkpoint import atomic_write
 from paraloom.devices import task_device
-from paraloom.spark.data import Arrays, Chunk, Features, batch_count, epoch_order, num_rows
-from paraloom.spark.runtime import Packed, gpu_addresses, pack, state_digest, task_threads, unpack
+from paraloom.spark.data import Chunk, Features, batch_count
+from paraloom.spark.data.stream import Spill, stream_batches
+from paraloom.spark.runtime import (
+    Packed,
+    gpu_addresses,
+    pack,
+    peak_rss,
+    state_digest,
+    task_threads,
+    unpack,
+)
 from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
 from paraloom.spark.training.board import ErrorBoard, leave_group, settle
 from paraloom.spark.training.rendezvous import (
@@ -45,11 +54,10 @@ from paraloom.spark.training.rendezvous import (
 from paraloom.spark.training.task import (
     EpochLoss,
     Record,
+    batch_tensors,
     failure,
-    load_partition,
     load_spec,
     make_runner,
-    minibatch,
     ok,
 )
 from paraloom.training.messages import Begin, IdleRound, Round
@@ -88,6 +96,8 @@ class SharedConfig:
     checkpoint_every: int = 50
     collect_stats: bool = False
     network: NetworkSettings | None = None
+    window_rows: int = 512
+    """Rows a task shuffles and holds at once (``prefetch_batches`` minibatches)."""
 
 
 def checkpoint_path(directory: str, fit_id: str) -> Path:
@@ -99,8 +109,8 @@ def checkpoint_path(directory: str, fit_id: str) -> Path:
 class _Prepared:
     runner: ReplicaRunner
     start: Packed
-    x: Arrays
-    y: Arrays
+    data: Spill
+    """This rank's partition on local disk, read once per epoch."""
     device: str
     backend: str
 
@@ -113,16 +123,21 @@ def _prepare(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: 
         threads = max(1, (os.cpu_count() or 1) // cfg.workers_per_node)
     task_threads(threads)
     begin, t = rec.now(), time.perf_counter()
-    x, y = load_partition(chunks)
+    spill = Spill()
+    try:
+        spill.store(chunks)
+    except BaseException:
+        spill.close()
+        raise
     rec.event("load data", begin, time.perf_counter() - t)
-    _debug(rank, f"{num_rows(x)} rows loaded")
+    _debug(rank, f"{spill.rows} rows stored in {spill.path}")
     local, per_host = local_rank([info.address for info in context.getTaskInfos()], rank)
     device, backend = task_device(local, per_host, gpu_addresses(), cfg.backend)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     runner = make_runner(load_spec(spec_bytes), rank=rank, world_size=cfg.world_size,
                          device=device, recorder=rec if cfg.collect_stats else None)
-    return _Prepared(runner, unpack(state_bytes), x, y, device, backend)
+    return _Prepared(runner, unpack(state_bytes), spill, device, backend)
 
 
 def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
@@ -147,6 +162,8 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
     rec.event("rendezvous", begin, time.perf_counter() - t)
     _debug(rank, f"met: store {rdv.host}:{rdv.port}, run {rdv.run_id}, errors {rdv.errors}")
     if rdv.errors or prepared is None:
+        if prepared is not None:
+            prepared.data.close()
         failed = [r for r, _ in rdv.errors]
         yield failure(rank, setup_error, setup_tb) if setup_error else \
             failure(rank, f"worker(s) {failed} failed while setting up; a peer failed first")
@@ -166,6 +183,7 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
         record = settle(e, board, rank)  # re-raises when a peer died: Spark re-runs the stage
     finally:
         leave_group()
+        prepared.data.close()
     _debug(rank, f"done: {record[0]}")
     yield record
 
@@ -227,7 +245,7 @@ def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Record:
-    rounds = _agree_rounds(batch_count(num_rows(p.x), cfg.batch_size), p.device)
+    rounds = _agree_rounds(batch_count(p.data.rows, cfg.batch_size), p.device)
     if rounds == 0:
         raise ValueError("no worker has any training rows: the data is empty")
     resume = _resume(cfg, rank, p.device)
@@ -250,10 +268,11 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Re
         rec.event("finish", begin, time.perf_counter() - t)
     info: dict[str, Any] = {
         "rank": rank, "rounds_per_epoch": rounds, "steps": p.runner.steps, "samples": samples,
-        "loop_seconds": loop_s, "rows": num_rows(p.x), "losses": losses.to_dict(),
+        "loop_seconds": loop_s, "rows": p.data.rows, "losses": losses.to_dict(),
         "sync": p.runner.replica.sync.stats(),
         "digest": state_digest(p.runner.replica.model_state()), "device": p.device,
-        "resumed_from_step": position[2] if resume is not None else None}
+        "resumed_from_step": position[2] if resume is not None else None,
+        "peak_rss": peak_rss()}
     if cfg.collect_stats:
         info["stats"] = rec.to_dict()
     return ok(rank, info, state)
@@ -264,11 +283,13 @@ def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds
     first_epoch, first_round, step = position
     losses, samples = EpochLoss.empty(), 0
     for epoch in range(first_epoch, cfg.epochs):
-        order = epoch_order(num_rows(p.x), cfg.seed, epoch, rank)
-        for r in range(first_round if epoch == first_epoch else 0, rounds):
+        skip = first_round if epoch == first_epoch else 0
+        batches = stream_batches(p.data.chunks(), cfg.batch_size, seed=cfg.seed, epoch=epoch,
+                                 rank=rank, window_rows=cfg.window_rows, first=skip)
+        for r in range(skip, rounds):
             begin, t = rec.now(), time.perf_counter()
-            idx = order[r * cfg.batch_size:(r + 1) * cfg.batch_size]
-            message = Round(step, minibatch(p.x, p.y, idx, cfg.features)) if len(idx) \
+            arrays = next(batches, None)
+            message = Round(step, batch_tensors(arrays, cfg.features)) if arrays is not None \
                 else IdleRound(step)
             data_s, t = time.perf_counter() - t, time.perf_counter()
             done = p.runner.train(message)

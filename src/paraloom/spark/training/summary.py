@@ -54,7 +54,8 @@ def shared_summary(infos: dict[int, dict[str, Any]], job: FitJob, cfg: SharedCon
         "bytes_ratio_to_dense": (sum(per_step) / len(per_step)) / dense if dense else None,
         "sync": infos[ranks[0]]["sync"], "replica_digests": digests,
         "replicas_identical": len(set(digests)) == 1, "stage_attempts": attempts,
-        "resumed_from_step": resumed[0], "device": infos[ranks[0]]["device"]}
+        "resumed_from_step": resumed[0], "device": infos[ranks[0]]["device"],
+        "worker_peak_rss_mb": [infos[r].get("peak_rss", 0) / 2**20 for r in ranks]}
 
 
 def averaging_summary(rounds: list[dict[str, Any]], job: FitJob, cfg: RoundConfig, workers: int,
@@ -81,4 +82,5 @@ def averaging_summary(rounds: list[dict[str, Any]], job: FitJob, cfg: RoundConfi
         "loss": losses[-1] if losses else None, "epoch_losses": losses,
         "bytes_per_step_per_worker": moved / max(1, steps),
         "dense_bytes_per_step": dense_bytes_per_step(job.spec.model, workers),
-        "stage_attempts": attempts}
+        "stage_attempts": attempts,
+        "worker_peak_rss_mb": max((r.get("peak_rss", 0) for r in rounds), default=0) / 2**20}

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 import traceback
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import cloudpickle
-import numpy as np
 
-from paraloom.spark.data import Arrays, Chunk, Features, join_chunks, take
+from paraloom.spark.data import Features, Pair
 from paraloom.spark.stats import PhaseRecorder, TimedSynchronizer
 from paraloom.training.failures import is_symptom
 from paraloom.training.runner import ReplicaRunner, WorkerSpec
 from paraloom.training.runner import pickle_spec as pickle_for_workers
 
-__all__ = ["Record", "failure", "ok", "load_spec", "make_runner", "minibatch", "load_partition",
+__all__ = ["Record", "failure", "ok", "load_spec", "make_runner", "batch_tensors",
            "EpochLoss", "pickle_spec"]
 
 Record = tuple[str, int, str, bytes]
@@ -63,14 +61,10 @@ def make_runner(spec: WorkerSpec, *, rank: int, world_size: int, device: str,
     return runner
 
 
-def load_partition(chunks: Iterable[Chunk]) -> Chunk:
-    """This task's rows as (features, labels) arrays (or tuples of them), in their fixed order."""
-    return join_chunks(chunks)
-
-
-def minibatch(x: Arrays, y: Arrays, idx: np.ndarray, features: Features) -> tuple[Any, Any]:
-    """Rows ``idx`` as an (inputs, targets) batch of tensors (tuples for several)."""
-    return features.features(take(x, idx)), features.labels(take(y, idx))
+def batch_tensors(arrays: Pair, features: Features) -> tuple[Any, Any]:
+    """A minibatch's ``(features, labels)`` arrays as (inputs, targets) tensors (tuples for
+    several)."""
+    return features.features(arrays[0]), features.labels(arrays[1])
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import anyio
 
-from paraloom.serving.errors import NotFoundError, ProtocolError, UnavailableError
+from paraloom.serving.errors import ForbiddenError, NotFoundError, ProtocolError, UnavailableError
 from paraloom.serving.repository import check_load_parameters
 from paraloom.serving.served import ServedModel
 
@@ -57,6 +57,8 @@ class ModelRegistry:
         self._lock: asyncio.Lock | None = None  # made on the event loop, at the first load
         self.draining = False
         self.close_timeout: float | None = None
+        # Set in each process of ``--processes N``: API loads and unloads are refused with it.
+        self.refuse_loads: str | None = None
 
     def add(self, served: ServedModel,
             rebuild: Callable[[ServedModel], ServedModel] | None = None) -> None:
@@ -127,7 +129,9 @@ class ModelRegistry:
                               "reason": entry.reason or "unloaded"}
         return [rows[n] for n in sorted(rows)]
 
-    def _check_open(self) -> None:
+    def _check_open(self, trusted: bool = False) -> None:
+        if self.refuse_loads is not None and not trusted:
+            raise ForbiddenError(self.refuse_loads)
         if self.draining:
             raise UnavailableError("the server is shutting down: no loads or unloads",
                                    reason="shutting_down")
@@ -137,15 +141,17 @@ class ModelRegistry:
             self._lock = asyncio.Lock()
         return self._lock
 
-    async def load(self, name: str, parameters: dict[str, Any]) -> str:
+    async def load(self, name: str, parameters: dict[str, Any], *, trusted: bool = False
+                   ) -> str:
         """Load, reload or replace ``name``; returns the version now served.
 
         ``parameters.path`` swaps the weights of the loaded model in place (its pool stays);
         otherwise a models-directory model is built anew from the directory (a new pool: config
         changes apply) and replaces the old one, whose in-flight requests finish on it.
+        ``trusted``: asked by the operator (SIGHUP), not a client; ``refuse_loads`` does not apply.
         """
         async with self._guard():  # one load or unload at a time
-            self._check_open()
+            self._check_open(trusted)
             entry = self._entries.get(name)
             current = entry.served if entry is not None else None
             if current is not None and (self.source is None or "path" in parameters):

@@ -102,7 +102,7 @@ def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeou
     registry = getattr(app.state, "registry", None)
     if registry is not None:  # the pools' drain at shutdown gets the same bound
         registry.close_timeout = graceful_timeout
-        for served in registry.models().values():
+        for served in registry.every():
             served.close_timeout = graceful_timeout
     # uvicorn types the graceful timeout as whole seconds; round up so it is never shortened.
     return uvicorn.Config(app, log_level=log_level, access_log=access_log,
@@ -162,7 +162,7 @@ def close_owned_pools(app: Starlette) -> None:
     if registry is None:
         return
     registry.draining = True
-    for served in registry.models().values():
+    for served in registry.every():
         served.draining = True
         if served.owns_pool:
             served.pool.close(drain=False, timeout=5.0)

@@ -76,11 +76,11 @@ class _HttpCaller(asyncio.Protocol):
         if end < 0:
             return
         head = bytes(self.buffer[:end]).lower()
-        at = head.find(b"content-length:")
+        at = head.find(b"\r\ncontent-length:")  # not Inference-Header-Content-Length
         length = 0
         if at >= 0:
-            stop = head.find(b"\r\n", at)
-            length = int(head[at + 15:stop if stop >= 0 else len(head)])
+            stop = head.find(b"\r\n", at + 2)
+            length = int(head[at + 17:stop if stop >= 0 else len(head)])
         if len(self.buffer) < end + 4 + length:
             return
         ended = time.perf_counter()

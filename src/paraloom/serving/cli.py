@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         if args.processes > 1:
             from paraloom.serving.processes import run_processes
 
-            return run_processes(args)
+            return run_processes(args, run)
         app, model_file = _build_app(args)
     except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError) as e:
         print(f"paraloom serve: error: {e}", file=sys.stderr)

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 __all__ = ["refuse_loads_message", "reserve_port", "run_processes"]
@@ -61,11 +61,10 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="paraloom-parent-watch", daemon=True).start()
 
 
-def _child(args: argparse.Namespace, parent: int) -> None:
-    from paraloom.serving.cli import run
-
+def _child(args: argparse.Namespace, parent: int,
+           serve: Callable[[argparse.Namespace], int]) -> None:
     _watch_parent(parent)
-    sys.exit(run(args))
+    sys.exit(serve(args))
 
 
 def _stop_all(children: Sequence[mp.process.BaseProcess], timeout: float) -> None:
@@ -81,8 +80,9 @@ def _stop_all(children: Sequence[mp.process.BaseProcess], timeout: float) -> Non
             child.join(5.0)
 
 
-def run_processes(args: argparse.Namespace) -> int:
-    """Serve with ``args.processes`` child servers until SIGINT/SIGTERM; the exit code."""
+def run_processes(args: argparse.Namespace, serve: Callable[[argparse.Namespace], int]) -> int:
+    """Serve with ``args.processes`` children, each running ``serve(args)`` (``paraloom serve``
+    of one process: a module-level function, as spawn pickles it), until SIGINT/SIGTERM."""
     count = args.processes
     try:
         http = reserve_port(args.host, args.port)
@@ -97,7 +97,7 @@ def run_processes(args: argparse.Namespace) -> int:
     child_args.reuse_port = True
     child_args.refuse_loads = refuse_loads_message(count, os.getpid())
     ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
-    children = [ctx.Process(target=_child, args=(child_args, os.getpid()),
+    children = [ctx.Process(target=_child, args=(child_args, os.getpid(), serve),
                             name=f"paraloom-serve-{i}") for i in range(count)]
     stop = threading.Event()
 

@@ -9,7 +9,7 @@ import time
 import torch
 
 from paraloom.bench.load import Target, cpu_seconds, percentile, run_load
-from paraloom.bench.serving import _grpc_request, _v2_json, summarize
+from paraloom.bench.serving import _grpc_request, _v2_binary, _v2_json, summarize
 from paraloom.models import LeNet
 from paraloom.serving import ServerThread, create_app
 
@@ -47,8 +47,12 @@ def test_the_load_generator_gets_answers_over_http_and_grpc() -> None:
     x = torch.rand(1, 1, 8, 8)
     with ServerThread(create_app(model, name="lenet", workers=1), grpc_port=0) as server:
         port = int(server.grpc_url.rsplit(":", 1)[1])
+        binary, header = _v2_binary(x)
         for target in (Target(server.host, server.port, _v2_json(x),
                               path="/v2/models/lenet/infer"),
+                       Target(server.host, server.port, binary, path="/v2/models/lenet/infer",
+                              headers=(("Content-Type", "application/octet-stream"),
+                                       ("Inference-Header-Content-Length", str(header)))),
                        Target(server.host, port, _grpc_request(x),
                               method="/inference.GRPCInferenceService/ModelInfer")):
             result = run_load(target, concurrency=3, duration=0.5, warmup=0.1, processes=2)

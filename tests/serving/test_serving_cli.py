@@ -267,3 +267,54 @@ def test_a_bad_gil_switch_interval_exits_2(tmp_path: Path, value: str,
     assert code == 2
     assert "switch_interval" in capsys.readouterr().err
     assert _sys.getswitchinterval() == before  # refused before anything changed
+
+
+def test_processes_share_the_ports_refuse_api_loads_and_reload_together(tmp_path: Path
+                                                                        ) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tritonclient.grpc as tg
+
+    path = tmp_path / "lenet.safetensors"
+    saved(path, 1)
+    proc = Process(str(path), "--name", "lenet", "--port", "0", "--grpc-port", "0",
+                   "--processes", "2", "--workers", "1", "--log-level", "info")
+    try:
+        port = int(proc.wait_for(r"2 processes serving on http://127\.0\.0\.1:(\d+)").group(1))
+        grpc_port = int(proc.wait_for(r"gRPC on 127\.0\.0\.1:(\d+)").group(1))
+        for _ in range(2):  # both children up (each logs once it listens)
+            proc.wait_for(rf"paraloom serving on http://127\.0\.0\.1:{port}")
+        x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
+        with torch.no_grad():
+            v1 = paraloom.load(path).eval()(torch.from_numpy(x)).numpy()
+        with ThreadPoolExecutor(8) as pool:  # a fresh connection each: both processes answer
+            results = list(pool.map(lambda _: infer(port, x), range(16)))
+        for r in results:
+            np.testing.assert_allclose(r.as_numpy("output"), v1, rtol=1e-5, atol=1e-6)
+        client = tg.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        item = tg.InferInput("input", list(x.shape), "FP32")
+        item.set_data_from_numpy(x)
+        np.testing.assert_allclose(client.infer("lenet", [item]).as_numpy("output"), v1,
+                                   rtol=1e-5, atol=1e-6)
+        with pytest.raises(Exception, match="--processes 1"):  # one process of two: refused
+            client.load_model("lenet")
+        client.close()
+        refused = th.InferenceServerClient(f"127.0.0.1:{port}")
+        with pytest.raises(Exception, match="kill -HUP"):
+            refused.unload_model("lenet")
+        refused.close()
+
+        v2_model = saved(path, 2)
+        proc.proc.send_signal(signal.SIGHUP)  # the parent relays it: every process reloads
+        for _ in range(2):
+            proc.wait_for(r"SIGHUP: model 'lenet' now serves version 2")
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda _: infer(port, x), range(16)))
+        with torch.no_grad():
+            v2 = v2_model(torch.from_numpy(x)).numpy()
+        for r in results:
+            assert r.get_response()["model_version"] == "2"
+            np.testing.assert_allclose(r.as_numpy("output"), v2, rtol=1e-5, atol=1e-6)
+    finally:
+        assert proc.stop() == 0
+    proc.wait_for("Application shutdown complete")

@@ -99,9 +99,10 @@ def test_infer_with_raw_contents_matches_the_model_and_http(
     np.testing.assert_array_equal(http.infer("lenet", [item]).as_numpy("output"), out)
 
 
-def test_infer_with_typed_contents(stub: service_pb2_grpc.GRPCInferenceServiceStub,
-                                   lenet_model: nn.Module) -> None:
+def test_typed_inputs_get_typed_outputs_raw_inputs_raw_unless_asked(
+        stub: service_pb2_grpc.GRPCInferenceServiceStub, lenet_model: nn.Module) -> None:
     x = np.random.default_rng(2).random((2, 1, 8, 8), dtype=np.float32)
+    want = _expected(lenet_model, x)
     request = pb.ModelInferRequest(model_name="lenet", model_version="1")
     tensor = request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
     tensor.contents.fp32_contents.extend(x.ravel().tolist())
@@ -109,8 +110,28 @@ def test_infer_with_typed_contents(stub: service_pb2_grpc.GRPCInferenceServiceSt
     response = stub.ModelInfer(request, timeout=WAIT_S)
     (out,) = response.outputs
     assert (out.name, out.datatype, list(out.shape)) == ("output", "FP32", [2, 10])
+    assert not response.raw_output_contents  # typed in, typed out
+    got = np.array(out.contents.fp32_contents, dtype=np.float32).reshape(2, 10)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    request.parameters["binary_data_output"].bool_param = True  # typed in, raw asked for
+    response = stub.ModelInfer(request, timeout=WAIT_S)
+    assert not response.outputs[0].contents.fp32_contents
     got = np.frombuffer(response.raw_output_contents[0], dtype="<f4").reshape(2, 10)
-    np.testing.assert_allclose(got, _expected(lenet_model, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    raw = _request(list(x.shape), raw=x.tobytes())  # what tritonclient.grpc sends: raw back
+    assert len(stub.ModelInfer(raw, timeout=WAIT_S).raw_output_contents) == 1
+    raw.parameters["binary_data_output"].bool_param = False
+    response = stub.ModelInfer(raw, timeout=WAIT_S)
+    assert not response.raw_output_contents
+    np.testing.assert_allclose(np.reshape(response.outputs[0].contents.fp32_contents, (2, 10)),
+                               want, rtol=1e-5, atol=1e-6)
+    raw.parameters["binary_data_output"].string_param = "yes"
+    with pytest.raises(grpc.RpcError) as error:
+        stub.ModelInfer(raw, timeout=WAIT_S)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "binary_data_output" in str(error.value.details())
 
 
 def _request(shape: list[int], datatype: str = "FP32", raw: bytes | None = None,
@@ -350,7 +371,9 @@ def test_fuzzed_requests_are_answered_or_refused_never_internal(
             (error.code(), error.details())
         assert error.details()
     else:
-        assert response.model_name == "lenet" and len(response.raw_output_contents) == 1
+        assert response.model_name == "lenet" and len(response.outputs) == 1
+        typed = response.outputs[0].contents.fp32_contents
+        assert len(response.raw_output_contents) + bool(typed) == 1  # raw or typed, not both
 
 
 def test_unload_lets_the_request_in_flight_finish_on_the_model() -> None:

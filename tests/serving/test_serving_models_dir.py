@@ -218,3 +218,67 @@ def _load_request(name: str, path: str) -> pb.RepositoryModelLoadRequest:
     if path:
         request.parameters["path"].string_param = path
     return request
+
+
+@pytest.mark.parametrize(("policy", "served"), [
+    ({"latest": {"num_versions": 2}}, ["2", "3"]),
+    ({"all": {}}, ["1", "2", "3"]),
+    ({"specific": {"versions": [3, 1]}}, ["1", "3"]),
+])
+def test_a_version_policy_serves_several_versions_each_in_its_own_pool(
+        tmp_path: Path, policy: dict, served: list[str]) -> None:
+    root = tmp_path / "models"
+    cnn = {v: _lenet(20 + v) for v in (1, 2, 3)}
+    for v, model in cnn.items():
+        (root / "cnn" / str(v)).mkdir(parents=True)
+        paraloom.save(model, root / "cnn" / str(v) / "model.safetensors")
+    (root / "cnn" / "config.json").write_text(json.dumps({"version_policy": policy,
+                                                          "workers": 1}))
+    app = create_repository_app(root, workers=1, batch_limit=8)
+    x = np.random.default_rng(3).random((2, 1, 8, 8), dtype=np.float32)
+    with ServerThread(app, grpc_port=0) as server:
+        http, grpc = _http(server), tg.InferenceServerClient(server.grpc_url)
+        assert http.get_model_metadata("cnn")["versions"] == served
+        assert grpc.get_model_metadata("cnn").versions == served
+        for v in served:
+            for client, module in ((http, th), (grpc, tg)):
+                item = module.InferInput("input", list(x.shape), "FP32")
+                item.set_data_from_numpy(x)
+                result = client.infer("cnn", [item], model_version=v)
+                np.testing.assert_allclose(result.as_numpy("output"), _run(cnn[int(v)], x),
+                                           rtol=1e-5, atol=1e-6)
+            assert http.is_model_ready("cnn", v) and grpc.is_model_ready("cnn", v)
+        latest = _infer(http, th, "cnn", x)  # no version: the latest served
+        np.testing.assert_allclose(latest, _run(cnn[int(served[-1])], x), rtol=1e-5, atol=1e-6)
+        for v in {"1", "2", "3"} - set(served):
+            with pytest.raises(InferenceServerException, match=f"no version '{v}'"):
+                item = th.InferInput("input", list(x.shape), "FP32")
+                item.set_data_from_numpy(x)
+                http.infer("cnn", [item], model_version=v)
+        index = http.get_model_repository_index()
+        assert [(r["name"], r["version"], r["state"]) for r in index] == \
+            [("cnn", v, "READY") for v in served]
+        assert len({id(p) for p in app.state.registry.pools().values()}) == len(served)
+        http.unload_model("cnn")  # every version goes, and comes back with a load
+        assert not http.is_model_ready("cnn")
+        grpc.load_model("cnn")
+        assert http.get_model_metadata("cnn")["versions"] == served
+        grpc.close()
+
+
+def test_a_version_policy_naming_a_missing_version_or_malformed_is_refused(
+        tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    for name, policy in (("gone", {"specific": {"versions": [1, 4]}}),
+                         ("bad", {"latest": {"num_versions": 0}}),
+                         ("odd", {"newest": {}})):
+        (root / name / "1").mkdir(parents=True)
+        paraloom.save(_lenet(0), root / name / "1" / "model.safetensors")
+        (root / name / "config.json").write_text(json.dumps({"version_policy": policy}))
+    app = create_repository_app(root, workers=1)
+    with ServerThread(app) as server:
+        index = {r["name"]: r for r in _http(server).get_model_repository_index()}
+    assert "versions [4] are not in gone/" in index["gone"]["reason"]
+    assert "num_versions" in index["bad"]["reason"] and "not supported" in index["bad"]["reason"]
+    assert "version_policy" in index["odd"]["reason"]
+    assert {r["state"] for r in index.values()} == {"UNAVAILABLE"}

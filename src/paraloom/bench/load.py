@@ -3,19 +3,22 @@
 ``concurrency`` callers spread over ``processes`` processes (so the client's own GIL does not
 cap the load), each sending one pre-encoded request and waiting for its answer, again and again:
 over HTTP a keep-alive connection POSTing the same bytes in one write, over gRPC a channel per
-caller calling the method with the same serialized message. Neither side re-encodes tensors per
+caller calling the method with the same serialized message. The callers of a process share one
+asyncio event loop (uvloop when installed): the client shares the cores with the servers, so
+every microsecond it spends per request is taken from them. Neither side re-encodes tensors per
 request, so every server gets the same work from the client. Measured: answers per second over
 the window, latency percentiles, errors, and the CPU seconds the server's processes used.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 import multiprocessing as mp
 import os
-import socket
-import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,99 +45,123 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
-class _HttpConnection:
-    """A keep-alive HTTP/1.1 connection sending one pre-built request (head and body in one
-    write, TCP_NODELAY: no Nagle stall) and reading the answer by Content-Length."""
+class _HttpCaller(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection sending one pre-built request (head and body in one
+    write; asyncio sets TCP_NODELAY) and reading each answer by Content-Length, again and again
+    until ``stop_at``: a closed loop of one caller, driven by the event loop's callbacks."""
 
-    def __init__(self, target: Target) -> None:
-        head = [f"POST {target.path} HTTP/1.1", f"Host: {target.host}:{target.port}",
-                f"Content-Length: {len(target.body)}", *(f"{k}: {v}" for k, v in target.headers)]
-        self.request = ("\r\n".join(head) + "\r\n\r\n").encode() + target.body
-        self.address = (target.host, target.port)
-        self.sock: socket.socket | None = None
-        self.buffer = b""
+    def __init__(self, request: bytes, stop_at: float, measure_from: float,
+                 out: list[float], errors: list[str], done: asyncio.Future[None]) -> None:
+        self.request = request
+        self.stop_at, self.measure_from = stop_at, measure_from
+        self.out, self.errors, self.done = out, errors, done
+        self.transport: Any = None  # asyncio's or uvloop's TCP transport
+        self.buffer = bytearray()
+        self.started = 0.0
 
-    def _connect(self) -> socket.socket:
-        sock = socket.create_connection(self.address, timeout=60)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock, self.buffer = sock, b""
-        return sock
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self._send()
 
-    def call(self) -> int:
-        """Send the request, read the whole answer; returns the HTTP status."""
-        sock = self.sock or self._connect()
-        sock.sendall(self.request)
-        while b"\r\n\r\n" not in self.buffer:
-            self._read(sock)
-        head, _, rest = self.buffer.partition(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        status = int(lines[0].split()[1])
+    def _send(self) -> None:
+        self.started = time.perf_counter()
+        if self.started >= self.stop_at:
+            self._finish()
+            return
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = bytes(self.buffer[:end]).lower()
+        at = head.find(b"\r\ncontent-length:")  # not Inference-Header-Content-Length
         length = 0
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        while len(rest) < length:
-            rest += self._recv(sock)
-        self.buffer = rest[length:]
-        return status
+        if at >= 0:
+            stop = head.find(b"\r\n", at + 2)
+            length = int(head[at + 17:stop if stop >= 0 else len(head)])
+        if len(self.buffer) < end + 4 + length:
+            return
+        ended = time.perf_counter()
+        status = head[9:12]
+        del self.buffer[:end + 4 + length]
+        if status != b"200":
+            self.errors.append(f"HTTP {status.decode(errors='replace')}")
+        elif self.started >= self.measure_from and ended <= self.stop_at:
+            self.out.append(ended - self.started)
+        self._send()
 
-    def _read(self, sock: socket.socket) -> None:
-        self.buffer += self._recv(sock)
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.errors.append(type(exc).__name__ if exc else "ConnectionClosed")
+            self.done.set_result(None)
 
-    def _recv(self, sock: socket.socket) -> bytes:
-        chunk = sock.recv(1 << 16)
-        if not chunk:
-            raise ConnectionError("the server closed the connection")
-        return chunk
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+    def _finish(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if not self.done.done():
+            self.done.set_result(None)
 
 
-def _http_caller(target: Target, stop_at: float, measure_from: float,
-                 out: list[float], errors: list[str]) -> None:
-    conn = _HttpConnection(target)
-    while True:
-        start = time.perf_counter()
-        if start >= stop_at:
-            break
+async def _http_caller(target: Target, stop_at: float, measure_from: float,
+                       out: list[float], errors: list[str]) -> None:
+    head = [f"POST {target.path} HTTP/1.1", f"Host: {target.host}:{target.port}",
+            f"Content-Length: {len(target.body)}", *(f"{k}: {v}" for k, v in target.headers)]
+    request = ("\r\n".join(head) + "\r\n\r\n").encode() + target.body
+    loop = asyncio.get_running_loop()
+    while time.perf_counter() < stop_at:  # a lost connection is counted, then replaced
+        done: asyncio.Future[None] = loop.create_future()
         try:
-            status = conn.call()
-        except (OSError, ValueError, IndexError) as e:
+            await loop.create_connection(functools.partial(
+                _HttpCaller, request, stop_at, measure_from, out, errors, done),
+                target.host, target.port)
+        except OSError as e:
             errors.append(type(e).__name__)
-            conn.close()
+            await asyncio.sleep(0.05)
             continue
-        end = time.perf_counter()
-        if status != 200:
-            errors.append(f"HTTP {status}")
-        elif start >= measure_from and end <= stop_at:
-            out.append(end - start)
-    conn.close()
+        await done
 
 
-def _grpc_caller(target: Target, stop_at: float, measure_from: float,
-                 out: list[float], errors: list[str]) -> None:
+async def _grpc_caller(target: Target, stop_at: float, measure_from: float,
+                       out: list[float], errors: list[str]) -> None:
     import grpc
+    from grpc import aio
 
-    channel = grpc.insecure_channel(f"{target.host}:{target.port}", options=[
-        ("grpc.max_receive_message_length", -1), ("grpc.use_local_subchannel_pool", 1)])
-    call = channel.unary_unary(target.method)  # bytes in, bytes out: no per-call encoding
-    while True:
-        start = time.perf_counter()
-        if start >= stop_at:
-            break
-        try:
-            call(target.body, timeout=60)
-        except grpc.RpcError as e:
-            errors.append(str(e.code()))
-            continue
-        end = time.perf_counter()
-        if start >= measure_from and end <= stop_at:
-            out.append(end - start)
-    channel.close()
+    async with aio.insecure_channel(f"{target.host}:{target.port}", options=[
+            ("grpc.max_receive_message_length", -1), ("grpc.use_local_subchannel_pool", 1)]
+            ) as channel:
+        call = channel.unary_unary(target.method)  # bytes in, bytes out: no per-call encoding
+        while True:
+            start = time.perf_counter()
+            if start >= stop_at:
+                break
+            try:
+                await call(target.body, timeout=60)
+            except grpc.RpcError as e:
+                errors.append(str(e.code()))
+                continue
+            end = time.perf_counter()
+            if start >= measure_from and end <= stop_at:
+                out.append(end - start)
+
+
+async def _callers(target: Target, callers: int, stop_at: float, measure_from: float,
+                   latencies: list[list[float]], errors: list[str]) -> None:
+    caller = _grpc_caller if target.method else _http_caller
+    await asyncio.wait_for(asyncio.gather(*(
+        caller(target, stop_at, measure_from, latencies[i], errors) for i in range(callers))),
+        timeout=stop_at - time.perf_counter() + 120)
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop when installed: the client's CPU is taken from the servers it measures."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def _process(target: Target, callers: int, ready: Any, go: Any, start: Any, warmup: float,
@@ -145,16 +172,12 @@ def _process(target: Target, callers: int, ready: Any, go: Any, start: Any, warm
         return
     measure_from = start.value + warmup
     stop_at = measure_from + duration
-    caller = _grpc_caller if target.method else _http_caller
     latencies: list[list[float]] = [[] for _ in range(callers)]
     errors: list[str] = []
-    threads = [threading.Thread(target=caller, args=(target, stop_at, measure_from,
-                                                     latencies[i], errors), daemon=True)
-               for i in range(callers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(duration + warmup + 120)
+    try:
+        _run(_callers(target, callers, stop_at, measure_from, latencies, errors))
+    except Exception as e:  # noqa: BLE001 - reported as the run's errors, never a hang
+        errors.append(f"{type(e).__name__}: {e}")
     results.put(([x for one in latencies for x in one], errors, time.process_time()))
 
 

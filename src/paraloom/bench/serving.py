@@ -108,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MLServer's and LitServe's batching wait in ms (5)")
     parser.add_argument("--paraloom-max-wait-ms", type=float, default=0.0,
                         help="paraloom serve's --max-wait-ms (0: batches form under load)")
+    parser.add_argument("--paraloom-processes", type=int, default=2,
+                        help="paraloom serve --processes; the --workers replicas are divided "
+                        "among them (2)")
     parser.add_argument("--image-size", type=int, default=28, help="LeNet input size (28)")
     parser.add_argument("--servers", default="paraloom,mlserver,litserve",
                         help="which servers to measure (paraloom,mlserver,litserve)")
@@ -218,8 +221,11 @@ def _paraloom(path: Path, x: torch.Tensor, expected: torch.Tensor, args: argpars
               levels: list[int], measure: Measure) -> dict[str, Any]:
     port, grpc_port = _free_port(), _free_port()
     threads = max(1, (os.cpu_count() or 1) // args.workers)
+    processes = max(1, min(args.paraloom_processes, args.workers))
+    workers = max(1, args.workers // processes)  # the same replicas in all: processes x workers
     cmd = [sys.executable, "-m", "paraloom.cli", "serve", str(path), "--name", "lenet",
-           "--port", str(port), "--grpc-port", str(grpc_port), "--workers", str(args.workers),
+           "--port", str(port), "--grpc-port", str(grpc_port), "--workers", str(workers),
+           "--processes", str(processes),
            "--batch-limit", str(args.batch_limit), "--max-wait-ms",
            str(args.paraloom_max_wait_ms), "--threads-per-worker", str(threads),
            "--queue-limit", str(max(256, 4 * max(levels))), "--log-level", "warning"]
@@ -245,7 +251,7 @@ def _paraloom(path: Path, x: torch.Tensor, expected: torch.Tensor, args: argpars
         for level in levels:
             for name, target in targets.items():
                 out[f"{name} @{level}"] = measure(name, target, level, pgid)
-    out["server"] = (f"paraloom serve --workers {args.workers} --batch-limit "
+    out["server"] = (f"paraloom serve --processes {processes} --workers {workers} --batch-limit "
                      f"{args.batch_limit} --max-wait-ms {args.paraloom_max_wait_ms} "
                      f"--threads-per-worker {threads}")
     return out

@@ -299,12 +299,13 @@ def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 <<
     try:
         for name, found in source.scan().items():
             try:
-                registry.add(source.build(found))
+                *older, latest = source.build_versions(found)
+                registry.add(latest, older=older)
             except (ValueError, TypeError, RuntimeError, OSError) as e:
                 _log.error("model %r not loaded: %s", name, e)
                 registry.fail(name, str(e))
     except BaseException:
-        for served in registry.models().values():
+        for served in registry.every():
             served.pool.close(drain=False)
         raise
     app = _app(registry, max_body_bytes)

@@ -77,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--gil-switch-ms", type=float, default=1.0,
                       help="Python's GIL switch interval in ms for this server (default 1; "
                       "Python's own is 5, which makes the event loop wait on the workers)")
+    http.add_argument("--processes", type=int, default=1,
+                      help="server processes sharing the ports, each with its own pools of "
+                      "--workers replicas (default 1); more than 1 takes the HTTP and JSON "
+                      "work off one event loop, but loads go by SIGHUP only")
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     http.add_argument("--access-log", action="store_true", help="log every request")
 
@@ -152,7 +156,7 @@ def _reload_on_sighup(app: Starlette) -> None:
 
     async def reload() -> None:
         try:
-            version = await registry.load(name, {})
+            version = await registry.load(name, {}, trusted=True)
             _log.info("SIGHUP: model %r now serves version %s", name, version)
         except Exception as e:  # a bad file must not stop the server: log it, keep serving
             _log.error("SIGHUP reload failed, the old version keeps serving: %s", e)
@@ -207,12 +211,19 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
         _check_graceful_timeout(args.graceful_timeout)
+        if args.processes < 1:
+            raise ValueError(f"--processes {args.processes}; expected 1 or more")
+        if args.processes > 1:
+            from paraloom.serving.processes import run_processes
+
+            return run_processes(args, run)
         app, model_file = _build_app(args)
     except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError) as e:
         print(f"paraloom serve: error: {e}", file=sys.stderr)
         return 2
     if model_file is not None and hasattr(signal, "SIGHUP"):
         _reload_on_sighup(app)
+    app.state.registry.refuse_loads = getattr(args, "refuse_loads", None)
     for row in app.state.registry.index():
         if row["state"] == "READY":
             meta = app.state.registry.get(row["name"]).metadata()
@@ -223,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve(app, host=args.host, port=args.port, log_level=args.log_level,
               access_log=args.access_log, graceful_timeout=args.graceful_timeout,
-              grpc_port=args.grpc_port, switch_interval=args.gil_switch_ms / 1e3)
+              grpc_port=args.grpc_port, switch_interval=args.gil_switch_ms / 1e3,
+              reuse_port=getattr(args, "reuse_port", False))
     except (OSError, ValueError) as e:  # e.g. a port is taken: nothing was served
         close_owned_pools(app)
         print(f"paraloom serve: error: {e}", file=sys.stderr)

@@ -105,8 +105,25 @@ def tensor_from_json(data: Any, dt: DataType, shape: tuple[int, ...], where: str
         if low < info.min or high > info.max:
             raise ProtocolError(f"{where} data has values in [{low}, {high}], outside "
                                 f"{dt.name}'s range [{info.min}, {info.max}]")
-    out = arr.astype(dt.numpy_dtype).reshape(shape)
-    return torch.from_numpy(np.ascontiguousarray(out))
+    return torch.from_numpy(cast_keeping_gil(arr, dt.numpy_dtype).reshape(shape))
+
+
+# numpy drops the GIL for a cast of more than this many elements (NPY_BEGIN_THREADS_THRESHOLDED)
+_NUMPY_KEEPS_GIL = 500
+_CAST_IN_CHUNKS = 1 << 15
+
+
+def cast_keeping_gil(arr: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """``arr`` as a new contiguous flat array of ``dtype``, cast in chunks numpy casts without
+    dropping the GIL. On the event loop, a dropped GIL is taken back only when a worker thread
+    yields it (up to the switch interval later): that wait, not the cast, was the cost."""
+    flat = arr.reshape(-1)
+    if flat.size > _CAST_IN_CHUNKS:  # a cast this long is worth handing the GIL on
+        return flat.astype(dtype)
+    out = np.empty(flat.size, dtype)
+    for i in range(0, flat.size, _NUMPY_KEEPS_GIL):
+        out[i:i + _NUMPY_KEEPS_GIL] = flat[i:i + _NUMPY_KEEPS_GIL]
+    return out
 
 
 def _kind_word(kind: str) -> str:

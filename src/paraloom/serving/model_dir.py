@@ -4,22 +4,23 @@ Layout (one entry per model; names starting with '.' or '_' are skipped)::
 
     DIR/lenet.safetensors            model "lenet", defaults; options in DIR/lenet.json
     DIR/mlp/model.safetensors        model "mlp"; options in DIR/mlp/config.json
-    DIR/cnn/1/model.safetensors      numbered versions: the version policy picks one to serve
+    DIR/cnn/1/model.safetensors      numbered versions: the version policy picks those served
     DIR/cnn/2/model.safetensors
     DIR/cnn/config.json
 
 Every file must be a ``.safetensors`` written by ``paraloom.save``; pickles (``.pt``, ``.pth``,
 ``.pkl``, ``.bin``, ``.ckpt``) are listed as refused, never opened. Paths that resolve outside
-DIR (symlinks) are refused. A config is JSON: ``name``, ``version_policy`` (``{"latest": {}}``
-or ``{"specific": {"versions": [2]}}``), ``mode``, ``workers``, ``batch_limit``, ``queue_limit``,
-``max_wait_ms``, ``threads_per_worker``, ``inputs`` and ``outputs``
+DIR (symlinks) are refused. A config is JSON: ``name``, ``version_policy`` (Triton's:
+``{"latest": {"num_versions": N}}``, default 1; ``{"all": {}}``; ``{"specific": {"versions":
+[1, 3]}}``; each version served gets its own pool), ``mode``, ``workers``, ``batch_limit``,
+``queue_limit``, ``max_wait_ms``, ``threads_per_worker``, ``inputs`` and ``outputs``
 (``[{"name", "datatype", "shape"}]``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from paraloom.serving.repository import ModelFiles
 from paraloom.serving.served import ServedModel, build_pool
 from paraloom.serving.signature import TensorSpec, infer_signature
 
-__all__ = ["Found", "ModelDir", "ModelConfig"]
+__all__ = ["Found", "ModelConfig", "ModelDir", "VersionPolicy"]
 
 _WEIGHTS = "model.safetensors"
 _PICKLES = {".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".joblib", ".npy"}
@@ -39,11 +40,29 @@ _KEYS = {"name", "version_policy", "inputs", "outputs", *_POOL_KEYS}
 
 
 @dataclass(frozen=True)
+class VersionPolicy:
+    """Which numbered versions to serve, as Triton's ``version_policy``: the latest ``count``,
+    all, or the ``specific`` ones."""
+
+    kind: str = "latest"  # "latest", "all" or "specific"
+    count: int = 1
+    specific: tuple[int, ...] = ()
+
+    def select(self, available: list[int]) -> list[int]:
+        """The versions to serve out of ``available`` (sorted ascending); may name missing ones."""
+        if self.kind == "all":
+            return list(available)
+        if self.kind == "specific":
+            return sorted(self.specific)
+        return available[-self.count:]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A model's optional config: its served name, version policy, pool options and signature."""
 
     name: str
-    versions: tuple[int, ...] | None = None  # None: the latest
+    versions: VersionPolicy = field(default_factory=VersionPolicy)
     pool_options: dict[str, Any] = field(default_factory=dict)
     inputs: tuple[TensorSpec, ...] | None = None
     outputs: tuple[TensorSpec, ...] | None = None
@@ -51,7 +70,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Found:
-    """One model of the directory: the file to serve and its version, or why it is refused."""
+    """One model of the directory: the file to serve and its version (the latest served, when
+    the policy serves several: ``older`` holds the others' (version, file)), or why refused."""
 
     name: str
     path: Path | None
@@ -59,6 +79,12 @@ class Found:
     config: ModelConfig | None = None
     folder: Path | None = None
     error: str = ""
+    older: tuple[tuple[int, Path], ...] = ()
+
+    @property
+    def versions(self) -> list[int]:
+        """Every version served, ascending."""
+        return [v for v, _ in self.older] + ([self.version] if self.path is not None else [])
 
 
 def _specs(raw: object, key: str, where: str) -> tuple[TensorSpec, ...]:
@@ -75,17 +101,28 @@ def _specs(raw: object, key: str, where: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def _versions(raw: object, where: str) -> tuple[int, ...] | None:
-    if raw is None or raw == {"latest": {}} or raw == {"latest": {"num_versions": 1}}:
-        return None
-    if isinstance(raw, dict) and set(raw) == {"specific"} and isinstance(raw["specific"], dict):
-        versions = raw["specific"].get("versions")
-        if (isinstance(versions, list) and len(versions) == 1
-                and all(isinstance(v, int) and v >= 1 for v in versions)):
-            return tuple(versions)
-    raise ValueError(f"{where}: version_policy {raw!r} is not supported; use "
-                     '{"latest": {}} or {"specific": {"versions": [N]}} (one version is served '
-                     "at a time)")
+def _versions(raw: object, where: str) -> VersionPolicy:
+    usage = ('use {"latest": {"num_versions": N}}, {"all": {}} or {"specific": {"versions": '
+             '[N, ...]}} (version numbers >= 1)')
+    if raw is None:
+        return VersionPolicy()
+    if not isinstance(raw, dict) or len(raw) != 1 or not isinstance(next(iter(raw.values())),
+                                                                      dict):
+        raise ValueError(f"{where}: version_policy {raw!r} is not a policy; {usage}")
+    (kind, body), = raw.items()
+    if kind == "all" and not body:
+        return VersionPolicy("all")
+    if kind == "latest" and set(body) <= {"num_versions"}:
+        count = body.get("num_versions", 1)
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 1:
+            return VersionPolicy("latest", count=count)
+    if kind == "specific" and set(body) == {"versions"}:
+        versions = body["versions"]
+        if (isinstance(versions, list) and versions and len(set(versions)) == len(versions)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                        for v in versions)):
+            return VersionPolicy("specific", specific=tuple(versions))
+    raise ValueError(f"{where}: version_policy {raw!r} is not supported; {usage}")
 
 
 def read_config(path: Path, default_name: str) -> ModelConfig:
@@ -150,15 +187,24 @@ class ModelDir:
             config = read_config(config_path, folder.name) if config_path.is_file() else None
         except ValueError as e:
             return Found(folder.name, None, error=str(e))
-        wanted = config.versions if config is not None else None
+        policy = config.versions if config is not None else VersionPolicy()
         versions = dict(numbered)
-        version = wanted[0] if wanted else numbered[-1][0]
-        if version not in versions:
+        wanted = policy.select(sorted(versions))
+        missing = [v for v in wanted if v not in versions]
+        if missing:
             return Found(config.name if config else folder.name, None,
-                         error=f"version {version} is not in {folder.name}/ (found "
+                         error=f"versions {missing} are not in {folder.name}/ (found "
                          f"{sorted(versions)})")
-        return self._found(folder.name, versions[version] / _WEIGHTS, config_path,
-                           folder=versions[version], version=version)
+        older = []
+        for v in wanted[:-1]:
+            entry = self._found(folder.name, versions[v] / _WEIGHTS, config_path,
+                                folder=versions[v], version=v)
+            if entry.path is None:
+                return entry
+            older.append((v, entry.path))
+        latest = self._found(folder.name, versions[wanted[-1]] / _WEIGHTS, config_path,
+                             folder=versions[wanted[-1]], version=wanted[-1])
+        return replace(latest, older=tuple(older))
 
     def _found(self, stem: str, weights: Path, config_path: Path, *, folder: Path | None,
                version: int = 1) -> Found:
@@ -201,18 +247,38 @@ class ModelDir:
 
     def build(self, found: Found) -> ServedModel:
         """A ``ServedModel`` with its own pool for one found model; ``ValueError`` if it fails."""
-        from paraloom.checkpoint import load
+        if found.path is None:
+            raise ValueError(found.error)
+        return self._build_one(found.name, found.path, found.folder, found.version,
+                               found.config or ModelConfig(found.name))
 
+    def build_versions(self, found: Found) -> list[ServedModel]:
+        """Every version the policy serves, each in its own pool, latest last."""
         if found.path is None:
             raise ValueError(found.error)
         config = found.config or ModelConfig(found.name)
+        built: list[ServedModel] = []
         try:
-            model = load(found.path).eval()
+            for version, path in found.older:
+                built.append(self._build_one(found.name, path, path.parent, version, config))
+            built.append(self.build(found))
+        except BaseException:
+            for served in built:  # a version that failed: close the pools already started
+                served.pool.close(drain=False)
+            raise
+        return built
+
+    def _build_one(self, name: str, path: Path, folder: Path | None, version: int,
+                   config: ModelConfig) -> ServedModel:
+        from paraloom.checkpoint import load
+
+        try:
+            model = load(path).eval()
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cannot load {found.path.relative_to(self.root)}: {e}") from e
+            raise ValueError(f"cannot load {path.relative_to(self.root)}: {e}") from e
         signature = infer_signature(model, inputs=config.inputs, outputs=config.outputs)
         options = {**self.pool_defaults, **config.pool_options}
         pool = build_pool(model, signature, None, config.outputs is None, options)
-        files = ModelFiles(model_file=found.path, model_dir=found.folder)
-        return ServedModel(found.name, pool, model, signature, files=files, owns_pool=True,
-                           retry_after=self.retry_after, first_version=found.version)
+        files = ModelFiles(model_file=path, model_dir=folder)
+        return ServedModel(name, pool, model, signature, files=files, owns_pool=True,
+                           retry_after=self.retry_after, first_version=version)

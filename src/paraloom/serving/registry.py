@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import anyio
 
-from paraloom.serving.errors import NotFoundError, ProtocolError, UnavailableError
+from paraloom.serving.errors import ForbiddenError, NotFoundError, ProtocolError, UnavailableError
 from paraloom.serving.repository import check_load_parameters
 from paraloom.serving.served import ServedModel
 
@@ -46,6 +46,11 @@ class _Entry:
     last: ServedModel | None  # the last served model, kept after an unload to serve it again
     rebuild: Callable[[ServedModel], ServedModel] | None
     reason: str = ""
+    older: dict[str, ServedModel] = field(default_factory=dict)  # versions below ``served``
+
+    def every(self) -> list[ServedModel]:
+        """Every version served now, oldest first."""
+        return [*self.older.values(), *([self.served] if self.served is not None else [])]
 
 
 class ModelRegistry:
@@ -57,12 +62,23 @@ class ModelRegistry:
         self._lock: asyncio.Lock | None = None  # made on the event loop, at the first load
         self.draining = False
         self.close_timeout: float | None = None
+        # Set in each process of ``--processes N``: API loads and unloads are refused with it.
+        self.refuse_loads: str | None = None
 
     def add(self, served: ServedModel,
-            rebuild: Callable[[ServedModel], ServedModel] | None = None) -> None:
-        """Serve ``served`` under its name; ``rebuild`` serves it again after an unload."""
-        served.close_timeout = self.close_timeout
-        self._entries[served.name] = _Entry(served, served, rebuild)
+            rebuild: Callable[[ServedModel], ServedModel] | None = None,
+            older: list[ServedModel] | None = None) -> None:
+        """Serve ``served`` (and ``older`` versions of it) under its name; ``rebuild`` serves it
+        again after an unload."""
+        self._entries[served.name] = self._entry(served, rebuild, older or [])
+
+    def _entry(self, served: ServedModel, rebuild: Callable[[ServedModel], ServedModel] | None,
+               older: list[ServedModel]) -> _Entry:
+        entry = _Entry(served, served, rebuild, older={s.version: s for s in older})
+        for one in entry.every():
+            one.close_timeout = self.close_timeout
+            one.siblings = entry.every()
+        return entry
 
     def fail(self, name: str, reason: str) -> None:
         """List ``name`` as unavailable for ``reason`` (a model that could not be loaded)."""
@@ -81,6 +97,12 @@ class ModelRegistry:
         if entry.served is None:
             raise NotFoundError(f"model {name!r} is not loaded ({entry.reason or 'unloaded'}); "
                                 f"load it with POST /v2/repository/models/{name}/load")
+        if version is not None and version in entry.older:
+            return entry.older[version]
+        if entry.older and version is not None and version != entry.served.version:
+            raise NotFoundError(f"model {name!r} has no version {version!r}; it serves versions "
+                                f"{[s.version for s in entry.every()]} (or leave the version "
+                                "out of the URL for the latest)")
         entry.served.check_version(version)
         return entry.served
 
@@ -96,38 +118,50 @@ class ModelRegistry:
         return name if name in self._entries else UNKNOWN
 
     def models(self) -> dict[str, ServedModel]:
-        """The models loaded now, by name."""
+        """The models loaded now, by name (their latest version)."""
         return {n: e.served for n, e in self._entries.items() if e.served is not None}
 
+    def every(self) -> list[ServedModel]:
+        """Every version of every model loaded now."""
+        return [s for e in self._entries.values() for s in e.every()]
+
     def pools(self) -> dict[str, ParallelInference]:
-        """The pools serving now, by model name (for metrics)."""
-        return {n: s.pool for n, s in self.models().items()}
+        """The pools serving now, for metrics: the latest version's by model name, other
+        versions' as ``name/version``."""
+        pools = {n: s.pool for n, s in self.models().items()}
+        for name, entry in self._entries.items():
+            pools.update({f"{name}/{v}": s.pool for v, s in entry.older.items()})
+        return pools
 
     @property
     def ready(self) -> bool:
         """Whether the server takes requests: not shutting down, every loaded model ready."""
-        return not self.draining and all(s.ready for s in self.models().values())
+        return not self.draining and all(s.ready for s in self.every())
 
     def index(self) -> list[IndexEntry]:
-        """Every model known (loaded, unloaded, failed, or in the models directory)."""
-        rows: dict[str, IndexEntry] = {}
+        """Every model known (loaded, unloaded, failed, or in the models directory); a model
+        serving several versions has a row per version."""
+        rows: dict[str, list[IndexEntry]] = {}
         if self.source is not None:
             for name, found in self.source.scan().items():
-                rows[name] = {"name": name, "version": str(found.version) if found.path else "",
-                              "state": "UNAVAILABLE", "reason": found.error or "not loaded"}
+                versions = [str(v) for v in found.versions] or [""]
+                rows[name] = [{"name": name, "version": v, "state": "UNAVAILABLE",
+                               "reason": found.error or "not loaded"} for v in versions]
         for name, entry in self._entries.items():
             if entry.served is not None:
-                state = "READY" if entry.served.ready else "UNAVAILABLE"
-                reason = "" if entry.served.ready else "shutting down"
-                rows[name] = {"name": name, "version": entry.served.version, "state": state,
-                              "reason": reason}
+                rows[name] = [{"name": name, "version": s.version,
+                               "state": "READY" if s.ready else "UNAVAILABLE",
+                               "reason": "" if s.ready else "shutting down"}
+                              for s in entry.every()]
             elif entry.reason or name not in rows:
                 version = entry.last.version if entry.last is not None else ""
-                rows[name] = {"name": name, "version": version, "state": "UNAVAILABLE",
-                              "reason": entry.reason or "unloaded"}
-        return [rows[n] for n in sorted(rows)]
+                rows[name] = [{"name": name, "version": version, "state": "UNAVAILABLE",
+                               "reason": entry.reason or "unloaded"}]
+        return [row for n in sorted(rows) for row in rows[n]]
 
-    def _check_open(self) -> None:
+    def _check_open(self, trusted: bool = False) -> None:
+        if self.refuse_loads is not None and not trusted:
+            raise ForbiddenError(self.refuse_loads)
         if self.draining:
             raise UnavailableError("the server is shutting down: no loads or unloads",
                                    reason="shutting_down")
@@ -137,34 +171,37 @@ class ModelRegistry:
             self._lock = asyncio.Lock()
         return self._lock
 
-    async def load(self, name: str, parameters: dict[str, Any]) -> str:
+    async def load(self, name: str, parameters: dict[str, Any], *, trusted: bool = False
+                   ) -> str:
         """Load, reload or replace ``name``; returns the version now served.
 
         ``parameters.path`` swaps the weights of the loaded model in place (its pool stays);
         otherwise a models-directory model is built anew from the directory (a new pool: config
         changes apply) and replaces the old one, whose in-flight requests finish on it.
+        ``trusted``: asked by the operator (SIGHUP), not a client; ``refuse_loads`` does not apply.
         """
         async with self._guard():  # one load or unload at a time
-            self._check_open()
+            self._check_open(trusted)
             entry = self._entries.get(name)
             current = entry.served if entry is not None else None
             if current is not None and (self.source is None or "path" in parameters):
                 return await current.load(parameters)
-            new = await self._build(name, entry, parameters)
-            self._entries[name] = _Entry(new, new, entry.rebuild if entry else None)
-            if current is not None:
-                await self._retire(current)
+            *older, new = await self._build(name, entry, parameters)
+            self._entries[name] = self._entry(new, entry.rebuild if entry else None, older)
+            if entry is not None:
+                for old in entry.every():
+                    await self._retire(old)
             if "path" in parameters:
                 return await new.load(parameters)
             return new.version
 
     async def _build(self, name: str, entry: _Entry | None, parameters: dict[str, Any]
-                     ) -> ServedModel:
+                     ) -> list[ServedModel]:
         check_load_parameters(parameters)  # the same refusals as a weights load
         if self.source is not None:
             found = self.source.find(name)
             try:
-                served: ServedModel = await anyio.to_thread.run_sync(self.source.build, found)
+                built = await anyio.to_thread.run_sync(self.source.build_versions, found)
             except (ValueError, TypeError, RuntimeError, OSError) as e:
                 kept = entry is not None and entry.served is not None
                 if not kept:
@@ -172,14 +209,13 @@ class ModelRegistry:
                 raise ProtocolError(f"model {name!r} could not be loaded: {e}"
                                     + ("; the old version keeps serving" if kept else "")) from e
         elif entry is not None and entry.rebuild is not None and entry.last is not None:
-            served = await anyio.to_thread.run_sync(entry.rebuild, entry.last)
+            built = [await anyio.to_thread.run_sync(entry.rebuild, entry.last)]
         else:
             raise NotFoundError(f"unknown model {name!r}; this server serves "
                                 f"{sorted(self._entries)} and has no models directory to "
                                 "load others from (paraloom serve --models-dir DIR)")
-        served.close_timeout = self.close_timeout
-        _log.info("model %r loaded, version %s", name, served.version)
-        return served
+        _log.info("model %r loaded, versions %s", name, [s.version for s in built])
+        return built
 
     async def unload(self, name: str) -> None:
         """Stop serving ``name``; its in-flight requests finish first (bounded)."""
@@ -189,9 +225,11 @@ class ModelRegistry:
             if entry is None:
                 raise NotFoundError(f"unknown model {name!r}; this server serves "
                                     f"{sorted(self._entries)}")
-            served, entry.served, entry.reason = entry.served, None, "unloaded"
-            if served is not None:
+            retired = entry.every()
+            entry.served, entry.older, entry.reason = None, {}, "unloaded"
+            for served in retired:
                 await self._retire(served)
+            if retired:
                 _log.info("model %r unloaded", name)
 
     async def _retire(self, served: ServedModel) -> None:
@@ -201,7 +239,7 @@ class ModelRegistry:
     async def close(self) -> None:
         """Stop taking requests; drain every pool the server owns."""
         self.draining = True
-        models = list(self.models().values())
+        models = self.every()
         for served in models:
             served.draining = True
         await asyncio.gather(*(s.close() for s in models))

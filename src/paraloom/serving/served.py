@@ -70,6 +70,7 @@ class ServedModel:
         self._inplace_limit = _inplace_limit(pool)
         self._inplace_now = 0  # changed on the event loop only
         self.close_timeout: float | None = None  # the server sets its graceful timeout here
+        self.siblings: list[ServedModel] = [self]  # every version of this model served now
 
     @property
     def version(self) -> str:
@@ -89,7 +90,8 @@ class ServedModel:
 
     def metadata(self) -> ModelMetadata:
         """The v2 model metadata object."""
-        return {"name": self.name, "versions": [self.version], "platform": "pytorch",
+        return {"name": self.name, "versions": [s.version for s in self.siblings],
+                "platform": "pytorch",
                 "inputs": [s.as_json() for s in self.signature.inputs],
                 "outputs": [s.as_json() for s in self.signature.outputs]}
 
@@ -117,7 +119,7 @@ class ServedModel:
             raise ProtocolError(str(e)) from e
         except RequestTimeoutError as e:
             raise _GatewayTimeoutError(str(e)) from e
-        return result, str(version)
+        return result, str(self.first_version + version - 1)  # the pool counts from 1
 
     async def _infer_inplace(self, x: torch.Tensor | tuple[torch.Tensor, ...]
                              ) -> tuple[Any, int]:

@@ -31,11 +31,17 @@ _DEFAULT_HOST = "127.0.0.1"  # never expose a model to the network unless asked 
 # 1 ms, LeNet at 64 concurrent JSON requests served ~40% more requests/s at a lower p99.
 
 
-def bind_socket(host: str = _DEFAULT_HOST, port: int = 0) -> socket.socket:
-    """A listening-ready TCP socket; port 0 lets the OS pick a free port (read it back)."""
+def bind_socket(host: str = _DEFAULT_HOST, port: int = 0, *, reuse_port: bool = False
+                ) -> socket.socket:
+    """A listening-ready TCP socket; port 0 lets the OS pick a free port (read it back).
+
+    ``reuse_port``: share the port with other sockets that set it (``--processes N``).
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -76,7 +82,8 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
-def _grpc(app: Starlette, host: str, port: int | None) -> GrpcServer | None:
+def _grpc(app: Starlette, host: str, port: int | None, reuse_port: bool = False
+          ) -> GrpcServer | None:
     if port is None:
         return None
     if port < 0 or port > 65535:
@@ -84,7 +91,7 @@ def _grpc(app: Starlette, host: str, port: int | None) -> GrpcServer | None:
     from paraloom.serving.grpc.service import GrpcServer
 
     return GrpcServer(app.state.registry, app.state.metrics, host=host, port=port,
-                      max_message_bytes=app.state.max_body_bytes)
+                      max_message_bytes=app.state.max_body_bytes, reuse_port=reuse_port)
 
 
 def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float,
@@ -95,7 +102,7 @@ def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeou
     registry = getattr(app.state, "registry", None)
     if registry is not None:  # the pools' drain at shutdown gets the same bound
         registry.close_timeout = graceful_timeout
-        for served in registry.models().values():
+        for served in registry.every():
             served.close_timeout = graceful_timeout
     # uvicorn types the graceful timeout as whole seconds; round up so it is never shortened.
     return uvicorn.Config(app, log_level=log_level, access_log=access_log,
@@ -115,28 +122,31 @@ def _as_app(pool_or_model: nn.Module | ParallelInference | Starlette, name: str 
 def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str | None = None,
           host: str = _DEFAULT_HOST, port: int = 8000, log_level: str = "info",
           access_log: bool = False, graceful_timeout: float = 30.0, grpc_port: int | None = None,
-          switch_interval: float | None = 0.001, **app_options: Any) -> None:
+          switch_interval: float | None = 0.001, reuse_port: bool = False,
+          **app_options: Any) -> None:
     """Serve a model, a ParallelInference or an app from ``create_app`` until SIGINT/SIGTERM.
 
     Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting
     connections and waits up to ``graceful_timeout`` s for in-flight requests; then the pool drains.
     ``grpc_port`` (None: off; 0: a free port, printed) also serves the v2 gRPC endpoint on ``host``.
     ``switch_interval`` sets ``sys.setswitchinterval`` for this process (None: leave it); see
-    ``_SWITCH_NOTE``.
+    ``_SWITCH_NOTE``. ``reuse_port`` shares the ports with sibling processes (``--processes``).
     """
     if switch_interval is not None:
         if not math.isfinite(switch_interval) or switch_interval <= 0:
             raise ValueError(f"switch_interval={switch_interval}; expected seconds > 0, e.g. "
                              "0.001, or None to keep Python's 0.005")
         sys.setswitchinterval(switch_interval)
-    sock = bind_socket(host, port)  # first: a busy port must fail before a pool starts
+    # First: a busy port must fail before a pool starts.
+    sock = bind_socket(host, port, reuse_port=reuse_port)
     try:
         app = _as_app(pool_or_model, name, app_options)
     except BaseException:
         sock.close()
         raise
     server = _Server(_config(app, log_level=log_level, access_log=access_log,
-                             graceful_timeout=graceful_timeout), _grpc(app, host, grpc_port))
+                             graceful_timeout=graceful_timeout),
+                     _grpc(app, host, grpc_port, reuse_port))
     try:
         server.run(sockets=[sock])
     except BaseException:
@@ -152,7 +162,7 @@ def close_owned_pools(app: Starlette) -> None:
     if registry is None:
         return
     registry.draining = True
-    for served in registry.models().values():
+    for served in registry.every():
         served.draining = True
         if served.owns_pool:
             served.pool.close(drain=False, timeout=5.0)

@@ -96,19 +96,37 @@ def decode_infer_request(request: Any) -> InferRequest:
                 raise ProtocolError(f"output {out.name!r} asks for classification, an "
                                     "extension paraloom does not implement; request the raw "
                                     "output instead")
-            outputs.append(RequestedOutput(out.name, True))
+            outputs.append(RequestedOutput(out.name, None))
     params = {k: parameter_value(v) for k, v in request.parameters.items()}
     return InferRequest(id=request.id or None, inputs=inputs, outputs=outputs,
-                        binary_output=True, parameters=params)
+                        binary_output=_raw_output(params, raw is not None), parameters=params)
+
+
+def _raw_output(params: dict[str, Any], raw_inputs: bool) -> bool:
+    """Raw outputs for raw inputs, typed for typed; ``binary_data_output`` (bool) decides."""
+    asked = params.get("binary_data_output")
+    if asked is None:
+        return raw_inputs
+    if not isinstance(asked, bool):
+        raise ProtocolError(f"request parameter binary_data_output is {asked!r}; expected a "
+                            "bool (true: raw_output_contents, false: typed contents)")
+    return asked
 
 
 def encode_infer_response(answer: InferAnswer) -> Any:
-    """A ModelInferResponse with every output in ``raw_output_contents`` (as Triton sends)."""
+    """A ModelInferResponse: outputs in ``raw_output_contents`` (what tritonclient.grpc's raw
+    inputs get, as from Triton), or in typed contents when the request asked for them
+    (typed inputs, or ``binary_data_output: false``) and every output has a typed field."""
     response = _Response(model_name=answer.model_name, model_version=answer.model_version,
                          id=answer.request_id or "")
-    for name, tensor, _ in answer.outputs:
-        response.outputs.add(name=name, datatype=datatype_of(tensor.dtype),
-                             shape=list(tensor.shape))
-        response.raw_output_contents.append(tensor_to_bytes(tensor))
+    names = [datatype_of(tensor.dtype) for _, tensor, _ in answer.outputs]
+    raw = any(binary for _, _, binary in answer.outputs) or any(n not in _FIELD for n in names)
+    for (name, tensor, _), datatype in zip(answer.outputs, names, strict=True):
+        out = response.outputs.add(name=name, datatype=datatype, shape=list(tensor.shape))
+        if raw:  # all or none: raw_output_contents is matched to the outputs by position
+            response.raw_output_contents.append(tensor_to_bytes(tensor))
+        else:
+            values = tensor.detach().cpu().contiguous().numpy().ravel()
+            getattr(out.contents, _FIELD[datatype]).extend(values.tolist())
     return response
 

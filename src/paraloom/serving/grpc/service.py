@@ -123,13 +123,14 @@ class GrpcServer:
     """A grpc.aio server of ``GRPCInferenceService``; start and stop it on a running loop."""
 
     def __init__(self, registry: ModelRegistry, metrics: ServingMetrics, *,
-                 host: str = "127.0.0.1", port: int = 0, max_message_bytes: int = 16 << 20
-                 ) -> None:
+                 host: str = "127.0.0.1", port: int = 0, max_message_bytes: int = 16 << 20,
+                 reuse_port: bool = False) -> None:
         self.registry = registry
         self.metrics = metrics
         self.host = host
         self.requested_port = port
         self.max_message_bytes = max_message_bytes
+        self.reuse_port = reuse_port  # share the port with sibling processes (--processes)
         self.port: int | None = None
         self._server: aio.Server | None = None
 
@@ -137,7 +138,7 @@ class GrpcServer:
         """Bind and start serving; returns the port (the OS's pick when asked for 0)."""
         options = [("grpc.max_receive_message_length", self.max_message_bytes),
                    ("grpc.max_send_message_length", -1),
-                   ("grpc.so_reuseport", 0)]
+                   ("grpc.so_reuseport", int(self.reuse_port))]
         server = aio.server(options=options)
         server.add_generic_rpc_handlers((_generic_handler(_Service(self.registry,
                                                                    self.metrics)),))

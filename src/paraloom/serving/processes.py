@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 
+from paraloom.serving.sockets import bind_socket
+
 __all__ = ["refuse_loads_message", "reserve_port", "run_processes"]
 
 _POLL = 0.2  # seconds between the parent's checks of its children
@@ -30,17 +32,7 @@ _POLL = 0.2  # seconds between the parent's checks of its children
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """A bound, not listening, ``SO_REUSEPORT`` socket: holds the port for the children."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e}; pick another port or stop the "
-                      "process using it") from e
-    return sock
+    return bind_socket(host, port, reuse_port=True)
 
 
 def refuse_loads_message(processes: int, parent: int) -> str:

@@ -9,8 +9,10 @@ worker has started. Later rounds are skipped by every worker alike.
 
 from __future__ import annotations
 
-from multiprocessing.context import SpawnContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
+    from multiprocessing.context import ForkServerContext, SpawnContext
 
 __all__ = ["RoundGate"]
 
@@ -25,7 +27,7 @@ class RoundGate:
         self.workers = len(array) - 1
 
     @classmethod
-    def create(cls, ctx: SpawnContext, workers: int) -> RoundGate:
+    def create(cls, ctx: ForkServerContext | SpawnContext, workers: int) -> RoundGate:
         gate = cls(ctx.Array("q", workers + 1))
         gate.reset()
         return gate

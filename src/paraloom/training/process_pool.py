@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, MutableSequence, Sequence
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
@@ -45,6 +45,9 @@ from paraloom.training.messages import (
 from paraloom.training.transport import dumps
 from paraloom.training.worker import WorkerConfig, worker_main
 
+if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
+    from multiprocessing.context import ForkServerContext, SpawnContext
+
 __all__ = ["ProcessPool"]
 
 _POLL_S = 0.2
@@ -73,7 +76,7 @@ def _no_main_reimport() -> Iterator[None]:
                 main.__dict__.pop("__spec__", None)
 
 
-def _context() -> Any:
+def _context() -> ForkServerContext | SpawnContext:
     """How workers start: forked from a server process that has imported torch and the worker
     code once (a new worker starts in a fraction of a second instead of importing torch again,
     2-3 s each), or spawned where there is no forkserver (Windows) or

@@ -281,16 +281,20 @@ class ProcessPool:
         self._check_heartbeats()
 
     def _check_exits(self, starting: bool) -> None:
-        for rank, p in enumerate(self._procs):
-            if p.exitcode is not None:
-                # Workers that reported their errors before exiting: prefer those reports (a
-                # peer may exit first, after reporting a symptom of the failure). A report is
-                # sent before its worker exits, so it is there already, behind other replies.
-                report = self._next_failure(0.1)
-                if report is not None:
-                    raise self._error(report, starting)
-                self.kill()
-                raise self._death(rank, starting)
+        exited = [rank for rank, p in enumerate(self._procs) if p.exitcode is not None]
+        if not exited:
+            return
+        # A worker killed by a signal is the cause: it reported nothing, and a peer's report
+        # (its connection broke) is a symptom of it.
+        killed = [rank for rank in exited if (self._procs[rank].exitcode or 0) < 0]
+        if not killed:
+            # Workers that exited after reporting their errors: prefer those reports (a peer
+            # may exit first, after reporting a symptom of the failure).
+            report = self._next_failure(0.5)
+            if report is not None:
+                raise self._error(report, starting)
+        self.kill()
+        raise self._death((killed or exited)[0], starting)
 
     def _next_failure(self, within_s: float) -> Failed | None:
         """The first failure report among the replies of the next ``within_s`` seconds (the

@@ -12,7 +12,6 @@ the CPU time of the parent process is given as a share of the CPU time of the wh
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import time
 from collections.abc import Iterator
@@ -21,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
+from paraloom.bench.ddp import join_group, run_ranks
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -216,11 +215,7 @@ def _tree_cpu(pids: list[int]) -> float:
 # -- DDP ---------------------------------------------------------------------------------------
 def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace, config: str,
                 threads: int, out: Queue[tuple[int, float, float, float]]) -> None:
-    torch.set_num_threads(threads)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                          timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_group(rank, world, port, threads)
     model = nn.parallel.DistributedDataParallel(_model(config))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data = AugmentedImages(args.images, args.size)
@@ -260,23 +255,10 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace, conf
 
 def _ddp(args: argparse.Namespace, config: str, threads: int) -> dict[str, float]:
     """Samples/s of DDP, each rank with a DistributedSampler and its own DataLoader."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, daemon=False,  # ranks start loader processes
-                         args=(r, args.workers, store.port, args, config, threads, out))
-             for r in range(args.workers)]
     parent = time.process_time()
-    for p in procs:
-        p.start()
-    try:
-        reports = [out.get(timeout=900) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    # Not daemons: the ranks start loader processes.
+    reports = run_ranks(_ddp_worker, args.workers, (args, config, threads),
+                        replies=args.workers, timeout_s=900, daemon=False)
     seconds = max(r[2] for r in reports)
     rows = sum(r[1] * r[2] for r in reports)
     workers_cpu = sum(r[3] for r in reports)

@@ -11,7 +11,6 @@ pool against the same mode's steady rate, and the bytes each worker sends per st
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
@@ -31,6 +29,7 @@ from paraloom.bench.common import (
     save_figure,
     write_results,
 )
+from paraloom.bench.ddp import join_group, run_ranks
 from paraloom.bench.models import WORKLOADS, workload
 
 if TYPE_CHECKING:
@@ -102,11 +101,7 @@ def _single(args: argparse.Namespace, data: TensorDataset, threads: int) -> floa
 
 def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace,
                 data: TensorDataset, threads: int, out: Queue[float]) -> None:
-    torch.set_num_threads(threads)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                          timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_group(rank, world, port, threads)
     model = nn.parallel.DistributedDataParallel(_model(args))
     opt, loss_fn = _sgd(model.parameters()), _loss(args)
     x, y = data.tensors
@@ -133,22 +128,10 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace,
 
 def _ddp(args: argparse.Namespace, data: TensorDataset, threads: int) -> float:
     """Samples/s of PyTorch DDP with ``args.workers`` gloo processes."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, daemon=True,
-                         args=(r, args.workers, store.port, args, data, threads, out))
-             for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    try:
-        return float(out.get(timeout=600))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    # Rank 0 alone reports the rate.
+    [rate] = run_ranks(_ddp_worker, args.workers, (args, data, threads), replies=1,
+                       timeout_s=600)
+    return float(rate)
 
 
 class _Clock:

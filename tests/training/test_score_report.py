@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import re
 
@@ -21,6 +23,9 @@ def no_logging_setup(monkeypatch):
     monkeypatch.setattr(score_log, "propagate", True)
     monkeypatch.setattr(score_log, "level", logging.NOTSET)
     monkeypatch.setattr(logging.root, "level", logging.WARNING)
+    parent = logging.getLogger("paraloom")  # nothing an earlier test left on the parent either
+    monkeypatch.setattr(parent, "handlers", [])
+    monkeypatch.setattr(parent, "level", logging.NOTSET)
     logging.Logger.manager._clear_cache()
     yield
     logging.Logger.manager._clear_cache()
@@ -54,6 +59,17 @@ def test_the_averaged_score_is_shown_without_any_logging_setup(no_logging_setup,
     _fit(progress=True)  # through the progress bar, and the handler is not installed twice
     err = capsys.readouterr().err
     assert err.count("paraloom: Averaged score:") == 2 and "batch" in err
+
+
+def test_the_score_follows_a_stderr_redirected_after_the_handler_was_made(no_logging_setup,
+                                                                          monkeypatch):
+    clear_root(monkeypatch)
+    _fit(progress=False)  # installs the handler, writing to the stderr of that moment
+    later = io.StringIO()
+    with contextlib.redirect_stderr(later):
+        losses = _fit(progress=False)
+    assert re.findall(r"Averaged score: ([\d.]+)", later.getvalue()) == \
+        [f"{losses[1]:.6f}", f"{losses[3]:.6f}"]
 
 
 def test_a_user_logging_setup_is_respected(no_logging_setup, monkeypatch, capsys):

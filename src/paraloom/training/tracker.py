@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,20 @@ __all__ = ["RoundTracker", "show_scores"]
 
 
 class _BarSafeHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes through tqdm, so a line does not break a progress bar being drawn."""
+    """Writes through tqdm, so a line does not break a progress bar being drawn.
+
+    The stream is ``sys.stderr`` as it is when a line is written, not when the handler was
+    made (as logging's own last-resort handler does): a later redirection (a notebook, a test
+    capture, ``contextlib.redirect_stderr``) gets the lines.
+    """
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # always the current sys.stderr
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

@@ -5,8 +5,8 @@ allreduce's test accuracy (1 test image is 0.28 points) while sending a small fr
 bytes per step, as counted by the synchronizers: the default recipe at lr 0.1 (measured: 98.05%
 for both, 1/284 of the bytes), and DL4J's adaptive threshold with averaged updates at lr 0.05
 (98.89% vs 98.33%, 524,320 vs 3,549 bytes per step: 0.68%). allreduce with
-comm_hook="powersgd" (rank 1, 34 dense warm-up steps) must stay within 1 point of plain
-allreduce: measured 98.89%, 9,540 bytes per step after the warm-up (1.82%).
+comm_hook="powersgd" (rank 2, 34 dense warm-up steps) must stay within 1 point of plain
+allreduce: measured 99.44%, 16,760 bytes per step after the warm-up (3.2%).
 """
 
 from __future__ import annotations
@@ -70,16 +70,18 @@ def test_adaptive_threshold_sharing_matches_allreduce_with_one_percent_of_the_by
 
 
 @pytest.mark.timeout(240)
-def test_powersgd_matches_allreduce_with_two_percent_of_the_bytes_after_warm_up() -> None:
-    # Measured: 98.89% for both; 9,540 bytes per step after the warm-up (1.82% of 524,320).
+def test_powersgd_matches_allreduce_with_four_percent_of_the_bytes_after_warm_up() -> None:
+    # Measured: 99.44% (allreduce 98.89%); 16,760 bytes per step after the warm-up (3.2% of
+    # 524,320). Rank 1 diverged to NaN at round 177 on one machine and trained on another:
+    # which CPU kernels round how decides it, so the test takes rank 2, which holds on both.
     warmup = 34  # about 10% of the 345 steps, as torch advises
     dense_accuracy, dense = _train("allreduce")
-    accuracy, stats = _train("allreduce", (("comm_hook", "powersgd"),
+    accuracy, stats = _train("allreduce", (("comm_hook", "powersgd"), ("powersgd_rank", 2),
                                            ("powersgd_warmup", warmup)))
     rounds, dense_bytes = stats["rounds"], max(dense["bytes_sent_per_step"])
     assert rounds == 345
-    compressed = 4 * powersgd_elements(LeNet(image_size=8), rank=1)
-    assert compressed == 9_540
+    compressed = 4 * powersgd_elements(LeNet(image_size=8), rank=2)
+    assert compressed == 16_760
     expected = (warmup * dense_bytes + (rounds - warmup) * compressed) / rounds
     assert stats["bytes_sent_per_step"] == [pytest.approx(expected)] * 2
     assert accuracy >= dense_accuracy - 0.01, (accuracy, dense_accuracy)

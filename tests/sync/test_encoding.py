@@ -21,6 +21,7 @@ from paraloom.sync.encoding import (
     full_step_mask,
     moved_index,
     quantize_threshold,
+    scan,
     threshold_encode,
 )
 
@@ -249,3 +250,32 @@ def test_decode_into_tensors_end_to_end_equals_decode_into_one(fmt: Format) -> N
     decode_into(msg, outs, bounds)
     after = torch.cat([o.reshape(-1) for o in outs])
     assert torch.equal(after, decode(msg, before))
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases(), st.integers(1, 7))
+def test_scan_finds_the_full_steps_and_each_chunks_peak(case, chunk: int) -> None:
+    v, tau = case
+    found = scan(v, tau, chunk=chunk)
+    mask = full_step_mask(v, found.mantissa, found.exponent).reshape(-1)
+    assert found.indices.tolist() == torch.nonzero(mask).reshape(-1).tolist()
+    flat = v.reshape(-1).double().abs()
+    expected = [flat[i: i + chunk].max().item() for i in range(0, flat.numel(), chunk)]
+    got = found.peaks.double().tolist()
+    assert len(got) == len(expected)
+    assert all(g == e or (math.isnan(g) and math.isnan(e)) for g, e in zip(got, expected,
+                                                                            strict=True))
+
+
+def test_scan_across_chunk_boundaries_matches_the_whole_tensor_mask() -> None:
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(10_007, generator=g)
+    v[[0, 4_095, 4_096, 10_006]] = torch.tensor([float("inf"), float("nan"), 3e9, -5.0])
+    for chunk in (1, 4_096, 4_097, 10_007, 1 << 20):
+        found = scan(v, 1.5, chunk=chunk)
+        mask = full_step_mask(v, found.mantissa, found.exponent)
+        assert torch.equal(found.indices, torch.nonzero(mask).reshape(-1))
+        assert 10_006 in found.indices.tolist() and 0 not in found.indices.tolist()
+        assert found.peaks.numel() == -(-10_007 // chunk)
+    with pytest.raises(ValueError, match="chunk=0"):
+        scan(v, 1.5, chunk=0)

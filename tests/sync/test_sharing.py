@@ -251,3 +251,72 @@ def test_residual_survives_between_fits() -> None:
     sync.setup(ctx)  # a second fit()
     _step(sync, ctx, [[-0.75, 0.0]])
     assert model.weight.tolist() == [[1.0, 0.0]]
+
+
+@pytest.mark.parametrize("write", ["in_place", "new_storage", "load_state_dict"])
+def test_a_parameter_written_between_steps_is_not_reverted(write) -> None:
+    """The saved copy of the parameters mirrors them across steps; a write from outside the
+    step (a restored checkpoint, the user's code) must be seen, not undone."""
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    ctx = _ctx(model, lr=1.0)
+    sync = SharedGradients(FixedThreshold(1.0), encoding="threshold")  # sends nothing here
+    sync.setup(ctx)
+    _step(sync, ctx, [[0.1, 0.0, 0.0, 0.0]])
+    edited = [[2.0, 3.0, 4.0, 5.0]]
+    with torch.no_grad():
+        if write == "in_place":
+            model.weight.copy_(torch.tensor(edited))
+        elif write == "new_storage":
+            model.weight.data = torch.tensor(edited)
+        else:
+            model.load_state_dict({"weight": torch.tensor(edited)})
+    _step(sync, ctx, [[0.0, 0.0, 0.0, 0.0]])
+    assert model.weight.tolist() == edited
+    # Only the real updates are in the residual, not the edit.
+    assert sync._replica.residual.tolist() == pytest.approx([-0.1, 0.0, 0.0, 0.0])
+
+
+def test_the_saved_copy_is_skipped_when_only_messages_moved_the_parameters() -> None:
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    ctx = _ctx(model, lr=1.0)
+    sync = SharedGradients(FixedThreshold(2.0 ** -3), encoding="threshold")
+    sync.setup(ctx)
+    copies = []
+    original = sync._replica.old[0].copy_
+
+    def counting_copy(src, *args, **kwargs):
+        copies.append(1)
+        return original(src, *args, **kwargs)
+
+    sync._replica.old[0].copy_ = counting_copy  # type: ignore[method-assign]
+    for _ in range(3):
+        _step(sync, ctx, [[-0.3, 0.05, 0.2, -0.1]])
+    assert len(copies) == 1  # the first step only
+    old = sync._replica.old[0]
+    assert torch.equal(old, model.weight.detach())  # bit for bit, after every message
+
+
+def test_clipping_only_the_chunks_past_its_bound_equals_clipping_everything() -> None:
+    g = torch.Generator().manual_seed(3)
+    model = nn.Linear(3_000, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    ctx = _ctx(model, lr=1.0)
+    sync = SharedGradients(FixedThreshold(0.25), ResidualClipping(2.0, 1), encoding="threshold")
+    sync.setup(ctx)
+    _step(sync, ctx, [[0.0] * 3_000])  # ResidualClipping clips from the second step on
+    grad = torch.randn(1, 3_000, generator=g) * 0.2
+    grad[0, 100] = -5.0  # one element far past 2 tau: only its chunk needs the clip
+    from paraloom.sync import sharing
+    real_scan = sharing.scan
+    sharing.scan = lambda v, tau: real_scan(v, tau, chunk=512)
+    try:
+        _step(sync, ctx, grad.tolist())
+    finally:
+        sharing.scan = real_scan
+    update = -grad.reshape(-1)
+    moved = update.abs() >= 0.25
+    expected = (update - torch.where(moved, update.sign() * 0.25, 0.0)).clamp(-0.5, 0.5)
+    assert torch.equal(sync._replica.residual, expected)
+    assert float(sync._replica.residual[100]) == 0.5

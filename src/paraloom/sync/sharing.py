@@ -30,15 +30,16 @@ from torch import Tensor, nn
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 from paraloom.sync.encoding import (
+    SCAN_CHUNK,
     Encoded,
     Format,
-    bitmap_encode,
+    Scan,
     decode,
     decode_into,
     empty_message,
-    encode,
+    encode_scan,
     moved_index,
-    threshold_encode,
+    scan,
 )
 from paraloom.sync.momentum import mask_momentum_
 from paraloom.sync.thresholds import (
@@ -88,10 +89,15 @@ def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | N
 
 
 class _Replica:
-    """The tensors one replica keeps between steps (built in ``setup``)."""
+    """The tensors one replica keeps between steps (built in ``setup``).
 
-    __slots__ = ("params", "old", "residual", "residual_views", "old_saved", "bounds",
-                 "scratch")
+    ``old`` mirrors the parameters: every message applied to them is applied to it too, so
+    the copy before the next step is needed only when something else wrote a parameter since
+    (a checkpoint restored, the user's code): ``stamps`` holds each parameter's storage and
+    version counter as the last step left them.
+    """
+
+    __slots__ = ("params", "old", "residual", "residual_views", "old_saved", "bounds", "stamps")
 
     def __init__(self, params: list[nn.Parameter], residual: Tensor) -> None:
         self.params = params
@@ -100,8 +106,16 @@ class _Replica:
         self.residual_views = _views(residual, params)
         self.old_saved = False
         self.bounds = torch.tensor([p.numel() for p in params], dtype=torch.int64).cumsum(0)
-        self.scratch = (torch.empty(residual.shape, dtype=torch.bool, device=residual.device),
-                        torch.empty(residual.shape, dtype=torch.bool, device=residual.device))
+        self.stamps: list[tuple[int, int]] | None = None
+
+    def current_stamps(self) -> list[tuple[int, int]]:
+        return [(p.data_ptr(), p._version) for p in self.params]
+
+    def save_old(self) -> None:
+        """``old = params``, unless ``old`` already mirrors them."""
+        if self.stamps != self.current_stamps():
+            for p, old in zip(self.params, self.old, strict=True):
+                old.copy_(p)
 
 
 def _views(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
@@ -110,6 +124,22 @@ def _views(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
         views.append(flat[offset: offset + p.numel()].view_as(p))
         offset += p.numel()
     return views
+
+
+def _accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
+                        scale: float, chunk: int = SCAN_CHUNK) -> None:
+    """``residual += scale * (p - old)``, then ``p = old``, for each parameter, chunk by chunk
+    so that the three tensors' chunks stay in cache across the three operations."""
+    for p, o, r in zip(params, old, residual, strict=True):
+        if p.is_contiguous() and o.is_contiguous():
+            parts = [(p.view(-1)[i: i + chunk], o.view(-1)[i: i + chunk],
+                      r.view(-1)[i: i + chunk]) for i in range(0, p.numel(), chunk)]
+        else:  # e.g. channels_last: elementwise on the whole tensor, any layout
+            parts = [(p, o, r)]
+        for p_part, o_part, r_part in parts:
+            p_part.sub_(o_part)  # the update, in place: no temporary
+            r_part.add_(p_part, alpha=scale)
+            p_part.copy_(o_part)  # from here on only the decoded messages move the parameters
 
 
 def _residual_dtype(params: list[nn.Parameter]) -> torch.dtype:
@@ -238,8 +268,7 @@ class SharedGradients(Synchronizer):
     def after_backward(self, ctx: StepContext) -> None:
         replica = self._require_setup()
         with torch.no_grad():
-            for p, old in zip(replica.params, replica.old, strict=True):
-                old.copy_(p)
+            replica.save_old()
         replica.old_saved = True
 
     def after_step(self, ctx: StepContext) -> None:
@@ -251,22 +280,18 @@ class SharedGradients(Synchronizer):
         scale = 1.0 / ctx.world_size if self.combine == "mean" else 1.0
         started = time.perf_counter()
         with torch.no_grad():
-            for p, old, r in zip(replica.params, replica.old, replica.residual_views, strict=True):
-                p.sub_(old)  # the update, computed in place: no temporary the size of p
-                r.add_(p, alpha=scale)
-                p.copy_(old)  # from here on only the decoded messages move the parameters
+            _accumulate_update_(replica.params, replica.old, replica.residual_views, scale)
             tau = self.threshold_algorithm.choose(replica.residual)
-            msg = self._encode(replica.residual, tau, replica.scratch)
+            found = scan(replica.residual, tau)
+            msg = self._encode(replica.residual, found)
             decode(msg, replica.residual, sign=-1)  # exact: see encoding's module docstring
             if self.momentum_masking:
                 self._masked += mask_momentum_(ctx.optimizer, replica.params, replica.bounds,
                                                moved_index(msg))
-            # One cheap reduction: the sum is finite unless an element is NaN/inf (or huge);
-            # only then count them, with the costlier elementwise test.
-            nonfinite = 0 if torch.isfinite(replica.residual.sum()) else \
+            # A peak is NaN or inf exactly when its chunk holds one: only then count them.
+            nonfinite = 0 if bool(torch.isfinite(found.peaks).all()) else \
                 int((~torch.isfinite(replica.residual)).sum())
-            if self.residual_post_processor is not None:
-                self.residual_post_processor.process(replica.residual, msg.tau, self.sync_steps)
+            self._post_process(replica.residual, found, msg.tau)
             self._record(msg)
             self._seconds["encoding"] += time.perf_counter() - started
             self._exchange_and_apply(msg, nonfinite, ctx)
@@ -277,9 +302,7 @@ class SharedGradients(Synchronizer):
         replica.old_saved = False
         msg = empty_message(replica.residual.numel(), replica.residual.device)
         with torch.no_grad():
-            # The parameters are still "old": this replica did not step.
-            for p, old in zip(replica.params, replica.old, strict=True):
-                old.copy_(p)
+            replica.save_old()  # the parameters are "old": this replica did not step
             self._exchange_and_apply(msg, 0, ctx)
 
     # -- internals ---------------------------------------------------------------------------
@@ -289,13 +312,24 @@ class SharedGradients(Synchronizer):
                                "setup(ctx) once per fit() before the first step")
         return self._replica
 
-    def _encode(self, residual: Tensor, tau: float, scratch: tuple[Tensor, Tensor]) -> Encoded:
-        if self.encoding == "bitmap":
-            return bitmap_encode(residual, tau, self._half_sign, scratch=scratch)
-        if self.encoding == "threshold":
-            return threshold_encode(residual, tau, scratch=scratch)
-        return encode(residual, tau, previous=self._format, half_sign=self._half_sign,
-                      scratch=scratch)
+    def _encode(self, residual: Tensor, found: Scan) -> Encoded:
+        forced = {"bitmap": Format.BITMAP, "threshold": Format.THRESHOLD}.get(self.encoding)
+        return encode_scan(residual, found, previous=self._format, half_sign=self._half_sign,
+                           format=forced)
+
+    def _post_process(self, residual: Tensor, found: Scan, tau: float) -> None:
+        """Let the post-processor act, on the chunks it can change only where it says which:
+        the message only lowered magnitudes, so a chunk whose peak is within the bound is
+        untouched."""
+        post = self.residual_post_processor
+        if post is None:
+            return
+        bound = post.bound(tau, self.sync_steps)
+        if bound is None:
+            post.process(residual, tau, self.sync_steps)
+            return
+        for i in torch.nonzero(~(found.peaks <= bound)).reshape(-1).tolist():  # NaN too
+            post.process(residual[i * found.chunk: (i + 1) * found.chunk], tau, self.sync_steps)
 
     def _record(self, msg: Encoded) -> None:
         self._format = msg.format
@@ -330,6 +364,8 @@ class SharedGradients(Synchronizer):
         # The parameters hold "old" here. Rank order: the same float sums on every replica.
         for message in messages:
             decode_into(message, replica.params, replica.bounds)
+            decode_into(message, replica.old, replica.bounds)  # the same sums: old mirrors
+        replica.stamps = replica.current_stamps()
         if self.broadcast_buffers and is_distributed(ctx):
             buffers = list(ctx.model.buffers())
             if buffers:

@@ -222,6 +222,12 @@ class ResidualPostProcessor:
     def process(self, residual: Tensor, tau: float, step: int) -> None:
         """Modify ``residual`` in place after the message for ``step`` was subtracted."""
 
+    def bound(self, tau: float, step: int) -> float | None:
+        """A magnitude that ``process`` leaves alone at this step: it changes no element of a
+        part of the residual whose elements are all within it, so the caller may skip such
+        parts (and pass ``process`` any part, not only the whole). None: no such promise."""
+        return None
+
     def config(self) -> dict[str, Any]:
         """The settings (JSON-able)."""
         return {"type": type(self).__name__,
@@ -256,6 +262,9 @@ class ResidualClipping(ResidualPostProcessor):
     def process(self, residual: Tensor, tau: float, step: int) -> None:
         if step > 0 and step % self.frequency == 0:
             clip_residual_(residual, self.ratio * tau)
+
+    def bound(self, tau: float, step: int) -> float:
+        return self.ratio * tau if step > 0 and step % self.frequency == 0 else math.inf
 
     def __repr__(self) -> str:
         return f"ResidualClipping(ratio={self.ratio!r}, frequency={self.frequency!r})"

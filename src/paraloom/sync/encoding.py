@@ -45,7 +45,8 @@ from torch import Tensor
 __all__ = [
     "Format", "Encoded", "Scan", "SCAN_CHUNK", "quantize_threshold", "full_step_mask",
     "scan", "choose_format", "threshold_encode", "bitmap_encode", "encode", "encode_scan",
-    "decode", "empty_message", "moved_index", "decode_into", "per_tensor", "at_flat",
+    "decode", "empty_message", "moved_index", "decode_into", "per_tensor", "add_at_flat_",
+    "fill_at_flat_",
 ]
 
 SCAN_CHUNK = 1 << 19
@@ -185,7 +186,7 @@ def scan(v: Tensor, tau: float, *, chunk: int = SCAN_CHUNK) -> Scan:
     index = torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=flat.device)
     upper = math.ldexp(1.0, exponent + _precision(flat.dtype))
     if index.numel() and not bool(peaks.max() < upper):  # inf, NaN, or past the exact bound
-        index = index[flat[index].abs() < upper]
+        index = index[flat.index_select(0, index).abs() < upper]
     return Scan(mantissa, exponent, index, peaks, chunk)
 
 
@@ -211,7 +212,7 @@ def _check_flat(v: Tensor) -> Tensor:
 
 def _threshold_payload(flat: Tensor, index: Tensor) -> Tensor:
     one_based = index + 1
-    return torch.where(flat[index] > 0, one_based, -one_based).to(torch.int32)
+    return torch.where(flat.index_select(0, index) > 0, one_based, -one_based).to(torch.int32)
 
 
 def _bitmap_payload(flat: Tensor, full: Tensor, tau: float, half_sign: int) -> Tensor:
@@ -326,7 +327,7 @@ def decode(msg: Encoded, out: Tensor, *, sign: int = 1) -> Tensor:
     index = payload.abs().to(torch.int64) - 1
     step = torch.tensor(msg.tau * sign, dtype=out.dtype, device=flat.device)
     values = torch.where(payload > 0, step, -step)
-    flat.index_put_((index,), values, accumulate=True)  # indices are unique: exact, deterministic
+    flat.scatter_add_(0, index, values)  # indices are unique: one exact addition each
     return out
 
 
@@ -349,9 +350,7 @@ def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor) -> None:
     payload = msg.payload
     for out, part, flat in per_tensor(payload.abs().to(torch.int64) - 1, outs, bounds):
         step = torch.tensor(msg.tau, dtype=out.dtype, device=out.device)
-        target, where = at_flat(out, flat)
-        target.index_put_(where, torch.where(payload[part].to(out.device) > 0, step, -step),
-                          accumulate=True)
+        add_at_flat_(out, flat, torch.where(payload[part].to(out.device) > 0, step, -step))
 
 
 def per_tensor(index: Tensor, tensors: Sequence[Tensor], bounds: Tensor,
@@ -369,9 +368,19 @@ def per_tensor(index: Tensor, tensors: Sequence[Tensor], bounds: Tensor,
         start, begin = end, begin + t.numel()
 
 
-def at_flat(t: Tensor, flat: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """``(target, where)`` such that ``target[where]`` are ``t``'s elements at the row-major
-    flat indices ``flat``, whatever ``t``'s memory layout (channels_last too)."""
+def add_at_flat_(t: Tensor, flat: Tensor, values: Tensor) -> None:
+    """Add ``values`` to ``t``'s elements at the unique row-major flat indices ``flat``,
+    whatever ``t``'s memory layout (channels_last too): one exact addition each."""
     if t.is_contiguous():
-        return t.view(-1), (flat,)
-    return t, torch.unravel_index(flat, t.shape)
+        t.view(-1).scatter_add_(0, flat, values)  # several times faster than index_put_
+    else:
+        t.index_put_(torch.unravel_index(flat, t.shape), values, accumulate=True)
+
+
+def fill_at_flat_(t: Tensor, flat: Tensor, value: float) -> None:
+    """Set ``t``'s elements at the row-major flat indices ``flat`` to ``value``, whatever
+    ``t``'s memory layout."""
+    if t.is_contiguous():
+        t.view(-1).index_fill_(0, flat, value)
+    else:
+        t[torch.unravel_index(flat, t.shape)] = value

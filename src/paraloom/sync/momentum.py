@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from paraloom.sync.encoding import at_flat, per_tensor
+from paraloom.sync.encoding import fill_at_flat_, per_tensor
 
 __all__ = ["MOMENTUM_STATE_KEYS", "has_momentum", "mask_momentum_"]
 
@@ -38,7 +38,6 @@ def mask_momentum_(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
         for key in MOMENTUM_STATE_KEYS:
             buffer = state.get(key)
             if isinstance(buffer, Tensor):
-                target, where = at_flat(buffer, flat)
-                target[where] = 0.0
+                fill_at_flat_(buffer, flat, 0.0)
                 zeroed += flat.numel()
     return zeroed

@@ -310,7 +310,7 @@ def test_clipping_only_the_chunks_past_its_bound_equals_clipping_everything() ->
     grad[0, 100] = -5.0  # one element far past 2 tau: only its chunk needs the clip
     from paraloom.sync import sharing
     real_scan = sharing.scan
-    sharing.scan = lambda v, tau: real_scan(v, tau, chunk=512)
+    sharing.scan = lambda v, tau: real_scan(v, tau, chunk=512)  # 6 chunks
     try:
         _step(sync, ctx, grad.tolist())
     finally:

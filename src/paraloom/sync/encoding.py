@@ -44,9 +44,9 @@ from torch import Tensor
 
 __all__ = [
     "Format", "Encoded", "Scan", "SCAN_CHUNK", "quantize_threshold", "full_step_mask",
-    "scan", "choose_format", "threshold_encode", "bitmap_encode", "encode", "encode_scan",
-    "decode", "empty_message", "moved_index", "decode_into", "per_tensor", "add_at_flat_",
-    "fill_at_flat_",
+    "scan", "scan_chunk", "choose_format", "threshold_encode", "bitmap_encode", "encode",
+    "encode_scan", "decode", "empty_message", "moved_index", "decode_into", "per_tensor",
+    "add_at_flat_", "fill_at_flat_",
 ]
 
 SCAN_CHUNK = 1 << 19
@@ -160,11 +160,19 @@ class Scan(NamedTuple):
         return math.ldexp(self.mantissa, self.exponent)
 
 
-def scan(v: Tensor, tau: float, *, chunk: int = SCAN_CHUNK) -> Scan:
+def scan_chunk(device: torch.device) -> int:
+    """``SCAN_CHUNK`` on a CPU; 16M elements on an accelerator, which has no cache to keep a
+    chunk in and pays a host synchronization per chunk (``nonzero``)."""
+    return SCAN_CHUNK if device.type == "cpu" else 1 << 24
+
+
+def scan(v: Tensor, tau: float, *, chunk: int | None = None) -> Scan:
     """The full steps of ``v`` for ``tau`` (rounded as ``quantize_threshold`` does) and each
     chunk's peak magnitude, in one pass: the same indices as ``full_step_mask``, chunk by chunk
-    (a scratch of ``chunk`` elements, never one the size of ``v``)."""
+    (a scratch of ``chunk`` elements, never one the size of ``v``; default ``scan_chunk``)."""
     flat = _check_flat(v)
+    if chunk is None:
+        chunk = scan_chunk(flat.device)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk={chunk!r}; expected an int >= 1 (elements per pass)")
     mantissa, exponent = quantize_threshold(tau, flat.dtype)

@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 from paraloom.sync.encoding import (
-    SCAN_CHUNK,
     Encoded,
     Format,
     Scan,
@@ -40,6 +39,7 @@ from paraloom.sync.encoding import (
     encode_scan,
     moved_index,
     scan,
+    scan_chunk,
 )
 from paraloom.sync.momentum import mask_momentum_
 from paraloom.sync.thresholds import (
@@ -127,10 +127,12 @@ def _views(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
 
 
 def _accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
-                        scale: float, chunk: int = SCAN_CHUNK) -> None:
+                        scale: float, chunk: int | None = None) -> None:
     """``residual += scale * (p - old)``, then ``p = old``, for each parameter, chunk by chunk
-    so that the three tensors' chunks stay in cache across the three operations."""
+    (default ``scan_chunk``) so that the three tensors' chunks stay in cache across the three
+    operations."""
     for p, o, r in zip(params, old, residual, strict=True):
+        chunk = chunk or scan_chunk(p.device)
         if p.is_contiguous() and o.is_contiguous():
             parts = [(p.view(-1)[i: i + chunk], o.view(-1)[i: i + chunk],
                       r.view(-1)[i: i + chunk]) for i in range(0, p.numel(), chunk)]

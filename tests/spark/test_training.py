@@ -23,10 +23,10 @@ from paraloom.spark.runtime.state import state_digest
 pytestmark = pytest.mark.timeout(300)
 
 
-def lenet() -> tuple[nn.Module, torch.optim.Optimizer]:
+def lenet(lr: float = 0.05) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = LeNet(image_size=8)
-    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
 def shared_master(**options) -> SharedTrainingMaster:
@@ -38,8 +38,9 @@ def shared_master(**options) -> SharedTrainingMaster:
 
 @pytest.fixture(scope="module")
 def shared_fit(spark, sc):
-    """One shared-master fit on partitions of 900 and 538 rows, with stats."""
-    model, opt = lenet()
+    """One shared-master fit on partitions of 900 and 538 rows, with stats, at the dense
+    recipe's lr 0.1 that the default sharing recipe is made for."""
+    model, opt = lenet(lr=0.1)
     before = state_digest(model.state_dict())
     net = SparkModel(spark, model, shared_master(repartition="never"),
                      loss_fn=nn.CrossEntropyLoss(), optimizer=opt)

@@ -6,11 +6,14 @@ import datetime
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import spark_helpers as h
+import torch
 import torch.distributed as dist
+from torch import nn
 
-from paraloom.spark import NetworkSettings, SharedTrainingMaster
+from paraloom.spark import NetworkSettings, SharedTrainingMaster, SparkModel, SparkTrainingError
 from paraloom.spark.training.rendezvous import interface_address, meet
 
 
@@ -75,3 +78,15 @@ def test_the_interface_gives_the_announced_address_and_a_missing_one_is_named():
     rdv, none = meet(OneTask(), None, 10, NetworkSettings(interface="nosuch0"))
     assert none is None
     assert "interface='nosuch0'" in rdv.errors[0][1] and "'lo'" in rdv.errors[0][1]
+
+
+def test_a_fit_whose_hosts_lack_the_interface_fails_naming_it(spark, sc):
+    """The rendezvous error of a task reaches the driver as the cause, not as "a peer failed"."""
+    model = nn.Linear(64, 10)
+    master = SharedTrainingMaster(16, workers=2, network=NetworkSettings(interface="nosuch0"),
+                                  rendezvous_timeout=60, timeout=30)
+    net = SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    rows = sc.parallelize([(np.zeros(64, np.float32), i % 10) for i in range(64)], 2)
+    with pytest.raises(SparkTrainingError, match=r"interface='nosuch0'.*its interfaces are"):
+        net.fit(rows)

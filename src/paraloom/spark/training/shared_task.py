@@ -164,9 +164,7 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
     if rdv.errors or prepared is None:
         if prepared is not None:
             prepared.data.close()
-        failed = [r for r, _ in rdv.errors]
-        yield failure(rank, setup_error, setup_tb) if setup_error else \
-            failure(rank, f"worker(s) {failed} failed while setting up; a peer failed first")
+        yield _setup_failure(rank, setup_error, setup_tb, rdv.errors)
         return
     board = None
     network = cfg.network or NetworkSettings()
@@ -188,6 +186,18 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
             prepared.data.close()
     _debug(rank, f"done: {record[0]}")
     yield record
+
+
+def _setup_failure(rank: int, error: str | None, tb: str | None,
+                   announced: tuple[tuple[int, str], ...]) -> Record:
+    """This rank's record when some rank could not set up: its own error (in its setup, or
+    in the rendezvous itself, e.g. no free port or no such interface), else the first
+    announced one, relayed (so the driver names the cause, not "a peer failed")."""
+    own = dict(announced).get(rank)
+    if error or own:
+        return failure(rank, error or own or "", tb)
+    cause, message = announced[0]
+    return failure(rank, message, cause_rank=cause)
 
 
 def _agree_rounds(local_batches: int, device: str) -> int:

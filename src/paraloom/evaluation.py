@@ -29,8 +29,15 @@ class Evaluation:
         self.confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64)
 
     def update(self, logits: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0) -> None:
-        """Count one batch of predictions (rows of logits or probabilities) against labels."""
-        pred = logits.argmax(dim=1).cpu()
+        """Count one batch of predictions (rows of logits or probabilities) against labels.
+
+        One score per row (shape ``(n,)`` or ``(n, 1)``) is a binary logit, as for
+        ``BCEWithLogitsLoss`` and ``ROC``: class 1 where it is above 0.
+        """
+        if logits.dim() == 1 or logits.shape[1] == 1:
+            pred = (logits.detach().reshape(-1) > 0).long().cpu()
+        else:
+            pred = logits.argmax(dim=1).cpu()
         targets = targets.cpu().long()
         idx = targets * self.num_classes + pred
         self.confusion += torch.bincount(idx, minlength=self.num_classes ** 2).view(

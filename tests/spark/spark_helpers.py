@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from html.parser import HTMLParser
 
 import torch
@@ -157,3 +158,34 @@ class ByName(nn.Module):
 
     def forward(self, *, top: torch.Tensor, bottom: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.towers(top, bottom)
+
+
+class Shaped(nn.Module):
+    """TwoTowers called with keywords, its ``top`` input reshaped to (4, 8) by feature_shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.towers = TwoTowers()
+
+    def forward(self, *, top: torch.Tensor, bottom: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if top.shape[1:] != (4, 8) or bottom.shape[1:] != (32,):
+            raise ValueError(f"inputs of shapes {tuple(top.shape)}, {tuple(bottom.shape)}")
+        return self.towers(top.flatten(1), bottom)
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports that are free now."""
+    for start in range(41000, 60000, 97):
+        socks = []
+        try:
+            for p in range(start, start + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return start
+    raise RuntimeError("no free port range")

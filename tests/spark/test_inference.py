@@ -72,6 +72,34 @@ def test_evaluate_regression_equals_local(spark, sc):
     assert metrics["r2"] == pytest.approx((1 - mse / y.var(0)).mean(), rel=1e-6)
 
 
+def test_binary_one_logit_model_gets_classification_roc_and_regression_in_one_pass(spark):
+    """DL4J's evaluateROC on a sigmoid output: one logit per row, double 0/1 labels (as
+    BCEWithLogitsLoss wants them), every metric in one pass, equal to the local ones."""
+    from sklearn.metrics import roc_auc_score
+
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 1)
+    g = np.random.default_rng(0)
+    x = g.normal(size=(300, 4)).astype(np.float32)
+    with torch.no_grad():
+        logit = linear(torch.from_numpy(x)).reshape(-1).numpy()
+    y = (logit + g.normal(size=300) > 0).astype(np.float64)  # overlapping classes
+    frame = spark.createDataFrame([(r.tolist(), float(v)) for r, v in zip(x, y, strict=True)],
+                                  "features array<float>, label double").repartition(3)
+    net = SparkModel(spark, linear, ParameterAveragingTrainingMaster(workers=2),
+                     loss_fn=nn.BCEWithLogitsLoss(), label_dtype=torch.float32)
+    # (n, 1) outputs against (n,) labels: a loss that squeezes, as users write for BCE
+    net.loss_fn = lambda out, target: nn.functional.binary_cross_entropy_with_logits(
+        out.squeeze(1), target)
+    found = net.evaluate(frame, metrics=["classification", "roc"], batch_size=64)
+    classes, roc = found["classification"].metrics(), found["roc"].metrics()
+    assert classes["count"] == roc["count"] == 300
+    assert classes["accuracy"] == pytest.approx(float(((logit > 0) == y).mean()))
+    assert 0.7 < roc["auc"] < 0.99
+    assert roc["auc"] == pytest.approx(roc_auc_score(y, logit), abs=1e-3)
+    assert net.evaluate(frame).accuracy == classes["accuracy"]  # the default metric too
+
+
 def test_predict_dataframe_equals_local_outputs(spark, model, digits_test):
     net = spark_model(spark, model, feature_shape=(1, 8, 8))
     df = h.dataframe(spark, "test").repartition(3)

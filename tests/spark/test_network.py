@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import spark_helpers as h
+import torch
 import torch.distributed as dist
+from torch import nn
 
-from paraloom.spark import NetworkSettings, SharedTrainingMaster
-from paraloom.spark.training.rendezvous import meet
+from paraloom.spark import NetworkSettings, SharedTrainingMaster, SparkModel, SparkTrainingError
+from paraloom.spark.training.rendezvous import interface_address, meet
 
 
 class OneTask:
@@ -27,27 +30,8 @@ class OneTask:
         return [message]
 
 
-def _free_ports(n: int) -> int:
-    """The first of ``n`` consecutive ports that are free now."""
-    for start in range(41000, 60000, 97):
-        try:
-            socks = []
-            for p in range(start, start + n):
-                s = socket.socket()
-                s.bind(("0.0.0.0", p))
-                socks.append(s)
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        if len(socks) == n:
-            return start
-    raise RuntimeError("no free port range")
-
-
 def test_store_listens_in_the_range_skipping_a_busy_port_and_announces_the_host():
-    first = _free_ports(3)
+    first = h.free_ports(3)
     busy = dist.TCPStore("0.0.0.0", first, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=5))
     try:
@@ -74,8 +58,35 @@ def test_settings_are_checked_and_the_interface_reaches_gloo_and_nccl(monkeypatc
     with pytest.raises(TypeError, match="expected a NetworkSettings"):
         SharedTrainingMaster(network={"port_range": (1, 2)})
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    NetworkSettings(interface="lo").apply_interface()
-    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth9")
+    with NetworkSettings(interface="lo").interface_env():
+        assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    # a reused Python worker's later tasks see what was there before
+    assert "GLOO_SOCKET_IFNAME" not in os.environ and os.environ["NCCL_SOCKET_IFNAME"] == "eth9"
     assert NetworkSettings(port_range=[5000, 5010]).port_range == (5000, 5010)
     assert SharedTrainingMaster(network=NetworkSettings(port_range=(5000, 5010))).network
+
+
+def test_the_interface_gives_the_announced_address_and_a_missing_one_is_named():
+    assert interface_address("lo") == "127.0.0.1"
+    rdv, store = meet(OneTask(), None, 10, NetworkSettings(interface="lo"))
+    assert rdv.host == "127.0.0.1" and rdv.port == store.port and rdv.errors == ()
+    # host= wins over the interface's address
+    rdv, _ = meet(OneTask(), None, 10, NetworkSettings(interface="lo", host="10.1.2.3"))
+    assert rdv.host == "10.1.2.3"
+    # a host without the interface fails the rendezvous at once, naming it and the fix
+    rdv, none = meet(OneTask(), None, 10, NetworkSettings(interface="nosuch0"))
+    assert none is None
+    assert "interface='nosuch0'" in rdv.errors[0][1] and "'lo'" in rdv.errors[0][1]
+
+
+def test_a_fit_whose_hosts_lack_the_interface_fails_naming_it(spark, sc):
+    """The rendezvous error of a task reaches the driver as the cause, not as "a peer failed"."""
+    model = nn.Linear(64, 10)
+    master = SharedTrainingMaster(16, workers=2, network=NetworkSettings(interface="nosuch0"),
+                                  rendezvous_timeout=60, timeout=30)
+    net = SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    rows = sc.parallelize([(np.zeros(64, np.float32), i % 10) for i in range(64)], 2)
+    with pytest.raises(SparkTrainingError, match=r"interface='nosuch0'.*its interfaces are"):
+        net.fit(rows)

@@ -55,8 +55,18 @@ def test_prebatched_dataframe_rows_train_and_evaluate_every_example(spark, sc, d
     outputs = net.predict(rdd.keys(), prebatched=True, argmax=True).collect()
     assert [len(o) for o in outputs[:2]] == [64, 64]
     with torch.no_grad():
-        local = net.model(test.tensors[0]).argmax(1).numpy()
-    assert np.array_equal(np.concatenate(outputs), local)
+        logits = net.model(test.tensors[0])
+    assert np.array_equal(np.concatenate(outputs), logits.argmax(1).numpy())
+    # A DataFrame of pre-batched rows: a list of n outputs per row, in the rows' order.
+    frame = _frame(spark, "test", 50).coalesce(1)
+    classes = net.predict(frame, prebatched=True, argmax=True, output="digit")
+    assert classes.schema["digit"].dataType.simpleString() == "array<bigint>"
+    rows = classes.collect()
+    assert [len(r.digit) for r in rows] == [50] * 7 + [9]
+    assert np.array_equal(np.concatenate([r.digit for r in rows]), logits.argmax(1).numpy())
+    scores = net.predict(frame, prebatched=True).select("prediction").collect()
+    np.testing.assert_allclose(np.concatenate([np.array(r.prediction) for r in scores]),
+                               logits.numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_prebatched_rows_must_be_lists_of_equal_counts(spark):
@@ -68,5 +78,10 @@ def test_prebatched_rows_must_be_lists_of_equal_counts(spark):
                                 "features array<array<float>>, label array<long>")
     with pytest.raises(Exception, match="same count"):
         net.evaluate(bad, prebatched=True)
-    with pytest.raises(ValueError, match="explode"):
-        net.predict(flat, prebatched=True)
+    with pytest.raises(TypeError, match="no list per row"):  # on the driver, from the schema
+        net.predict(flat.select(flat.label.alias("features")), prebatched=True)
+    empty = spark.createDataFrame([([], []), ([[0.0] * 64], [3])],
+                                  "features array<array<float>>, label array<long>")
+    for frame in (empty, empty.limit(1)):  # with a full minibatch, or only empty ones
+        rows = net.predict(frame.coalesce(1), prebatched=True, argmax=True).collect()
+        assert [len(r.prediction) for r in rows] == [0, 1][:len(rows)]  # empty: an empty list

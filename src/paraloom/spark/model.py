@@ -142,7 +142,7 @@ class SparkModel:
                           step_fn=self.step_fn, synchronizer=NoSync())
         state = cpu_copy(self.model.state_dict())
         job = FitJob(self.sc, spec, state, self._optimizer_state_now(), self.features)
-        columns = Columns.of(features, label, inputs)
+        columns = self._columns(data, features, label, inputs)
         if is_dataframe(data) or prebatched:  # DataFrames: decoded from Arrow batches
             job.chunked = True
             rows = data_chunks(data, columns, prebatched=prebatched)
@@ -192,6 +192,16 @@ class SparkModel:
             except (ValueError, KeyError) as e:  # a factory-built optimizer may differ in shape
                 log.debug("optimizer state not copied back: %s", e)
 
+    def _columns(self, data: object, features: Spec | None, label: Label,
+                 inputs: Inputs | None) -> Columns:
+        """The columns chosen, and for a DataFrame ``feature_shape`` checked against the
+        inputs they make: a mismatch fails on the driver, before any Spark job (the rows' own
+        sizes are checked where they are read)."""
+        columns = Columns.of(features, label, inputs)
+        if is_dataframe(data):
+            self.features.shapes_for(columns.features)
+        return columns
+
     def training_stats(self) -> TrainingStats | None:
         """Timings of the last ``fit(collect_stats=True)``; None if it did not collect them."""
         return self._stats
@@ -221,7 +231,7 @@ class SparkModel:
         A model with several outputs is evaluated on one: ``output=`` its index (or its key
         for a dict), matched with the same target of ``label=(...)``.
         """
-        columns = Columns.of(features, label, inputs)
+        columns = self._columns(data, features, label, inputs)
         if metrics is None:
             return self._evaluate(data, columns, output, batch_size, regression=False,
                                   prebatched=prebatched)
@@ -241,8 +251,9 @@ class SparkModel:
                             output: int | str | None = None, batch_size: int = 256,
                             prebatched: bool = False) -> RegressionEvaluation:
         """Regression metrics (MSE, MAE, RMSE, R² per output column, and their means)."""
-        return self._evaluate(data, Columns.of(features, label, inputs), output, batch_size,
-                              regression=True, prebatched=prebatched)
+        columns = self._columns(data, features, label, inputs)
+        return self._evaluate(data, columns, output, batch_size, regression=True,
+                              prebatched=prebatched)
 
     @overload
     def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
@@ -288,18 +299,17 @@ class SparkModel:
         ``output=("a", "b", ...)``, one new column per output. An RDD of features gives one
         numpy array (or class index, or a tuple of them for several outputs) per element, in
         order; with ``keyed=True`` it holds ``(key, features)`` pairs and gives
-        ``(key, output)`` pairs (DL4J's feedForwardWithKey). ``prebatched=True`` (RDDs): each
-        element is a minibatch of ``n`` rows and gets one array of ``n`` outputs.
+        ``(key, output)`` pairs (DL4J's feedForwardWithKey). ``prebatched=True``: each row
+        (element) is a minibatch of ``n`` examples and gets ``n`` outputs: a list per row in a
+        DataFrame (``array<array<float>>``, or ``array<long>`` with ``argmax``), one array per
+        element in an RDD.
         """
-        if prebatched and is_dataframe(data):
-            raise ValueError("predict(prebatched=True) takes an RDD of minibatches; for a "
-                             "DataFrame of pre-batched rows, explode them into one row per "
-                             "example first (F.explode(F.arrays_zip(...)))")
-        shipment = ship(self.sc, self.model, self.features)
         if is_dataframe(data):
-            columns = Columns.of(features, inputs=inputs)
-            return predict_dataframe(data, shipment, features=columns.features, output=output,
-                                     batch_size=batch_size, argmax=argmax)
+            columns = self._columns(data, features, "label", inputs)
+            return predict_dataframe(data, ship(self.sc, self.model, self.features),
+                                     features=columns.features, output=output,
+                                     batch_size=batch_size, argmax=argmax, prebatched=prebatched)
+        shipment = ship(self.sc, self.model, self.features)
         if is_rdd(data):
             return predict_rdd(data, shipment, batch_size=batch_size, argmax=argmax, keyed=keyed,
                                prebatched=prebatched)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 __all__ = ["arrow_column", "arrow_field", "batch_pair", "encode_chunk", "decode_chunk",
-           "arrow_chunks", "arrow_columns", "data_chunks"]
+           "arrow_chunks", "arrow_columns", "check_prebatched", "data_chunks", "unbatch"]
 
 CHUNK_ROWS = 256
 
@@ -122,33 +122,56 @@ def arrow_columns(df: DataFrame, names: list[str]) -> list[Any]:
             if type(df.schema[n].dataType).__name__ == "VectorUDT" else col(n) for n in names]
 
 
-def unbatched_pair(batch: pa.RecordBatch, columns: Columns, names: list[str]) -> Pair:
-    """Pre-batched rows (each cell a list with one entry per example) as the examples'
-    ``(features, label)`` arrays: the outer list level of every column is flattened."""
+def unbatch(cols: dict[str, pa.Array]) -> tuple[dict[str, pa.Array], np.ndarray]:
+    """Pre-batched columns (each cell a list with one entry per example) flattened to one
+    entry per example, and the examples per row; every column of a row must hold the same
+    count."""
     import pyarrow as pa
 
     flat: dict[str, pa.Array] = {}
     counts = None
-    for name in names:
-        arr = batch.column(name)
+    first = next(iter(cols), "")
+    for name, arr in cols.items():
         kind = arr.type
         if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)
                 or pa.types.is_fixed_size_list(kind)):
             raise TypeError(f"prebatched=True but column {name!r} holds {kind}, no list per "
                             f"row; a pre-batched row holds one entry per example in every "
                             f"column (features [n, ...], label [n])")
-        lengths = np.asarray(arr.value_lengths())
+        if arr.null_count:
+            raise ValueError(f"column {name!r} has {arr.null_count} null row(s); drop them "
+                             f"first (df.na.drop())")
+        lengths = np.asarray(arr.value_lengths(), dtype=np.int64)
         if counts is None:
             counts = lengths
         elif not np.array_equal(lengths, counts):
             raise ValueError(f"prebatched=True but column {name!r} holds "
-                             f"{lengths.tolist()[:4]} examples per row where {names[0]!r} holds "
+                             f"{lengths.tolist()[:4]} examples per row where {first!r} holds "
                              f"{counts.tolist()[:4]}: every column of a row needs the same "
                              f"count")
         flat[name] = arr.flatten()
-    total = int(counts.sum()) if counts is not None else 0
+    return flat, counts if counts is not None else np.zeros(0, np.int64)
+
+
+def unbatched_pair(batch: pa.RecordBatch, columns: Columns, names: list[str]) -> Pair:
+    """Pre-batched rows as the examples' ``(features, label)`` arrays: the outer list level
+    of every column is flattened (``unbatch``)."""
+    flat, counts = unbatch({name: batch.column(name) for name in names})
+    total = int(counts.sum())
     return (arrow_field(flat.__getitem__, total, columns.features),
             arrow_field(flat.__getitem__, total, columns.label))
+
+
+def check_prebatched(df: DataFrame, names: list[str]) -> None:
+    """On the driver: with ``prebatched=True`` every column must hold a list per row."""
+    from pyspark.sql.types import ArrayType
+
+    flat = {n: df.schema[n].dataType.simpleString() for n in names
+            if not isinstance(df.schema[n].dataType, ArrayType)}
+    if flat:
+        raise TypeError(f"prebatched=True but column(s) {flat} hold no list per row; a "
+                        f"pre-batched row holds one entry per example in every column "
+                        f"(features [n, ...], label [n])")
 
 
 def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
@@ -163,14 +186,7 @@ def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
 
     names = check_columns(df, columns)
     if prebatched:
-        from pyspark.sql.types import ArrayType
-
-        flat = {n: df.schema[n].dataType.simpleString() for n in names
-                if not isinstance(df.schema[n].dataType, ArrayType)}
-        if flat:
-            raise TypeError(f"prebatched=True but column(s) {flat} hold no list per row; a "
-                            f"pre-batched row holds one entry per example in every column "
-                            f"(features [n, ...], label [n])")
+        check_prebatched(df, names)
 
     def decode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:

@@ -59,29 +59,48 @@ class Features:
             t = t.reshape(len(t), *shape)
         return t
 
-    def features(self, x: Any) -> Any:
-        """A batch of feature rows as tensor(s) of the model's dtype and input shape(s)."""
+    def shapes_for(self, x: Any) -> Any:
+        """``feature_shape`` laid out like ``x`` (one input, a tuple or a dict of them): one
+        shape or None per input; a ValueError when they do not fit.
+
+        Only ``x``'s structure is read (its length or keys), so the driver checks
+        ``Columns.features`` with it before any Spark job.
+        """
         shape = self.shape
         if isinstance(x, tuple):
-            shapes: tuple[Any, ...] | None = (
-                shape if isinstance(shape, tuple) and not _is_shape(shape) else None)
+            if isinstance(shape, dict) or _is_shape(shape):
+                raise ValueError(f"feature_shape={shape} but the rows hold {len(x)} positional "
+                                 f"inputs; give a tuple with one shape (or None) per input, "
+                                 f"in order")
+            shapes = cast("tuple[Shape | None, ...] | None", shape)
             if shapes is not None and len(shapes) != len(x):
                 raise ValueError(f"feature_shape gives {len(shapes)} shapes but the rows hold "
                                  f"{len(x)} inputs; give one shape (or None) per input")
-            return tuple(self._input(v, shapes[i] if shapes else None, f"input {i}")
-                         for i, v in enumerate(x))
+            return shapes or (None,) * len(x)
         if isinstance(x, dict):
-            named = shape if isinstance(shape, dict) else {}
+            if shape is not None and not isinstance(shape, dict):
+                raise ValueError(f"feature_shape={shape} but the rows hold keyword inputs "
+                                 f"{list(x)}; give a dict of shapes by input name, e.g. "
+                                 f"{{{next(iter(x))!r}: (1, 8, 8)}}")
+            named = shape or {}
             unknown = sorted(set(named) - set(x))
             if unknown:
                 raise ValueError(f"feature_shape names inputs {unknown} that the rows do not "
                                  f"have; their inputs are {sorted(x)}")
-            return {k: self._input(v, named.get(k), f"input {k!r}") for k, v in x.items()}
+            return {k: named.get(k) for k in x}
         if shape is not None and not _is_shape(shape):
             raise ValueError(f"feature_shape={shape} gives several shapes but the rows hold one "
                              f"input; give one shape, or pass inputs=")
-        one = cast("Shape", shape) if _is_shape(shape) else None
-        return self._input(x, one, "features")
+        return shape
+
+    def features(self, x: Any) -> Any:
+        """A batch of feature rows as tensor(s) of the model's dtype and input shape(s)."""
+        shapes = self.shapes_for(x)
+        if isinstance(x, tuple):
+            return tuple(self._input(v, shapes[i], f"input {i}") for i, v in enumerate(x))
+        if isinstance(x, dict):
+            return {k: self._input(v, shapes[k], f"input {k!r}") for k, v in x.items()}
+        return self._input(x, shapes, "features")
 
     def _label(self, y: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(y))

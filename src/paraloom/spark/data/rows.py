@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Pair", "field", "Spec", "Inputs", "Label", "Columns", "to_array", "row_pair",
            "partition_arrays", "as_rows", "rows_of", "row_extractor", "check_columns",
-           "is_dataframe", "is_rdd"]
+           "check_names", "is_dataframe", "is_rdd"]
 
 Pair = tuple[Any, Any]
 """One element, or a stack of them: (features, label), each an array or a tuple / dict of them
@@ -191,14 +191,42 @@ def row_extractor(columns: Columns) -> Callable[[Row], Pair]:
     return lambda row: (_extract(row, columns.features), _extract(row, columns.label))
 
 
-def check_columns(df: DataFrame, columns: Columns) -> list[str]:
-    """The columns to select; a ValueError naming any that ``df`` lacks."""
-    names = columns.names()
+def _numeric(kind: Any, depth: int = 0) -> bool:
+    """A Spark type torch can take: numbers, booleans, (nested) arrays of them, ML vectors."""
+    from pyspark.sql.types import ArrayType, BooleanType, DecimalType, NumericType
+
+    if isinstance(kind, ArrayType):
+        return _numeric(kind.elementType, depth + 1)
+    if isinstance(kind, DecimalType):  # Arrow gives decimal objects, not numpy numbers
+        return False
+    if type(kind).__name__ == "VectorUDT":
+        return depth == 0  # vector_to_array converts top-level vector columns only
+    return isinstance(kind, (NumericType, BooleanType))
+
+
+def check_names(df: DataFrame, names: list[str], what: str) -> list[str]:
+    """``names``, checked on the driver: every one a column of ``df`` holding numbers.
+
+    A missing or non-numeric column fails here, before any Spark job, naming the fix.
+    """
     missing = [c for c in names if c not in df.columns]
     if missing:
         raise ValueError(f"the DataFrame has no column(s) {missing}; its columns are "
-                         f"{df.columns}. Pass features= (or inputs=) and label= column names")
+                         f"{df.columns}. Pass {what} column names")
+    wrong = {c: df.schema[c].dataType.simpleString() for c in names
+             if not _numeric(df.schema[c].dataType)}
+    if wrong:
+        raise TypeError(f"column(s) {wrong} do not hold numbers; expected numeric or boolean "
+                        f"columns, arrays of numbers, or Spark ML vectors. Cast them first "
+                        f"(F.col(name).cast('double'); a string label: "
+                        f"pyspark.ml.feature.StringIndexer)")
     return names
+
+
+def check_columns(df: DataFrame, columns: Columns) -> list[str]:
+    """The columns to select; a ValueError naming any that ``df`` lacks, a TypeError for
+    any that does not hold numbers."""
+    return check_names(df, columns.names(), "features= (or inputs=) and label=")
 
 
 def as_rows(data: RDD[Any] | DataFrame, features: Spec | None = None, label: Label = "label",

@@ -15,7 +15,7 @@ import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 import cloudpickle
 import numpy as np
@@ -28,13 +28,14 @@ from paraloom.evaluation import Evaluation
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.spark.data import Features, Pair, num_rows, take
 from paraloom.spark.data.arrays import stack
-from paraloom.spark.data.arrow import arrow_columns
-from paraloom.spark.data.rows import field
+from paraloom.spark.data.arrow import arrow_columns, check_prebatched
+from paraloom.spark.data.rows import check_names, field
 from paraloom.spark.evaluation.metrics import (
     MetricSet,
     MetricState,
     RegressionEvaluation,
     merge_evaluations,
+    metric_factory,
 )
 from paraloom.spark.runtime import cached, pack, task_threads, unpack
 
@@ -126,14 +127,6 @@ def _chunks(rows: Iterable[T], size: int) -> Iterator[list[T]]:
         yield chunk
 
 
-def _classification(out: torch.Tensor) -> Evaluation:
-    return Evaluation(int(out.shape[1]))
-
-
-def _regression(out: torch.Tensor) -> RegressionEvaluation:
-    return RegressionEvaluation(out[0].numel())
-
-
 def _slices(chunks: Iterable[Pair], size: int) -> Iterator[Pair]:
     """Chunks cut to at most ``size`` rows (never joined: metrics add up per slice)."""
     for x, y in chunks:
@@ -193,9 +186,9 @@ def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | Non
 
     ``output`` picks which of a multi-output model's outputs (and targets) is counted.
     """
-    if regression:
-        return _aggregate(chunks, shipment, loss_fn, batch_size, _regression, depth, output)
-    return _aggregate(chunks, shipment, loss_fn, batch_size, _classification, depth, output)
+    new_state = metric_factory("regression" if regression else "classification")
+    state = _aggregate(chunks, shipment, loss_fn, batch_size, new_state, depth, output)
+    return cast("Evaluation | RegressionEvaluation", state)
 
 
 def evaluate_metrics(chunks: RDD[Pair], shipment: Shipment, metrics: Sequence[str], *,
@@ -291,33 +284,44 @@ def _arrow_output(out: torch.Tensor, argmax: bool, dtype: str) -> Any:
 
 
 def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: Any,
-               names: list[str], outputs: tuple[str, ...] | None,
-               empty: Any) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    from paraloom.spark.data.arrow import arrow_field
+               names: list[str], outputs: tuple[str, ...] | None, empty: Any,
+               prebatched: bool = False) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    from paraloom.spark.data.arrow import arrow_field, unbatch
 
     dtype = shipment.features.dtype
 
     def score(cols: tuple[Any, ...]) -> Any:
         import pyarrow as pa
 
-        rows = len(cols[0])
-        if not rows:
+        if not len(cols[0]):
             return pa.array([], empty)
         by_name = dict(zip(names, cols, strict=True))
+        rows, per_row = len(cols[0]), None
+        if prebatched:  # every row a minibatch: score its examples, give them back per row
+            by_name, counts = unbatch(by_name)
+            rows, per_row = int(counts.sum()), pa.array(
+                np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+            if not rows:  # only empty minibatches: nothing to run the model on
+                value: Any = [] if outputs is None else dict.fromkeys(outputs, [])
+                return pa.array([value] * len(counts), empty)
         x = arrow_field(by_name.__getitem__, rows, features)
         out = _outputs(shipped_model(shipment), x, shipment.features, batch_size)
         parts = _several(out)
+
+        def column(o: torch.Tensor) -> Any:
+            one = _arrow_output(o, argmax, dtype)
+            return one if per_row is None else pa.ListArray.from_arrays(per_row, one)
+
         if outputs is None:
             if parts is not None:
                 raise ValueError(f"the model returned {len(parts)} outputs; give predict() "
                                  f"output=(name, ...) with one column name per output")
-            return _arrow_output(out, argmax, dtype)
+            return column(out)
         if parts is None or len(parts) != len(outputs):
             got = 1 if parts is None else len(parts)
             raise ValueError(f"output={outputs} names {len(outputs)} columns but the model "
                              f"returned {got} output(s); give one name per output")
-        return pa.StructArray.from_arrays([_arrow_output(o, argmax, dtype) for o in parts],
-                                          names=list(outputs))
+        return pa.StructArray.from_arrays([column(o) for o in parts], names=list(outputs))
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         task_threads()
@@ -329,16 +333,19 @@ def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: Any,
 
 def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
                       output: str | tuple[str, ...] = "prediction", batch_size: int = 256,
-                      argmax: bool = False) -> DataFrame:
+                      argmax: bool = False, prebatched: bool = False) -> DataFrame:
     """``df`` with a column ``output``: the model's output per row (flattened), or its argmax.
 
     ``features`` is a column spec, a tuple of them or a dict of them (``Columns.features``);
     a model with several outputs needs ``output`` to name one column per output.
+    ``prebatched``: every row holds a minibatch (lists of ``n`` examples) and gets a list of
+    ``n`` outputs.
     """
     import pyarrow as pa
     from pyspark.sql.functions import ArrowUDFType, arrow_udf, col
     from pyspark.sql.types import (
         ArrayType,
+        DataType,
         DoubleType,
         FloatType,
         LongType,
@@ -346,29 +353,29 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
         StructType,
     )
 
-    names = _layout(features)
-    missing = [n for n in names if n not in df.columns]
-    if missing:
-        raise ValueError(f"the DataFrame has no column(s) {missing}; its columns are "
-                         f"{df.columns}. Pass features= (or inputs=) the input column name(s)")
+    names = check_names(df, _layout(features), "features= (or inputs=)")
+    if prebatched:
+        check_prebatched(df, names)
     cols = arrow_columns(df, names)
     element = DoubleType() if shipment.features.dtype == "float64" else FloatType()
-    one = LongType() if argmax else ArrayType(element)
+    one: DataType = LongType() if argmax else ArrayType(element)
     outputs = (output,) if isinstance(output, str) else tuple(output)
     if not outputs or not all(isinstance(o, str) for o in outputs):
         raise TypeError(f"output={output!r}; expected a column name, or a tuple of names (one "
                         f"per model output)")
     several = not isinstance(output, str)
-    return_type = StructType([StructField(n, one) for n in outputs]) if several else one
     element_pa = pa.float64() if shipment.features.dtype == "float64" else pa.float32()
     one_pa = pa.int64() if argmax else pa.list_(element_pa)
+    if prebatched:  # one output per example: a list of them per row
+        one, one_pa = ArrayType(one), pa.list_(one_pa)
+    return_type = StructType([StructField(n, one) for n in outputs]) if several else one
     empty = pa.struct([(n, one_pa) for n in outputs]) if several else one_pa
+    # A struct return type is allowed (documented), though pyspark's overloads omit it.
     with warnings.catch_warnings():  # "prefer type hints": the type is given, hints need pa
         warnings.simplefilter("ignore", UserWarning)
-        udf = arrow_udf(_arrow_udf(shipment, batch_size, argmax, features, names,
-                                   outputs if several else None, empty),
-                        return_type,  # type: ignore[arg-type]  # a struct is allowed (documented)
-                        ArrowUDFType.SCALAR_ITER)
+        udf = arrow_udf(_arrow_udf(shipment, batch_size, argmax, features, names,  # type: ignore[call-overload]
+                                   outputs if several else None, empty, prebatched),
+                        return_type, ArrowUDFType.SCALAR_ITER)
     if not several:
         return df.withColumn(outputs[0], udf(*cols))
     scored = "__paraloom_outputs"

@@ -37,12 +37,17 @@ METRICS = ("classification", "roc", "regression")
 """What ``evaluate(metrics=[...])`` computes: Evaluation, ROC, RegressionEvaluation."""
 
 
+def _classes(out: torch.Tensor) -> int:
+    """Classes a batch of outputs scores: one per column, 2 for one logit per row (binary)."""
+    return int(out.shape[1]) if out.dim() > 1 and out.shape[1] > 1 else 2
+
+
 def metric_factory(name: str) -> Callable[[torch.Tensor], MetricState]:
     """A state builder for one metric name, sized from the first batch of outputs."""
     if name == "classification":
-        return lambda out: Evaluation(int(out.shape[1]) if out.dim() > 1 else 2)
+        return lambda out: Evaluation(_classes(out))
     if name == "roc":
-        return lambda out: ROC(int(out.shape[1]) if out.dim() > 1 and out.shape[1] > 1 else 2)
+        return lambda out: ROC(_classes(out))
     if name == "regression":
         return lambda out: RegressionEvaluation(out[0].numel())
     raise ValueError(f"unknown metric {name!r}; expected some of {list(METRICS)}")

@@ -10,19 +10,22 @@ for this stage attempt; every other rank announces only whether its own setup fa
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import secrets
+import socket
+import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["BarrierContext", "Rendezvous", "task_host", "local_rank", "bounded_call", "meet",
-           "connect", "init_group"]
+__all__ = ["BarrierContext", "NetworkSettings", "Rendezvous", "task_host", "local_rank",
+           "bounded_call", "interface_address", "meet", "connect", "init_group"]
 
 T = TypeVar("T")
 
@@ -50,9 +53,10 @@ class NetworkSettings:
 
     ``port_range=(first, last)``: rank 0's rendezvous store listens on the first free port
     in it (inclusive; default: any free port). ``host``: the address the other ranks connect
-    to (default: the address Spark gives rank 0's task). ``interface``: the network
-    interface gloo / NCCL use for the collectives (``GLOO_SOCKET_IFNAME`` /
-    ``NCCL_SOCKET_IFNAME``, e.g. "eth1"; default: their own choice).
+    to (default: ``interface``'s address on rank 0's host if given, else the address Spark
+    gives rank 0's task). ``interface``: the network interface gloo / NCCL bind to for the
+    collectives (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, e.g. "eth1"; default: their
+    own choice); every task checks that its host has it.
     """
 
     port_range: tuple[int, int] | None = None
@@ -74,11 +78,48 @@ class NetworkSettings:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name}={value!r}; expected a non-empty string or None")
 
-    def apply_interface(self) -> None:
-        """Point gloo and NCCL at ``interface`` in this process (before the group forms)."""
-        if self.interface:
-            os.environ["GLOO_SOCKET_IFNAME"] = self.interface
-            os.environ["NCCL_SOCKET_IFNAME"] = self.interface
+    @contextlib.contextmanager
+    def interface_env(self) -> Iterator[None]:
+        """Point gloo and NCCL at ``interface`` while the group forms and trains; the
+        previous values come back after (a reused Python worker runs later tasks too)."""
+        if not self.interface:
+            yield
+            return
+        names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+        before = {n: os.environ.get(n) for n in names}
+        os.environ.update(dict.fromkeys(names, self.interface))
+        try:
+            yield
+        finally:
+            for n, value in before.items():
+                if value is None:
+                    os.environ.pop(n, None)
+                else:
+                    os.environ[n] = value
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` on this host (Linux); a ValueError
+    naming the host's interfaces when it has no such interface."""
+    names = [n for _, n in socket.if_nameindex()]
+    if name not in names:
+        raise ValueError(f"NetworkSettings(interface={name!r}): {socket.gethostname()} has no "
+                         f"such network interface; its interfaces are {names}. Name one that "
+                         f"every executor host has, or leave interface unset")
+    try:
+        import fcntl
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            request = struct.pack("256s", name.encode()[:15])
+            reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
+        return socket.inet_ntoa(reply[20:24])
+    except (ImportError, OSError) as e:
+        raise ValueError(f"NetworkSettings(interface={name!r}): no IPv4 address found for it "
+                         f"on {socket.gethostname()} ({e}); give host= the address the other "
+                         f"workers should connect to") from e
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's address (netdevice(7))
 
 
 def open_store(network: NetworkSettings | None, timeout_s: float) -> dist.TCPStore:
@@ -158,13 +199,15 @@ def meet(context: BarrierContext, setup_error: str | None, timeout_s: float,
     rank = context.partitionId()
     store = None
     message: dict[str, Any] = {"error": setup_error}
-    if rank == 0:
-        try:
+    try:
+        # The interface's own address, checked on every rank: gloo binds to it there.
+        found = interface_address(network.interface) if network and network.interface else None
+        if rank == 0:
+            host = network.host if network and network.host else found
             store = open_store(network, timeout_s)
-            message.update(port=store.port, run_id=secrets.token_hex(8),
-                           host=network.host if network else None)
-        except Exception as e:  # announced, so that no peer waits for a store never opened
-            message["error"] = message["error"] or f"{type(e).__name__}: {e}"
+            message.update(port=store.port, run_id=secrets.token_hex(8), host=host)
+    except Exception as e:  # announced, so that no peer waits for a store never opened
+        message["error"] = message["error"] or f"{type(e).__name__}: {e}"
     replies = bounded_call(lambda: context.allGather(json.dumps(message)), timeout_s,
                            f"the rendezvous allGather of rank {rank}")
     parsed = [json.loads(r) for r in replies]

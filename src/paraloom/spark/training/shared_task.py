@@ -164,28 +164,40 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
     if rdv.errors or prepared is None:
         if prepared is not None:
             prepared.data.close()
-        failed = [r for r, _ in rdv.errors]
-        yield failure(rank, setup_error, setup_tb) if setup_error else \
-            failure(rank, f"worker(s) {failed} failed while setting up; a peer failed first")
+        yield _setup_failure(rank, setup_error, setup_tb, rdv.errors)
         return
     board = None
-    try:
-        begin, t = rec.now(), time.perf_counter()
-        if cfg.network is not None:
-            cfg.network.apply_interface()
-        store = store or connect(rdv, cfg.timeout_s)
-        board = ErrorBoard(store, rank, cfg.world_size, rdv.run_id)
-        init_group(rdv, rank, cfg.world_size, prepared.backend, cfg.timeout_s, store)
-        rec.event("process group", begin, time.perf_counter() - t)
-        record = _train(prepared, cfg, rank, rec)
-    except Exception as e:
-        _debug(rank, f"failed: {type(e).__name__}: {e}")
-        record = settle(e, board, rank)  # re-raises when a peer died: Spark re-runs the stage
-    finally:
-        leave_group()
-        prepared.data.close()
+    network = cfg.network or NetworkSettings()
+    # gloo binds to the interface as the group forms, NCCL at its first collective: the
+    # variables stay set until the task ends.
+    with network.interface_env():
+        try:
+            begin, t = rec.now(), time.perf_counter()
+            store = store or connect(rdv, cfg.timeout_s)
+            board = ErrorBoard(store, rank, cfg.world_size, rdv.run_id)
+            init_group(rdv, rank, cfg.world_size, prepared.backend, cfg.timeout_s, store)
+            rec.event("process group", begin, time.perf_counter() - t)
+            record = _train(prepared, cfg, rank, rec, f"{rdv.host}:{rdv.port}")
+        except Exception as e:
+            _debug(rank, f"failed: {type(e).__name__}: {e}")
+            record = settle(e, board, rank)  # re-raises when a peer died: Spark re-runs it
+        finally:
+            leave_group()
+            prepared.data.close()
     _debug(rank, f"done: {record[0]}")
     yield record
+
+
+def _setup_failure(rank: int, error: str | None, tb: str | None,
+                   announced: tuple[tuple[int, str], ...]) -> Record:
+    """This rank's record when some rank could not set up: its own error (in its setup, or
+    in the rendezvous itself, e.g. no free port or no such interface), else the first
+    announced one, relayed (so the driver names the cause, not "a peer failed")."""
+    own = dict(announced).get(rank)
+    if error or own:
+        return failure(rank, error or own or "", tb)
+    cause, message = announced[0]
+    return failure(rank, message, cause_rank=cause)
 
 
 def _agree_rounds(local_batches: int, device: str) -> int:
@@ -244,7 +256,8 @@ def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Record:
+def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
+           rendezvous: str) -> Record:
     rounds = _agree_rounds(batch_count(p.data.rows, cfg.batch_size), p.device)
     if rounds == 0:
         raise ValueError("no worker has any training rows: the data is empty")
@@ -272,7 +285,7 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder) -> Re
         "sync": p.runner.replica.sync.stats(),
         "digest": state_digest(p.runner.replica.model_state()), "device": p.device,
         "resumed_from_step": position[2] if resume is not None else None,
-        "peak_rss": peak_rss()}
+        "peak_rss": peak_rss(), "rendezvous": rendezvous}
     if cfg.collect_stats:
         info["stats"] = rec.to_dict()
     return ok(rank, info, state)

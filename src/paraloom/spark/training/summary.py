@@ -55,6 +55,7 @@ def shared_summary(infos: dict[int, dict[str, Any]], job: FitJob, cfg: SharedCon
         "sync": infos[ranks[0]]["sync"], "replica_digests": digests,
         "replicas_identical": len(set(digests)) == 1, "stage_attempts": attempts,
         "resumed_from_step": resumed[0], "device": infos[ranks[0]]["device"],
+        "rendezvous": infos[ranks[0]].get("rendezvous"),
         "worker_peak_rss_mb": [infos[r].get("peak_rss", 0) / 2**20 for r in ranks]}
 
 

@@ -4,13 +4,13 @@
 cap the load), each sending one pre-encoded request and waiting for its answer, again and again:
 over HTTP a keep-alive connection POSTing the same bytes in one write, over gRPC an HTTP/2
 connection per caller sending the same headers and serialized message on a new stream for each
-call (``paraloom.bench.h2c``, about as cheap per call as the HTTP caller; ``Target(grpcio=True)``
-uses grpcio's asyncio client instead, which costs the client about five times the CPU per call).
-The callers of a process share one
-asyncio event loop (uvloop when installed): the client shares the cores with the servers, so
-every microsecond it spends per request is taken from them. Neither side re-encodes tensors per
-request, so every server gets the same work from the client. Measured: answers per second over
-the window, latency percentiles, errors, and the CPU seconds the server's processes used.
+call (``paraloom.bench.h2c``, nearly as cheap per call as the HTTP caller;
+``Target(grpcio=True)`` uses grpcio's asyncio client instead, which costs the client several
+times the CPU per call). The callers of a process share one asyncio event loop (uvloop when
+installed): the client shares the cores with the servers, so every microsecond it spends per
+request is taken from them. Neither side re-encodes tensors per request, so every server gets
+the same work from the client. Measured: answers per second over the window, latency
+percentiles, errors, and the CPU seconds the server's processes and the client used.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ from paraloom.bench.load import Target, cpu_seconds, percentile, run_load
 from paraloom.bench.serving import _grpc_request, _v2_binary, _v2_json, summarize
 from paraloom.models import LeNet
 from paraloom.serving import ServerThread, create_app
+from paraloom.serving.grpc.messages import message
+
+_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
 def test_percentiles_are_nearest_rank() -> None:
@@ -25,11 +28,12 @@ def test_percentiles_are_nearest_rank() -> None:
 def test_summary_takes_medians_over_rounds() -> None:
     def run(rps: float, p99: float) -> dict:
         return {"requests_per_s": rps, "p50_ms": 1.0, "p99_ms": p99, "server_cpu_per_s": 1.0,
-                "errors": 1}
-    rounds = [{"a @1": run(100, 9)}, {"a @1": run(300, 3)}, {"a @1": run(200, 5)}]
+                "client_cpu_per_s": 0.1, "errors": 1}
+    rounds = [{"a @1": run(100, 9)}, {"a @1": run(400, 3)}, {"a @1": run(200, 5)}]
     assert summarize(rounds)["a @1"] == {
         "requests_per_s": 200, "p50_ms": 1.0, "p99_ms": 5, "server_cpu_per_s": 1.0,
-        "range_requests_per_s": [100, 300], "errors": 3}
+        "server_cpu_ms_per_request": 5.0, "client_cpu_ms_per_request": 0.5,
+        "range_requests_per_s": [100, 400], "errors": 3}
 
 
 def test_cpu_seconds_of_this_process_group_grow_with_work() -> None:
@@ -53,8 +57,8 @@ def test_the_load_generator_gets_answers_over_http_and_grpc() -> None:
                        Target(server.host, server.port, binary, path="/v2/models/lenet/infer",
                               headers=(("Content-Type", "application/octet-stream"),
                                        ("Inference-Header-Content-Length", str(header)))),
-                       Target(server.host, port, _grpc_request(x),
-                              method="/inference.GRPCInferenceService/ModelInfer")):
+                       Target(server.host, port, _grpc_request(x), method=_INFER),
+                       Target(server.host, port, _grpc_request(x), method=_INFER, grpcio=True)):
             result = run_load(target, concurrency=3, duration=0.5, warmup=0.1, processes=2)
             assert result["errors"] == 0 and result["requests"] > 0
             assert 0 < result["p50_ms"] <= result["p99_ms"]
@@ -63,3 +67,22 @@ def test_the_load_generator_gets_answers_over_http_and_grpc() -> None:
         assert result["requests"] == 0 and result["errors"] > 0
         assert result["error_kinds"] == ["HTTP 400"]
 
+
+
+def test_the_h2c_caller_counts_grpc_errors_and_large_messages() -> None:
+    torch.manual_seed(0)
+    with ServerThread(create_app(LeNet(image_size=8).eval(), name="lenet", workers=1),
+                      grpc_port=0) as server:
+        port = int(server.grpc_url.rsplit(":", 1)[1])
+        unknown = message("ModelInferRequest")(model_name="nope")
+        unknown.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
+        unknown.raw_input_contents.append(bytes(256))
+        result = run_load(Target(server.host, port, unknown.SerializeToString(), method=_INFER),
+                          concurrency=2, duration=0.3, warmup=0.0, processes=1)
+        assert result["requests"] == 0 and result["error_kinds"] == ["gRPC error status"]
+        # 25.6 KB: two DATA frames per call, and the server's 64 KB window is spent every
+        # third call, so calls go on only if its WINDOW_UPDATEs are read
+        big = _grpc_request(torch.rand(100, 1, 8, 8))
+        result = run_load(Target(server.host, port, big, method=_INFER), concurrency=2,
+                          duration=0.5, warmup=0.0, processes=1)
+        assert result["errors"] == 0 and result["requests"] > 0

@@ -2,12 +2,15 @@
 
 ``concurrency`` callers spread over ``processes`` processes (so the client's own GIL does not
 cap the load), each sending one pre-encoded request and waiting for its answer, again and again:
-over HTTP a keep-alive connection POSTing the same bytes in one write, over gRPC a channel per
-caller calling the method with the same serialized message. The callers of a process share one
-asyncio event loop (uvloop when installed): the client shares the cores with the servers, so
-every microsecond it spends per request is taken from them. Neither side re-encodes tensors per
-request, so every server gets the same work from the client. Measured: answers per second over
-the window, latency percentiles, errors, and the CPU seconds the server's processes used.
+over HTTP a keep-alive connection POSTing the same bytes in one write, over gRPC an HTTP/2
+connection per caller sending the same headers and serialized message on a new stream for each
+call (``paraloom.bench.h2c``, nearly as cheap per call as the HTTP caller;
+``Target(grpcio=True)`` uses grpcio's asyncio client instead, which costs the client several
+times the CPU per call). The callers of a process share one asyncio event loop (uvloop when
+installed): the client shares the cores with the servers, so every microsecond it spends per
+request is taken from them. Neither side re-encodes tensors per request, so every server gets
+the same work from the client. Measured: answers per second over the window, latency
+percentiles, errors, and the CPU seconds the server's processes and the client used.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import functools
 import math
 import multiprocessing as mp
 import os
+import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
+
+from paraloom.bench.h2c import GrpcCaller
 
 __all__ = ["Target", "cpu_seconds", "percentile", "run_load"]
 
@@ -35,6 +41,7 @@ class Target:
     path: str = ""
     headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),)
     method: str = ""  # gRPC: "/inference.GRPCInferenceService/ModelInfer"
+    grpcio: bool = False  # gRPC through grpcio's asyncio client, not the h2c caller
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -109,13 +116,26 @@ async def _http_caller(target: Target, stop_at: float, measure_from: float,
     head = [f"POST {target.path} HTTP/1.1", f"Host: {target.host}:{target.port}",
             f"Content-Length: {len(target.body)}", *(f"{k}: {v}" for k, v in target.headers)]
     request = ("\r\n".join(head) + "\r\n\r\n").encode() + target.body
+    await _connected(target, stop_at, errors, lambda done: _HttpCaller(
+        request, stop_at, measure_from, out, errors, done))
+
+
+async def _h2c_caller(target: Target, stop_at: float, measure_from: float,
+                      out: list[float], errors: list[str]) -> None:
+    authority = f"{target.host}:{target.port}"
+    await _connected(target, stop_at, errors, lambda done: GrpcCaller(
+        target.method, authority, target.body, stop_at, measure_from, out, errors, done))
+
+
+async def _connected(target: Target, stop_at: float, errors: list[str],
+                     protocol: Callable[[asyncio.Future[None]], asyncio.Protocol]) -> None:
+    """Run a caller's protocol until ``stop_at``; a lost connection is counted, then replaced."""
     loop = asyncio.get_running_loop()
-    while time.perf_counter() < stop_at:  # a lost connection is counted, then replaced
+    while time.perf_counter() < stop_at:
         done: asyncio.Future[None] = loop.create_future()
         try:
-            await loop.create_connection(functools.partial(
-                _HttpCaller, request, stop_at, measure_from, out, errors, done),
-                target.host, target.port)
+            await loop.create_connection(functools.partial(protocol, done),
+                                         target.host, target.port)
         except OSError as e:
             errors.append(type(e).__name__)
             await asyncio.sleep(0.05)
@@ -148,7 +168,9 @@ async def _grpc_caller(target: Target, stop_at: float, measure_from: float,
 
 async def _callers(target: Target, callers: int, stop_at: float, measure_from: float,
                    latencies: list[list[float]], errors: list[str]) -> None:
-    caller = _grpc_caller if target.method else _http_caller
+    caller = _http_caller
+    if target.method:
+        caller = _grpc_caller if target.grpcio else _h2c_caller
     await asyncio.wait_for(asyncio.gather(*(
         caller(target, stop_at, measure_from, latencies[i], errors) for i in range(callers))),
         timeout=stop_at - time.perf_counter() + 120)
@@ -164,6 +186,25 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
     uvloop.run(main)
 
 
+class _CpuWindow:
+    """This process's CPU seconds between two ``perf_counter`` instants, read by a thread
+    that sleeps until each (so start-up and warm-up are not counted)."""
+
+    def __init__(self, start: float, stop: float) -> None:
+        self.readings: list[float] = []
+        self._thread = threading.Thread(target=self._read, args=(start, stop), daemon=True)
+        self._thread.start()
+
+    def _read(self, *instants: float) -> None:
+        for at in instants:
+            time.sleep(max(0.0, at - time.perf_counter()))
+            self.readings.append(time.process_time())
+
+    def seconds(self) -> float:
+        self._thread.join(60)
+        return self.readings[1] - self.readings[0] if len(self.readings) == 2 else math.nan
+
+
 def _process(target: Target, callers: int, ready: Any, go: Any, start: Any, warmup: float,
              duration: float, results: Any) -> None:
     ready.put(os.getpid())  # imported and ready: the parent starts every process at once
@@ -174,11 +215,12 @@ def _process(target: Target, callers: int, ready: Any, go: Any, start: Any, warm
     stop_at = measure_from + duration
     latencies: list[list[float]] = [[] for _ in range(callers)]
     errors: list[str] = []
+    window = _CpuWindow(measure_from, stop_at)
     try:
         _run(_callers(target, callers, stop_at, measure_from, latencies, errors))
     except Exception as e:  # noqa: BLE001 - reported as the run's errors, never a hang
         errors.append(f"{type(e).__name__}: {e}")
-    results.put(([x for one in latencies for x in one], errors, time.process_time()))
+    results.put(([x for one in latencies for x in one], errors, window.seconds()))
 
 
 def cpu_seconds(pgid: int) -> float:
@@ -237,4 +279,4 @@ def run_load(target: Target, *, concurrency: int, duration: float, warmup: float
             "p99_ms": round(percentile(latencies, 99) * 1e3, 2),
             "errors": len(errors), "error_kinds": sorted(set(errors))[:5],
             "server_cpu_per_s": round((cpu_after - cpu_before) / duration, 2),
-            "client_cpu_s": round(client_cpu, 2)}
+            "client_cpu_per_s": round(client_cpu / duration, 2)}

@@ -102,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="interleaved rounds over every server; medians are reported (2)")
     parser.add_argument("--client-processes", type=int, default=2,
                         help="processes the client's callers are spread over (2)")
+    parser.add_argument("--grpc-client", choices=("h2c", "grpcio"), default="h2c",
+                        help="the load client's gRPC side: h2c, a raw HTTP/2 caller about as "
+                        "cheap per call as the HTTP one, or grpcio's asyncio client (h2c)")
     parser.add_argument("--workers", type=int, default=2, help="model replicas per server (2)")
     parser.add_argument("--batch-limit", type=int, default=32, help="rows per batch (32)")
     parser.add_argument("--max-wait-ms", type=float, default=5.0,
@@ -246,7 +249,8 @@ def _paraloom(path: Path, x: torch.Tensor, expected: torch.Tensor, args: argpars
                                                ("Content-Type", "application/octet-stream"),
                                                ("Inference-Header-Content-Length",
                                                 str(header)))),
-            "paraloom grpc": Target("127.0.0.1", grpc_port, grpc_body, method=_GRPC_INFER),
+            "paraloom grpc": Target("127.0.0.1", grpc_port, grpc_body, method=_GRPC_INFER,
+                                    grpcio=args.grpc_client == "grpcio"),
         }
         for level in levels:
             for name, target in targets.items():
@@ -310,7 +314,8 @@ def _mlserver(path: Path, x: torch.Tensor, expected: torch.Tensor, args: argpars
                                                     path="/v2/models/lenet/infer")}
             if out["grpc_outputs_match"] is True:
                 targets["mlserver grpc"] = Target("127.0.0.1", grpc_port, grpc_body,
-                                                  method=_GRPC_INFER)
+                                                  method=_GRPC_INFER,
+                                                  grpcio=args.grpc_client == "grpcio")
             for level in levels:
                 for name, target in targets.items():
                     out[f"{name} @{level}"] = measure(name, target, level, pgid)
@@ -358,6 +363,11 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
         runs = [r[key] for r in rounds if key in r]
         out[key] = {f: statistics.median(run[f] for run in runs)
                     for f in ("requests_per_s", "p50_ms", "p99_ms", "server_cpu_per_s")}
+        for side in ("server", "client"):  # CPU ms per answered request: median over rounds
+            per = [r[f"{side}_cpu_per_s"] / r["requests_per_s"] * 1e3 for r in runs
+                   if f"{side}_cpu_per_s" in r and r["requests_per_s"]]
+            out[key][f"{side}_cpu_ms_per_request"] = (
+                round(statistics.median(per), 3) if per else None)
         out[key]["range_requests_per_s"] = [min(r["requests_per_s"] for r in runs),
                                             max(r["requests_per_s"] for r in runs)]
         out[key]["errors"] = sum(r["errors"] for r in runs)
@@ -414,7 +424,8 @@ def run(args: argparse.Namespace) -> int:
                           server_pgid=pgid)
         print(f"  {name} @{level}: {result['requests_per_s']:.0f} req/s, p50 "
               f"{result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms, server CPU "
-              f"{result['server_cpu_per_s']:.2f} s/s, errors {result['errors']}", flush=True)
+              f"{result['server_cpu_per_s']:.2f} s/s, client CPU "
+              f"{result['client_cpu_per_s']:.2f} s/s, errors {result['errors']}", flush=True)
         return result
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -448,6 +459,7 @@ def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
         "request": "1 row of 784 FP32 values: v2 JSON, v2 binary or gRPC raw contents "
                    "(paraloom, MLServer), LitServe's JSON",
         "load": f"paraloom.bench.load: closed loop, {args.client_processes} client processes, "
+                f"gRPC through the {args.grpc_client} caller, "
                 f"{args.duration}s measured after {args.warmup}s warm-up, {args.rounds} "
                 "interleaved rounds (medians)",
         "machine": machine(),

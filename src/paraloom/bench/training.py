@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up)")
     p.add_argument("--modes", default="averaging,allreduce,shared_gradients",
                    help="ParallelWrapper modes to measure, comma-separated")
+    p.add_argument("--ddp-malloc", default="system", choices=["system", "keep"],
+                   help="the DDP ranks' allocator: 'system' (glibc's defaults, as PyTorch runs) "
+                        "or 'keep' (the setting ParallelWrapper's workers use, training.memory)")
     p.add_argument("--out", default="benchmarks/results/training.json")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: the 1..N GPU scaling table instead (see bench.gpu_scaling)")
@@ -101,6 +104,10 @@ def _single(args: argparse.Namespace, data: TensorDataset, threads: int) -> floa
 
 def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace,
                 data: TensorDataset, threads: int, out: Queue[float]) -> None:
+    if getattr(args, "ddp_malloc", "system") == "keep":
+        from paraloom.training.memory import keep_freed_memory
+
+        keep_freed_memory()
     join_group(rank, world, port, threads)
     model = nn.parallel.DistributedDataParallel(_model(args))
     opt, loss_fn = _sgd(model.parameters()), _loss(args)

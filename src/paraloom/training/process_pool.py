@@ -23,6 +23,7 @@ from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
 from paraloom.training.gate import RoundGate
+from paraloom.training.memory import worker_malloc
 from paraloom.training.messages import (
     Answer,
     Begin,
@@ -108,6 +109,7 @@ class ProcessPool:
         self.step_timeout_s = timeout_s if step_timeout_s is None else step_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.backend, self.devices, self.threads = plan.backend, list(plan.devices), plan.threads
+        malloc = worker_malloc()
         ctx = _context()
         # One heartbeat slot per worker (0.0 until its first beat), written by its own thread.
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
@@ -125,7 +127,7 @@ class ProcessPool:
                 cfg = WorkerConfig(rank=rank, world_size=workers, store_port=self._store.port,
                                    backend=self.backend, device=self.devices[rank],
                                    threads=self.threads, timeout_s=timeout_s,
-                                   parent_pid=os.getpid())
+                                   parent_pid=os.getpid(), malloc=malloc)
                 p = ctx.Process(target=worker_main, name=f"paraloom-worker-{rank}", daemon=True,
                                 args=(cfg, spec_bytes, self._tasks[rank], self._results,
                                       self._beats, self._gate.array))

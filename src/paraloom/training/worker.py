@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from paraloom.training.gate import RoundGate
+from paraloom.training.memory import keep_freed_memory
 from paraloom.training.messages import (
     Failed,
     Finish,
@@ -54,6 +55,8 @@ class WorkerConfig:
     threads: int
     timeout_s: float
     parent_pid: int
+    malloc: str = "keep"
+    """``training.memory``: ``keep`` (freed blocks reused by the next step) or ``system``."""
 
 
 def _next_message(tasks: Queue[ToReplica | Pickled], parent_pid: int,
@@ -110,6 +113,8 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
     gate = RoundGate(gate_array) if gate_array is not None else None
     _start_heartbeat(beats, cfg.rank)
     try:
+        if cfg.malloc == "keep":
+            keep_freed_memory()
         torch.set_num_threads(cfg.threads)
         if cfg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(cfg.device))

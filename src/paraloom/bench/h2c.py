@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from typing import Any
+
+from paraloom.bench.caller import ClosedLoopCaller
 
 __all__ = ["GrpcCaller", "header_block"]
 
@@ -61,21 +62,17 @@ def header_block(path: str, authority: str) -> bytes:
             + b"\x00" + _string("te") + _string("trailers"))
 
 
-class GrpcCaller(asyncio.Protocol):
+class GrpcCaller(ClosedLoopCaller):
     """One HTTP/2 connection calling one unary method with the same message again and again
     until ``stop_at``: a closed loop of one caller, like the load generator's HTTP caller."""
 
     def __init__(self, path: str, authority: str, message: bytes, stop_at: float,
                  measure_from: float, out: list[float], errors: list[str],
                  done: asyncio.Future[None]) -> None:
+        super().__init__(stop_at, measure_from, out, errors, done)
         self.headers = header_block(path, authority)
         self.body = b"\x00" + struct.pack(">I", len(message)) + message  # uncompressed
-        self.stop_at, self.measure_from = stop_at, measure_from
-        self.out, self.errors, self.done = out, errors, done
-        self.transport: Any = None
-        self.buffer = bytearray()
         self.stream = -1  # odd ids, one stream at a time
-        self.started = 0.0
         self.answered = False  # this stream carried a message
         self.unsent = b""  # DATA the flow-control windows held back
         self.send_window = _DEFAULT_WINDOW  # the connection's
@@ -147,14 +144,14 @@ class GrpcCaller(asyncio.Protocol):
                 self.stream_window += increment
             self._flush()
         elif kind == _RST_STREAM and stream == self.stream:
-            self._ended(ok=False, why="gRPC RST_STREAM")
+            self._ended("gRPC RST_STREAM")
             return
         elif kind == _GOAWAY:
             self.errors.append("gRPC GOAWAY")
             self._finish()
             return
         if kind in (_DATA, _HEADERS) and stream == self.stream and flags & _END_STREAM:
-            self._ended(ok=self.answered, why="gRPC error status")
+            self._ended(None if self.answered else "gRPC error status")
 
     def _settings(self, payload: bytes) -> None:
         for i in range(0, len(payload) - 5, 6):
@@ -173,21 +170,3 @@ class GrpcCaller(asyncio.Protocol):
             self.transport.write(_frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", self.received)))
             self.received = 0
 
-    def _ended(self, ok: bool, why: str) -> None:
-        ended = time.perf_counter()
-        if not ok:
-            self.errors.append(why)
-        elif self.started >= self.measure_from and ended <= self.stop_at:
-            self.out.append(ended - self.started)
-        self._send()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.done.done():
-            self.errors.append(type(exc).__name__ if exc else "ConnectionClosed")
-            self.done.set_result(None)
-
-    def _finish(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        if not self.done.done():
-            self.done.set_result(None)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from paraloom.bench.caller import ClosedLoopCaller
 from paraloom.bench.h2c import GrpcCaller
 
 __all__ = ["Target", "cpu_seconds", "percentile", "run_load"]
@@ -52,19 +53,15 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
-class _HttpCaller(asyncio.Protocol):
+class _HttpCaller(ClosedLoopCaller):
     """One keep-alive HTTP/1.1 connection sending one pre-built request (head and body in one
     write; asyncio sets TCP_NODELAY) and reading each answer by Content-Length, again and again
     until ``stop_at``: a closed loop of one caller, driven by the event loop's callbacks."""
 
     def __init__(self, request: bytes, stop_at: float, measure_from: float,
                  out: list[float], errors: list[str], done: asyncio.Future[None]) -> None:
+        super().__init__(stop_at, measure_from, out, errors, done)
         self.request = request
-        self.stop_at, self.measure_from = stop_at, measure_from
-        self.out, self.errors, self.done = out, errors, done
-        self.transport: Any = None  # asyncio's or uvloop's TCP transport
-        self.buffer = bytearray()
-        self.started = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -90,25 +87,9 @@ class _HttpCaller(asyncio.Protocol):
             length = int(head[at + 17:stop if stop >= 0 else len(head)])
         if len(self.buffer) < end + 4 + length:
             return
-        ended = time.perf_counter()
         status = head[9:12]
         del self.buffer[:end + 4 + length]
-        if status != b"200":
-            self.errors.append(f"HTTP {status.decode(errors='replace')}")
-        elif self.started >= self.measure_from and ended <= self.stop_at:
-            self.out.append(ended - self.started)
-        self._send()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.done.done():
-            self.errors.append(type(exc).__name__ if exc else "ConnectionClosed")
-            self.done.set_result(None)
-
-    def _finish(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        if not self.done.done():
-            self.done.set_result(None)
+        self._ended(None if status == b"200" else f"HTTP {status.decode(errors='replace')}")
 
 
 async def _http_caller(target: Target, stop_at: float, measure_from: float,

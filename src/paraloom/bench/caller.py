@@ -1,0 +1,46 @@
+"""The bookkeeping every closed-loop caller of the load generator shares, whatever its protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+__all__ = ["ClosedLoopCaller"]
+
+
+class ClosedLoopCaller(asyncio.Protocol):
+    """One connection sending a request, waiting for its answer, and sending again until
+    ``stop_at``; latencies of calls started after ``measure_from`` and ended by ``stop_at`` go
+    to ``out``, failures to ``errors``. Subclasses send (``_send``) and parse answers."""
+
+    def __init__(self, stop_at: float, measure_from: float, out: list[float],
+                 errors: list[str], done: asyncio.Future[None]) -> None:
+        self.stop_at, self.measure_from = stop_at, measure_from
+        self.out, self.errors, self.done = out, errors, done
+        self.transport: Any = None  # asyncio's or uvloop's TCP transport
+        self.buffer = bytearray()
+        self.started = 0.0
+
+    def _send(self) -> None:
+        raise NotImplementedError
+
+    def _ended(self, error: str | None) -> None:
+        """The call in flight ended (``error``: why it failed); start the next."""
+        ended = time.perf_counter()
+        if error is not None:
+            self.errors.append(error)
+        elif self.started >= self.measure_from and ended <= self.stop_at:
+            self.out.append(ended - self.started)
+        self._send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.errors.append(type(exc).__name__ if exc else "ConnectionClosed")
+            self.done.set_result(None)
+
+    def _finish(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if not self.done.done():
+            self.done.set_result(None)

@@ -12,7 +12,8 @@ __all__ = ["ClosedLoopCaller"]
 class ClosedLoopCaller(asyncio.Protocol):
     """One connection sending a request, waiting for its answer, and sending again until
     ``stop_at``; latencies of calls started after ``measure_from`` and ended by ``stop_at`` go
-    to ``out``, failures to ``errors``. Subclasses send (``_send``) and parse answers."""
+    to ``out``, failures to ``errors``. Subclasses write a request (``_request``) and parse
+    answers, calling ``_ended`` for each."""
 
     def __init__(self, stop_at: float, measure_from: float, out: list[float],
                  errors: list[str], done: asyncio.Future[None]) -> None:
@@ -22,7 +23,19 @@ class ClosedLoopCaller(asyncio.Protocol):
         self.buffer = bytearray()
         self.started = 0.0
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self._send()
+
     def _send(self) -> None:
+        """Start the next call, or finish once ``stop_at`` has passed."""
+        self.started = time.perf_counter()
+        if self.started >= self.stop_at:
+            self._finish()
+            return
+        self._request()
+
+    def _request(self) -> None:
         raise NotImplementedError
 
     def _ended(self, error: str | None) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import time
 
 from paraloom.bench.caller import ClosedLoopCaller
 
@@ -88,11 +87,7 @@ class GrpcCaller(ClosedLoopCaller):
             _WINDOW_UPDATE, 0, 0, struct.pack(">I", _MAX_WINDOW - _DEFAULT_WINDOW)))
         self._send()
 
-    def _send(self) -> None:
-        self.started = time.perf_counter()
-        if self.started >= self.stop_at:
-            self._finish()
-            return
+    def _request(self) -> None:
         self.stream += 2
         self.answered = False
         self.stream_window = self.initial_window

@@ -63,15 +63,7 @@ class _HttpCaller(ClosedLoopCaller):
         super().__init__(stop_at, measure_from, out, errors, done)
         self.request = request
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self._send()
-
-    def _send(self) -> None:
-        self.started = time.perf_counter()
-        if self.started >= self.stop_at:
-            self._finish()
-            return
+    def _request(self) -> None:
         self.transport.write(self.request)
 
     def data_received(self, data: bytes) -> None:

@@ -260,10 +260,12 @@ class ResidualClipping(ResidualPostProcessor):
         self.frequency = frequency
 
     def process(self, residual: Tensor, tau: float, step: int) -> None:
-        if step > 0 and step % self.frequency == 0:
-            clip_residual_(residual, self.ratio * tau)
+        limit = self.bound(tau, step)
+        if limit != math.inf:
+            clip_residual_(residual, limit)
 
     def bound(self, tau: float, step: int) -> float:
+        """``ratio * tau`` on the steps that clip; no bound (inf) on the others."""
         return self.ratio * tau if step > 0 and step % self.frequency == 0 else math.inf
 
     def __repr__(self) -> str:

@@ -79,14 +79,31 @@ def test_best_score_and_loss_calculator(digits_loader, digits_test):
     assert all(s > 0.5 for e, s in result.scores.items() if e < result.total_epochs - 1)
 
 
+class _RecordingMaxTime(MaxTime):
+    """MaxTime that records each answer, so the test checks when it fired, not how fast we are."""
+
+    def initialize(self) -> None:
+        super().initialize()
+        self.answers: list[bool] = []
+
+    def terminate(self, iteration: int, loss: float) -> bool:
+        self.answers.append(super().terminate(iteration, loss))
+        return self.answers[-1]
+
+
 def test_max_time_stops_within_a_round(digits_loader, digits_test):
-    config = EarlyStoppingConfig(iteration_conditions=[MaxTime(0.3)],
+    max_time = _RecordingMaxTime(0.3)
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(10_000)],
+                                 iteration_conditions=[max_time],
                                  score_calculator=F1Calculator(DataLoader(digits_test, 128)))
     _, trainer = _lenet_trainer(config, digits_loader, workers=1)
     result = trainer.fit()
     assert result.termination_reason == "iteration_condition"
     assert result.termination_details == "MaxTime(0.3)"
-    assert result.total_epochs <= 3
+    # Rounds ran until the deadline, and the first round past it was the last one.
+    assert len(max_time.answers) > 1 and max_time.answers[-1]
+    assert not any(max_time.answers[:-1])
+    assert result.total_epochs < 10_000
 
 
 def test_divergence_ends_with_the_best_model_not_an_error():

@@ -320,3 +320,29 @@ def test_clipping_only_the_chunks_past_its_bound_equals_clipping_everything() ->
     expected = (update - torch.where(moved, update.sign() * 0.25, 0.0)).clamp(-0.5, 0.5)
     assert torch.equal(sync._replica.residual, expected)
     assert float(sync._replica.residual[100]) == 0.5
+
+
+def _two_fits_run(rank: int, world_size: int, touch_rank: int | None) -> dict[str, Any]:
+    """Two fits on one model; between them, ``touch_rank`` (if any) alone writes a parameter."""
+    sync = SharedGradients(FixedThreshold(1e-3))
+    model = make_model(rank)
+    first = train(rank, world_size, sync, 3, model=model)
+    if rank == touch_rank:
+        with torch.no_grad():
+            next(model.parameters()).add_(0.5)
+    setup_before = sync.setup_bytes_sent
+    second = train(rank, world_size, sync, 3, model=model)
+    return {"first": first["final"], "second": second["digests"],
+            "setup_bytes": sync.setup_bytes_sent - setup_before}
+
+
+@pytest.mark.parametrize("touch_rank", [None, 1])
+def test_a_second_setup_broadcasts_the_parameters_only_if_some_replica_wrote_one(
+        pool, touch_rank) -> None:
+    results = pool.run(_two_fits_run, touch_rank=touch_rank)
+    a, b = results
+    assert a["first"] == b["first"] and a["second"] == b["second"]  # identical throughout
+    if touch_rank is None:
+        assert a["setup_bytes"] == 0  # untouched everywhere: nothing to broadcast
+    else:  # one replica's write: every replica votes to broadcast (none waits alone)
+        assert a["setup_bytes"] > 0

@@ -8,6 +8,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from paraloom import ParallelWrapper
+from paraloom.training.optim import load_state_copying
+from paraloom.training.transport import SharedOutbox
 from paraloom.training.versions import ReplicaMirror
 
 pytestmark = pytest.mark.timeout(120)
@@ -129,3 +131,74 @@ def test_a_new_pool_after_a_failure_gets_the_model_again():
         stats = w.fit(_data(), epochs=1)
         assert stats["model_sent"]
         assert any(not torch.equal(a, b) for a, b in zip(before, _params(model), strict=True))
+
+
+def test_the_outbox_reuses_its_shared_memory_and_reallocates_on_a_new_shape():
+    outbox = SharedOutbox()
+    state = {"w": torch.randn(3, 4), "opt": [torch.ones(2), 7]}
+    first = outbox.copy(state)
+    assert first["w"].is_shared() and torch.equal(first["w"], state["w"]) and first["opt"][1] == 7
+    state["w"].add_(1.0)  # the copy is independent of the source
+    assert not torch.equal(first["w"], state["w"])
+    second = outbox.copy(state)
+    assert second["w"].data_ptr() == first["w"].data_ptr()  # the same segment, refilled
+    assert torch.equal(second["w"], state["w"])
+    third = outbox.copy({"w": torch.zeros(5), "opt": [torch.ones(2), 7]})
+    assert third["w"].shape == (5,) and third["w"].is_shared()
+    assert third["opt"][0].data_ptr() == first["opt"][0].data_ptr()
+
+
+def test_loading_optimizer_state_copies_into_the_optimizers_own_tensors():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    p = next(model.parameters())
+    own = opt.state[p]["exp_avg"]
+    other = torch.optim.Adam(model.parameters(), lr=0.1)
+    other.load_state_dict(opt.state_dict())
+    incoming = {k: v for k, v in other.state_dict().items()}
+    for slot in incoming["state"].values():
+        slot["exp_avg"] = slot["exp_avg"] + 1.0
+    load_state_copying(opt, incoming)
+    assert opt.state[p]["exp_avg"] is own  # updated in place, as step() does
+    assert torch.equal(own, incoming["state"][0]["exp_avg"])
+    incoming["state"][0]["exp_avg"].zero_()  # the sender's tensors are not kept
+    assert not torch.equal(own, incoming["state"][0]["exp_avg"])
+    fresh = torch.optim.Adam(model.parameters(), lr=0.1)  # no state yet: cloned
+    load_state_copying(fresh, incoming)
+    assert fresh.state[p]["exp_avg"] is not incoming["state"][0]["exp_avg"]
+    assert torch.equal(fresh.state[p]["exp_avg"], incoming["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "shared_gradients"])
+def test_the_users_optimizer_state_is_updated_in_place_and_owned(mode):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    p = next(model.parameters())
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         training_mode=mode, progress=False) as w:
+        w.fit(_data(), epochs=1)
+        buffer = opt.state[p]["momentum_buffer"]
+        after_first = buffer.clone()
+        w.fit(_data(), epochs=1)
+        assert opt.state[p]["momentum_buffer"] is buffer and not buffer.is_shared()
+        assert not torch.equal(buffer, after_first)
+        kept = buffer.clone()
+        w.fit(_data(), epochs=1)  # the worker refills its outbox: the user's copy moves on
+        assert opt.state[p]["momentum_buffer"] is buffer and not torch.equal(buffer, kept)
+
+
+def test_sharing_skips_the_parameter_broadcast_only_when_no_replica_changed():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         training_mode="shared_gradients", progress=False) as w:
+        first = w.fit(_data(), epochs=1)["per_worker"][0]["setup_bytes_sent"]
+        second = w.fit(_data(), epochs=1)["per_worker"][0]["setup_bytes_sent"]
+        assert first > 0 and second == first  # the warm fit broadcast nothing (no buffers)
+        with torch.no_grad():
+            for q in model.parameters():
+                q.fill_(0.01)
+        stats = w.fit(_data(), epochs=1)
+        assert stats["model_sent"] and stats["per_worker"][0]["setup_bytes_sent"] == 2 * first

@@ -152,6 +152,13 @@ def _residual_dtype(params: list[nn.Parameter]) -> torch.dtype:
     return dtype
 
 
+def _any_rank(flag: bool, ctx: StepContext) -> bool:
+    """Whether ``flag`` holds on any replica (every replica gets the same answer)."""
+    votes = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=ctx.group)
+    return bool(votes.item())
+
+
 def _broadcast_from_first(tensors: list[Tensor], ctx: StepContext) -> int:
     """Broadcast tensors from the group's rank 0; returns the bytes this rank sent."""
     src = 0 if ctx.group is None else dist.get_global_rank(ctx.group, 0)
@@ -253,17 +260,24 @@ class SharedGradients(Synchronizer):
         numel = sum(p.numel() for p in params)
         dtype = _residual_dtype(params)
         old = self._replica
-        if old is not None and old.residual.numel() == numel and old.residual.dtype == dtype \
+        if old is not None and len(old.params) == len(params) \
+                and all(a is b for a, b in zip(old.params, params, strict=True)):
+            self._replica = old  # a warm fit() on the same parameters: old, stamps and all
+        elif old is not None and old.residual.numel() == numel and old.residual.dtype == dtype \
                 and old.residual.device == params[0].device:
-            residual = old.residual  # keep the unsent remainder across fit() calls
+            self._replica = _Replica(params, old.residual)  # keep the unsent remainder
         else:
-            residual = torch.zeros(numel, dtype=dtype, device=params[0].device)
-        self._replica = _Replica(params, residual)
+            self._replica = _Replica(params, torch.zeros(numel, dtype=dtype,
+                                                         device=params[0].device))
         self._adopt_pending_residual()
         if is_distributed(ctx):
-            # Like DDP at construction: every replica starts from rank 0's parameters.
+            # Like DDP at construction: every replica starts from rank 0's parameters, unless
+            # none was written since the last exchange left them identical (a warm fit() that
+            # sent no new state): then only the buffers, which each replica's forward updates.
             with torch.no_grad():
-                tensors = [p.detach() for p in params] + list(ctx.model.buffers())
+                tensors = list(ctx.model.buffers())
+                if _any_rank(self._replica.stamps != self._replica.current_stamps(), ctx):
+                    tensors = [p.detach() for p in params] + tensors
                 self.setup_bytes_sent += _broadcast_from_first(tensors, ctx)
 
     # -- per step ----------------------------------------------------------------------------

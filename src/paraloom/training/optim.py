@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OptimizerSpec", "OptimizerFactory"]
+__all__ = ["OptimizerSpec", "OptimizerFactory", "load_state_copying"]
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 """``factory(model.parameters()) -> optimizer``, e.g. ``lambda p: torch.optim.SGD(p, lr=0.1)``."""
@@ -68,3 +68,24 @@ class OptimizerSpec:
         if self.state is not None:
             opt.load_state_dict(self.state)
         return opt
+
+
+def load_state_copying(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state_dict)``, keeping none of ``state_dict``'s tensors: each
+    is copied into the optimizer's own tensor for that slot where shape and dtype match (as
+    its step() updates them in place), or else cloned. (load_state_dict alone keeps them.)"""
+    own = {(id(p), key): value for p, slot in optimizer.state.items()
+           for key, value in slot.items() if isinstance(value, torch.Tensor)}
+    optimizer.load_state_dict(state_dict)
+    with torch.no_grad():
+        for p, slot in optimizer.state.items():
+            for key, value in slot.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                mine = own.get((id(p), key))
+                if mine is not None and mine is not value and mine.shape == value.shape \
+                        and mine.dtype == value.dtype and mine.device == value.device:
+                    slot[key] = mine.copy_(value)
+                else:
+                    slot[key] = value.clone()
+

@@ -45,6 +45,7 @@ from paraloom.training.messages import (
 )
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.replica import Replica, StepFn
+from paraloom.training.transport import SharedOutbox
 
 __all__ = ["WorkerSpec", "ReplicaRunner", "pickle_spec"]
 
@@ -92,7 +93,7 @@ class ReplicaRunner:
 
     def __init__(self, spec: WorkerSpec, *, rank: int = 0, world_size: int = 1,
                  device: torch.device | str = "cpu",
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, shared_outbox: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         self.replica = Replica(spec.model, spec.optimizer, loss_fn=spec.loss_fn,
@@ -102,6 +103,8 @@ class ReplicaRunner:
         self.dataset: IndexedDataset | None = None
         self.loader: ReplicaLoader | None = None
         self.steps = 0
+        # A worker process sends its final state through reused shared memory (see SharedOutbox).
+        self.outbox = SharedOutbox() if shared_outbox else None
 
     def handle(self, message: ToReplica) -> Answer | None:
         """Act on one message; returns the reply to send back, if it has one."""
@@ -197,8 +200,10 @@ class ReplicaRunner:
         return ReplicaResult(self.replica.sync.stats(), self.steps, *self.final_state())
 
     def final_state(self) -> tuple[ModelState, dict[str, Any]]:
-        """Independent CPU copies of the parameters and buffers, and of the optimizer state."""
-        return self.replica.model_state(), cpu_copy(self.replica.optimizer.state_dict())
+        """CPU copies of the parameters and buffers, and of the optimizer state (in the outbox's
+        shared memory, which the next fit's state overwrites, when there is one)."""
+        state = self.replica.model.state_dict(), self.replica.optimizer.state_dict()
+        return cpu_copy(state) if self.outbox is None else self.outbox.copy(state)
 
 
 def _rows(batch: Any) -> int:

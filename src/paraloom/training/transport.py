@@ -20,7 +20,7 @@ import torch.multiprocessing  # noqa: F401  (registers torch's shared-memory red
 
 from paraloom.data import map_tensors
 
-__all__ = ["dumps", "shared_copy"]
+__all__ = ["SharedOutbox", "dumps", "shared_copy"]
 
 
 # cloudpickle has no type information, so its pickler class is Any to mypy.
@@ -54,3 +54,44 @@ def shared_copy(batch: Any) -> Any:
     source that refills one buffer for every batch cannot change a batch already dealt.
     """
     return map_tensors(batch, _shared)
+
+
+class SharedOutbox:
+    """Shared-memory tensors a worker copies a state into, reused from one send to the next.
+
+    Sending a CPU tensor through a queue moves it into a fresh shared-memory segment, which
+    the receiver then maps: 280 ms per 150 MB here, for a 37M-parameter model at the end of
+    every fit(). A state copied into the same segments again costs a copy (17 ms), and a
+    receiver that still holds the segments from the last send maps nothing new (torch caches
+    received storages by segment). The receiver must copy out what it keeps: the next send
+    overwrites the segments.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def copy(self, obj: Any) -> Any:
+        """``obj`` with every tensor copied into this outbox's shared memory (as CPU tensors)."""
+        position = 0
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            nonlocal position
+            index, position = position, position + 1
+            if index < len(self._buffers):
+                buffer = self._buffers[index]
+                if buffer.shape == t.shape and buffer.dtype == t.dtype:
+                    return buffer.copy_(t.detach())
+            buffer = torch.empty(t.shape, dtype=t.dtype)
+            buffer.share_memory_()  # type: ignore[no-untyped-call]
+            buffer.copy_(t.detach())
+            if index < len(self._buffers):
+                self._buffers[index] = buffer
+            else:
+                self._buffers.append(buffer)
+            return buffer
+
+        with torch.no_grad():
+            copied = map_tensors(obj, put)
+        del self._buffers[position:]
+        return copied
+

@@ -121,7 +121,7 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
         group = _init_group(cfg)
         spec: WorkerSpec = pickle.loads(spec_bytes)
         runner = ReplicaRunner(spec, rank=cfg.rank, world_size=cfg.world_size,
-                               device=cfg.device, group=group)
+                               device=cfg.device, group=group, shared_outbox=True)
         results.put(Ready(cfg.rank))
         while not isinstance(message := _next_message(tasks, cfg.parent_pid, started_ppid),
                                                 Stop):

@@ -48,7 +48,7 @@ from paraloom.training.messages import (
     StepDone,
 )
 from paraloom.training.modes import TrainingMode
-from paraloom.training.optim import OptimizerFactory, OptimizerSpec
+from paraloom.training.optim import OptimizerFactory, OptimizerSpec, load_state_copying
 from paraloom.training.pool import Pool
 from paraloom.training.process_pool import ProcessPool
 from paraloom.training.recovery import RecoveringPool, Recovery
@@ -133,6 +133,9 @@ class ParallelWrapper:
         self._mirror: ReplicaMirror | None = None
         """What the replicas hold after the last fit(): a warm fit() sends only changes."""
         self._sent = {"model_sent": True, "optimizer_state_sent": True}
+        self._received: ReplicaResult | None = None
+        """The last fit's result, held so that its shared memory (worker 0's outbox, which the
+        next result reuses) stays mapped here: mapping 150 MB anew costs more than copying it."""
         self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, workers)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -249,6 +252,7 @@ class ParallelWrapper:
             self._iteration = tracker.iteration
             tracker.close(completed)
         self._adopt(result)
+        self._received = result
         self._mirror = ReplicaMirror(self.model, self._user_optimizer, pool)
         for listener in self.listeners:
             listener.on_fit_end(self)
@@ -520,7 +524,7 @@ class ParallelWrapper:
             self.model.load_state_dict(result.state)
         if self._user_optimizer is not None and result.optimizer_state is not None:
             try:
-                self._user_optimizer.load_state_dict(result.optimizer_state)
+                load_state_copying(self._user_optimizer, result.optimizer_state)
             except (ValueError, KeyError) as e:  # a factory-built optimizer may differ in shape
                 log.debug("optimizer state not copied back: %s", e)
 

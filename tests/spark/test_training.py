@@ -31,7 +31,7 @@ def lenet(lr: float = 0.05) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def shared_master(**options) -> SharedTrainingMaster:
-    # The default recipe: the top ~1/300 of the residual per message, momentum masking.
+    # The default recipe: the top ~1/320 of the residual per message, momentum masking.
     options = {"batch_size_per_worker": 32, "workers": 2, "timeout": 60,
                "rendezvous_timeout": 120, **options}
     return SharedTrainingMaster(**options)

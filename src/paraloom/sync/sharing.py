@@ -177,7 +177,8 @@ class SharedGradients(Synchronizer):
 
     * ``recipe="dgc"`` (the default) is meant for the dense recipe's learning rate and
       momentum, after Deep Gradient Compression: ``QuantileThreshold()`` picks tau so that each
-      message moves the largest ~1/300 of the residual's elements, updates are averaged
+      message moves the largest ~1/320 of the residual's elements (with headers and padding,
+      ~1/300 of all-reduce's bytes), updates are averaged
       (``combine="mean"``, so learning rates carry over from DDP), momentum factor masking
       zeroes the optimizer's momentum where a message moved an element, and
       ``ResidualClipping(2.0, 1)`` keeps each residual element within 2 tau (DGC's local

@@ -11,6 +11,7 @@ pool against the same mode's steady rate, and the bytes each worker sends per st
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,6 +45,8 @@ _BATCH = {"lenet": 64, "transformer": 8, "resnet18": 16, "mlp": 64}
 """Rows per worker per step by default (8 x 128 tokens for the transformer): each model's
 step then costs 0.3-0.5 s on one core, so the whole table takes minutes, not hours."""
 _WHOLE_FIT_ROUNDS = 30
+_WHOLE_FIT_REPEATS = 3
+"""Whole fit() calls timed per mode; the median is reported (one call's rate moves by ~4%)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,10 +173,13 @@ def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> dict[s
         stats = wrapper.fit(loader, epochs=args.epochs)
         steady = (len(clock.times) - 1) * rows_per_round / (clock.times[-1] - clock.times[0])
         rounds_per_epoch = -(-len(short) // args.workers)
-        clock.times.clear()
-        start = time.perf_counter()  # a whole call: sending the model, the rounds, the final sync
-        wrapper.fit(short, epochs=-(-_WHOLE_FIT_ROUNDS // rounds_per_epoch))
-        whole = len(clock.times) * rows_per_round / (time.perf_counter() - start)
+        wholes = []
+        for _ in range(_WHOLE_FIT_REPEATS):
+            clock.times.clear()
+            start = time.perf_counter()  # a whole call: the model if changed, rounds, final sync
+            wrapper.fit(short, epochs=-(-_WHOLE_FIT_ROUNDS // rounds_per_epoch))
+            wholes.append(len(clock.times) * rows_per_round / (time.perf_counter() - start))
+        whole = statistics.median(wholes)
     per_step = stats["bytes_sent_per_step"]
     phases = {k.removeprefix("seconds_").removesuffix("_per_step"): v
               for k, v in stats["per_worker"][0].items() if k.startswith("seconds_")}
@@ -261,7 +267,8 @@ def _print(name: str, results: dict[str, Any]) -> None:
             f"{phase} {s * 1e3:.1f} ms" for phase, s in phases.items() if phase != "step"))
     for mode, why in results.get("skipped", {}).items():
         print(f"skipped {mode}: {why}")
-    print("fit(30): samples/s of a whole 30-round fit() on the warm pool / the steady rate")
+    print(f"fit(30): samples/s of a whole 30-round fit() on the warm pool (median of "
+          f"{_WHOLE_FIT_REPEATS}) / the steady rate")
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:

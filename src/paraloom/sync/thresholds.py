@@ -25,8 +25,8 @@ DEFAULT_DECAY = 0.5 ** (1 / 20)
 """DL4J's decay rate: tau changes by a factor of 2 in 20 steps of consistent pressure."""
 
 DEFAULT_DENSITY = 1 / 320
-"""``QuantileThreshold``'s default fraction of elements per message: with the 24-byte header and
-the padding to the longest message, what a worker sends is then about 1/300 of dense bytes."""
+"""``QuantileThreshold``'s default fraction of elements per message; with the 24-byte header a
+worker sends about 1/300 of dense bytes or less."""
 
 
 def adapt_threshold(tau: float, sparsity: float, low: float, high: float, decay: float) -> float:

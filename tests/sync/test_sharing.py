@@ -346,3 +346,39 @@ def test_a_second_setup_broadcasts_the_parameters_only_if_some_replica_wrote_one
         assert a["setup_bytes"] == 0  # untouched everywhere: nothing to broadcast
     else:  # one replica's write: every replica votes to broadcast (none waits alone)
         assert a["setup_bytes"] > 0
+
+
+class _WithBuffers(nn.Module):
+    """BatchNorm (written by every forward), a constant mask, and a counter that only the last
+    rank's forward writes."""
+
+    def __init__(self, mask: bool) -> None:
+        super().__init__()
+        self.body = make_model(0, batchnorm=True)
+        if mask:
+            self.register_buffer("mask", torch.ones(4096))
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.get_rank() == dist.get_world_size() - 1:
+            self.count += 1
+        return self.body(x)
+
+
+def _buffers_run(rank: int, world_size: int, mask: bool) -> dict[str, Any]:
+    sync = SharedGradients(FixedThreshold(1e-3))
+    out = train(rank, world_size, sync, STEPS, model=_WithBuffers(mask), seed=0)
+    return {"final": out["final"], "bytes_per_step": out["bytes_per_step"]}
+
+
+def test_only_written_buffers_are_broadcast_and_every_replica_ends_equal(pool) -> None:
+    with_mask = pool.run(_buffers_run, mask=True)
+    without = pool.run(_buffers_run, mask=False)
+    for results in (with_mask, without):
+        assert results[0]["final"] == results[1]["final"]  # parameters and buffers, every bit
+    # The constant mask (16 KiB) went out once, at setup, never with a step: each step's bytes
+    # are the same with and without it (the BatchNorm statistics and the counter go each step).
+    assert with_mask[0]["bytes_per_step"] == without[0]["bytes_per_step"]
+    assert min(without[0]["bytes_per_step"]) > 4 * 32 * 2  # the BatchNorm statistics do go

@@ -22,6 +22,8 @@ optimizer's update (velocity times learning rate) rather than the raw gradient i
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,15 +52,33 @@ from paraloom.sync.thresholds import (
     ThresholdAlgorithm,
 )
 
-__all__ = ["SharedGradients", "exchange_messages"]
+__all__ = ["Exchanged", "SharedGradients", "exchange_messages"]
 
 _ENCODINGS = ("auto", "threshold", "bitmap")
 _RECIPES = ("dgc", "dl4j")
 
 
+_FLAG_BITS = 31
+"""Changed-buffer flags per int32 header word (the sign bit unused)."""
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """What ``exchange_messages`` brings back from every rank."""
+
+    messages: list[Encoded]
+    """Every rank's message, in rank order."""
+    nonfinite: list[int]
+    """Each rank's count of non-finite update elements."""
+    changed: list[bool]
+    """Per flag passed in: whether it was set on any rank."""
+    bytes_sent: int
+
+
 def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | None,
-                      world_size: int) -> tuple[list[Encoded], list[int], int]:
-    """All-gather every rank's message: (messages in rank order, non-finite counts, bytes sent).
+                      world_size: int, changed: Sequence[bool] = ()) -> Exchanged:
+    """All-gather every rank's message, its non-finite count and its ``changed`` flags (which
+    buffers its forward wrote: every rank passes as many), and count the bytes sent.
 
     Two collectives: the fixed-size headers (which carry each payload's length), then the
     payloads at their own lengths, as an all-to-all that sends each rank's payload to every
@@ -67,8 +87,10 @@ def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | N
     in both. When every payload is empty the second collective is skipped on every rank alike.
     """
     device = msg.payload.device
+    words = [sum(1 << bit for bit, flag in enumerate(changed[i: i + _FLAG_BITS]) if flag)
+             for i in range(0, len(changed), _FLAG_BITS)]
     header = torch.tensor([int(msg.format), msg.mantissa, msg.exponent, msg.half_sign,
-                           msg.payload.numel(), min(nonfinite, 2**31 - 1)],
+                           msg.payload.numel(), min(nonfinite, 2**31 - 1), *words],
                           dtype=torch.int32, device=device)
     headers = [torch.empty_like(header) for _ in range(world_size)]
     dist.all_gather(headers, header, group=group)
@@ -84,9 +106,11 @@ def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | N
         payloads = list(torch.split(gathered, lengths))
         sent += Synchronizer.collective_bytes(own, world_size, "allgather")
     messages = [Encoded(Format(fmt), mantissa, exponent, half_sign, msg.numel, -1, payload)
-                for (fmt, mantissa, exponent, half_sign, _, _), payload
+                for (fmt, mantissa, exponent, half_sign, *_), payload
                 in zip(rows, payloads, strict=True)]
-    return messages, [row[5] for row in rows], sent
+    anywhere = [any(row[6 + i // _FLAG_BITS] >> (i % _FLAG_BITS) & 1 for row in rows)
+                for i in range(len(changed))]
+    return Exchanged(messages, [row[5] for row in rows], anywhere, sent)
 
 
 class _Replica:
@@ -98,10 +122,16 @@ class _Replica:
     version counter as the last step left them.
     """
 
-    __slots__ = ("params", "old", "residual", "residual_views", "old_saved", "bounds", "stamps")
+    __slots__ = ("params", "old", "residual", "residual_views", "old_saved", "bounds", "stamps",
+                 "buffers", "broadcast_values")
 
-    def __init__(self, params: list[nn.Parameter], residual: Tensor) -> None:
+    def __init__(self, params: list[nn.Parameter], residual: Tensor,
+                 buffers: list[Tensor]) -> None:
         self.params = params
+        self.buffers = buffers
+        self.broadcast_values: list[Tensor] | None = None
+        """The buffers as the last broadcast left them (equal everywhere). Compared by value:
+        BatchNorm's kernel updates its running statistics without bumping their version."""
         self.old = [torch.empty_like(p) for p in params]
         self.residual = residual
         self.residual_views = _views(residual, params)
@@ -110,13 +140,38 @@ class _Replica:
         self.stamps: list[tuple[int, int]] | None = None
 
     def current_stamps(self) -> list[tuple[int, int]]:
-        return [(p.data_ptr(), p._version) for p in self.params]
+        return _stamps(self.params)
+
+    def changed_buffers(self) -> list[bool]:
+        """Which buffers differ from what the last broadcast left (all, before the first)."""
+        if self.broadcast_values is None:
+            return [True] * len(self.buffers)
+        return [not torch.equal(b, v)
+                for b, v in zip(self.buffers, self.broadcast_values, strict=True)]
+
+    def broadcast_done(self, which: Sequence[bool] | None = None) -> None:
+        """Remember the buffers' values after a broadcast of those ``which`` flags (None: all)."""
+        if self.broadcast_values is None or which is None:
+            self.broadcast_values = [b.detach().clone() for b in self.buffers]
+            return
+        for b, v, flag in zip(self.buffers, self.broadcast_values, which, strict=True):
+            if flag:
+                v.copy_(b)
 
     def save_old(self) -> None:
         """``old = params``, unless ``old`` already mirrors them."""
         if self.stamps != self.current_stamps():
             for p, old in zip(self.params, self.old, strict=True):
                 old.copy_(p)
+
+
+def _same_tensors(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _stamps(tensors: Sequence[Tensor]) -> list[tuple[int, int]]:
+    """Each tensor's storage and version counter: both stay put until something writes it."""
+    return [(t.data_ptr(), t._version) for t in tensors]
 
 
 def _views(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
@@ -261,26 +316,28 @@ class SharedGradients(Synchronizer):
                              f"{sorted(map(str, devices))}; expected one device per replica")
         numel = sum(p.numel() for p in params)
         dtype = _residual_dtype(params)
+        buffers = list(ctx.model.buffers())
         old = self._replica
-        if old is not None and len(old.params) == len(params) \
-                and all(a is b for a, b in zip(old.params, params, strict=True)):
-            self._replica = old  # a warm fit() on the same parameters: old, stamps and all
+        if old is not None and _same_tensors(old.params, params) \
+                and _same_tensors(old.buffers, buffers):
+            self._replica = old  # a warm fit() on the same model: old, stamps and all
         elif old is not None and old.residual.numel() == numel and old.residual.dtype == dtype \
                 and old.residual.device == params[0].device:
-            self._replica = _Replica(params, old.residual)  # keep the unsent remainder
+            self._replica = _Replica(params, old.residual, buffers)  # keep the unsent remainder
         else:
             self._replica = _Replica(params, torch.zeros(numel, dtype=dtype,
-                                                         device=params[0].device))
+                                                         device=params[0].device), buffers)
         self._adopt_pending_residual()
         if is_distributed(ctx):
             # Like DDP at construction: every replica starts from rank 0's parameters, unless
             # none was written since the last exchange left them identical (a warm fit() that
             # sent no new state): then only the buffers, which each replica's forward updates.
             with torch.no_grad():
-                tensors = list(ctx.model.buffers())
+                tensors = list(buffers)
                 if _any_rank(self._replica.stamps != self._replica.current_stamps(), ctx):
                     tensors = [p.detach() for p in params] + tensors
                 self.setup_bytes_sent += _broadcast_from_first(tensors, ctx)
+            self._replica.broadcast_done()
 
     # -- per step ----------------------------------------------------------------------------
     def after_backward(self, ctx: StepContext) -> None:
@@ -363,8 +420,11 @@ class SharedGradients(Synchronizer):
         replica = self._replica
         assert replica is not None
         started = time.perf_counter()
+        changed: list[bool] = []
         if is_distributed(ctx):
-            messages, bad, sent = exchange_messages(msg, nonfinite, ctx.group, ctx.world_size)
+            flags = replica.changed_buffers() if self.broadcast_buffers else []
+            got = exchange_messages(msg, nonfinite, ctx.group, ctx.world_size, flags)
+            messages, bad, sent, changed = got.messages, got.nonfinite, got.bytes_sent, got.changed
         else:
             messages, bad, sent = [msg], [nonfinite], 0
         exchanged = time.perf_counter()
@@ -384,10 +444,12 @@ class SharedGradients(Synchronizer):
             decode_into(message, replica.params, replica.bounds)
             decode_into(message, replica.old, replica.bounds)  # the same sums: old mirrors
         replica.stamps = replica.current_stamps()
-        if self.broadcast_buffers and is_distributed(ctx):
-            buffers = list(ctx.model.buffers())
-            if buffers:
-                self.bytes_sent += _broadcast_from_first(buffers, ctx)
+        # Only the buffers some replica wrote (BatchNorm statistics, not a constant mask): the
+        # flags came with the headers, so every replica broadcasts the same ones.
+        written = [b for b, flag in zip(replica.buffers, changed, strict=False) if flag]
+        if written:
+            self.bytes_sent += _broadcast_from_first(written, ctx)
+            replica.broadcast_done(changed)
         self._seconds["applying"] += time.perf_counter() - exchanged
 
     # -- reporting ---------------------------------------------------------------------------

@@ -177,7 +177,7 @@ class ParallelWrapper:
             self._pool = LocalPool(self._spec, device=self.device_plan.devices[0])
         else:
             spec_bytes = pickle_spec(self._spec)
-            queue_size = max(2, -(-self.prefetch_buffer // self.workers))
+            queue_size = self._queue_depth()
 
             def start() -> ProcessPool:
                 return ProcessPool(spec_bytes, self.workers, timeout_s=self.timeout,
@@ -362,6 +362,10 @@ class ParallelWrapper:
         for replies (bounded by the workers' queues); returns the batches dealt."""
         dealt = skip
         for payloads in self._rounds(pool, data, source, epoch, skip):
+            # Wait for replies rather than for room in a full queue: listeners (and the
+            # progress bar) then run as each round finishes, not a round late.
+            while tracker.in_flight >= self._queue_depth():
+                self._handle(pool.recv(timeout_s=None), tracker)
             round_id = dealing.round_id
             tracker.add(round_id, epoch, dealt, len(payloads))
             for rank in range(self.workers):
@@ -375,6 +379,10 @@ class ParallelWrapper:
             if self._stop_requested:
                 break
         return dealt
+
+    def _queue_depth(self) -> int:
+        """Rounds a worker's queue holds: how far the parent deals ahead of the replies."""
+        return max(2, -(-self.prefetch_buffer // self.workers))
 
     def _deal_stream(self, pool: Pool, tracker: RoundTracker, source: LoaderSpec, epoch: int,
                      skip: int, epoch_rng: list[torch.Tensor], dealing: _Dealing) -> int:

@@ -248,7 +248,7 @@ class SharedGradients(Synchronizer):
     class, turns the clipping off (the dl4j recipe has none, as DL4J's ParallelWrapper; Spark
     DL4J uses ``ResidualClipping(5.0, 5)``). ``encoding`` forces "threshold" or "bitmap"
     messages instead of choosing by density ("auto"). ``broadcast_buffers`` copies rank 0's
-    buffers (e.g. BatchNorm statistics) after each step.
+    buffers (e.g. BatchNorm statistics) after each step, those some replica changed.
     """
 
     name = "shared_gradients"

@@ -148,6 +148,7 @@ class ParallelWrapper:
     def close(self) -> None:
         """Stop the worker processes; the wrapper starts new ones if fit() is called again."""
         self._mirror = None
+        self._received = None  # its shared memory belonged to worker 0's outbox
         if self._pool is not None:
             pool, self._pool = self._pool, None
             pool.close()

@@ -88,4 +88,3 @@ def load_state_copying(optimizer: torch.optim.Optimizer, state_dict: dict[str, A
                     slot[key] = mine.copy_(value)
                 else:
                     slot[key] = value.clone()
-

@@ -39,12 +39,17 @@ def dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _shared_empty(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized CPU tensor like ``like`` (shape, dtype, layout), in shared memory."""
+    shared = torch.empty_like(like, device="cpu")
+    shared.share_memory_()  # type: ignore[no-untyped-call]
+    return shared
+
+
 def _shared(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         return t
-    shared = torch.empty_like(t)
-    shared.share_memory_()  # type: ignore[no-untyped-call]
-    return shared.copy_(t)
+    return _shared_empty(t).copy_(t)
 
 
 def shared_copy(batch: Any) -> Any:
@@ -77,21 +82,13 @@ class SharedOutbox:
         def put(t: torch.Tensor) -> torch.Tensor:
             nonlocal position
             index, position = position, position + 1
-            if index < len(self._buffers):
-                buffer = self._buffers[index]
-                if buffer.shape == t.shape and buffer.dtype == t.dtype:
-                    return buffer.copy_(t.detach())
-            buffer = torch.empty(t.shape, dtype=t.dtype)
-            buffer.share_memory_()  # type: ignore[no-untyped-call]
-            buffer.copy_(t.detach())
-            if index < len(self._buffers):
-                self._buffers[index] = buffer
-            else:
-                self._buffers.append(buffer)
-            return buffer
+            kept = self._buffers[index: index + 1]
+            if kept and kept[0].shape == t.shape and kept[0].dtype == t.dtype:
+                return kept[0].copy_(t.detach())
+            self._buffers[index: index + 1] = [_shared_empty(t)]  # replaces, or appends
+            return self._buffers[index].copy_(t.detach())
 
         with torch.no_grad():
             copied = map_tensors(obj, put)
         del self._buffers[position:]
         return copied
-

@@ -382,3 +382,17 @@ def test_only_written_buffers_are_broadcast_and_every_replica_ends_equal(pool) -
     # are the same with and without it (the BatchNorm statistics and the counter go each step).
     assert with_mask[0]["bytes_per_step"] == without[0]["bytes_per_step"]
     assert min(without[0]["bytes_per_step"]) > 4 * 32 * 2  # the BatchNorm statistics do go
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_differs_flags_changed_values_and_shapes_in_either_mode(batched) -> None:
+    from paraloom.sync.sharing import differs
+
+    values = [torch.zeros(3), torch.ones(2, 2), torch.arange(4.0), torch.zeros(5)]
+    tensors = [v.clone() for v in values]
+    tensors[1][1, 0] = 2.0  # one element changed
+    tensors[2] = torch.arange(5.0)  # another shape
+    tensors[3][0] = float("nan")  # NaN never equals what was sent
+    assert differs(tensors, values, batched=batched) == [False, True, True, True]
+    assert differs(values, values, batched=batched) == [False] * 4
+    assert differs([], [], batched=batched) == []

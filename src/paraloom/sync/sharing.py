@@ -52,7 +52,7 @@ from paraloom.sync.thresholds import (
     ThresholdAlgorithm,
 )
 
-__all__ = ["Exchanged", "SharedGradients", "exchange_messages"]
+__all__ = ["Exchanged", "SharedGradients", "differs", "exchange_messages"]
 
 _ENCODINGS = ("auto", "threshold", "bitmap")
 _RECIPES = ("dgc", "dl4j")
@@ -146,8 +146,7 @@ class _Replica:
         """Which buffers differ from what the last broadcast left (all, before the first)."""
         if self.broadcast_values is None:
             return [True] * len(self.buffers)
-        return [not torch.equal(b, v)
-                for b, v in zip(self.buffers, self.broadcast_values, strict=True)]
+        return differs(self.buffers, self.broadcast_values)
 
     def broadcast_done(self, which: Sequence[bool] | None = None) -> None:
         """Remember the buffers' values after a broadcast of those ``which`` flags (None: all)."""
@@ -163,6 +162,26 @@ class _Replica:
         if self.stamps != self.current_stamps():
             for p, old in zip(self.params, self.old, strict=True):
                 old.copy_(p)
+
+
+def differs(tensors: Sequence[Tensor], values: Sequence[Tensor], *,
+            batched: bool | None = None) -> list[bool]:
+    """Per pair, whether the tensor's shape or any element differs from the value's.
+
+    On the CPU each pair is compared by ``torch.equal``, which stops at the first difference;
+    on one accelerator (``batched=None`` chooses) all pairs are compared on the device and read
+    back in one transfer, not one host synchronization per buffer (ResNet-18 has 60).
+    """
+    same_shape = [t.shape == v.shape for t, v in zip(tensors, values, strict=True)]
+    pairs = [(t, v) for t, v, ok in zip(tensors, values, same_shape, strict=True) if ok]
+    if batched is None:
+        devices = {t.device for pair in pairs for t in pair}
+        batched = len(devices) == 1 and next(iter(devices)).type != "cpu"
+    if batched and pairs:
+        found = iter(torch.stack([t.ne(v).any() for t, v in pairs]).tolist())
+    else:
+        found = iter([not torch.equal(t, v) for t, v in pairs])
+    return [next(found) if ok else True for ok in same_shape]
 
 
 def _same_tensors(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:

@@ -181,3 +181,20 @@ def test_shutdown_drains_in_flight_requests(gated: tuple[ServerThread, Gate]) ->
         stopping.result(WAIT_S)
     assert server.app.state.served.pool.closed
     assert not any(t.name == f"uvicorn:{server.port}" for t in threading.enumerate())
+
+
+def test_a_server_that_owns_its_process_freezes_the_startup_heap_and_still_serves() -> None:
+    import gc
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 2)).eval()
+    x = np.ones((1, 4), dtype=np.float32)
+    assert gc.get_freeze_count() == 0
+    with ServerThread(create_app(model, name="lenet", workers=1)) as server:
+        assert gc.get_freeze_count() == 0  # a server in the caller's process leaves it alone
+        assert np.allclose(infer(triton(server), x).as_numpy("output"), expected(model, x))
+    try:
+        with ServerThread(create_app(model, name="lenet", workers=1), freeze_gc=True) as server:
+            assert gc.get_freeze_count() > 1000  # torch's modules and the app, at least
+            assert np.allclose(infer(triton(server), x).as_numpy("output"), expected(model, x))
+    finally:
+        gc.unfreeze()

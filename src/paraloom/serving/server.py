@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import socket
@@ -30,17 +31,25 @@ _DEFAULT_HOST = "127.0.0.1"  # never expose a model to the network unless asked 
 # ops and keep the GIL for up to the switch interval (Python's default: 5 ms). Under load that
 # wait recurs on every loop turn: requests reach the pool one by one while cores sit idle. At
 # 1 ms, LeNet at 64 concurrent JSON requests served ~40% more requests/s at a lower p99.
+# _GC_NOTE: requests in flight live long enough to be promoted to the oldest generation, so
+# under load Python runs full collections every few seconds, and each one walks every object
+# the process holds (torch, the models, grpc): 0.1-0.44 s with the GIL held, LeNet at 64
+# concurrent requests, which made the p99 latency. After startup ``serve`` collects once and
+# freezes what exists (``gc.freeze``): later full collections walk only newer objects (under
+# 10 ms). Not for ServerThread by default: it shares a process with the caller's own objects.
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, plus events for "startup finished (or failed)" and "shutdown began",
     and the gRPC endpoint (when asked for) started and stopped with it on the same loop."""
 
-    def __init__(self, config: uvicorn.Config, grpc: GrpcServer | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, grpc: GrpcServer | None = None, *,
+                 freeze_gc: bool = False) -> None:
         super().__init__(config)
         self.startup_done = threading.Event()
         self.stopping = threading.Event()
         self.grpc = grpc
+        self.freeze_gc = freeze_gc  # see _GC_NOTE
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         try:
@@ -48,6 +57,9 @@ class _Server(uvicorn.Server):
                 port = await self.grpc.start()
                 print(f"paraloom: gRPC on {self.grpc.host}:{port}", flush=True)
             await super().startup(sockets=sockets)
+            if self.started and self.freeze_gc:
+                gc.collect()
+                gc.freeze()
             if self.started:
                 for sock in sockets or []:
                     host, port = sock.getsockname()[:2]
@@ -103,7 +115,7 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
           host: str = _DEFAULT_HOST, port: int = 8000, log_level: str = "info",
           access_log: bool = False, graceful_timeout: float = 30.0, grpc_port: int | None = None,
           switch_interval: float | None = 0.001, reuse_port: bool = False,
-          **app_options: Any) -> None:
+          freeze_gc: bool = True, **app_options: Any) -> None:
     """Serve a model, a ParallelInference or an app from ``create_app`` until SIGINT/SIGTERM.
 
     Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting
@@ -111,6 +123,8 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
     ``grpc_port`` (None: off; 0: a free port, printed) also serves the v2 gRPC endpoint on ``host``.
     ``switch_interval`` sets ``sys.setswitchinterval`` for this process (None: leave it); see
     ``_SWITCH_NOTE``. ``reuse_port`` shares the ports with sibling processes (``--processes``).
+    ``freeze_gc`` moves every object that exists once the server started out of the garbage
+    collector's reach (``gc.freeze``), so that full collections stay short; see ``_GC_NOTE``.
     """
     if switch_interval is not None:
         if not math.isfinite(switch_interval) or switch_interval <= 0:
@@ -126,7 +140,7 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
         raise
     server = _Server(_config(app, log_level=log_level, access_log=access_log,
                              graceful_timeout=graceful_timeout),
-                     _grpc(app, host, grpc_port, reuse_port))
+                     _grpc(app, host, grpc_port, reuse_port), freeze_gc=freeze_gc)
     try:
         server.run(sockets=[sock])
     except BaseException:
@@ -153,19 +167,20 @@ class ServerThread:
 
     It listens on a socket bound before start (port 0: a free port chosen by the OS), so ``url``
     is right as soon as the object exists. ``stop`` asks for a graceful shutdown, then forces one
-    after ``graceful_timeout`` s, and never waits forever.
+    after ``graceful_timeout`` s, and never waits forever. ``freeze_gc=True`` freezes the
+    process's objects once started, as ``serve`` does (off: they are the caller's too).
     """
 
     def __init__(self, app: Starlette, *, host: str = _DEFAULT_HOST, port: int = 0,
                  graceful_timeout: float = 5.0, log_level: str = "warning",
-                 grpc_port: int | None = None) -> None:
+                 grpc_port: int | None = None, freeze_gc: bool = False) -> None:
         self.app = app
         self._sock = bind_socket(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.graceful_timeout = graceful_timeout
         self._server = _Server(_config(app, log_level=log_level, access_log=False,
                                        graceful_timeout=graceful_timeout),
-                               _grpc(app, host, grpc_port))
+                               _grpc(app, host, grpc_port), freeze_gc=freeze_gc)
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}",
                                         daemon=True)
         self._error: BaseException | None = None

@@ -339,12 +339,15 @@ def decode(msg: Encoded, out: Tensor, *, sign: int = 1) -> Tensor:
     return out
 
 
-def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor) -> None:
-    """Add the decoded message into tensors laid end to end (e.g. a model's parameters).
+def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor, *,
+                mirror: Tensor | None = None) -> None:
+    """Add the decoded message into tensors laid end to end (e.g. a model's parameters), and
+    into ``mirror``, one flat tensor as long as all of them, when given.
 
     ``bounds`` holds their cumulative element counts; the tensors are read in row-major order
     whatever their memory layout. A threshold message touches only its own elements (no
-    temporary of the model's size).
+    temporary of the model's size), and is decoded once for the tensors and the mirror: each
+    element gets the same single addition in both.
     """
     if msg.payload.numel() == 0:
         return
@@ -354,11 +357,19 @@ def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor) -> None:
         for out in outs:
             out.add_(values[begin: begin + out.numel()].view(out.shape).to(out.device, out.dtype))
             begin += out.numel()
+        if mirror is not None:
+            mirror.add_(values.to(mirror.device, mirror.dtype))
         return
-    payload = msg.payload
-    for out, part, flat in per_tensor(payload.abs().to(torch.int64) - 1, outs, bounds):
-        step = torch.tensor(msg.tau, dtype=out.dtype, device=out.device)
-        add_at_flat_(out, flat, torch.where(payload[part].to(out.device) > 0, step, -step))
+    payload = msg.payload.to(outs[0].device)
+    index = payload.abs().to(torch.int64) - 1
+    step = torch.tensor(msg.tau, dtype=outs[0].dtype, device=outs[0].device)
+    values = torch.where(payload > 0, step, -step)
+    for out, part, flat in per_tensor(index, outs, bounds):
+        part_values = values[part]
+        add_at_flat_(out, flat, part_values if part_values.dtype == out.dtype
+                     else part_values.to(out.dtype))  # tau is exact in every float dtype
+    if mirror is not None:
+        mirror.scatter_add_(0, index.to(mirror.device), values.to(mirror.device, mirror.dtype))
 
 
 def per_tensor(index: Tensor, tensors: Sequence[Tensor], bounds: Tensor,

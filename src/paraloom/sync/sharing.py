@@ -122,8 +122,8 @@ class _Replica:
     version counter as the last step left them.
     """
 
-    __slots__ = ("params", "old", "residual", "residual_views", "old_saved", "bounds", "stamps",
-                 "buffers", "broadcast_values")
+    __slots__ = ("params", "old", "old_flat", "residual", "residual_views", "old_saved",
+                 "bounds", "stamps", "buffers", "broadcast_values")
 
     def __init__(self, params: list[nn.Parameter], residual: Tensor,
                  buffers: list[Tensor]) -> None:
@@ -132,7 +132,15 @@ class _Replica:
         self.broadcast_values: list[Tensor] | None = None
         """The buffers as the last broadcast left them (equal everywhere). Compared by value:
         BatchNorm's kernel updates its running statistics without bumping their version."""
-        self.old = [torch.empty_like(p) for p in params]
+        self.old_flat: Tensor | None = None
+        """``old`` as one flat tensor when every parameter has one dtype: a message is then
+        added to it with one scatter, not one per parameter."""
+        if len({p.dtype for p in params}) == 1:
+            self.old_flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                        device=params[0].device)
+            self.old = _views(self.old_flat, params)
+        else:
+            self.old = [torch.empty_like(p) for p in params]
         self.residual = residual
         self.residual_views = _views(residual, params)
         self.old_saved = False
@@ -459,9 +467,12 @@ class SharedGradients(Synchronizer):
                 f"parameters were left at their last consistent values. Lower the learning "
                 f"rate or clip gradients")
         # The parameters hold "old" here. Rank order: the same float sums on every replica.
-        for message in messages:
-            decode_into(message, replica.params, replica.bounds)
-            decode_into(message, replica.old, replica.bounds)  # the same sums: old mirrors
+        for message in messages:  # old gets the same sums: it mirrors the parameters
+            if replica.old_flat is not None:
+                decode_into(message, replica.params, replica.bounds, mirror=replica.old_flat)
+            else:
+                decode_into(message, replica.params, replica.bounds)
+                decode_into(message, replica.old, replica.bounds)
         replica.stamps = replica.current_stamps()
         # Only the buffers some replica wrote (BatchNorm statistics, not a constant mask): the
         # flags came with the headers, so every replica broadcasts the same ones.

@@ -19,6 +19,7 @@ from paraloom.sync.encoding import (
     empty_message,
     encode,
     full_step_mask,
+    gap16_encode,
     moved_index,
     quantize_threshold,
     scan,
@@ -54,7 +55,8 @@ def cases(draw: st.DrawFn) -> tuple[torch.Tensor, float]:
 
 def _messages(v: torch.Tensor, tau: float) -> list:
     return [threshold_encode(v, tau), bitmap_encode(v, tau, 1), bitmap_encode(v, tau, -1),
-            encode(v, tau, previous=Format.THRESHOLD), encode(v, tau, previous=Format.BITMAP)]
+            encode(v, tau, previous=Format.THRESHOLD), encode(v, tau, previous=Format.BITMAP),
+            gap16_encode(v, tau)]
 
 
 def _exact(t: torch.Tensor) -> list[Fraction | float]:
@@ -106,6 +108,9 @@ def test_messages_decode_to_the_reference_steps(case) -> None:
             assert msg.payload.numel() == msg.moved
             index = msg.payload.abs().long()
             assert torch.all(index[1:] > index[:-1])  # ascending, unique: deterministic
+        elif msg.format == Format.GAP16:
+            assert msg.payload.numel() == -(-msg.moved // 2)  # no escapes below 32767 elements
+            assert torch.equal(moved_index(msg), moved_index(threshold_encode(v, tau)))
         else:
             assert msg.payload.numel() == -(-v.numel() // 16)
 
@@ -227,21 +232,35 @@ def test_decode_into_a_wider_dtype_and_on_views() -> None:
                                                                              [0.0, 0.5]]
 
 
-@pytest.mark.parametrize("fmt", [Format.THRESHOLD, Format.BITMAP])
+@pytest.mark.parametrize("fmt", [Format.THRESHOLD, Format.BITMAP, Format.GAP16])
 def test_moved_index_names_exactly_the_elements_a_message_changes(fmt: Format) -> None:
     v = torch.randn(1000, generator=torch.Generator().manual_seed(3))
-    msg = threshold_encode(v, 1.0) if fmt == Format.THRESHOLD else bitmap_encode(v, 1.0, -1)
+    msg = {Format.THRESHOLD: threshold_encode(v, 1.0), Format.BITMAP: bitmap_encode(v, 1.0, -1),
+           Format.GAP16: gap16_encode(v, 1.0)}[fmt]
     changed = torch.nonzero(decode(msg, torch.zeros(1000)) != 0).reshape(-1)
     index = moved_index(msg)
     assert index.dtype == torch.int64 and index.tolist() == changed.tolist()
     assert moved_index(empty_message(1000)).numel() == 0
 
 
-@pytest.mark.parametrize("fmt", [Format.THRESHOLD, Format.BITMAP])
+def test_gap16_carries_gaps_beyond_int16_with_escapes() -> None:
+    v = torch.zeros(200_000)
+    where = [0, 1, 32_766, 32_767, 32_768, 100_000, 199_999]
+    v[where] = torch.tensor([1.0, -1.0, 2.0, -1.5, 1.0, -3.0, 1.0])
+    msg = gap16_encode(v, 1.0)
+    assert msg.format == Format.GAP16 and msg.moved == len(where)
+    assert moved_index(msg).tolist() == where
+    assert torch.equal(decode(msg, torch.zeros(200_000)), decode(threshold_encode(v, 1.0),
+                                                                 torch.zeros(200_000)))
+    assert msg.payload.numel() < len(where)  # two entries a word, escapes included
+
+
+@pytest.mark.parametrize("fmt", [Format.THRESHOLD, Format.BITMAP, Format.GAP16])
 def test_decode_into_tensors_end_to_end_equals_decode_into_one(fmt: Format) -> None:
     g = torch.Generator().manual_seed(4)
     v = torch.randn(2 * 3 * 4 + 5 + 7, generator=g)
-    msg = threshold_encode(v, 1.0) if fmt == Format.THRESHOLD else bitmap_encode(v, 1.0, 1)
+    msg = {Format.THRESHOLD: threshold_encode(v, 1.0), Format.BITMAP: bitmap_encode(v, 1.0, 1),
+           Format.GAP16: gap16_encode(v, 1.0)}[fmt]
     base = torch.randn(v.numel(), generator=g)
     outs = [base[:24].clone().view(2, 3, 4).permute(2, 0, 1),  # non-contiguous
             base[24:29].clone(), base[29:].clone().view(7, 1)]

@@ -45,7 +45,9 @@ def _shared_run(rank: int, world_size: int, **options: Any) -> dict[str, Any]:
     {"residual_post_processor": ResidualClipping(2.0, 2),
      "threshold_algorithm": AdaptiveThreshold(initial=1e-2)},
     {"recipe": "dl4j", "idle": {5: [1]}},
-], ids=["auto-batchnorm-idle", "threshold", "bitmap-sum-idle", "clipping", "dl4j-idle"])
+    {"encoding": "gap16", "threshold_algorithm": QuantileThreshold(1 / 160), "idle": {4: [1]}},
+], ids=["auto-batchnorm-idle", "threshold", "bitmap-sum-idle", "clipping", "dl4j-idle",
+        "gap16-idle"])
 def test_replicas_are_bit_identical_after_every_step(pool, options) -> None:
     results = pool.run(_shared_run, **options)
     _identical(results)

@@ -33,6 +33,8 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "averaging": {"training_mode": "averaging", "averaging_frequency": 4},
     "powersgd": {"training_mode": "allreduce", "comm_hook": "powersgd"},
     "sharing_dl4j": {"training_mode": "shared_gradients", "recipe": "dl4j"},
+    "sharing_threshold": {"training_mode": "shared_gradients", "encoding": "threshold",
+                          "threshold_algorithm": ("QuantileThreshold", 1 / 320)},
     "sharing": {"training_mode": "shared_gradients"},
 }
 """Contender name -> ParallelWrapper options (everything else is the same recipe)."""
@@ -118,6 +120,11 @@ def _train(args: argparse.Namespace, task: str, contender: str, seed: int) -> di
                         generator=torch.Generator().manual_seed(seed))
     lr, momentum = args.lr or task_lr, args.momentum
     options = dict(CONTENDERS[contender])
+    if isinstance(options.get("threshold_algorithm"), tuple):  # (class name, density): JSON-able
+        from paraloom.sync import thresholds
+
+        name, density = options["threshold_algorithm"]
+        options["threshold_algorithm"] = getattr(thresholds, name)(density)
     if options.get("comm_hook") == "powersgd":  # dense for the first 10% of steps, as torch advises
         options.setdefault("powersgd_warmup", max(1, len(loader) * args.epochs // 10))
     start = time.perf_counter()

@@ -54,8 +54,13 @@ from paraloom.sync.thresholds import (
 
 __all__ = ["Exchanged", "SharedGradients", "differs", "exchange_messages"]
 
-_ENCODINGS = ("auto", "threshold", "bitmap")
+_ENCODINGS = ("auto", "threshold", "bitmap", "gap16")
 _RECIPES = ("dgc", "dl4j")
+_DGC_DENSITY = 1 / 160
+"""The dgc recipe's fraction of elements per message. Its gap16 messages take half a word per
+element, so with the headers a worker sends under 1/300 of all-reduce's bytes: the same bytes
+as threshold messages at 1/320, for twice the elements (digits16, 6 epochs: 81.8% against
+74.8% test accuracy, 5 seeds)."""
 
 
 _FLAG_BITS = 31
@@ -256,25 +261,28 @@ def _broadcast_from_first(tensors: list[Tensor], ctx: StepContext) -> int:
 class SharedGradients(Synchronizer):
     """Threshold-encoded update sharing with residuals (``training_mode="shared_gradients"``).
 
-    Two recipes, both in DL4J's exchange format (threshold or bitmap messages, residuals):
+    Two recipes, both with DL4J's residuals and ``±tau`` steps:
 
     * ``recipe="dgc"`` (the default) is meant for the dense recipe's learning rate and
-      momentum, after Deep Gradient Compression: ``QuantileThreshold()`` picks tau so that each
-      message moves the largest ~1/320 of the residual's elements (with the headers,
-      under 1/300 of all-reduce's bytes), updates are averaged
-      (``combine="mean"``, so learning rates carry over from DDP), momentum factor masking
-      zeroes the optimizer's momentum where a message moved an element, and
-      ``ResidualClipping(2.0, 1)`` keeps each residual element within 2 tau (DGC's local
-      clipping: a surplus that far beyond tau is stale, and sending it later destabilizes).
+      momentum, after Deep Gradient Compression: ``QuantileThreshold(1/160)`` picks tau so
+      that each message moves the largest ~1/160 of the residual's elements, sent as gap16
+      messages (half a word per element; with the headers under 1/300 of all-reduce's bytes),
+      updates are averaged (``combine="mean"``, so learning rates carry over from DDP),
+      momentum factor masking zeroes the optimizer's momentum where a message moved an
+      element, and ``ResidualClipping(2.0, 1)`` keeps each residual element within 2 tau
+      (DGC's local clipping: a surplus that far beyond tau is stale, and sending it later
+      destabilizes).
     * ``recipe="dl4j"``: DL4J's ParallelWrapper exactly: ``AdaptiveThreshold()`` (tau moves
-      by a factor of 2 per 20 steps to keep 1e-4..1e-2 of the elements), each replica's update
-      applied in full (``combine="sum"``), no masking. It needs a smaller learning rate.
+      by a factor of 2 per 20 steps to keep 1e-4..1e-2 of the elements), DL4J's threshold
+      messages (a word per element), each replica's update applied in full (``combine="sum"``),
+      no masking. It needs a smaller learning rate.
 
     Each of ``threshold_algorithm``, ``residual_post_processor``, ``combine`` and
     ``momentum_masking`` overrides the recipe. ``ResidualPostProcessor()``, the no-op base
     class, turns the clipping off (the dl4j recipe has none, as DL4J's ParallelWrapper; Spark
-    DL4J uses ``ResidualClipping(5.0, 5)``). ``encoding`` forces "threshold" or "bitmap"
-    messages instead of choosing by density ("auto"). ``broadcast_buffers`` copies rank 0's
+    DL4J uses ``ResidualClipping(5.0, 5)``). ``encoding="auto"`` chooses by density between
+    the recipe's sparse format (dgc: gap16, dl4j: threshold) and the bitmap; "threshold",
+    "gap16" or "bitmap" forces one (see ``encoding``). ``broadcast_buffers`` copies rank 0's
     buffers (e.g. BatchNorm statistics) after each step, those some replica changed.
     """
 
@@ -291,7 +299,8 @@ class SharedGradients(Synchronizer):
                              f"masking, trains at the dense recipe) or 'dl4j' (DL4J's exact "
                              f"rules)")
         if threshold_algorithm is None:
-            threshold_algorithm = QuantileThreshold() if recipe == "dgc" else AdaptiveThreshold()
+            threshold_algorithm = QuantileThreshold(_DGC_DENSITY) if recipe == "dgc" \
+                else AdaptiveThreshold()
         if not isinstance(threshold_algorithm, ThresholdAlgorithm):
             raise TypeError(f"threshold_algorithm={threshold_algorithm!r}; expected a "
                             f"ThresholdAlgorithm such as QuantileThreshold(1/300), "
@@ -415,9 +424,11 @@ class SharedGradients(Synchronizer):
         return self._replica
 
     def _encode(self, residual: Tensor, found: Scan) -> Encoded:
-        forced = {"bitmap": Format.BITMAP, "threshold": Format.THRESHOLD}.get(self.encoding)
+        forced = {"bitmap": Format.BITMAP, "threshold": Format.THRESHOLD,
+                  "gap16": Format.GAP16}.get(self.encoding)
+        sparse = Format.GAP16 if self.recipe == "dgc" else Format.THRESHOLD
         return encode_scan(residual, found, previous=self._format, half_sign=self._half_sign,
-                           format=forced)
+                           format=forced, sparse=sparse)
 
     def _post_process(self, residual: Tensor, found: Scan, tau: float) -> None:
         """Let the post-processor act, on the chunks it can change only where it says which:

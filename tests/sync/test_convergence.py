@@ -91,8 +91,8 @@ def test_powersgd_matches_allreduce_with_four_percent_of_the_bytes_after_warm_up
 def test_sharing_trains_at_the_dense_recipe_with_a_three_hundredth_of_the_bytes() -> None:
     # lr 0.1 with momentum 0.9, as allreduce: measured 98.61% (allreduce 98.33%) at 1,677
     # B/step against 524,320 (1/313: density 1/160 in gap16 messages, half a word each, plus
-    # the 24-byte headers; the payloads travel at their own lengths). DL4J's recipe (recipe="dl4j") falls to 10.6% here
-    # (`paraloom bench convergence` shows it).
+    # the 24-byte headers; the payloads travel at their own lengths). DL4J's recipe
+    # (recipe="dl4j") falls to 10.6% here (`paraloom bench convergence` shows it).
     dense_accuracy, dense = _train("allreduce", lr=0.1)
     accuracy, stats = _train("shared_gradients", lr=0.1)
     dense_bytes, shared_bytes = max(dense["bytes_sent_per_step"]), max(stats["bytes_sent_per_step"])

@@ -18,6 +18,7 @@ from paraloom.sync.encoding import (
     decode_into,
     empty_message,
     encode,
+    encode_scan,
     full_step_mask,
     gap16_encode,
     moved_index,
@@ -130,6 +131,18 @@ def test_choose_format_switches_at_n_over_16_up_and_n_over_32_down() -> None:
     assert choose_format(100, n, Format.THRESHOLD) == Format.BITMAP
     assert choose_format(50, n, Format.BITMAP) == Format.BITMAP
     assert choose_format(49, n, Format.BITMAP) == Format.THRESHOLD
+
+
+def test_choose_format_weighs_gap16_messages_at_half_a_word_per_step() -> None:
+    n = 1600  # 100 bitmap words; a gap16 message of k steps takes ceil(k / 2) words
+    assert choose_format(198, n, Format.GAP16, Format.GAP16) == Format.GAP16
+    assert choose_format(199, n, Format.GAP16, Format.GAP16) == Format.BITMAP
+    assert choose_format(100, n, Format.BITMAP, Format.GAP16) == Format.BITMAP
+    assert choose_format(98, n, Format.BITMAP, Format.GAP16) == Format.GAP16
+    v = torch.zeros(n)
+    v[:150] = 1.0  # 150 steps: 75 words as gap16, 150 as threshold words
+    assert encode(v, 1.0).format == Format.BITMAP
+    assert encode_scan(v, scan(v, 1.0), sparse=Format.GAP16).format == Format.GAP16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

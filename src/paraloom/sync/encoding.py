@@ -1,4 +1,4 @@
-"""Threshold and bitmap encoding of update residuals: pure functions on tensors.
+"""Threshold, gap16 and bitmap encoding of update residuals: pure functions on tensors.
 
 A message moves each selected element of a residual ``v`` by a fixed step ``tau`` towards zero
 and tells the peers to add that step to their parameters. Two formats exist, as in DL4J:

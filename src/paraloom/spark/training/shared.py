@@ -63,8 +63,8 @@ class SharedTrainingMaster(TrainingMaster):
     ~1/160 of the residual per message in gap16 messages, momentum masking,
     ``ResidualClipping(2.0, 1)``; it trains at the dense recipe's learning rate) or "dl4j"
     (``AdaptiveThreshold()``, ``ResidualClipping(5.0, 5)``, each worker's update applied in
-    full: DL4J's Spark defaults). ``threshold_algorithm`` and ``residual_post_processor`` override the recipe's
-    (``residual_post_processor=None`` for none).
+    full: DL4J's Spark defaults). ``threshold_algorithm`` and ``residual_post_processor``
+    override the recipe's (``residual_post_processor=None`` for none).
     ``workers`` defaults to the cluster's task slots; each worker is one barrier task and
     trains ``batch_size_per_worker`` rows per step. ``workers_per_node`` sets each task's
     torch threads to the node's cores divided by it (default: ``spark.task.cpus``).

@@ -57,10 +57,10 @@ class _Server(uvicorn.Server):
                 port = await self.grpc.start()
                 print(f"paraloom: gRPC on {self.grpc.host}:{port}", flush=True)
             await super().startup(sockets=sockets)
-            if self.started and self.freeze_gc:
-                gc.collect()
-                gc.freeze()
             if self.started:
+                if self.freeze_gc:
+                    gc.collect()
+                    gc.freeze()
                 for sock in sockets or []:
                     host, port = sock.getsockname()[:2]
                     _log.info("paraloom serving on http://%s:%d", host, port)

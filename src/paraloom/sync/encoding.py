@@ -353,9 +353,7 @@ def moved_index(msg: Encoded) -> Tensor:
         return torch.empty(0, dtype=torch.int64, device=msg.payload.device)
     if msg.format == Format.BITMAP:
         return torch.nonzero(_bitmap_codes(msg)).reshape(-1)
-    if msg.format == Format.GAP16:
-        return _gap16_steps(msg.payload)[0]
-    return msg.payload.abs().to(torch.int64) - 1
+    return _steps(msg.format, msg.payload)[0]
 
 
 def _bitmap_values(msg: Encoded, dtype: torch.dtype) -> Tensor:
@@ -385,7 +383,8 @@ def decode(msg: Encoded, out: Tensor, *, sign: int = 1) -> Tensor:
         flat.add_(values) if sign == 1 else flat.sub_(values)
         return out
     if msg.format not in (Format.THRESHOLD, Format.GAP16):
-        raise ValueError(f"format={msg.format!r}; expected a Format")
+        raise ValueError(f"format={msg.format!r}; expected Format.THRESHOLD, Format.GAP16 or "
+                         "Format.BITMAP")
     index, positive = _steps(msg.format, msg.payload.to(flat.device))
     step = torch.tensor(msg.tau * sign, dtype=out.dtype, device=flat.device)
     values = torch.where(positive, step, -step)
@@ -419,9 +418,7 @@ def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor, *,
     step = torch.tensor(msg.tau, dtype=outs[0].dtype, device=outs[0].device)
     values = torch.where(positive, step, -step)
     for out, part, flat in per_tensor(index, outs, bounds):
-        part_values = values[part]
-        add_at_flat_(out, flat, part_values if part_values.dtype == out.dtype
-                     else part_values.to(out.dtype))  # tau is exact in every float dtype
+        add_at_flat_(out, flat, values[part].to(out.dtype))  # tau is exact in every float dtype
     if mirror is not None:
         mirror.scatter_add_(0, index.to(mirror.device), values.to(mirror.device, mirror.dtype))
 

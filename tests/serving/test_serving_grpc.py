@@ -37,11 +37,17 @@ def lenet_model() -> nn.Module:
     return LeNet(image_size=8).eval()
 
 
+@pytest.fixture(scope="module", params=["uvicorn", "grpcio"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every test runs on both gRPC servers: uvicorn's HTTP/2 and grpcio's grpc.aio."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def server(lenet_model: nn.Module) -> Iterator[ServerThread]:
+def server(lenet_model: nn.Module, backend: str) -> Iterator[ServerThread]:
     app = create_app(lenet_model, name="lenet", workers=2, batch_limit=16, queue_limit=256,
                      max_body_bytes=1 << 20)
-    with ServerThread(app, grpc_port=0) as s:
+    with ServerThread(app, grpc_port=0, grpc_backend=backend) as s:
         yield s
 
 
@@ -263,12 +269,12 @@ def test_concurrent_grpc_and_http_requests_get_their_own_answers(
         np.testing.assert_allclose(out, _expected(lenet_model, x), rtol=1e-5, atol=1e-6)
 
 
-def test_a_full_queue_is_unavailable_over_grpc_and_503_over_http() -> None:
+def test_a_full_queue_is_unavailable_over_grpc_and_503_over_http(backend: str) -> None:
     gate = Gate()
     app = create_app(GatedLeNet(gate), name="lenet", workers=1, batch_limit=1, queue_limit=1,
                      inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
     x = np.zeros((1, 1, 8, 8), dtype=np.float32)
-    with ServerThread(app, grpc_port=0) as server:
+    with ServerThread(app, grpc_port=0, grpc_backend=backend) as server:
         client = tg.InferenceServerClient(server.grpc_url)
         http = th.InferenceServerClient(f"{server.host}:{server.port}")
         gate.close()
@@ -376,13 +382,13 @@ def test_fuzzed_requests_are_answered_or_refused_never_internal(
         assert len(response.raw_output_contents) + bool(typed) == 1  # raw or typed, not both
 
 
-def test_unload_lets_the_request_in_flight_finish_on_the_model() -> None:
+def test_unload_lets_the_request_in_flight_finish_on_the_model(backend: str) -> None:
     gate = Gate()
     model = GatedLeNet(gate)
     app = create_app(model, name="lenet", workers=1, batch_limit=4,
                      inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
     x = np.random.default_rng(5).random((2, 1, 8, 8), dtype=np.float32)
-    with ServerThread(app, grpc_port=0) as server:
+    with ServerThread(app, grpc_port=0, grpc_backend=backend) as server:
         client = tg.InferenceServerClient(server.grpc_url)
         pool = app.state.served.pool
         gate.close()

@@ -9,7 +9,11 @@ time, sends the same header block (HPACK literals without indexing, so it never 
 compression table) and the same length-prefixed message on each new stream, and reads frames
 only as far as it must: DATA carries the answer, END_STREAM ends the call, SETTINGS and PING are
 acknowledged, WINDOW_UPDATE refills the send windows. It never decodes the server's headers: a
-call that ends without a message is a failure (gRPC errors are trailers-only responses).
+call that ends without a message is a failure (gRPC errors carry no message). A GOAWAY with
+NO_ERROR (a server closing a connection after so many calls) lets the call in flight finish if
+the server took it, and the caller goes on over a new connection, as grpcio's clients do; a call
+the server refused unprocessed (above the GOAWAY's last stream, or RST_STREAM REFUSED_STREAM) is
+sent again there, not counted as failed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = ["GrpcCaller", "header_block"]
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PING, _GOAWAY, _WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
 _END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
+_REFUSED_STREAM = 0x7
 _MAX_WINDOW = (1 << 31) - 1
 _DEFAULT_WINDOW = 65535  # RFC 9113's initial flow-control window
 
@@ -79,6 +84,7 @@ class GrpcCaller(ClosedLoopCaller):
         self.initial_window = _DEFAULT_WINDOW  # the server's SETTINGS_INITIAL_WINDOW_SIZE
         self.max_frame = 16384
         self.received = 0
+        self.going_away = False  # the server sent GOAWAY NO_ERROR: no new stream here
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # a TCP transport: it writes
@@ -88,6 +94,9 @@ class GrpcCaller(ClosedLoopCaller):
         self._send()
 
     def _request(self) -> None:
+        if self.going_away:
+            self._finish()  # the load generator connects again and goes on
+            return
         self.stream += 2
         self.answered = False
         self.stream_window = self.initial_window
@@ -138,15 +147,30 @@ class GrpcCaller(ClosedLoopCaller):
             elif stream == self.stream:
                 self.stream_window += increment
             self._flush()
-        elif kind == _RST_STREAM and stream == self.stream:
-            self._ended("gRPC RST_STREAM")
-            return
-        elif kind == _GOAWAY:
-            self.errors.append("gRPC GOAWAY")
-            self._finish()
+        elif kind == _RST_STREAM and stream == self.stream or kind == _GOAWAY:
+            self._stopped(kind, payload)
             return
         if kind in (_DATA, _HEADERS) and stream == self.stream and flags & _END_STREAM:
             self._ended(None if self.answered else "gRPC error status")
+
+    def _stopped(self, kind: int, payload: bytes) -> None:
+        """RST_STREAM of the call in flight, or GOAWAY: a failure, unless the call or the
+        connection was closed for a new connection to carry on."""
+        if kind == _RST_STREAM:
+            if int.from_bytes(payload[:4], "big") != _REFUSED_STREAM:
+                self._ended("gRPC RST_STREAM")
+                return
+            self.going_away = True
+            self._finish()  # never processed: sent again over a new connection
+            return
+        last, code = struct.unpack(">II", payload[:8])
+        if code != 0:
+            self.errors.append("gRPC GOAWAY")
+            self._finish()
+            return
+        self.going_away = True  # the call in flight finishes if the server took it
+        if self.stream > last & _MAX_WINDOW:
+            self._finish()  # refused unprocessed: sent again over a new connection
 
     def _settings(self, payload: bytes) -> None:
         for i in range(0, len(payload) - 5, 6):

@@ -114,6 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paraloom-processes", type=int, default=2,
                         help="paraloom serve --processes; the --workers replicas are divided "
                         "among them (2)")
+    parser.add_argument("--paraloom-grpc-backend", choices=("auto", "uvicorn", "grpcio"),
+                        default="auto", help="paraloom serve --grpc-backend (auto)")
     parser.add_argument("--image-size", type=int, default=28, help="LeNet input size (28)")
     parser.add_argument("--servers", default="paraloom,mlserver,litserve",
                         help="which servers to measure (paraloom,mlserver,litserve)")
@@ -228,7 +230,7 @@ def _paraloom(path: Path, x: torch.Tensor, expected: torch.Tensor, args: argpars
     workers = max(1, args.workers // processes)  # the same replicas in all: processes x workers
     cmd = [sys.executable, "-m", "paraloom.cli", "serve", str(path), "--name", "lenet",
            "--port", str(port), "--grpc-port", str(grpc_port), "--workers", str(workers),
-           "--processes", str(processes),
+           "--processes", str(processes), "--grpc-backend", args.paraloom_grpc_backend,
            "--batch-limit", str(args.batch_limit), "--max-wait-ms",
            str(args.paraloom_max_wait_ms), "--threads-per-worker", str(threads),
            "--queue-limit", str(max(256, 4 * max(levels))), "--log-level", "warning"]
@@ -255,7 +257,10 @@ def _paraloom(path: Path, x: torch.Tensor, expected: torch.Tensor, args: argpars
         for level in levels:
             for name, target in targets.items():
                 out[f"{name} @{level}"] = measure(name, target, level, pgid)
-    out["server"] = (f"paraloom serve --processes {processes} --workers {workers} --batch-limit "
+    from paraloom.serving.server import resolve_grpc_backend
+
+    out["server"] = (f"paraloom serve --processes {processes} --workers {workers} --grpc-backend "
+                     f"{resolve_grpc_backend(args.paraloom_grpc_backend)} --batch-limit "
                      f"{args.batch_limit} --max-wait-ms {args.paraloom_max_wait_ms} "
                      f"--threads-per-worker {threads}")
     return out

@@ -9,7 +9,7 @@ import socket
 import sys
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
 from starlette.applications import Starlette
@@ -20,9 +20,13 @@ from paraloom.serving.sockets import bind_socket
 
 if TYPE_CHECKING:
     from paraloom.inference.parallel import ParallelInference
-    from paraloom.serving.grpc.service import GrpcServer
 
-__all__ = ["ServerThread", "bind_socket", "close_owned_pools", "serve"]
+__all__ = ["GRPC_BACKENDS", "ServerThread", "bind_socket", "close_owned_pools",
+           "resolve_grpc_backend", "serve"]
+
+GRPC_BACKENDS = ("auto", "uvicorn", "grpcio")
+"""What serves gRPC: uvicorn's HTTP/2 (``grpc/http2.py``; needs the ``zttp`` package, Python
+3.11+), grpcio's grpc.aio (``grpc/service.py``), or "auto": uvicorn where it can, else grpcio."""
 
 _log = logging.getLogger("paraloom.serving")
 _DEFAULT_HOST = "127.0.0.1"  # never expose a model to the network unless asked to
@@ -39,11 +43,40 @@ _DEFAULT_HOST = "127.0.0.1"  # never expose a model to the network unless asked 
 # 10 ms). Not for ServerThread by default: it shares a process with the caller's own objects.
 
 
+class _GrpcEndpoint(Protocol):
+    """A gRPC server started and stopped on the HTTP server's loop."""
+
+    host: str
+    port: int | None
+
+    async def start(self) -> int: ...
+
+    async def stop(self, grace: float | None) -> None: ...
+
+
+def resolve_grpc_backend(name: str) -> str:
+    """The backend ``name`` stands for ("auto" resolved); ValueError if unknown or missing."""
+    if name not in GRPC_BACKENDS:
+        raise ValueError(f"grpc_backend={name!r}; expected one of {GRPC_BACKENDS}")
+    if name == "grpcio":
+        return name
+    try:
+        import uvicorn.protocols.http.zttp_h2_impl  # noqa: F401
+        import zttp  # noqa: F401
+    except ImportError as e:
+        if name == "auto":
+            return "grpcio"
+        raise ValueError(f"grpc_backend='uvicorn' needs uvicorn>=0.54 with zttp ({e}); "
+                         "pip install 'paraloom[serve]' on Python 3.11+, or pass "
+                         "grpc_backend='grpcio'") from e
+    return "uvicorn"
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, plus events for "startup finished (or failed)" and "shutdown began",
     and the gRPC endpoint (when asked for) started and stopped with it on the same loop."""
 
-    def __init__(self, config: uvicorn.Config, grpc: GrpcServer | None = None, *,
+    def __init__(self, config: uvicorn.Config, grpc: _GrpcEndpoint | None = None, *,
                  freeze_gc: bool = False) -> None:
         super().__init__(config)
         self.startup_done = threading.Event()
@@ -74,16 +107,22 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
-def _grpc(app: Starlette, host: str, port: int | None, reuse_port: bool = False
-          ) -> GrpcServer | None:
+def _grpc(app: Starlette, host: str, port: int | None, backend: str, reuse_port: bool = False
+          ) -> _GrpcEndpoint | None:
     if port is None:
         return None
     if port < 0 or port > 65535:
         raise ValueError(f"grpc_port={port}; expected 0 (any free port) to 65535")
+    state = app.state
+    if resolve_grpc_backend(backend) == "uvicorn":
+        from paraloom.serving.grpc.http2 import Http2GrpcServer
+
+        return Http2GrpcServer(state.registry, state.metrics, host=host, port=port,
+                               max_message_bytes=state.max_body_bytes, reuse_port=reuse_port)
     from paraloom.serving.grpc.service import GrpcServer
 
-    return GrpcServer(app.state.registry, app.state.metrics, host=host, port=port,
-                      max_message_bytes=app.state.max_body_bytes, reuse_port=reuse_port)
+    return GrpcServer(state.registry, state.metrics, host=host, port=port,
+                      max_message_bytes=state.max_body_bytes, reuse_port=reuse_port)
 
 
 def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float,
@@ -114,13 +153,14 @@ def _as_app(pool_or_model: nn.Module | ParallelInference | Starlette, name: str 
 def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str | None = None,
           host: str = _DEFAULT_HOST, port: int = 8000, log_level: str = "info",
           access_log: bool = False, graceful_timeout: float = 30.0, grpc_port: int | None = None,
-          switch_interval: float | None = 0.001, reuse_port: bool = False,
-          freeze_gc: bool = True, **app_options: Any) -> None:
+          grpc_backend: str = "auto", switch_interval: float | None = 0.001,
+          reuse_port: bool = False, freeze_gc: bool = True, **app_options: Any) -> None:
     """Serve a model, a ParallelInference or an app from ``create_app`` until SIGINT/SIGTERM.
 
     Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting
     connections and waits up to ``graceful_timeout`` s for in-flight requests; then the pool drains.
-    ``grpc_port`` (None: off; 0: a free port, printed) also serves the v2 gRPC endpoint on ``host``.
+    ``grpc_port`` (None: off; 0: a free port, printed) also serves the v2 gRPC endpoint on ``host``,
+    with ``grpc_backend`` (see ``GRPC_BACKENDS``).
     ``switch_interval`` sets ``sys.setswitchinterval`` for this process (None: leave it); see
     ``_SWITCH_NOTE``. ``reuse_port`` shares the ports with sibling processes (``--processes``).
     ``freeze_gc`` moves every object that exists once the server started out of the garbage
@@ -140,7 +180,7 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
         raise
     server = _Server(_config(app, log_level=log_level, access_log=access_log,
                              graceful_timeout=graceful_timeout),
-                     _grpc(app, host, grpc_port, reuse_port), freeze_gc=freeze_gc)
+                     _grpc(app, host, grpc_port, grpc_backend, reuse_port), freeze_gc=freeze_gc)
     try:
         server.run(sockets=[sock])
     except BaseException:
@@ -173,14 +213,16 @@ class ServerThread:
 
     def __init__(self, app: Starlette, *, host: str = _DEFAULT_HOST, port: int = 0,
                  graceful_timeout: float = 5.0, log_level: str = "warning",
-                 grpc_port: int | None = None, freeze_gc: bool = False) -> None:
+                 grpc_port: int | None = None, grpc_backend: str = "auto",
+                 freeze_gc: bool = False) -> None:
         self.app = app
         self._sock = bind_socket(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.graceful_timeout = graceful_timeout
         self._server = _Server(_config(app, log_level=log_level, access_log=False,
                                        graceful_timeout=graceful_timeout),
-                               _grpc(app, host, grpc_port), freeze_gc=freeze_gc)
+                               _grpc(app, host, grpc_port, grpc_backend),
+                               freeze_gc=freeze_gc)
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}",
                                         daemon=True)
         self._error: BaseException | None = None

@@ -30,7 +30,7 @@ from paraloom.serving.metrics import ServingMetrics
 from paraloom.serving.protocol import InferRequest
 from paraloom.serving.registry import ModelRegistry
 
-__all__ = ["GrpcServer", "status_code"]
+__all__ = ["METHODS", "GrpcServer", "Service", "status_code"]
 
 _log = logging.getLogger("paraloom.serving")
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
@@ -43,7 +43,7 @@ def status_code(error: ServingError) -> grpc.StatusCode:
     return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 
-class _Service:
+class Service:
     """The RPC handlers; each takes the decoded request message and returns the response."""
 
     def __init__(self, registry: ModelRegistry, metrics: ServingMetrics) -> None:
@@ -92,7 +92,7 @@ class _Service:
         return response()
 
 
-_METHODS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+METHODS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
             "ModelInfer", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"]
 
 
@@ -111,9 +111,9 @@ def _handler(call: Callable[[Any, Any], Awaitable[Any]], request_type: Any,
         response_serializer=response_type.SerializeToString)
 
 
-def _generic_handler(service: _Service) -> grpc.GenericRpcHandler:
+def _generic_handler(service: Service) -> grpc.GenericRpcHandler:
     handlers = {}
-    for name in _METHODS:
+    for name in METHODS:
         request_type, response_type = method_types(name)
         handlers[name] = _handler(getattr(service, name), request_type, response_type)
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
@@ -140,7 +140,7 @@ class GrpcServer:
                    ("grpc.max_send_message_length", -1),
                    ("grpc.so_reuseport", int(self.reuse_port))]
         server = aio.server(options=options)
-        server.add_generic_rpc_handlers((_generic_handler(_Service(self.registry,
+        server.add_generic_rpc_handlers((_generic_handler(Service(self.registry,
                                                                    self.metrics)),))
         host = f"[{self.host}]" if ":" in self.host else self.host
         try:

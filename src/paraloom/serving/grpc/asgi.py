@@ -1,0 +1,170 @@
+"""The v2 gRPC service as an ASGI app: gRPC's HTTP/2 mapping over the same handlers as grpc.aio.
+
+A unary gRPC call is an HTTP/2 POST to ``/inference.GRPCInferenceService/<Method>`` with
+``content-type: application/grpc``, a body of one length-prefixed message (a flag byte: 1 when
+compressed, then the length as 4 big-endian bytes), and an answer of the same framing followed
+by the ``grpc-status`` and ``grpc-message`` trailers. uvicorn's HTTP/2 (zttp) does the framing,
+flow control and HPACK in compiled code, so a call costs about what an HTTP/1.1 request does
+(see ``paraloom.serving.grpc.http2``). The calls go to ``service._Service``, as grpc.aio's do:
+the same lookups, validation, errors, limits and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import quote
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from paraloom.serving.errors import ServingError
+from paraloom.serving.grpc.messages import SERVICE, method_types
+from paraloom.serving.grpc.service import METHODS, Service, status_code
+
+__all__ = ["GrpcAsgiApp", "parse_timeout"]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+_HEADERS = [(b"content-type", b"application/grpc"),
+            (b"grpc-accept-encoding", b"identity,gzip,deflate")]
+_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+# grpc-message is percent-encoded: everything printable but "%" stays as it is.
+_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)
+
+
+class _CallError(Exception):
+    """A call refused before it reached the service, with its gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def parse_timeout(value: bytes) -> float:
+    """Seconds of a ``grpc-timeout`` header (``"250m"``: 0.25 s); ValueError if malformed."""
+    text = value.decode("ascii")
+    if not 2 <= len(text) <= 9 or text[-1] not in _UNITS or not text[:-1].isdigit():
+        raise ValueError(f"grpc-timeout {text!r}; expected up to 8 digits and one of H M S m u n")
+    return int(text[:-1]) * _UNITS[text[-1]]
+
+
+def _decompress(data: bytes, encoding: bytes, limit: int) -> bytes:
+    """The message of a compressed frame, refused once it would pass ``limit`` bytes."""
+    if encoding not in (b"gzip", b"deflate"):
+        raise _CallError(grpc.StatusCode.UNIMPLEMENTED,
+                         f"message compressed with {encoding.decode('latin-1')!r}; this server "
+                         "takes identity, gzip or deflate")
+    inflater = zlib.decompressobj(wbits=31 if encoding == b"gzip" else 15)
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as e:
+        # The gRPC spec says INTERNAL; it is the client's bad input, never the server's fault.
+        raise _CallError(grpc.StatusCode.INVALID_ARGUMENT, f"the {encoding.decode()} message "
+                         f"does not decompress: {e}") from e
+    if len(out) > limit:
+        raise _CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the message decompresses to over "
+                         f"{limit} bytes, the server's limit")
+    return out
+
+
+class GrpcAsgiApp:
+    """ASGI app serving ``inference.GRPCInferenceService``'s unary methods over HTTP/2.
+
+    ``max_message_bytes`` bounds a request message, compressed or not (RESOURCE_EXHAUSTED past
+    it), as grpc.aio's ``grpc.max_receive_message_length`` does. A ``grpc-timeout`` header is a
+    deadline: a call still running then is cancelled and answered DEADLINE_EXCEEDED.
+    """
+
+    def __init__(self, service: Service, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._methods: dict[str, tuple[Callable[[Any, Any], Awaitable[Any]], Any, Any]] = {}
+        for name in METHODS:
+            request_type, response_type = method_types(name)
+            self._methods[f"/{SERVICE}/{name}"] = (getattr(service, name), request_type,
+                                                   response_type)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = dict(scope["headers"])
+        if scope["method"] != "POST" or \
+                not headers.get(b"content-type", b"").startswith(b"application/grpc"):
+            await _plain(send, 415, b"this port serves gRPC: POST application/grpc over HTTP/2")
+            return
+        code, text, answer = grpc.StatusCode.OK, "", b""
+        try:
+            body = await self._read(receive)
+            answer = await self._call(scope["path"], headers, body)
+        except _CallError as e:
+            code, text = e.code, e.message
+        except ServingError as e:
+            code, text = status_code(e), e.message
+        except (DecodeError, ValueError, TypeError) as e:  # a message of the wrong shape
+            code, text = grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}"
+        except asyncio.TimeoutError:
+            code, text = grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
+        await send({"type": "http.response.start", "status": 200, "headers": _HEADERS,
+                    "trailers": True})
+        await send({"type": "http.response.body", "body": answer})
+        trailers = [(b"grpc-status", b"%d" % code.value[0])]
+        if text:
+            trailers.append((b"grpc-message", quote(text, safe=_SAFE).encode("ascii")))
+        await send({"type": "http.response.trailers", "headers": trailers})
+
+    async def _read(self, receive: Receive) -> bytes:
+        """The request body, refused as soon as it is longer than one message may be."""
+        limit = self.max_message_bytes + 5
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise _CallError(grpc.StatusCode.CANCELLED, "the client went away")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"request message over {self.max_message_bytes} bytes, the "
+                                 "server's limit")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _call(self, path: str, headers: dict[bytes, bytes], body: bytes) -> bytes:
+        found = self._methods.get(path)
+        if found is None:
+            raise _CallError(grpc.StatusCode.UNIMPLEMENTED,
+                             f"unknown method {path}; this server serves {SERVICE}")
+        call, request_type, response_type = found
+        if len(body) < 5:
+            raise _CallError(grpc.StatusCode.INVALID_ARGUMENT, "the request carries no message")
+        length = int.from_bytes(body[1:5], "big")
+        if len(body) != 5 + length:
+            raise _CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"the request body holds {len(body) - 5} bytes after the message "
+                             f"prefix, which announced {length}; expected exactly one message")
+        data = body[5:]
+        if body[0]:
+            data = _decompress(data, headers.get(b"grpc-encoding", b"identity"),
+                               self.max_message_bytes)
+        request = request_type.FromString(data)
+        timeout = headers.get(b"grpc-timeout")
+        if timeout is None:
+            response = await call(request, response_type)
+        else:
+            seconds = parse_timeout(timeout)
+            response = await asyncio.wait_for(call(request, response_type), seconds)
+        out = response.SerializeToString()
+        return b"\x00" + len(out).to_bytes(4, "big") + out
+
+
+async def _plain(send: Send, status: int, text: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": text})

@@ -228,3 +228,25 @@ def test_a_message_many_flow_control_windows_long_is_answered() -> None:
     with torch.no_grad():
         np.testing.assert_allclose(out, model(torch.from_numpy(x)).numpy(), rtol=1e-4,
                                    atol=1e-5)
+
+
+def test_the_backend_is_resolved_or_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from paraloom.serving.server import resolve_grpc_backend
+
+    assert resolve_grpc_backend("auto") == "uvicorn"  # zttp is installed here
+    assert resolve_grpc_backend("grpcio") == "grpcio"
+    with pytest.raises(ValueError, match="expected one of"):
+        resolve_grpc_backend("h2")
+    real_import = builtins.__import__
+
+    def no_zttp(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "zttp":
+            raise ImportError("No module named 'zttp'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_zttp)
+    assert resolve_grpc_backend("auto") == "grpcio"
+    with pytest.raises(ValueError, match="grpc_backend='grpcio'"):
+        resolve_grpc_backend("uvicorn")

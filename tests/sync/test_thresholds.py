@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -151,6 +152,22 @@ def test_sampled_quantile_is_exact_on_a_full_sample_and_deterministic() -> None:
     assert picked == [sampled_quantile(v, 0.1, sample=100, offset=k) for k in range(3)]
     assert len(set(picked)) == 3, "the offset should move the sample"
     assert sampled_quantile(torch.zeros(50), 0.1, sample=100) == 0.0
+
+
+@pytest.mark.parametrize("density", [1 / 320, 1 / 160, 1 / 64, 1 / 16, 0.5])
+def test_sampled_quantile_is_kthvalue_of_the_sample_with_or_without_nonfinite(
+        density: float) -> None:
+    g = torch.Generator().manual_seed(7)
+    for values in (torch.randn(200_003, generator=g),
+                   torch.randn(200_003, generator=g).index_fill_(0, torch.tensor([5, 77]),
+                                                                 float("nan")),
+                   torch.randn(200_003, generator=g).index_fill_(0, torch.arange(0, 600, 3),
+                                                                 float("inf"))):
+        picked = values[1::3].abs()  # sample=65536 of 200,003: stride 3, offset 1
+        rank = min(picked.numel(), max(1, math.ceil(picked.numel() * (1 - density))))
+        expected = float(picked.kthvalue(rank).values)
+        got = sampled_quantile(values, density, sample=65536, offset=1)
+        assert got == expected or (math.isnan(got) and math.isnan(expected))
 
 
 def test_quantile_threshold_keeps_its_tau_on_zero_or_nonfinite_residuals() -> None:

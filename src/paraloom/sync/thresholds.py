@@ -51,6 +51,9 @@ def sampled_quantile(v: Tensor, density: float, sample: int, offset: int = 0) ->
     if picked.numel() == 0:
         return 0.0
     rank = min(picked.numel(), max(1, math.ceil(picked.numel() * (1 - density))))
+    above = picked.numel() - rank + 1  # the rank-th smallest is the above-th largest
+    if above * 64 <= picked.numel():  # a few largest: topk is ~4x faster than kthvalue
+        return float(picked.topk(above).values[-1])
     return float(picked.kthvalue(rank).values)
 
 

@@ -230,6 +230,23 @@ def test_a_message_many_flow_control_windows_long_is_answered() -> None:
                                    atol=1e-5)
 
 
+def test_an_answer_many_flow_control_windows_long_is_received() -> None:
+    from torch import nn
+
+    from paraloom.serving import TensorSpec
+
+    app = create_app(nn.Flatten(), name="flat", workers=1, max_body_bytes=8 << 20,
+                     inputs=[TensorSpec("input", "FP32", (-1, 1, 512, 512))])
+    x = np.random.default_rng(3).random((2, 1, 512, 512), dtype=np.float32)  # 2 MB each way
+    with ServerThread(app, grpc_port=0, grpc_backend="uvicorn") as server:
+        client = tg.InferenceServerClient(server.grpc_url)
+        item = tg.InferInput("input", list(x.shape), "FP32")
+        item.set_data_from_numpy(x)
+        out = client.infer("flat", [item], client_timeout=WAIT_S).as_numpy("output")
+        client.close()
+    np.testing.assert_array_equal(out, x.reshape(2, -1))
+
+
 def test_the_backend_is_resolved_or_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 

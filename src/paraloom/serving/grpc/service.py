@@ -1,4 +1,5 @@
-"""``inference.GRPCInferenceService`` on grpc.aio, over the same registry and metrics as HTTP.
+"""``inference.GRPCInferenceService``'s handlers (``Service``, which both gRPC servers call) and
+the grpc.aio server, over the same registry and metrics as HTTP.
 
 The gRPC server runs on the HTTP server's event loop (it is started and stopped with it), so
 both transports share the models, their pools, the batching and the metrics. Errors map to
@@ -141,7 +142,7 @@ class GrpcServer:
                    ("grpc.so_reuseport", int(self.reuse_port))]
         server = aio.server(options=options)
         server.add_generic_rpc_handlers((_generic_handler(Service(self.registry,
-                                                                   self.metrics)),))
+                                                                  self.metrics)),))
         host = f"[{self.host}]" if ":" in self.host else self.host
         try:
             port = server.add_insecure_port(f"{host}:{self.requested_port}")

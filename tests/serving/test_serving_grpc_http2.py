@@ -214,17 +214,23 @@ def test_the_benchmark_caller_goes_on_over_new_connections(small_connections: li
     assert len(small_connections) >= result["requests"] // 25
 
 
+def _infer_once(app: Any, name: str, x: np.ndarray) -> np.ndarray:
+    """One tritonclient.grpc call to ``app`` served on uvicorn's HTTP/2; the output."""
+    with ServerThread(app, grpc_port=0, grpc_backend="uvicorn") as server:
+        client = tg.InferenceServerClient(server.grpc_url)
+        item = tg.InferInput("input", list(x.shape), "FP32")
+        item.set_data_from_numpy(x)
+        out = client.infer(name, [item], client_timeout=WAIT_S).as_numpy("output")
+        client.close()
+    return np.asarray(out)
+
+
 def test_a_message_many_flow_control_windows_long_is_answered() -> None:
     torch.manual_seed(0)
     model = LeNet(image_size=28).eval()
     app = create_app(model, name="lenet", workers=1, max_body_bytes=8 << 20)
     x = np.random.default_rng(2).random((1024, 1, 28, 28), dtype=np.float32)  # 3.2 MB
-    with ServerThread(app, grpc_port=0, grpc_backend="uvicorn") as server:
-        client = tg.InferenceServerClient(server.grpc_url)
-        item = tg.InferInput("input", list(x.shape), "FP32")
-        item.set_data_from_numpy(x)
-        out = client.infer("lenet", [item], client_timeout=WAIT_S).as_numpy("output")
-        client.close()
+    out = _infer_once(app, "lenet", x)
     with torch.no_grad():
         np.testing.assert_allclose(out, model(torch.from_numpy(x)).numpy(), rtol=1e-4,
                                    atol=1e-5)
@@ -238,13 +244,7 @@ def test_an_answer_many_flow_control_windows_long_is_received() -> None:
     app = create_app(nn.Flatten(), name="flat", workers=1, max_body_bytes=8 << 20,
                      inputs=[TensorSpec("input", "FP32", (-1, 1, 512, 512))])
     x = np.random.default_rng(3).random((2, 1, 512, 512), dtype=np.float32)  # 2 MB each way
-    with ServerThread(app, grpc_port=0, grpc_backend="uvicorn") as server:
-        client = tg.InferenceServerClient(server.grpc_url)
-        item = tg.InferInput("input", list(x.shape), "FP32")
-        item.set_data_from_numpy(x)
-        out = client.infer("flat", [item], client_timeout=WAIT_S).as_numpy("output")
-        client.close()
-    np.testing.assert_array_equal(out, x.reshape(2, -1))
+    np.testing.assert_array_equal(_infer_once(app, "flat", x), x.reshape(2, -1))
 
 
 def test_the_backend_is_resolved_or_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

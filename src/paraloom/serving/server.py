@@ -9,7 +9,7 @@ import socket
 import sys
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -20,6 +20,7 @@ from paraloom.serving.sockets import bind_socket
 
 if TYPE_CHECKING:
     from paraloom.inference.parallel import ParallelInference
+    from paraloom.serving.grpc.service import GrpcEndpoint
 
 __all__ = ["GRPC_BACKENDS", "ServerThread", "bind_socket", "close_owned_pools",
            "resolve_grpc_backend", "serve"]
@@ -41,17 +42,6 @@ _DEFAULT_HOST = "127.0.0.1"  # never expose a model to the network unless asked 
 # concurrent requests, which made the p99 latency. After startup ``serve`` collects once and
 # freezes what exists (``gc.freeze``): later full collections walk only newer objects (under
 # 10 ms). Not for ServerThread by default: it shares a process with the caller's own objects.
-
-
-class _GrpcEndpoint(Protocol):
-    """A gRPC server started and stopped on the HTTP server's loop."""
-
-    host: str
-    port: int | None
-
-    async def start(self) -> int: ...
-
-    async def stop(self, grace: float | None) -> None: ...
 
 
 def resolve_grpc_backend(name: str) -> str:
@@ -76,7 +66,7 @@ class _Server(uvicorn.Server):
     """uvicorn's server, plus events for "startup finished (or failed)" and "shutdown began",
     and the gRPC endpoint (when asked for) started and stopped with it on the same loop."""
 
-    def __init__(self, config: uvicorn.Config, grpc: _GrpcEndpoint | None = None, *,
+    def __init__(self, config: uvicorn.Config, grpc: GrpcEndpoint | None = None, *,
                  freeze_gc: bool = False) -> None:
         super().__init__(config)
         self.startup_done = threading.Event()
@@ -108,21 +98,19 @@ class _Server(uvicorn.Server):
 
 
 def _grpc(app: Starlette, host: str, port: int | None, backend: str, reuse_port: bool = False
-          ) -> _GrpcEndpoint | None:
+          ) -> GrpcEndpoint | None:
     if port is None:
         return None
     if port < 0 or port > 65535:
         raise ValueError(f"grpc_port={port}; expected 0 (any free port) to 65535")
-    state = app.state
+    server: type[GrpcEndpoint]
     if resolve_grpc_backend(backend) == "uvicorn":
-        from paraloom.serving.grpc.http2 import Http2GrpcServer
-
-        return Http2GrpcServer(state.registry, state.metrics, host=host, port=port,
-                               max_message_bytes=state.max_body_bytes, reuse_port=reuse_port)
-    from paraloom.serving.grpc.service import GrpcServer
-
-    return GrpcServer(state.registry, state.metrics, host=host, port=port,
-                      max_message_bytes=state.max_body_bytes, reuse_port=reuse_port)
+        from paraloom.serving.grpc.http2 import Http2GrpcServer as server
+    else:
+        from paraloom.serving.grpc.service import GrpcServer as server
+    state = app.state
+    return server(state.registry, state.metrics, host=host, port=port,
+                  max_message_bytes=state.max_body_bytes, reuse_port=reuse_port)
 
 
 def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float,

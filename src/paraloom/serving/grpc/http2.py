@@ -24,9 +24,7 @@ import uvicorn
 from uvicorn.protocols.http.zttp_h2_impl import ZttpH2Protocol
 
 from paraloom.serving.grpc.asgi import GrpcAsgiApp
-from paraloom.serving.grpc.service import Service
-from paraloom.serving.metrics import ServingMetrics
-from paraloom.serving.registry import ModelRegistry
+from paraloom.serving.grpc.service import GrpcEndpoint, Service
 from paraloom.serving.sockets import bind_socket
 
 __all__ = ["Http2GrpcServer", "STREAMS_PER_CONNECTION"]
@@ -101,19 +99,11 @@ class _Protocol(ZttpH2Protocol):
             self.shutdown_requested = True  # uvicorn closes the connection once it is idle
 
 
-class Http2GrpcServer:
+class Http2GrpcServer(GrpcEndpoint):
     """``GRPCInferenceService`` over uvicorn's HTTP/2; start and stop it on a running loop."""
 
-    def __init__(self, registry: ModelRegistry, metrics: ServingMetrics, *,
-                 host: str = "127.0.0.1", port: int = 0, max_message_bytes: int = 16 << 20,
-                 reuse_port: bool = False) -> None:
-        self.registry = registry
-        self.metrics = metrics
-        self.host = host
-        self.requested_port = port
-        self.max_message_bytes = max_message_bytes
-        self.reuse_port = reuse_port  # share the port with sibling processes (--processes)
-        self.port: int | None = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._server: uvicorn.Server | None = None
         self._sock: socket.socket | None = None
 
@@ -122,9 +112,7 @@ class Http2GrpcServer:
         try:
             sock = bind_socket(self.host, self.requested_port, reuse_port=self.reuse_port)
         except OSError as e:
-            raise OSError(f"cannot listen for gRPC on {self.host}:{self.requested_port}: "
-                          f"{e.__cause__ or e}; pick another --grpc-port or stop the process "
-                          "using it") from e
+            raise self.listen_error(e.__cause__ or e) from e
         app = GrpcAsgiApp(Service(self.registry, self.metrics), self.max_message_bytes)
         config = uvicorn.Config(app, http="zttp", http2=True, lifespan="off", log_config=None,
                                 log_level=None, access_log=False,  # logging as HTTP set it

@@ -31,7 +31,7 @@ from paraloom.serving.metrics import ServingMetrics
 from paraloom.serving.protocol import InferRequest
 from paraloom.serving.registry import ModelRegistry
 
-__all__ = ["METHODS", "GrpcServer", "Service", "status_code"]
+__all__ = ["METHODS", "GrpcEndpoint", "GrpcServer", "Service", "status_code"]
 
 _log = logging.getLogger("paraloom.serving")
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
@@ -120,8 +120,9 @@ def _generic_handler(service: Service) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
-class GrpcServer:
-    """A grpc.aio server of ``GRPCInferenceService``; start and stop it on a running loop."""
+class GrpcEndpoint:
+    """What both gRPC servers hold: the registry and metrics they serve and where they listen.
+    Subclasses start and stop serving on a running loop."""
 
     def __init__(self, registry: ModelRegistry, metrics: ServingMetrics, *,
                  host: str = "127.0.0.1", port: int = 0, max_message_bytes: int = 16 << 20,
@@ -133,6 +134,26 @@ class GrpcServer:
         self.max_message_bytes = max_message_bytes
         self.reuse_port = reuse_port  # share the port with sibling processes (--processes)
         self.port: int | None = None
+
+    def listen_error(self, cause: object) -> OSError:
+        """The error for a port this server cannot listen on."""
+        return OSError(f"cannot listen for gRPC on {self.host}:{self.requested_port}: {cause}; "
+                       "pick another --grpc-port or stop the process using it")
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the port (the OS's pick when asked for 0)."""
+        raise NotImplementedError
+
+    async def stop(self, grace: float | None) -> None:
+        """Refuse new calls; let calls in flight finish within ``grace`` seconds."""
+        raise NotImplementedError
+
+
+class GrpcServer(GrpcEndpoint):
+    """A grpc.aio server of ``GRPCInferenceService``; start and stop it on a running loop."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._server: aio.Server | None = None
 
     async def start(self) -> int:
@@ -147,8 +168,7 @@ class GrpcServer:
         try:
             port = server.add_insecure_port(f"{host}:{self.requested_port}")
         except RuntimeError as e:
-            raise OSError(f"cannot listen for gRPC on {self.host}:{self.requested_port}: {e}; "
-                          "pick another --grpc-port or stop the process using it") from e
+            raise self.listen_error(e) from e
         await server.start()
         self._server, self.port = server, port
         _log.info("paraloom serving gRPC on %s:%d", self.host, port)

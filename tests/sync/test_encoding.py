@@ -21,6 +21,8 @@ from paraloom.sync.encoding import (
     encode_scan,
     full_step_mask,
     gap16_encode,
+    keep_largest,
+    message_steps,
     moved_index,
     quantize_threshold,
     scan,
@@ -114,6 +116,48 @@ def test_messages_decode_to_the_reference_steps(case) -> None:
             assert torch.equal(moved_index(msg), moved_index(threshold_encode(v, tau)))
         else:
             assert msg.payload.numel() == -(-v.numel() // 16)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.integers(0, 40))
+def test_keep_largest_keeps_the_count_largest_exactly(case, count) -> None:
+    v, tau = case
+    found = scan(v, tau)
+    kept = keep_largest(found, count)
+    flat = v.reshape(-1).double()
+    assert kept.indices.numel() <= min(count, found.indices.numel())
+    assert torch.all(kept.indices[1:] > kept.indices[:-1])  # ascending
+    assert set(kept.indices.tolist()) <= set(found.indices.tolist())
+    if kept.indices.numel():
+        magnitudes = flat[kept.indices].abs()
+        assert kept.tau >= found.tau and float(magnitudes.min()) >= kept.tau
+        bits = min(8, max(1, PRECISION[v.dtype] - 8))  # tau's grid: rounded down by < 2**-(bits-1)
+        assert kept.tau > float(magnitudes.min()) * (1 - 2.0 ** (1 - bits)) \
+            or kept.tau == found.tau
+        left = set(found.indices.tolist()) - set(kept.indices.tolist())
+        if kept.indices.numel() == count:  # nothing left out is larger than what was kept
+            assert all(abs(float(flat[i])) <= float(magnitudes.min()) for i in left)
+    for format in (Format.THRESHOLD, Format.GAP16):
+        msg = encode_scan(v, kept, format=format)
+        assert msg.moved == kept.indices.numel() and msg.tau == kept.tau
+        index, positive = message_steps(kept)
+        assert torch.equal(moved_index(msg), index)
+        residual = v.clone()
+        decode(msg, residual, sign=-1, steps=(index, positive))
+        parsed = v.clone()
+        decode(msg, parsed, sign=-1)
+        assert torch.equal(residual, parsed) or torch.equal(residual.isnan(), parsed.isnan())
+        decoded = decode(msg, torch.zeros_like(v))
+        for before, d, after in zip(_exact(v), _exact(decoded), _exact(residual), strict=True):
+            if isinstance(before, Fraction):
+                assert d + after == before  # exact with the raised tau too
+
+
+def test_quantize_threshold_rounds_down_when_asked() -> None:
+    for value in (0.3, 1.0, 1e-6, 123.456, 2.0 ** -20 * 255.9):
+        mantissa, exponent = quantize_threshold(value, round_down=True)
+        down = math.ldexp(mantissa, exponent)
+        assert down <= value < down * (1 + 2.0 ** -7) and mantissa % 2 == 1
 
 
 @settings(max_examples=100, deadline=None)

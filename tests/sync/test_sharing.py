@@ -46,8 +46,9 @@ def _shared_run(rank: int, world_size: int, **options: Any) -> dict[str, Any]:
      "threshold_algorithm": AdaptiveThreshold(initial=1e-2)},
     {"recipe": "dl4j", "idle": {5: [1]}},
     {"encoding": "gap16", "threshold_algorithm": QuantileThreshold(1 / 160), "idle": {4: [1]}},
+    {"threshold_algorithm": QuantileThreshold(1 / 40, exact_count=True), "idle": {6: [0]}},
 ], ids=["auto-batchnorm-idle", "threshold", "bitmap-sum-idle", "clipping", "dl4j-idle",
-        "gap16-idle"])
+        "gap16-idle", "exact-count-one-collective-idle"])
 def test_replicas_are_bit_identical_after_every_step(pool, options) -> None:
     results = pool.run(_shared_run, **options)
     _identical(results)
@@ -60,6 +61,24 @@ def test_replicas_are_bit_identical_after_every_step(pool, options) -> None:
     assert stats["setup_bytes_sent"] > 0
     assert all(stats[f"seconds_{phase}_per_step"] > 0
                for phase in ("encoding", "exchange", "applying"))
+
+
+def _exact_count_run(rank: int, world_size: int) -> dict[str, Any]:
+    sync = SharedGradients(QuantileThreshold(1 / 40, exact_count=True))
+    out = train(rank, world_size, sync, STEPS)
+    out["numel"] = sync._replica.residual.numel()
+    return out
+
+
+def test_exact_count_messages_have_one_size_and_go_in_one_collective(pool) -> None:
+    results = pool.run(_exact_count_run)
+    _identical(results)
+    numel = results[0]["numel"]
+    count = round(numel / 40)
+    for r in results:
+        assert r["stats"]["sparsity"] == count / numel  # exactly the count, the largest
+        # One all-gather of a 6-word header and ceil(count / 2) gap16 words, every step.
+        assert r["bytes_per_step"] == [(6 + -(-count // 2)) * 4] * STEPS
 
 
 def _conservation_run(rank: int, world_size: int, combine: str) -> dict[str, Any]:

@@ -185,7 +185,7 @@ def test_quantile_threshold_state_round_trips() -> None:
     assert (fresh.tau, fresh.calls) == (algorithm.tau, 1)
     assert repr(pickle.loads(pickle.dumps(algorithm))) == repr(algorithm)
     assert algorithm.config() == {"type": "QuantileThreshold", "initial": 1e-3,
-                                  "density": 0.01, "sample": 1000}
+                                  "density": 0.01, "sample": 1000, "exact_count": False}
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -66,6 +66,18 @@ def test_the_mirror_sees_every_kind_of_write():
     assert not m.optimizer_unchanged(opt)
 
 
+def test_stamps_sample_tensors_past_float32s_exact_integers():
+    """BERT-base's embedding (30,522 x 768 = 23,440,896 elements): float32 sample positions
+    rounded past the last element."""
+    model = nn.Embedding(30522, 768)
+    with torch.no_grad():
+        model.weight[-1, -1] = 7.0
+    mirror = ReplicaMirror(model, None, pool=None)
+    assert mirror.model_unchanged(model)
+    model.weight.data[-1, -1] = 8.0  # the last element is sampled: the write is seen
+    assert not mirror.model_unchanged(model)
+
+
 def test_a_warm_fit_of_an_unchanged_model_sends_nothing_and_trains_the_same():
     """Leaving the model out must not change the result: compared with a fit() made to send
     it (a no-op in-place write marks the model changed). With allreduce every replica holds
@@ -117,6 +129,63 @@ def test_changes_between_fits_reach_the_replicas():
         stats = w.fit(_data(), epochs=1)
         assert stats["optimizer_state_sent"] and not stats["model_sent"]
         assert not torch.equal(next(model.parameters()), torch.full((8, 6), 0.25))
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "shared_gradients"])
+@pytest.mark.parametrize("factory", [False, True], ids=["instance", "factory"])
+def test_freezing_and_unfreezing_between_fits_applies(mode, factory):
+    """Fine-tuning: the trainable set changes between fits (the workers restart for it)."""
+    model = _model()
+    opt = (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) if factory else \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         training_mode=mode, progress=False) as w:
+        w.fit(_data(), epochs=1)
+        pids = w.worker_pids
+        model[0].requires_grad_(False)
+        frozen, head = _params(model[0]), _params(model[2])
+        w.fit(_data(), epochs=1)
+        assert w.worker_pids != pids
+        assert all(torch.equal(a, b) for a, b in zip(frozen, _params(model[0]), strict=True))
+        assert not torch.equal(head[0], model[2].weight)
+        pids = w.worker_pids
+        w.fit(_data(), epochs=1)  # nothing changed: the same workers
+        assert w.worker_pids == pids
+        model[0].requires_grad_(True)
+        w.fit(_data(), epochs=5)  # sharing moves about 1/160 of the elements per step
+        assert any(not torch.equal(a, b)
+                   for a, b in zip(frozen, _params(model[0]), strict=True))
+
+
+def test_freezing_between_fits_applies_in_process_too():
+    model = _model()
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        w.fit(_data(), epochs=1)
+        model[2].requires_grad_(False)
+        head = _params(model[2])
+        w.fit(_data(), epochs=1)
+        assert all(torch.equal(a, b) for a, b in zip(head, _params(model[2]), strict=True))
+
+
+def test_a_param_group_added_between_fits_trains_with_its_settings():
+    model = _model()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=2,
+                         training_mode="allreduce", progress=False) as w:
+        w.fit(_data(), epochs=1)
+        model[0].requires_grad_(True)
+        opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.0})
+        backbone = _params(model[0])
+        stats = w.fit(_data(), epochs=1)
+        assert stats["model_sent"] and stats["optimizer_state_sent"]
+        # Trained with the new group's lr of 0: unmoved; its momentum exists now.
+        assert all(torch.equal(a, b) for a, b in zip(backbone, _params(model[0]), strict=True))
+        assert "momentum_buffer" in opt.state[model[0].weight]
+        opt.param_groups[1]["lr"] = 0.1
+        w.fit(_data(), epochs=1)
+        assert not torch.equal(backbone[0], model[0].weight)
 
 
 def test_a_new_pool_after_a_failure_gets_the_model_again():

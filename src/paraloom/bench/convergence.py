@@ -36,6 +36,9 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "sharing_threshold": {"training_mode": "shared_gradients", "encoding": "threshold",
                           "threshold_algorithm": ("QuantileThreshold", 1 / 320)},
     "sharing": {"training_mode": "shared_gradients"},
+    "sharing_exact": {"training_mode": "shared_gradients",
+                      "threshold_algorithm": ("QuantileThreshold", 1 / 160,
+                                              {"exact_count": True})},
 }
 """Contender name -> ParallelWrapper options (everything else is the same recipe)."""
 
@@ -120,11 +123,12 @@ def _train(args: argparse.Namespace, task: str, contender: str, seed: int) -> di
                         generator=torch.Generator().manual_seed(seed))
     lr, momentum = args.lr or task_lr, args.momentum
     options = dict(CONTENDERS[contender])
-    if isinstance(options.get("threshold_algorithm"), tuple):  # (class name, density): JSON-able
+    # (class name, density[, keywords]): JSON-able
+    if isinstance(options.get("threshold_algorithm"), tuple):
         from paraloom.sync import thresholds
 
-        name, density = options["threshold_algorithm"]
-        options["threshold_algorithm"] = getattr(thresholds, name)(density)
+        name, density, *keywords = options["threshold_algorithm"]
+        options["threshold_algorithm"] = getattr(thresholds, name)(density, **dict(*keywords))
     if options.get("comm_hook") == "powersgd":  # dense for the first 10% of steps, as torch advises
         options.setdefault("powersgd_warmup", max(1, len(loader) * args.epochs // 10))
     start = time.perf_counter()

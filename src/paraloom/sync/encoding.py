@@ -52,7 +52,7 @@ __all__ = [
     "Format", "Encoded", "Scan", "SCAN_CHUNK", "quantize_threshold", "full_step_mask",
     "scan", "scan_chunk", "choose_format", "threshold_encode", "bitmap_encode", "encode",
     "encode_scan", "decode", "empty_message", "moved_index", "decode_into", "per_tensor",
-    "add_at_flat_", "fill_at_flat_", "gap16_encode",
+    "add_at_flat_", "fill_at_flat_", "gap16_encode", "Steps", "message_steps", "keep_largest",
 ]
 
 SCAN_CHUNK = 1 << 19
@@ -105,8 +105,10 @@ def _tau_bits(dtype: torch.dtype) -> int:
     return min(8, max(1, _precision(dtype) - 8))
 
 
-def quantize_threshold(tau: float, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
-    """Round ``tau`` to ``(mantissa, exponent)``, ``mantissa`` odd, checked against ``dtype``."""
+def quantize_threshold(tau: float, dtype: torch.dtype = torch.float32, *,
+                       round_down: bool = False) -> tuple[int, int]:
+    """Round ``tau`` to ``(mantissa, exponent)``, ``mantissa`` odd, checked against ``dtype``:
+    to the nearest value on the grid, or the largest one not above ``tau`` (``round_down``)."""
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) \
             or tau <= 0:
         raise ValueError(f"tau={tau!r}; expected a finite number > 0")
@@ -114,7 +116,8 @@ def quantize_threshold(tau: float, dtype: torch.dtype = torch.float32) -> tuple[
         raise TypeError(f"dtype={dtype}; expected a floating point dtype")
     bits = _tau_bits(dtype)
     fraction, exponent = math.frexp(tau)  # tau = fraction * 2**exponent, fraction in [0.5, 1)
-    mantissa, exponent = round(math.ldexp(fraction, bits)), exponent - bits
+    scaled = math.ldexp(fraction, bits)
+    mantissa, exponent = math.floor(scaled) if round_down else round(scaled), exponent - bits
     while mantissa % 2 == 0:  # normalize: 2**exponent is then tau's lowest set bit
         mantissa, exponent = mantissa // 2, exponent + 1
     info = torch.finfo(dtype)
@@ -159,6 +162,8 @@ class Scan(NamedTuple):
     exponent: int
     indices: Tensor
     """Ascending flat indices (int64) of the elements a full step moves (``full_step_mask``)."""
+    values: Tensor
+    """Per index, its element's value (in ``v``'s dtype)."""
     peaks: Tensor
     """Each chunk's largest ``|v|`` (in ``v``'s dtype; NaN where the chunk holds a NaN)."""
     chunk: int
@@ -167,6 +172,11 @@ class Scan(NamedTuple):
     @property
     def tau(self) -> float:
         return math.ldexp(self.mantissa, self.exponent)
+
+    @property
+    def positive(self) -> Tensor:
+        """Per index, whether its step is ``+tau``."""
+        return self.values > 0
 
 
 def scan_chunk(device: torch.device) -> int:
@@ -201,10 +211,42 @@ def scan(v: Tensor, tau: float, *, chunk: int | None = None) -> Scan:
         if index.numel():
             found.append(index.add_(begin))
     index = torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=flat.device)
+    values = flat.index_select(0, index)
     upper = math.ldexp(1.0, exponent + _precision(flat.dtype))
     if index.numel() and not bool(peaks.max() < upper):  # inf, NaN, or past the exact bound
-        index = index[flat.index_select(0, index).abs() < upper]
-    return Scan(mantissa, exponent, index, peaks, chunk)
+        exact = values.abs() < upper
+        index, values = index[exact], values[exact]
+    return Scan(mantissa, exponent, index, values, peaks, chunk)
+
+
+def keep_largest(found: Scan, count: int) -> Scan:
+    """The ``count`` elements of ``found`` with the largest magnitudes (all of them when it
+    holds no more), each moved by the largest tau that they all reach.
+
+    Deep Gradient Compression's hierarchical top-k: a sampled threshold selects a few more
+    elements than wanted, and an exact top-k of the selected keeps ``count``. tau is the
+    smallest kept magnitude rounded down to ``quantize_threshold``'s grid, so every step stays
+    exact; an element past the exact bound of the new tau (see the module docstring) is left
+    out, as ``scan`` leaves it out.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count={count!r}; expected an int >= 0 (elements to keep)")
+    index, values = found.indices, found.values
+    if index.numel() > count:
+        top = values.abs().topk(count, sorted=False).indices.sort().values
+        index, values = index.index_select(0, top), values.index_select(0, top)
+    if index.numel() == 0:
+        return found._replace(indices=index, values=values)
+    dtype = values.dtype
+    smallest = float(values.abs().min())
+    mantissa, exponent = quantize_threshold(smallest, dtype, round_down=True)
+    if math.ldexp(mantissa, exponent) < found.tau:  # float rounding: never below the scan's
+        mantissa, exponent = found.mantissa, found.exponent
+    upper = math.ldexp(1.0, exponent + _precision(dtype))
+    if not bool(values.abs().max() < upper):
+        exact = values.abs() < upper
+        index, values = index[exact], values[exact]
+    return Scan(mantissa, exponent, index, values, found.peaks, found.chunk)
 
 
 def choose_format(count: int, numel: int, previous: Format,
@@ -230,9 +272,9 @@ def _check_flat(v: Tensor) -> Tensor:
     return v.reshape(-1)
 
 
-def _threshold_payload(flat: Tensor, index: Tensor) -> Tensor:
+def _threshold_payload(index: Tensor, positive: Tensor) -> Tensor:
     one_based = index + 1
-    return torch.where(flat.index_select(0, index) > 0, one_based, -one_based).to(torch.int32)
+    return torch.where(positive, one_based, -one_based).to(torch.int32)
 
 
 def _bitmap_payload(flat: Tensor, full: Tensor, tau: float, half_sign: int) -> Tensor:
@@ -252,11 +294,11 @@ def _bitmap_payload(flat: Tensor, full: Tensor, tau: float, half_sign: int) -> T
     return words.to(torch.int32)
 
 
-def _gap16_payload(flat: Tensor, index: Tensor) -> Tensor:
+def _gap16_payload(index: Tensor, positive: Tensor) -> Tensor:
     gaps = torch.diff(index, prepend=index.new_full((1,), -1))
     escapes = (gaps - 1) // _GAP_MAX  # before each entry, so that what is left fits int16
     last = gaps - escapes * _GAP_MAX
-    entries = torch.where(flat.index_select(0, index) > 0, last, -last)
+    entries = torch.where(positive, last, -last)
     if bool((escapes > 0).any()):
         ends = (escapes + 1).cumsum(0)
         spread = torch.full((int(ends[-1]),), _GAP_ESCAPE, dtype=torch.int64,
@@ -329,10 +371,10 @@ def encode_scan(v: Tensor, found: Scan, *, previous: Format = Format.THRESHOLD,
                        count, payload)
     if format == Format.GAP16:
         return Encoded(Format.GAP16, found.mantissa, found.exponent, 1, flat.numel(), count,
-                       _gap16_payload(flat, found.indices))
+                       _gap16_payload(found.indices, found.positive))
     _check_indexable(flat.numel())
     return Encoded(Format.THRESHOLD, found.mantissa, found.exponent, 1, flat.numel(), count,
-                   _threshold_payload(flat, found.indices))
+                   _threshold_payload(found.indices, found.positive))
 
 
 def empty_message(numel: int, device: torch.device | str = "cpu") -> Encoded:
@@ -347,13 +389,34 @@ def _bitmap_codes(msg: Encoded) -> Tensor:
     return ((words.unsqueeze(1) >> shifts) & 3).reshape(-1)[: msg.numel]
 
 
-def moved_index(msg: Encoded) -> Tensor:
-    """The flat indices (int64, ascending) of the elements the message moves, half steps too."""
+Steps = tuple[Tensor, Tensor]
+"""A sparse message's steps: ascending flat indices (int64), and whether each step is +."""
+
+
+def _sparse_steps(msg: Encoded, steps: Steps | None, device: torch.device) -> Steps:
+    if steps is not None:
+        if msg.format == Format.BITMAP:
+            raise ValueError("steps= given for a bitmap message; expected them only for a "
+                             "threshold or gap16 message (the bitmap has half steps too)")
+        return steps[0].to(device), steps[1].to(device)
+    return _steps(msg.format, msg.payload.to(device))
+
+
+def message_steps(found: Scan) -> Steps:
+    """The steps of a sparse message encoded from ``found``, without parsing its payload."""
+    return found.indices, found.positive
+
+
+def moved_index(msg: Encoded, *, steps: Steps | None = None) -> Tensor:
+    """The flat indices (int64, ascending) of the elements the message moves, half steps too.
+
+    ``steps`` (sparse messages only, e.g. ``message_steps(found)``) saves parsing the payload.
+    """
     if msg.payload.numel() == 0:
         return torch.empty(0, dtype=torch.int64, device=msg.payload.device)
     if msg.format == Format.BITMAP:
         return torch.nonzero(_bitmap_codes(msg)).reshape(-1)
-    return _steps(msg.format, msg.payload)[0]
+    return _sparse_steps(msg, steps, msg.payload.device)[0]
 
 
 def _bitmap_values(msg: Encoded, dtype: torch.dtype) -> Tensor:
@@ -364,11 +427,12 @@ def _bitmap_values(msg: Encoded, dtype: torch.dtype) -> Tensor:
     return table[codes]
 
 
-def decode(msg: Encoded, out: Tensor, *, sign: int = 1) -> Tensor:
+def decode(msg: Encoded, out: Tensor, *, sign: int = 1, steps: Steps | None = None) -> Tensor:
     """Add the decoded message into ``out`` in place (``sign=-1`` subtracts it); returns ``out``.
 
     ``out`` is a contiguous float tensor of ``msg.numel`` elements, of any float dtype;
     the steps are powers of two, so they are exact in ``out``'s dtype when in its range.
+    ``steps`` (sparse messages only) saves parsing the payload.
     """
     if sign not in (1, -1):
         raise ValueError(f"sign={sign!r}; expected 1 (add) or -1 (subtract)")
@@ -385,7 +449,7 @@ def decode(msg: Encoded, out: Tensor, *, sign: int = 1) -> Tensor:
     if msg.format not in (Format.THRESHOLD, Format.GAP16):
         raise ValueError(f"format={msg.format!r}; expected Format.THRESHOLD, Format.GAP16 or "
                          "Format.BITMAP")
-    index, positive = _steps(msg.format, msg.payload.to(flat.device))
+    index, positive = _sparse_steps(msg, steps, flat.device)
     step = torch.tensor(msg.tau * sign, dtype=out.dtype, device=flat.device)
     values = torch.where(positive, step, -step)
     flat.scatter_add_(0, index, values)  # indices are unique: one exact addition each
@@ -393,14 +457,15 @@ def decode(msg: Encoded, out: Tensor, *, sign: int = 1) -> Tensor:
 
 
 def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor, *,
-                mirror: Tensor | None = None) -> None:
+                mirror: Tensor | None = None, steps: Steps | None = None) -> None:
     """Add the decoded message into tensors laid end to end (e.g. a model's parameters), and
     into ``mirror``, one flat tensor as long as all of them, when given.
 
     ``bounds`` holds their cumulative element counts; the tensors are read in row-major order
     whatever their memory layout. A threshold message touches only its own elements (no
     temporary of the model's size), and is decoded once for the tensors and the mirror: each
-    element gets the same single addition in both.
+    element gets the same single addition in both. ``steps`` (sparse messages only) saves
+    parsing the payload.
     """
     if msg.payload.numel() == 0:
         return
@@ -413,8 +478,7 @@ def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor, *,
         if mirror is not None:
             mirror.add_(values.to(mirror.device, mirror.dtype))
         return
-    payload = msg.payload.to(outs[0].device)
-    index, positive = _steps(msg.format, payload)
+    index, positive = _sparse_steps(msg, steps, outs[0].device)
     step = torch.tensor(msg.tau, dtype=outs[0].dtype, device=outs[0].device)
     values = torch.where(positive, step, -step)
     for out, part, flat in per_tensor(index, outs, bounds):

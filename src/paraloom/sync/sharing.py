@@ -35,10 +35,13 @@ from paraloom.sync.encoding import (
     Encoded,
     Format,
     Scan,
+    Steps,
     decode,
     decode_into,
     empty_message,
     encode_scan,
+    keep_largest,
+    message_steps,
     moved_index,
     scan,
     scan_chunk,
@@ -81,15 +84,19 @@ class Exchanged:
 
 
 def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | None,
-                      world_size: int, changed: Sequence[bool] = ()) -> Exchanged:
+                      world_size: int, changed: Sequence[bool] = (),
+                      capacity: int | None = None) -> Exchanged:
     """All-gather every rank's message, its non-finite count and its ``changed`` flags (which
     buffers its forward wrote: every rank passes as many), and count the bytes sent.
 
-    Two collectives: the fixed-size headers (which carry each payload's length), then the
-    payloads at their own lengths, as an all-to-all that sends each rank's payload to every
-    rank (gloo's ``all_gather`` needs equal sizes: padding every payload to the longest sent
-    ~7% more with 2 workers, and took longer). The byte count is what this rank really sends
-    in both. When every payload is empty the second collective is skipped on every rank alike.
+    With a ``capacity`` (payload words that no rank's message exceeds; every rank passes the
+    same), one collective: each rank's header and payload, padded to the capacity. Without
+    one, two: the fixed-size headers (which carry each payload's length), then the payloads
+    at their own lengths, as an all-to-all that sends each rank's payload to every rank
+    (gloo's ``all_gather`` needs equal sizes). One gloo collective of a few KiB took 0.35 ms
+    between two idle processes, two 0.9-1.2 ms. The byte count is what this rank really
+    sends, padding included. When every payload is empty the second collective is skipped on
+    every rank alike.
     """
     device = msg.payload.device
     words = [sum(1 << bit for bit, flag in enumerate(changed[i: i + _FLAG_BITS]) if flag)
@@ -97,6 +104,8 @@ def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | N
     header = torch.tensor([int(msg.format), msg.mantissa, msg.exponent, msg.half_sign,
                            msg.payload.numel(), min(nonfinite, 2**31 - 1), *words],
                           dtype=torch.int32, device=device)
+    if capacity is not None:
+        return _exchange_fixed(msg, header, changed, group, world_size, capacity)
     headers = [torch.empty_like(header) for _ in range(world_size)]
     dist.all_gather(headers, header, group=group)
     rows = torch.stack(headers).tolist()
@@ -110,6 +119,32 @@ def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | N
                                input_split_sizes=[own.numel()] * world_size, group=group)
         payloads = list(torch.split(gathered, lengths))
         sent += Synchronizer.collective_bytes(own, world_size, "allgather")
+    return _exchanged(msg, rows, payloads, changed, sent)
+
+
+def _exchange_fixed(msg: Encoded, header: Tensor, changed: Sequence[bool],
+                    group: dist.ProcessGroup | None, world_size: int,
+                    capacity: int) -> Exchanged:
+    """``exchange_messages`` in one all-gather of header plus payload padded to ``capacity``."""
+    length = msg.payload.numel()
+    if length > capacity:
+        raise ValueError(f"a message of {length} words for a capacity of {capacity}; expected "
+                         f"the encoder to keep every message within the capacity")
+    slot = header.new_zeros(header.numel() + capacity)
+    slot[:header.numel()] = header
+    slot[header.numel(): header.numel() + length] = msg.payload.reshape(-1)
+    slots = [torch.empty_like(slot) for _ in range(world_size)]
+    dist.all_gather(slots, slot, group=group)
+    rows = torch.stack([s[:header.numel()] for s in slots]).tolist()
+    payloads = [s[header.numel(): header.numel() + row[4]]
+                for s, row in zip(slots, rows, strict=True)]
+    sent = Synchronizer.collective_bytes(slot, world_size, "allgather")
+    return _exchanged(msg, rows, payloads, changed, sent)
+
+
+def _exchanged(msg: Encoded, rows: list[list[int]], payloads: list[Tensor],
+               changed: Sequence[bool], sent: int) -> Exchanged:
+    """The messages and flags from every rank's header row and payload."""
     messages = [Encoded(Format(fmt), mantissa, exponent, half_sign, msg.numel, -1, payload)
                 for (fmt, mantissa, exponent, half_sign, *_), payload
                 in zip(rows, payloads, strict=True)]
@@ -394,18 +429,21 @@ class SharedGradients(Synchronizer):
             _accumulate_update_(replica.params, replica.old, replica.residual_views, scale)
             tau = self.threshold_algorithm.choose(replica.residual)
             found = scan(replica.residual, tau)
-            msg = self._encode(replica.residual, found)
-            decode(msg, replica.residual, sign=-1)  # exact: see encoding's module docstring
+            msg, found = self._encode(replica.residual, found)
+            # A sparse message's steps are the scan's: no need to parse its payload back.
+            steps = None if msg.format == Format.BITMAP else message_steps(found)
+            # Exact: see encoding's module docstring.
+            decode(msg, replica.residual, sign=-1, steps=steps)
             if self.momentum_masking:
                 self._masked += mask_momentum_(ctx.optimizer, replica.params, replica.bounds,
-                                               moved_index(msg))
+                                               moved_index(msg, steps=steps))
             # A peak is NaN or inf exactly when its chunk holds one: only then count them.
             nonfinite = 0 if bool(torch.isfinite(found.peaks).all()) else \
                 int((~torch.isfinite(replica.residual)).sum())
             self._post_process(replica.residual, found, msg.tau)
             self._record(msg)
             self._seconds["encoding"] += time.perf_counter() - started
-            self._exchange_and_apply(msg, nonfinite, ctx)
+            self._exchange_and_apply(msg, nonfinite, ctx, steps)
         self.threshold_algorithm.update(msg.moved / msg.numel)
 
     def idle_step(self, ctx: StepContext) -> None:
@@ -423,12 +461,40 @@ class SharedGradients(Synchronizer):
                                "setup(ctx) once per fit() before the first step")
         return self._replica
 
-    def _encode(self, residual: Tensor, found: Scan) -> Encoded:
+    def _sparse_format(self) -> Format:
+        """The format of sparse messages: the forced one, else the recipe's."""
+        forced = {"threshold": Format.THRESHOLD, "gap16": Format.GAP16}.get(self.encoding)
+        return forced or (Format.GAP16 if self.recipe == "dgc" else Format.THRESHOLD)
+
+    def _capacity(self, numel: int) -> int | None:
+        """Payload words that no message exceeds, when the threshold algorithm fixes the
+        count (``message_count``) and such messages are sparse: the exchange then takes one
+        collective. None otherwise."""
+        count = self.threshold_algorithm.message_count(numel)
+        if count is None or self.encoding == "bitmap":
+            return None
+        words = -(-count // 2) if self._sparse_format() == Format.GAP16 else count
+        bitmap_words = -(-numel // 16)
+        return words if 2 * words < bitmap_words else None  # never the bitmap: see choose_format
+
+    def _encode(self, residual: Tensor, found: Scan) -> tuple[Encoded, Scan]:
+        """The message, and the scan it carries (the largest ``message_count`` of ``found``
+        when the threshold algorithm fixes the count)."""
         forced = {"bitmap": Format.BITMAP, "threshold": Format.THRESHOLD,
                   "gap16": Format.GAP16}.get(self.encoding)
-        sparse = Format.GAP16 if self.recipe == "dgc" else Format.THRESHOLD
-        return encode_scan(residual, found, previous=self._format, half_sign=self._half_sign,
-                           format=forced, sparse=sparse)
+        sparse = self._sparse_format()
+        count = self.threshold_algorithm.message_count(residual.numel())
+        capacity = self._capacity(residual.numel())
+        while True:
+            if count is not None:
+                found = keep_largest(found, count)
+            msg = encode_scan(residual, found, previous=self._format,
+                              half_sign=self._half_sign, format=forced, sparse=sparse)
+            if capacity is None or msg.payload.numel() <= capacity:
+                return msg, found
+            # Gap16's escape entries (for gaps over 32,767) took room: keep fewer elements.
+            assert count is not None
+            count = max(0, count - 2 * (msg.payload.numel() - capacity))
 
     def _post_process(self, residual: Tensor, found: Scan, tau: float) -> None:
         """Let the post-processor act, on the chunks it can change only where it says which:
@@ -454,14 +520,18 @@ class SharedGradients(Synchronizer):
         self._sparsity_sum += self._last_sparsity
         self._encoded_steps += 1
 
-    def _exchange_and_apply(self, msg: Encoded, nonfinite: int, ctx: StepContext) -> None:
+    def _exchange_and_apply(self, msg: Encoded, nonfinite: int, ctx: StepContext,
+                            steps: Steps | None = None) -> None:
+        """Exchange ``msg`` (whose parsed ``steps`` the caller may give) and apply every
+        replica's message."""
         replica = self._replica
         assert replica is not None
         started = time.perf_counter()
         changed: list[bool] = []
         if is_distributed(ctx):
             flags = replica.changed_buffers() if self.broadcast_buffers else []
-            got = exchange_messages(msg, nonfinite, ctx.group, ctx.world_size, flags)
+            got = exchange_messages(msg, nonfinite, ctx.group, ctx.world_size, flags,
+                                    self._capacity(msg.numel))
             messages, bad, sent, changed = got.messages, got.nonfinite, got.bytes_sent, got.changed
         else:
             messages, bad, sent = [msg], [nonfinite], 0
@@ -477,13 +547,17 @@ class SharedGradients(Synchronizer):
                 f"({[bad[r] for r in ranks]} elements) at sync step {self.sync_steps}; the "
                 f"parameters were left at their last consistent values. Lower the learning "
                 f"rate or clip gradients")
-        # The parameters hold "old" here. Rank order: the same float sums on every replica.
-        for message in messages:  # old gets the same sums: it mirrors the parameters
+        # The parameters hold "old" here. Rank order: the same float sums on every replica;
+        # old gets the same sums, so it mirrors the parameters.
+        me = dist.get_rank(group=ctx.group) if is_distributed(ctx) else 0
+        for rank, message in enumerate(messages):
+            own = steps if rank == me else None
             if replica.old_flat is not None:
-                decode_into(message, replica.params, replica.bounds, mirror=replica.old_flat)
+                decode_into(message, replica.params, replica.bounds, mirror=replica.old_flat,
+                            steps=own)
             else:
-                decode_into(message, replica.params, replica.bounds)
-                decode_into(message, replica.old, replica.bounds)
+                decode_into(message, replica.params, replica.bounds, steps=own)
+                decode_into(message, replica.old, replica.bounds, steps=own)
         replica.stamps = replica.current_stamps()
         # Only the buffers some replica wrote (BatchNorm statistics, not a constant mask): the
         # flags came with the headers, so every replica broadcasts the same ones.

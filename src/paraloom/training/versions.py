@@ -47,7 +47,8 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().flatten()  # a view unless the layout is unusual (channels_last)
     if flat.numel() <= _SAMPLES:
         return flat.clone()
-    index = torch.linspace(0, flat.numel() - 1, _SAMPLES, device=flat.device).long()
+    # In integers: float32 steps round past the last element beyond 2**24 elements.
+    index = torch.arange(_SAMPLES, device=flat.device) * (flat.numel() - 1) // (_SAMPLES - 1)
     return flat[index]
 
 

@@ -7,7 +7,7 @@ import itertools
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,8 @@ class ParallelWrapper:
                                 precision=self.precision)
         require_loss(loss_fn, step_fn)
         self._pool: Pool | None = None
+        self._pool_layout = self._layout()
+        """``_layout()`` when the pool started: a change restarts the workers."""
         self._iteration = 0
         self._stop_requested = False
         self._stats: dict[str, Any] = {}
@@ -170,10 +172,28 @@ class ParallelWrapper:
         rounds queued behind it are not trained."""
         self._stop_requested = True
 
+    def _layout(self) -> tuple[tuple[bool, ...], tuple[tuple[int, ...], ...]]:
+        """What the replicas are built with and a warm fit() cannot change in them: which
+        parameters train (``requires_grad``), and the user's optimizer's param groups."""
+        params = list(self.model.parameters())
+        index = {id(p): i for i, p in enumerate(params)}
+        groups = () if self._user_optimizer is None else tuple(
+            tuple(index.get(id(p), -1) for p in g["params"])
+            for g in self._user_optimizer.param_groups)
+        return tuple(p.requires_grad for p in params), groups
+
     def _ensure_pool(self) -> Pool:
-        if self._pool is not None and self._pool.alive:
+        layout = self._layout()
+        if self._pool is not None and self._pool.alive and layout == self._pool_layout:
             return self._pool
+        if self._pool is not None and self._pool.alive:
+            log.info("the trainable parameters or the optimizer's param groups changed since "
+                     "the workers started: restarting them")
         self.close()
+        if self._user_optimizer is not None:  # its param groups as they are now
+            self._spec = replace(self._spec, optimizer=OptimizerSpec.from_user(
+                self._user_optimizer, self.model))
+        self._pool_layout = layout
         if self.workers == 1:
             self._pool = LocalPool(self._spec, device=self.device_plan.devices[0])
         else:

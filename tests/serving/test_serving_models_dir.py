@@ -282,3 +282,26 @@ def test_a_version_policy_naming_a_missing_version_or_malformed_is_refused(
     assert "num_versions" in index["bad"]["reason"] and "not supported" in index["bad"]["reason"]
     assert "version_policy" in index["odd"]["reason"]
     assert {r["state"] for r in index.values()} == {"UNAVAILABLE"}
+
+
+def test_a_weights_path_cannot_swap_a_numbered_version(models_dir: dict) -> None:
+    """A numbered version is its folder's weights: a swap would serve a version number that
+    names no folder (and one a later folder would collide with)."""
+    import urllib.error
+    import urllib.request
+
+    app = create_repository_app(models_dir["root"], workers=1)
+    with ServerThread(app) as server:
+        http = _http(server)
+        request = urllib.request.Request(
+            f"{server.url}/v2/repository/models/cnn/load", method="POST",
+            data=json.dumps({"parameters": {"path": "cnn/1/model.safetensors"}}).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=WAIT_S)
+        assert refused.value.code == 400
+        text = refused.value.read().decode()
+        assert "numbered versions ['2']" in text and "3/model.safetensors" in text
+        assert http.get_model_metadata("cnn")["versions"] == ["2"]
+        x = np.random.default_rng(0).random((1, 1, 8, 8), dtype=np.float32)
+        np.testing.assert_allclose(_infer(http, th, "cnn", x), _run(_lenet(12), x),
+                                   rtol=1e-5, atol=1e-6)

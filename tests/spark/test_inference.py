@@ -128,3 +128,39 @@ def test_predict_rdd_keeps_order_and_keys(spark, sc, model, digits_test):
     keyed = sc.parallelize([(f"id{i}", row.numpy()) for i, row in enumerate(x)], 3)
     classes = dict(net.predict(keyed, keyed=True, argmax=True).collect())
     assert classes == {f"id{i}": int(c) for i, c in enumerate(expected.argmax(1))}
+
+
+def test_predict_tells_apart_models_that_share_their_parameters(spark):
+    """Spark reuses its Python workers, which cache the model they built: the cache must know
+    a model's structure, not only its parameters."""
+    x = np.random.default_rng(0).normal(size=(6, 3)).astype(np.float32)
+    frame = spark.createDataFrame([(row.tolist(),) for row in x], ["x"])
+    for activation in (nn.ReLU(), nn.Tanh(), nn.Sigmoid()):
+        torch.manual_seed(0)  # the same Linear every time: equal state_dicts
+        model = nn.Sequential(nn.Linear(3, 2), activation)
+        net = SparkModel(spark, model, ParameterAveragingTrainingMaster(workers=1))
+        got = np.array([r["p"] for r in net.predict(frame, features="x", output="p").collect()])
+        with torch.no_grad():
+            expected = model(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scalar_label_column_trains_a_one_unit_regression(spark):
+    """A double label column against nn.Linear(3, 1) and MSELoss: (n,) targets against (n, 1)
+    outputs would broadcast to (n, n) and learn only the mean."""
+    g = np.random.default_rng(0)
+    x = g.normal(size=(200, 3)).astype(np.float32)
+    y = x @ np.array([1.0, -2.0, 0.5], dtype=np.float32)
+    frame = spark.createDataFrame([(r.tolist(), float(v)) for r, v in zip(x, y, strict=True)],
+                                  ["x", "y"]).repartition(2)
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 1)
+    net = SparkModel(spark, linear, ParameterAveragingTrainingMaster(
+        batch_size_per_worker=16, workers=2, averaging_frequency=4), loss_fn=nn.MSELoss(),
+        optimizer=torch.optim.SGD(linear.parameters(), lr=0.05))
+    net.fit(frame, epochs=8, features="x", label="y")
+    metrics = net.evaluate_regression(frame, features="x", label="y").metrics()
+    assert metrics["r2"] > 0.99
+    torch.testing.assert_close(linear.weight.detach(), torch.tensor([[1.0, -2.0, 0.5]]),
+                               atol=0.05, rtol=0)
+    assert metrics["loss"] == pytest.approx(metrics["mse"], rel=1e-4)  # the same comparison

@@ -80,6 +80,8 @@ class Found:
     folder: Path | None = None
     error: str = ""
     older: tuple[tuple[int, Path], ...] = ()
+    numbered: bool = False
+    """Whether the versions are numbered folders (``DIR/cnn/3/``)."""
 
     @property
     def versions(self) -> list[int]:
@@ -204,7 +206,7 @@ class ModelDir:
             older.append((v, entry.path))
         latest = self._found(folder.name, versions[wanted[-1]] / _WEIGHTS, config_path,
                              folder=versions[wanted[-1]], version=wanted[-1])
-        return replace(latest, older=tuple(older))
+        return replace(latest, older=tuple(older), numbered=True)
 
     def _found(self, stem: str, weights: Path, config_path: Path, *, folder: Path | None,
                version: int = 1) -> Found:
@@ -250,7 +252,7 @@ class ModelDir:
         if found.path is None:
             raise ValueError(found.error)
         return self._build_one(found.name, found.path, found.folder, found.version,
-                               found.config or ModelConfig(found.name))
+                               found.config or ModelConfig(found.name), numbered=found.numbered)
 
     def build_versions(self, found: Found) -> list[ServedModel]:
         """Every version the policy serves, each in its own pool, latest last."""
@@ -260,7 +262,8 @@ class ModelDir:
         built: list[ServedModel] = []
         try:
             for version, path in found.older:
-                built.append(self._build_one(found.name, path, path.parent, version, config))
+                built.append(self._build_one(found.name, path, path.parent, version, config,
+                                             numbered=True))
             built.append(self.build(found))
         except BaseException:
             for served in built:  # a version that failed: close the pools already started
@@ -269,7 +272,7 @@ class ModelDir:
         return built
 
     def _build_one(self, name: str, path: Path, folder: Path | None, version: int,
-                   config: ModelConfig) -> ServedModel:
+                   config: ModelConfig, *, numbered: bool) -> ServedModel:
         from paraloom.checkpoint import load
 
         try:
@@ -281,4 +284,5 @@ class ModelDir:
         pool = build_pool(model, signature, None, config.outputs is None, options)
         files = ModelFiles(model_file=path, model_dir=folder)
         return ServedModel(name, pool, model, signature, files=files, owns_pool=True,
-                           retry_after=self.retry_after, first_version=version)
+                           retry_after=self.retry_after, first_version=version,
+                           numbered=numbered)

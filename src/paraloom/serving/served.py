@@ -54,9 +54,11 @@ class ServedModel:
 
     def __init__(self, name: str, pool: ParallelInference, model: nn.Module | None,
                  signature: ModelSignature, *, files: ModelFiles, owns_pool: bool,
-                 retry_after: int = 1, first_version: int = 1) -> None:
+                 retry_after: int = 1, first_version: int = 1, numbered: bool = False) -> None:
         self.name = name
         self.first_version = first_version  # the version the pool's first model is served as
+        self.numbered = numbered
+        """Whether the version is a numbered folder of a repository: its weights then stay."""
         self.pool = pool
         self.model = model
         self.signature = signature
@@ -141,6 +143,13 @@ class ServedModel:
 
     async def load(self, parameters: dict[str, Any]) -> str:
         """Swap in the weights a load request names (see ``ModelFiles``); returns the version."""
+        if self.numbered:
+            versions = [s.version for s in self.siblings]
+            raise ProtocolError(
+                f"model {self.name!r} serves numbered versions {versions}, each its folder's "
+                f"weights, so a path cannot swap them: add the new weights as the next "
+                f"numbered folder ({int(self.version) + 1}/model.safetensors in the model's "
+                f"folder) and load {self.name!r} without a path")
         path = self.files.resolve(parameters)
         if self.model is None:
             raise ForbiddenError("this server was given a pool without model=, so it cannot "

@@ -24,6 +24,7 @@ from paraloom.spark.data import (
 )
 from paraloom.spark.data.arrow import data_chunks
 from paraloom.spark.data.features import normalize_shapes
+from paraloom.spark.data.targets import column_loss
 from paraloom.spark.evaluation import (
     RegressionEvaluation,
     evaluate_metrics,
@@ -78,7 +79,8 @@ class SparkModel:
     ``feature_shape`` reshapes each row's features for the model (e.g. ``(1, 8, 8)`` for flat
     64-value rows; one shape or None per input for ``inputs=``); ``label_dtype`` forces the
     label dtype (e.g. ``torch.long`` for a DataFrame's double labels with a classification
-    loss).
+    loss). A scalar label column against a one-unit output, with one of PyTorch's elementwise
+    losses (MSE, L1, Huber, BCE), gets targets shaped like the output, (n, 1), as in Keras.
     """
 
     def __init__(self, spark: SparkSession | SparkContext, model: nn.Module,
@@ -111,6 +113,12 @@ class SparkModel:
         self._last_fit: dict[str, Any] = {}
 
     # -- training ------------------------------------------------------------------------------
+    @property
+    def _loss(self) -> LossFn | None:
+        """``loss_fn`` as training and evaluation call it: a scalar label column lined up with
+        a one-unit output (``targets.ColumnTargets``)."""
+        return column_loss(self.loss_fn)
+
     def _optimizer_state_now(self) -> dict[str, Any] | None:
         if self._user_optimizer is not None:
             return self._user_optimizer.state_dict() if self._user_optimizer.state else None
@@ -138,7 +146,7 @@ class SparkModel:
             raise ValueError("fit() needs loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=")
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
-        spec = WorkerSpec(model=self.model, optimizer=self._optimizer_spec, loss_fn=self.loss_fn,
+        spec = WorkerSpec(model=self.model, optimizer=self._optimizer_spec, loss_fn=self._loss,
                           step_fn=self.step_fn, synchronizer=NoSync())
         state = cpu_copy(self.model.state_dict())
         job = FitJob(self.sc, spec, state, self._optimizer_state_now(), self.features)
@@ -241,7 +249,7 @@ class SparkModel:
         try:
             return evaluate_metrics(data_chunks(data, columns, batch_size, prebatched), shipment,
                                     names,
-                                    loss_fn=self.loss_fn, batch_size=batch_size, output=output)
+                                    loss_fn=self._loss, batch_size=batch_size, output=output)
         finally:
             shipment.model.unpersist()
             shipment.state.unpersist()
@@ -270,9 +278,9 @@ class SparkModel:
         shipment = ship(self.sc, self.model, self.features)
         try:
             if regression:
-                return evaluate_rdd(chunks, shipment, loss_fn=self.loss_fn,
+                return evaluate_rdd(chunks, shipment, loss_fn=self._loss,
                                     batch_size=batch_size, regression=True, output=output)
-            return evaluate_rdd(chunks, shipment, loss_fn=self.loss_fn, batch_size=batch_size,
+            return evaluate_rdd(chunks, shipment, loss_fn=self._loss, batch_size=batch_size,
                                 output=output)
         finally:
             shipment.model.unpersist()

@@ -65,8 +65,11 @@ class Shipment:
 def ship(sc: SparkContext, model: nn.Module, features: Features) -> Shipment:
     """Broadcast ``model`` (structure and current parameters) for evaluation or inference."""
     state = pack({k: v for k, v in model.state_dict().items()})
-    key = hashlib.sha256(state).hexdigest()[:24]
-    return Shipment(key, sc.broadcast(cloudpickle.dumps(model)), sc.broadcast(state), features)
+    structure = cloudpickle.dumps(model)
+    # Both in the key: the same parameters in another module (an activation swapped, a plain
+    # attribute changed) must not find the cached model in a reused Python worker.
+    key = hashlib.sha256(hashlib.sha256(structure).digest() + state).hexdigest()[:24]
+    return Shipment(key, sc.broadcast(structure), sc.broadcast(state), features)
 
 
 def shipped_model(shipment: Shipment) -> nn.Module:

@@ -483,7 +483,8 @@ class SharedGradients(Synchronizer):
         forced = {"bitmap": Format.BITMAP, "threshold": Format.THRESHOLD,
                   "gap16": Format.GAP16}.get(self.encoding)
         sparse = self._sparse_format()
-        count = self.threshold_algorithm.message_count(residual.numel())
+        count = None if forced == Format.BITMAP else \
+            self.threshold_algorithm.message_count(residual.numel())  # a bitmap moves all >= tau
         capacity = self._capacity(residual.numel())
         while True:
             if count is not None:

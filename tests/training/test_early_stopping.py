@@ -106,6 +106,19 @@ def test_max_time_stops_within_a_round(digits_loader, digits_test):
     assert result.total_epochs < 10_000
 
 
+def test_a_second_fit_after_an_iteration_condition_trains_again(digits_loader, digits_test):
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(1000)],
+                                 iteration_conditions=[MaxTime(0.2)],
+                                 score_calculator=F1Calculator(DataLoader(digits_test, 128)))
+    _, trainer = _lenet_trainer(config, digits_loader, workers=1)
+    assert trainer.fit().termination_reason == "iteration_condition"
+    config.iteration_conditions[:] = []  # the watch holds this list: no time limit now
+    config.epoch_conditions[:] = [MaxEpochs(2)]
+    result = trainer.fit()
+    assert result.termination_reason == "epoch_condition" and result.total_epochs == 2
+    assert result.best_epoch >= 0 and result.best_model is not None
+
+
 def test_divergence_ends_with_the_best_model_not_an_error():
     # lr=10 on a quadratic explodes to inf and then NaN within a few rounds.
     model = nn.Linear(1, 1)

@@ -127,6 +127,16 @@ def test_map_loader_trains_every_index_once_per_epoch(wrapper, drop_last):
         assert stats["rounds"] == 12  # 6 rounds a epoch, the last with one idle worker
 
 
+def test_map_loader_with_a_batch_sampler_keeps_its_batches(wrapper):
+    """``batch_sampler=`` leaves the DataLoader's batch_size None: it still makes batches."""
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(43)), 9,
+                                            drop_last=False)
+    loader = DataLoader(Rows(43), batch_sampler=sampler, num_workers=2)
+    counts, stats = _fit(wrapper, loader)
+    assert counts[:43].tolist() == [1] * 43
+    assert stats["batches"] == 5 and stats["samples"] == 43
+
+
 def _pairs(rows):
     xs, ys = zip(*rows, strict=True)
     return torch.stack(xs), torch.stack(ys)

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from training_helpers import digest
 
+import paraloom
 from paraloom import ParallelWrapper, TrainingCheckpoint, TrainingListener, WorkerError
 from paraloom.datasets import digits
 from paraloom.listeners import CheckpointListener
@@ -161,3 +162,47 @@ def test_resume_restores_a_dataloaders_own_generator(tmp_path):
     assert _run("averaging", resume_from=tmp_path, generator=True) == reference
     with pytest.raises(ValueError, match="generator="):
         _run("averaging", resume_from=tmp_path, generator=False)
+
+
+class _Shards(IterableDataset):
+    """60 rows, each replica every world_size-th."""
+
+    def __iter__(self):
+        info = paraloom.replica_info() or paraloom.ReplicaInfo(0, 1)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(60, 4, generator=g), torch.randn(60, 1, generator=g)
+        for i in range(info.rank, 60, info.world_size):
+            yield x[i], y[i]
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stream_run(listeners, resume=None):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    iterations: list[tuple[int, int]] = []
+    with ParallelWrapper(model, loss_fn=nn.MSELoss(), workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                         training_mode="allreduce",
+                         listeners=[*listeners, lambda it, ep, loss: iterations.append((it, ep))],
+                         ) as w:
+        w.fit(DataLoader(_Shards(), batch_size=7), epochs=3, resume_from=resume)
+    return model.weight.detach().clone(), iterations
+
+
+def test_resume_of_a_stream_from_an_epoch_end_checkpoint_is_exact(tmp_path):
+    """Resuming where a stream's epoch ended starts the next epoch: no round in which every
+    replica is idle (with allreduce, momentum would still move the weights in it)."""
+    whole, iterations = _stream_run([])
+
+    def interrupt(iteration, epoch, loss):
+        if iteration == 5:  # epoch 1's first round: epoch 0's checkpoint is written
+            raise _Stop()
+
+    with pytest.raises(_Stop):
+        _stream_run([CheckpointListener(tmp_path, every_n_epochs=1), interrupt])
+    resumed, rest = _stream_run([], resume=tmp_path)
+    assert rest == iterations[5:]  # epoch 1 on, numbered as before
+    assert torch.equal(resumed, whole)

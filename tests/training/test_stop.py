@@ -8,7 +8,7 @@ import time
 import torch
 from training_helpers import Scalar
 
-from paraloom import ParallelWrapper
+from paraloom import ParallelWrapper, TrainingListener
 from paraloom.training.gate import RoundGate
 
 
@@ -53,3 +53,31 @@ def test_stop_skips_the_queued_rounds():
         # the wrapper trains again after a stop
         stats = wrapper.fit(batches[:4])
         assert stats["rounds"] == 2 and model.w.item() == -trained - 2
+
+
+def test_stop_skips_rounds_dealt_before_it_also_at_the_end_of_a_fit():
+    """A small fit is dealt whole before the first reply: a stop() then still skips the rest,
+    also when called at the end of an epoch."""
+    model = Scalar()
+    iterations: list[int] = []
+
+    class StopAfterFirstEpoch(TrainingListener):
+        def on_iteration(self, iteration, epoch, loss):
+            iterations.append(iteration)
+
+        def on_epoch_end(self, epoch, loss):
+            if epoch == 0:
+                wrapper.stop()
+
+    wrapper = ParallelWrapper(model, step_fn=slow_step,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=1.0), workers=2,
+                              prefetch_buffer=40, progress=False,
+                              listeners=[StopAfterFirstEpoch()])
+    batches = [(torch.ones(1, 1), torch.zeros(1))] * 4  # 2 rounds an epoch
+    with wrapper:
+        stats = wrapper.fit(batches, epochs=5)
+    # on_epoch_end(0) runs as round 1 completes; round 2 may be in flight by then, and the
+    # other 7 rounds queued behind it are skipped.
+    trained = stats["rounds"]
+    assert trained in (2, 3) and iterations == list(range(trained)), (stats, iterations)
+    assert model.w.item() == -trained

@@ -117,6 +117,7 @@ class EarlyStoppingParallelTrainer:
             epoch_condition.initialize()
         for iteration_condition in cfg.iteration_conditions:
             iteration_condition.initialize()
+        self.watch.triggered = None  # a second fit() starts afresh
         scores: dict[int, float] = {}
         best_epoch, best_score = -1, math.nan
         reason, details, epoch = "epoch_condition", "", -1

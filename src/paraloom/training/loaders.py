@@ -43,6 +43,9 @@ class LoaderSpec:
     stream: bool
     """An IterableDataset: every replica iterates its own copy."""
     batch_size: int | None
+    batched: bool = True
+    """The loader makes batches (``batch_size`` or ``batch_sampler=``); False with
+    ``batch_size=None``: each index is a batch of its own."""
     drop_last: bool = False
     collate_fn: Callable[[Any], Any] | None = None
     worker_init_fn: Callable[[int], object] | None = None
@@ -70,8 +73,9 @@ def loader_spec(data: object) -> LoaderSpec | None:
         else context.get_start_method()
     options = {k: getattr(data, k) for k in _OPTIONS if hasattr(data, k)}
     return LoaderSpec(data.dataset, stream=stream, batch_size=data.batch_size,
-                      drop_last=data.drop_last, collate_fn=data.collate_fn,
-                      worker_init_fn=data.worker_init_fn, multiprocessing_context=method,
+                      batched=data.batch_sampler is not None, drop_last=data.drop_last,
+                      collate_fn=data.collate_fn, worker_init_fn=data.worker_init_fn,
+                      multiprocessing_context=method,
                       options=options)
 
 
@@ -238,7 +242,7 @@ class ReplicaLoader:
         if spec.stream:
             return DataLoader(spec.dataset, batch_size=spec.batch_size,
                               drop_last=spec.drop_last, collate_fn=spec.collate_fn, **common)
-        if spec.batch_size is None:  # batch_size=None: the sampler yields one index per batch
+        if not spec.batched:  # batch_size=None: the sampler yields one index per batch
             return DataLoader(spec.dataset, batch_size=None, sampler=_Singles(self._plan),
                               collate_fn=spec.collate_fn, **common)
         return DataLoader(_SeededDataset(spec.dataset), batch_sampler=self._plan,

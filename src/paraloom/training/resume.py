@@ -153,11 +153,17 @@ class CheckpointCollector:
         self.last = last
 
     def request(self, pool: Pool, iteration: int, epoch: int, dealt: int,
-                epoch_rng: list[torch.Tensor], epoch_end: bool) -> None:
+                epoch_rng: list[torch.Tensor], epoch_end: bool,
+                next_epoch_rng: list[torch.Tensor] | None = None) -> None:
         """Ask every replica for its state after round ``iteration`` if a listener wants a
-        checkpoint there."""
+        checkpoint there. ``next_epoch_rng`` (at an epoch's end): the checkpoint resumes at
+        the start of the next epoch, with that data RNG, instead of past ``dealt`` batches of
+        this one (a stream cannot tell that nothing is left of it without a round)."""
         wanting = [x for x in self.listeners if x.wants_checkpoint(iteration, epoch, epoch_end)]
         known = self.pending.get(iteration)
+        if known is not None and next_epoch_rng is not None and not known.done:
+            known.checkpoint.epoch, known.checkpoint.batch = epoch + 1, 0
+            known.checkpoint.data_rng = next_epoch_rng
         if known is not None:  # asked for twice (e.g. every N iterations and at epoch end)
             late = [x for x in wanting if x not in known.listeners]
             known.listeners += late
@@ -167,9 +173,11 @@ class CheckpointCollector:
             return
         if not wanting:
             return
+        position = (epoch, dealt, epoch_rng) if next_epoch_rng is None \
+            else (epoch + 1, 0, next_epoch_rng)
         self.pending[iteration] = _Pending(wanting, TrainingCheckpoint(
-            fingerprint=self.fingerprint(), epoch=epoch, batch=dealt, iteration=iteration + 1,
-            data_rng=epoch_rng, replicas=[None] * self.workers))
+            fingerprint=self.fingerprint(), epoch=position[0], batch=position[1],
+            iteration=iteration + 1, data_rng=position[2], replicas=[None] * self.workers))
         for rank in range(self.workers):
             pool.send(rank, CheckpointRequest(iteration))
 

@@ -149,6 +149,9 @@ class RoundTracker:
         if self.recoveries:
             postfix["failures"] = len(self.recoveries)
         self.bar.set_postfix(postfix, refresh=False)
+        following = self.rounds.get(round_id + 1)
+        if following is not None and following.epoch != r.epoch:
+            self._end_epoch()  # now, not when the next epoch's first round completes
 
     def _end_epoch(self) -> None:
         if self.current_epoch is None:
@@ -157,6 +160,7 @@ class RoundTracker:
         for listener in self.listeners:
             listener.on_epoch_end(self.current_epoch, mean)
         self.epoch_losses = []
+        self.current_epoch = None
 
     def recovered(self, recovery: Recovery) -> None:
         """Say on the progress bar that a worker failed and training went on."""

@@ -129,6 +129,10 @@ class ParallelWrapper:
         """``_layout()`` when the pool started: a change restarts the workers."""
         self._iteration = 0
         self._stop_requested = False
+        self._halted = False
+        """Whether this fit's stop() was passed on to the workers (``_halt_if_stopped``)."""
+        self._round_base = 0
+        """The tracker's iteration when this fit's first round went out."""
         self._stats: dict[str, Any] = {}
         self._tracker: RoundTracker | None = None
         self._warned_unsharded = False
@@ -243,7 +247,7 @@ class ParallelWrapper:
         data = as_data_source(data, batch_size, shuffle)
         start = self._start_position(resume_from, initial_epoch)
         pool = self._ensure_pool()
-        self._stop_requested = False
+        self._stop_requested = self._halted = False
         tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
                                total_batches=_total(data, epochs - start.epoch),
                                progress=self.progress,
@@ -352,6 +356,7 @@ class ParallelWrapper:
     def _deal(self, pool: Pool, tracker: RoundTracker, data: Any, source: _Source,
               epochs: int, start: _Position) -> None:
         dealing = _Dealing(base=tracker.iteration)
+        self._round_base = dealing.base
         self._warned_unsharded = False
         for epoch in range(start.epoch, epochs):
             generators = _data_generators(data)
@@ -366,15 +371,19 @@ class ParallelWrapper:
                 dealt = self._deal_epoch(pool, tracker, data, source, epoch, skip, epoch_rng,
                                          dealing)
             if self._stop_requested:
-                # Queued rounds after the one in flight are skipped by every worker.
-                self._checkpoints.cut(dealing.base + pool.halt())
+                self._halt_if_stopped(pool)
                 return
             if dealt == 0:
                 raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
                                  "source (a DataLoader or a list), not a one-shot generator")
             if dealing.round_id:
+                stream = isinstance(source, LoaderSpec) and source.stream
+                # Nothing has drawn from the data RNG since the epoch ended: its state now is
+                # where the next epoch starts.
+                following = [torch.get_rng_state(), *(g.get_state() for g in generators)] \
+                    if stream else None
                 self._checkpoints.request(pool, dealing.base + dealing.round_id - 1, epoch,
-                                          dealt, epoch_rng, True)
+                                          dealt, epoch_rng, True, following)
 
     def _deal_epoch(self, pool: Pool, tracker: RoundTracker, data: Any, source: _Source,
                     epoch: int, skip: int, epoch_rng: list[torch.Tensor],
@@ -387,6 +396,7 @@ class ParallelWrapper:
             # progress bar) then run as each round finishes, not a round late.
             while tracker.in_flight >= self._queue_depth():
                 self._handle(pool.recv(timeout_s=None), tracker)
+                self._halt_if_stopped(pool)
             round_id = dealing.round_id
             tracker.add(round_id, epoch, dealt, len(payloads))
             for rank in range(self.workers):
@@ -442,6 +452,7 @@ class ParallelWrapper:
         while len(got) < self.workers:
             reply = pool.recv(timeout_s=None)
             self._handle(reply, tracker)
+            self._halt_if_stopped(pool)
             if isinstance(reply, StepDone) and reply.round_id == round_id:
                 got[reply.rank] = reply
         return got
@@ -517,6 +528,14 @@ class ParallelWrapper:
             if isinstance(reply, Finished):
                 return reply
             self._handle(reply, tracker)
+            self._halt_if_stopped(pool)  # a listener may have called stop()
+
+    def _halt_if_stopped(self, pool: Pool) -> None:
+        """After ``stop()``: every worker skips the queued rounds after the one in flight, also
+        those dealt before the call (the last rounds of a fit all are)."""
+        if self._stop_requested and not self._halted:
+            self._halted = True
+            self._checkpoints.cut(self._round_base + pool.halt())
 
     def _handle(self, reply: Answer | None, tracker: RoundTracker) -> None:
         """Account for a worker's reply to a round or a checkpoint request."""

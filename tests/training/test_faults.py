@@ -164,6 +164,23 @@ def test_step_timeout_names_a_hung_worker():
     assert time.monotonic() - started < 20
 
 
+@pytest.mark.parametrize("mode", ["allreduce", "shared_gradients"])
+def test_step_timeout_names_the_hung_worker_not_the_peer_waiting_for_it(mode):
+    """Rank 1 hangs in its step while rank 0 waits for it in a collective: both are silent,
+    and rank 1, which never got to its loss, is the one named."""
+    from training_helpers import stuck_on_rank_one
+
+    model = nn.Linear(4, 1)
+    wrapper = ParallelWrapper(model, step_fn=stuck_on_rank_one,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2,
+                              training_mode=mode, progress=False, step_timeout=2.0)
+    batches = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(40)]
+    with pytest.raises(WorkerError, match=r"worker 1 has answered nothing .*never got to this "
+                                          r"round's loss.*\[0\] were waiting") as failed:
+        wrapper.fit(batches)
+    assert failed.value.worker == 1
+
+
 @pytest.mark.parametrize("bad", [{"heartbeat_timeout": 0}, {"step_timeout": -1.0},
                                  {"max_failures": -1}, {"max_failures": 1.5}])
 def test_bad_fault_options_are_refused(bad):

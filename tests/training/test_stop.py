@@ -29,6 +29,19 @@ def test_the_gate_halts_after_the_last_round_started():
     assert gate.halt(3) == 3 and not gate.admit(1, 4)
 
 
+def test_the_gate_tells_a_worker_stuck_in_its_step_from_one_waiting():
+    gate = RoundGate.create(multiprocessing.get_context("spawn"), 2)
+    assert gate.stuck([0, 1]) == []  # nothing started
+    gate.admit(0, 0)
+    gate.admit(1, 0)
+    gate.computed(0)  # worker 0 has its loss and waits in a collective; worker 1 does not
+    assert gate.stuck([0, 1]) == [1]
+    gate.computed(1)
+    assert gate.stuck([0, 1]) == []
+    gate.admit(0, 1)
+    assert gate.stuck([0, 1]) == [0]
+
+
 def test_stop_skips_the_queued_rounds():
     model = Scalar()
     iterations: list[int] = []

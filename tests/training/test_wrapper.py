@@ -224,6 +224,24 @@ def test_dict_inputs_optimizer_factory_and_listeners():
     assert epoch_loss[29] < 0.5 * epoch_loss[0]
 
 
+def _dict_step(model, batch):
+    return nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def test_a_step_fn_takes_dict_batches_from_a_list():
+    """A step_fn gets batches of any structure: not only (inputs, targets) pairs."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x = torch.randn(64, 3)
+    batches = [{"x": x[i:i + 16], "y": x[i:i + 16].sum(1, keepdim=True)}
+               for i in range(0, 64, 16)]
+    with ParallelWrapper(model, step_fn=_dict_step, workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        stats = w.fit(batches, epochs=20)
+    assert stats["batches"] == 80
+    torch.testing.assert_close(model.weight.detach(), torch.ones(1, 3), atol=0.05, rtol=0)
+
+
 def test_optimizer_state_comes_back_to_the_users_optimizer():
     model = Scalar()
     opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)

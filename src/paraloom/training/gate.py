@@ -5,6 +5,10 @@ flight, not after every queued one. A round is trained by every worker or by non
 collectives the others wait in), so the parent and the workers decide under one lock: a worker
 records each round it starts, and the parent, halting, allows no round past the last one any
 worker has started. Later rounds are skipped by every worker alike.
+
+Each worker also records the last round whose loss it computed (``computed``): when the
+workers hang, the one that started a round and never got to its loss hangs in its own code
+(the model, the data), while the others only wait for it in a collective (``stuck``).
 """
 
 from __future__ import annotations
@@ -20,15 +24,16 @@ _OPEN = 2**62
 
 
 class RoundGate:
-    """A shared array: the last round each worker started, then the last round to train."""
+    """A shared array: the last round each worker started, the last round to train, then the
+    last round whose loss each worker computed."""
 
     def __init__(self, array: Any) -> None:
-        self.array = array  # a multiprocessing.Array("q", workers + 1) with its lock
-        self.workers = len(array) - 1
+        self.array = array  # a multiprocessing.Array("q", 2 * workers + 1) with its lock
+        self.workers = (len(array) - 1) // 2
 
     @classmethod
     def create(cls, ctx: ForkServerContext | SpawnContext, workers: int) -> RoundGate:
-        gate = cls(ctx.Array("q", workers + 1))
+        gate = cls(ctx.Array("q", 2 * workers + 1))
         gate.reset()
         return gate
 
@@ -36,8 +41,19 @@ class RoundGate:
         """A new fit(): no round started, every round open."""
         with self.array.get_lock():
             for rank in range(self.workers):
-                self.array[rank] = -1
+                self.array[rank] = self.array[self.workers + 1 + rank] = -1
             self.array[self.workers] = _OPEN
+
+    def computed(self, rank: int) -> None:
+        """Worker ``rank`` has the loss of the round it started last (or is idle in it): its
+        own work for the round is done, what follows are collectives with its peers."""
+        with self.array.get_lock():
+            self.array[self.workers + 1 + rank] = self.array[rank]
+
+    def stuck(self, ranks: list[int]) -> list[int]:
+        """Of ``ranks``, those that started a round and have not computed its loss."""
+        with self.array.get_lock():
+            return [r for r in ranks if self.array[self.workers + 1 + r] < self.array[r]]
 
     def admit(self, rank: int, round_id: int) -> bool:
         """Whether worker ``rank`` trains ``round_id`` (recorded as started) or skips it."""

@@ -249,15 +249,24 @@ class ProcessPool:
     def _check_progress(self) -> None:
         """Raise if a worker has had work and sent nothing for ``step_timeout_s`` (it hangs)."""
         now = time.monotonic()
-        for rank in range(self.workers):
-            if self._outstanding[rank] and now - self._since[rank] > self.step_timeout_s:
-                self.kill()
-                raise WorkerError(
-                    f"worker {rank} has answered nothing for {self.step_timeout_s:.0f} s "
-                    "(step_timeout=, or timeout= when it is not set) with work queued: it "
-                    "hangs in the model, the loss, the data code or a collective. It was "
-                    "killed with the other workers; raise step_timeout= if one step really "
-                    "takes that long", worker=rank)
+        quiet = [rank for rank in range(self.workers)
+                 if self._outstanding[rank] and now - self._since[rank] > self.step_timeout_s]
+        if not quiet:
+            return
+        # A worker that never got to its loss hangs in its own code; its peers only wait for
+        # it in a collective, and are quiet too.
+        stuck = self._gate.stuck(list(range(self.workers)))
+        rank = (stuck or quiet)[0]
+        where = "the model, the loss or the data code (it never got to this round's loss)" \
+            if stuck else "a collective, or the model's backward or optimizer step"
+        waiting = [r for r in quiet if r != rank]
+        others = f"; worker(s) {waiting} were waiting for it" if stuck and waiting else ""
+        self.kill()
+        raise WorkerError(
+            f"worker {rank} has answered nothing for {self.step_timeout_s:.0f} s "
+            f"(step_timeout=, or timeout= when it is not set) with work queued: it hangs in "
+            f"{where}{others}. It was killed with the other workers; raise step_timeout= if "
+            "one step really takes that long", worker=rank)
 
     def _check_heartbeats(self) -> None:
         """Raise if a started worker's heartbeat stopped for ``heartbeat_timeout_s``."""

@@ -86,6 +86,9 @@ class Replica:
                                scaler=self.scaler)
         self._module: nn.Module = self.model
         self._rng: torch.Tensor | None = None
+        self.loss_computed: Callable[[], None] | None = None
+        """Called once a step's own work is done (its loss computed, or an idle round begun),
+        before the collectives: the pool tells a hung worker from peers that wait for it."""
 
     def begin_fit(self, state: ModelState | None, resume: ReplicaState | None = None,
                   optimizer_state: dict[str, Any] | None = None, seed: int | None = None,
@@ -128,12 +131,16 @@ class Replica:
             torch.set_rng_state(self._rng)
             self._rng = None
         if batch is None:
+            if self.loss_computed is not None:
+                self.loss_computed()
             self.sync.idle_step(ctx)
             ctx.step += 1
             return None
         self.sync.before_step(ctx)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._loss(batch)
+        if self.loss_computed is not None:
+            self.loss_computed()
         value = float(loss.detach())
         if not math.isfinite(value):
             raise NonFiniteLossError(

@@ -8,6 +8,7 @@ thread: a slow step keeps beating, a stopped, frozen or killed process does not.
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing
 import os
 import pickle
@@ -101,6 +102,16 @@ def _init_group(cfg: WorkerConfig) -> dist.ProcessGroup | None:
     return dist.group.WORLD
 
 
+def _runner(cfg: WorkerConfig, spec: WorkerSpec, group: dist.ProcessGroup | None,
+            gate: RoundGate | None) -> ReplicaRunner:
+    """This worker's replica, telling the gate when each step's own work is done."""
+    runner = ReplicaRunner(spec, rank=cfg.rank, world_size=cfg.world_size, device=cfg.device,
+                           group=group, shared_outbox=True)
+    if gate is not None:
+        runner.replica.loss_computed = functools.partial(gate.computed, cfg.rank)
+    return runner
+
+
 def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | Pickled],
                 results: Queue[Reply], beats: MutableSequence[float],
                 gate_array: object = None) -> None:
@@ -119,9 +130,7 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
         if cfg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(cfg.device))
         group = _init_group(cfg)
-        spec: WorkerSpec = pickle.loads(spec_bytes)
-        runner = ReplicaRunner(spec, rank=cfg.rank, world_size=cfg.world_size,
-                               device=cfg.device, group=group, shared_outbox=True)
+        runner = _runner(cfg, pickle.loads(spec_bytes), group, gate)
         results.put(Ready(cfg.rank))
         while not isinstance(message := _next_message(tasks, cfg.parent_pid, started_ppid),
                                                 Stop):

@@ -489,7 +489,7 @@ class ParallelWrapper:
             prefetcher = None
         else:
             # Copy each batch as it is read: a source may refill one buffer for every batch.
-            copied = (shared_copy(_checked(b)) for b in itertools.islice(data, skip, None))
+            copied = (shared_copy(self._checked(b)) for b in itertools.islice(data, skip, None))
             # prefetch_buffer counts batches per worker, as DL4J's prefetchBuffer does.
             prefetcher = Prefetcher(copied, self.prefetch_buffer * self.workers) \
                 if self.prefetch_buffer else None
@@ -506,6 +506,13 @@ class ParallelWrapper:
         finally:
             if prefetcher is not None:
                 prefetcher.close()
+
+    def _checked(self, batch: Any) -> Any:
+        """The batch, once it is known to be an (inputs, targets) pair (a TypeError that says
+        what a batch must be otherwise); a ``step_fn`` takes batches of any structure."""
+        if self._spec.step_fn is None:
+            split_batch(batch)
+        return batch
 
     def _loader_rounds(self, pool: Pool, data: Any, epoch: int,
                        skip: int) -> Iterator[list[int]]:
@@ -633,11 +640,6 @@ def _set_data_rng(states: list[torch.Tensor], generators: list[torch.Generator])
     torch.set_rng_state(states[0])
     for g, state in zip(generators, states[1:], strict=True):
         g.set_state(state)
-
-
-def _checked(batch: Any) -> Any:
-    split_batch(batch)  # raises a TypeError that says what a batch must be
-    return batch
 
 
 def _total(data: Any, epochs: int) -> int | None:

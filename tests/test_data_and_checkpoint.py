@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import struct
+import warnings
 
 import numpy as np
 import pytest
@@ -139,3 +140,72 @@ def test_load_never_calls_what_a_crafted_header_names(tmp_path):
     paraloom.save(model, tmp_path / "linear.safetensors", kwargs={"in_features": 3,
                                                                    "out_features": 2})
     assert torch.equal(paraloom.load(tmp_path / "linear.safetensors").weight, model.weight)
+
+
+def test_idx_reader_rejects_a_truncated_header_and_swapped_files_and_reads_gzip_by_content(
+        tmp_path):
+    _write_idx(tmp_path / "a", np.zeros((4, 3)), False)
+    (tmp_path / "h").write_bytes((tmp_path / "a").read_bytes()[:6])  # ends within the dims
+    with pytest.raises(ValueError, match="ends within them"):
+        read_idx(tmp_path / "h")
+    _write_idx(tmp_path / "z", np.arange(6).reshape(2, 3), True)
+    (tmp_path / "z").rename(tmp_path / "plain-name")  # gzip'd, named without .gz
+    assert read_idx(tmp_path / "plain-name").tolist() == [[0, 1, 2], [3, 4, 5]]
+    images, labels = np.zeros((5, 28, 28)), np.arange(5)
+    _write_idx(tmp_path / "t10k-images-idx3-ubyte", labels, False)  # swapped
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", images, False)
+    with pytest.raises(ValueError, match="swapped"):
+        mnist(tmp_path, "test")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_load_keeps_the_saved_dtype_and_writes_readable_files(tmp_path, dtype):
+    model = LeNet(image_size=8).to(dtype)
+    path = tmp_path / "m.safetensors"
+    paraloom.save(model, path)
+    # As open() would create it (umask applied), not mkstemp's private 0600.
+    assert path.stat().st_mode & 0o777 == 0o666 & ~paraloom.checkpoint._UMASK
+    loaded = paraloom.load(path)
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert b.dtype == a.dtype and torch.equal(a, b), k
+
+
+def test_corrupt_files_and_other_shapes_are_clear_value_errors(tmp_path):
+    path = tmp_path / "m.safetensors"
+    paraloom.save(LeNet(image_size=8), path)
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        paraloom.load(tmp_path / "cut.safetensors")
+    with pytest.raises(ValueError, match=r"does not match the rebuilt model: shapes"):
+        paraloom.load(path, factory=lambda **kwargs: LeNet(image_size=8, num_classes=3))
+
+
+class _NeedsWidth(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, 1)
+
+
+def test_saving_a_model_that_cannot_rebuild_itself_warns(tmp_path):
+    with pytest.warns(UserWarning, match=r"needs \['width'\].*factory="):
+        paraloom.save(_NeedsWidth(3), tmp_path / "m.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paraloom.save(_NeedsWidth(3), tmp_path / "m.safetensors", kwargs={"width": 3})
+    assert paraloom.load(tmp_path / "m.safetensors").linear.in_features == 3
+
+
+def test_cli_refuses_bad_hyperparameters_and_reports_a_mismatch_without_a_traceback(
+        tmp_path, capsys):
+    for flag, value in (("--lr", "nan"), ("--momentum", "2")):
+        with pytest.raises(SystemExit) as exited:
+            main(["train", "--dataset", "digits", "--epochs", "1", flag, value])
+        assert exited.value.code == 2
+        assert f"{flag} " in capsys.readouterr().err
+    out = tmp_path / "mlp.safetensors"
+    paraloom.save(MLP(in_features=10, hidden=[4]), out)  # not digits' 64 features
+    with pytest.raises(SystemExit) as exited:
+        main(["evaluate", str(out), "--dataset", "digits"])
+    assert exited.value.code == 1
+    assert "paraloom evaluate: error:" in capsys.readouterr().err

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,14 +15,25 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
+from torch import Tensor, nn
 
 from paraloom.models import MLP, LeNet
 
-__all__ = ["save", "load", "register_model", "atomic_write", "check_safetensors"]
+__all__ = ["save", "load", "register_model", "atomic_write", "check_safetensors", "read_header",
+           "read_tensors"]
 
 _HEADER_KEY = "paraloom"
 _REGISTRY: dict[str, type[nn.Module] | Callable[..., nn.Module]] = {"lenet": LeNet, "mlp": MLP}
+
+
+def _required_arguments(cls: type[nn.Module], kwargs: dict[str, Any]) -> list[str]:
+    """The constructor's arguments without a default that ``kwargs`` does not give."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C-implemented constructor
+        return []
+    return [p.name for p in list(parameters)[1:] if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs]
 
 
 def register_model(name: str, factory: type[nn.Module] | Callable[..., nn.Module]) -> None:
@@ -41,6 +54,12 @@ def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | Non
     else:
         cls = type(model)
         spec["class"] = f"{cls.__module__}:{cls.__qualname__}"
+        needed = _required_arguments(cls, kwargs)
+        if needed:
+            warnings.warn(f"{cls.__qualname__} needs {needed} to be built, and neither kwargs= "
+                          f"nor a model.config dict gives them: paraloom.load will need "
+                          f"factory=; save with kwargs={{...}} to make the file rebuild itself",
+                          stacklevel=3)
     try:
         json.dumps(spec)
     except TypeError as e:
@@ -57,10 +76,21 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide the file from others
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _read_umask() -> int:
+    """The process's umask (read by setting it: there is no getter), once, at import."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
 
 
 def save(model: nn.Module, path: str | Path, *, name: str | None = None,
@@ -104,12 +134,36 @@ def check_safetensors(path: str | Path) -> None:
 def read_header(path: str | Path) -> dict[str, Any]:
     """The JSON header written by ``save``."""
     check_safetensors(path)
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors' own error type: a corrupt or truncated file
+        raise _corrupt(path, e) from e
     if _HEADER_KEY not in meta:
         raise ValueError(f"{path} has no paraloom header: it was not written by paraloom.save; "
                          "load its weights with safetensors.torch.load_file into your own model")
-    return json.loads(meta[_HEADER_KEY])
+    try:
+        spec = json.loads(meta[_HEADER_KEY])
+    except json.JSONDecodeError as e:
+        raise _corrupt(path, e) from e
+    if not isinstance(spec, dict):
+        raise _corrupt(path, TypeError(f"its paraloom header is a {type(spec).__name__}"))
+    return spec
+
+
+def read_tensors(path: str | Path, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """The tensors of a safetensors file; ValueError for a corrupt or truncated one."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=str(device))
+    except Exception as e:  # safetensors' own error type (not a ValueError)
+        raise _corrupt(path, e) from e
+
+
+def _corrupt(path: str | Path, error: Exception) -> ValueError:
+    return ValueError(f"{path} is not a readable safetensors file ({error}): it is truncated or "
+                      "corrupt; write it again with paraloom.save")
 
 
 def _build(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> nn.Module:
@@ -154,11 +208,22 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
         raise FileNotFoundError(f"model file {str(path)!r} does not exist")
     spec = read_header(path)
     model = _build(spec, factory)
-    from safetensors.torch import load_file
-
-    state = load_file(str(path), device=str(map_location))
+    state = read_tensors(path, map_location)
+    mismatched = {k: (tuple(v.shape), tuple(state[k].shape)) for k, v
+                  in model.state_dict().items() if k in state and v.shape != state[k].shape}
+    if mismatched:
+        raise ValueError(f"{path} does not match the rebuilt model: shapes (model, file) "
+                         f"{mismatched}; pass the factory (and kwargs) it was saved from")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path} does not match the rebuilt model: missing {missing}, "
                          f"unexpected {unexpected}")
+    # load_state_dict converts into the rebuilt model's tensors: give back the saved dtypes
+    # (a float16 or float64 model stays one) on map_location.
+    model.to(map_location)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            saved = state.get(name)
+            if saved is not None and saved.dtype != t.dtype:
+                t.data = t.data.to(saved.dtype)
     return model

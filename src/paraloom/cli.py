@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from typing import Any
+
+from paraloom.errors import ParaloomError
 
 __all__ = ["main", "add_data_arguments"]
 
@@ -40,6 +43,10 @@ def _train(args: argparse.Namespace) -> int:
     import paraloom
     from paraloom.devices import parse_devices
 
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr {args.lr}; expected a finite learning rate > 0, e.g. 0.05")
+    if not 0 <= args.momentum < 1:
+        raise ValueError(f"--momentum {args.momentum}; expected a value in [0, 1), e.g. 0.9")
     torch.manual_seed(args.seed)
     model, loader, test = _training_setup(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -137,14 +144,12 @@ def _load_model(path: str, factory_spec: str | None) -> Any:
     from pathlib import Path
 
     import paraloom
-    from paraloom.checkpoint import check_safetensors, read_header
+    from paraloom.checkpoint import check_safetensors, read_header, read_tensors
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"model file {path!r} does not exist")
     if factory_spec is None:
         return paraloom.load(path)
-    from safetensors.torch import load_file
-
     from paraloom.user_code import build_user_model, import_callable
 
     check_safetensors(path)
@@ -152,7 +157,7 @@ def _load_model(path: str, factory_spec: str | None) -> Any:
         read_header(path)
     except ValueError:  # plain safetensors weights (no paraloom header)
         model = build_user_model(factory_spec)
-        model.load_state_dict(load_file(path), strict=True)
+        model.load_state_dict(read_tensors(path), strict=True)
         return model
     return paraloom.load(path, factory=import_callable(factory_spec, "--factory"))
 
@@ -244,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, FileNotFoundError) as e:  # bad input: no traceback
         parser.exit(2, f"paraloom {args.command}: error: {e}\n")
+    except (ParaloomError, RuntimeError) as e:  # training failed, or the model and data differ
+        parser.exit(1, f"paraloom {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

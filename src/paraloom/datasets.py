@@ -50,14 +50,21 @@ def read_idx(path: str | Path) -> np.ndarray:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"IDX file {str(path)!r} does not exist")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
+    with open(path, "rb") as f:
         data = f.read()
+    if data[:2] == b"\x1f\x8b":  # gzip's magic number, whatever the file is called
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as e:
+            raise ValueError(f"{path} is a damaged gzip file ({e}); download it again") from e
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
         raise ValueError(f"{path} is not an IDX file: it must start with two zero bytes")
     code, ndim = data[2], data[3]
     if code not in _IDX_DTYPES:
         raise ValueError(f"{path}: unknown IDX data type 0x{code:02x}")
+    if len(data) < 4 + 4 * ndim:
+        raise ValueError(f"{path}: the header names {ndim} dimensions but the file ends within "
+                         "them; the file is truncated")
     dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
     dtype = _IDX_DTYPES[code]
     expected = int(np.prod(dims)) * dtype.itemsize
@@ -85,6 +92,10 @@ def mnist(root: str | Path, split: str = "train") -> TensorDataset:
 
     images = read_idx(find(f"{prefix}-images-idx3-ubyte"))
     labels = read_idx(find(f"{prefix}-labels-idx1-ubyte"))
+    if images.ndim != 3 or labels.ndim != 1:
+        raise ValueError(f"MNIST in {root}: images of shape {images.shape} (expected 3 "
+                         f"dimensions: count, height, width) and labels of shape {labels.shape} "
+                         "(expected 1); are the image and label files swapped?")
     if images.shape[0] != labels.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels in {root}")
     x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)

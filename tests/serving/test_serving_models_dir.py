@@ -305,3 +305,22 @@ def test_a_weights_path_cannot_swap_a_numbered_version(models_dir: dict) -> None
         x = np.random.default_rng(0).random((1, 1, 8, 8), dtype=np.float32)
         np.testing.assert_allclose(_infer(http, th, "cnn", x), _run(_lenet(12), x),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_top_level_model_swaps_weights_from_the_models_dir(models_dir: dict) -> None:
+    """DIR/lenet.safetensors: its own folder is DIR, so a path names a file there."""
+    import urllib.request
+
+    root = models_dir["root"]
+    paraloom.save(_lenet(7), root / "lenet-v2.safetensors")
+    app = create_repository_app(root, workers=1)
+    with ServerThread(app) as server:
+        http = _http(server)
+        request = urllib.request.Request(
+            f"{server.url}/v2/repository/models/lenet/load", method="POST",
+            data=json.dumps({"parameters": {"path": "lenet-v2.safetensors"}}).encode())
+        with urllib.request.urlopen(request, timeout=WAIT_S) as answer:
+            assert json.loads(answer.read())["version"] == "2"
+        x = np.random.default_rng(0).random((1, 1, 8, 8), dtype=np.float32)
+        np.testing.assert_allclose(_infer(http, th, "lenet", x), _run(_lenet(7), x),
+                                   rtol=1e-5, atol=1e-6)

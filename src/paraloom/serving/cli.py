@@ -129,13 +129,11 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
         raise FileNotFoundError(f"--weights {args.weights!r} does not exist")
     if _has_header(args.weights):
         return load(args.weights, factory=factory), args.weights
-    from safetensors.torch import load_file
-
-    from paraloom.checkpoint import check_safetensors
+    from paraloom.checkpoint import check_safetensors, read_tensors
 
     check_safetensors(args.weights)  # a torch.save pickle: say so, and how to convert it
     model = factory()
-    model.load_state_dict(load_file(args.weights), strict=True)
+    model.load_state_dict(read_tensors(args.weights), strict=True)
     return model, None  # plain safetensors: served, but not reloadable (no paraloom header)
 
 

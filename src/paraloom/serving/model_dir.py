@@ -282,7 +282,8 @@ class ModelDir:
         signature = infer_signature(model, inputs=config.inputs, outputs=config.outputs)
         options = {**self.pool_defaults, **config.pool_options}
         pool = build_pool(model, signature, None, config.outputs is None, options)
-        files = ModelFiles(model_file=path, model_dir=folder)
+        # A load request reads from the model's own folder: DIR itself for DIR/NAME.safetensors.
+        files = ModelFiles(model_file=path, model_dir=folder or self.root)
         return ServedModel(name, pool, model, signature, files=files, owns_pool=True,
                            retry_after=self.retry_after, first_version=version,
                            numbered=numbered)

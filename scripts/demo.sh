@@ -4,6 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh ""
 mkdir -p out
-.venv/bin/paraloom train --model lenet --dataset digits --workers 2 --mode averaging \
+"${PARALOOM_VENV:-.venv}/bin/paraloom" train --model lenet --dataset digits --workers 2 --mode averaging \
     --epochs 5 --out out/lenet-digits.safetensors
-.venv/bin/paraloom evaluate out/lenet-digits.safetensors --dataset digits
+"${PARALOOM_VENV:-.venv}/bin/paraloom" evaluate out/lenet-digits.safetensors --dataset digits

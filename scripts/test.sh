@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh "test,serve,spark,dev"
-exec .venv/bin/python -m pytest "$@"
+exec "${PARALOOM_VENV:-.venv}/bin/python" -m pytest "$@"

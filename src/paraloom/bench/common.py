@@ -12,6 +12,7 @@ from typing import Any, TypedDict
 import torch
 
 __all__ = ["Machine", "machine", "write_results", "plain_args", "pyplot", "save_figure",
+           "bar_plot",
            "plain_epoch"]
 
 
@@ -68,6 +69,19 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     print(f"plot written to {path}")
+
+
+def bar_plot(path: str | Path, title: str, bars: dict[str, float], ylabel: str) -> None:
+    """One bar per contender (a PNG next to the JSON), when matplotlib is installed."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(bars) + 2), 4))
+    ax.bar(list(bars), list(bars.values()))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelrotation=20)
+    save_figure(fig, Path(path).with_suffix(".png"))
 
 
 def plain_epoch(model: torch.nn.Module, loss_fn: Any, opt: torch.optim.Optimizer,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.common import machine, plain_epoch, write_results
+from paraloom.bench.common import bar_plot, machine, plain_epoch, write_results
 
 __all__ = ["gpu_counts", "run_gpu"]
 
@@ -98,4 +98,6 @@ def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
         print(f"{row['mode']:<18}{row['gpus']:>5}{row['samples_per_s']:>12.0f}"
               f"{row['speedup']:>10.2f}{row['efficiency']:>12.2f}")
     print(f"results written to {path}")
+    bar_plot(path, f"{args.model} on CUDA: speed-up over a plain loop on one GPU",
+             {f"{row['mode']} x{row['gpus']}": row["speedup"] for row in rows}, "speed-up")
     return 0

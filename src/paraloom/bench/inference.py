@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from paraloom.bench.common import machine, plain_args, write_results
+from paraloom.bench.common import bar_plot, machine, plain_args, write_results
 from paraloom.inference import ParallelInference
 from paraloom.inference.stats import percentiles
 from paraloom.models import LeNet
@@ -195,7 +195,12 @@ def run(args: argparse.Namespace) -> int:
                   "batched_vs_naive": vs_naive, "batched_vs_offline": vs_offline,
                   "goal_vs_naive": GOAL_VS_NAIVE, "goal_vs_offline": GOAL_VS_OFFLINE,
                   "goals_met": vs_naive >= GOAL_VS_NAIVE and vs_offline >= GOAL_VS_OFFLINE}}
-    print(_report(result, write_results(args.output, result)))
+    path = write_results(args.output, result)
+    print(_report(result, path))
+    bar_plot(path, f"LeNet(image_size={args.image_size}): one-row requests from "
+             f"{args.clients} threads", {"offline": offline["throughput"],
+                                         "naive": naive["throughput"],
+                                         "batched": batched["throughput"]}, "rows/s")
     return 0
 
 

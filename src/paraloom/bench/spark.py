@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.common import machine, plain_args, write_results
+from paraloom.bench.common import bar_plot, machine, plain_args, write_results
 from paraloom.models import LeNet
 
 __all__ = ["add_arguments", "run"]
@@ -195,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
         r["ratio_to_ddp"] = r["samples_per_s"] / ddp["samples_per_s"] if ddp else None
     path = write_results(args.out, results)
     _print(results, path)
+    bar_plot(path, f"Spark training, {args.workers} workers ({args.master})",
+             {name: r["samples_per_s"] for name, r in results["contenders"].items()},
+             "samples/s")
     return 0
 
 

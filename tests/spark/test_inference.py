@@ -164,3 +164,16 @@ def test_a_scalar_label_column_trains_a_one_unit_regression(spark):
     torch.testing.assert_close(linear.weight.detach(), torch.tensor([[1.0, -2.0, 0.5]]),
                                atol=0.05, rtol=0)
     assert metrics["loss"] == pytest.approx(metrics["mse"], rel=1e-4)  # the same comparison
+
+
+def test_evaluate_a_double_class_label_says_to_set_label_dtype(spark):
+    from paraloom.errors import WorkerError
+
+    x = np.random.default_rng(0).normal(size=(20, 3)).astype(np.float32)
+    frame = spark.createDataFrame([(r.tolist(), float(i % 2)) for i, r in enumerate(x)],
+                                  ["x", "label"])
+    torch.manual_seed(0)
+    net = SparkModel(spark, nn.Linear(3, 2), ParameterAveragingTrainingMaster(workers=1),
+                     loss_fn=nn.CrossEntropyLoss())
+    with pytest.raises(WorkerError, match=r"Spark evaluation failed: .*label_dtype=torch.long"):
+        net.evaluate(frame, features="x")

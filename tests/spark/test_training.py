@@ -159,3 +159,21 @@ def test_averaging_carries_adams_state_across_rounds(spark, sc, digits_test):
     state = opt.state[next(iter(model.parameters()))]
     assert state["exp_avg_sq"].abs().sum() > 0
     assert float(state["step"]) == 46  # both replicas took 23 steps per round
+
+
+@pytest.mark.parametrize("master", ["averaging", "shared"])
+def test_settings_changed_before_a_fit_apply_without_optimizer_state(spark, sc, master):
+    """Plain SGD keeps no state: the learning rate must still travel (a scheduler stepped
+    between fits, or a change after SparkModel())."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    chosen = shared_master() if master == "shared" else \
+        ParameterAveragingTrainingMaster(batch_size_per_worker=32, workers=2)
+    net = SparkModel(spark, model, chosen, loss_fn=nn.CrossEntropyLoss(), optimizer=opt)
+    opt.param_groups[0]["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    net.fit(h.rdd(sc, "train"), epochs=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.param_groups[0]["lr"] = 0.1
+    net.fit(h.rdd(sc, "train"), epochs=1)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from paraloom.data import cpu_copy
+from paraloom.errors import WorkerError
 from paraloom.evaluation import Evaluation
 from paraloom.forward import LossFn
 from paraloom.spark.data import (
@@ -37,6 +38,7 @@ from paraloom.spark.evaluation.metrics import MetricSet
 from paraloom.spark.runtime.interpreter import use_driver_python
 from paraloom.spark.stats import TrainingStats
 from paraloom.spark.training import FitJob, TrainingMaster
+from paraloom.spark.training.master import root_cause
 from paraloom.sync.base import NoSync
 from paraloom.training.optim import OptimizerFactory, OptimizerSpec
 from paraloom.training.replica import StepFn
@@ -120,8 +122,11 @@ class SparkModel:
         return column_loss(self.loss_fn)
 
     def _optimizer_state_now(self) -> dict[str, Any] | None:
+        """What the workers' optimizers start from: the user's optimizer as it is now (its
+        param groups carry the settings, so a learning rate changed before a fit applies even
+        while there is no state yet), or a factory's last state."""
         if self._user_optimizer is not None:
-            return self._user_optimizer.state_dict() if self._user_optimizer.state else None
+            return self._user_optimizer.state_dict()
         return self._optimizer_state
 
     def fit(self, data: RDD[Any] | DataFrame, epochs: int = 1, *,
@@ -146,6 +151,8 @@ class SparkModel:
             raise ValueError("fit() needs loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=")
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
+        if self._user_optimizer is not None:  # its param groups as they are now
+            self._optimizer_spec = OptimizerSpec.from_user(self._user_optimizer, self.model)
         spec = WorkerSpec(model=self.model, optimizer=self._optimizer_spec, loss_fn=self._loss,
                           step_fn=self.step_fn, synchronizer=NoSync())
         state = cpu_copy(self.model.state_dict())
@@ -282,6 +289,14 @@ class SparkModel:
                                     batch_size=batch_size, regression=True, output=output)
             return evaluate_rdd(chunks, shipment, loss_fn=self._loss, batch_size=batch_size,
                                 output=output)
+        except Exception as e:  # Spark's job failure: the Python error is deep in its text
+            if "Py4JJavaError" not in type(e).__name__ and "PythonException" not in \
+                    type(e).__name__:
+                raise
+            cause = root_cause(str(e))
+            hint = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)" \
+                if "Long" in cause and "Float" in cause else ""
+            raise WorkerError(f"Spark evaluation failed: {cause}{hint}") from e
         finally:
             shipment.model.unpersist()
             shipment.state.unpersist()

@@ -21,7 +21,7 @@ from paraloom.training.runner import WorkerSpec
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext, StorageLevel
 
-__all__ = ["TrainingMaster", "FitJob", "FitResult", "SparkTrainingError", "run_job",
+__all__ = ["TrainingMaster", "FitJob", "FitResult", "SparkTrainingError", "run_job", "root_cause",
            "storage_level_of", "REPARTITION", "positive_int", "positive_seconds"]
 
 T = TypeVar("T")
@@ -169,7 +169,7 @@ def _attempts(sc: SparkContext, group: str) -> int:
     return most + 1
 
 
-def _root_cause(text: str) -> str:
+def root_cause(text: str) -> str:
     """The useful lines of a Spark job failure: the abort reason, its cause, the Python error."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     at = next((i for i, ln in enumerate(lines) if "Job aborted due to stage failure" in ln), None)
@@ -215,7 +215,7 @@ def run_job(sc: SparkContext, action: Callable[[], T], description: str,
                                      f"{timeout_s:g} s and was cancelled", attempts=attempts) from e
         hint = missing_paraloom_hint(str(e), getattr(sc, "pythonExec", "python3"))
         raise SparkTrainingError(f"{description} failed after {attempts} stage attempt(s): "
-                                 f"{_root_cause(str(e))}" + (f"\n{hint}" if hint else ""),
+                                 f"{root_cause(str(e))}" + (f"\n{hint}" if hint else ""),
                                  attempts=attempts) from e
     finally:
         if timer is not None:

@@ -268,7 +268,7 @@ class ProcessPool:
             f"{where}{others}. It was killed with the other workers; raise step_timeout= if "
             "one step really takes that long", worker=rank)
 
-    def _check_heartbeats(self) -> None:
+    def _check_heartbeats(self, starting: bool = False) -> None:
         """Raise if a started worker's heartbeat stopped for ``heartbeat_timeout_s``."""
         if self.heartbeat_timeout_s is None:
             return
@@ -279,6 +279,12 @@ class ProcessPool:
                 state = process_state(p.pid)
                 if state == "running":
                     continue  # busy in native code that holds the GIL: alive; step_timeout= rules
+                # A worker that reported an error stops beating as it winds down: its report,
+                # perhaps not read yet, is the cause.
+                report = next((r for r in self._pending if isinstance(r, Failed)), None) \
+                    or self._next_failure(0.5)
+                if report is not None:
+                    raise self._error(report, starting)
                 self.kill()
                 raise WorkerError(
                     f"worker {rank} (pid {p.pid}) sent no heartbeat for {now - last:.1f} s "
@@ -289,7 +295,7 @@ class ProcessPool:
     def _check_alive(self, starting: bool = False) -> None:
         self._checked = time.monotonic()
         self._check_exits(starting)
-        self._check_heartbeats()
+        self._check_heartbeats(starting)
 
     def _check_exits(self, starting: bool) -> None:
         exited = [rank for rank, p in enumerate(self._procs) if p.exitcode is not None]

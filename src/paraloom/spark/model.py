@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
@@ -34,6 +35,7 @@ from paraloom.spark.evaluation import (
     predict_rdd,
     ship,
 )
+from paraloom.spark.evaluation.inference import Shipment
 from paraloom.spark.evaluation.metrics import MetricSet
 from paraloom.spark.runtime.interpreter import use_driver_python
 from paraloom.spark.stats import TrainingStats
@@ -252,14 +254,10 @@ class SparkModel:
                                   prebatched=prebatched)
         names = [metrics] if isinstance(metrics, str) else list(metrics)
         MetricSet.factory(names)  # a wrong name fails here, before any Spark job
-        shipment = ship(self.sc, self.model, self.features)
-        try:
+        with self._shipped() as shipment:
             return evaluate_metrics(data_chunks(data, columns, batch_size, prebatched), shipment,
                                     names,
                                     loss_fn=self._loss, batch_size=batch_size, output=output)
-        finally:
-            shipment.model.unpersist()
-            shipment.state.unpersist()
 
     def evaluate_regression(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
                             label: Label = "label", inputs: Inputs | None = None,
@@ -282,17 +280,24 @@ class SparkModel:
                   batch_size: int, regression: bool,
                   prebatched: bool = False) -> Evaluation | RegressionEvaluation:
         chunks = data_chunks(data, columns, batch_size, prebatched)
-        shipment = ship(self.sc, self.model, self.features)
-        try:
+        with self._shipped() as shipment:
             if regression:
                 return evaluate_rdd(chunks, shipment, loss_fn=self._loss,
                                     batch_size=batch_size, regression=True, output=output)
             return evaluate_rdd(chunks, shipment, loss_fn=self._loss, batch_size=batch_size,
                                 output=output)
-        except Exception as e:  # Spark's job failure: the Python error is deep in its text
-            if "Py4JJavaError" not in type(e).__name__ and "PythonException" not in \
-                    type(e).__name__:
-                raise
+
+    @contextlib.contextmanager
+    def _shipped(self) -> Iterator[Shipment]:
+        """The model broadcast for one evaluation job and released after it; a job that fails
+        in Python raises a WorkerError with the Python error (Spark buries it in its text)."""
+        from py4j.protocol import Py4JJavaError  # type: ignore[import-untyped]
+        from pyspark.errors import PythonException
+
+        shipment = ship(self.sc, self.model, self.features)
+        try:
+            yield shipment
+        except (Py4JJavaError, PythonException) as e:
             cause = root_cause(str(e))
             hint = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)" \
                 if "Long" in cause and "Float" in cause else ""

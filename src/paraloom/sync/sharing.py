@@ -58,6 +58,8 @@ from paraloom.sync.thresholds import (
 __all__ = ["Exchanged", "SharedGradients", "differs", "exchange_messages"]
 
 _ENCODINGS = ("auto", "threshold", "bitmap", "gap16")
+_FORCED = {"bitmap": Format.BITMAP, "threshold": Format.THRESHOLD, "gap16": Format.GAP16}
+"""The format each ``encoding=`` but "auto" forces."""
 _RECIPES = ("dgc", "dl4j")
 _DGC_DENSITY = 1 / 160
 """The dgc recipe's fraction of elements per message. Its gap16 messages take half a word per
@@ -463,8 +465,9 @@ class SharedGradients(Synchronizer):
 
     def _sparse_format(self) -> Format:
         """The format of sparse messages: the forced one, else the recipe's."""
-        forced = {"threshold": Format.THRESHOLD, "gap16": Format.GAP16}.get(self.encoding)
-        return forced or (Format.GAP16 if self.recipe == "dgc" else Format.THRESHOLD)
+        if self.encoding in ("threshold", "gap16"):
+            return _FORCED[self.encoding]
+        return Format.GAP16 if self.recipe == "dgc" else Format.THRESHOLD
 
     def _capacity(self, numel: int) -> int | None:
         """Payload words that no message exceeds, when the threshold algorithm fixes the
@@ -480,8 +483,7 @@ class SharedGradients(Synchronizer):
     def _encode(self, residual: Tensor, found: Scan) -> tuple[Encoded, Scan]:
         """The message, and the scan it carries (the largest ``message_count`` of ``found``
         when the threshold algorithm fixes the count)."""
-        forced = {"bitmap": Format.BITMAP, "threshold": Format.THRESHOLD,
-                  "gap16": Format.GAP16}.get(self.encoding)
+        forced = _FORCED.get(self.encoding)
         sparse = self._sparse_format()
         count = None if forced == Format.BITMAP else \
             self.threshold_algorithm.message_count(residual.numel())  # a bitmap moves all >= tau

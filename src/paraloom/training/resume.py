@@ -160,10 +160,12 @@ class CheckpointCollector:
         the start of the next epoch, with that data RNG, instead of past ``dealt`` batches of
         this one (a stream cannot tell that nothing is left of it without a round)."""
         wanting = [x for x in self.listeners if x.wants_checkpoint(iteration, epoch, epoch_end)]
+        resume_at = (epoch, dealt, epoch_rng) if next_epoch_rng is None \
+            else (epoch + 1, 0, next_epoch_rng)
         known = self.pending.get(iteration)
         if known is not None and next_epoch_rng is not None and not known.done:
-            known.checkpoint.epoch, known.checkpoint.batch = epoch + 1, 0
-            known.checkpoint.data_rng = next_epoch_rng
+            ckpt = known.checkpoint
+            ckpt.epoch, ckpt.batch, ckpt.data_rng = resume_at
         if known is not None:  # asked for twice (e.g. every N iterations and at epoch end)
             late = [x for x in wanting if x not in known.listeners]
             known.listeners += late
@@ -173,11 +175,10 @@ class CheckpointCollector:
             return
         if not wanting:
             return
-        position = (epoch, dealt, epoch_rng) if next_epoch_rng is None \
-            else (epoch + 1, 0, next_epoch_rng)
+        at_epoch, at_batch, data_rng = resume_at
         self.pending[iteration] = _Pending(wanting, TrainingCheckpoint(
-            fingerprint=self.fingerprint(), epoch=position[0], batch=position[1],
-            iteration=iteration + 1, data_rng=position[2], replicas=[None] * self.workers))
+            fingerprint=self.fingerprint(), epoch=at_epoch, batch=at_batch,
+            iteration=iteration + 1, data_rng=data_rng, replicas=[None] * self.workers))
         for rank in range(self.workers):
             pool.send(rank, CheckpointRequest(iteration))
 

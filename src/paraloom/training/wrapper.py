@@ -395,8 +395,7 @@ class ParallelWrapper:
             # Wait for replies rather than for room in a full queue: listeners (and the
             # progress bar) then run as each round finishes, not a round late.
             while tracker.in_flight >= self._queue_depth():
-                self._handle(pool.recv(timeout_s=None), tracker)
-                self._halt_if_stopped(pool)
+                self._handle(pool, pool.recv(timeout_s=None), tracker)
             round_id = dealing.round_id
             tracker.add(round_id, epoch, dealt, len(payloads))
             for rank in range(self.workers):
@@ -451,8 +450,7 @@ class ParallelWrapper:
         got: dict[int, StepDone] = {}
         while len(got) < self.workers:
             reply = pool.recv(timeout_s=None)
-            self._handle(reply, tracker)
-            self._halt_if_stopped(pool)
+            self._handle(pool, reply, tracker)
             if isinstance(reply, StepDone) and reply.round_id == round_id:
                 got[reply.rank] = reply
         return got
@@ -534,8 +532,7 @@ class ParallelWrapper:
                 return None
             if isinstance(reply, Finished):
                 return reply
-            self._handle(reply, tracker)
-            self._halt_if_stopped(pool)  # a listener may have called stop()
+            self._handle(pool, reply, tracker)
 
     def _halt_if_stopped(self, pool: Pool) -> None:
         """After ``stop()``: every worker skips the queued rounds after the one in flight, also
@@ -544,14 +541,16 @@ class ParallelWrapper:
             self._halted = True
             self._checkpoints.cut(self._round_base + pool.halt())
 
-    def _handle(self, reply: Answer | None, tracker: RoundTracker) -> None:
-        """Account for a worker's reply to a round or a checkpoint request."""
+    def _handle(self, pool: Pool, reply: Answer | None, tracker: RoundTracker) -> None:
+        """Account for a worker's reply to a round or a checkpoint request; then pass on a
+        ``stop()`` that a listener it ran may have called."""
         match reply:
             case StepDone():
                 tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced,
                               reply.skipped)
             case CheckpointReply():
                 self._checkpoints.receive(reply)
+        self._halt_if_stopped(pool)
 
     def _finish(self, pool: Pool, tracker: RoundTracker) -> ReplicaResult:
         for rank in range(self.workers):

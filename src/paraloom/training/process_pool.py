@@ -281,8 +281,7 @@ class ProcessPool:
                     continue  # busy in native code that holds the GIL: alive; step_timeout= rules
                 # A worker that reported an error stops beating as it winds down: its report,
                 # perhaps not read yet, is the cause.
-                report = next((r for r in self._pending if isinstance(r, Failed)), None) \
-                    or self._next_failure(0.5)
+                report = self._reported_failure(0.5)
                 if report is not None:
                     raise self._error(report, starting)
                 self.kill()
@@ -307,11 +306,17 @@ class ProcessPool:
         if not killed:
             # Workers that exited after reporting their errors: prefer those reports (a peer
             # may exit first, after reporting a symptom of the failure).
-            report = self._next_failure(0.5)
+            report = self._reported_failure(0.5)
             if report is not None:
                 raise self._error(report, starting)
         self.kill()
         raise self._death((killed or exited)[0], starting)
+
+    def _reported_failure(self, within_s: float) -> Failed | None:
+        """A failure report already taken from the inbox (``_absorb_replies``), else the first
+        among the replies of the next ``within_s`` seconds."""
+        taken = next((r for r in self._pending if isinstance(r, Failed)), None)
+        return taken if taken is not None else self._next_failure(within_s)
 
     def _next_failure(self, within_s: float) -> Failed | None:
         """The first failure report among the replies of the next ``within_s`` seconds (the

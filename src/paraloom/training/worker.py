@@ -157,6 +157,10 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
     except BaseException as e:  # reported to the parent, which raises WorkerError
         results.put(Failed(cfg.rank, round_id, f"{type(e).__name__}: {e}",
                            traceback.format_exc(), type(e).__name__))
+        # Out before the process group is torn down: that can wait on the peers holding the
+        # GIL, which would stall the queue's feeder thread (and the heartbeat) meanwhile.
+        results.close()
+        results.join_thread()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

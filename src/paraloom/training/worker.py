@@ -159,8 +159,9 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
                            traceback.format_exc(), type(e).__name__))
         # Out before the process group is torn down: that can wait on the peers holding the
         # GIL, which would stall the queue's feeder thread (and the heartbeat) meanwhile.
-        results.close()
-        results.join_thread()
+        if hasattr(results, "join_thread"):  # a multiprocessing queue (tests pass others)
+            results.close()
+            results.join_thread()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -112,6 +112,16 @@ def _runner(cfg: WorkerConfig, spec: WorkerSpec, group: dist.ProcessGroup | None
     return runner
 
 
+def _report(results: Queue[Reply], failure: Failed) -> None:
+    """Send the failure, and see it out before the process group is torn down: that can wait
+    on the peers holding the GIL, which would stall the queue's feeder thread (and the
+    heartbeat) meanwhile."""
+    results.put(failure)
+    if hasattr(results, "join_thread"):  # a multiprocessing queue (tests pass others)
+        results.close()
+        results.join_thread()
+
+
 def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | Pickled],
                 results: Queue[Reply], beats: MutableSequence[float],
                 gate_array: object = None) -> None:
@@ -155,13 +165,8 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
             if reply is not None:
                 results.put(reply)
     except BaseException as e:  # reported to the parent, which raises WorkerError
-        results.put(Failed(cfg.rank, round_id, f"{type(e).__name__}: {e}",
-                           traceback.format_exc(), type(e).__name__))
-        # Out before the process group is torn down: that can wait on the peers holding the
-        # GIL, which would stall the queue's feeder thread (and the heartbeat) meanwhile.
-        if hasattr(results, "join_thread"):  # a multiprocessing queue (tests pass others)
-            results.close()
-            results.join_thread()
+        _report(results, Failed(cfg.rank, round_id, f"{type(e).__name__}: {e}",
+                                traceback.format_exc(), type(e).__name__))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+from paraloom.sync.collectives import broadcast_tensors_
 from paraloom.sync.comm_hooks import PowerSGD, cast_hook, resolve_comm_hook
 
 __all__ = ["AllReduce"]
@@ -181,11 +182,8 @@ class AllReduce(Synchronizer):
         if not is_distributed(ctx) or self._joinable is None:
             return
         buffers = list(self._joinable.module.buffers())
-        src = 0 if ctx.group is None else dist.get_global_rank(ctx.group, 0)
-        for b in buffers:
-            dist.broadcast(b, src=src, group=ctx.group)
-            if ctx.rank == 0:
-                self.bytes_sent += self.collective_bytes(b, ctx.world_size, "broadcast")
+        if buffers:
+            self.bytes_sent += broadcast_tensors_(buffers, ctx.group, ctx.world_size)
 
     def stats(self) -> dict[str, float]:
         out = super().stats()

@@ -10,69 +10,11 @@ import torch.distributed as dist
 from torch import nn
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+from paraloom.sync.collectives import average_tensors_
 
 __all__ = ["Averaging", "average_tensors_", "optimizer_state_tensors"]
 
 log = logging.getLogger(__name__)
-
-
-BUCKET_BYTES = 25 * 2**20
-"""Bytes per all-reduce when averaging: DDP's default bucket size."""
-
-
-def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of ``tensors`` of at most ``limit`` bytes each (one tensor may exceed)."""
-    out: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if out[-1] and size + nbytes > limit:
-            out.append([])
-            size = 0
-        out[-1].append(t)
-        size += nbytes
-    return out
-
-
-def average_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
-                     world_size: int, device: torch.device | None = None,
-                     bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Average ``tensors`` in place across the group; returns the bytes this rank sent.
-
-    Floating tensors are packed per dtype into buckets of ``bucket_bytes``, each summed with
-    its own non-blocking all-reduce as soon as it is packed (packing the next bucket overlaps
-    the transfer of the previous one) and divided (gloo has no AVG), so every rank ends with
-    the same bits. Other tensors (integer counters such as BatchNorm's num_batches_tracked)
-    are taken from rank 0. The collectives run on ``device`` (the process group's device: NCCL
-    needs CUDA tensors).
-    """
-    sent = 0
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    pending = []
-    for dtype, same_dtype in by_dtype.items():
-        floating = dtype.is_floating_point or dtype.is_complex
-        for bucket in _buckets(same_dtype, bucket_bytes):
-            flat = torch.cat([t.detach().reshape(-1).to(device or t.device) for t in bucket])
-            if floating:
-                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-                sent += Synchronizer.collective_bytes(flat, world_size, "allreduce")
-            else:
-                work = dist.broadcast(flat, src=0, group=group, async_op=True)
-                sent += Synchronizer.collective_bytes(flat, world_size, "broadcast")
-            pending.append((work, flat, bucket, floating))
-    with torch.no_grad():
-        for work, flat, bucket, floating in pending:
-            work.wait()
-            if floating:
-                flat.div_(world_size)
-            offset = 0
-            for t in bucket:
-                n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
-                offset += n
-    return sent
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:

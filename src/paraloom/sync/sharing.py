@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+from paraloom.sync.collectives import broadcast_tensors_
 from paraloom.sync.encoding import (
     Encoded,
     Format,
@@ -285,14 +286,8 @@ def _any_rank(flag: bool, ctx: StepContext) -> bool:
 
 
 def _broadcast_from_first(tensors: list[Tensor], ctx: StepContext) -> int:
-    """Broadcast tensors from the group's rank 0; returns the bytes this rank sent."""
-    src = 0 if ctx.group is None else dist.get_global_rank(ctx.group, 0)
-    sent = 0
-    for t in tensors:
-        dist.broadcast(t, src=src, group=ctx.group)
-        if ctx.rank == 0:
-            sent += Synchronizer.collective_bytes(t, ctx.world_size, "broadcast")
-    return sent
+    """Broadcast tensors from the group's rank 0, packed; returns the bytes this rank sent."""
+    return broadcast_tensors_(tensors, ctx.group, ctx.world_size)
 
 
 class SharedGradients(Synchronizer):

@@ -1,4 +1,5 @@
-"""average_tensors_: bucketed, non-blocking averaging gives the same bits as one all-reduce."""
+"""Packed collectives: averaging gives the same bits as one all-reduce; a broadcast gives
+rank 0's tensors to every rank, whatever their dtypes and bucket sizes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from paraloom.sync.averaging import _buckets, average_tensors_
+from paraloom.sync.collectives import average_tensors_, broadcast_tensors_, buckets
 
 
 def _tensors(rank: int) -> list[torch.Tensor]:
@@ -41,6 +42,31 @@ def test_bucketed_averaging_is_the_exact_mean_on_every_rank(pool, bucket_bytes: 
 
 def test_buckets_keep_order_and_the_byte_limit() -> None:
     tensors = [torch.zeros(n) for n in (4, 4, 10, 1, 1)]  # 16, 16, 40, 4, 4 bytes
-    runs = _buckets(tensors, 32)
+    runs = buckets(tensors, 32)
     assert [[t.numel() for t in run] for run in runs] == [[4, 4], [10], [1, 1]]
     assert [t for run in runs for t in run] == tensors
+
+
+def _broadcast(rank: int, world_size: int, bucket_bytes: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    tensors = _tensors(rank)
+    views = [tensors[1][10:20]]  # a view: written through to its base
+    sent = broadcast_tensors_(tensors + views, dist.group.WORLD, world_size,
+                              bucket_bytes=bucket_bytes)
+    return {"values": [t.tolist() for t in tensors], "sent": sent,
+            "versions": [t._version for t in tensors]}
+
+
+@pytest.mark.parametrize("bucket_bytes", [8, 2**20])
+def test_broadcast_gives_every_rank_the_first_ranks_tensors(pool, bucket_bytes: int) -> None:
+    first, second = pool.run(_broadcast, bucket_bytes=bucket_bytes)
+    expected = _tensors(0)
+    for got in (first["values"], second["values"]):
+        for values, x in zip(got, expected, strict=True):
+            assert torch.equal(torch.tensor(values, dtype=x.dtype), x)
+    # Rank 0 sends each tensor once (the view too); the others send nothing.
+    assert first["sent"] == sum(t.numel() * t.element_size() for t in expected) + 40
+    assert second["sent"] == 0
+    # The receivers' tensors were written in place: their version counters moved.
+    assert all(v > 0 for v in second["versions"]) and not any(first["versions"])

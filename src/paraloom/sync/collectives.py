@@ -1,0 +1,107 @@
+"""Collectives over many tensors at once: packed per dtype into buckets, one call per bucket.
+
+A gloo collective costs about 0.3 ms however small its tensor, so a model's 60 BatchNorm
+buffers broadcast one by one took 18 ms a step; packed, they take one or two calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from paraloom.sync.base import Synchronizer
+
+__all__ = ["BUCKET_BYTES", "average_tensors_", "broadcast_tensors_", "buckets"]
+
+BUCKET_BYTES = 25 * 2**20
+"""Bytes per collective: DDP's default bucket size."""
+
+
+def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``tensors`` of at most ``limit`` bytes each (one tensor may exceed)."""
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
+def _packed(tensors: list[torch.Tensor], device: torch.device | None,
+            bucket_bytes: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Per dtype, per bucket: the tensors laid end to end in one flat tensor (on ``device``)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    return [(torch.cat([t.detach().reshape(-1).to(device or t.device) for t in bucket]), bucket)
+            for same_dtype in by_dtype.values() for bucket in buckets(same_dtype, bucket_bytes)]
+
+
+def _unpack_(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    """Copy ``flat`` back into the tensors it was packed from."""
+    offset = 0
+    with torch.no_grad():
+        for t in bucket:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
+def average_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
+                     world_size: int, device: torch.device | None = None,
+                     bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Average ``tensors`` in place across the group; returns the bytes this rank sent.
+
+    Floating tensors are packed per dtype into buckets of ``bucket_bytes``, each summed with
+    its own non-blocking all-reduce as soon as it is packed (packing the next bucket overlaps
+    the transfer of the previous one) and divided (gloo has no AVG), so every rank ends with
+    the same bits. Other tensors (integer counters such as BatchNorm's num_batches_tracked)
+    are taken from rank 0. The collectives run on ``device`` (the process group's device: NCCL
+    needs CUDA tensors).
+    """
+    sent = 0
+    pending = []
+    for flat, bucket in _packed(tensors, device, bucket_bytes):
+        floating = flat.dtype.is_floating_point or flat.dtype.is_complex
+        if floating:
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            sent += Synchronizer.collective_bytes(flat, world_size, "allreduce")
+        else:
+            work = dist.broadcast(flat, src=_first(group), group=group, async_op=True)
+            sent += Synchronizer.collective_bytes(flat, world_size, "broadcast")
+        pending.append((work, flat, bucket, floating))
+    for work, flat, bucket, floating in pending:
+        work.wait()
+        if floating:
+            flat.div_(world_size)
+        _unpack_(flat, bucket)
+    return sent
+
+
+def broadcast_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
+                       world_size: int, device: torch.device | None = None,
+                       bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Copy the group's rank 0's ``tensors`` into every rank's, in place; returns the bytes this
+    rank sent (all of them on rank 0, none elsewhere)."""
+    first = _first(group)
+    mine = dist.get_rank() == first
+    sent = 0
+    pending = []
+    for flat, bucket in _packed(tensors, device, bucket_bytes):
+        pending.append((dist.broadcast(flat, src=first, group=group, async_op=True), flat, bucket))
+        if mine:
+            sent += Synchronizer.collective_bytes(flat, world_size, "broadcast")
+    for work, flat, bucket in pending:
+        work.wait()
+        if not mine:  # rank 0's tensors already hold what it sent
+            _unpack_(flat, bucket)
+    return sent
+
+
+def _first(group: dist.ProcessGroup | None) -> int:
+    """The global rank of the group's rank 0."""
+    return 0 if group is None else dist.get_global_rank(group, 0)

@@ -554,6 +554,40 @@ def test_inplace_answers_503_past_workers_plus_queue_limit() -> None:
         closing(app)
 
 
+def test_inplace_unload_lets_the_requests_waiting_for_a_replica_finish() -> None:
+    gate = Gate()
+    app = create_app(GatedLeNet(gate), name="lenet", inference_mode="inplace", workers=1,
+                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
+    served = app.state.served
+    client = Client(app)
+    x = torch.rand(1, 1, 8, 8)
+
+    async def unload_under_load() -> tuple[list[httpx.Response], httpx.Response]:
+        gate.close()
+        tasks = [asyncio.create_task(client.http.post(URL, json=infer_json(x)))
+                 for _ in range(3)]  # one runs on the only replica, two wait for it
+        assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
+        while served._inplace_now < 3:
+            await asyncio.sleep(0.01)
+        unload = asyncio.create_task(client.http.post("/v2/repository/models/lenet/unload"))
+        await asyncio.sleep(0.2)
+        assert not unload.done()  # draining: the unload waits for the requests in flight
+        gate.open()
+        return list(await asyncio.gather(*tasks)), await unload
+
+    try:
+        answered, unloaded = client.run(unload_under_load())
+        assert unloaded.status_code == 200, unloaded.text
+        for r in answered:
+            assert r.status_code == 200, r.text
+            torch.testing.assert_close(outputs_of(r), expected(GatedLeNet(Gate()).net, x))
+        assert served.pool.closed
+    finally:
+        gate.open()
+        client.close()
+        closing(app)
+
+
 @pytest.mark.filterwarnings("ignore:close\\(\\).*still running a batch")
 def test_shutdown_drains_the_pool_only_for_the_graceful_timeout() -> None:
     from paraloom.inference import InferenceClosedError

@@ -66,6 +66,14 @@ def test_json_inference_equals_the_models_own_output(client: Client, lenet: nn.M
     torch.testing.assert_close(outputs_of(r), expected(lenet, x))
 
 
+def test_an_empty_outputs_array_returns_every_output(client: Client, lenet: nn.Module) -> None:
+    x = torch.rand(2, 1, 8, 8)
+    r = client.post(URL, json=infer_json(x, outputs=[]))
+    assert r.status_code == 200, r.text
+    assert [o["name"] for o in r.json()["outputs"]] == ["output"]
+    torch.testing.assert_close(outputs_of(r), expected(lenet, x))
+
+
 def tritonclient_body(x: np.ndarray, outputs: list[th.InferRequestedOutput] | None = None
                       ) -> tuple[bytes, dict[str, str]]:
     item = th.InferInput("input", list(x.shape), "FP32")

@@ -298,6 +298,14 @@ def test_unload_then_load_serves_the_model_again_in_a_new_pool(app: Starlette,
     torch.testing.assert_close(outputs_of(client.post(URL, json=infer_json(x))), before)
 
 
+def test_the_model_version_metric_is_the_version_served(client: Client) -> None:
+    assert 'paraloom_model_version{model="lenet"} 1.0' in client.get("/metrics").text
+    assert client.post("/v2/repository/models/lenet/unload").status_code == 200
+    assert client.post("/v2/repository/models/lenet/load").json()["version"] == "2"
+    text = client.get("/metrics").text  # the new pool counts from 1; the server serves 2
+    assert 'paraloom_model_version{model="lenet"} 2.0' in text, text
+
+
 def test_unload_of_an_unknown_model_is_404(client: Client) -> None:
     assert_error(client.post("/v2/repository/models/nope/unload"), 404, "unknown model 'nope'")
 

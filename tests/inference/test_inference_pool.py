@@ -251,6 +251,22 @@ def test_a_request_that_outlives_its_timeout_in_the_queue_is_dropped(gate):
     assert stats["requests"] == 2 and stats["completed"] == 1 and stats["failed"] == 1
 
 
+def test_a_submitted_request_fails_at_its_deadline_while_the_workers_are_busy(gate):
+    with ParallelInference(GatedScale(gate), workers=1, batch_limit=1) as pi, gate:
+        held = pi.submit(torch.ones(1, 1))
+        assert gate.entered.wait(WAIT)
+        late = pi.submit(torch.ones(1, 1), timeout=0.1)
+        kept = pi.submit(torch.ones(1, 1) * 3)   # no timeout: waits for the worker
+        # The worker is still held: the Future fails on time, and leaves the queue.
+        assert isinstance(late.exception(WAIT), RequestTimeoutError)
+        assert not gate.opened.is_set() and pi.stats()["queued"] == 1
+        gate.open()
+        assert held.result(WAIT).item() == 2.0 and kept.result(WAIT).item() == 6.0
+        stats = pi.stats()
+    assert stats["rejections"]["timeout"] == 1
+    assert stats["requests"] == 3 and stats["completed"] == 2 and stats["failed"] == 1
+
+
 def test_a_cancelled_future_is_skipped(gate):
     with ParallelInference(GatedScale(gate), workers=1) as pi, gate:
         held = pi.submit(torch.ones(1, 1))

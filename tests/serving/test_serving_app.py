@@ -66,6 +66,14 @@ def test_json_inference_equals_the_models_own_output(client: Client, lenet: nn.M
     torch.testing.assert_close(outputs_of(r), expected(lenet, x))
 
 
+def test_an_empty_outputs_array_returns_every_output(client: Client, lenet: nn.Module) -> None:
+    x = torch.rand(2, 1, 8, 8)
+    r = client.post(URL, json=infer_json(x, outputs=[]))
+    assert r.status_code == 200, r.text
+    assert [o["name"] for o in r.json()["outputs"]] == ["output"]
+    torch.testing.assert_close(outputs_of(r), expected(lenet, x))
+
+
 def tritonclient_body(x: np.ndarray, outputs: list[th.InferRequestedOutput] | None = None
                       ) -> tuple[bytes, dict[str, str]]:
     item = th.InferInput("input", list(x.shape), "FP32")
@@ -288,6 +296,14 @@ def test_unload_then_load_serves_the_model_again_in_a_new_pool(app: Starlette,
     served = app.state.registry.get("lenet")
     assert served.pool is not old_pool and not served.pool.closed
     torch.testing.assert_close(outputs_of(client.post(URL, json=infer_json(x))), before)
+
+
+def test_the_model_version_metric_is_the_version_served(client: Client) -> None:
+    assert 'paraloom_model_version{model="lenet"} 1.0' in client.get("/metrics").text
+    assert client.post("/v2/repository/models/lenet/unload").status_code == 200
+    assert client.post("/v2/repository/models/lenet/load").json()["version"] == "2"
+    text = client.get("/metrics").text  # the new pool counts from 1; the server serves 2
+    assert 'paraloom_model_version{model="lenet"} 2.0' in text, text
 
 
 def test_unload_of_an_unknown_model_is_404(client: Client) -> None:
@@ -548,6 +564,40 @@ def test_inplace_answers_503_past_workers_plus_queue_limit() -> None:
         assert [r.status_code for r in served] == [200, 200]
         assert 'reason="queue_full"} 6.0' in client.get("/metrics").text
         assert client.post(URL, json=infer_json(x)).status_code == 200  # the count went down
+    finally:
+        gate.open()
+        client.close()
+        closing(app)
+
+
+def test_inplace_unload_lets_the_requests_waiting_for_a_replica_finish() -> None:
+    gate = Gate()
+    app = create_app(GatedLeNet(gate), name="lenet", inference_mode="inplace", workers=1,
+                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
+    served = app.state.served
+    client = Client(app)
+    x = torch.rand(1, 1, 8, 8)
+
+    async def unload_under_load() -> tuple[list[httpx.Response], httpx.Response]:
+        gate.close()
+        tasks = [asyncio.create_task(client.http.post(URL, json=infer_json(x)))
+                 for _ in range(3)]  # one runs on the only replica, two wait for it
+        assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
+        while served._inplace_now < 3:
+            await asyncio.sleep(0.01)
+        unload = asyncio.create_task(client.http.post("/v2/repository/models/lenet/unload"))
+        await asyncio.sleep(0.2)
+        assert not unload.done()  # draining: the unload waits for the requests in flight
+        gate.open()
+        return list(await asyncio.gather(*tasks)), await unload
+
+    try:
+        answered, unloaded = client.run(unload_under_load())
+        assert unloaded.status_code == 200, unloaded.text
+        for r in answered:
+            assert r.status_code == 200, r.text
+            torch.testing.assert_close(outputs_of(r), expected(GatedLeNet(Gate()).net, x))
+        assert served.pool.closed
     finally:
         gate.open()
         client.close()

@@ -110,6 +110,42 @@ def test_input_shape_must_be_integers(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "integers separated by commas" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option", ["--input-datatype=INT64", "--input-name=ids"])
+def test_an_input_option_without_input_shape_is_refused_instead_of_ignored(
+        tmp_path: Path, option: str) -> None:
+    saved(tmp_path / "m.safetensors", 0)
+    with pytest.raises(ValueError, match=f"{option.split('=')[0]} needs --input-shape"):
+        cli._build_app(parse(str(tmp_path / "m.safetensors"), option))  # run() exits 2 on it
+    with pytest.raises(ValueError, match="with a models directory"):
+        cli._build_app(parse("--models-dir", str(tmp_path), option))
+
+
+class Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).mean(1))
+
+
+def test_input_datatype_with_input_shape_is_served_and_a_failed_probe_says_what_to_pass(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("--factory", f"{__name__}:Embedder", "--input-shape=-1,5",
+                 "--input-datatype", "INT64", "--input-name", "ids")
+    app, _ = cli._build_app(args)
+    try:
+        meta = app.state.registry.get("model").metadata()
+        assert meta["inputs"] == [{"name": "ids", "datatype": "INT64", "shape": [-1, 5]}]
+        assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 2]}]
+    finally:
+        app.state.served.pool.close()
+    assert cli.run(parse("--factory", f"{__name__}:Embedder")) == 2  # read as FP32 [1, 4]
+    err = capsys.readouterr().err
+    assert "failed on the probe input (FP32 [1, 4])" in err and "--input-datatype" in err
+
+
 class Process:
     """``python -m paraloom.serving.cli`` with its log lines readable with a timeout."""
 

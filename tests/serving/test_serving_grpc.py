@@ -90,6 +90,15 @@ def test_health_and_metadata_match_http(server: ServerThread,
     assert want["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
 
 
+def test_model_ready_of_an_unknown_model_or_version_is_false_not_an_error(
+        grpc_client: tg.InferenceServerClient,
+        stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+    assert grpc_client.is_model_ready("lenet", "1")
+    assert not grpc_client.is_model_ready("nope")  # tritonclient raised NOT_FOUND here
+    assert not grpc_client.is_model_ready("lenet", "9")
+    assert stub.ModelReady(pb.ModelReadyRequest(name="nope"), timeout=WAIT_S).ready is False
+
+
 def test_infer_with_raw_contents_matches_the_model_and_http(
         server: ServerThread, grpc_client: tg.InferenceServerClient,
         lenet_model: nn.Module) -> None:

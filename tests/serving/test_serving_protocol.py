@@ -67,6 +67,26 @@ def test_every_datatype_decodes_bit_exactly_from_tritonclient(datatype: str, bin
     np.testing.assert_array_equal(as_numpy(got.tensor, datatype), x)
 
 
+@pytest.mark.parametrize("datatype", [d for d in DATATYPES if "INT" in d])
+@pytest.mark.parametrize("binary", [True, False])
+def test_integers_at_both_ends_of_their_range_decode_exactly(datatype: str, binary: bool) -> None:
+    info = np.iinfo(NUMPY[datatype])
+    x = np.array([[info.max, 0, 1], [info.min, info.max - 1, 2]], dtype=NUMPY[datatype])
+    item = th.InferInput("x", list(x.shape), datatype)
+    item.set_data_from_numpy(x, binary_data=binary)
+    (got,) = parse_infer_request(*client_body([item])).inputs
+    assert got.tensor.dtype == DATATYPES[datatype].torch_dtype
+    np.testing.assert_array_equal(got.tensor.numpy(), x)
+
+
+@pytest.mark.parametrize(("datatype", "data"), [("INT64", [2**63, -1]),
+                                                ("UINT64", [-1, 2**64 - 1])])
+def test_json_integers_past_the_datatypes_range_are_refused(datatype: str, data: list) -> None:
+    body = {"inputs": [{"name": "x", "shape": [2], "datatype": datatype, "data": data}]}
+    with pytest.raises(ProtocolError, match=f"outside {datatype}'s range"):
+        parse_infer_request(json.dumps(body).encode())
+
+
 @pytest.mark.parametrize("datatype", list(DATATYPES))
 @pytest.mark.parametrize("binary", [True, False])
 def test_every_datatype_encodes_for_tritonclient(datatype: str, binary: bool) -> None:

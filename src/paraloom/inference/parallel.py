@@ -28,6 +28,7 @@ from torch import nn
 from paraloom.devices import DeviceSpec, replica_devices
 from paraloom.inference.batching import FutureLike, Request, RequestQueue
 from paraloom.inference.config import InferenceConfig, InferenceMode, check_seconds
+from paraloom.inference.deadlines import Deadlines
 from paraloom.inference.errors import (
     InferenceClosedError,
     ModelUpdateError,
@@ -110,6 +111,7 @@ class ParallelInference:
         self._slots: SlotPool | None = None
         self._queue: RequestQueue | None = None
         self._workers: WorkerThreads | None = None
+        self._deadlines: Deadlines | None = None
         if self._config.mode is InferenceMode.INPLACE:
             self._slots = SlotPool(len(self._devices), self._config.queue_limit)
         else:
@@ -120,6 +122,7 @@ class ParallelInference:
             self._workers = WorkerThreads(self._queue, self._devices, lambda: self._generation,
                                           self._stats, self._config.threads_per_worker)
             self._workers.start()
+            self._deadlines = Deadlines(self._expire, "paraloom-inference-deadlines")
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -193,7 +196,23 @@ class ParallelInference:
         future: Future[Any] = Future()
         request = self._make_request(x, self._timeout_for(timeout), return_version, future)
         self._enqueue(request, block)
+        if request.deadline is not None and self._deadlines is not None:
+            self._deadlines.watch(request)  # no caller waits in the pool: fail it on time
         return future
+
+    def _expire(self, request: Request) -> None:
+        """Fail a submitted request still queued at its deadline (a worker's is left to run)."""
+        assert self._queue is not None
+        if not self._queue.discard(request):
+            return
+        if request.future.set_running_or_notify_cancel():
+            waited = time.monotonic() - request.arrival
+            request.future.set_exception(RequestTimeoutError(
+                f"the request waited {waited:.3f} s in the queue, past its timeout; pass a "
+                "longer timeout, add workers, or send fewer requests at once"))
+            self._stats.dropped("timeout")
+        else:
+            self._stats.dropped("cancelled")
 
     def output(self, x: object, *, timeout: float | None | _Unset = _UNSET,
                return_version: bool = False, **inputs: object) -> Any:
@@ -358,6 +377,8 @@ class ParallelInference:
         fail_requests(self._queue.clear(), InferenceClosedError,
                       f"close(timeout={timeout}) ran out of time before this request ran",
                       self._stats, "closed")
+        if self._deadlines is not None:
+            self._deadlines.close(timeout)
         if busy:
             warnings.warn(f"close(): {', '.join(busy)} still running a batch after timeout="
                           f"{timeout}; they stop when it finishes", stacklevel=2)

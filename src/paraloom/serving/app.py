@@ -315,7 +315,7 @@ def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 <<
 
 def _app(registry: ModelRegistry, max_body_bytes: int) -> Starlette:
     app_metrics = ServingMetrics()
-    app_metrics.watch(registry.pools)
+    app_metrics.watch(registry.pools, registry.versions)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -60,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sig = parser.add_argument_group("signature (default: read from the model)")
     sig.add_argument("--input-shape", metavar="DIMS",
                      help="e.g. --input-shape=-1,1,28,28 (-1: any size; write the =)")
-    sig.add_argument("--input-datatype", default="FP32", help="e.g. FP32 (default)")
-    sig.add_argument("--input-name", default="input", help="default: input")
+    sig.add_argument("--input-datatype", default=None, help="with --input-shape: e.g. INT64 "
+                     "(default FP32)")
+    sig.add_argument("--input-name", default=None, help="with --input-shape (default: input)")
     http = parser.add_argument_group("HTTP")
     http.add_argument("--models-dir", metavar="DIR", help="without MODEL: serve every model "
                       "in DIR (a model repository: one sub-folder or .safetensors file per "
@@ -140,6 +141,13 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
 def _input_specs(args: argparse.Namespace) -> list[TensorSpec] | None:
     """The inputs given by --input-shape and friends; None: read them from the model."""
     if not args.input_shape:
+        given = [f for f, v in (("--input-datatype", args.input_datatype),
+                                ("--input-name", args.input_name)) if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} need{'s' * (len(given) == 1)} "
+                             "--input-shape, e.g. "
+                             "--input-shape=-1,16 (-1: any size); without it the input is "
+                             "read from the model's first layer as FP32")
         return None
     from paraloom.serving.signature import TensorSpec
 
@@ -148,7 +156,7 @@ def _input_specs(args: argparse.Namespace) -> list[TensorSpec] | None:
     except ValueError as e:
         raise ValueError(f"--input-shape {args.input_shape!r} must be integers separated by "
                          "commas, e.g. -1,1,28,28") from e
-    return [TensorSpec(args.input_name, args.input_datatype, shape)]
+    return [TensorSpec(args.input_name or "input", args.input_datatype or "FP32", shape)]
 
 
 def _reload_on_sighup(app: Starlette) -> None:
@@ -195,9 +203,10 @@ def _build_app(args: argparse.Namespace) -> tuple[Starlette, str | None]:
 
     max_body = int(args.max_body_mb * (1 << 20))
     if args.models_dir and not args.model and not args.factory:
-        if args.input_shape:
-            raise ValueError("--input-shape applies to one model; with a models directory, put "
-                             '"inputs" in each model\'s config.json')
+        if args.input_shape or args.input_datatype or args.input_name:
+            raise ValueError("--input-shape, --input-datatype and --input-name apply to one "
+                             'model; with a models directory, put "inputs" in each model\'s '
+                             "config.json")
         return create_repository_app(args.models_dir, max_body_bytes=max_body,
                                      **_pool_options(args)), None
     model, model_file = build_model(args)

@@ -92,6 +92,8 @@ def tensor_from_json(data: Any, dt: DataType, shape: tuple[int, ...], where: str
         arr = np.asarray(data)
     except (ValueError, TypeError) as e:
         raise ProtocolError(f"{where} data is not a rectangular array of numbers: {e}") from e
+    if count and arr.dtype.kind in "fO" and dt.kinds == "biu":
+        arr = _exact_integers(data, arr, dt, where)
     if arr.size != count:
         raise ProtocolError(f"{where} has {arr.size} data elements but shape {list(shape)} "
                             f"needs {count}; send shape and data that agree")
@@ -106,6 +108,24 @@ def tensor_from_json(data: Any, dt: DataType, shape: tuple[int, ...], where: str
             raise ProtocolError(f"{where} data has values in [{low}, {high}], outside "
                                 f"{dt.name}'s range [{info.min}, {info.max}]")
     return torch.from_numpy(cast_keeping_gil(arr, dt.numpy_dtype).reshape(shape))
+
+
+def _exact_integers(data: Any, arr: np.ndarray, dt: DataType, where: str) -> np.ndarray:
+    """JSON integers that numpy read as floats or objects (past int64's range, as UINT64's upper
+    half, next to smaller ones) as ``dt``'s integers, exactly; ``arr`` if any is not an int."""
+    try:
+        values = np.asarray(data, dtype=object)
+    except (ValueError, TypeError):
+        return arr
+    if values.shape != arr.shape or not all(type(v) is int for v in values.flat):
+        return arr
+    assert dt.numpy_dtype is not None
+    info = np.iinfo(dt.numpy_dtype)
+    low, high = min(values.flat), max(values.flat)
+    if low < info.min or high > info.max:
+        raise ProtocolError(f"{where} data has values in [{low}, {high}], outside "
+                            f"{dt.name}'s range [{info.min}, {info.max}]")
+    return np.array(values.ravel().tolist(), dtype=dt.numpy_dtype).reshape(arr.shape)
 
 
 # numpy drops the GIL for a cast of more than this many elements (NPY_BEGIN_THREADS_THRESHOLDED)

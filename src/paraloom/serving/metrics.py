@@ -57,10 +57,12 @@ class ServingMetrics:
         """Record the server-side latency of one answered request."""
         self.latency.labels(model).observe(seconds)
 
-    def watch(self, pools: Callable[[], Mapping[str, ParallelInference]]) -> None:
+    def watch(self, pools: Callable[[], Mapping[str, ParallelInference]],
+              versions: Callable[[], Mapping[str, int]] | None = None) -> None:
         """Export each pool's ``stats()`` (queue and forward time, batch sizes, ...) at each
-        scrape; ``pools()`` gives the pools serving then, by model name."""
-        self.registry.register(PoolCollector(pools))
+        scrape; ``pools()`` gives the pools serving then, by model name, and ``versions()`` the
+        version each serves (default: the pool's ``model_version``)."""
+        self.registry.register(PoolCollector(pools, versions))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
@@ -70,8 +72,10 @@ class ServingMetrics:
 class PoolCollector:
     """Reads the serving pools' ``stats()`` when Prometheus scrapes, and exports them."""
 
-    def __init__(self, pools: Callable[[], Mapping[str, ParallelInference]]) -> None:
+    def __init__(self, pools: Callable[[], Mapping[str, ParallelInference]],
+                 versions: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.pools = pools
+        self.versions = versions
 
     def describe(self) -> list[Metric]:
         """Nothing up front: the registry must not call ``stats()`` when this is registered."""
@@ -81,6 +85,10 @@ class PoolCollector:
         """The metric families, one sample per model, from one ``stats()`` call per pool."""
         # Read by key name, with a default for any key a pool leaves out.
         stats: dict[str, Mapping[str, Any]] = {m: p.stats() for m, p in self.pools().items()}
+        if self.versions is not None:  # a pool counts from 1; the server's versions may not
+            served = self.versions()
+            stats = {m: {**s, "model_version": served.get(m, s.get("model_version", 0))}
+                     for m, s in stats.items()}
         yield from self._counters(stats)
         yield self._batch_sizes(stats)
         for key, name, what in (

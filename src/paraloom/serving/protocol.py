@@ -234,6 +234,8 @@ def _parse_outputs(raw: object) -> list[RequestedOutput] | None:
     if not isinstance(raw, list):
         raise ProtocolError(f"'outputs' must be an array of {{\"name\": ...}} objects, "
                             f"got {short_repr(raw)}")
+    if not raw:  # as Triton, and as gRPC's empty repeated field: every output
+        return None
     outputs = []
     for i, obj in enumerate(raw):
         if not isinstance(obj, dict):

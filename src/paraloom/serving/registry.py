@@ -133,6 +133,13 @@ class ModelRegistry:
             pools.update({f"{name}/{v}": s.pool for v, s in entry.older.items()})
         return pools
 
+    def versions(self) -> dict[str, int]:
+        """The version each of ``pools()`` serves, under the same names."""
+        versions = {n: int(s.version) for n, s in self.models().items()}
+        for name, entry in self._entries.items():
+            versions.update({f"{name}/{v}": int(v) for v in entry.older})
+        return versions
+
     @property
     def ready(self) -> bool:
         """Whether the server takes requests: not shutting down, every loaded model ready."""

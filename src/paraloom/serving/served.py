@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from paraloom.inference.parallel import ParallelInference
 
 __all__ = ["ModelMetadata", "ServedModel", "build_pool"]
+
+_DRAIN_POLL_S = 0.01  # how often a closing in-place model checks for requests still running
 
 
 class ModelMetadata(TypedDict):
@@ -183,7 +186,17 @@ class ServedModel:
         self.draining = True
         if self.owns_pool:
             timeout = self.close_timeout if timeout is None else timeout
+            if self._inplace:  # its close() fails callers still waiting for a replica
+                timeout = await self._inplace_drained(timeout)
             await anyio.to_thread.run_sync(lambda: self.pool.close(drain=True, timeout=timeout))
+
+    async def _inplace_drained(self, timeout: float | None) -> float | None:
+        """Wait (up to ``timeout``) until no request runs or waits on this in-place pool; the
+        time left. An in-place pool has no queue to drain: its waiting requests are callers."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._inplace_now and (deadline is None or time.monotonic() < deadline):
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def build_pool(model: nn.Module, signature: ModelSignature,

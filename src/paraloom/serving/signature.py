@@ -120,6 +120,13 @@ def _output_specs(model: nn.Module, sample: Sequence[torch.Tensor]) -> tuple[Ten
     try:
         with torch.no_grad():
             result = model(*sample)
+    except Exception as e:
+        probe = ", ".join(f"{datatype_of(t.dtype)} {list(t.shape)}" for t in sample)
+        raise ValueError(f"cannot read the outputs of {type(model).__name__}: it failed on the "
+                         f"probe input ({probe}): {type(e).__name__}: {e}; describe its inputs "
+                         "(sample=, inputs=; paraloom serve: --input-shape=-1,... "
+                         "--input-datatype ...; a models directory: \"inputs\" in the config) "
+                         "or its outputs (outputs=)") from e
     finally:
         model.train(training)
     if isinstance(result, torch.Tensor):

@@ -19,7 +19,7 @@ from grpc import aio
 
 from paraloom._version import __version__
 from paraloom.serving.app import EXTENSIONS
-from paraloom.serving.errors import ServingError
+from paraloom.serving.errors import NotFoundError, ServingError
 from paraloom.serving.grpc.codec import (
     decode_infer_request,
     encode_infer_response,
@@ -58,7 +58,11 @@ class Service:
         return response(ready=self.registry.ready)
 
     async def ModelReady(self, request: Any, response: Any) -> Any:  # noqa: N802
-        return response(ready=self.registry.is_ready(request.name, request.version or None))
+        try:
+            ready = self.registry.is_ready(request.name, request.version or None)
+        except NotFoundError:  # as Triton: a model or version it does not serve is not ready
+            ready = False
+        return response(ready=ready)
 
     async def ServerMetadata(self, request: Any, response: Any) -> Any:  # noqa: N802
         return response(name="paraloom", version=__version__, extensions=EXTENSIONS)

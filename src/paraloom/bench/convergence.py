@@ -36,6 +36,7 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "sharing_threshold": {"training_mode": "shared_gradients", "encoding": "threshold",
                           "threshold_algorithm": ("QuantileThreshold", 1 / 320)},
     "sharing": {"training_mode": "shared_gradients"},
+    "sharing_nomask": {"training_mode": "shared_gradients", "momentum_masking": False},
     "sharing_exact": {"training_mode": "shared_gradients",
                       "threshold_algorithm": ("QuantileThreshold", 1 / 160,
                                               {"exact_count": True})},

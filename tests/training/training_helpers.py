@@ -108,3 +108,22 @@ class TwoHeads(nn.Module):
 def quadratic_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """0.5 * (w*x - t)^2 averaged: the gradient depends on w, so averaging order matters."""
     return 0.5 * ((out - target) ** 2).mean()
+
+
+def make_weight_reporting(mode: str):
+    """A synchronizer of ``mode`` whose stats() report the replica's weights, so a test sees
+    every worker's replica (``stats()["per_worker"]``), not only rank 0's."""
+    from paraloom.sync.registry import build_synchronizer
+
+    base = type(build_synchronizer(mode))
+
+    class WeightReporting(base):  # type: ignore[misc, valid-type]
+        def setup(self, ctx):
+            super().setup(ctx)
+            self.model = ctx.model
+
+        def stats(self):
+            weights = [p.detach().reshape(-1).tolist() for p in self.model.parameters()]
+            return {**super().stats(), "weights": weights}
+
+    return WeightReporting()

@@ -54,7 +54,9 @@ class _Joinable(nn.Module):
 
 
 def _optimizer_step(ctx: StepContext) -> None:
-    """Step as the loop does; with a GradScaler (fp16), through it, so scales stay in step."""
+    """Step as the loop does (gradients clipped, and with a GradScaler (fp16) through it, so
+    scales stay in step)."""
+    ctx.clip_gradients()
     scaler = ctx.scaler
     if scaler is None:
         ctx.optimizer.step()

@@ -7,6 +7,7 @@ process, Spark task, or the calling process when ``workers=1``). The loop calls,
     sync.before_step(ctx)                 # before forward
     loss = forward + backward             # through ctx.model, which wrap_model may replace
     sync.after_backward(ctx)              # gradients are in p.grad
+    ctx.clip_gradients()                  # with gradient_clip_val
     optimizer.step()                      # may be skipped by a synchronizer (see below)
     sync.after_step(ctx)                  # parameters updated
 
@@ -28,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from paraloom.clipping import GradientClipping
 
 __all__ = ["Synchronizer", "StepContext", "NoSync"]
 
@@ -51,6 +54,18 @@ class StepContext:
     scaler: torch.amp.GradScaler | None = None
     """The replica's ``torch.amp.GradScaler`` with precision="16-mixed", else None: a
     synchronizer that steps the optimizer itself must go through it."""
+    clipping: GradientClipping | None = None
+    """``gradient_clip_val`` / ``gradient_clip_algorithm``, or None."""
+
+    def clip_gradients(self) -> None:
+        """Clip the gradients as ``clipping`` says (unscaled first under a GradScaler). The loop
+        calls it before ``optimizer.step()``; a synchronizer that steps the optimizer itself
+        calls it first, so every replica steps with gradients clipped alike."""
+        if self.clipping is None:
+            return
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        self.clipping.clip_(self.optimizer)
 
 
 class Synchronizer:

@@ -48,6 +48,7 @@ class Fp16AllReduce(Synchronizer):
         ctx.optimizer.zero_grad(set_to_none=True)
         self._average_gradients(ctx)
         if is_distributed(ctx):
+            ctx.clip_gradients()
             ctx.optimizer.step()
         self.sync_steps += 1
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraloom.clipping import GradientClipping
 from paraloom.data import cpu_copy, describe, iter_tensors, map_tensors, split_batch, to_device
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.precision import Precision, resolve_precision
@@ -68,7 +69,8 @@ class Replica:
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
                  synchronizer: Synchronizer, device: torch.device | str = "cpu",
                  group: dist.ProcessGroup | None = None, rank: int = 0, world_size: int = 1,
-                 precision: str | Precision = "32-true") -> None:
+                 precision: str | Precision = "32-true",
+                 clipping: GradientClipping | None = None) -> None:
         require_loss(loss_fn, step_fn)
         self.device = torch.device(device)
         self.precision = resolve_precision(precision)
@@ -83,7 +85,7 @@ class Replica:
         self.sync = synchronizer
         self.ctx = StepContext(model=self.model, optimizer=self.optimizer, group=group,
                                rank=rank, world_size=world_size, device=self.device,
-                               scaler=self.scaler)
+                               scaler=self.scaler, clipping=clipping)
         self._module: nn.Module = self.model
         self._rng: torch.Tensor | None = None
         self.loss_computed: Callable[[], None] | None = None
@@ -145,11 +147,13 @@ class Replica:
         if not math.isfinite(value):
             raise NonFiniteLossError(
                 f"the loss is {value} on a batch of {describe(batch)}: lower the learning rate, "
-                "check the data for NaN/inf, or clip gradients")
+                "check the data for NaN/inf, or clip gradients (gradient_clip_val=1.0)")
         scaled = self.scaler.scale(loss) if self.scaler else loss
         scaled.backward()  # type: ignore[no-untyped-call]
         ctx.skip_optimizer_step = False
         self.sync.after_backward(ctx)
+        if not ctx.skip_optimizer_step:
+            ctx.clip_gradients()
         if self.scaler is not None:
             if not ctx.skip_optimizer_step:
                 self.scaler.step(self.optimizer)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraloom.clipping import GradientClipping
 from paraloom.data import IndexedDataset, batch_size, cpu_copy, split_batch
 from paraloom.errors import NotPicklableError
 from paraloom.forward import LossFn
@@ -60,6 +61,7 @@ class WorkerSpec:
     step_fn: StepFn | None
     synchronizer: Synchronizer
     precision: str = "32-true"
+    clipping: GradientClipping | None = None
 
 
 _PROCESS_HINT = ("Define it at module level, keep open files, locks, threads and generators "
@@ -99,7 +101,7 @@ class ReplicaRunner:
         self.replica = Replica(spec.model, spec.optimizer, loss_fn=spec.loss_fn,
                                step_fn=spec.step_fn, synchronizer=copy.deepcopy(spec.synchronizer),
                                device=device, group=group, rank=rank, world_size=world_size,
-                               precision=spec.precision)
+                               precision=spec.precision, clipping=spec.clipping)
         self.dataset: IndexedDataset | None = None
         self.loader: ReplicaLoader | None = None
         self.steps = 0

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraloom.clipping import GradientClipping
 from paraloom.data import (
     IndexedDataset,
     Prefetcher,
@@ -83,6 +84,7 @@ class ParallelWrapper:
                  step_fn: StepFn | None = None,
                  listeners: Iterable[TrainingListener | Callable[[int, int, float], object]] = (),
                  progress: bool = True, timeout: float = 300.0, precision: str = "32-true",
+                 gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
                  heartbeat_timeout: float | None = 2.0, step_timeout: float | None = None,
                  max_failures: int = 0, **sync_options: Any) -> None:
         if not isinstance(model, nn.Module):
@@ -120,9 +122,10 @@ class ParallelWrapper:
             average_updaters=average_updaters, **sync_options)
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.precision = resolve_precision(precision).name
+        self.clipping = GradientClipping.of(gradient_clip_val, gradient_clip_algorithm)
         self._spec = WorkerSpec(model=model, optimizer=OptimizerSpec.from_user(optimizer, model),
                                 loss_fn=loss_fn, step_fn=step_fn, synchronizer=self.synchronizer,
-                                precision=self.precision)
+                                precision=self.precision, clipping=self.clipping)
         require_loss(loss_fn, step_fn)
         self._pool: Pool | None = None
         self._pool_layout = self._layout()

@@ -26,8 +26,8 @@ from paraloom.data import IndexedDataset
 from paraloom.training.loaders import LoaderSpec
 
 __all__ = [
-    "Begin", "Round", "IndexRound", "LoaderEpoch", "LoaderRound", "IdleRound", "RoundMessage",
-    "CheckpointRequest",
+    "Begin", "Hyperparameters", "Round", "IndexRound", "LoaderEpoch", "LoaderRound", "IdleRound",
+    "RoundMessage", "CheckpointRequest",
     "RestorePointRequest", "Finish", "Stop", "Pickled", "ToReplica", "Ready", "StepDone",
     "CheckpointReply", "RestorePoint", "ReplicaResult", "Finished", "Failed", "Answer", "Reply",
     "ModelState", "ReplicaState",
@@ -60,6 +60,15 @@ class Begin:
     hyperparameters: list[dict[str, Any]] | None = None
     """Each optimizer param group's settings, applied when ``optimizer_state`` is None (a warm
     fit() whose optimizer state the replicas already hold)."""
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """The user's optimizer settings (each param group's, without its parameters), changed by a
+    listener during a fit, e.g. a learning-rate scheduler stepped in ``on_epoch_end``: applied
+    before the next round, which the parent deals only after every earlier round is done."""
+
+    settings: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -158,8 +167,8 @@ class Pickled:
         return message
 
 
-ToReplica = (Begin | Round | IndexRound | LoaderEpoch | LoaderRound | IdleRound | CheckpointRequest
-             | RestorePointRequest | Finish | Stop)
+ToReplica = (Begin | Hyperparameters | Round | IndexRound | LoaderEpoch | LoaderRound | IdleRound
+             | CheckpointRequest | RestorePointRequest | Finish | Stop)
 
 
 # -- from a replica ----------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class Replica:
             # other replicas, and load_state_dict keeps same-device tensors as they are.
             self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
         elif hyperparameters is not None:
-            self._set_hyperparameters(hyperparameters)
+            self.set_hyperparameters(hyperparameters)
         if seed is not None:
             torch.manual_seed(seed)
         self.ctx.step = 0
@@ -117,7 +117,8 @@ class Replica:
             self.sync.load_state_dict(resume["sync"])
         self._module = self.sync.wrap_model(self.model, self.ctx)
 
-    def _set_hyperparameters(self, hyperparameters: list[dict[str, Any]]) -> None:
+    def set_hyperparameters(self, hyperparameters: list[dict[str, Any]]) -> None:
+        """Set each param group's settings (lr, momentum, ...) to the user's."""
         groups = self.optimizer.param_groups
         if len(groups) != len(hyperparameters):
             raise ValueError(f"the optimizer has {len(hyperparameters)} param groups but the "

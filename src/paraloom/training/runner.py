@@ -30,6 +30,7 @@ from paraloom.training.messages import (
     CheckpointRequest,
     Finish,
     Finished,
+    Hyperparameters,
     IdleRound,
     IndexRound,
     LoaderEpoch,
@@ -115,6 +116,8 @@ class ReplicaRunner:
                 return self.train(message)
             case Begin():
                 self.begin(message)
+            case Hyperparameters():
+                self.replica.set_hyperparameters(message.settings)
             case LoaderEpoch():
                 self._own_loader().start_epoch(message.epoch, message.seed, message.batches,
                                                message.first, message.stride)

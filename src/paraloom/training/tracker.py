@@ -128,11 +128,6 @@ class RoundTracker:
         if r.skipped:
             self.skipped += 1
             return  # never trained: no iteration, no listener call
-        if r.epoch != self.current_epoch:
-            self._end_epoch()
-            self.current_epoch = r.epoch
-            for listener in self.listeners:
-                listener.on_epoch_start(r.epoch)
         loss = sum(r.losses) / len(r.losses) if r.losses else float("nan")
         self.batches += len(r.losses)  # batches trained (a stream may end before expected)
         self.rows += r.rows
@@ -149,14 +144,20 @@ class RoundTracker:
         if self.recoveries:
             postfix["failures"] = len(self.recoveries)
         self.bar.set_postfix(postfix, refresh=False)
-        following = self.rounds.get(round_id + 1)
-        if following is not None and following.epoch != r.epoch:
-            self._end_epoch()  # now, not when the next epoch's first round completes
 
-    def _end_epoch(self) -> None:
+    def start_epoch(self, epoch: int) -> None:
+        """An epoch begins, before its first round is dealt: ``on_epoch_start``."""
+        self.current_epoch = epoch
+        self.epoch_losses = []
+        for listener in self.listeners:
+            listener.on_epoch_start(epoch)
+
+    def end_epoch(self) -> None:
+        """The epoch's rounds are done (none of the next is dealt): ``on_epoch_end``, once."""
         if self.current_epoch is None:
             return
-        mean = sum(self.epoch_losses) / max(1, len(self.epoch_losses))
+        losses = self.epoch_losses
+        mean = sum(losses) / len(losses) if losses else float("nan")  # stopped before a round
         for listener in self.listeners:
             listener.on_epoch_end(self.current_epoch, mean)
         self.epoch_losses = []
@@ -188,7 +189,7 @@ class RoundTracker:
     def close(self, completed: bool) -> None:
         """Fire the last epoch's end (if the fit completed) and close the progress bar."""
         if completed:
-            self._end_epoch()
+            self.end_epoch()
         self.bar.close()
 
     def summary(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Stamp", "ReplicaMirror", "hyperparameters"]
+__all__ = ["Stamp", "ReplicaMirror", "changed_settings", "hyperparameters"]
 
 _SAMPLES = 16
 """Values sampled per tensor: evenly spaced, first and last included."""
@@ -87,6 +87,27 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     warm fit() always sends them (a learning rate changed between fits applies)."""
     return [{k: v for k, v in group.items() if k != "params"}
             for group in optimizer.param_groups]
+
+
+def changed_settings(now: list[dict[str, Any]],
+                     before: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """The (param group, key) settings that differ between two ``hyperparameters()`` lists
+    (every key of a group added or removed counts; tensors are compared by value)."""
+    if len(now) != len(before):
+        return [(i, k) for i, group in enumerate(now) for k in group]
+    return [(i, k) for i, (a, b) in enumerate(zip(now, before, strict=True))
+            for k in sorted(a.keys() | b.keys()) if k not in a or k not in b
+            or not _same_value(a[k], b[k])]
+
+
+def _same_value(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # e.g. a tuple holding tensors
+        return False
 
 
 class ReplicaMirror:

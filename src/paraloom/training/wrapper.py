@@ -38,6 +38,7 @@ from paraloom.training.messages import (
     CheckpointReply,
     Finish,
     Finished,
+    Hyperparameters,
     IdleRound,
     IndexRound,
     LoaderEpoch,
@@ -58,7 +59,7 @@ from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
 from paraloom.training.tracker import RoundTracker
 from paraloom.training.transport import shared_copy
-from paraloom.training.versions import ReplicaMirror, hyperparameters
+from paraloom.training.versions import ReplicaMirror, changed_settings, hyperparameters
 
 __all__ = ["ParallelWrapper"]
 
@@ -146,6 +147,9 @@ class ParallelWrapper:
         """The last fit's result, held so that its shared memory (worker 0's outbox, which the
         next result reuses) stays mapped here: mapping 150 MB anew costs more than copying it."""
         self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, workers)
+        self._settings_sent: list[dict[str, Any]] = []
+        """The user's optimizer settings as the replicas last took them (``hyperparameters``)."""
+        self._warned_settings = False
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> ParallelWrapper:
@@ -333,6 +337,12 @@ class ParallelWrapper:
             else None
         settings = hyperparameters(user_opt) if user_opt is not None and not send_opt \
             else None
+        self._settings_sent = hyperparameters(user_opt) if user_opt is not None else []
+        self._warned_settings = False
+        if user_opt is not None:
+            # The replicas step copies of it: torch's schedulers check this flag to warn of a
+            # scheduler.step() before any optimizer.step(), which a listener's step is not.
+            setattr(user_opt, "_opt_called", True)  # noqa: B010
         seed = int(torch.randint(0, 2**62, ()).item())
         state = cpu_copy(self.model.state_dict()) if send_model else None
 
@@ -362,6 +372,17 @@ class ParallelWrapper:
         self._round_base = dealing.base
         self._warned_unsharded = False
         for epoch in range(start.epoch, epochs):
+            if epoch > start.epoch:
+                self._await_rounds(pool, tracker)
+                tracker.end_epoch()
+            if not self._stop_requested:
+                tracker.start_epoch(epoch)
+            if self._stop_requested:
+                self._halt_if_stopped(pool)
+                return
+            # What the epoch's listeners changed (a scheduler's step) applies from its first
+            # round on: every earlier round is done, none of this epoch's is dealt.
+            self._send_settings(pool)
             generators = _data_generators(data)
             if epoch == start.epoch and start.data_rng is not None:
                 _set_data_rng(start.data_rng, generators)  # the interrupted epoch's order
@@ -446,6 +467,22 @@ class ParallelWrapper:
             if self._stop_requested:
                 break
         return dealt if trained else skip
+
+    def _await_rounds(self, pool: Pool, tracker: RoundTracker) -> None:
+        """Handle replies until every round dealt is done (its listeners called)."""
+        while tracker.in_flight:
+            self._handle(pool, pool.recv(timeout_s=None), tracker)
+
+    def _send_settings(self, pool: Pool) -> None:
+        """Send the user's optimizer settings to every replica, if they changed since sent."""
+        user_opt = self._user_optimizer
+        if user_opt is None:
+            return
+        now = hyperparameters(user_opt)
+        if changed_settings(now, self._settings_sent):
+            for rank in range(self.workers):
+                pool.send(rank, Hyperparameters(copy.deepcopy(now)))
+            self._settings_sent = now
 
     def _await_round(self, pool: Pool, tracker: RoundTracker,
                      round_id: int) -> dict[int, StepDone]:
@@ -551,9 +588,26 @@ class ParallelWrapper:
             case StepDone():
                 tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced,
                               reply.skipped)
+                self._warn_if_settings_changed()
             case CheckpointReply():
                 self._checkpoints.receive(reply)
         self._halt_if_stopped(pool)
+
+    def _warn_if_settings_changed(self) -> None:
+        """Warn (once per fit) when a listener's ``on_iteration`` changed the optimizer's
+        settings: the replicas take them only as the next epoch starts."""
+        user_opt = self._user_optimizer
+        if self._warned_settings or user_opt is None or not self.listeners:
+            return
+        changed = changed_settings(hyperparameters(user_opt), self._settings_sent)
+        if changed:
+            self._warned_settings = True
+            names = sorted({key for _, key in changed})
+            warnings.warn(
+                f"the optimizer's {names} changed during an epoch (a scheduler stepped in "
+                f"on_iteration?); the replicas take settings changed in a listener as the "
+                f"next epoch starts (on_epoch_start and on_epoch_end changes apply exactly). "
+                f"Step schedulers per epoch, or between fit() calls", stacklevel=2)
 
     def _finish(self, pool: Pool, tracker: RoundTracker) -> ReplicaResult:
         for rank in range(self.workers):
@@ -579,11 +633,19 @@ class ParallelWrapper:
                               worker=0)
         with torch.no_grad():
             self.model.load_state_dict(result.state)
-        if self._user_optimizer is not None and result.optimizer_state is not None:
+        user_opt = self._user_optimizer
+        if user_opt is not None and result.optimizer_state is not None:
+            # Settings a listener changed after the replicas last took them (a scheduler
+            # stepped in the last on_epoch_end) stay the user's: they apply from the next fit.
+            mine = hyperparameters(user_opt)
+            kept = changed_settings(mine, self._settings_sent)
             try:
-                load_state_copying(self._user_optimizer, result.optimizer_state)
+                load_state_copying(user_opt, result.optimizer_state)
             except (ValueError, KeyError) as e:  # a factory-built optimizer may differ in shape
                 log.debug("optimizer state not copied back: %s", e)
+            for group, key in kept:
+                if group < len(user_opt.param_groups) and key in mine[group]:
+                    user_opt.param_groups[group][key] = mine[group][key]
 
     def stats(self) -> dict[str, Any]:
         """Counters of the last fit(): rounds, samples, samples/s, bytes sent per step."""

@@ -1,0 +1,115 @@
+"""Optimizer settings that listeners change during a fit (a scheduler's step) reach the replicas.
+
+``Scalar`` with ``linear_loss`` and inputs of 1: each round moves w by minus the learning rate
+(the mean of the replicas' equal gradients), so w tells which learning rate each round used.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from training_helpers import Scalar, linear_loss
+
+from paraloom import ParallelWrapper, TrainingListener
+
+pytestmark = pytest.mark.timeout(120)
+
+ONES = [(torch.ones(1, 1), torch.zeros(1))] * 4  # 2 rounds an epoch with 2 workers
+
+
+class StepPerEpoch(TrainingListener):
+    """Steps a torch scheduler in on_epoch_end, as a Lightning user's epoch schedule does."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+        self.events: list[tuple[str, int]] = []
+
+    def on_epoch_start(self, epoch: int) -> None:
+        self.events.append(("start", epoch))
+
+    def on_iteration(self, iteration: int, epoch: int, loss: float) -> None:
+        self.events.append(("round", epoch))
+
+    def on_epoch_end(self, epoch: int, loss: float) -> None:
+        self.events.append(("end", epoch))
+        self.scheduler.step()
+
+
+@pytest.mark.parametrize(("workers", "mode"), [(1, "averaging"), (2, "allreduce"),
+                                               (2, "averaging")])
+def test_a_scheduler_stepped_at_each_epoch_end_sets_the_next_epochs_rate(workers, mode) -> None:
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    listener = StepPerEpoch(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    rounds = len(ONES) // workers  # per epoch
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=workers,
+                         training_mode=mode, progress=False, listeners=[listener]) as wrapper:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing to warn about: epoch-end steps are exact
+            wrapper.fit(ONES, epochs=3)
+        # Epochs at 1, 0.5 and 0.25: not 3 epochs at 1, as when the replicas never heard.
+        assert model.w.item() == -rounds * (1 + 0.5 + 0.25)
+        # The user's optimizer keeps the last epoch's step (it applies from the next fit).
+        assert opt.param_groups[0]["lr"] == 0.125
+        assert listener.events == [e for epoch in range(3) for e in
+                                   [("start", epoch)] + [("round", epoch)] * rounds
+                                   + [("end", epoch)]]
+        wrapper.fit(ONES, epochs=1)
+        assert model.w.item() == -rounds * (1.75 + 0.125)
+        assert opt.param_groups[0]["lr"] == 0.0625
+
+
+def test_a_rate_set_in_on_epoch_start_applies_to_that_epoch() -> None:
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+
+    class Warmup(TrainingListener):
+        def on_epoch_start(self, epoch: int) -> None:
+            opt.param_groups[0]["lr"] = [0.25, 0.5, 1.0][epoch]
+
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=2,
+                         training_mode="allreduce", progress=False,
+                         listeners=[Warmup()]) as wrapper:
+        wrapper.fit(ONES, epochs=3)
+    assert model.w.item() == -2 * (0.25 + 0.5 + 1.0)
+
+
+def test_a_rate_changed_within_an_epoch_warns_and_applies_at_the_next_epoch() -> None:
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+
+    class PerRound(TrainingListener):
+        def on_iteration(self, iteration: int, epoch: int, loss: float) -> None:
+            opt.param_groups[0]["lr"] = 0.5
+
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=2,
+                         training_mode="allreduce", progress=False, prefetch_buffer=2,
+                         listeners=[PerRound()]) as wrapper:
+        with pytest.warns(UserWarning, match=r"\['lr'\] changed during an epoch"):
+            wrapper.fit(ONES, epochs=2)
+    # Epoch 0 at 1.0 throughout (its rounds were dealt before), epoch 1 at 0.5.
+    assert model.w.item() == -2 * 1.0 - 2 * 0.5
+
+
+def test_stop_in_on_epoch_start_trains_nothing_of_that_epoch() -> None:
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    events: list[tuple[str, int]] = []
+
+    class StopAtSecondEpoch(TrainingListener):
+        def on_epoch_start(self, epoch: int) -> None:
+            events.append(("start", epoch))
+            if epoch == 1:
+                wrapper.stop()
+
+        def on_epoch_end(self, epoch: int, loss: float) -> None:
+            events.append(("end", epoch))
+
+    wrapper = ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=2,
+                              progress=False, listeners=[StopAtSecondEpoch()])
+    with wrapper:
+        stats = wrapper.fit(ONES, epochs=3)
+    assert stats["rounds"] == 2 and model.w.item() == -2.0
+    assert events == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]

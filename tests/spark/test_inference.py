@@ -177,3 +177,24 @@ def test_evaluate_a_double_class_label_says_to_set_label_dtype(spark):
                      loss_fn=nn.CrossEntropyLoss())
     with pytest.raises(WorkerError, match=r"Spark evaluation failed: .*label_dtype=torch.long"):
         net.evaluate(frame, features="x")
+
+
+def test_evaluate_one_hot_label_columns_like_class_indices(spark):
+    """DL4J's and Keras's one-hot labels: CrossEntropyLoss trains on them, evaluate counts
+    them as their class (the same metrics as the index column)."""
+    g = np.random.default_rng(0)
+    x = g.normal(size=(60, 3)).astype(np.float32)
+    y = g.integers(0, 3, size=60)
+    frame = spark.createDataFrame(
+        [(r.tolist(), int(c), np.eye(3)[c].tolist()) for r, c in zip(x, y, strict=True)],
+        "x array<float>, label long, onehot array<double>")
+    torch.manual_seed(0)
+    net = SparkModel(spark, nn.Linear(3, 3), ParameterAveragingTrainingMaster(workers=2),
+                     loss_fn=nn.CrossEntropyLoss())
+    by_index = net.evaluate(frame, features="x", metrics=["classification", "roc"])
+    by_row = net.evaluate(frame, features="x", label="onehot",
+                          metrics=["classification", "roc"])
+    rows, index = by_row["classification"].metrics(), by_index["classification"].metrics()
+    assert rows["count"] == 60 and rows["confusion_matrix"] == index["confusion_matrix"]
+    assert rows["loss"] == pytest.approx(index["loss"], rel=1e-5)  # CE of the same classes
+    assert by_row["roc"].metrics()["auc"] == by_index["roc"].metrics()["auc"]

@@ -198,3 +198,22 @@ def test_evaluate_one_hot_label_columns_like_class_indices(spark):
     assert rows["count"] == 60 and rows["confusion_matrix"] == index["confusion_matrix"]
     assert rows["loss"] == pytest.approx(index["loss"], rel=1e-5)  # CE of the same classes
     assert by_row["roc"].metrics()["auc"] == by_index["roc"].metrics()["auc"]
+
+
+def test_fit_on_a_double_class_label_says_to_set_label_dtype(spark):
+    """fit() names the fix too, on either master (evaluate() above already did)."""
+    from paraloom.spark import SharedTrainingMaster, SparkTrainingError
+
+    x = np.random.default_rng(0).normal(size=(20, 3)).astype(np.float32)
+    frame = spark.createDataFrame([(r.tolist(), float(i % 2)) for i, r in enumerate(x)],
+                                  ["x", "label"])
+    for master in (ParameterAveragingTrainingMaster(8, workers=1),
+                   SharedTrainingMaster(8, workers=2)):
+        torch.manual_seed(0)
+        linear = nn.Linear(3, 2)
+        net = SparkModel(spark, linear, master, loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(linear.parameters(), lr=0.1))
+        fix = r"(?s)Long.*Float.*label_dtype=torch.long"
+        with pytest.raises(SparkTrainingError, match=fix) as e:
+            net.fit(frame, features="x")
+        assert e.value.attempts == 1

@@ -40,7 +40,7 @@ from paraloom.spark.evaluation.metrics import MetricSet
 from paraloom.spark.runtime.interpreter import use_driver_python
 from paraloom.spark.stats import TrainingStats
 from paraloom.spark.training import FitJob, TrainingMaster
-from paraloom.spark.training.master import root_cause
+from paraloom.spark.training.master import SparkTrainingError, root_cause
 from paraloom.sync.base import NoSync
 from paraloom.training.optim import OptimizerFactory, OptimizerSpec
 from paraloom.training.replica import StepFn
@@ -64,6 +64,24 @@ def _spark_context(spark: SparkSession | SparkContext) -> SparkContext:
                         f"a classic session (SparkSession.builder.master(...))")
     use_driver_python(sc)
     return cast("SparkContext", sc)
+
+
+_LABEL_HINT = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)"
+
+
+def _label_hint(cause: str) -> str:
+    """The fix for a classification loss given floating-point class labels, if that failed."""
+    return _LABEL_HINT if "Long" in cause and "Float" in cause else ""
+
+
+def _with_label_hint(error: SparkTrainingError) -> SparkTrainingError:
+    """``error`` with the label_dtype fix added to its message when that is what went wrong."""
+    message = str(error).split("\n\nTraceback in the worker:")[0]
+    hint = _label_hint(message)
+    if not hint:
+        return error
+    return SparkTrainingError(message + hint, worker=error.worker,
+                              remote_traceback=error.remote_traceback, attempts=error.attempts)
 
 
 def _dtype_name(model: nn.Module) -> str:
@@ -165,8 +183,14 @@ class SparkModel:
             rows = data_chunks(data, columns, prebatched=prebatched)
         else:
             rows = rows_of(data, columns)
-        result = self.master.fit(job, rows, epochs=epochs, seed=seed,
-                                 collect_stats=collect_stats)
+        try:
+            result = self.master.fit(job, rows, epochs=epochs, seed=seed,
+                                     collect_stats=collect_stats)
+        except SparkTrainingError as e:
+            hinted = _with_label_hint(e) if self.features.label_dtype is None else e
+            if hinted is e:
+                raise
+            raise hinted from e
         with torch.no_grad():
             self.model.load_state_dict(result.state)
         self._adopt_optimizer(result.optimizer_state)
@@ -299,9 +323,7 @@ class SparkModel:
             yield shipment
         except (Py4JJavaError, PythonException) as e:
             cause = root_cause(str(e))
-            hint = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)" \
-                if "Long" in cause and "Float" in cause else ""
-            raise WorkerError(f"Spark evaluation failed: {cause}{hint}") from e
+            raise WorkerError(f"Spark evaluation failed: {cause}{_label_hint(cause)}") from e
         finally:
             shipment.model.unpersist()
             shipment.state.unpersist()

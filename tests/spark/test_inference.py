@@ -217,3 +217,29 @@ def test_fit_on_a_double_class_label_says_to_set_label_dtype(spark):
         with pytest.raises(SparkTrainingError, match=fix) as e:
             net.fit(frame, features="x")
         assert e.value.attempts == 1
+
+
+def test_one_logit_model_trains_on_long_labels_and_predicts_classes_like_evaluate(spark, sc):
+    """A binary model with one logit per row and BCEWithLogitsLoss: long 0/1 labels train
+    (BCE needs them as floats), and predict(argmax=True) gives class 1 where the logit is
+    above 0, as evaluate counts it (an argmax over one column is always 0)."""
+    g = np.random.default_rng(0)
+    x = g.normal(size=(80, 4)).astype(np.float32)
+    y = (x @ np.array([1.0, -1.0, 2.0, 0.5]) > 0).astype(np.int64)
+    frame = spark.createDataFrame([(r.tolist(), int(v)) for r, v in zip(x, y, strict=True)],
+                                  "features array<float>, label long")
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 1)
+    net = SparkModel(spark, linear, ParameterAveragingTrainingMaster(16, workers=1),
+                     loss_fn=nn.BCEWithLogitsLoss(),
+                     optimizer=torch.optim.SGD(linear.parameters(), lr=0.5))
+    net.fit(frame, epochs=5)
+    with torch.no_grad():
+        logit = linear(torch.from_numpy(x)).reshape(-1).numpy()
+    expected = (logit > 0).astype(np.int64)
+    found = net.evaluate(frame)
+    assert found.accuracy == pytest.approx(float((expected == y).mean()))
+    assert found.accuracy > 0.85  # it learned
+    scored = net.predict(frame.coalesce(1), argmax=True, output="cls").collect()
+    assert [r.cls for r in scored] == expected.tolist()
+    assert net.predict(sc.parallelize(list(x), 2), argmax=True).collect() == expected.tolist()

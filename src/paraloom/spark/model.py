@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
@@ -71,7 +72,8 @@ _LABEL_HINT = "; class labels stored as double need SparkModel(..., label_dtype=
 
 def _label_hint(cause: str) -> str:
     """The fix for a classification loss given floating-point class labels, if that failed."""
-    return _LABEL_HINT if "Long" in cause and "Float" in cause else ""
+    wants_long = re.search(r"Long\b.*\b(got|found) Float", cause) is not None
+    return _LABEL_HINT if wants_long else ""
 
 
 def _with_label_hint(error: SparkTrainingError) -> SparkTrainingError:

@@ -205,6 +205,10 @@ def evaluate_metrics(chunks: RDD[Pair], shipment: Shipment, metrics: Sequence[st
 
 def _per_row(out: torch.Tensor, argmax: bool) -> list[Any]:
     if argmax:
+        if out.dim() == 1 or (out.dim() == 2 and out.shape[1] == 1):
+            # one logit per row (BCEWithLogitsLoss): class 1 where it is above 0, as evaluate
+            # counts it (an argmax over one column would always be 0)
+            return (out.reshape(-1) > 0).long().tolist()
         if out.dim() < 2:
             raise ValueError(f"argmax=True needs outputs of shape (rows, classes); the model "
                              f"returned shape {tuple(out.shape)}. Leave argmax unset")

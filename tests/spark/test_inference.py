@@ -243,3 +243,20 @@ def test_one_logit_model_trains_on_long_labels_and_predicts_classes_like_evaluat
     scored = net.predict(frame.coalesce(1), argmax=True, output="cls").collect()
     assert [r.cls for r in scored] == expected.tolist()
     assert net.predict(sc.parallelize(list(x), 2), argmax=True).collect() == expected.tolist()
+
+
+def test_predict_refuses_output_names_the_dataframe_already_has(spark):
+    """predict adds columns: an output named like an existing column (the label) would
+    overwrite it, or with several outputs make an ambiguous DataFrame; both fail at once,
+    naming the columns, as Spark ML's transform does."""
+    frame = spark.createDataFrame([([1.0, 2.0], 0), ([3.0, 4.0], 1)],
+                                  "features array<float>, label long")
+    net = SparkModel(spark, nn.Linear(2, 2), ParameterAveragingTrainingMaster(workers=1))
+    with pytest.raises(ValueError, match=r"output column\(s\) \['label'\] already exist"):
+        net.predict(frame, output="label")
+    with pytest.raises(ValueError, match=r"\['label'\] already exist"):
+        net.predict(frame, output=("scores", "label"))
+    with pytest.raises(ValueError, match="names a column twice"):
+        net.predict(frame, output=("a", "a"))
+    scored = net.predict(frame, output="scores").collect()
+    assert [r.label for r in scored] == [0, 1] and len(scored[0].scores) == 2

@@ -338,6 +338,19 @@ def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: Any,
     return run
 
 
+def _check_new_columns(df: DataFrame, outputs: tuple[str, ...]) -> None:
+    """Output names must be new and distinct: predict adds columns, it never replaces one (a
+    label column overwritten would be lost; two of one name are ambiguous), as Spark ML."""
+    taken = [o for o in outputs if o in df.columns]
+    if taken:
+        raise ValueError(f"output column(s) {taken} already exist in the DataFrame (its columns "
+                         f"are {df.columns}); predict adds new columns: pass output= other "
+                         f"names, or drop those columns first")
+    if len(set(outputs)) != len(outputs):
+        raise ValueError(f"output={outputs} names a column twice; give one distinct name per "
+                         f"model output")
+
+
 def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
                       output: str | tuple[str, ...] = "prediction", batch_size: int = 256,
                       argmax: bool = False, prebatched: bool = False) -> DataFrame:
@@ -370,6 +383,7 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
     if not outputs or not all(isinstance(o, str) for o in outputs):
         raise TypeError(f"output={output!r}; expected a column name, or a tuple of names (one "
                         f"per model output)")
+    _check_new_columns(df, outputs)
     several = not isinstance(output, str)
     element_pa = pa.float64() if shipment.features.dtype == "float64" else pa.float32()
     one_pa = pa.int64() if argmax else pa.list_(element_pa)

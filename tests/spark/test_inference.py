@@ -260,3 +260,15 @@ def test_predict_refuses_output_names_the_dataframe_already_has(spark):
         net.predict(frame, output=("a", "a"))
     scored = net.predict(frame, output="scores").collect()
     assert [r.label for r in scored] == [0, 1] and len(scored[0].scores) == 2
+
+
+def test_a_batch_size_below_one_fails_before_any_job(spark, sc):
+    frame = spark.createDataFrame([([1.0, 2.0], 0)], "features array<float>, label long")
+    net = SparkModel(spark, nn.Linear(2, 2), ParameterAveragingTrainingMaster(workers=1))
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=rf"batch_size={bad}; expected an int >= 1"):
+            net.evaluate(frame, batch_size=bad)
+        with pytest.raises(ValueError, match=rf"batch_size={bad}; expected an int >= 1"):
+            net.evaluate_regression(frame, batch_size=bad)
+        with pytest.raises(ValueError, match=rf"batch_size={bad}; expected an int >= 1"):
+            net.predict(sc.parallelize([[1.0, 2.0]]), batch_size=bad)

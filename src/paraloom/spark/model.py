@@ -86,6 +86,13 @@ def _with_label_hint(error: SparkTrainingError) -> SparkTrainingError:
                               remote_traceback=error.remote_traceback, attempts=error.attempts)
 
 
+def _check_batch_size(batch_size: int) -> None:
+    """``batch_size`` of evaluate / predict: an int >= 1, checked before any Spark job."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}; expected an int >= 1 (rows per forward "
+                         f"pass)")
+
+
 def _dtype_name(model: nn.Module) -> str:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return str(dtype).removeprefix("torch.")
@@ -274,6 +281,7 @@ class SparkModel:
         A model with several outputs is evaluated on one: ``output=`` its index (or its key
         for a dict), matched with the same target of ``label=(...)``.
         """
+        _check_batch_size(batch_size)
         columns = self._columns(data, features, label, inputs)
         if metrics is None:
             return self._evaluate(data, columns, output, batch_size, regression=False,
@@ -290,6 +298,7 @@ class SparkModel:
                             output: int | str | None = None, batch_size: int = 256,
                             prebatched: bool = False) -> RegressionEvaluation:
         """Regression metrics (MSE, MAE, RMSE, R² per output column, and their means)."""
+        _check_batch_size(batch_size)
         columns = self._columns(data, features, label, inputs)
         return self._evaluate(data, columns, output, batch_size, regression=True,
                               prebatched=prebatched)
@@ -356,6 +365,7 @@ class SparkModel:
         DataFrame (``array<array<float>>``, or ``array<long>`` with ``argmax``), one array per
         element in an RDD.
         """
+        _check_batch_size(batch_size)
         if is_dataframe(data):
             columns = self._columns(data, features, "label", inputs)
             return predict_dataframe(data, ship(self.sc, self.model, self.features),

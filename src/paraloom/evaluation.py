@@ -40,6 +40,9 @@ class Evaluation:
     confusion: torch.Tensor = field(init=False)
     loss_sum: float = 0.0
     count: int = 0
+    threshold: float = 0.0
+    """Where one score per row turns class 1: 0 for a logit, 0.5 for a probability (a
+    sigmoid output trained with BCELoss)."""
 
     def __post_init__(self) -> None:
         self.confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64)
@@ -48,11 +51,11 @@ class Evaluation:
         """Count one batch of predictions (rows of logits or probabilities) against labels.
 
         One score per row (shape ``(n,)`` or ``(n, 1)``) is a binary logit, as for
-        ``BCEWithLogitsLoss`` and ``ROC``: class 1 where it is above 0. Labels are class
-        indices, or one-hot rows shaped like the logits.
+        ``BCEWithLogitsLoss`` and ``ROC``: class 1 where it is above ``threshold`` (0; 0.5 for
+        probabilities). Labels are class indices, or one-hot rows shaped like the logits.
         """
         if logits.dim() == 1 or logits.shape[1] == 1:
-            pred = (logits.detach().reshape(-1) > 0).long().cpu()
+            pred = (logits.detach().reshape(-1) > self.threshold).long().cpu()
         else:
             pred = logits.argmax(dim=1).cpu()
         targets = class_labels(targets, logits, self.num_classes)

@@ -272,3 +272,30 @@ def test_a_batch_size_below_one_fails_before_any_job(spark, sc):
             net.evaluate_regression(frame, batch_size=bad)
         with pytest.raises(ValueError, match=rf"batch_size={bad}; expected an int >= 1"):
             net.predict(sc.parallelize([[1.0, 2.0]]), batch_size=bad)
+
+
+def test_a_sigmoid_output_trained_with_bce_counts_class_one_above_one_half(spark, sc):
+    """Keras's binary form: a sigmoid output and BCELoss. Its score is a probability, so
+    evaluate and predict(argmax=True) give class 1 above 0.5 (above 0 every row would be 1)."""
+    from sklearn.metrics import roc_auc_score
+
+    g = np.random.default_rng(0)
+    x = g.normal(size=(120, 4)).astype(np.float32)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    with torch.no_grad():
+        p = model(torch.from_numpy(x)).reshape(-1).numpy()
+    y = (p + g.normal(scale=0.1, size=120) > 0.5).astype(np.int64)
+    expected = (p > 0.5).astype(np.int64)
+    assert 0 < expected.sum() < 120  # both classes predicted: a threshold of 0 gives all 1
+    frame = spark.createDataFrame([(r.tolist(), int(v)) for r, v in zip(x, y, strict=True)],
+                                  "features array<float>, label long")
+    net = SparkModel(spark, model, ParameterAveragingTrainingMaster(workers=2),
+                     loss_fn=nn.BCELoss())
+    found = net.evaluate(frame, metrics=["classification", "roc"])
+    assert found["classification"].accuracy == pytest.approx(float((expected == y).mean()))
+    assert found["roc"].metrics()["auc"] == pytest.approx(roc_auc_score(y, p), abs=1e-3)
+    assert net.evaluate(frame).accuracy == found["classification"].accuracy
+    scored = net.predict(frame.coalesce(1), argmax=True, output="cls").collect()
+    assert [r.cls for r in scored] == expected.tolist()
+    assert net.predict(sc.parallelize(list(x), 2), argmax=True).collect() == expected.tolist()

@@ -257,6 +257,23 @@ class SparkModel:
         return self._stats
 
     # -- evaluation and inference --------------------------------------------------------------
+    def _thresholds(self) -> tuple[float, ...]:
+        """Per output: where one score per row turns class 1, 0.5 for a probability (an output
+        trained with ``BCELoss``), else 0 (a logit)."""
+        loss = self.loss_fn
+        losses = [] if loss is None else [loss] if callable(loss) else list(loss)
+        return tuple(0.5 if isinstance(f, nn.BCELoss) else 0.0 for f in losses)
+
+    def _threshold(self, output: int | str | None) -> float:
+        """The class-1 threshold of the output that ``evaluate(output=...)`` counts."""
+        thresholds = self._thresholds()
+        index = 0 if output is None else output
+        return thresholds[index] if isinstance(index, int) and 0 <= index < len(thresholds) \
+            else 0.0
+
+    def _ship(self) -> Shipment:
+        return ship(self.sc, self.model, self.features, self._thresholds())
+
     @overload
     def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = ...,
                  label: Label = ..., inputs: Inputs | None = ...,
@@ -290,8 +307,8 @@ class SparkModel:
         MetricSet.factory(names)  # a wrong name fails here, before any Spark job
         with self._shipped() as shipment:
             return evaluate_metrics(data_chunks(data, columns, batch_size, prebatched), shipment,
-                                    names,
-                                    loss_fn=self._loss, batch_size=batch_size, output=output)
+                                    names, loss_fn=self._loss, batch_size=batch_size,
+                                    output=output, threshold=self._threshold(output))
 
     def evaluate_regression(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
                             label: Label = "label", inputs: Inputs | None = None,
@@ -320,7 +337,7 @@ class SparkModel:
                 return evaluate_rdd(chunks, shipment, loss_fn=self._loss,
                                     batch_size=batch_size, regression=True, output=output)
             return evaluate_rdd(chunks, shipment, loss_fn=self._loss, batch_size=batch_size,
-                                output=output)
+                                output=output, threshold=self._threshold(output))
 
     @contextlib.contextmanager
     def _shipped(self) -> Iterator[Shipment]:
@@ -329,7 +346,7 @@ class SparkModel:
         from py4j.protocol import Py4JJavaError  # type: ignore[import-untyped]
         from pyspark.errors import PythonException
 
-        shipment = ship(self.sc, self.model, self.features)
+        shipment = self._ship()
         try:
             yield shipment
         except (Py4JJavaError, PythonException) as e:
@@ -368,10 +385,10 @@ class SparkModel:
         _check_batch_size(batch_size)
         if is_dataframe(data):
             columns = self._columns(data, features, "label", inputs)
-            return predict_dataframe(data, ship(self.sc, self.model, self.features),
+            return predict_dataframe(data, self._ship(),
                                      features=columns.features, output=output,
                                      batch_size=batch_size, argmax=argmax, prebatched=prebatched)
-        shipment = ship(self.sc, self.model, self.features)
+        shipment = self._ship()
         if is_rdd(data):
             return predict_rdd(data, shipment, batch_size=batch_size, argmax=argmax, keyed=keyed,
                                prebatched=prebatched)

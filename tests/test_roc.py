@@ -55,3 +55,24 @@ def test_absent_class_gives_nan_and_regression_is_the_shared_implementation():
     from paraloom.spark.evaluation import RegressionEvaluation as SparkRegression
 
     assert SparkRegression is RegressionEvaluation
+
+
+def test_one_hot_labels_count_as_their_class_and_bad_labels_name_the_range():
+    from paraloom.evaluation import Evaluation
+
+    g = torch.Generator().manual_seed(2)
+    y = torch.randint(0, 3, (300,), generator=g)
+    logits = torch.nn.functional.one_hot(y, 3).float() + torch.randn(300, 3, generator=g)
+    one_hot = torch.nn.functional.one_hot(y, 3).float()  # DL4J's and Keras's labels
+    by_index, by_row = Evaluation(3), Evaluation(3)
+    by_index.update(logits, y)
+    by_row.update(logits, one_hot)
+    assert 0.5 < by_row.accuracy < 1.0
+    assert by_row.metrics() == by_index.metrics()
+    roc_index, roc_row = ROC(3), ROC(3)
+    roc_index.update(logits, y)
+    roc_row.update(logits, one_hot)
+    assert roc_row.metrics() == roc_index.metrics()
+    for bad in (y * 2, y - 1):  # a label past the model's classes, a negative one
+        with pytest.raises(ValueError, match=r"class indices in \[0, 3\).* got -?\d+ \.\. \d+"):
+            Evaluation(3).update(logits, bad)

@@ -16,6 +16,22 @@ from paraloom.forward import forward
 __all__ = ["Evaluation", "RegressionEvaluation", "ROC", "evaluate"]
 
 
+def class_labels(targets: torch.Tensor, outputs: torch.Tensor, classes: int) -> torch.Tensor:
+    """Labels as class indices (n,) in [0, classes): indices as they are, one-hot (or
+    class-probability) rows shaped like ``outputs`` by their argmax, as DL4J and Keras give
+    them; a ValueError naming the range otherwise."""
+    labels = targets.detach().cpu()
+    if labels.dim() == 2 and labels.shape[1] > 1 and labels.shape == outputs.shape:
+        labels = labels.argmax(dim=1)
+    labels = labels.reshape(-1).long()
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+        raise ValueError(f"labels must be class indices in [0, {classes}) (the model gives "
+                         f"{classes} class scores) or one-hot rows; got {int(labels.min())} .. "
+                         f"{int(labels.max())}. Check the label column, or the model's output "
+                         f"size")
+    return labels
+
+
 @dataclass
 class Evaluation:
     """A confusion matrix and a loss sum; ``merge`` adds two, so it can be tree-aggregated."""
@@ -24,6 +40,9 @@ class Evaluation:
     confusion: torch.Tensor = field(init=False)
     loss_sum: float = 0.0
     count: int = 0
+    threshold: float = 0.0
+    """Where one score per row turns class 1: 0 for a logit, 0.5 for a probability (a
+    sigmoid output trained with BCELoss)."""
 
     def __post_init__(self) -> None:
         self.confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64)
@@ -32,13 +51,14 @@ class Evaluation:
         """Count one batch of predictions (rows of logits or probabilities) against labels.
 
         One score per row (shape ``(n,)`` or ``(n, 1)``) is a binary logit, as for
-        ``BCEWithLogitsLoss`` and ``ROC``: class 1 where it is above 0.
+        ``BCEWithLogitsLoss`` and ``ROC``: class 1 where it is above ``threshold`` (0; 0.5 for
+        probabilities). Labels are class indices, or one-hot rows shaped like the logits.
         """
         if logits.dim() == 1 or logits.shape[1] == 1:
-            pred = (logits.detach().reshape(-1) > 0).long().cpu()
+            pred = (logits.detach().reshape(-1) > self.threshold).long().cpu()
         else:
             pred = logits.argmax(dim=1).cpu()
-        targets = targets.cpu().long()
+        targets = class_labels(targets, logits, self.num_classes)
         idx = targets * self.num_classes + pred
         self.confusion += torch.bincount(idx, minlength=self.num_classes ** 2).view(
             self.num_classes, self.num_classes)
@@ -194,15 +214,13 @@ class ROC:
         return (out if is_prob else torch.softmax(out, dim=1)).numpy()
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0) -> None:
-        """Count one batch of logits (or probabilities) against class labels."""
+        """Count one batch of logits (or probabilities) against class labels (indices, or
+        one-hot rows)."""
         scores = self._scores(outputs)
-        labels = targets.detach().cpu().reshape(-1).long().numpy()
         if scores.shape[1] != self.num_classes:
             raise ValueError(f"outputs give {scores.shape[1]} class scores but this ROC counts "
                              f"{self.num_classes} classes")
-        if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
-            raise ValueError(f"labels must be class indices in [0, {self.num_classes}); got "
-                             f"{labels.min()} .. {labels.max()}")
+        labels = class_labels(targets, outputs, self.num_classes).numpy()
         at = np.minimum((scores * self.bins).astype(np.int64), self.bins - 1)
         for c in range(self.num_classes):
             mine = labels == c

@@ -120,3 +120,33 @@ def test_bad_columns_and_shapes_are_named_with_the_fix(spark, fitted):
                          feature_shape={"top": (5, 8)})
     with pytest.raises(Exception, match="has 32 values but feature_shape=.5, 8. needs 40"):
         too_big.evaluate(test, inputs=INPUTS, label=LABEL, output=0)
+
+
+def test_column_names_with_dots_are_taken_literally(spark):
+    """CSV headers like "sepal.length" are column names, not struct fields: fit, evaluate and
+    predict read them (a vector column with a dot too)."""
+    from pyspark.ml.functions import array_to_vector
+
+    from paraloom.spark import ParameterAveragingTrainingMaster
+
+    g = np.random.default_rng(0)
+    x = g.normal(size=(40, 3)).astype(np.float32)
+    label = (x.sum(1) > 0).astype(np.int64)
+    frame = spark.createDataFrame(
+        [(float(a), float(b), [float(c)], int(y)) for (a, b, c), y in zip(x, label, strict=True)],
+        "`sepal.length` double, `sepal.width` double, `petal.all` array<double>, `iris.class` long",
+    ).withColumn("petal.all", array_to_vector("`petal.all`"))
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    net = SparkModel(spark, model, ParameterAveragingTrainingMaster(8, workers=2),
+                     loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    features = ["sepal.length", "sepal.width", "petal.all"]
+    assert net.fit(frame, features=features, label="iris.class")["samples"] == 40
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x))
+    found = net.evaluate(frame, features=features, label="iris.class")
+    assert found.accuracy == pytest.approx(float((logits.argmax(1).numpy() == label).mean()))
+    scored = net.predict(frame.coalesce(1), features=features, output="iris.scores")
+    got = np.array([r["iris.scores"] for r in scored.collect()])
+    np.testing.assert_allclose(got, logits.numpy(), rtol=1e-5, atol=1e-6)

@@ -177,3 +177,125 @@ def test_evaluate_a_double_class_label_says_to_set_label_dtype(spark):
                      loss_fn=nn.CrossEntropyLoss())
     with pytest.raises(WorkerError, match=r"Spark evaluation failed: .*label_dtype=torch.long"):
         net.evaluate(frame, features="x")
+
+
+def test_evaluate_one_hot_label_columns_like_class_indices(spark):
+    """DL4J's and Keras's one-hot labels: CrossEntropyLoss trains on them, evaluate counts
+    them as their class (the same metrics as the index column)."""
+    g = np.random.default_rng(0)
+    x = g.normal(size=(60, 3)).astype(np.float32)
+    y = g.integers(0, 3, size=60)
+    frame = spark.createDataFrame(
+        [(r.tolist(), int(c), np.eye(3)[c].tolist()) for r, c in zip(x, y, strict=True)],
+        "x array<float>, label long, onehot array<double>")
+    torch.manual_seed(0)
+    net = SparkModel(spark, nn.Linear(3, 3), ParameterAveragingTrainingMaster(workers=2),
+                     loss_fn=nn.CrossEntropyLoss())
+    by_index = net.evaluate(frame, features="x", metrics=["classification", "roc"])
+    by_row = net.evaluate(frame, features="x", label="onehot",
+                          metrics=["classification", "roc"])
+    rows, index = by_row["classification"].metrics(), by_index["classification"].metrics()
+    assert rows["count"] == 60 and rows["confusion_matrix"] == index["confusion_matrix"]
+    assert rows["loss"] == pytest.approx(index["loss"], rel=1e-5)  # CE of the same classes
+    assert by_row["roc"].metrics()["auc"] == by_index["roc"].metrics()["auc"]
+
+
+def test_fit_on_a_double_class_label_says_to_set_label_dtype(spark):
+    """fit() names the fix too, on either master (evaluate() above already did)."""
+    from paraloom.spark import SharedTrainingMaster, SparkTrainingError
+
+    x = np.random.default_rng(0).normal(size=(20, 3)).astype(np.float32)
+    frame = spark.createDataFrame([(r.tolist(), float(i % 2)) for i, r in enumerate(x)],
+                                  ["x", "label"])
+    for master in (ParameterAveragingTrainingMaster(8, workers=1),
+                   SharedTrainingMaster(8, workers=2)):
+        torch.manual_seed(0)
+        linear = nn.Linear(3, 2)
+        net = SparkModel(spark, linear, master, loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(linear.parameters(), lr=0.1))
+        fix = r"(?s)Long.*Float.*label_dtype=torch.long"
+        with pytest.raises(SparkTrainingError, match=fix) as e:
+            net.fit(frame, features="x")
+        assert e.value.attempts == 1
+
+
+def test_one_logit_model_trains_on_long_labels_and_predicts_classes_like_evaluate(spark, sc):
+    """A binary model with one logit per row and BCEWithLogitsLoss: long 0/1 labels train
+    (BCE needs them as floats), and predict(argmax=True) gives class 1 where the logit is
+    above 0, as evaluate counts it (an argmax over one column is always 0)."""
+    g = np.random.default_rng(0)
+    x = g.normal(size=(80, 4)).astype(np.float32)
+    y = (x @ np.array([1.0, -1.0, 2.0, 0.5]) > 0).astype(np.int64)
+    frame = spark.createDataFrame([(r.tolist(), int(v)) for r, v in zip(x, y, strict=True)],
+                                  "features array<float>, label long")
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 1)
+    net = SparkModel(spark, linear, ParameterAveragingTrainingMaster(16, workers=1),
+                     loss_fn=nn.BCEWithLogitsLoss(),
+                     optimizer=torch.optim.SGD(linear.parameters(), lr=0.5))
+    net.fit(frame, epochs=5)
+    with torch.no_grad():
+        logit = linear(torch.from_numpy(x)).reshape(-1).numpy()
+    expected = (logit > 0).astype(np.int64)
+    found = net.evaluate(frame)
+    assert found.accuracy == pytest.approx(float((expected == y).mean()))
+    assert found.accuracy > 0.85  # it learned
+    scored = net.predict(frame.coalesce(1), argmax=True, output="cls").collect()
+    assert [r.cls for r in scored] == expected.tolist()
+    assert net.predict(sc.parallelize(list(x), 2), argmax=True).collect() == expected.tolist()
+
+
+def test_predict_refuses_output_names_the_dataframe_already_has(spark):
+    """predict adds columns: an output named like an existing column (the label) would
+    overwrite it, or with several outputs make an ambiguous DataFrame; both fail at once,
+    naming the columns, as Spark ML's transform does."""
+    frame = spark.createDataFrame([([1.0, 2.0], 0), ([3.0, 4.0], 1)],
+                                  "features array<float>, label long")
+    net = SparkModel(spark, nn.Linear(2, 2), ParameterAveragingTrainingMaster(workers=1))
+    with pytest.raises(ValueError, match=r"output column\(s\) \['label'\] already exist"):
+        net.predict(frame, output="label")
+    with pytest.raises(ValueError, match=r"\['label'\] already exist"):
+        net.predict(frame, output=("scores", "label"))
+    with pytest.raises(ValueError, match="names a column twice"):
+        net.predict(frame, output=("a", "a"))
+    scored = net.predict(frame, output="scores").collect()
+    assert [r.label for r in scored] == [0, 1] and len(scored[0].scores) == 2
+
+
+def test_a_batch_size_below_one_fails_before_any_job(spark, sc):
+    frame = spark.createDataFrame([([1.0, 2.0], 0)], "features array<float>, label long")
+    net = SparkModel(spark, nn.Linear(2, 2), ParameterAveragingTrainingMaster(workers=1))
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=rf"batch_size={bad}; expected an int >= 1"):
+            net.evaluate(frame, batch_size=bad)
+        with pytest.raises(ValueError, match=rf"batch_size={bad}; expected an int >= 1"):
+            net.evaluate_regression(frame, batch_size=bad)
+        with pytest.raises(ValueError, match=rf"batch_size={bad}; expected an int >= 1"):
+            net.predict(sc.parallelize([[1.0, 2.0]]), batch_size=bad)
+
+
+def test_a_sigmoid_output_trained_with_bce_counts_class_one_above_one_half(spark, sc):
+    """Keras's binary form: a sigmoid output and BCELoss. Its score is a probability, so
+    evaluate and predict(argmax=True) give class 1 above 0.5 (above 0 every row would be 1)."""
+    from sklearn.metrics import roc_auc_score
+
+    g = np.random.default_rng(0)
+    x = g.normal(size=(120, 4)).astype(np.float32)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    with torch.no_grad():
+        p = model(torch.from_numpy(x)).reshape(-1).numpy()
+    y = (p + g.normal(scale=0.1, size=120) > 0.5).astype(np.int64)
+    expected = (p > 0.5).astype(np.int64)
+    assert 0 < expected.sum() < 120  # both classes predicted: a threshold of 0 gives all 1
+    frame = spark.createDataFrame([(r.tolist(), int(v)) for r, v in zip(x, y, strict=True)],
+                                  "features array<float>, label long")
+    net = SparkModel(spark, model, ParameterAveragingTrainingMaster(workers=2),
+                     loss_fn=nn.BCELoss())
+    found = net.evaluate(frame, metrics=["classification", "roc"])
+    assert found["classification"].accuracy == pytest.approx(float((expected == y).mean()))
+    assert found["roc"].metrics()["auc"] == pytest.approx(roc_auc_score(y, p), abs=1e-3)
+    assert net.evaluate(frame).accuracy == found["classification"].accuracy
+    scored = net.predict(frame.coalesce(1), argmax=True, output="cls").collect()
+    assert [r.cls for r in scored] == expected.tolist()
+    assert net.predict(sc.parallelize(list(x), 2), argmax=True).collect() == expected.tolist()

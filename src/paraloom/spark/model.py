@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
@@ -40,7 +41,7 @@ from paraloom.spark.evaluation.metrics import MetricSet
 from paraloom.spark.runtime.interpreter import use_driver_python
 from paraloom.spark.stats import TrainingStats
 from paraloom.spark.training import FitJob, TrainingMaster
-from paraloom.spark.training.master import root_cause
+from paraloom.spark.training.master import SparkTrainingError, root_cause
 from paraloom.sync.base import NoSync
 from paraloom.training.optim import OptimizerFactory, OptimizerSpec
 from paraloom.training.replica import StepFn
@@ -64,6 +65,32 @@ def _spark_context(spark: SparkSession | SparkContext) -> SparkContext:
                         f"a classic session (SparkSession.builder.master(...))")
     use_driver_python(sc)
     return cast("SparkContext", sc)
+
+
+_LABEL_HINT = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)"
+
+
+def _label_hint(cause: str) -> str:
+    """The fix for a classification loss given floating-point class labels, if that failed."""
+    wants_long = re.search(r"Long\b.*\b(got|found) Float", cause) is not None
+    return _LABEL_HINT if wants_long else ""
+
+
+def _with_label_hint(error: SparkTrainingError) -> SparkTrainingError:
+    """``error`` with the label_dtype fix added to its message when that is what went wrong."""
+    message = str(error).split("\n\nTraceback in the worker:")[0]
+    hint = _label_hint(message)
+    if not hint:
+        return error
+    return SparkTrainingError(message + hint, worker=error.worker,
+                              remote_traceback=error.remote_traceback, attempts=error.attempts)
+
+
+def _check_batch_size(batch_size: int) -> None:
+    """``batch_size`` of evaluate / predict: an int >= 1, checked before any Spark job."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}; expected an int >= 1 (rows per forward "
+                         f"pass)")
 
 
 def _dtype_name(model: nn.Module) -> str:
@@ -165,8 +192,14 @@ class SparkModel:
             rows = data_chunks(data, columns, prebatched=prebatched)
         else:
             rows = rows_of(data, columns)
-        result = self.master.fit(job, rows, epochs=epochs, seed=seed,
-                                 collect_stats=collect_stats)
+        try:
+            result = self.master.fit(job, rows, epochs=epochs, seed=seed,
+                                     collect_stats=collect_stats)
+        except SparkTrainingError as e:
+            hinted = _with_label_hint(e) if self.features.label_dtype is None else e
+            if hinted is e:
+                raise
+            raise hinted from e
         with torch.no_grad():
             self.model.load_state_dict(result.state)
         self._adopt_optimizer(result.optimizer_state)
@@ -224,6 +257,23 @@ class SparkModel:
         return self._stats
 
     # -- evaluation and inference --------------------------------------------------------------
+    def _thresholds(self) -> tuple[float, ...]:
+        """Per output: where one score per row turns class 1, 0.5 for a probability (an output
+        trained with ``BCELoss``), else 0 (a logit)."""
+        loss = self.loss_fn
+        losses = [] if loss is None else [loss] if callable(loss) else list(loss)
+        return tuple(0.5 if isinstance(f, nn.BCELoss) else 0.0 for f in losses)
+
+    def _threshold(self, output: int | str | None) -> float:
+        """The class-1 threshold of the output that ``evaluate(output=...)`` counts."""
+        thresholds = self._thresholds()
+        index = 0 if output is None else output
+        return thresholds[index] if isinstance(index, int) and 0 <= index < len(thresholds) \
+            else 0.0
+
+    def _ship(self) -> Shipment:
+        return ship(self.sc, self.model, self.features, self._thresholds())
+
     @overload
     def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = ...,
                  label: Label = ..., inputs: Inputs | None = ...,
@@ -248,6 +298,7 @@ class SparkModel:
         A model with several outputs is evaluated on one: ``output=`` its index (or its key
         for a dict), matched with the same target of ``label=(...)``.
         """
+        _check_batch_size(batch_size)
         columns = self._columns(data, features, label, inputs)
         if metrics is None:
             return self._evaluate(data, columns, output, batch_size, regression=False,
@@ -256,14 +307,15 @@ class SparkModel:
         MetricSet.factory(names)  # a wrong name fails here, before any Spark job
         with self._shipped() as shipment:
             return evaluate_metrics(data_chunks(data, columns, batch_size, prebatched), shipment,
-                                    names,
-                                    loss_fn=self._loss, batch_size=batch_size, output=output)
+                                    names, loss_fn=self._loss, batch_size=batch_size,
+                                    output=output, threshold=self._threshold(output))
 
     def evaluate_regression(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
                             label: Label = "label", inputs: Inputs | None = None,
                             output: int | str | None = None, batch_size: int = 256,
                             prebatched: bool = False) -> RegressionEvaluation:
         """Regression metrics (MSE, MAE, RMSE, R² per output column, and their means)."""
+        _check_batch_size(batch_size)
         columns = self._columns(data, features, label, inputs)
         return self._evaluate(data, columns, output, batch_size, regression=True,
                               prebatched=prebatched)
@@ -285,7 +337,7 @@ class SparkModel:
                 return evaluate_rdd(chunks, shipment, loss_fn=self._loss,
                                     batch_size=batch_size, regression=True, output=output)
             return evaluate_rdd(chunks, shipment, loss_fn=self._loss, batch_size=batch_size,
-                                output=output)
+                                output=output, threshold=self._threshold(output))
 
     @contextlib.contextmanager
     def _shipped(self) -> Iterator[Shipment]:
@@ -294,14 +346,12 @@ class SparkModel:
         from py4j.protocol import Py4JJavaError  # type: ignore[import-untyped]
         from pyspark.errors import PythonException
 
-        shipment = ship(self.sc, self.model, self.features)
+        shipment = self._ship()
         try:
             yield shipment
         except (Py4JJavaError, PythonException) as e:
             cause = root_cause(str(e))
-            hint = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)" \
-                if "Long" in cause and "Float" in cause else ""
-            raise WorkerError(f"Spark evaluation failed: {cause}{hint}") from e
+            raise WorkerError(f"Spark evaluation failed: {cause}{_label_hint(cause)}") from e
         finally:
             shipment.model.unpersist()
             shipment.state.unpersist()
@@ -332,12 +382,13 @@ class SparkModel:
         DataFrame (``array<array<float>>``, or ``array<long>`` with ``argmax``), one array per
         element in an RDD.
         """
+        _check_batch_size(batch_size)
         if is_dataframe(data):
             columns = self._columns(data, features, "label", inputs)
-            return predict_dataframe(data, ship(self.sc, self.model, self.features),
+            return predict_dataframe(data, self._ship(),
                                      features=columns.features, output=output,
                                      batch_size=batch_size, argmax=argmax, prebatched=prebatched)
-        shipment = ship(self.sc, self.model, self.features)
+        shipment = self._ship()
         if is_rdd(data):
             return predict_rdd(data, shipment, batch_size=batch_size, argmax=argmax, keyed=keyed,
                                prebatched=prebatched)

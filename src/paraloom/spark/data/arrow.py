@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from paraloom.spark.data.rows import Columns, Pair, Spec, check_columns
+from paraloom.spark.data.rows import Columns, Pair, Spec, check_columns, column
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
@@ -116,10 +116,10 @@ def decode_chunk(blob: bytes) -> Pair:
 def arrow_columns(df: DataFrame, names: list[str]) -> list[Any]:
     """``df``'s columns ``names`` ready for Arrow: Spark ML vectors as arrays of doubles."""
     from pyspark.ml.functions import vector_to_array
-    from pyspark.sql.functions import col
 
-    return [vector_to_array(col(n)).alias(n)
-            if type(df.schema[n].dataType).__name__ == "VectorUDT" else col(n) for n in names]
+    return [vector_to_array(column(n)).alias(n)
+            if type(df.schema[n].dataType).__name__ == "VectorUDT" else column(n).alias(n)
+            for n in names]
 
 
 def unbatch(cols: dict[str, pa.Array]) -> tuple[dict[str, pa.Array], np.ndarray]:
@@ -189,7 +189,8 @@ def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
         check_prebatched(df, names)
 
     def decode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
+        for arrow_batch in batches:  # the columns' own names back (no copy)
+            batch = pa.RecordBatch.from_arrays(arrow_batch.columns, names=names)
             if prebatched:  # every row a minibatch: one chunk per row
                 parts = (unbatched_pair(batch.slice(i, 1), columns, names)
                          for i in range(batch.num_rows))
@@ -200,7 +201,10 @@ def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
                 yield pa.RecordBatch.from_pydict(
                     {"chunk": pa.array([encode_chunk(pair)], pa.binary())})
 
-    encoded = df.select(*arrow_columns(df, names)).mapInArrow(decode, "chunk binary")
+    # mapInArrow resolves every column by name, reading a dot as a struct field: the columns
+    # travel as _0, _1, ... so that names like "sepal.length" work
+    selected = [c.alias(f"_{i}") for i, c in enumerate(arrow_columns(df, names))]
+    encoded = df.select(*selected).mapInArrow(decode, "chunk binary")
     return encoded.rdd.map(lambda row: decode_chunk(row[0]))
 
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Pair", "field", "Spec", "Inputs", "Label", "Columns", "to_array", "row_pair",
            "partition_arrays", "as_rows", "rows_of", "row_extractor", "check_columns",
-           "check_names", "is_dataframe", "is_rdd"]
+           "check_names", "column", "is_dataframe", "is_rdd"]
 
 Pair = tuple[Any, Any]
 """One element, or a stack of them: (features, label), each an array or a tuple / dict of them
@@ -204,6 +204,14 @@ def _numeric(kind: Any, depth: int = 0) -> bool:
     return isinstance(kind, (NumericType, BooleanType))
 
 
+def column(name: str) -> Any:
+    """The column called ``name``, taken literally: a dot or a backtick in it (``sepal.length``,
+    as in many CSV headers) is part of the name, not a struct field or a quote."""
+    from pyspark.sql.functions import col
+
+    return col("`" + name.replace("`", "``") + "`")
+
+
 def check_names(df: DataFrame, names: list[str], what: str) -> list[str]:
     """``names``, checked on the driver: every one a column of ``df`` holding numbers.
 
@@ -243,7 +251,7 @@ def rows_of(data: RDD[Any] | DataFrame, columns: Columns) -> RDD[Pair]:
     """``as_rows`` with the columns already chosen (ignored for an RDD of pairs)."""
     if is_dataframe(data):
         get = row_extractor(columns)
-        return data.select(*check_columns(data, columns)).rdd.map(get)
+        return data.select(*[column(c) for c in check_columns(data, columns)]).rdd.map(get)
     if is_rdd(data):
         return data.map(row_pair)
     raise TypeError(f"data must be a pyspark RDD of (features, label) or a DataFrame; got "

@@ -19,7 +19,8 @@ keep to themselves), BCE refuses them."""
 
 
 class ColumnTargets:
-    """``loss(outputs, targets)``, with (n,) targets made (n, 1) when the output is (n, 1).
+    """``loss(outputs, targets)``, with (n,) targets made (n, 1) when the output is (n, 1),
+    and integer targets (0/1 class labels) given the output's dtype, which these losses need.
 
     A DataFrame's scalar label column arrives as one value per row; a regression model's
     output has one unit per row. Keras lines the two up the same way.
@@ -29,9 +30,12 @@ class ColumnTargets:
         self.loss = loss
 
     def __call__(self, outputs: Any, targets: Any) -> Any:
-        if isinstance(outputs, Tensor) and isinstance(targets, Tensor) and outputs.dim() == 2 \
-                and outputs.shape[1] == 1 and targets.shape == outputs.shape[:1]:
-            targets = targets.unsqueeze(1)
+        if isinstance(outputs, Tensor) and isinstance(targets, Tensor):
+            if outputs.dim() == 2 and outputs.shape[1] == 1 \
+                    and targets.shape == outputs.shape[:1]:
+                targets = targets.unsqueeze(1)
+            if outputs.is_floating_point() and not targets.is_floating_point():
+                targets = targets.to(outputs.dtype)  # 0/1 class labels for BCE, as Keras takes
         return self.loss(outputs, targets)
 
     def __repr__(self) -> str:

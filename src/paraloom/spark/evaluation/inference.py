@@ -60,16 +60,23 @@ class Shipment:
     state: Broadcast[bytes]
     """Its parameters, ``pack``ed."""
     features: Features
+    thresholds: tuple[float, ...] = ()
+    """Per output: where one score per row turns class 1 for ``argmax`` (0 if not given)."""
+
+    def threshold(self, output: int) -> float:
+        """Output ``output``'s class-1 threshold for one score per row."""
+        return self.thresholds[output] if 0 <= output < len(self.thresholds) else 0.0
 
 
-def ship(sc: SparkContext, model: nn.Module, features: Features) -> Shipment:
+def ship(sc: SparkContext, model: nn.Module, features: Features,
+         thresholds: tuple[float, ...] = ()) -> Shipment:
     """Broadcast ``model`` (structure and current parameters) for evaluation or inference."""
     state = pack({k: v for k, v in model.state_dict().items()})
     structure = cloudpickle.dumps(model)
     # Both in the key: the same parameters in another module (an activation swapped, a plain
     # attribute changed) must not find the cached model in a reused Python worker.
     key = hashlib.sha256(hashlib.sha256(structure).digest() + state).hexdigest()[:24]
-    return Shipment(key, sc.broadcast(structure), sc.broadcast(state), features)
+    return Shipment(key, sc.broadcast(structure), sc.broadcast(state), features, thresholds)
 
 
 def shipped_model(shipment: Shipment) -> nn.Module:
@@ -175,36 +182,43 @@ def _aggregate(chunks: RDD[Pair], shipment: Shipment, loss_fn: LossFn | None, ba
 @overload
 def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
                  batch_size: int = 256, regression: Literal[False] = False,
-                 depth: int = 2, output: int | str | None = None) -> Evaluation: ...
+                 depth: int = 2, output: int | str | None = None,
+                 threshold: float = 0.0) -> Evaluation: ...
 @overload
 def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
                  batch_size: int = 256, regression: Literal[True],
-                 depth: int = 2, output: int | str | None = None) -> RegressionEvaluation: ...
+                 depth: int = 2, output: int | str | None = None,
+                 threshold: float = 0.0) -> RegressionEvaluation: ...
 def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
                  batch_size: int = 256, regression: bool = False,
-                 depth: int = 2,
-                 output: int | str | None = None) -> Evaluation | RegressionEvaluation:
+                 depth: int = 2, output: int | str | None = None,
+                 threshold: float = 0.0) -> Evaluation | RegressionEvaluation:
     """Evaluation (or RegressionEvaluation) of chunks of stacked ``(features, label)`` rows
     (``data.arrow.data_chunks``) via treeAggregate.
 
-    ``output`` picks which of a multi-output model's outputs (and targets) is counted.
+    ``output`` picks which of a multi-output model's outputs (and targets) is counted;
+    ``threshold``: where one score per row turns class 1 (0.5 for probabilities).
     """
-    new_state = metric_factory("regression" if regression else "classification")
+    new_state = metric_factory("regression" if regression else "classification", threshold)
     state = _aggregate(chunks, shipment, loss_fn, batch_size, new_state, depth, output)
     return cast("Evaluation | RegressionEvaluation", state)
 
 
 def evaluate_metrics(chunks: RDD[Pair], shipment: Shipment, metrics: Sequence[str], *,
                      loss_fn: LossFn | None = None, batch_size: int = 256, depth: int = 2,
-                     output: int | str | None = None) -> dict[str, Any]:
+                     output: int | str | None = None, threshold: float = 0.0) -> dict[str, Any]:
     """Several metrics (``metrics.METRICS`` names) of chunks of rows, in one pass."""
-    result = _aggregate(chunks, shipment, loss_fn, batch_size, MetricSet.factory(metrics), depth,
-                        output)
+    result = _aggregate(chunks, shipment, loss_fn, batch_size,
+                        MetricSet.factory(metrics, threshold), depth, output)
     return dict(result.states)
 
 
-def _per_row(out: torch.Tensor, argmax: bool) -> list[Any]:
+def _per_row(out: torch.Tensor, argmax: bool, threshold: float = 0.0) -> list[Any]:
     if argmax:
+        if out.dim() == 1 or (out.dim() == 2 and out.shape[1] == 1):
+            # one score per row: class 1 above the threshold (0 for a logit, 0.5 for a
+            # probability), as evaluate counts it (an argmax over one column is always 0)
+            return (out.reshape(-1) > threshold).long().tolist()
         if out.dim() < 2:
             raise ValueError(f"argmax=True needs outputs of shape (rows, classes); the model "
                              f"returned shape {tuple(out.shape)}. Leave argmax unset")
@@ -221,10 +235,10 @@ def _several(out: Any) -> list[torch.Tensor] | None:
     return None
 
 
-def _whole(out: torch.Tensor, argmax: bool) -> np.ndarray:
+def _whole(out: torch.Tensor, argmax: bool, threshold: float = 0.0) -> np.ndarray:
     """A pre-batched element's outputs: class indices (n,), or the rows (n, ...) as numpy."""
     if argmax:
-        return np.asarray(_per_row(out, argmax), dtype=np.int64)
+        return np.asarray(_per_row(out, argmax, threshold), dtype=np.int64)
     return out.detach().cpu().numpy()
 
 
@@ -243,8 +257,8 @@ def predict_rdd(rdd: RDD[Any], shipment: Shipment, *, batch_size: int = 256,
             key, x = element if keyed else (None, element)
             out = _outputs(model, field(x), shipment.features, batch_size)
             parts = _several(out)
-            result = (_whole(out, argmax) if parts is None
-                      else tuple(_whole(o, argmax) for o in parts))
+            result = (_whole(out, argmax, shipment.threshold(0)) if parts is None else
+                      tuple(_whole(o, argmax, shipment.threshold(i)) for i, o in enumerate(parts)))
             yield (key, result) if keyed else result
 
     def run(rows: Iterable[Any]) -> Iterator[Any]:
@@ -255,8 +269,9 @@ def predict_rdd(rdd: RDD[Any], shipment: Shipment, *, batch_size: int = 256,
             x = stack([field(f) for f in ([f for _, f in chunk] if keyed else chunk)])
             out = _outputs(model, x, shipment.features, batch_size)
             parts = _several(out)
-            per_row = (_per_row(out, argmax) if parts is None else
-                       list(zip(*[_per_row(o, argmax) for o in parts], strict=True)))
+            per_row = (_per_row(out, argmax, shipment.threshold(0)) if parts is None else
+                       list(zip(*[_per_row(o, argmax, shipment.threshold(i))
+                                  for i, o in enumerate(parts)], strict=True)))
             yield from (zip(keys, per_row, strict=True) if keys is not None else per_row)
 
     return rdd.mapPartitions(run_batches if prebatched else run)
@@ -274,12 +289,13 @@ def _layout(features: Any) -> list[str]:
     return names
 
 
-def _arrow_output(out: torch.Tensor, argmax: bool, dtype: str) -> Any:
+def _arrow_output(out: torch.Tensor, argmax: bool, dtype: str, threshold: float = 0.0) -> Any:
     """One output per row as an Arrow array: the class index (int64), or the flattened row."""
     import pyarrow as pa  # type: ignore[import-untyped]
 
     if argmax:
-        return pa.array(np.asarray(_per_row(out, argmax), dtype=np.int64), pa.int64())
+        return pa.array(np.asarray(_per_row(out, argmax, threshold), dtype=np.int64),
+                        pa.int64())
     flat = out.detach().reshape(len(out), -1).cpu().numpy().astype(dtype, copy=False)
     width = flat.shape[1]
     offsets = np.arange(0, (len(flat) + 1) * width, width, dtype=np.int32)
@@ -311,8 +327,8 @@ def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: Any,
         out = _outputs(shipped_model(shipment), x, shipment.features, batch_size)
         parts = _several(out)
 
-        def column(o: torch.Tensor) -> Any:
-            one = _arrow_output(o, argmax, dtype)
+        def column(o: torch.Tensor, i: int = 0) -> Any:
+            one = _arrow_output(o, argmax, dtype, shipment.threshold(i))
             return one if per_row is None else pa.ListArray.from_arrays(per_row, one)
 
         if outputs is None:
@@ -324,7 +340,8 @@ def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: Any,
             got = 1 if parts is None else len(parts)
             raise ValueError(f"output={outputs} names {len(outputs)} columns but the model "
                              f"returned {got} output(s); give one name per output")
-        return pa.StructArray.from_arrays([column(o) for o in parts], names=list(outputs))
+        return pa.StructArray.from_arrays([column(o, i) for i, o in enumerate(parts)],
+                                          names=list(outputs))
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         task_threads()
@@ -332,6 +349,19 @@ def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: Any,
             yield score(cols if isinstance(cols, tuple) else (cols,))
 
     return run
+
+
+def _check_new_columns(df: DataFrame, outputs: tuple[str, ...]) -> None:
+    """Output names must be new and distinct: predict adds columns, it never replaces one (a
+    label column overwritten would be lost; two of one name are ambiguous), as Spark ML."""
+    taken = [o for o in outputs if o in df.columns]
+    if taken:
+        raise ValueError(f"output column(s) {taken} already exist in the DataFrame (its columns "
+                         f"are {df.columns}); predict adds new columns: pass output= other "
+                         f"names, or drop those columns first")
+    if len(set(outputs)) != len(outputs):
+        raise ValueError(f"output={outputs} names a column twice; give one distinct name per "
+                         f"model output")
 
 
 def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
@@ -366,6 +396,7 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
     if not outputs or not all(isinstance(o, str) for o in outputs):
         raise TypeError(f"output={output!r}; expected a column name, or a tuple of names (one "
                         f"per model output)")
+    _check_new_columns(df, outputs)
     several = not isinstance(output, str)
     element_pa = pa.float64() if shipment.features.dtype == "float64" else pa.float32()
     one_pa = pa.int64() if argmax else pa.list_(element_pa)

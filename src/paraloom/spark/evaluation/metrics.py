@@ -42,10 +42,11 @@ def _classes(out: torch.Tensor) -> int:
     return int(out.shape[1]) if out.dim() > 1 and out.shape[1] > 1 else 2
 
 
-def metric_factory(name: str) -> Callable[[torch.Tensor], MetricState]:
-    """A state builder for one metric name, sized from the first batch of outputs."""
+def metric_factory(name: str, threshold: float = 0.0) -> Callable[[torch.Tensor], MetricState]:
+    """A state builder for one metric name, sized from the first batch of outputs;
+    ``threshold``: where one score per row turns class 1 (``Evaluation.threshold``)."""
     if name == "classification":
-        return lambda out: Evaluation(_classes(out))
+        return lambda out: Evaluation(_classes(out), threshold=threshold)
     if name == "roc":
         return lambda out: ROC(_classes(out))
     if name == "regression":
@@ -60,11 +61,12 @@ class MetricSet:
     states: dict[str, Any]
 
     @classmethod
-    def factory(cls, names: Sequence[str]) -> Callable[[torch.Tensor], MetricSet]:
+    def factory(cls, names: Sequence[str],
+                threshold: float = 0.0) -> Callable[[torch.Tensor], MetricSet]:
         """A builder of the named states (checked now, built on the first batch)."""
         if isinstance(names, str) or not names:
             raise ValueError(f"metrics={names!r}; expected a non-empty list of {list(METRICS)}")
-        makers = {n: metric_factory(n) for n in names}
+        makers = {n: metric_factory(n, threshold) for n in names}
         return lambda out: cls({n: make(out) for n, make in makers.items()})
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0) -> None:

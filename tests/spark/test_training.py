@@ -177,3 +177,24 @@ def test_settings_changed_before_a_fit_apply_without_optimizer_state(spark, sc, 
     opt.param_groups[0]["lr"] = 0.1
     net.fit(h.rdd(sc, "train"), epochs=1)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("master", ["averaging", "shared"])
+def test_gradient_clipping_bounds_every_step(spark, sc, master):
+    """SGD at lr 1 with each step's gradient norm clipped to 1e-3: no task's step moves the
+    parameters further than that, so neither can their average or their shared sum."""
+    chosen = shared_master() if master == "shared" else \
+        ParameterAveragingTrainingMaster(batch_size_per_worker=32, workers=2)
+    moved = {}
+    for clip in (1e-3, None):
+        model = _mlp()
+        before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        net = SparkModel(spark, model, chosen, loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                         gradient_clip_val=clip)
+        net.fit(h.rdd(sc, "train"), epochs=1)
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        moved[clip] = float((after - before).norm())
+    steps = -(-1438 // 32)  # a worker's batches in the epoch, at most (partitions may differ)
+    assert 0 < moved[1e-3] <= steps * 1e-3 * (1 + 1e-4)
+    assert moved[None] > 10 * steps * 1e-3

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, overload
 import torch
 from torch import nn
 
+from paraloom.clipping import GradientClipping
 from paraloom.data import cpu_copy
 from paraloom.errors import WorkerError
 from paraloom.evaluation import Evaluation
@@ -112,6 +113,8 @@ class SparkModel:
     label dtype (e.g. ``torch.long`` for a DataFrame's double labels with a classification
     loss). A scalar label column against a one-unit output, with one of PyTorch's elementwise
     losses (MSE, L1, Huber, BCE), gets targets shaped like the output, (n, 1), as in Keras.
+    ``gradient_clip_val`` / ``gradient_clip_algorithm`` clip each task's gradients before its
+    optimizer steps, as ``ParallelWrapper``'s do.
     """
 
     def __init__(self, spark: SparkSession | SparkContext, model: nn.Module,
@@ -120,7 +123,9 @@ class SparkModel:
                  step_fn: StepFn | None = None,
                  feature_shape: Sequence[int] | Sequence[Sequence[int] | None]
                  | dict[str, Sequence[int] | None] | None = None,
-                 label_dtype: torch.dtype | None = None) -> None:
+                 label_dtype: torch.dtype | None = None,
+                 gradient_clip_val: float | None = None,
+                 gradient_clip_algorithm: str = "norm") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         if not isinstance(master, TrainingMaster):
@@ -133,6 +138,7 @@ class SparkModel:
         self.master = master
         self.loss_fn = loss_fn
         self.step_fn = step_fn
+        self.clipping = GradientClipping.of(gradient_clip_val, gradient_clip_algorithm)
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self._optimizer_spec = OptimizerSpec.from_user(optimizer, model) \
             if optimizer is not None else None
@@ -183,7 +189,7 @@ class SparkModel:
         if self._user_optimizer is not None:  # its param groups as they are now
             self._optimizer_spec = OptimizerSpec.from_user(self._user_optimizer, self.model)
         spec = WorkerSpec(model=self.model, optimizer=self._optimizer_spec, loss_fn=self._loss,
-                          step_fn=self.step_fn, synchronizer=NoSync())
+                          step_fn=self.step_fn, synchronizer=NoSync(), clipping=self.clipping)
         state = cpu_copy(self.model.state_dict())
         job = FitJob(self.sc, spec, state, self._optimizer_state_now(), self.features)
         columns = self._columns(data, features, label, inputs)

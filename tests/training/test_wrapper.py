@@ -242,6 +242,36 @@ def test_a_step_fn_takes_dict_batches_from_a_list():
     torch.testing.assert_close(model.weight.detach(), torch.ones(1, 3), atol=0.05, rtol=0)
 
 
+@pytest.mark.parametrize("options", [{}, {"find_unused_parameters": True},
+                                     {"static_graph": True}])
+@pytest.mark.parametrize("idle", [False, True], ids=["full-rounds", "idle-round"])
+def test_allreduce_step_fn_gets_the_users_model_and_its_gradients_are_all_reduced(options, idle):
+    """As in Lightning, step_fn gets the user's module (its training_step works) and runs inside
+    DDP's forward: the result is one process's SGD on the merged batches, replicas identical."""
+    from training_helpers import SelfTraining, call_training_step, make_weight_reporting
+
+    pairs = [(1.0, 1.0), (2.0, -1.0), (0.5, 2.0), (1.5, 0.0), (2.0, 3.0)][:5 if idle else 4]
+    batches = [(torch.tensor([[v]]), torch.tensor([[t]])) for v, t in pairs]
+    model = SelfTraining()
+    with ParallelWrapper(model, step_fn=call_training_step, workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5), timeout=60,
+                         training_mode=make_weight_reporting("allreduce", **options)) as w:
+        stats = w.fit(batches)
+    reference = SelfTraining()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for i in range(0, len(batches), 2):
+        pair = batches[i:i + 2]
+        merged = (torch.cat([x for x, _ in pair]), torch.cat([t for _, t in pair]))
+        opt.zero_grad()
+        # An idle replica all-reduces zeros: the lone batch's gradient counts half.
+        (reference.training_step(merged) * len(pair) / 2).backward()
+        opt.step()
+    first, second = (r["weights"] for r in stats["per_worker"])
+    assert first == second, "the replicas must stay bit-identical"
+    trained = float(model.w.detach())
+    assert trained == pytest.approx(float(reference.w.detach()), abs=1e-6) and trained != 0.0
+
+
 def test_optimizer_state_comes_back_to_the_users_optimizer():
     model = Scalar()
     opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)

@@ -170,7 +170,7 @@ class Replica:
             batch = map_tensors(batch, self.precision.cast)
         with self.precision.forward_context(self.device):
             if self.step_fn is not None:
-                loss = self.step_fn(self._module, batch)
+                loss = self.sync.run_step_fn(self.step_fn, self._module, batch, self.ctx)
             else:
                 loss = self._model_loss(batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

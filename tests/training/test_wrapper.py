@@ -272,6 +272,49 @@ def test_allreduce_step_fn_gets_the_users_model_and_its_gradients_are_all_reduce
     assert trained == pytest.approx(float(reference.w.detach()), abs=1e-6) and trained != 0.0
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_optimizer_whose_constructor_requires_lr_is_rebuilt_from_its_defaults(workers):
+    from training_helpers import SignSGD
+
+    model = Scalar()
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=SignSGD(model.parameters(), lr=0.25),
+                         workers=workers, progress=False, timeout=60) as w:
+        w.fit(scalar_batches([3, 1, 2, 5]))
+    # Every gradient is positive: each replica takes 4 / workers sign steps of 0.25.
+    assert float(model.w.detach()) == -1.0 / workers
+
+
+class _RenamedLr(torch.optim.SGD):
+    """Its constructor's learning_rate is not a key of its defaults (SGD's "lr" is)."""
+
+    def __init__(self, params, learning_rate: float) -> None:
+        super().__init__(params, lr=learning_rate)
+
+
+def test_an_optimizer_that_cannot_be_rebuilt_is_refused_with_a_factory_hint():
+    model = Scalar()
+    hint = r"optimizer=lambda params: _RenamedLr\(params, lr=\.\.\.\)"
+    with pytest.raises(ValueError, match=r"_RenamedLr.*requires \['learning_rate'\].*" + hint):
+        ParallelWrapper(model, loss_fn=linear_loss, workers=2, progress=False,
+                        optimizer=_RenamedLr(model.parameters(), learning_rate=0.1))
+    with ParallelWrapper(model, loss_fn=linear_loss, workers=2, progress=False, timeout=60,
+                         optimizer=lambda params: _RenamedLr(params, learning_rate=1.0)) as w:
+        w.fit(scalar_batches([3, 1]))  # the factory the message suggests works
+    assert float(model.w.detach()) == -2.0
+
+
+def test_lbfgs_which_steps_with_a_closure_is_refused_clearly():
+    model = Scalar()
+    with pytest.raises(ValueError, match="LBFGS needs a closure"):
+        ParallelWrapper(model, loss_fn=linear_loss, workers=2, progress=False,
+                        optimizer=torch.optim.LBFGS(model.parameters()))
+    with ParallelWrapper(model, loss_fn=linear_loss, workers=1, progress=False,
+                         optimizer=lambda params: torch.optim.LBFGS(params)) as w:
+        with pytest.raises(ValueError, match="LBFGS needs a closure"):
+            w.fit(scalar_batches([3, 1]))
+    assert float(model.w.detach()) == 0.0
+
+
 def test_optimizer_state_comes_back_to_the_users_optimizer():
     model = Scalar()
     opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)

@@ -124,6 +124,20 @@ def call_training_step(model: nn.Module, batch) -> torch.Tensor:
     return model.training_step(batch)
 
 
+class SignSGD(torch.optim.Optimizer):
+    """A hand-written optimizer whose constructor requires ``lr`` (no default)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
 def make_weight_reporting(mode: str, **options):
     """A synchronizer of ``mode`` (with ``options``) whose stats() report the replica's weights,
     so a test sees every worker's replica (``stats()["per_worker"]``), not only rank 0's."""

@@ -358,6 +358,24 @@ def test_invalid_arguments_are_rejected_with_the_fix():
         wrapper.fit((b for b in scalar_batches([1, 2])), epochs=2)
 
 
+def test_data_without_batches_is_refused_before_training_saying_why():
+    from torch.utils.data import TensorDataset
+
+    rows = TensorDataset(torch.ones(3, 1), torch.zeros(3))
+    cases = [([], r"no batches at all: the list is empty"),
+             (DataLoader(TensorDataset(torch.ones(0, 1), torch.zeros(0)), batch_size=4),
+              r"no batches at all: the DataLoader's TensorDataset .*has no rows"),
+             (DataLoader(rows, batch_size=4, drop_last=True),
+              r"3 row\(s\), fewer than batch_size=4, and drop_last=True.*drop_last=False")]
+    model, wrapper = scalar_wrapper(2)
+    with wrapper:
+        for data, message in cases:
+            with pytest.raises(ValueError, match=message):
+                wrapper.fit(data)
+        assert wrapper.worker_pids == []  # refused before any worker started
+    assert float(model.w.detach()) == 0.0
+
+
 _ORPHAN_SCRIPT = """
 import sys, time, torch
 from torch import nn

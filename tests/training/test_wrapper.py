@@ -358,6 +358,28 @@ def test_invalid_arguments_are_rejected_with_the_fix():
         wrapper.fit((b for b in scalar_batches([1, 2])), epochs=2)
 
 
+@pytest.mark.parametrize("mode", ["averaging", "allreduce", "shared_gradients"])
+def test_fit_arguments_given_to_the_constructor_are_sent_to_fit(mode):
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(TypeError, match=r"^epochs= is not a ParallelWrapper option; it goes to "
+                                        r"fit\(\): wrapper\.fit\(data, epochs=3\)$"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, training_mode=mode, epochs=3)
+    with pytest.raises(TypeError, match=r"batch_size=, shuffle= are not ParallelWrapper options"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, training_mode=mode,
+                        batch_size=4, shuffle=True)
+
+
+def test_an_unknown_option_names_the_modes_options_as_parallel_wrapper_takes_them():
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(TypeError, match=r"\['lr'\] do not apply to training_mode='averaging': "
+                                        r"they are neither ParallelWrapper arguments nor options"
+                                        r" of this mode, which takes \['average_updaters', "
+                                        r"'averaging_frequency'\]$"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, lr=0.1)
+
+
 def test_data_without_batches_is_refused_before_training_saying_why():
     from torch.utils.data import TensorDataset
 

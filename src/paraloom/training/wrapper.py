@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import logging
 import warnings
@@ -117,6 +118,7 @@ class ParallelWrapper:
         self.step_timeout = step_timeout
         self.max_failures = max_failures
         self.listeners: list[TrainingListener] = [as_listener(x) for x in listeners]
+        _refuse_fit_arguments(sync_options)
         self.synchronizer = build_synchronizer(
             training_mode, averaging_frequency=averaging_frequency,
             average_updaters=average_updaters, **sync_options)
@@ -642,6 +644,18 @@ def _set_data_rng(states: list[torch.Tensor], generators: list[torch.Generator])
     torch.set_rng_state(states[0])
     for g, state in zip(generators, states[1:], strict=True):
         g.set_state(state)
+
+
+def _refuse_fit_arguments(options: dict[str, Any]) -> None:
+    """Refuse fit()'s arguments (epochs=, batch_size=, ...) given to the constructor."""
+    fit_arguments = set(inspect.signature(ParallelWrapper.fit).parameters) - {"self", "data"}
+    misplaced = sorted(fit_arguments & set(options))
+    if misplaced:
+        names = ", ".join(f"{k}=" for k in misplaced)
+        verbs = ("is not a ParallelWrapper option; it goes", "are not ParallelWrapper options; "
+                 "they go")[len(misplaced) > 1]
+        example = ", ".join(f"{k}={options[k]!r}" for k in misplaced)
+        raise TypeError(f"{names} {verbs} to fit(): wrapper.fit(data, {example})")
 
 
 def _total(data: Any, epochs: int) -> int | None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import itertools
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -64,6 +66,28 @@ from paraloom.training.versions import ReplicaMirror, hyperparameters
 __all__ = ["ParallelWrapper"]
 
 log = logging.getLogger("paraloom")
+
+
+_Fit = TypeVar("_Fit", bound=Callable[..., Any])
+
+
+def _one_fit_at_a_time(fit: _Fit) -> _Fit:
+    """Refuse fit() while one is running (from a listener, or another thread)."""
+
+    @functools.wraps(fit)
+    def guarded(self: ParallelWrapper, *args: Any, **kwargs: Any) -> Any:
+        if self._fit_thread is not None:
+            raise RuntimeError("fit() was called while fit() is running (from a listener, or "
+                               "another thread): a listener may call wrapper.stop() to end "
+                               "training after the round in flight; call fit() again once the "
+                               "running one has returned")
+        self._fit_thread = threading.get_ident()
+        try:
+            return fit(self, *args, **kwargs)
+        finally:
+            self._fit_thread = None
+
+    return cast(_Fit, guarded)
 
 
 class ParallelWrapper:
@@ -148,6 +172,8 @@ class ParallelWrapper:
         """The last fit's result, held so that its shared memory (worker 0's outbox, which the
         next result reuses) stays mapped here: mapping 150 MB anew costs more than copying it."""
         self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, workers)
+        self._fit_thread: int | None = None
+        """The thread running fit(), while one does."""
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> ParallelWrapper:
@@ -158,6 +184,14 @@ class ParallelWrapper:
 
     def close(self) -> None:
         """Stop the worker processes; the wrapper starts new ones if fit() is called again."""
+        if self._fit_thread == threading.get_ident():
+            raise RuntimeError("close() was called while fit() is running (from a listener?): "
+                               "it would stop the workers under the running fit(). Call "
+                               "wrapper.stop() to end training after the round in flight, and "
+                               "close() once fit() has returned")
+        self._close()
+
+    def _close(self) -> None:
         self._mirror = None
         self._received = None  # its shared memory belonged to worker 0's outbox
         if self._pool is not None:
@@ -198,7 +232,7 @@ class ParallelWrapper:
         if self._pool is not None and self._pool.alive:
             log.info("the trainable parameters or the optimizer's param groups changed since "
                      "the workers started: restarting them")
-        self.close()
+        self._close()
         if self._user_optimizer is not None:  # its param groups as they are now
             self._spec = replace(self._spec, optimizer=OptimizerSpec.from_user(
                 self._user_optimizer, self.model))
@@ -232,6 +266,7 @@ class ParallelWrapper:
             self._tracker.recovered(recovery)
 
     # -- training ------------------------------------------------------------------------------
+    @_one_fit_at_a_time
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None,
             shuffle: bool = False, resume_from: str | Path | None = None,
             initial_epoch: int = 0) -> dict[str, Any]:

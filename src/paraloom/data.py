@@ -164,7 +164,13 @@ class IndexedDataset:
 
 def as_data_source(data: object, batch_size: int | None = None, shuffle: bool = False) -> Any:
     """Validate a data source; a Dataset (or an IterableDataset of single samples) with
-    ``batch_size`` becomes a DataLoader."""
+    ``batch_size`` becomes a DataLoader. One whose length says it has no batches is refused."""
+    source = _batched_source(data, batch_size, shuffle)
+    _refuse_empty(source)
+    return source
+
+
+def _batched_source(data: object, batch_size: int | None, shuffle: bool) -> Any:
     if isinstance(data, Dataset) and not isinstance(data, (IterableDataset,)):
         if batch_size is None:
             raise TypeError(f"got a {type(data).__name__} (single samples) where batches are "
@@ -183,6 +189,35 @@ def as_data_source(data: object, batch_size: int | None = None, shuffle: bool = 
         raise TypeError(f"data must be iterable, yielding (inputs, targets) batches; got "
                         f"{type(data).__name__}")
     return data
+
+
+def _refuse_empty(data: Any) -> None:
+    """Refuse a source whose length says it has no batches, saying why (before any training)."""
+    if isinstance(data, DataLoader) and isinstance(data.dataset, IterableDataset):
+        return  # its length is only the dataset's own estimate
+    try:
+        batches = len(data)
+    except TypeError:
+        return  # a stream: its batches are counted as they are dealt
+    if batches == 0:
+        raise ValueError(f"data has no batches at all: {_why_empty(data)}")
+
+
+def _why_empty(data: Any) -> str:
+    if not isinstance(data, DataLoader):
+        return (f"the {type(data).__name__} is empty; pass at least one (inputs, targets) "
+                "batch")
+    try:
+        rows = len(data.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        rows = None
+    if rows == 0:
+        return f"the DataLoader's {type(data.dataset).__name__} (or its sampler) has no rows"
+    if data.drop_last and data.batch_size and rows is not None and rows < data.batch_size:
+        return (f"the DataLoader has {rows} row(s), fewer than batch_size={data.batch_size}, "
+                "and drop_last=True drops that one partial batch: use drop_last=False or a "
+                f"batch_size of at most {rows}")
+    return "the DataLoader's batch sampler has no batches (len(loader) == 0)"
 
 
 def indexed_view(data: object) -> IndexedDataset | None:

@@ -313,6 +313,22 @@ def test_timed_synchronizer_delegates_and_splits_rounds():
         {"wait": 0.5}
 
 
+def test_timed_synchronizer_runs_step_fn_the_inner_synchronizers_way():
+    """AllReduce runs a step_fn on the user's module inside DDP: timing must not bypass it."""
+    from paraloom.sync.base import StepContext, Synchronizer
+
+    class Unwrapping(Synchronizer):
+        def run_step_fn(self, step_fn, module, batch, ctx):
+            return step_fn(ctx.model, batch) * 2
+
+    model = torch.nn.Linear(1, 1)
+    ctx = StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = []
+    loss = TimedSynchronizer(Unwrapping()).run_step_fn(
+        lambda m, b: seen.append(m) or torch.tensor(float(b)), torch.nn.Identity(), 3, ctx)
+    assert seen == [model] and loss.item() == 6.0
+
+
 def test_stats_page_from_synthetic_rounds(tmp_path):
     n = 2500  # more rounds than bars: the page buckets them
     rounds = {"start": [i * 0.01 for i in range(n)], **{p: [0.001] * n for p in PHASES}}

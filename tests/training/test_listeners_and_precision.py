@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -85,3 +86,27 @@ def test_half_replicas_and_unknown_precision(digits_loader, digits_test):
     with pytest.raises(ValueError, match="'32-true'"):
         ParallelWrapper(MLP(), loss_fn=nn.CrossEntropyLoss(), precision="fp8",
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+@pytest.mark.parametrize(("model_dtype", "input_dtype", "fix"), [
+    (torch.float32, torch.float64, r"\(x\.float\(\)\) or the model \(model\.double\(\)\)$"),
+    (torch.float32, torch.bfloat16,
+     r"\(x\.float\(\)\) or the model \(model\.bfloat16\(\)\), or train with "
+     r"precision=\"bf16-true\""),
+    (torch.float32, torch.float16, r"\(model\.half\(\)\), or train with precision=\"16-true\""),
+    (torch.float64, torch.float32, r"\(x\.double\(\)\) or the model \(model\.float\(\)\)$"),
+])
+def test_an_input_dtype_mismatch_names_the_conversion_for_those_dtypes(model_dtype, input_dtype,
+                                                                        fix):
+    from paraloom import WorkerError
+
+    model = nn.Linear(4, 2).to(model_dtype)
+    batches = [(torch.ones(2, 4, dtype=input_dtype), torch.zeros(2, dtype=torch.long))]
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        with pytest.raises(WorkerError) as caught:
+            w.fit(batches)
+    message = str(caught.value).splitlines()[0]
+    named = f"the inputs are {str(input_dtype)[6:]} but the model's parameters are " \
+            f"{str(model_dtype)[6:]}: convert the data "
+    assert named in message and re.search(fix, message), message

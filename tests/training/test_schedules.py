@@ -113,3 +113,4 @@ def test_stop_in_on_epoch_start_trains_nothing_of_that_epoch() -> None:
         stats = wrapper.fit(ONES, epochs=3)
     assert stats["rounds"] == 2 and model.w.item() == -2.0
     assert events == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]
+

@@ -5,8 +5,9 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import pytest
 import torch
-from training_helpers import Scalar
+from training_helpers import Scalar, linear_loss
 
 from paraloom import ParallelWrapper, TrainingListener
 from paraloom.training.gate import RoundGate
@@ -94,3 +95,26 @@ def test_stop_skips_rounds_dealt_before_it_also_at_the_end_of_a_fit():
     trained = stats["rounds"]
     assert trained == 2 and iterations == [0, 1], (stats, iterations)
     assert model.w.item() == -trained
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("call", ["fit", "close"])
+def test_fit_or_close_from_a_listener_is_refused_and_the_wrapper_trains_on(workers, call):
+    model = Scalar()
+    batches = [(torch.ones(1, 1), torch.zeros(1))] * 8
+
+    def listener(iteration, epoch, loss):
+        if iteration == 1:
+            wrapper.fit(batches[:2]) if call == "fit" else wrapper.close()
+
+    wrapper = ParallelWrapper(model, loss_fn=linear_loss, workers=workers, progress=False,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                              listeners=[listener], timeout=60)
+    with wrapper:
+        with pytest.raises(RuntimeError, match=rf"^{call}\(\) was called while fit\(\) is "
+                                               r"running \(from a listener.*wrapper\.stop\(\)"):
+            wrapper.fit(batches)
+        wrapper.listeners.clear()
+        before = model.w.item()
+        stats = wrapper.fit(batches[:4])
+        assert stats["rounds"] == 4 // workers and model.w.item() == before - 4 // workers

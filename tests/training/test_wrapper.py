@@ -242,6 +242,79 @@ def test_a_step_fn_takes_dict_batches_from_a_list():
     torch.testing.assert_close(model.weight.detach(), torch.ones(1, 3), atol=0.05, rtol=0)
 
 
+@pytest.mark.parametrize("options", [{}, {"find_unused_parameters": True},
+                                     {"static_graph": True}])
+@pytest.mark.parametrize("idle", [False, True], ids=["full-rounds", "idle-round"])
+def test_allreduce_step_fn_gets_the_users_model_and_its_gradients_are_all_reduced(options, idle):
+    """As in Lightning, step_fn gets the user's module (its training_step works) and runs inside
+    DDP's forward: the result is one process's SGD on the merged batches, replicas identical."""
+    from training_helpers import SelfTraining, call_training_step, make_weight_reporting
+
+    pairs = [(1.0, 1.0), (2.0, -1.0), (0.5, 2.0), (1.5, 0.0), (2.0, 3.0)][:5 if idle else 4]
+    batches = [(torch.tensor([[v]]), torch.tensor([[t]])) for v, t in pairs]
+    model = SelfTraining()
+    with ParallelWrapper(model, step_fn=call_training_step, workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5), timeout=60,
+                         training_mode=make_weight_reporting("allreduce", **options)) as w:
+        stats = w.fit(batches)
+    reference = SelfTraining()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for i in range(0, len(batches), 2):
+        pair = batches[i:i + 2]
+        merged = (torch.cat([x for x, _ in pair]), torch.cat([t for _, t in pair]))
+        opt.zero_grad()
+        # An idle replica all-reduces zeros: the lone batch's gradient counts half.
+        (reference.training_step(merged) * len(pair) / 2).backward()
+        opt.step()
+    first, second = (r["weights"] for r in stats["per_worker"])
+    assert first == second, "the replicas must stay bit-identical"
+    trained = float(model.w.detach())
+    assert trained == pytest.approx(float(reference.w.detach()), abs=1e-6) and trained != 0.0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_optimizer_whose_constructor_requires_lr_is_rebuilt_from_its_defaults(workers):
+    from training_helpers import SignSGD
+
+    model = Scalar()
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=SignSGD(model.parameters(), lr=0.25),
+                         workers=workers, progress=False, timeout=60) as w:
+        w.fit(scalar_batches([3, 1, 2, 5]))
+    # Every gradient is positive: each replica takes 4 / workers sign steps of 0.25.
+    assert float(model.w.detach()) == -1.0 / workers
+
+
+class _RenamedLr(torch.optim.SGD):
+    """Its constructor's learning_rate is not a key of its defaults (SGD's "lr" is)."""
+
+    def __init__(self, params, learning_rate: float) -> None:
+        super().__init__(params, lr=learning_rate)
+
+
+def test_an_optimizer_that_cannot_be_rebuilt_is_refused_with_a_factory_hint():
+    model = Scalar()
+    hint = r"optimizer=lambda params: _RenamedLr\(params, lr=\.\.\.\)"
+    with pytest.raises(ValueError, match=r"_RenamedLr.*requires \['learning_rate'\].*" + hint):
+        ParallelWrapper(model, loss_fn=linear_loss, workers=2, progress=False,
+                        optimizer=_RenamedLr(model.parameters(), learning_rate=0.1))
+    with ParallelWrapper(model, loss_fn=linear_loss, workers=2, progress=False, timeout=60,
+                         optimizer=lambda params: _RenamedLr(params, learning_rate=1.0)) as w:
+        w.fit(scalar_batches([3, 1]))  # the factory the message suggests works
+    assert float(model.w.detach()) == -2.0
+
+
+def test_lbfgs_which_steps_with_a_closure_is_refused_clearly():
+    model = Scalar()
+    with pytest.raises(ValueError, match="LBFGS needs a closure"):
+        ParallelWrapper(model, loss_fn=linear_loss, workers=2, progress=False,
+                        optimizer=torch.optim.LBFGS(model.parameters()))
+    with ParallelWrapper(model, loss_fn=linear_loss, workers=1, progress=False,
+                         optimizer=lambda params: torch.optim.LBFGS(params)) as w:
+        with pytest.raises(ValueError, match="LBFGS needs a closure"):
+            w.fit(scalar_batches([3, 1]))
+    assert float(model.w.detach()) == 0.0
+
+
 def test_optimizer_state_comes_back_to_the_users_optimizer():
     model = Scalar()
     opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)
@@ -283,6 +356,46 @@ def test_invalid_arguments_are_rejected_with_the_fix():
     _, wrapper = scalar_wrapper(1)
     with pytest.raises(ValueError, match="no batches in epoch 1"):
         wrapper.fit((b for b in scalar_batches([1, 2])), epochs=2)
+
+
+@pytest.mark.parametrize("mode", ["averaging", "allreduce", "shared_gradients"])
+def test_fit_arguments_given_to_the_constructor_are_sent_to_fit(mode):
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(TypeError, match=r"^epochs= is not a ParallelWrapper option; it goes to "
+                                        r"fit\(\): wrapper\.fit\(data, epochs=3\)$"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, training_mode=mode, epochs=3)
+    with pytest.raises(TypeError, match=r"batch_size=, shuffle= are not ParallelWrapper options"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, training_mode=mode,
+                        batch_size=4, shuffle=True)
+
+
+def test_an_unknown_option_names_the_modes_options_as_parallel_wrapper_takes_them():
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(TypeError, match=r"\['lr'\] do not apply to training_mode='averaging': "
+                                        r"they are neither ParallelWrapper arguments nor options"
+                                        r" of this mode, which takes \['average_updaters', "
+                                        r"'averaging_frequency'\]$"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, lr=0.1)
+
+
+def test_data_without_batches_is_refused_before_training_saying_why():
+    from torch.utils.data import TensorDataset
+
+    rows = TensorDataset(torch.ones(3, 1), torch.zeros(3))
+    cases = [([], r"no batches at all: the list is empty"),
+             (DataLoader(TensorDataset(torch.ones(0, 1), torch.zeros(0)), batch_size=4),
+              r"no batches at all: the DataLoader's TensorDataset .*has no rows"),
+             (DataLoader(rows, batch_size=4, drop_last=True),
+              r"3 row\(s\), fewer than batch_size=4, and drop_last=True.*drop_last=False")]
+    model, wrapper = scalar_wrapper(2)
+    with wrapper:
+        for data, message in cases:
+            with pytest.raises(ValueError, match=message):
+                wrapper.fit(data)
+        assert wrapper.worker_pids == []  # refused before any worker started
+    assert float(model.w.detach()) == 0.0
 
 
 _ORPHAN_SCRIPT = """
@@ -423,3 +536,11 @@ def test_torch_manual_seed_makes_dropout_in_workers_reproducible():
 
     assert run(0) == run(0)
     assert run(0) != run(1)
+
+
+def test_an_empty_generator_is_refused_as_empty_not_as_one_shot() -> None:
+    model = Scalar()
+    with ParallelWrapper(model, loss_fn=linear_loss, workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=1.0)) as wrapper:
+        with pytest.raises(ValueError, match="no batches at all"):
+            wrapper.fit(b for b in [])

@@ -110,9 +110,37 @@ def quadratic_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return 0.5 * ((out - target) ** 2).mean()
 
 
-def make_weight_reporting(mode: str):
-    """A synchronizer of ``mode`` whose stats() report the replica's weights, so a test sees
-    every worker's replica (``stats()["per_worker"]``), not only rank 0's."""
+class SelfTraining(Scalar):
+    """A Lightning-style model: its own ``training_step`` (a quadratic loss, so the gradient
+    depends on the weight and unsynchronized replicas drift apart)."""
+
+    def training_step(self, batch) -> torch.Tensor:
+        x, target = batch
+        return quadratic_loss(self(x), target)
+
+
+def call_training_step(model: nn.Module, batch) -> torch.Tensor:
+    """``step_fn=lambda model, batch: model.training_step(batch)``, importable by workers."""
+    return model.training_step(batch)
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A hand-written optimizer whose constructor requires ``lr`` (no default)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def make_weight_reporting(mode: str, **options):
+    """A synchronizer of ``mode`` (with ``options``) whose stats() report the replica's weights,
+    so a test sees every worker's replica (``stats()["per_worker"]``), not only rank 0's."""
     from paraloom.sync.registry import build_synchronizer
 
     base = type(build_synchronizer(mode))
@@ -126,4 +154,4 @@ def make_weight_reporting(mode: str):
             weights = [p.detach().reshape(-1).tolist() for p in self.model.parameters()]
             return {**super().stats(), "weights": weights}
 
-    return WeightReporting()
+    return WeightReporting(**options)

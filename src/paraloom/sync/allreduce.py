@@ -21,6 +21,7 @@ backward goes through the same hook (for PowerSGD its error feedback goes in wit
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,17 +40,21 @@ _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).par
 
 
 class _Joinable(nn.Module):
-    """Runs the user's model, or, while ``idle`` is set, a zero loss over every trainable param."""
+    """Runs the user's model; while ``idle`` is set, a zero loss over every trainable param;
+    while ``step`` is set, ``step(module)`` (a ``step_fn`` on the user's own module)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
         self.idle = False
+        self.step: Callable[[nn.Module], Any] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.idle:
             # Touches every trainable parameter, so DDP sees each one's (zero) gradient.
             return sum(p.sum() for p in self.module.parameters() if p.requires_grad) * 0.0
+        if self.step is not None:
+            return self.step(self.module)
         return self.module(*args, **kwargs)
 
 
@@ -136,6 +141,19 @@ class AllReduce(Synchronizer):
                 self._step_bytes += sum(self.collective_bytes(b, ctx.world_size, "broadcast")
                                         for b in model.buffers())
         return self._ddp
+
+    def run_step_fn(self, step_fn: Callable[[nn.Module, Any], Any], module: nn.Module,
+                    batch: Any, ctx: StepContext) -> Any:
+        """``step_fn`` gets the user's own module (its methods, e.g. ``training_step``, work) and
+        runs as DDP's forward, so DDP prepares its reducer and the gradients are all-reduced."""
+        joinable = self._joinable
+        if self._ddp is None or joinable is None or module is not self._ddp:
+            return step_fn(module, batch)  # one process: the model runs unwrapped
+        joinable.step = lambda model: step_fn(model, batch)
+        try:
+            return self._ddp()  # the batch stays out of DDP's input handling
+        finally:
+            joinable.step = None
 
     def _register_hook(self, ddp: DistributedDataParallel, model: nn.Module,
                        ctx: StepContext) -> None:

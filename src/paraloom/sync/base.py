@@ -23,6 +23,7 @@ its constructor arguments picklable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,16 @@ class Synchronizer:
     def wrap_model(self, model: nn.Module, ctx: StepContext) -> nn.Module:
         """Return the module to run forward/backward through (e.g. a DDP wrapper)."""
         return model
+
+    def run_step_fn(self, step_fn: Callable[[nn.Module, Any], Any], module: nn.Module,
+                    batch: Any, ctx: StepContext) -> Any:
+        """Compute a ``step_fn=`` loss; ``module`` is what ``wrap_model`` returned.
+
+        The default calls ``step_fn(module, batch)``. A synchronizer whose wrapper must see the
+        forward (DDP does) overrides it to give ``step_fn`` the user's own module (``ctx.model``)
+        and run it inside the wrapper's forward, as ``AllReduce`` does.
+        """
+        return step_fn(module, batch)
 
     def finish(self, ctx: StepContext) -> None:
         """Called at the end of fit(); afterwards every replica must hold the same parameters."""

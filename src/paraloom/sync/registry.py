@@ -62,6 +62,12 @@ def _mode_options(name: str, given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _wrapper_names(name: str, parameters: Any) -> list[str]:
+    """A mode's constructor options as ParallelWrapper names them (averaging_frequency=...)."""
+    renamed = {argument: option for option, (argument, _) in _AVERAGING_OPTIONS.items()}
+    return sorted(renamed.get(p, p) if name == "averaging" else p for p in parameters)
+
+
 def build_synchronizer(training_mode: str | Enum | Synchronizer | type[Synchronizer],
                        **options: Any) -> Synchronizer:
     """Build the synchronizer for ``training_mode`` with the options the user set.
@@ -94,6 +100,7 @@ def build_synchronizer(training_mode: str | Enum | Synchronizer | type[Synchroni
     if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         unknown = sorted(set(given) - set(parameters))
         if unknown:
-            raise TypeError(f"option(s) {unknown} do not apply to training_mode={name!r}; it "
-                            f"takes {sorted(parameters)}")
+            raise TypeError(f"option(s) {unknown} do not apply to training_mode={name!r}: they "
+                            f"are neither ParallelWrapper arguments nor options of this mode, "
+                            f"which takes {_wrapper_names(name, parameters)}")
     return factory(**given)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,11 +22,14 @@ class OptimizerSpec:
     def __init__(self, factory: OptimizerFactory | None = None, *,
                  cls: type[torch.optim.Optimizer] | None = None,
                  groups: list[dict[str, Any]] | None = None,
-                 state: dict[str, Any] | None = None) -> None:
+                 state: dict[str, Any] | None = None,
+                 kwargs: dict[str, Any] | None = None) -> None:
         self.factory = factory
         self.cls = cls
         self.groups = groups or []
         self.state = state
+        self.kwargs = kwargs or {}
+        """Constructor keywords taken from the optimizer's ``defaults`` (e.g. a required lr)."""
 
     @classmethod
     def from_user(cls, optimizer: torch.optim.Optimizer | OptimizerFactory,
@@ -50,7 +54,9 @@ class OptimizerSpec:
             hyper = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
             groups.append({"params": [index[id(p)] for p in g["params"]], **hyper})
         state = copy.deepcopy(optimizer.state_dict()) if optimizer.state else None
-        return cls(cls=type(optimizer), groups=groups, state=state)
+        _refuse_closure_optimizer(type(optimizer))
+        kwargs = _constructor_kwargs(type(optimizer), optimizer.defaults)
+        return cls(cls=type(optimizer), groups=groups, state=state, kwargs=kwargs)
 
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
         """A new optimizer over ``model``'s parameters, with the user's settings and state."""
@@ -59,15 +65,61 @@ class OptimizerSpec:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"the optimizer factory returned {type(opt).__name__}; it must "
                                 "return a torch.optim.Optimizer")
+            _refuse_closure_optimizer(type(opt))
             return opt
         assert self.cls is not None
         params = list(model.parameters())
         groups = [{**g, "params": [params[i] for i in g["params"]]} for g in self.groups]
         # Every torch optimizer takes its param groups first; only the base class needs more.
-        opt = self.cls(groups)  # type: ignore[call-arg]
+        try:
+            opt = self.cls(groups, **copy.deepcopy(self.kwargs))
+        except TypeError as e:
+            raise TypeError(f"could not rebuild {_name(self.cls)} on a replica as "
+                            f"{_name(self.cls)}(param_groups, **{sorted(self.kwargs)} from its "
+                            f"defaults): {e}. Pass a factory instead: "
+                            f"{_factory_hint(self.cls)}") from e
         if self.state is not None:
             opt.load_state_dict(self.state)
         return opt
+
+
+def _name(cls: type) -> str:
+    return cls.__qualname__
+
+
+def _factory_hint(cls: type) -> str:
+    return f"optimizer=lambda params: {_name(cls)}(params, lr=...)"
+
+
+def _constructor_kwargs(cls: type[torch.optim.Optimizer],
+                        defaults: dict[str, Any]) -> dict[str, Any]:
+    """The ``defaults`` entries that ``cls``'s constructor takes by name, so an optimizer whose
+    constructor requires e.g. ``lr`` can be rebuilt; refuses one whose required arguments are
+    not all in its defaults."""
+    try:
+        params = list(inspect.signature(cls).parameters.values())[1:]  # after the param groups
+    except (TypeError, ValueError):  # no signature to read: param groups alone, as before
+        return {}
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [p.name for p in named if p.default is p.empty and p.name not in defaults]
+    if missing:
+        raise ValueError(f"cannot rebuild the optimizer {_name(cls)} in the workers: its "
+                         f"constructor requires {missing}, which are not in its defaults "
+                         f"({sorted(defaults)}). Pass a factory instead: {_factory_hint(cls)}")
+    return {p.name: copy.deepcopy(defaults[p.name]) for p in named if p.name in defaults}
+
+
+def _refuse_closure_optimizer(cls: type[torch.optim.Optimizer]) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure (LBFGS): the loop calls ``step()``."""
+    try:
+        closure = inspect.signature(cls.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is closure.empty:
+        raise ValueError(f"the optimizer {_name(cls)} needs a closure, step(closure), that "
+                         "re-evaluates the loss (as LBFGS does); paraloom's loop computes one "
+                         "loss per batch and calls optimizer.step() with no closure. Use an "
+                         "optimizer whose step() needs none (e.g. torch.optim.Adam or SGD)")
 
 
 def load_state_copying(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

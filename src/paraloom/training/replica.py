@@ -55,6 +55,25 @@ def host_to_device(batch: Any, device: torch.device) -> Any:
     return map_tensors(batch, move)
 
 
+_CONVERSIONS = {torch.float32: ".float()", torch.float64: ".double()",
+                torch.float16: ".half()", torch.bfloat16: ".bfloat16()"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _conversion(dtype: torch.dtype) -> str:
+    """The tensor/module method that converts to ``dtype`` (e.g. ``.bfloat16()``)."""
+    return _CONVERSIONS.get(dtype, f".to(torch.{_dtype_name(dtype)})")
+
+
+def _precision_hint(dtype: torch.dtype) -> str:
+    """For half-precision inputs: the precision= that runs the model in that dtype."""
+    name = {torch.float16: "16", torch.bfloat16: "bf16"}.get(dtype)
+    return f", or train with precision=\"{name}-true\"" if name else ""
+
+
 def _grad_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
     """fp16 autocast needs loss scaling against gradient underflow; bf16 and -true do not."""
     if precision.autocast_dtype is not torch.float16:
@@ -171,7 +190,7 @@ class Replica:
             batch = map_tensors(batch, self.precision.cast)
         with self.precision.forward_context(self.device):
             if self.step_fn is not None:
-                loss = self.step_fn(self._module, batch)
+                loss = self.sync.run_step_fn(self.step_fn, self._module, batch, self.ctx)
             else:
                 loss = self._model_loss(batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -194,9 +213,10 @@ class Replica:
         want = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
         for t in iter_tensors(inputs):
             if want is not None and t.is_floating_point() and t.dtype != want:
-                raise TypeError(f"the inputs are {str(t.dtype).removeprefix('torch.')} but the "
-                                f"model's parameters are {str(want).removeprefix('torch.')}: "
-                                "convert the data (x.float()) or the model (model.double())")
+                raise TypeError(f"the inputs are {_dtype_name(t.dtype)} but the model's "
+                                f"parameters are {_dtype_name(want)}: convert the data "
+                                f"(x{_conversion(want)}) or the model "
+                                f"(model{_conversion(t.dtype)}){_precision_hint(t.dtype)}")
 
     def finish(self) -> None:
         """End of fit(): the synchronizer makes every replica hold the same parameters."""

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import itertools
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -66,6 +69,28 @@ __all__ = ["ParallelWrapper"]
 log = logging.getLogger("paraloom")
 
 
+_Fit = TypeVar("_Fit", bound=Callable[..., Any])
+
+
+def _one_fit_at_a_time(fit: _Fit) -> _Fit:
+    """Refuse fit() while one is running (from a listener, or another thread)."""
+
+    @functools.wraps(fit)
+    def guarded(self: ParallelWrapper, *args: Any, **kwargs: Any) -> Any:
+        if self._fit_thread is not None:
+            raise RuntimeError("fit() was called while fit() is running (from a listener, or "
+                               "another thread): a listener may call wrapper.stop() to end "
+                               "training after the round in flight; call fit() again once the "
+                               "running one has returned")
+        self._fit_thread = threading.get_ident()
+        try:
+            return fit(self, *args, **kwargs)
+        finally:
+            self._fit_thread = None
+
+    return cast(_Fit, guarded)
+
+
 class ParallelWrapper:
     """Train ``model`` on ``workers`` replicas at once; ``fit()`` leaves the result in ``model``.
 
@@ -118,6 +143,7 @@ class ParallelWrapper:
         self.step_timeout = step_timeout
         self.max_failures = max_failures
         self.listeners: list[TrainingListener] = [as_listener(x) for x in listeners]
+        _refuse_fit_arguments(sync_options)
         self.synchronizer = build_synchronizer(
             training_mode, averaging_frequency=averaging_frequency,
             average_updaters=average_updaters, **sync_options)
@@ -150,6 +176,8 @@ class ParallelWrapper:
         self._settings_sent: list[dict[str, Any]] = []
         """The user's optimizer settings as the replicas last took them (``hyperparameters``)."""
         self._warned_settings = False
+        self._fit_thread: int | None = None
+        """The thread running fit(), while one does."""
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> ParallelWrapper:
@@ -160,6 +188,14 @@ class ParallelWrapper:
 
     def close(self) -> None:
         """Stop the worker processes; the wrapper starts new ones if fit() is called again."""
+        if self._fit_thread == threading.get_ident():
+            raise RuntimeError("close() was called while fit() is running (from a listener?): "
+                               "it would stop the workers under the running fit(). Call "
+                               "wrapper.stop() to end training after the round in flight, and "
+                               "close() once fit() has returned")
+        self._close()
+
+    def _close(self) -> None:
         self._mirror = None
         self._received = None  # its shared memory belonged to worker 0's outbox
         if self._pool is not None:
@@ -200,7 +236,7 @@ class ParallelWrapper:
         if self._pool is not None and self._pool.alive:
             log.info("the trainable parameters or the optimizer's param groups changed since "
                      "the workers started: restarting them")
-        self.close()
+        self._close()
         if self._user_optimizer is not None:  # its param groups as they are now
             self._spec = replace(self._spec, optimizer=OptimizerSpec.from_user(
                 self._user_optimizer, self.model))
@@ -234,6 +270,7 @@ class ParallelWrapper:
             self._tracker.recovered(recovery)
 
     # -- training ------------------------------------------------------------------------------
+    @_one_fit_at_a_time
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None,
             shuffle: bool = False, resume_from: str | Path | None = None,
             initial_epoch: int = 0) -> dict[str, Any]:
@@ -397,6 +434,10 @@ class ParallelWrapper:
             if self._stop_requested:
                 self._halt_if_stopped(pool)
                 return
+            if dealt == 0 and epoch == start.epoch:
+                raise ValueError("data yielded no batches at all (an empty generator or "
+                                 "IterableDataset?); expected at least one (inputs, targets) "
+                                 "batch")
             if dealt == 0:
                 raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
                                  "source (a DataLoader or a list), not a one-shot generator")
@@ -704,6 +745,18 @@ def _set_data_rng(states: list[torch.Tensor], generators: list[torch.Generator])
     torch.set_rng_state(states[0])
     for g, state in zip(generators, states[1:], strict=True):
         g.set_state(state)
+
+
+def _refuse_fit_arguments(options: dict[str, Any]) -> None:
+    """Refuse fit()'s arguments (epochs=, batch_size=, ...) given to the constructor."""
+    fit_arguments = set(inspect.signature(ParallelWrapper.fit).parameters) - {"self", "data"}
+    misplaced = sorted(fit_arguments & set(options))
+    if misplaced:
+        names = ", ".join(f"{k}=" for k in misplaced)
+        verbs = ("is not a ParallelWrapper option; it goes", "are not ParallelWrapper options; "
+                 "they go")[len(misplaced) > 1]
+        example = ", ".join(f"{k}={options[k]!r}" for k in misplaced)
+        raise TypeError(f"{names} {verbs} to fit(): wrapper.fit(data, {example})")
 
 
 def _total(data: Any, epochs: int) -> int | None:

@@ -90,6 +90,10 @@ class TimedSynchronizer(Synchronizer):
     def wrap_model(self, model: nn.Module, ctx: StepContext) -> nn.Module:
         return self.inner.wrap_model(model, ctx)
 
+    def run_step_fn(self, step_fn: Callable[[nn.Module, Any], Any], module: nn.Module,
+                    batch: Any, ctx: StepContext) -> Any:
+        return self.inner.run_step_fn(step_fn, module, batch, ctx)
+
     def finish(self, ctx: StepContext) -> None:
         self.inner.finish(ctx)
 

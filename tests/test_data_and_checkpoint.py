@@ -194,6 +194,11 @@ def test_saving_a_model_that_cannot_rebuild_itself_warns(tmp_path):
         warnings.simplefilter("error")
         paraloom.save(_NeedsWidth(3), tmp_path / "m.safetensors", kwargs={"width": 3})
     assert paraloom.load(tmp_path / "m.safetensors").linear.in_features == 3
+    with pytest.warns(UserWarning, match=r"plain Sequential is built from the layers.*factory="):
+        paraloom.save(torch.nn.Sequential(torch.nn.Linear(2, 1)), tmp_path / "s.safetensors")
+    model = paraloom.load(tmp_path / "s.safetensors",
+                          factory=lambda: torch.nn.Sequential(torch.nn.Linear(2, 1)))
+    assert model[0].in_features == 2
 
 
 def test_cli_refuses_bad_hyperparameters_and_reports_a_mismatch_without_a_traceback(

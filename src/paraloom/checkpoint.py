@@ -41,25 +41,51 @@ def register_model(name: str, factory: type[nn.Module] | Callable[..., nn.Module
     _REGISTRY[name] = factory
 
 
-def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | None
-                ) -> dict[str, Any]:
-    if kwargs is None:
-        kwargs = dict(getattr(model, "config", None) or {})
-    if name is None:
-        cls = type(model)
-        name = next((n for n, f in _REGISTRY.items() if f is cls), None)
+# Containers are built from the modules given to them, which a file cannot name.
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _default_kwargs(model: nn.Module, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    return dict(getattr(model, "config", None) or {}) if kwargs is None else kwargs
+
+
+def _registered_name(model: nn.Module, name: str | None) -> str | None:
+    return name if name is not None else next(
+        (n for n, f in _REGISTRY.items() if f is type(model)), None)
+
+
+def rebuild_problem(model: nn.Module, name: str | None = None,
+                    kwargs: dict[str, Any] | None = None) -> str | None:
+    """Why a file saved from ``model`` could not rebuild it without ``factory=``; None if it can."""
+    if _registered_name(model, name) is not None:
+        return None
+    cls = type(model)
+    if cls in _CONTAINERS:
+        return (f"a plain {cls.__name__} is built from the layers given to it, which the file "
+                f"cannot name (loading it alone gives an empty {cls.__name__})")
+    needed = _required_arguments(cls, _default_kwargs(model, kwargs))
+    if needed:
+        return (f"{cls.__qualname__} needs {needed} to be built, and neither kwargs= nor a "
+                "model.config dict gives them")
+    return None
+
+
+def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | None,
+                warn: bool = True) -> dict[str, Any]:
+    kwargs = _default_kwargs(model, kwargs)
+    name = _registered_name(model, name)
     spec: dict[str, Any] = {"kwargs": kwargs}
     if name is not None:
         spec["name"] = name
     else:
         cls = type(model)
         spec["class"] = f"{cls.__module__}:{cls.__qualname__}"
-        needed = _required_arguments(cls, kwargs)
-        if needed:
-            warnings.warn(f"{cls.__qualname__} needs {needed} to be built, and neither kwargs= "
-                          f"nor a model.config dict gives them: paraloom.load will need "
-                          f"factory=; save with kwargs={{...}} to make the file rebuild itself",
-                          stacklevel=3)
+        problem = rebuild_problem(model, name, kwargs)
+        if problem and warn:
+            warnings.warn(f"{problem}: paraloom.load will need factory= (a function returning "
+                          "the model); or save with kwargs={...} (for constructor arguments), "
+                          "or register_model(name, build) and save with name=, to make the "
+                          "file rebuild itself", stacklevel=3)
     try:
         json.dumps(spec)
     except TypeError as e:
@@ -102,7 +128,12 @@ def save(model: nn.Module, path: str | Path, *, name: str | None = None,
     model's ``config`` attribute if it has one). ``load`` rebuilds a class by path only from a
     module the loading program has already imported.
     """
-    spec = _model_spec(model, name, kwargs)
+    _write(model, path, _model_spec(model, name, kwargs), metadata)
+
+
+def _write(model: nn.Module, path: str | Path, spec: dict[str, Any],
+           metadata: dict[str, Any] | None) -> None:
+    """Write ``model``'s weights and the header ``spec`` (plus ``metadata``) to ``path``."""
     if metadata:
         spec["metadata"] = metadata
     # safetensors refuses shared or non-contiguous storage: store independent copies.

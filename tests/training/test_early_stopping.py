@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from training_helpers import Scalar, accuracy, linear_loss
+from training_helpers import Scalar, ScalarFrom, accuracy, linear_loss
 
 from paraloom.early_stopping import (
     AccuracyCalculator,
@@ -16,6 +16,7 @@ from paraloom.early_stopping import (
     EarlyStoppingConfig,
     EarlyStoppingParallelTrainer,
     F1Calculator,
+    InMemoryModelSaver,
     LocalDirectorySaver,
     LossCalculator,
     MaxEpochs,
@@ -159,6 +160,48 @@ def test_callable_score_and_validation():
         EarlyStoppingConfig(score_calculator=score)
     with pytest.raises(ValueError, match="patience"):
         ScoreImprovement(patience=0)
+
+
+def _first_weight(model: nn.Module) -> float:
+    return float(next(model.parameters()).detach())
+
+
+def _scalar_run(model, saver):
+    """Six epochs moving w by -1 each from 0, scored |w + 3|: the best is epoch 2 (w = -3)."""
+    data = [(torch.tensor([[1.0]]), torch.zeros(1))]
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(6)], model_saver=saver,
+                                 save_last_model=True,
+                                 score_calculator=lambda m: abs(_first_weight(m) + 3))
+    return EarlyStoppingParallelTrainer(config, model, data, loss_fn=linear_loss, workers=1,
+                                        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                        progress=False)
+
+
+@pytest.mark.parametrize("build", [lambda: nn.Sequential(Scalar()), lambda: ScalarFrom(0.0)],
+                         ids=["sequential", "constructor_arguments"])
+def test_local_directory_saver_gives_back_models_its_files_cannot_rebuild(tmp_path, build):
+    model, saver = build(), LocalDirectorySaver(tmp_path)
+    with pytest.warns(UserWarning, match=r"cannot rebuild the model on their own.*factory="):
+        result = _scalar_run(model, saver).fit()
+    assert result.scores == {0: 2.0, 1: 1.0, 2: 0.0, 3: 1.0, 4: 2.0, 5: 3.0}
+    assert (result.best_epoch, result.best_score, result.total_epochs) == (2, 0.0, 6)
+    assert type(result.best_model) is type(model) and _first_weight(result.best_model) == -3.0
+    assert _first_weight(saver.latest_model()) == _first_weight(model) == -6.0
+    # A later program: a new saver on the directory rebuilds with factory=, or says to pass it.
+    assert _first_weight(LocalDirectorySaver(tmp_path, factory=build).best_model()) == -3.0
+    with pytest.raises((ValueError, TypeError)):
+        LocalDirectorySaver(tmp_path).best_model()
+
+
+def test_a_saver_that_cannot_give_back_the_best_model_keeps_the_result():
+    class Broken(InMemoryModelSaver):
+        def best_model(self):
+            raise RuntimeError("disk gone")
+
+    with pytest.warns(UserWarning, match=r"Broken.best_model\(\) failed.*disk gone"):
+        result = _scalar_run(Scalar(), Broken()).fit()
+    assert result.best_model is None
+    assert (result.best_epoch, result.best_score, result.scores[5]) == (2, 0.0, 3.0)
 
 
 def test_conditions_in_isolation():

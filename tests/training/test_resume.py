@@ -151,6 +151,36 @@ def test_a_checkpoint_from_another_configuration_is_refused(tmp_path):
     assert b"pickle" not in header
 
 
+def test_a_checkpoint_from_another_optimizer_is_refused_up_front(tmp_path):
+    batches = [(torch.rand(8, 64), torch.randint(0, 10, (8,))) for _ in range(4)]
+
+    def fit(make_optimizer, resume_from=None, epochs=2, listeners=()):
+        torch.manual_seed(0)
+        model = MLP(in_features=64)
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                             optimizer=make_optimizer(model), listeners=list(listeners)) as w:
+            w.fit(batches, epochs=epochs, resume_from=resume_from)
+        return model
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    fit(sgd, epochs=1, listeners=[CheckpointListener(tmp_path)])
+    with pytest.raises(ValueError, match=r"optimizer: checkpoint has 'SGD', this run has 'Adam'"
+                                         r".*same model, optimizer class"):
+        fit(lambda m: torch.optim.Adam(m.parameters()), resume_from=tmp_path)
+    with pytest.raises(ValueError, match=r"optimizer_param_groups: checkpoint has \[6\], this "
+                                         r"run has \[2\]"):
+        fit(lambda m: torch.optim.SGD(list(m.parameters())[:2], lr=0.1), resume_from=tmp_path)
+    # A checkpoint written before the optimizer was fingerprinted still resumes.
+    path = tmp_path / "checkpoint-epoch0-iter4.safetensors"
+    old = TrainingCheckpoint.load(path)
+    for key in ("optimizer", "optimizer_param_groups"):
+        del old.fingerprint[key]
+    old.save(path)
+    assert digest(fit(sgd, resume_from=path)) == digest(fit(sgd))
+
+
 def test_resume_restores_a_dataloaders_own_generator(tmp_path):
     reference = _run("averaging", generator=True)
     with pytest.raises(WorkerError, match="SIGKILL"):

@@ -131,6 +131,48 @@ def test_changes_between_fits_reach_the_replicas():
         assert not torch.equal(next(model.parameters()), torch.full((8, 6), 0.25))
 
 
+class _Tempered(nn.Module):
+    """A linear layer divided by a non-persistent ``temp``, counting its training rows in a
+    non-persistent ``seen``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 2)
+        self.register_buffer("temp", torch.tensor(1.0), persistent=False)
+        self.register_buffer("seen", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += x.shape[0]
+        return self.linear(x) / self.temp
+
+
+def test_non_persistent_buffers_are_the_replicas_own_until_close():
+    model, reference = _Tempered(), _Tempered()
+    with torch.no_grad():
+        model.temp.fill_(4.0)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        w.fit(_data(32))
+        assert float(model.seen) == 0.0  # training's count stays in the replica (README)
+        with torch.no_grad():
+            model.temp.fill_(100.0)
+        w.close()  # the documented way to send a new value: new workers start from the model
+        w.fit(_data(32))
+    for temp in (4.0, 100.0):  # one epoch at each temperature, in one process
+        with torch.no_grad():
+            reference.temp.fill_(temp)
+        for x, y in _data(32):
+            opt.zero_grad()
+            nn.functional.cross_entropy(reference(x), y).backward()
+            opt.step()
+    # Without the new temperature the second epoch would differ by ~1e-2.
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["allreduce", "shared_gradients"])
 @pytest.mark.parametrize("factory", [False, True], ids=["instance", "factory"])
 def test_freezing_and_unfreezing_between_fits_applies(mode, factory):

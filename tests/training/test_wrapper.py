@@ -544,3 +544,79 @@ def test_an_empty_generator_is_refused_as_empty_not_as_one_shot() -> None:
                          optimizer=torch.optim.SGD(model.parameters(), lr=1.0)) as wrapper:
         with pytest.raises(ValueError, match="no batches at all"):
             wrapper.fit(b for b in [])
+
+
+class _FrozenNorm(nn.Module):
+    """A conv net whose BatchNorm is frozen with ``bn.eval()``; ``keep_frozen`` overrides
+    ``train()`` to keep it so, as the README shows."""
+
+    def __init__(self, keep_frozen: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.bn, self.head = nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Linear(144, 3)
+        self.keep_frozen = keep_frozen
+        with torch.no_grad():
+            self.bn.running_mean.fill_(0.3)
+            self.bn.running_var.fill_(2.0)
+        self.bn.requires_grad_(False)
+        self.bn.eval()
+
+    def train(self, mode: bool = True) -> _FrozenNorm:
+        super().train(mode)
+        if self.keep_frozen:
+            self.bn.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("keep_frozen", [False, True])
+def test_a_frozen_batchnorm_stays_frozen_only_through_an_overridden_train(keep_frozen):
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(4)]
+    model, reference = _FrozenNorm(keep_frozen), _FrozenNorm(keep_frozen)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as w:
+        w.fit(batches)
+    reference.train()
+    reference.bn.eval()  # a plain loop freezes it after train()
+    opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        opt.step()
+    frozen_mean = torch.full((4,), 0.3)
+    # README: fit() calls model.train(), which undoes bn.eval() unless train() keeps it.
+    assert torch.equal(model.bn.running_mean, frozen_mean) is keep_frozen
+    assert torch.equal(model.head.weight, reference.head.weight) is keep_frozen
+    assert not model.bn.training  # the user's own model's modes are left as they were
+
+
+def test_one_worker_is_plain_training_except_under_shared_gradients():
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g))
+               for _ in range(6)]
+    torch.manual_seed(0)
+    reference = MLP(in_features=64, hidden=[256])
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        opt.step()
+    trained = {}
+    for mode in ("allreduce", "shared_gradients"):
+        model = MLP(in_features=64, hidden=[256])
+        model.load_state_dict(initial)
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             training_mode=mode) as w:
+            trained[mode] = (model, w.fit(batches)["per_worker"][0])
+    assert digest(trained["allreduce"][0]) == digest(reference)
+    # README: one replica still threshold-encodes, about 1/160 of the elements a step.
+    model, stats = trained["shared_gradients"]
+    assert 1 / 200 < stats["mean_sparsity"] < 1 / 120
+    moved = sum(int((p != initial[k]).sum()) for k, p in model.state_dict().items())
+    assert moved < sum(v.numel() for v in initial.values()) / 10

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +151,21 @@ class EarlyStoppingParallelTrainer:
                     details = repr(done)
                     break
         return EarlyStoppingResult(reason, details, best_epoch, best_score, scores, epoch + 1,
-                                   cfg.model_saver.best_model() if best_epoch >= 0 else None)
+                                   self._best_model(best_epoch) if best_epoch >= 0 else None)
+
+    def _best_model(self, best_epoch: int) -> nn.Module | None:
+        """The saver's best model; None, with a warning, if it cannot give it back (the scores
+        and the rest of the result are kept)."""
+        saver = self.config.model_saver
+        try:
+            return saver.best_model()
+        except Exception as e:  # a saver's own error: never lose the finished run over it
+            warnings.warn(f"training finished, but {type(saver).__name__}.best_model() failed "
+                          f"({type(e).__name__}: {e}); result.best_model is None, the scores "
+                          f"and best_epoch={best_epoch} are kept. Load the saved model yourself "
+                          "(for LocalDirectorySaver: paraloom.load(path, factory=build))",
+                          stacklevel=3)
+            return None
 
     def _failure(self, error: WorkerError) -> tuple[str, str]:
         diverged = error.remote_type == "NonFiniteLossError"

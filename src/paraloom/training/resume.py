@@ -118,12 +118,20 @@ class TrainingCheckpoint:
     def check(self, fingerprint: dict[str, Any], path: Any = "the checkpoint") -> None:
         """Refuse a checkpoint written for another model or configuration."""
         diffs = [f"{k}: checkpoint has {self.fingerprint.get(k)!r}, this run has {v!r}"
-                 for k, v in fingerprint.items() if self.fingerprint.get(k) != v]
+                 for k, v in fingerprint.items() if self.fingerprint.get(k) != v
+                 and not (k in _COMPARED_WHEN_KNOWN and k not in self.fingerprint)]
         if diffs:
             shown = "; ".join(d if len(d) < 300 else d[:300] + "..." for d in diffs)
-            raise ValueError(f"{path} was written for another model or configuration ({shown}). "
-                             "Resume with the same model, workers, training mode and precision, "
-                             "or train without resume_from")
+            raise ValueError(
+                f"{path} was written for another model or configuration ({shown}). Resume with "
+                "the same model, optimizer class and param groups, workers, training mode and "
+                "precision, or train without resume_from (to change any of them, start from "
+                "the checkpoint's weights: model.load_state_dict(paraloom.TrainingCheckpoint"
+                f".load({str(path)!r}).replicas[0]['model']))")
+
+
+_COMPARED_WHEN_KNOWN = frozenset({"optimizer", "optimizer_param_groups"})
+"""Fingerprint keys that older checkpoints (or a run whose optimizer is a factory) lack."""
 
 
 @dataclass

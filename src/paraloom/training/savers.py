@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
 
-from paraloom.checkpoint import load, save
+from paraloom.checkpoint import _model_spec, _write, load, read_tensors, rebuild_problem
 
 __all__ = ["ModelSaver", "InMemoryModelSaver", "LocalDirectorySaver"]
 
@@ -54,16 +56,51 @@ class InMemoryModelSaver(ModelSaver):
 
 
 class LocalDirectorySaver(ModelSaver):
-    """``best.safetensors`` and ``latest.safetensors`` in a directory (paraloom.save format)."""
+    """``best.safetensors`` and ``latest.safetensors`` in a directory (paraloom.save format).
 
-    def __init__(self, directory: str | Path) -> None:
+    In the process that saved them, ``best_model()`` / ``latest_model()`` load the weights into a
+    copy of the saved model, so any model comes back (an ``nn.Sequential``, a class whose
+    constructor needs arguments). A new saver on the same directory rebuilds the model with
+    ``factory()`` if given, else from the file's header (``paraloom.load``).
+    """
+
+    def __init__(self, directory: str | Path,
+                 factory: Callable[..., nn.Module] | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.factory = factory
+        self._saved: nn.Module | None = None  # the model saved last: its structure, to copy
+        self._warned = False
 
     def _save(self, name: str, model: nn.Module, epoch: int, score: float) -> None:
-        save(model, self.directory / f"{name}.safetensors",
-             metadata={"epoch": epoch, "score": score})
+        self._saved = model
+        self._warn_unless_rebuildable(model)
+        _write(model, self.directory / f"{name}.safetensors",
+               _model_spec(model, None, None, warn=False), {"epoch": epoch, "score": score})
         (self.directory / f"{name}.json").write_text(json.dumps({"epoch": epoch, "score": score}))
+
+    def _warn_unless_rebuildable(self, model: nn.Module) -> None:
+        problem = None if self.factory is not None else rebuild_problem(model)
+        if problem is None or self._warned:
+            return
+        self._warned = True
+        warnings.warn(f"LocalDirectorySaver({str(self.directory)!r}): {problem}, so its files "
+                      "cannot rebuild the model on their own. This run's best_model() still "
+                      "works (the weights go into a copy of the trained model); to load them "
+                      "later, pass LocalDirectorySaver(directory, factory=build) or "
+                      "paraloom.load(path, factory=build), build() returning the model",
+                      stacklevel=4)
+
+    def _load(self, name: str) -> nn.Module:
+        path = self.directory / f"{name}.safetensors"
+        if not path.exists():
+            raise FileNotFoundError(f"no {name} model saved in {str(self.directory)!r}" + (
+                " (set save_last_model=True)" if name == "latest" else ""))
+        if self._saved is None:
+            return load(path, factory=self.factory)
+        model = copy.deepcopy(self._saved)
+        model.load_state_dict(read_tensors(path))
+        return model
 
     def save_best(self, model: nn.Module, epoch: int, score: float) -> None:
         self._save("best", model, epoch, score)
@@ -72,7 +109,7 @@ class LocalDirectorySaver(ModelSaver):
         self._save("latest", model, epoch, score)
 
     def best_model(self) -> nn.Module:
-        return load(self.directory / "best.safetensors")
+        return self._load("best")
 
     def latest_model(self) -> nn.Module:
-        return load(self.directory / "latest.safetensors")
+        return self._load("latest")

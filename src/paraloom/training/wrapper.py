@@ -337,10 +337,16 @@ class ParallelWrapper:
 
     def fingerprint(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed by this wrapper."""
-        return {"model": type(self.model).__qualname__,
-                "parameters": [[k, list(v.shape)] for k, v in self.model.state_dict().items()],
-                "workers": self.workers, "training_mode": self.synchronizer.name,
-                "synchronizer": self.synchronizer.config(), "precision": self.precision}
+        fingerprint = {
+            "model": type(self.model).__qualname__,
+            "parameters": [[k, list(v.shape)] for k, v in self.model.state_dict().items()],
+            "workers": self.workers, "training_mode": self.synchronizer.name,
+            "synchronizer": self.synchronizer.config(), "precision": self.precision}
+        spec = self._spec.optimizer
+        if spec.cls is not None:  # a factory's optimizer is known only once it is built
+            fingerprint["optimizer"] = spec.cls.__qualname__
+            fingerprint["optimizer_param_groups"] = [len(g["params"]) for g in spec.groups]
+        return fingerprint
 
     def live_stats(self) -> dict[str, Any]:
         """Live counters of the running fit(): batches, samples, seconds, total batches."""

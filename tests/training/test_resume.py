@@ -40,7 +40,7 @@ class _DieAt(nn.Module):
 
 
 def _run(mode, listeners=(), resume_from=None, epochs=3, workers=2, dropout=False,
-         generator=False, loss_fn=None):
+         generator=False, loss_fn=None, **extra):
     torch.manual_seed(0)
     model = MLP(in_features=64, hidden=[64], dropout=0.3) if dropout else LeNet(image_size=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -49,7 +49,7 @@ def _run(mode, listeners=(), resume_from=None, epochs=3, workers=2, dropout=Fals
     options = {"averaging_frequency": 3} if mode == "averaging" else {}
     with ParallelWrapper(model, loss_fn=loss_fn or nn.CrossEntropyLoss(), optimizer=opt,
                          workers=workers, training_mode=mode, progress=False,
-                         listeners=list(listeners), **options) as w:
+                         listeners=list(listeners), **options, **extra) as w:
         w.fit(loader, epochs=epochs, resume_from=resume_from)
     return digest(model)
 
@@ -66,6 +66,22 @@ def test_resume_after_a_kill_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, 
     assert 0 < latest.iteration < kill_at and latest.iteration % 4 == 0
     assert len(list(tmp_path.glob("*.safetensors"))) <= 3  # keep_last
     assert _run(mode, resume_from=tmp_path, dropout=True) == reference
+
+
+def _cosine(opt):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=36)
+
+
+def test_resume_with_an_lr_scheduler_is_bitwise_equal(tmp_path):
+    """The schedule's position is in each replica's checkpointed state."""
+    reference = _run("allreduce", lr_scheduler=_cosine)
+    assert reference != _run("allreduce")  # the schedule changes the result
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        _run("allreduce", [CheckpointListener(tmp_path, every_n_iterations=5,
+                                              every_n_epochs=None)],
+             loss_fn=_DieAt(23), lr_scheduler=_cosine)
+    assert 0 < TrainingCheckpoint.load(tmp_path).iteration < 23
+    assert _run("allreduce", resume_from=tmp_path, lr_scheduler=_cosine) == reference
 
 
 class _FailAt(TrainingListener):

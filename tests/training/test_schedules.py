@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from training_helpers import Scalar, linear_loss
+from training_helpers import Scalar, linear_loss, make_weight_reporting
 
 from paraloom import ParallelWrapper, TrainingListener
 
@@ -114,3 +114,53 @@ def test_stop_in_on_epoch_start_trains_nothing_of_that_epoch() -> None:
     assert stats["rounds"] == 2 and model.w.item() == -2.0
     assert events == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]
 
+
+
+def _halving(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+
+
+@pytest.mark.parametrize(("workers", "mode"), [(1, "averaging"), (2, "allreduce"),
+                                               (2, "averaging"), (2, "shared_gradients")])
+def test_lr_scheduler_steps_after_every_round_on_every_replica(workers, mode) -> None:
+    # Round k trains at 0.5 ** k: w = -(1 + 0.5 + 0.25 + 0.125) after 4 rounds.
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    batches = ONES[: 2 * workers] if workers == 2 else ONES[:2]
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=workers,
+                         training_mode=make_weight_reporting(mode), progress=False,
+                         lr_scheduler=_halving) as wrapper:
+        stats = wrapper.fit(batches, epochs=2)
+        assert model.w.item() == -1.875
+        assert opt.param_groups[0]["lr"] == 0.0625  # where the schedule stands after round 4
+        replicas = [r["weights"] for r in stats["per_worker"]]
+        assert all(r == replicas[0] for r in replicas)
+        wrapper.fit(batches[:workers], epochs=1)  # a new fit restarts the schedule
+        assert model.w.item() == -1.875 - 1.0
+
+
+def test_lr_scheduler_steps_in_idle_rounds_too() -> None:
+    # 3 batches a epoch with 2 workers: round 2 has one idle replica. Both step the schedule,
+    # so round 3 (epoch 1's first) trains at 0.125 on both: the replicas stay identical.
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=2,
+                         training_mode=make_weight_reporting("allreduce"), progress=False,
+                         lr_scheduler=_halving) as wrapper:
+        stats = wrapper.fit(ONES[:3], epochs=2)
+    # allreduce averages an idle replica's zero gradient in: round 2 moves w by 0.5 * 0.5.
+    assert model.w.item() == -(1 + 0.25 + 0.25 + 0.0625)
+    first, second = (r["weights"] for r in stats["per_worker"])
+    assert first == second
+
+
+def test_a_scheduler_object_or_a_bad_factory_is_refused() -> None:
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(TypeError, match="expected a function that builds the scheduler"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=1,
+                        lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=1, progress=False,
+                         lr_scheduler=lambda o: 0.1) as wrapper:
+        with pytest.raises(TypeError, match="lr_scheduler returned float"):
+            wrapper.fit(ONES[:1])

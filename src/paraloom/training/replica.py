@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from paraloom.clipping import GradientClipping
 from paraloom.data import cpu_copy, describe, iter_tensors, map_tensors, split_batch, to_device
@@ -19,7 +21,8 @@ from paraloom.sync.base import StepContext, Synchronizer
 from paraloom.training.messages import ModelState, ReplicaState
 from paraloom.training.optim import OptimizerSpec
 
-__all__ = ["Replica", "NonFiniteLossError", "BatchError", "LossFn", "StepFn", "require_loss",
+__all__ = ["Replica", "NonFiniteLossError", "BatchError", "LossFn", "SchedulerFactory", "StepFn",
+           "require_loss",
            "host_to_device"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -74,6 +77,23 @@ def _precision_hint(dtype: torch.dtype) -> str:
     return f", or train with precision=\"{name}-true\"" if name else ""
 
 
+SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
+"""``lr_scheduler(optimizer) -> scheduler``, e.g. ``lambda opt: OneCycleLR(opt, 0.1, 1000)``."""
+
+
+def _build_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    scheduler = factory(optimizer)
+    if not isinstance(scheduler, LRScheduler):
+        raise TypeError(f"lr_scheduler returned {type(scheduler).__name__}; expected a "
+                        f"torch.optim.lr_scheduler.LRScheduler built on the optimizer it is "
+                        f"given (e.g. lambda opt: OneCycleLR(opt, max_lr=0.1, total_steps=N)). "
+                        f"ReduceLROnPlateau needs a metric: step it in a listener")
+    if scheduler.optimizer is not optimizer:
+        raise ValueError("lr_scheduler built its scheduler on another optimizer; expected one "
+                         "on the optimizer it is given: lambda opt: StepLR(opt, ...)")
+    return scheduler
+
+
 def _grad_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
     """fp16 autocast needs loss scaling against gradient underflow; bf16 and -true do not."""
     if precision.autocast_dtype is not torch.float16:
@@ -89,7 +109,8 @@ class Replica:
                  synchronizer: Synchronizer, device: torch.device | str = "cpu",
                  group: dist.ProcessGroup | None = None, rank: int = 0, world_size: int = 1,
                  precision: str | Precision = "32-true",
-                 clipping: GradientClipping | None = None) -> None:
+                 clipping: GradientClipping | None = None,
+                 lr_scheduler: SchedulerFactory | None = None) -> None:
         require_loss(loss_fn, step_fn)
         self.device = torch.device(device)
         self.precision = resolve_precision(precision)
@@ -106,6 +127,9 @@ class Replica:
                                rank=rank, world_size=world_size, device=self.device,
                                scaler=self.scaler, clipping=clipping)
         self._module: nn.Module = self.model
+        self.lr_scheduler = lr_scheduler
+        self.scheduler: LRScheduler | None = None
+        """This fit's ``lr_scheduler(optimizer)``, stepped after every round."""
         self._rng: torch.Tensor | None = None
         self.loss_computed: Callable[[], None] | None = None
         """Called once a step's own work is done (its loss computed, or an idle round begun),
@@ -129,6 +153,10 @@ class Replica:
         if seed is not None:
             torch.manual_seed(seed)
         self.ctx.step = 0
+        # A fresh schedule per fit(), from the param groups' initial_lr (a scheduler keeps it),
+        # before a resumed state replaces where it stands.
+        self.scheduler = None if self.lr_scheduler is None else \
+            _build_scheduler(self.lr_scheduler, self.optimizer)
         if resume is not None:
             self._restore(resume)
         self.sync.setup(self.ctx)
@@ -156,6 +184,7 @@ class Replica:
             if self.loss_computed is not None:
                 self.loss_computed()
             self.sync.idle_step(ctx)
+            self._step_scheduler()
             ctx.step += 1
             return None
         self.sync.before_step(ctx)
@@ -181,8 +210,16 @@ class Replica:
         elif not ctx.skip_optimizer_step:
             self.optimizer.step()
         self.sync.after_step(ctx)
+        self._step_scheduler()
         ctx.step += 1
         return value
+
+    def _step_scheduler(self) -> None:
+        """One step of the schedule per round, trained or idle: every replica's rate moves alike."""
+        if self.scheduler is not None:
+            with warnings.catch_warnings():  # an idle first round steps before its optimizer
+                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+                self.scheduler.step()
 
     def _loss(self, batch: Any) -> torch.Tensor:
         batch = host_to_device(batch, self.device)
@@ -238,6 +275,8 @@ class Replica:
             snap["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if self.scaler is not None:
             snap["scaler"] = self.scaler.state_dict()
+        if self.scheduler is not None:
+            snap["scheduler"] = self.scheduler.state_dict()
         return snap
 
     def _restore(self, snap: ReplicaState) -> None:
@@ -249,3 +288,5 @@ class Replica:
             torch.cuda.set_rng_state(snap["cuda_rng"], self.device)
         if self.scaler is not None and "scaler" in snap:
             self.scaler.load_state_dict(snap["scaler"])
+        if self.scheduler is not None and "scheduler" in snap:
+            self.scheduler.load_state_dict(snap["scheduler"])

@@ -46,7 +46,7 @@ from paraloom.training.messages import (
     ToReplica,
 )
 from paraloom.training.optim import OptimizerSpec
-from paraloom.training.replica import Replica, StepFn
+from paraloom.training.replica import Replica, SchedulerFactory, StepFn
 from paraloom.training.transport import SharedOutbox
 
 __all__ = ["WorkerSpec", "ReplicaRunner", "pickle_spec"]
@@ -63,6 +63,7 @@ class WorkerSpec:
     synchronizer: Synchronizer
     precision: str = "32-true"
     clipping: GradientClipping | None = None
+    lr_scheduler: SchedulerFactory | None = None
 
 
 _PROCESS_HINT = ("Define it at module level, keep open files, locks, threads and generators "
@@ -102,7 +103,8 @@ class ReplicaRunner:
         self.replica = Replica(spec.model, spec.optimizer, loss_fn=spec.loss_fn,
                                step_fn=spec.step_fn, synchronizer=copy.deepcopy(spec.synchronizer),
                                device=device, group=group, rank=rank, world_size=world_size,
-                               precision=spec.precision, clipping=spec.clipping)
+                               precision=spec.precision, clipping=spec.clipping,
+                               lr_scheduler=spec.lr_scheduler)
         self.dataset: IndexedDataset | None = None
         self.loader: ReplicaLoader | None = None
         self.steps = 0

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from paraloom.clipping import GradientClipping
 from paraloom.data import (
@@ -57,7 +58,7 @@ from paraloom.training.optim import OptimizerFactory, OptimizerSpec, load_state_
 from paraloom.training.pool import Pool
 from paraloom.training.process_pool import ProcessPool
 from paraloom.training.recovery import RecoveringPool, Recovery
-from paraloom.training.replica import StepFn, require_loss
+from paraloom.training.replica import SchedulerFactory, StepFn, require_loss
 from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
 from paraloom.training.tracker import RoundTracker
@@ -111,6 +112,7 @@ class ParallelWrapper:
                  listeners: Iterable[TrainingListener | Callable[[int, int, float], object]] = (),
                  progress: bool = True, timeout: float = 300.0, precision: str = "32-true",
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
+                 lr_scheduler: SchedulerFactory | None = None,
                  heartbeat_timeout: float | None = 2.0, step_timeout: float | None = None,
                  max_failures: int = 0, **sync_options: Any) -> None:
         if not isinstance(model, nn.Module):
@@ -150,9 +152,17 @@ class ParallelWrapper:
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.precision = resolve_precision(precision).name
         self.clipping = GradientClipping.of(gradient_clip_val, gradient_clip_algorithm)
+        if lr_scheduler is not None and (isinstance(lr_scheduler, LRScheduler)
+                                         or not callable(lr_scheduler)):
+            raise TypeError(f"lr_scheduler={lr_scheduler!r}; expected a function that builds "
+                            f"the scheduler on each replica's optimizer, e.g. lambda opt: "
+                            f"OneCycleLR(opt, max_lr=0.1, total_steps=N) (a scheduler object "
+                            f"steps your optimizer, which no replica trains with: step it in a "
+                            f"listener's on_epoch_end instead)")
         self._spec = WorkerSpec(model=model, optimizer=OptimizerSpec.from_user(optimizer, model),
                                 loss_fn=loss_fn, step_fn=step_fn, synchronizer=self.synchronizer,
-                                precision=self.precision, clipping=self.clipping)
+                                precision=self.precision, clipping=self.clipping,
+                                lr_scheduler=lr_scheduler)
         require_loss(loss_fn, step_fn)
         self._pool: Pool | None = None
         self._pool_layout = self._layout()
@@ -654,7 +664,8 @@ class ParallelWrapper:
                 f"the optimizer's {names} changed during an epoch (a scheduler stepped in "
                 f"on_iteration?); the replicas take settings changed in a listener as the "
                 f"next epoch starts (on_epoch_start and on_epoch_end changes apply exactly). "
-                f"Step schedulers per epoch, or between fit() calls", stacklevel=2)
+                f"For a per-step schedule pass ParallelWrapper(lr_scheduler=lambda opt: ...), "
+                f"which every replica steps after every round", stacklevel=2)
 
     def _finish(self, pool: Pool, tracker: RoundTracker) -> ReplicaResult:
         for rank in range(self.workers):

@@ -31,18 +31,14 @@ class GradientClipping:
                 or not math.isfinite(value) or value <= 0:
             raise ValueError(f"gradient_clip_val={value!r}; expected a number > 0 (e.g. 1.0), "
                              f"or None not to clip")
-        if self.algorithm not in CLIP_ALGORITHMS:
-            raise ValueError(f"gradient_clip_algorithm={self.algorithm!r}; expected one of "
-                             f"{list(CLIP_ALGORITHMS)}")
+        _check_algorithm(self.algorithm)
 
     @classmethod
     def of(cls, value: float | None, algorithm: str = "norm") -> GradientClipping | None:
         """The clipping that ``gradient_clip_val`` / ``gradient_clip_algorithm`` ask for
         (None: no clipping; the algorithm is still checked)."""
         if value is None:
-            if algorithm not in CLIP_ALGORITHMS:
-                raise ValueError(f"gradient_clip_algorithm={algorithm!r}; expected one of "
-                                 f"{list(CLIP_ALGORITHMS)}")
+            _check_algorithm(algorithm)
             return None
         return cls(value, algorithm)
 
@@ -56,3 +52,9 @@ class GradientClipping:
             nn.utils.clip_grad_norm_(params, self.value)
         else:
             nn.utils.clip_grad_value_(params, self.value)
+
+
+def _check_algorithm(algorithm: str) -> None:
+    if algorithm not in CLIP_ALGORITHMS:
+        raise ValueError(f"gradient_clip_algorithm={algorithm!r}; expected one of "
+                         f"{list(CLIP_ALGORITHMS)}")

@@ -22,8 +22,7 @@ from paraloom.training.messages import ModelState, ReplicaState
 from paraloom.training.optim import OptimizerSpec
 
 __all__ = ["Replica", "NonFiniteLossError", "BatchError", "LossFn", "SchedulerFactory", "StepFn",
-           "require_loss",
-           "host_to_device"]
+           "require_loss", "host_to_device"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 """``step_fn(model, batch) -> loss``: the user's own forward and loss."""

@@ -11,15 +11,11 @@ import math
 
 import pytest
 import torch
-from training_helpers import Scalar, linear_loss, make_weight_reporting
+from training_helpers import Scalar, linear_loss, make_weight_reporting, scalar_batches
 
 from paraloom import ParallelWrapper
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _batches(values: list[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.tensor([[v]]), torch.zeros(1)) for v in values]
 
 
 def _fit(values: list[float], workers: int = 2, **options) -> tuple[float, dict]:
@@ -27,7 +23,7 @@ def _fit(values: list[float], workers: int = 2, **options) -> tuple[float, dict]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=workers,
                          progress=False, timeout=60, **options) as wrapper:
-        stats = wrapper.fit(_batches(values))
+        stats = wrapper.fit(scalar_batches(values))
     return float(model.w.detach()), stats
 
 

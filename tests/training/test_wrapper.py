@@ -19,16 +19,13 @@ from training_helpers import (
     linear_loss,
     make_recording_averaging,
     pid_alive,
+    scalar_batches,
 )
 
 from paraloom import NotPicklableError, ParallelWrapper, TrainingListener, WorkerError
 from paraloom.models import MLP, LeNet
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def scalar_batches(values):
-    return [(torch.tensor([[float(v)]]), torch.zeros(1)) for v in values]
 
 
 def scalar_wrapper(workers, frequency=1, **kw):

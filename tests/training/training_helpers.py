@@ -32,6 +32,11 @@ def linear_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return out.mean()
 
 
+def scalar_batches(values):
+    """One (x, target) batch per value, x = [[value]]: for ``Scalar`` and ``linear_loss``."""
+    return [(torch.tensor([[float(v)]]), torch.zeros(1)) for v in values]
+
+
 class TwoInputs(nn.Module):
     """A multi-input model called as model(image=..., extra=...)."""
 

@@ -45,9 +45,11 @@ def _shared_run(rank: int, world_size: int, **options: Any) -> dict[str, Any]:
     {"residual_post_processor": ResidualClipping(2.0, 2),
      "threshold_algorithm": AdaptiveThreshold(initial=1e-2)},
     {"recipe": "dl4j", "idle": {5: [1]}},
+    {"gradients_at": "shared", "momentum_masking": True, "idle": {2: [0]}},
     {"encoding": "gap16", "threshold_algorithm": QuantileThreshold(1 / 160), "idle": {4: [1]}},
     {"threshold_algorithm": QuantileThreshold(1 / 40, exact_count=True), "idle": {6: [0]}},
 ], ids=["auto-batchnorm-idle", "threshold", "bitmap-sum-idle", "clipping", "dl4j-idle",
+         "shared-masked-idle",
         "gap16-idle", "exact-count-one-collective-idle"])
 def test_replicas_are_bit_identical_after_every_step(pool, options) -> None:
     results = pool.run(_shared_run, **options)
@@ -81,7 +83,8 @@ def test_exact_count_messages_have_one_size_and_go_in_one_collective(pool) -> No
         assert r["bytes_per_step"] == [(6 + -(-count // 2)) * 4] * STEPS
 
 
-def _conservation_run(rank: int, world_size: int, combine: str) -> dict[str, Any]:
+def _conservation_run(rank: int, world_size: int, combine: str,
+                      gradients_at: str) -> dict[str, Any]:
     total: list[torch.Tensor] = []
     scale = 1.0 / world_size if combine == "mean" else 1.0
 
@@ -90,7 +93,8 @@ def _conservation_run(rank: int, world_size: int, combine: str) -> dict[str, Any
                                                                         before, strict=True)]
         total.append(torch.cat(deltas))
 
-    sync = SharedGradients(FixedThreshold(2.0 ** -9), recipe="dl4j", combine=combine)
+    sync = SharedGradients(FixedThreshold(2.0 ** -9), recipe="dl4j", combine=combine,
+                           gradients_at=gradients_at)
     out = train(rank, world_size, sync, STEPS, on_update=on_update, dtype=torch.float64,
                 seed=0)
     out["sum_updates"] = torch.stack(total).sum(0).tolist()
@@ -98,10 +102,13 @@ def _conservation_run(rank: int, world_size: int, combine: str) -> dict[str, Any
     return out
 
 
-@pytest.mark.parametrize("combine", ["mean", "sum"])
-def test_applied_steps_plus_residuals_equal_all_updates(pool, combine) -> None:
-    """Nothing is lost: the parameters moved by every update except what the residuals hold."""
-    results = pool.run(_conservation_run, combine=combine)
+@pytest.mark.parametrize(("combine", "gradients_at"),
+                         [("mean", "shared"), ("sum", "shared"), ("mean", "local"),
+                          ("sum", "local")])
+def test_applied_steps_plus_residuals_equal_all_updates(pool, combine, gradients_at) -> None:
+    """Nothing is lost: the parameters moved by every update except what the residuals hold
+    (with the local view too: the optimizer's update is taken from where it stepped)."""
+    results = pool.run(_conservation_run, combine=combine, gradients_at=gradients_at)
     _identical(results)
     def exact(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float64)
@@ -208,18 +215,18 @@ def test_hooks_out_of_order_and_bad_options_are_explained() -> None:
 def test_recipes_set_the_defaults_and_explicit_options_win() -> None:
     dgc, dl4j = SharedGradients(), SharedGradients(recipe="dl4j")
     assert isinstance(dgc.threshold_algorithm, QuantileThreshold)
-    assert (dgc.combine, dgc.momentum_masking) == ("mean", True)
+    assert (dgc.combine, dgc.momentum_masking, dgc.gradients_at) == ("mean", False, "local")
     assert dgc.config()["residual_post_processor"] == {"type": "ResidualClipping", "ratio": 2.0,
                                                        "frequency": 1}
     assert isinstance(dl4j.threshold_algorithm, AdaptiveThreshold)
     assert dl4j.threshold_algorithm.tau == 1e-3
-    assert (dl4j.combine, dl4j.momentum_masking) == ("sum", False)
+    assert (dl4j.combine, dl4j.momentum_masking, dl4j.gradients_at) == ("sum", False, "shared")
     assert dl4j.residual_post_processor is None
     mixed = SharedGradients(FixedThreshold(0.5), recipe="dl4j", combine="mean",
-                            momentum_masking=True)
+                            momentum_masking=True, gradients_at="local")
     assert mixed.config()["threshold_algorithm"]["type"] == "FixedThreshold"
-    assert (mixed.combine, mixed.momentum_masking, mixed.config()["recipe"]) == \
-        ("mean", True, "dl4j")
+    assert (mixed.combine, mixed.momentum_masking, mixed.gradients_at,
+            mixed.config()["recipe"]) == ("mean", True, "local", "dl4j")
 
 
 def test_momentum_masking_zeroes_the_momentum_of_the_elements_sent() -> None:
@@ -417,3 +424,99 @@ def test_differs_flags_changed_values_and_shapes_in_either_mode(batched) -> None
     assert differs(tensors, values, batched=batched) == [False, True, True, True]
     assert differs(values, values, batched=batched) == [False] * 4
     assert differs([], [], batched=batched) == []
+
+
+# -- gradients_at="local" -------------------------------------------------------------------
+
+def _local_step(sync: SharedGradients, ctx: StepContext, x: torch.Tensor,
+                seen: list[torch.Tensor]) -> None:
+    """One step as the training loop runs it: before_step, forward and backward, step."""
+    sync.before_step(ctx)
+    ctx.optimizer.zero_grad(set_to_none=True)
+    (weight,) = ctx.model.parameters()
+    seen.append(weight.detach().clone())
+    ctx.model(x).pow(2).sum().backward()
+    sync.after_backward(ctx)
+    ctx.optimizer.step()
+    sync.after_step(ctx)
+
+
+def test_the_local_view_is_where_one_replica_steps_so_it_trains_as_plain_sgd() -> None:
+    """The forward runs at the shared parameters plus the unsent residual; with one replica
+    that is plain SGD's trajectory, while the parameters between steps are the shared ones."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 16, generator=g) for _ in range(10)]
+    plain = nn.Linear(16, 1, bias=False)
+    model = nn.Linear(16, 1, bias=False)
+    model.load_state_dict(plain.state_dict())
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+    ctx = StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01,
+                                                             momentum=0.9))
+    sync = SharedGradients(QuantileThreshold(1 / 8))
+    sync.setup(ctx)
+    seen: list[torch.Tensor] = []
+    for x in xs:
+        shared = model.weight.detach().clone()
+        residual = sync._replica.residual.clone().view_as(shared)
+        assert torch.allclose(shared + residual, plain.weight, rtol=0, atol=1e-6)
+        _local_step(sync, ctx, x, seen)
+        assert torch.equal(seen[-1], shared + residual)  # where the forward ran
+        plain_opt.zero_grad()
+        plain(x).pow(2).sum().backward()
+        plain_opt.step()
+    assert sync._replica.residual.abs().max() > 1e-3  # a real lag between the two
+    final = model.weight.detach() + sync._replica.residual.view_as(model.weight)
+    assert torch.allclose(final, plain.weight, rtol=0, atol=1e-6)
+    # DL4J's rule evaluates at the shared parameters: another trajectory.
+    shared_rule = SharedGradients(QuantileThreshold(1 / 8), gradients_at="shared")
+    other = nn.Linear(16, 1, bias=False)
+    other.load_state_dict(model.state_dict() | {"weight": seen[0]})
+    other_ctx = StepContext(model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.01,
+                                                                   momentum=0.9))
+    shared_rule.setup(other_ctx)
+    other_seen: list[torch.Tensor] = []
+    for x in xs:
+        _local_step(shared_rule, other_ctx, x, other_seen)
+    assert not torch.allclose(other.weight, model.weight)
+
+
+def test_a_step_that_fails_midway_leaves_the_shared_parameters_not_the_local_view() -> None:
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    ctx = _ctx(model, lr=1.0)
+    sync = SharedGradients(FixedThreshold(1.0), encoding="threshold")
+    sync.setup(ctx)
+    _step(sync, ctx, [[-0.5, 0.25, 0.0, 0.0]])  # below tau: all of it waits in the residual
+    shared = model.weight.detach().clone()
+    for restart in ("finish", "setup", "before_step"):
+        sync.before_step(ctx)
+        assert model.weight.tolist() == [[0.5, -0.25, 0.0, 0.0]]  # shared + residual
+        # The forward raises here (a NaN loss, a bad batch); the next call puts shared back.
+        getattr(sync, restart)(ctx)
+        if restart != "before_step":
+            assert torch.equal(model.weight, shared), restart
+    _step(sync, ctx, [[0.0, 0.0, 0.0, 0.0]])
+    assert sync._replica.residual.tolist() == [0.5, -0.25, 0.0, 0.0]
+
+
+def test_a_skipped_optimizer_step_adds_exactly_nothing_to_the_residual() -> None:
+    """The update is taken from the local view recomputed bit for bit, also in 16 bits, where
+    ``local - shared - residual`` would leave rounding errors in the residual."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        g = torch.Generator().manual_seed(1)
+        model = nn.Linear(64, 1, bias=False).to(dtype)
+        ctx = _ctx(model, lr=0.3)
+        sync = SharedGradients(FixedThreshold(64.0))  # sends nothing: all stays in the residual
+        sync.setup(ctx)
+        sync._replica.residual.copy_(torch.randn(64, generator=g) * 0.3)  # unsent float32 updates
+        residual = sync._replica.residual.clone()
+        sync.before_step(ctx)
+        sync.after_backward(ctx)
+        ctx.skip_optimizer_step = True  # e.g. the loss scaler found an inf
+        sync.after_step(ctx)
+        assert torch.equal(sync._replica.residual, residual), dtype
+
+
+def test_gradients_at_is_checked() -> None:
+    with pytest.raises(ValueError, match="gradients_at='global'.*'local'.*'shared'"):
+        SharedGradients(gradients_at="global")

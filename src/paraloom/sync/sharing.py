@@ -2,21 +2,26 @@
 
 Each step, every replica:
 
-1. saves its parameters (``after_backward``), lets the optimizer step, and takes the
-   update ``delta = new - old`` (learning rate, momentum etc. applied, as in DL4J);
-2. puts its parameters back to ``old`` and adds ``delta`` (divided by the number of replicas
-   when ``combine="mean"``) to its residual;
-3. encodes the residual with the tau its threshold algorithm chooses (threshold or bitmap
-   message, see ``encoding``), subtracts exactly what the message carries, zeroes the
-   optimizer's momentum where the message moved an element (``momentum_masking``, see
-   ``momentum``), and lets the post-processor (e.g. ``ResidualClipping``) act;
+0. with ``gradients_at="local"`` (the dgc recipe), runs its forward and backward on its
+   *local view*: the shared parameters plus its own unsent updates (its residual, whole),
+   as if its messages had all been sent (``before_step``);
+1. lets the optimizer step and takes the update ``delta = new - start`` (learning rate,
+   momentum etc. applied, as in DL4J), where ``start`` is where the optimizer stepped from;
+2. puts its parameters back to the shared ones (``old``) and adds ``delta`` (divided by the
+   number of replicas when ``combine="mean"``) to its residual;
+3. encodes the residual with the tau its threshold algorithm chooses (threshold, gap16 or
+   bitmap message, see ``encoding``), subtracts exactly what the message carries, zeroes the
+   optimizer's momentum where the message moved an element if asked (``momentum_masking``,
+   see ``momentum``), and lets the post-processor (e.g. ``ResidualClipping``) act;
 4. all-gathers every replica's message and adds their decoded sum, in rank order, to ``old``.
 
 Every replica applies the same messages in the same order to the same ``old``, so the replicas
 stay bit-identical after every step; no replica ever applies its own raw update. The optimizer
 state (momentum, Adam moments) stays local to each replica, as in DL4J. Accumulating the
 optimizer's update (velocity times learning rate) rather than the raw gradient is DGC's
-"momentum correction".
+"momentum correction". Computing the gradient at the local view is the error reset of CSER
+(Xie et al., 2020) and the local iterate of Qsparse-local-SGD (Basu et al., 2019): a replica's
+gradient sees where its own updates are taking it, not a model that lags them by the residual.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ _ENCODINGS = ("auto", "threshold", "bitmap", "gap16")
 _FORCED = {"bitmap": Format.BITMAP, "threshold": Format.THRESHOLD, "gap16": Format.GAP16}
 """The format each ``encoding=`` but "auto" forces."""
 _RECIPES = ("dgc", "dl4j")
+_GRADIENTS_AT = ("local", "shared")
 _DGC_DENSITY = 1 / 160
 """The dgc recipe's fraction of elements per message. Its gap16 messages take half a word per
 element, so with the headers a worker sends under 1/300 of all-reduce's bytes: the same bytes
@@ -252,22 +258,48 @@ def _views(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
     return views
 
 
-def _accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
-                        scale: float, chunk: int | None = None) -> None:
-    """``residual += scale * (p - old)``, then ``p = old``, for each parameter, chunk by chunk
-    (default ``scan_chunk``) so that the three tensors' chunks stay in cache across the three
-    operations."""
+def _chunks(params: Sequence[Tensor], old: Sequence[Tensor], residual: Sequence[Tensor],
+            chunk: int | None = None) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """The three tensors of each parameter, cut into matching chunks (default ``scan_chunk``
+    elements) so that a sequence of elementwise operations keeps each chunk in cache."""
+    parts = []
     for p, o, r in zip(params, old, residual, strict=True):
-        chunk = chunk or scan_chunk(p.device)
+        size = chunk or scan_chunk(p.device)
         if p.is_contiguous() and o.is_contiguous():
-            parts = [(p.view(-1)[i: i + chunk], o.view(-1)[i: i + chunk],
-                      r.view(-1)[i: i + chunk]) for i in range(0, p.numel(), chunk)]
+            parts += [(p.view(-1)[i: i + size], o.view(-1)[i: i + size],
+                       r.view(-1)[i: i + size]) for i in range(0, p.numel(), size)]
         else:  # e.g. channels_last: elementwise on the whole tensor, any layout
-            parts = [(p, o, r)]
-        for p_part, o_part, r_part in parts:
+            parts.append((p, o, r))
+    return parts
+
+
+def _local_view(old: Tensor, residual: Tensor, reach: float, dtype: torch.dtype) -> Tensor:
+    """``old + reach * residual`` in the parameters' dtype: the same bits each time it is
+    computed from the same tensors."""
+    return old.add(residual, alpha=reach).to(dtype)
+
+
+def _set_local_view_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
+                     reach: float, chunk: int | None = None) -> None:
+    """``p = old + reach * residual`` for each parameter: the shared parameters plus this
+    replica's own unsent updates."""
+    for p_part, o_part, r_part in _chunks(params, old, residual, chunk):
+        p_part.copy_(_local_view(o_part, r_part, reach, p_part.dtype))
+
+
+def _accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
+                        scale: float, chunk: int | None = None, reach: float = 0.0) -> None:
+    """``residual += scale * (p - start)``, then ``p = old``, for each parameter, chunk by
+    chunk so that the tensors' chunks stay in cache across the operations. ``start``, where
+    the optimizer stepped from, is ``old`` (``reach`` 0), or the local view
+    ``old + reach * residual`` that ``_set_local_view_`` set, recomputed bit for bit."""
+    for p_part, o_part, r_part in _chunks(params, old, residual, chunk):
+        if reach:
+            p_part.sub_(_local_view(o_part, r_part, reach, p_part.dtype))
+        else:
             p_part.sub_(o_part)  # the update, in place: no temporary
-            r_part.add_(p_part, alpha=scale)
-            p_part.copy_(o_part)  # from here on only the decoded messages move the parameters
+        r_part.add_(p_part, alpha=scale)
+        p_part.copy_(o_part)  # from here on only the decoded messages move the parameters
 
 
 def _residual_dtype(params: list[nn.Parameter]) -> torch.dtype:
@@ -296,21 +328,21 @@ class SharedGradients(Synchronizer):
     Two recipes, both with DL4J's residuals and ``±tau`` steps:
 
     * ``recipe="dgc"`` (the default) is meant for the dense recipe's learning rate and
-      momentum, after Deep Gradient Compression: ``QuantileThreshold(1/160)`` picks tau so
-      that each message moves the largest ~1/160 of the residual's elements, sent as gap16
-      messages (half a word per element; with the headers under 1/300 of all-reduce's bytes),
-      updates are averaged (``combine="mean"``, so learning rates carry over from DDP),
-      momentum factor masking zeroes the optimizer's momentum where a message moved an
-      element, and ``ResidualClipping(2.0, 1)`` keeps each residual element within 2 tau
-      (DGC's local clipping: a surplus that far beyond tau is stale, and sending it later
-      destabilizes).
+      momentum: ``QuantileThreshold(1/160)`` picks tau so that each message moves the largest
+      ~1/160 of the residual's elements, sent as gap16 messages (half a word per element;
+      with the headers under 1/300 of all-reduce's bytes), updates are averaged
+      (``combine="mean"``, so learning rates carry over from DDP), the gradients are computed
+      at the local view (``gradients_at="local"``: the shared parameters plus this replica's
+      unsent updates), and ``ResidualClipping(2.0, 1)`` keeps each residual element within
+      2 tau (DGC's local clipping: a surplus that far beyond tau is stale).
     * ``recipe="dl4j"``: DL4J's ParallelWrapper exactly: ``AdaptiveThreshold()`` (tau moves
       by a factor of 2 per 20 steps to keep 1e-4..1e-2 of the elements), DL4J's threshold
       messages (a word per element), each replica's update applied in full (``combine="sum"``),
       no masking. It needs a smaller learning rate.
 
-    Each of ``threshold_algorithm``, ``residual_post_processor``, ``combine`` and
-    ``momentum_masking`` overrides the recipe. ``ResidualPostProcessor()``, the no-op base
+    Each of ``threshold_algorithm``, ``residual_post_processor``, ``combine``,
+    ``momentum_masking`` (DGC's factor masking, off in both recipes) and ``gradients_at``
+    overrides the recipe. ``ResidualPostProcessor()``, the no-op base
     class, turns the clipping off (the dl4j recipe has none, as DL4J's ParallelWrapper; Spark
     DL4J uses ``ResidualClipping(5.0, 5)``). ``encoding="auto"`` chooses by density between
     the recipe's sparse format (dgc: gap16, dl4j: threshold) and the bitmap; "threshold",
@@ -323,8 +355,8 @@ class SharedGradients(Synchronizer):
     def __init__(self, threshold_algorithm: ThresholdAlgorithm | None = None,
                  residual_post_processor: ResidualPostProcessor | None = None, *,
                  recipe: str = "dgc", combine: str | None = None,
-                 momentum_masking: bool | None = None, encoding: str = "auto",
-                 broadcast_buffers: bool = True) -> None:
+                 momentum_masking: bool | None = None, gradients_at: str | None = None,
+                 encoding: str = "auto", broadcast_buffers: bool = True) -> None:
         super().__init__()
         if recipe not in _RECIPES:
             raise ValueError(f"recipe={recipe!r}; expected 'dgc' (top-k sharing with momentum "
@@ -350,16 +382,25 @@ class SharedGradients(Synchronizer):
                              f"updates, like all-reduce) or 'sum' (DL4J's rule)")
         if encoding not in _ENCODINGS:
             raise ValueError(f"encoding={encoding!r}; expected one of {_ENCODINGS}")
+        if gradients_at is None:
+            gradients_at = "local" if recipe == "dgc" else "shared"
+        if gradients_at not in _GRADIENTS_AT:
+            raise ValueError(f"gradients_at={gradients_at!r}; expected 'local' (forward and "
+                             f"backward on the shared parameters plus this replica's unsent "
+                             f"updates) or 'shared' (on the shared parameters, DL4J's rule)")
         self.recipe = recipe
         self.threshold_algorithm = threshold_algorithm
         self.residual_post_processor = residual_post_processor
         self.combine = combine
-        self.momentum_masking = recipe == "dgc" if momentum_masking is None \
-            else bool(momentum_masking)
+        self.momentum_masking = bool(momentum_masking)
+        self.gradients_at = gradients_at
         self.encoding = encoding
         self.broadcast_buffers = bool(broadcast_buffers)
         self.setup_bytes_sent = 0
         self._replica: _Replica | None = None
+        self._local_step = False
+        """Whether the parameters hold the local view (between ``before_step`` and
+        ``after_step``)."""
         self._pending_residual: Tensor | None = None
         self._format = Format.BITMAP if encoding == "bitmap" else Format.THRESHOLD
         self._half_sign = 1
@@ -374,6 +415,7 @@ class SharedGradients(Synchronizer):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, ctx: StepContext) -> None:
+        self._leave_local_view()  # a step that failed after before_step left it
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("shared_gradients: the model has no parameters that require grad; "
@@ -408,10 +450,24 @@ class SharedGradients(Synchronizer):
             self._replica.broadcast_done()
 
     # -- per step ----------------------------------------------------------------------------
-    def after_backward(self, ctx: StepContext) -> None:
+    def before_step(self, ctx: StepContext) -> None:
+        """With ``gradients_at="local"``: the parameters become the local view, where the
+        forward and backward run."""
+        if self.gradients_at != "local":
+            return
         replica = self._require_setup()
+        self._leave_local_view()
         with torch.no_grad():
             replica.save_old()
+            _set_local_view_(replica.params, replica.old, replica.residual_views,
+                             self._reach(ctx))
+        self._local_step = True
+
+    def after_backward(self, ctx: StepContext) -> None:
+        replica = self._require_setup()
+        if not self._local_step:  # the local view's old was saved before it was set
+            with torch.no_grad():
+                replica.save_old()
         replica.old_saved = True
 
     def after_step(self, ctx: StepContext) -> None:
@@ -420,10 +476,12 @@ class SharedGradients(Synchronizer):
             raise RuntimeError("shared_gradients: after_step without after_backward; expected "
                                "the loop to call after_backward before optimizer.step()")
         replica.old_saved = False
-        scale = 1.0 / ctx.world_size if self.combine == "mean" else 1.0
+        scale = self._scale(ctx)
         started = time.perf_counter()
         with torch.no_grad():
-            _accumulate_update_(replica.params, replica.old, replica.residual_views, scale)
+            _accumulate_update_(replica.params, replica.old, replica.residual_views, scale,
+                                reach=self._reach(ctx) if self._local_step else 0.0)
+            self._local_step = False
             tau = self.threshold_algorithm.choose(replica.residual)
             found = scan(replica.residual, tau)
             msg, found = self._encode(replica.residual, found)
@@ -451,7 +509,31 @@ class SharedGradients(Synchronizer):
             replica.save_old()  # the parameters are "old": this replica did not step
             self._exchange_and_apply(msg, 0, ctx)
 
+    def finish(self, ctx: StepContext) -> None:
+        self._leave_local_view()
+
     # -- internals ---------------------------------------------------------------------------
+    def _scale(self, ctx: StepContext) -> float:
+        """The factor on each update added to the residual."""
+        return 1.0 / ctx.world_size if self.combine == "mean" else 1.0
+
+    def _reach(self, ctx: StepContext) -> float:
+        """The factor on the residual in the local view: the residual holds ``scale`` times
+        this replica's unsent updates, the local view adds them whole."""
+        return 1.0 / self._scale(ctx)
+
+    def _leave_local_view(self) -> None:
+        """Put the shared parameters back if the local view is set (a step failed midway)."""
+        if not self._local_step or self._replica is None:
+            return
+        replica = self._replica
+        with torch.no_grad():
+            for p, old in zip(replica.params, replica.old, strict=True):
+                p.copy_(old)
+        replica.stamps = replica.current_stamps()
+        replica.old_saved = False
+        self._local_step = False
+
     def _require_setup(self) -> _Replica:
         if self._replica is None:
             raise RuntimeError("shared_gradients: a step hook ran before setup(); expected "
@@ -588,7 +670,8 @@ class SharedGradients(Synchronizer):
         return {"threshold_algorithm": self.threshold_algorithm.config(),
                 "residual_post_processor": None if post is None else post.config(),
                 "recipe": self.recipe, "combine": self.combine,
-                "momentum_masking": self.momentum_masking, "encoding": self.encoding,
+                "momentum_masking": self.momentum_masking, "gradients_at": self.gradients_at,
+                "encoding": self.encoding,
                 "broadcast_buffers": self.broadcast_buffers}
 
     def state_dict(self) -> dict[str, Any]:

@@ -104,3 +104,24 @@ def test_sharing_trains_at_the_dense_recipe_with_a_three_hundredth_of_the_bytes(
     for worker in stats["per_worker"]:
         assert worker["mean_sparsity"] == pytest.approx(1 / 160, rel=0.1), worker
         assert worker["momentum_masked"] == 0  # the dgc recipe masks no momentum
+
+
+@pytest.mark.timeout(240)
+def test_a_short_run_at_the_edge_of_stability_keeps_up_with_allreduce() -> None:
+    """digits16 at 6 epochs, lr 0.1: where gradients at the shared parameters fell 12 points
+    behind (measured 79.0% against all-reduce's 91.6% on this seed), the local view is ahead
+    (93.7%)."""
+    import argparse
+
+    from paraloom.bench import convergence
+
+    parser = argparse.ArgumentParser()
+    convergence.add_arguments(parser)
+    args = parser.parse_args(["--epochs", "6"])
+    result = {name: convergence._train(args, "digits16", name, seed=3)
+              for name in ("allreduce", "sharing", "sharing_at_shared")}
+    accuracy = {name: r["accuracy"] for name, r in result.items()}
+    assert None not in accuracy.values(), result
+    assert accuracy["sharing"] >= accuracy["allreduce"] - 0.005, accuracy
+    assert accuracy["sharing"] >= accuracy["sharing_at_shared"] + 0.05, accuracy
+    assert result["sharing"]["bytes_per_step"] <= result["allreduce"]["bytes_per_step"] / 300

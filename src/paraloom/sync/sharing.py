@@ -273,10 +273,10 @@ def _chunks(params: Sequence[Tensor], old: Sequence[Tensor], residual: Sequence[
     return parts
 
 
-def _local_view(old: Tensor, residual: Tensor, reach: float, dtype: torch.dtype) -> Tensor:
-    """``old + reach * residual`` in the parameters' dtype: the same bits each time it is
+def _local_view(old: Tensor, residual: Tensor, reach: float, out: Tensor) -> Tensor:
+    """``out = old + reach * residual`` (in ``out``'s dtype): the same bits each time it is
     computed from the same tensors."""
-    return old.add(residual, alpha=reach).to(dtype)
+    return torch.add(old, residual, alpha=reach, out=out)
 
 
 def _set_local_view_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
@@ -284,7 +284,7 @@ def _set_local_view_(params: list[nn.Parameter], old: list[Tensor], residual: li
     """``p = old + reach * residual`` for each parameter: the shared parameters plus this
     replica's own unsent updates."""
     for p_part, o_part, r_part in _chunks(params, old, residual, chunk):
-        p_part.copy_(_local_view(o_part, r_part, reach, p_part.dtype))
+        _local_view(o_part, r_part, reach, out=p_part)
 
 
 def _accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
@@ -293,9 +293,18 @@ def _accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual:
     chunk so that the tensors' chunks stay in cache across the operations. ``start``, where
     the optimizer stepped from, is ``old`` (``reach`` 0), or the local view
     ``old + reach * residual`` that ``_set_local_view_`` set, recomputed bit for bit."""
+    scratch: dict[torch.dtype, Tensor] = {}
     for p_part, o_part, r_part in _chunks(params, old, residual, chunk):
         if reach:
-            p_part.sub_(_local_view(o_part, r_part, reach, p_part.dtype))
+            if p_part.is_contiguous():
+                room = scratch.setdefault(p_part.dtype, torch.empty(
+                    p_part.numel(), dtype=p_part.dtype, device=p_part.device))
+                if room.numel() < p_part.numel():
+                    room = scratch[p_part.dtype] = torch.empty_like(p_part).view(-1)
+                start = room[:p_part.numel()].view_as(p_part)
+            else:
+                start = torch.empty_like(p_part)
+            p_part.sub_(_local_view(o_part, r_part, reach, out=start))
         else:
             p_part.sub_(o_part)  # the update, in place: no temporary
         r_part.add_(p_part, alpha=scale)
@@ -410,7 +419,7 @@ class SharedGradients(Synchronizer):
         self._encoded_steps = 0
         self._bitmap_steps = 0
         self._masked = 0
-        self._seconds = {"encoding": 0.0, "exchange": 0.0, "applying": 0.0}
+        self._seconds = {"local_view": 0.0, "encoding": 0.0, "exchange": 0.0, "applying": 0.0}
         """Time spent per phase of the exchange, for ``stats()``."""
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -457,11 +466,13 @@ class SharedGradients(Synchronizer):
             return
         replica = self._require_setup()
         self._leave_local_view()
+        started = time.perf_counter()
         with torch.no_grad():
             replica.save_old()
             _set_local_view_(replica.params, replica.old, replica.residual_views,
                              self._reach(ctx))
         self._local_step = True
+        self._seconds["local_view"] += time.perf_counter() - started
 
     def after_backward(self, ctx: StepContext) -> None:
         replica = self._require_setup()
@@ -650,8 +661,8 @@ class SharedGradients(Synchronizer):
     # -- reporting ---------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Adds tau and sparsity (fraction of elements moved) of this replica's last message,
-        and the seconds per step spent encoding (residual, threshold, message, masking),
-        exchanging and applying the messages."""
+        and the seconds per step spent setting the local view, encoding (residual, threshold,
+        message, masking), exchanging and applying the messages."""
         out = super().stats()
         out.update({f"seconds_{phase}_per_step": seconds / max(1, self.sync_steps)
                     for phase, seconds in self._seconds.items()})

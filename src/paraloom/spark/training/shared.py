@@ -60,7 +60,7 @@ class SharedTrainingMaster(TrainingMaster):
     """DL4J's gradient-sharing master: every worker shares its threshold-encoded updates.
 
     ``recipe`` is SharedGradients' (see ``paraloom.sync.sharing``): "dgc" (the default: top
-    ~1/160 of the residual per message in gap16 messages, momentum masking,
+    ~1/160 of the residual per message in gap16 messages, gradients at the local view,
     ``ResidualClipping(2.0, 1)``; it trains at the dense recipe's learning rate) or "dl4j"
     (``AdaptiveThreshold()``, ``ResidualClipping(5.0, 5)``, each worker's update applied in
     full: DL4J's Spark defaults). ``threshold_algorithm`` and ``residual_post_processor``

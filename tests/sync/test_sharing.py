@@ -488,7 +488,7 @@ def test_a_step_that_fails_midway_leaves_the_shared_parameters_not_the_local_vie
     sync.setup(ctx)
     _step(sync, ctx, [[-0.5, 0.25, 0.0, 0.0]])  # below tau: all of it waits in the residual
     shared = model.weight.detach().clone()
-    for restart in ("finish", "setup", "before_step"):
+    for restart in ("abort_step", "finish", "before_step"):
         sync.before_step(ctx)
         assert model.weight.tolist() == [[0.5, -0.25, 0.0, 0.0]]  # shared + residual
         # The forward raises here (a NaN loss, a bad batch); the next call puts shared back.
@@ -497,6 +497,31 @@ def test_a_step_that_fails_midway_leaves_the_shared_parameters_not_the_local_vie
             assert torch.equal(model.weight, shared), restart
     _step(sync, ctx, [[0.0, 0.0, 0.0, 0.0]])
     assert sync._replica.residual.tolist() == [0.5, -0.25, 0.0, 0.0]
+    # A state loaded after a failed step is the next fit's start, not undone by setup().
+    sync.before_step(ctx)
+    model.load_state_dict({"weight": torch.tensor([[7.0, 7.0, 7.0, 7.0]])})
+    sync.setup(ctx)
+    assert model.weight.tolist() == [[7.0, 7.0, 7.0, 7.0]]
+
+
+def test_the_training_loop_aborts_a_failed_step_so_the_replica_keeps_the_shared_parameters(
+) -> None:
+    from paraloom.training.optim import OptimizerSpec
+    from paraloom.training.replica import Replica
+
+    model = nn.Linear(4, 2)
+    replica = Replica(model, OptimizerSpec.from_user(lambda p: torch.optim.SGD(p, lr=0.5),
+                                                     model),
+                      loss_fn=nn.CrossEntropyLoss(),
+                      synchronizer=SharedGradients(FixedThreshold(64.0)))  # sends nothing
+    replica.begin_fit(None, None, None, 0, None)
+    replica.step((torch.randn(8, 4), torch.randint(0, 2, (8,))))
+    shared = [p.detach().clone() for p in replica.model.parameters()]
+    assert replica.sync._replica.residual.abs().max() > 0  # the local view differs from shared
+    with pytest.raises(Exception, match="size|shape"):
+        replica.step((torch.randn(8, 5), torch.randint(0, 2, (8,))))  # the wrong width
+    assert all(torch.equal(p, s) for p, s in zip(replica.model.parameters(), shared,
+                                                 strict=True))
 
 
 def test_a_skipped_optimizer_step_adds_exactly_nothing_to_the_residual() -> None:

@@ -108,6 +108,10 @@ class Synchronizer:
     def after_backward(self, ctx: StepContext) -> None:
         """Gradients are ready in ``p.grad``; the optimizer has not stepped yet."""
 
+    def abort_step(self, ctx: StepContext) -> None:
+        """The step that ``before_step`` began raised (a NaN loss, a bad batch): undo what
+        ``before_step`` did to the model, so that the replica holds consistent parameters."""
+
     def after_step(self, ctx: StepContext) -> None:
         """The optimizer has stepped (unless ``ctx.skip_optimizer_step`` was set)."""
 

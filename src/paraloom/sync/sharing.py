@@ -293,18 +293,9 @@ def _accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual:
     chunk so that the tensors' chunks stay in cache across the operations. ``start``, where
     the optimizer stepped from, is ``old`` (``reach`` 0), or the local view
     ``old + reach * residual`` that ``_set_local_view_`` set, recomputed bit for bit."""
-    scratch: dict[torch.dtype, Tensor] = {}
     for p_part, o_part, r_part in _chunks(params, old, residual, chunk):
         if reach:
-            if p_part.is_contiguous():
-                room = scratch.setdefault(p_part.dtype, torch.empty(
-                    p_part.numel(), dtype=p_part.dtype, device=p_part.device))
-                if room.numel() < p_part.numel():
-                    room = scratch[p_part.dtype] = torch.empty_like(p_part).view(-1)
-                start = room[:p_part.numel()].view_as(p_part)
-            else:
-                start = torch.empty_like(p_part)
-            p_part.sub_(_local_view(o_part, r_part, reach, out=start))
+            p_part.sub_(_local_view(o_part, r_part, reach, out=torch.empty_like(p_part)))
         else:
             p_part.sub_(o_part)  # the update, in place: no temporary
         r_part.add_(p_part, alpha=scale)
@@ -368,9 +359,9 @@ class SharedGradients(Synchronizer):
                  encoding: str = "auto", broadcast_buffers: bool = True) -> None:
         super().__init__()
         if recipe not in _RECIPES:
-            raise ValueError(f"recipe={recipe!r}; expected 'dgc' (top-k sharing with momentum "
-                             f"masking, trains at the dense recipe) or 'dl4j' (DL4J's exact "
-                             f"rules)")
+            raise ValueError(f"recipe={recipe!r}; expected 'dgc' (top-k sharing with gradients "
+                             f"at the local view, trains at the dense recipe) or 'dl4j' "
+                             f"(DL4J's exact rules)")
         if threshold_algorithm is None:
             threshold_algorithm = QuantileThreshold(_DGC_DENSITY) if recipe == "dgc" \
                 else AdaptiveThreshold()
@@ -424,7 +415,9 @@ class SharedGradients(Synchronizer):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, ctx: StepContext) -> None:
-        self._leave_local_view()  # a step that failed after before_step left it
+        # A step that failed without abort_step left the local view: whatever the model holds
+        # now (it may be a state loaded since) is taken as it is.
+        self._local_step = False
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("shared_gradients: the model has no parameters that require grad; "
@@ -520,6 +513,9 @@ class SharedGradients(Synchronizer):
             replica.save_old()  # the parameters are "old": this replica did not step
             self._exchange_and_apply(msg, 0, ctx)
 
+    def abort_step(self, ctx: StepContext) -> None:
+        self._leave_local_view()
+
     def finish(self, ctx: StepContext) -> None:
         self._leave_local_view()
 
@@ -534,7 +530,8 @@ class SharedGradients(Synchronizer):
         return 1.0 / self._scale(ctx)
 
     def _leave_local_view(self) -> None:
-        """Put the shared parameters back if the local view is set (a step failed midway)."""
+        """Put the shared parameters back if the local view is set (a step failed midway, or
+        the caller's loop skipped after_step)."""
         if not self._local_step or self._replica is None:
             return
         replica = self._replica

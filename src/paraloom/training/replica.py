@@ -187,6 +187,19 @@ class Replica:
             ctx.step += 1
             return None
         self.sync.before_step(ctx)
+        try:
+            value = self._train_step(batch)
+        except BaseException:
+            self.sync.abort_step(ctx)
+            raise
+        self.sync.after_step(ctx)
+        self._step_scheduler()
+        ctx.step += 1
+        return value
+
+    def _train_step(self, batch: Any) -> float:
+        """Forward, backward and optimizer step on one batch; returns the batch's loss."""
+        ctx = self.ctx
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._loss(batch)
         if self.loss_computed is not None:
@@ -208,9 +221,6 @@ class Replica:
             self.scaler.update()
         elif not ctx.skip_optimizer_step:
             self.optimizer.step()
-        self.sync.after_step(ctx)
-        self._step_scheduler()
-        ctx.step += 1
         return value
 
     def _step_scheduler(self) -> None:

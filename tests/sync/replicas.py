@@ -54,10 +54,13 @@ def batch(rank: int, step: int, dtype: torch.dtype = torch.float32,
     return x, y
 
 
-def digest(model: nn.Module, buffers: bool = True) -> str:
-    """A hash of the exact bits of the parameters (and buffers)."""
+def digest(model: nn.Module, buffers: bool = True,
+           shared: dict[int, torch.Tensor] | None = None) -> str:
+    """A hash of the exact bits of the parameters (``shared``'s values in place of those it
+    names: ``Synchronizer.shared_parameters``) and buffers."""
     h = hashlib.sha256()
-    tensors = list(model.parameters()) + (list(model.buffers()) if buffers else [])
+    params = [(shared or {}).get(id(p), p) for p in model.parameters()]
+    tensors = params + (list(model.buffers()) if buffers else [])
     for t in tensors:
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -104,7 +107,7 @@ def train(rank: int, world_size: int, sync: Synchronizer, steps: int, *,
             if on_update is not None:
                 on_update(model, before)
             sync.after_step(ctx)
-        digests.append(digest(model, buffers=False))
+        digests.append(digest(model, buffers=False, shared=sync.shared_parameters(ctx)))
         sent.append(sync.bytes_sent - before_bytes)
     sync.finish(ctx)
     return {"digests": digests, "local": local, "final": digest(model), "initial": initial,

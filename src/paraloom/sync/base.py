@@ -108,6 +108,12 @@ class Synchronizer:
     def after_backward(self, ctx: StepContext) -> None:
         """Gradients are ready in ``p.grad``; the optimizer has not stepped yet."""
 
+    def shared_parameters(self, ctx: StepContext) -> dict[int, torch.Tensor]:
+        """The values every replica agrees on, by ``id`` of their parameter, for the
+        parameters whose model value is this replica's own between steps (shared gradients'
+        local view): a saved state takes these. Empty: the model holds them."""
+        return {}
+
     def abort_step(self, ctx: StepContext) -> None:
         """The step that ``before_step`` began raised (a NaN loss, a bad batch): undo what
         ``before_step`` did to the model, so that the replica holds consistent parameters."""

@@ -457,9 +457,10 @@ def decode(msg: Encoded, out: Tensor, *, sign: int = 1, steps: Steps | None = No
 
 
 def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor, *,
-                mirror: Tensor | None = None, steps: Steps | None = None) -> None:
-    """Add the decoded message into tensors laid end to end (e.g. a model's parameters), and
-    into ``mirror``, one flat tensor as long as all of them, when given.
+                mirror: Tensor | None = None, steps: Steps | None = None,
+                factor: float = 1.0) -> None:
+    """Add the decoded message, times ``factor``, into tensors laid end to end (e.g. a model's
+    parameters), and into ``mirror``, one flat tensor as long as all of them, when given.
 
     ``bounds`` holds their cumulative element counts; the tensors are read in row-major order
     whatever their memory layout. A threshold message touches only its own elements (no
@@ -471,6 +472,8 @@ def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor, *,
         return
     if msg.format == Format.BITMAP:
         values = _bitmap_values(msg, outs[0].dtype)
+        if factor != 1.0:
+            values = values * factor
         begin = 0
         for out in outs:
             out.add_(values[begin: begin + out.numel()].view(out.shape).to(out.device, out.dtype))
@@ -479,7 +482,7 @@ def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor, *,
             mirror.add_(values.to(mirror.device, mirror.dtype))
         return
     index, positive = _sparse_steps(msg, steps, outs[0].device)
-    step = torch.tensor(msg.tau, dtype=outs[0].dtype, device=outs[0].device)
+    step = torch.tensor(msg.tau * factor, dtype=outs[0].dtype, device=outs[0].device)
     values = torch.where(positive, step, -step)
     for out, part, flat in per_tensor(index, outs, bounds):
         add_at_flat_(out, flat, values[part].to(out.dtype))  # tau is exact in every float dtype

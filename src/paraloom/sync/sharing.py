@@ -42,6 +42,7 @@ from paraloom.sync.encoding import (
     Format,
     Scan,
     Steps,
+    add_at_flat_,
     decode,
     decode_into,
     empty_message,
@@ -49,6 +50,7 @@ from paraloom.sync.encoding import (
     keep_largest,
     message_steps,
     moved_index,
+    per_tensor,
     scan,
     scan_chunk,
 )
@@ -273,33 +275,39 @@ def _chunks(params: Sequence[Tensor], old: Sequence[Tensor], residual: Sequence[
     return parts
 
 
-def _local_view(old: Tensor, residual: Tensor, reach: float, out: Tensor) -> Tensor:
-    """``out = old + reach * residual`` (in ``out``'s dtype): the same bits each time it is
-    computed from the same tensors."""
-    return torch.add(old, residual, alpha=reach, out=out)
-
-
 def _set_local_view_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
                      reach: float, chunk: int | None = None) -> None:
     """``p = old + reach * residual`` for each parameter: the shared parameters plus this
     replica's own unsent updates."""
     for p_part, o_part, r_part in _chunks(params, old, residual, chunk):
-        _local_view(o_part, r_part, reach, out=p_part)
+        torch.add(o_part, r_part, alpha=reach, out=p_part)
+
+
+def _residual_from_view_(params: list[nn.Parameter], old: list[Tensor],
+                         residual: list[Tensor], scale: float, chunk: int | None = None) -> None:
+    """``residual = scale * (p - old)``: what the local view, moved by the optimizer's step,
+    holds beyond the shared parameters (one pass that writes only the residual)."""
+    for p_part, o_part, r_part in _chunks(params, old, residual, chunk):
+        torch.sub(p_part, o_part, out=r_part)
+        if scale != 1.0:
+            r_part.mul_(scale)
 
 
 def _accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
-                        scale: float, chunk: int | None = None, reach: float = 0.0) -> None:
-    """``residual += scale * (p - start)``, then ``p = old``, for each parameter, chunk by
-    chunk so that the tensors' chunks stay in cache across the operations. ``start``, where
-    the optimizer stepped from, is ``old`` (``reach`` 0), or the local view
-    ``old + reach * residual`` that ``_set_local_view_`` set, recomputed bit for bit."""
+                        scale: float, chunk: int | None = None) -> None:
+    """``residual += scale * (p - old)``, then ``p = old``, for each parameter, chunk by chunk
+    so that the three tensors' chunks stay in cache across the three operations."""
     for p_part, o_part, r_part in _chunks(params, old, residual, chunk):
-        if reach:
-            p_part.sub_(_local_view(o_part, r_part, reach, out=torch.empty_like(p_part)))
-        else:
-            p_part.sub_(o_part)  # the update, in place: no temporary
+        p_part.sub_(o_part)  # the update, in place: no temporary
         r_part.add_(p_part, alpha=scale)
         p_part.copy_(o_part)  # from here on only the decoded messages move the parameters
+
+
+def _add_at_(params: list[nn.Parameter], bounds: Tensor, index: Tensor, values: Tensor) -> None:
+    """Add ``values`` to the parameters' elements at the ascending flat ``index``es (the
+    parameters laid end to end)."""
+    for p, part, flat in per_tensor(index, params, bounds):
+        add_at_flat_(p, flat, values[part].to(p.dtype))
 
 
 def _residual_dtype(params: list[nn.Parameter]) -> torch.dtype:
@@ -398,10 +406,12 @@ class SharedGradients(Synchronizer):
         self.broadcast_buffers = bool(broadcast_buffers)
         self.setup_bytes_sent = 0
         self._replica: _Replica | None = None
-        self._local_step = False
-        """Whether the parameters hold the local view (between ``before_step`` and
-        ``after_step``)."""
+        self._holding = False
+        """Whether the parameters hold the local view (from the first step of a fit to its
+        end); the shared parameters are then ``old``."""
         self._pending_residual: Tensor | None = None
+        self._pending_view: list[Tensor] | None = None
+        """The local view a restored state brought, set at the next step."""
         self._format = Format.BITMAP if encoding == "bitmap" else Format.THRESHOLD
         self._half_sign = 1
         self._last_tau = threshold_algorithm.tau
@@ -415,9 +425,9 @@ class SharedGradients(Synchronizer):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, ctx: StepContext) -> None:
-        # A step that failed without abort_step left the local view: whatever the model holds
-        # now (it may be a state loaded since) is taken as it is.
-        self._local_step = False
+        # A fit that failed without abort_step or finish left the local view: whatever the
+        # model holds now (it may be a state loaded since) is taken as it is.
+        self._holding = False
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("shared_gradients: the model has no parameters that require grad; "
@@ -453,23 +463,32 @@ class SharedGradients(Synchronizer):
 
     # -- per step ----------------------------------------------------------------------------
     def before_step(self, ctx: StepContext) -> None:
-        """With ``gradients_at="local"``: the parameters become the local view, where the
-        forward and backward run."""
+        """With ``gradients_at="local"``, at a fit's first step: the parameters become the
+        local view, where every forward and backward of the fit runs (later steps keep it
+        there, moved as the residual moves)."""
         if self.gradients_at != "local":
             return
         replica = self._require_setup()
-        self._leave_local_view()
+        if self._holding and replica.stamps == replica.current_stamps():
+            return
         started = time.perf_counter()
         with torch.no_grad():
+            self._holding = False  # something wrote the parameters: they are the shared ones
             replica.save_old()
-            _set_local_view_(replica.params, replica.old, replica.residual_views,
-                             self._reach(ctx))
-        self._local_step = True
+            view, self._pending_view = self._pending_view, None
+            if view is not None:
+                for p, saved in zip(replica.params, view, strict=True):
+                    p.copy_(saved)
+            else:
+                _set_local_view_(replica.params, replica.old, replica.residual_views,
+                                 self._reach(ctx))
+        replica.stamps = replica.current_stamps()
+        self._holding = True
         self._seconds["local_view"] += time.perf_counter() - started
 
     def after_backward(self, ctx: StepContext) -> None:
         replica = self._require_setup()
-        if not self._local_step:  # the local view's old was saved before it was set
+        if not self._holding:  # holding the local view, old already mirrors the shared ones
             with torch.no_grad():
                 replica.save_old()
         replica.old_saved = True
@@ -482,10 +501,12 @@ class SharedGradients(Synchronizer):
         replica.old_saved = False
         scale = self._scale(ctx)
         started = time.perf_counter()
+        view = replica.params if self._holding else None
         with torch.no_grad():
-            _accumulate_update_(replica.params, replica.old, replica.residual_views, scale,
-                                reach=self._reach(ctx) if self._local_step else 0.0)
-            self._local_step = False
+            if view is not None:  # the optimizer moved the local view: the residual follows
+                _residual_from_view_(view, replica.old, replica.residual_views, scale)
+            else:
+                _accumulate_update_(replica.params, replica.old, replica.residual_views, scale)
             tau = self.threshold_algorithm.choose(replica.residual)
             found = scan(replica.residual, tau)
             msg, found = self._encode(replica.residual, found)
@@ -493,13 +514,15 @@ class SharedGradients(Synchronizer):
             steps = None if msg.format == Format.BITMAP else message_steps(found)
             # Exact: see encoding's module docstring.
             decode(msg, replica.residual, sign=-1, steps=steps)
+            if view is not None:  # the local view loses what the residual lost, whole
+                decode_into(msg, view, replica.bounds, steps=steps, factor=-self._reach(ctx))
             if self.momentum_masking:
                 self._masked += mask_momentum_(ctx.optimizer, replica.params, replica.bounds,
                                                moved_index(msg, steps=steps))
             # A peak is NaN or inf exactly when its chunk holds one: only then count them.
             nonfinite = 0 if bool(torch.isfinite(found.peaks).all()) else \
                 int((~torch.isfinite(replica.residual)).sum())
-            self._post_process(replica.residual, found, msg.tau)
+            self._post_process(replica.residual, found, msg.tau, view, self._reach(ctx))
             self._record(msg)
             self._seconds["encoding"] += time.perf_counter() - started
             self._exchange_and_apply(msg, nonfinite, ctx, steps)
@@ -510,14 +533,22 @@ class SharedGradients(Synchronizer):
         replica.old_saved = False
         msg = empty_message(replica.residual.numel(), replica.residual.device)
         with torch.no_grad():
-            replica.save_old()  # the parameters are "old": this replica did not step
+            if not self._holding:
+                replica.save_old()  # the parameters are "old": this replica did not step
             self._exchange_and_apply(msg, 0, ctx)
 
     def abort_step(self, ctx: StepContext) -> None:
-        self._leave_local_view()
+        self._settle()
 
     def finish(self, ctx: StepContext) -> None:
-        self._leave_local_view()
+        self._settle()
+
+    def shared_parameters(self, ctx: StepContext) -> dict[int, Tensor]:
+        """While the parameters hold the local view: ``old``, by ``id`` of its parameter."""
+        if not self._holding or self._replica is None:
+            return {}
+        return {id(p): old for p, old in zip(self._replica.params, self._replica.old,
+                                             strict=True)}
 
     # -- internals ---------------------------------------------------------------------------
     def _scale(self, ctx: StepContext) -> float:
@@ -529,10 +560,10 @@ class SharedGradients(Synchronizer):
         this replica's unsent updates, the local view adds them whole."""
         return 1.0 / self._scale(ctx)
 
-    def _leave_local_view(self) -> None:
-        """Put the shared parameters back if the local view is set (a step failed midway, or
-        the caller's loop skipped after_step)."""
-        if not self._local_step or self._replica is None:
+    def _settle(self) -> None:
+        """Put the shared parameters back in the model if it holds the local view (the end
+        of a fit, or a step that failed midway)."""
+        if not self._holding or self._replica is None:
             return
         replica = self._replica
         with torch.no_grad():
@@ -540,7 +571,7 @@ class SharedGradients(Synchronizer):
                 p.copy_(old)
         replica.stamps = replica.current_stamps()
         replica.old_saved = False
-        self._local_step = False
+        self._holding = False
 
     def _require_setup(self) -> _Replica:
         if self._replica is None:
@@ -584,19 +615,29 @@ class SharedGradients(Synchronizer):
             assert count is not None
             count = max(0, count - 2 * (msg.payload.numel() - capacity))
 
-    def _post_process(self, residual: Tensor, found: Scan, tau: float) -> None:
+    def _post_process(self, residual: Tensor, found: Scan, tau: float,
+                      view: list[nn.Parameter] | None = None, reach: float = 1.0) -> None:
         """Let the post-processor act, on the chunks it can change only where it says which:
         the message only lowered magnitudes, so a chunk whose peak is within the bound is
-        untouched."""
+        untouched. What it takes from the residual, ``reach`` times, leaves the local
+        ``view`` too."""
         post = self.residual_post_processor
         if post is None:
             return
         bound = post.bound(tau, self.sync_steps)
-        if bound is None:
-            post.process(residual, tau, self.sync_steps)
-            return
-        for i in torch.nonzero(~(found.peaks <= bound)).reshape(-1).tolist():  # NaN too
-            post.process(residual[i * found.chunk: (i + 1) * found.chunk], tau, self.sync_steps)
+        chunks = [(0, residual.numel())] if bound is None else \
+            [(i * found.chunk, min((i + 1) * found.chunk, residual.numel()))
+             for i in torch.nonzero(~(found.peaks <= bound)).reshape(-1).tolist()]  # NaN too
+        for begin, end in chunks:
+            part = residual[begin:end]
+            before = None if view is None else part.clone()
+            post.process(part, tau, self.sync_steps)
+            if view is not None and before is not None:
+                taken = before.sub_(part)
+                index = torch.nonzero(taken).reshape(-1)
+                if index.numel():
+                    _add_at_(view, self._require_setup().bounds, index + begin,
+                             taken[index] * -reach)
 
     def _record(self, msg: Encoded) -> None:
         self._format = msg.format
@@ -629,6 +670,7 @@ class SharedGradients(Synchronizer):
         self.sync_steps += 1
         if any(bad):
             replica.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            self._settle()
             ranks = [rank for rank, count in enumerate(bad) if count]
             raise FloatingPointError(
                 f"shared_gradients: the update of replica(s) {ranks} has non-finite values "
@@ -694,6 +736,8 @@ class SharedGradients(Synchronizer):
                      bitmap_steps=self._bitmap_steps, sparsity_sum=self._sparsity_sum)
         if self._replica is not None:
             state["residual"] = self._replica.residual.detach().clone()
+            if self._holding:  # where the next step's forward runs, bit for bit
+                state["local_view"] = [p.detach().clone() for p in self._replica.params]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -707,6 +751,7 @@ class SharedGradients(Synchronizer):
         self._bitmap_steps = int(state.get("bitmap_steps", 0))
         self._sparsity_sum = float(state.get("sparsity_sum", 0.0))
         self._pending_residual = state.get("residual")
+        self._pending_view = state.get("local_view")
         if self._replica is not None:
             self._adopt_pending_residual()
 
@@ -719,3 +764,9 @@ class SharedGradients(Synchronizer):
                              f"elements but the model has {self._replica.residual.numel()} "
                              f"trainable ones; expected a checkpoint of the same model")
         self._replica.residual.copy_(residual.reshape(-1))
+        view = self._pending_view
+        if view is not None and [t.shape for t in view] != \
+                [p.shape for p in self._replica.params]:
+            raise ValueError("shared_gradients: the saved local view does not match the "
+                             "model's trainable parameters; expected a checkpoint of the same "
+                             "model")

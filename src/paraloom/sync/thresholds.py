@@ -254,8 +254,10 @@ class ResidualPostProcessor:
     def bound(self, tau: float, step: int) -> float | None:
         """A magnitude that ``process`` leaves alone at this step: it changes no element of a
         part of the residual whose elements are all within it, so the caller may skip such
-        parts (and pass ``process`` any part, not only the whole). None: no such promise."""
-        return None
+        parts (and pass ``process`` any part, not only the whole). None: no such promise
+        (the default for a subclass that overrides ``process``; this no-op class changes
+        nothing)."""
+        return math.inf if type(self).process is ResidualPostProcessor.process else None
 
     def config(self) -> dict[str, Any]:
         """The settings (JSON-able)."""

@@ -269,8 +269,12 @@ class Replica:
         self.sync.finish(self.ctx)
 
     def model_state(self) -> ModelState:
-        """Independent CPU copies of the parameters and buffers."""
-        state: ModelState = cpu_copy(self.model.state_dict())
+        """Independent CPU copies of the parameters (the values every replica agrees on) and
+        buffers."""
+        shared = self.sync.shared_parameters(self.ctx)
+        live = self.model.state_dict(keep_vars=True)
+        state: ModelState = cpu_copy({name: shared.get(id(t), t).detach()
+                                      for name, t in live.items()})
         return state
 
     def full_state(self) -> ReplicaState:

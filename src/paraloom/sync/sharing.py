@@ -2,18 +2,21 @@
 
 Each step, every replica:
 
-0. with ``gradients_at="local"`` (the dgc recipe), runs its forward and backward on its
-   *local view*: the shared parameters plus its own unsent updates (its residual, whole),
-   as if its messages had all been sent (``before_step``);
-1. lets the optimizer step and takes the update ``delta = new - start`` (learning rate,
-   momentum etc. applied, as in DL4J), where ``start`` is where the optimizer stepped from;
-2. puts its parameters back to the shared ones (``old``) and adds ``delta`` (divided by the
-   number of replicas when ``combine="mean"``) to its residual;
-3. encodes the residual with the tau its threshold algorithm chooses (threshold, gap16 or
-   bitmap message, see ``encoding``), subtracts exactly what the message carries, zeroes the
-   optimizer's momentum where the message moved an element if asked (``momentum_masking``,
-   see ``momentum``), and lets the post-processor (e.g. ``ResidualClipping``) act;
-4. all-gathers every replica's message and adds their decoded sum, in rank order, to ``old``.
+1. lets the optimizer step and takes its update (learning rate, momentum etc. applied, as in
+   DL4J), divided by the number of replicas when ``combine="mean"``, into its residual. With
+   ``gradients_at="shared"`` (DL4J's rule) the optimizer stepped from the shared parameters
+   (``old``), which the parameters are put back to; with ``gradients_at="local"`` (the dgc
+   recipe) the parameters hold the *local view*, the shared parameters plus the replica's
+   own unsent updates (its residual, whole), from a fit's first step to its end: the forward,
+   backward and optimizer step run there, and the residual is what the moved view holds
+   beyond ``old``;
+2. encodes the residual with the tau its threshold algorithm chooses (threshold, gap16 or
+   bitmap message, see ``encoding``), subtracts exactly what the message carries (and, whole,
+   from the local view), zeroes the optimizer's momentum where the message moved an element
+   if asked (``momentum_masking``, see ``momentum``), and lets the post-processor (e.g.
+   ``ResidualClipping``) act (what it drops leaves the local view too);
+3. all-gathers every replica's message and adds their decoded sum, in rank order, to ``old``
+   and to the parameters.
 
 Every replica applies the same messages in the same order to the same ``old``, so the replicas
 stay bit-identical after every step; no replica ever applies its own raw update. The optimizer
@@ -167,10 +170,11 @@ def _exchanged(msg: Encoded, rows: list[list[int]], payloads: list[Tensor],
 class _Replica:
     """The tensors one replica keeps between steps (built in ``setup``).
 
-    ``old`` mirrors the parameters: every message applied to them is applied to it too, so
-    the copy before the next step is needed only when something else wrote a parameter since
-    (a checkpoint restored, the user's code): ``stamps`` holds each parameter's storage and
-    version counter as the last step left them.
+    ``old`` holds the shared parameters: every message is applied to it and to the
+    parameters alike, so it mirrors them (or, while they hold the local view, stays the
+    shared values beneath it), and the copy before the next step is needed only when
+    something else wrote a parameter since (a checkpoint restored, the user's code):
+    ``stamps`` holds each parameter's storage and version counter as the last step left them.
     """
 
     __slots__ = ("params", "old", "old_flat", "residual", "residual_views", "old_saved",

@@ -729,10 +729,13 @@ class SharedGradients(Synchronizer):
                 "broadcast_buffers": self.broadcast_buffers}
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, threshold, format and this replica's residual (restore it on this rank).
+        """Counters, threshold, format, this replica's residual and, while the parameters
+        hold it, its local view (restore them on this rank).
 
         The residual is the part of this replica's updates not yet sent: restoring one
-        replica's state into every replica would apply that part once per replica.
+        replica's state into every replica would apply that part once per replica. The local
+        view is saved as it is (the shared parameters plus the residual, rounded as the steps
+        left it), so that a resumed run's forward runs where the saved run's would have.
         """
         state = super().state_dict()
         state.update(threshold=self.threshold_algorithm.state_dict(), format=int(self._format),

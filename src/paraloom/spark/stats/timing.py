@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from paraloom.spark.stats.recorder import PhaseRecorder
 from paraloom.sync.base import StepContext, Synchronizer
@@ -99,6 +99,12 @@ class TimedSynchronizer(Synchronizer):
 
     def before_step(self, ctx: StepContext) -> None:
         self.inner.before_step(ctx)
+
+    def abort_step(self, ctx: StepContext) -> None:
+        self.inner.abort_step(ctx)
+
+    def shared_parameters(self, ctx: StepContext) -> dict[int, Tensor]:
+        return self.inner.shared_parameters(ctx)
 
     def after_backward(self, ctx: StepContext) -> None:
         self.inner.after_backward(ctx)

@@ -52,7 +52,8 @@ __all__ = [
     "Format", "Encoded", "Scan", "SCAN_CHUNK", "quantize_threshold", "full_step_mask",
     "scan", "scan_chunk", "choose_format", "threshold_encode", "bitmap_encode", "encode",
     "encode_scan", "decode", "empty_message", "moved_index", "decode_into", "per_tensor",
-    "add_at_flat_", "fill_at_flat_", "gap16_encode", "Steps", "message_steps", "keep_largest",
+    "add_at_", "add_at_flat_", "fill_at_flat_", "gap16_encode", "Steps", "message_steps",
+    "keep_largest",
 ]
 
 SCAN_CHUNK = 1 << 19
@@ -484,8 +485,7 @@ def decode_into(msg: Encoded, outs: Sequence[Tensor], bounds: Tensor, *,
     index, positive = _sparse_steps(msg, steps, outs[0].device)
     step = torch.tensor(msg.tau * factor, dtype=outs[0].dtype, device=outs[0].device)
     values = torch.where(positive, step, -step)
-    for out, part, flat in per_tensor(index, outs, bounds):
-        add_at_flat_(out, flat, values[part].to(out.dtype))  # tau is exact in every float dtype
+    add_at_(outs, bounds, index, values)  # tau is exact in every float dtype
     if mirror is not None:
         mirror.scatter_add_(0, index.to(mirror.device), values.to(mirror.device, mirror.dtype))
 
@@ -503,6 +503,13 @@ def per_tensor(index: Tensor, tensors: Sequence[Tensor], bounds: Tensor,
         if end > start:
             yield t, slice(start, end), index[start:end].to(t.device) - begin
         start, begin = end, begin + t.numel()
+
+
+def add_at_(outs: Sequence[Tensor], bounds: Tensor, index: Tensor, values: Tensor) -> None:
+    """Add ``values`` at the ascending flat ``index``es of tensors laid end to end
+    (``bounds``: their cumulative element counts), each in its tensor's dtype."""
+    for out, part, flat in per_tensor(index, outs, bounds):
+        add_at_flat_(out, flat, values[part].to(out.dtype))
 
 
 def add_at_flat_(t: Tensor, flat: Tensor, values: Tensor) -> None:

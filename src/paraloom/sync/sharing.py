@@ -45,7 +45,7 @@ from paraloom.sync.encoding import (
     Format,
     Scan,
     Steps,
-    add_at_flat_,
+    add_at_,
     decode,
     decode_into,
     empty_message,
@@ -53,7 +53,6 @@ from paraloom.sync.encoding import (
     keep_largest,
     message_steps,
     moved_index,
-    per_tensor,
     scan,
     scan_chunk,
 )
@@ -307,13 +306,6 @@ def _accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual:
         p_part.copy_(o_part)  # from here on only the decoded messages move the parameters
 
 
-def _add_at_(params: list[nn.Parameter], bounds: Tensor, index: Tensor, values: Tensor) -> None:
-    """Add ``values`` to the parameters' elements at the ascending flat ``index``es (the
-    parameters laid end to end)."""
-    for p, part, flat in per_tensor(index, params, bounds):
-        add_at_flat_(p, flat, values[part].to(p.dtype))
-
-
 def _residual_dtype(params: list[nn.Parameter]) -> torch.dtype:
     """float32, or float64 with float64 parameters: 16-bit residuals would lose small updates."""
     dtype = torch.float32
@@ -477,7 +469,7 @@ class SharedGradients(Synchronizer):
             return
         started = time.perf_counter()
         with torch.no_grad():
-            self._holding = False  # something wrote the parameters: they are the shared ones
+            # Not holding, or something wrote the parameters since: they are the shared ones.
             replica.save_old()
             view, self._pending_view = self._pending_view, None
             if view is not None:
@@ -640,7 +632,7 @@ class SharedGradients(Synchronizer):
                 taken = before.sub_(part)
                 index = torch.nonzero(taken).reshape(-1)
                 if index.numel():
-                    _add_at_(view, self._require_setup().bounds, index + begin,
+                    add_at_(view, self._require_setup().bounds, index + begin,
                              taken[index] * -reach)
 
     def _record(self, msg: Encoded) -> None:

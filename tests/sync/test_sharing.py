@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 from typing import Any
 
@@ -17,6 +18,7 @@ from paraloom.sync.thresholds import (
     FixedThreshold,
     QuantileThreshold,
     ResidualClipping,
+    ResidualPostProcessor,
 )
 
 from .replicas import batch, make_model, train
@@ -48,9 +50,10 @@ def _shared_run(rank: int, world_size: int, **options: Any) -> dict[str, Any]:
     {"gradients_at": "shared", "momentum_masking": True, "idle": {2: [0]}},
     {"encoding": "gap16", "threshold_algorithm": QuantileThreshold(1 / 160), "idle": {4: [1]}},
     {"threshold_algorithm": QuantileThreshold(1 / 40, exact_count=True), "idle": {6: [0]}},
+    {"overlap": True, "batchnorm": True, "idle": {0: [1], 4: [1], STEPS - 1: [0]}},
 ], ids=["auto-batchnorm-idle", "threshold", "bitmap-sum-idle", "clipping", "dl4j-idle",
          "shared-masked-idle",
-        "gap16-idle", "exact-count-one-collective-idle"])
+        "gap16-idle", "exact-count-one-collective-idle", "overlap-batchnorm-idle"])
 def test_replicas_are_bit_identical_after_every_step(pool, options) -> None:
     results = pool.run(_shared_run, **options)
     _identical(results)
@@ -84,7 +87,7 @@ def test_exact_count_messages_have_one_size_and_go_in_one_collective(pool) -> No
 
 
 def _conservation_run(rank: int, world_size: int, combine: str,
-                      gradients_at: str) -> dict[str, Any]:
+                      gradients_at: str, overlap: bool = False) -> dict[str, Any]:
     total: list[torch.Tensor] = []
     scale = 1.0 / world_size if combine == "mean" else 1.0
 
@@ -93,8 +96,10 @@ def _conservation_run(rank: int, world_size: int, combine: str,
                                                                         before, strict=True)]
         total.append(torch.cat(deltas))
 
-    sync = SharedGradients(FixedThreshold(2.0 ** -9), recipe="dl4j", combine=combine,
-                           gradients_at=gradients_at)
+    threshold = QuantileThreshold(1 / 64, exact_count=True) if overlap else \
+        FixedThreshold(2.0 ** -9)
+    sync = SharedGradients(threshold, recipe="dl4j", combine=combine, gradients_at=gradients_at,
+                           overlap=overlap)
     out = train(rank, world_size, sync, STEPS, on_update=on_update, dtype=torch.float64,
                 seed=0)
     out["sum_updates"] = torch.stack(total).sum(0).tolist()
@@ -102,13 +107,17 @@ def _conservation_run(rank: int, world_size: int, combine: str,
     return out
 
 
-@pytest.mark.parametrize(("combine", "gradients_at"),
-                         [("mean", "shared"), ("sum", "shared"), ("mean", "local"),
-                          ("sum", "local")])
-def test_applied_steps_plus_residuals_equal_all_updates(pool, combine, gradients_at) -> None:
+@pytest.mark.parametrize(("combine", "gradients_at", "overlap"),
+                         [("mean", "shared", False), ("sum", "shared", False),
+                          ("mean", "local", False), ("sum", "local", False),
+                          ("mean", "local", True)])
+def test_applied_steps_plus_residuals_equal_all_updates(pool, combine, gradients_at,
+                                                        overlap) -> None:
     """Nothing is lost: the parameters moved by every update except what the residuals hold
-    (with the local view too: the optimizer's update is taken from where it stepped)."""
-    results = pool.run(_conservation_run, combine=combine, gradients_at=gradients_at)
+    (with the local view too: the optimizer's update is taken from where it stepped; with
+    overlap, the last exchange is collected at the end of the fit)."""
+    results = pool.run(_conservation_run, combine=combine, gradients_at=gradients_at,
+                       overlap=overlap)
     _identical(results)
     def exact(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float64)
@@ -120,11 +129,11 @@ def test_applied_steps_plus_residuals_equal_all_updates(pool, combine, gradients
     assert held.abs().max() > 0  # the residuals really hold something back
 
 
-def _nonfinite_run(rank: int, world_size: int) -> str:
+def _nonfinite_run(rank: int, world_size: int, overlap: bool) -> str:
     model = make_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ctx = StepContext(model=model, optimizer=optimizer, rank=rank, world_size=world_size)
-    sync = SharedGradients()
+    sync = SharedGradients(overlap=overlap)
     sync.setup(ctx)
     before = [p.detach().clone() for p in model.parameters()]
     x, y = batch(rank, 0)
@@ -135,6 +144,7 @@ def _nonfinite_run(rank: int, world_size: int) -> str:
     optimizer.step()
     try:
         sync.after_step(ctx)
+        sync.finish(ctx)  # with overlap, the exchange is collected here
     except FloatingPointError as error:
         unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before,
                                                           strict=True))
@@ -142,8 +152,9 @@ def _nonfinite_run(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def test_a_non_finite_update_stops_every_replica_consistently(pool) -> None:
-    results = pool.run(_nonfinite_run)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_non_finite_update_stops_every_replica_consistently(pool, overlap) -> None:
+    results = pool.run(_nonfinite_run, overlap=overlap)
     for text in results:
         assert "replica(s) [1]" in text and "non-finite" in text and "unchanged=True" in text
 
@@ -180,7 +191,7 @@ def test_bitmap_half_steps_alternate_sides_between_messages() -> None:
     nn.init.zeros_(model.weight)
     ctx = _ctx(model, lr=1.0)
     tau = 2.0 ** -2
-    sync = SharedGradients(FixedThreshold(tau), encoding="bitmap")
+    sync = SharedGradients(FixedThreshold(tau), encoding="bitmap", overlap=False)
     sync.setup(ctx)
     _step(sync, ctx, [[-0.75 * tau, 0.75 * tau]])
     _step(sync, ctx, [[0.0, 0.0]])
@@ -443,7 +454,9 @@ def _local_step(sync: SharedGradients, ctx: StepContext, x: torch.Tensor,
 
 def test_the_local_view_is_where_one_replica_steps_so_it_trains_as_plain_sgd() -> None:
     """The forward runs at the shared parameters plus the unsent residual; with one replica
-    that is plain SGD's trajectory, while the parameters between steps are the shared ones."""
+    that is plain SGD's trajectory, while the parameters between steps are the shared ones
+    (without clipping, which takes from the view what it takes from the residual)."""
+    torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(8, 16, generator=g) for _ in range(10)]
     plain = nn.Linear(16, 1, bias=False)
@@ -452,7 +465,7 @@ def test_the_local_view_is_where_one_replica_steps_so_it_trains_as_plain_sgd() -
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
     ctx = StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01,
                                                              momentum=0.9))
-    sync = SharedGradients(QuantileThreshold(1 / 8))
+    sync = SharedGradients(QuantileThreshold(1 / 8), ResidualPostProcessor())
     sync.setup(ctx)
     seen: list[torch.Tensor] = []
     for x in xs:
@@ -587,3 +600,146 @@ def test_a_restored_state_puts_the_saved_local_view_back_bit_for_bit() -> None:
     assert torch.equal(resumed_model.weight, view)
     assert torch.equal(resumed.shared_parameters(resumed_ctx)[id(resumed_model.weight)], shared)
     assert torch.equal(resumed._replica.residual, sync._replica.residual)
+
+
+# -- overlap: the exchange runs while the next step computes ---------------------------------
+
+def test_with_overlap_one_replica_trains_as_plain_sgd_and_shares_one_step_later() -> None:
+    """With one replica the local view is plain SGD's trajectory with overlap too, and the
+    shared parameters after each step are those that an exchange without overlap leaves one
+    step earlier: the same messages, applied a step later."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(8, 64, generator=g) for _ in range(8)]
+    runs: dict[bool, list[torch.Tensor]] = {}
+    views: dict[bool, list[torch.Tensor]] = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(64, 1, bias=False)
+        ctx = StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01,
+                                                                 momentum=0.9))
+        sync = SharedGradients(QuantileThreshold(1 / 32, exact_count=True),
+                               ResidualPostProcessor(), overlap=overlap)
+        sync.setup(ctx)
+        runs[overlap], views[overlap] = [], []
+        for x in xs:
+            _local_step(sync, ctx, x, views[overlap])
+            runs[overlap].append(sync.shared_parameters(ctx)[id(model.weight)].clone())
+        assert (sync._started is not None) == overlap  # the last exchange still in flight
+        sync.finish(ctx)
+        assert sync._started is None
+    for plain, delayed in zip(views[False], views[True], strict=True):
+        assert torch.allclose(plain, delayed, rtol=0, atol=1e-6)
+    assert torch.equal(runs[True][0], views[True][0])  # nothing shared after the first step
+    for earlier, later in zip(runs[False], runs[True][1:], strict=False):
+        assert torch.allclose(earlier, later, rtol=0, atol=1e-6)
+    assert not torch.allclose(runs[False][-1], runs[True][-1], rtol=0, atol=1e-4)
+
+
+def test_overlap_needs_the_local_view_and_messages_of_one_size() -> None:
+    assert SharedGradients().overlap and SharedGradients().threshold_algorithm.message_count(
+        1600) == 10  # on by default in the dgc recipe, with exact-count messages
+    assert not SharedGradients(recipe="dl4j").overlap
+    assert not SharedGradients(gradients_at="shared").overlap
+    assert not SharedGradients(QuantileThreshold(1 / 300)).overlap  # messages of any size
+    assert SharedGradients(encoding="bitmap").overlap  # bitmaps have one size too
+    with pytest.raises(ValueError, match="overlap=True with gradients_at='shared'"):
+        SharedGradients(overlap=True, gradients_at="shared")
+    for options in ({"threshold_algorithm": AdaptiveThreshold()},
+                    {"threshold_algorithm": QuantileThreshold(1 / 8)}):
+        sync = SharedGradients(overlap=True, **options)
+        with pytest.raises(ValueError, match="overlap=True.*exact_count=True"):
+            sync.setup(_ctx(nn.Linear(16, 4)))
+    assert SharedGradients(overlap=True).config()["overlap"] is True
+
+
+def _overlap_resume_run(rank: int, world_size: int, save_at: int) -> dict[str, Any]:
+    """Train ``2 * save_at`` steps, checkpointing after ``save_at`` (with every exchange
+    waited for, so the saved state holds the messages in flight); then resume from that
+    checkpoint in a fresh model and synchronizer, and train the same steps again."""
+    import torch.distributed as dist
+
+    from .replicas import digest
+
+    def fresh(state: dict[str, Any] | None) -> tuple[SharedGradients, StepContext]:
+        torch.manual_seed(rank)
+        model = make_model(rank)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ctx = StepContext(model=model, optimizer=optimizer, group=dist.group.WORLD, rank=rank,
+                          world_size=world_size)
+        sync = SharedGradients(QuantileThreshold(1 / 32, exact_count=True), overlap=True)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        sync.setup(ctx)
+        if state is not None:
+            sync.load_state_dict(pickle.loads(state["sync"]))
+        return sync, ctx
+
+    def step(sync: SharedGradients, ctx: StepContext, index: int) -> None:
+        sync.before_step(ctx)
+        ctx.optimizer.zero_grad(set_to_none=True)
+        x, y = batch(rank, index)
+        nn.functional.cross_entropy(ctx.model(x), y).backward()
+        sync.after_backward(ctx)
+        ctx.optimizer.step()
+        sync.after_step(ctx)
+
+    sync, ctx = fresh(None)
+    saved: dict[str, Any] = {}
+    for index in range(2 * save_at):
+        step(sync, ctx, index)
+        if index + 1 == save_at:
+            shared = sync.shared_parameters(ctx)
+            saved = {"model": {k: shared.get(id(v), v).clone() for k, v
+                               in ctx.model.state_dict(keep_vars=True).items()},
+                     "optimizer": copy.deepcopy(ctx.optimizer.state_dict()),
+                     "sync": pickle.dumps(sync.state_dict())}
+    sync.finish(ctx)
+    uninterrupted = digest(ctx.model)
+    resumed, resumed_ctx = fresh(saved)
+    for index in range(save_at, 2 * save_at):
+        step(resumed, resumed_ctx, index)
+    resumed.finish(resumed_ctx)
+    return {"uninterrupted": uninterrupted, "resumed": digest(resumed_ctx.model),
+            "in_flight": "in_flight" in pickle.loads(saved["sync"])}
+
+
+def test_overlap_resumes_bit_for_bit_with_the_exchange_in_flight_saved(pool) -> None:
+    results = pool.run(_overlap_resume_run, save_at=5)
+    for r in results:
+        assert r["in_flight"]
+        assert r["resumed"] == r["uninterrupted"]
+    assert results[0]["uninterrupted"] == results[1]["uninterrupted"]
+
+
+def test_overlap_saving_a_state_does_not_change_the_trajectory() -> None:
+    """A checkpoint waits for the exchange in flight but applies it at the step it would
+    have been applied anyway."""
+    finals = []
+    for save in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(64, 1, bias=False)
+        ctx = _ctx(model, lr=0.05)
+        sync = SharedGradients(QuantileThreshold(1 / 32, exact_count=True), overlap=True)
+        sync.setup(ctx)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(6):
+            _local_step(sync, ctx, torch.randn(4, 64, generator=g), [])
+            if save:
+                assert "in_flight" in sync.state_dict()
+        finals.append(model.weight.detach().clone())
+    assert torch.equal(finals[0], finals[1])
+
+
+def test_overlap_a_failed_step_drops_the_exchange_in_flight_and_keeps_shared() -> None:
+    model = nn.Linear(64, 1, bias=False)
+    ctx = _ctx(model, lr=0.05)
+    sync = SharedGradients(QuantileThreshold(1 / 32, exact_count=True), overlap=True)
+    sync.setup(ctx)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        _local_step(sync, ctx, torch.randn(4, 64, generator=g), [])
+    shared = sync.shared_parameters(ctx)[id(model.weight)].clone()
+    sync.before_step(ctx)
+    sync.abort_step(ctx)
+    assert sync._started is None and torch.equal(model.weight, shared)

@@ -42,10 +42,10 @@ def _train(model: nn.Module, mode: str, epochs: int = 2, resume_from=None,
     return wrapper, stats
 
 
-def _reference(mode: str) -> nn.Module:
+def _reference(mode: str, **options) -> nn.Module:
     torch.manual_seed(1)
     model = FailOnce()
-    _train(model, mode)
+    _train(model, mode, **options)
     return model
 
 
@@ -103,13 +103,15 @@ def test_allreduce_recovers_to_the_uninterrupted_result(tmp_path, how, reference
     assert _same(model, references["allreduce"])
 
 
-@pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
+@pytest.mark.parametrize("mode", ["averaging", "shared_gradients", "shared_gradients+blocking"])
 def test_other_modes_recover_from_a_restore_point(tmp_path, mode, monkeypatch, references):
-    references.setdefault(mode, _reference(mode))
+    name, _, blocking = mode.partition("+")
+    extra = {"overlap": False} if blocking else {}  # by default they save an exchange too
+    references.setdefault(mode, _reference(name, **extra))
     monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 0.0)  # a restore point every round
     torch.manual_seed(1)
     model = FailOnce(tmp_path / "failed", how="kill", at=20)
-    _, stats = _train(model, mode, max_failures=1)
+    _, stats = _train(model, name, max_failures=1, **extra)
     assert stats["failures"] == 1
     assert _same(model, references[mode])
 

@@ -54,18 +54,20 @@ def _run(mode, listeners=(), resume_from=None, epochs=3, workers=2, dropout=Fals
     return digest(model)
 
 
-@pytest.mark.parametrize("mode", ["averaging", "shared_gradients"])
+@pytest.mark.parametrize("mode", ["averaging", "shared_gradients", "shared_gradients+blocking"])
 def test_resume_after_a_kill_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, mode):
-    reference = _run(mode, dropout=True)
+    mode, _, blocking = mode.partition("+")
+    extra = {"overlap": False} if blocking else {}  # by default checkpoints save an exchange
+    reference = _run(mode, dropout=True, **extra)
     kill_at = random.Random(mode).randrange(9, 30)  # a "random" but reproducible batch
     with pytest.raises(WorkerError, match="SIGKILL"):
         _run(mode, [CheckpointListener(tmp_path, every_n_iterations=4, every_n_epochs=None)],
-             dropout=True, loss_fn=_DieAt(kill_at))
+             dropout=True, loss_fn=_DieAt(kill_at), **extra)
     latest = TrainingCheckpoint.load(tmp_path)
     # Checkpoints need every worker's state: none from the dying batch on.
     assert 0 < latest.iteration < kill_at and latest.iteration % 4 == 0
     assert len(list(tmp_path.glob("*.safetensors"))) <= 3  # keep_last
-    assert _run(mode, resume_from=tmp_path, dropout=True) == reference
+    assert _run(mode, resume_from=tmp_path, dropout=True, **extra) == reference
 
 
 def _cosine(opt):

@@ -12,8 +12,7 @@ from typing import Any, TypedDict
 import torch
 
 __all__ = ["Machine", "machine", "write_results", "plain_args", "pyplot", "save_figure",
-           "bar_plot",
-           "plain_epoch"]
+           "bar_plot", "plain_epoch", "with_threshold"]
 
 
 class Machine(TypedDict):
@@ -94,3 +93,16 @@ def plain_epoch(model: torch.nn.Module, loss_fn: Any, opt: torch.optim.Optimizer
         opt.step()
         rows += batch_size
     return rows
+
+
+def with_threshold(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with a ``threshold_algorithm`` given as JSON-able ``(class name, density[,
+    keywords])`` built into the ``paraloom.sync.thresholds`` object it names."""
+    spec = options.get("threshold_algorithm")
+    if not isinstance(spec, tuple):
+        return dict(options)
+    from paraloom.sync import thresholds
+
+    name, density, *keywords = spec
+    return {**options,
+            "threshold_algorithm": getattr(thresholds, name)(density, **dict(*keywords))}

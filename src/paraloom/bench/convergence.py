@@ -24,7 +24,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
+from paraloom.bench.common import (
+    machine,
+    plain_args,
+    pyplot,
+    save_figure,
+    with_threshold,
+    write_results,
+)
 
 __all__ = ["add_arguments", "run", "shifted_digits", "CONTENDERS", "TASKS"]
 
@@ -37,11 +44,11 @@ CONTENDERS: dict[str, dict[str, Any]] = {
                           "threshold_algorithm": ("QuantileThreshold", 1 / 320)},
     "sharing": {"training_mode": "shared_gradients"},
     "sharing_masked": {"training_mode": "shared_gradients", "momentum_masking": True},
+    "sharing_blocking": {"training_mode": "shared_gradients", "overlap": False,
+                         "threshold_algorithm": ("QuantileThreshold", 1 / 160)},
     "sharing_at_shared": {"training_mode": "shared_gradients", "gradients_at": "shared",
-                          "momentum_masking": True},
-    "sharing_exact": {"training_mode": "shared_gradients",
-                      "threshold_algorithm": ("QuantileThreshold", 1 / 160,
-                                              {"exact_count": True})},
+                          "momentum_masking": True,
+                          "threshold_algorithm": ("QuantileThreshold", 1 / 160)},
 }
 """Contender name -> ParallelWrapper options (everything else is the same recipe)."""
 
@@ -125,13 +132,7 @@ def _train(args: argparse.Namespace, task: str, contender: str, seed: int) -> di
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(seed))
     lr, momentum = args.lr or task_lr, args.momentum
-    options = dict(CONTENDERS[contender])
-    # (class name, density[, keywords]): JSON-able
-    if isinstance(options.get("threshold_algorithm"), tuple):
-        from paraloom.sync import thresholds
-
-        name, density, *keywords = options["threshold_algorithm"]
-        options["threshold_algorithm"] = getattr(thresholds, name)(density, **dict(*keywords))
+    options = with_threshold(CONTENDERS[contender])
     if options.get("comm_hook") == "powersgd":  # dense for the first 10% of steps, as torch advises
         options.setdefault("powersgd_warmup", max(1, len(loader) * args.epochs // 10))
     start = time.perf_counter()

@@ -28,6 +28,7 @@ from paraloom.bench.common import (
     plain_epoch,
     pyplot,
     save_figure,
+    with_threshold,
     write_results,
 )
 from paraloom.bench.ddp import join_group, run_ranks
@@ -63,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         + ", ".join(f"{m} {r} rounds" for m, r in _ROUNDS.items()) + ")")
     p.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up)")
     p.add_argument("--modes", default="averaging,allreduce,shared_gradients",
-                   help="ParallelWrapper modes to measure, comma-separated")
+                   help="ParallelWrapper modes to measure, comma-separated; a suffix "
+                        "+blocking or +sampled (shared_gradients+blocking) sets options, see "
+                        "_VARIANTS")
     p.add_argument("--ddp-malloc", default="system", choices=["system", "keep"],
                    help="the DDP ranks' allocator: 'system' (glibc's defaults, as PyTorch runs) "
                         "or 'keep' (the setting ParallelWrapper's workers use, training.memory)")
@@ -156,6 +159,27 @@ class _Clock:
         self.times.append(time.perf_counter())
 
 
+_VARIANTS: dict[str, dict[str, Any]] = {
+    "blocking": {"overlap": False},
+    "sampled": {"overlap": False, "threshold_algorithm": ("QuantileThreshold", 1 / 160)},
+}
+"""``--modes`` suffixes: ``shared_gradients+blocking`` is shared gradients with these options
+(blocking: the exchange not overlapped; sampled: nor one message size, the last stop's
+default)."""
+
+
+def _mode_options(mode: str) -> tuple[str, dict[str, Any]]:
+    """The training mode and ParallelWrapper options of a ``--modes`` entry."""
+    name, *variants = mode.split("+")
+    options: dict[str, Any] = {"averaging_frequency": 3} if name == "averaging" else {}
+    for variant in variants:
+        if variant not in _VARIANTS:
+            raise ValueError(f"--modes entry {mode!r}: unknown variant {variant!r}; expected "
+                             f"one of {sorted(_VARIANTS)}")
+        options.update(with_threshold(_VARIANTS[variant]))
+    return name, options
+
+
 def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> dict[str, Any]:
     """Samples/s (steady state, whole fit() of 30 rounds) and bytes/step in one mode."""
     from paraloom import ParallelWrapper
@@ -165,10 +189,10 @@ def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> dict[s
     rows_per_round = args.batch_size * args.workers
     short = DataLoader(Subset(data, range(min(len(data), _WHOLE_FIT_ROUNDS * rows_per_round))),
                        batch_size=args.batch_size, shuffle=True, drop_last=True)
-    kwargs: dict[str, Any] = {"averaging_frequency": 3} if mode == "averaging" else {}
+    name, kwargs = _mode_options(mode)
     clock = _Clock()
     with ParallelWrapper(model, loss_fn=_loss(args), optimizer=_sgd(model.parameters()),
-                         workers=args.workers, training_mode=mode, progress=False,
+                         workers=args.workers, training_mode=name, progress=False,
                          listeners=[clock], **kwargs) as wrapper:
         wrapper.fit(loader, epochs=1)  # starts the workers; warm-up
         clock.times.clear()

@@ -16,7 +16,10 @@ Each step, every replica:
    if asked (``momentum_masking``, see ``momentum``), and lets the post-processor (e.g.
    ``ResidualClipping``) act (what it drops leaves the local view too);
 3. all-gathers every replica's message and adds their decoded sum, in rank order, to ``old``
-   and to the parameters.
+   and to the parameters. With ``overlap=True`` the all-gather starts here and is collected
+   at the next step's step 1, so it runs while that step's forward and backward compute:
+   until then the replica's own message stays whole in its local view, and its peers'
+   messages reach it one step late.
 
 Every replica applies the same messages in the same order to the same ``old``, so the replicas
 stay bit-identical after every step; no replica ever applies its own raw update. The optimizer
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +58,7 @@ from paraloom.sync.encoding import (
     scan,
     scan_chunk,
 )
+from paraloom.sync.exchange import Exchanged, Started, exchange_messages, start_exchange
 from paraloom.sync.momentum import mask_momentum_
 from paraloom.sync.thresholds import (
     AdaptiveThreshold,
@@ -65,7 +68,7 @@ from paraloom.sync.thresholds import (
     ThresholdAlgorithm,
 )
 
-__all__ = ["Exchanged", "SharedGradients", "differs", "exchange_messages"]
+__all__ = ["SharedGradients", "differs"]
 
 _ENCODINGS = ("auto", "threshold", "bitmap", "gap16")
 _FORCED = {"bitmap": Format.BITMAP, "threshold": Format.THRESHOLD, "gap16": Format.GAP16}
@@ -77,93 +80,6 @@ _DGC_DENSITY = 1 / 160
 element, so with the headers a worker sends under 1/300 of all-reduce's bytes: the same bytes
 as threshold messages at 1/320, for twice the elements (digits16, 6 epochs: 81.8% against
 74.8% test accuracy, 5 seeds)."""
-
-
-_FLAG_BITS = 31
-"""Changed-buffer flags per int32 header word (the sign bit unused)."""
-
-
-@dataclass(frozen=True)
-class Exchanged:
-    """What ``exchange_messages`` brings back from every rank."""
-
-    messages: list[Encoded]
-    """Every rank's message, in rank order."""
-    nonfinite: list[int]
-    """Each rank's count of non-finite update elements."""
-    changed: list[bool]
-    """Per flag passed in: whether it was set on any rank."""
-    bytes_sent: int
-
-
-def exchange_messages(msg: Encoded, nonfinite: int, group: dist.ProcessGroup | None,
-                      world_size: int, changed: Sequence[bool] = (),
-                      capacity: int | None = None) -> Exchanged:
-    """All-gather every rank's message, its non-finite count and its ``changed`` flags (which
-    buffers its forward wrote: every rank passes as many), and count the bytes sent.
-
-    With a ``capacity`` (payload words that no rank's message exceeds; every rank passes the
-    same), one collective: each rank's header and payload, padded to the capacity. Without
-    one, two: the fixed-size headers (which carry each payload's length), then the payloads
-    at their own lengths, as an all-to-all that sends each rank's payload to every rank
-    (gloo's ``all_gather`` needs equal sizes). One gloo collective of a few KiB took 0.35 ms
-    between two idle processes, two 0.9-1.2 ms. The byte count is what this rank really
-    sends, padding included. When every payload is empty the second collective is skipped on
-    every rank alike.
-    """
-    device = msg.payload.device
-    words = [sum(1 << bit for bit, flag in enumerate(changed[i: i + _FLAG_BITS]) if flag)
-             for i in range(0, len(changed), _FLAG_BITS)]
-    header = torch.tensor([int(msg.format), msg.mantissa, msg.exponent, msg.half_sign,
-                           msg.payload.numel(), min(nonfinite, 2**31 - 1), *words],
-                          dtype=torch.int32, device=device)
-    if capacity is not None:
-        return _exchange_fixed(msg, header, changed, group, world_size, capacity)
-    headers = [torch.empty_like(header) for _ in range(world_size)]
-    dist.all_gather(headers, header, group=group)
-    rows = torch.stack(headers).tolist()
-    sent = Synchronizer.collective_bytes(header, world_size, "allgather")
-    lengths = [row[4] for row in rows]
-    payloads = [msg.payload.new_empty(0)] * world_size
-    if any(lengths):
-        gathered = msg.payload.new_empty(sum(lengths))
-        own = msg.payload.reshape(-1)
-        dist.all_to_all_single(gathered, own.repeat(world_size), output_split_sizes=lengths,
-                               input_split_sizes=[own.numel()] * world_size, group=group)
-        payloads = list(torch.split(gathered, lengths))
-        sent += Synchronizer.collective_bytes(own, world_size, "allgather")
-    return _exchanged(msg, rows, payloads, changed, sent)
-
-
-def _exchange_fixed(msg: Encoded, header: Tensor, changed: Sequence[bool],
-                    group: dist.ProcessGroup | None, world_size: int,
-                    capacity: int) -> Exchanged:
-    """``exchange_messages`` in one all-gather of header plus payload padded to ``capacity``."""
-    length = msg.payload.numel()
-    if length > capacity:
-        raise ValueError(f"a message of {length} words for a capacity of {capacity}; expected "
-                         f"the encoder to keep every message within the capacity")
-    slot = header.new_zeros(header.numel() + capacity)
-    slot[:header.numel()] = header
-    slot[header.numel(): header.numel() + length] = msg.payload.reshape(-1)
-    slots = [torch.empty_like(slot) for _ in range(world_size)]
-    dist.all_gather(slots, slot, group=group)
-    rows = torch.stack([s[:header.numel()] for s in slots]).tolist()
-    payloads = [s[header.numel(): header.numel() + row[4]]
-                for s, row in zip(slots, rows, strict=True)]
-    sent = Synchronizer.collective_bytes(slot, world_size, "allgather")
-    return _exchanged(msg, rows, payloads, changed, sent)
-
-
-def _exchanged(msg: Encoded, rows: list[list[int]], payloads: list[Tensor],
-               changed: Sequence[bool], sent: int) -> Exchanged:
-    """The messages and flags from every rank's header row and payload."""
-    messages = [Encoded(Format(fmt), mantissa, exponent, half_sign, msg.numel, -1, payload)
-                for (fmt, mantissa, exponent, half_sign, *_), payload
-                in zip(rows, payloads, strict=True)]
-    anywhere = [any(row[6 + i // _FLAG_BITS] >> (i % _FLAG_BITS) & 1 for row in rows)
-                for i in range(len(changed))]
-    return Exchanged(messages, [row[5] for row in rows], anywhere, sent)
 
 
 class _Replica:
@@ -326,23 +242,38 @@ def _broadcast_from_first(tensors: list[Tensor], ctx: StepContext) -> int:
     return broadcast_tensors_(tensors, ctx.group, ctx.world_size)
 
 
+def _overlap(overlap: bool | None, recipe: str, gradients_at: str,
+             capacity: int | None) -> bool:
+    """Whether to overlap: as asked, else in the dgc recipe wherever it can run (at the
+    local view, with messages of one size: a ``capacity``)."""
+    if overlap is None:
+        return recipe == "dgc" and gradients_at == "local" and capacity is not None
+    if overlap and gradients_at != "local":
+        raise ValueError("overlap=True with gradients_at='shared'; expected "
+                         "gradients_at='local': a replica's own message must stay in its "
+                         "local view while the exchange runs (with gradients at the shared "
+                         "parameters, an exchange one step behind diverged at lr 0.1)")
+    return bool(overlap)
+
+
 class SharedGradients(Synchronizer):
     """Threshold-encoded update sharing with residuals (``training_mode="shared_gradients"``).
 
     Two recipes, both with DL4J's residuals and ``±tau`` steps:
 
     * ``recipe="dgc"`` (the default) is meant for the dense recipe's learning rate and
-      momentum: ``QuantileThreshold(1/160)`` picks tau so that each message moves the largest
-      ~1/160 of the residual's elements, sent as gap16 messages (half a word per element;
-      with the headers under 1/300 of all-reduce's bytes), updates are averaged
+      momentum: ``QuantileThreshold(1/160, exact_count=True)`` makes each message move the
+      largest 1/160 of the residual's elements, sent as gap16 messages (half a word per
+      element; with the headers under 1/300 of all-reduce's bytes), updates are averaged
       (``combine="mean"``, so learning rates carry over from DDP), the gradients are computed
       at the local view (``gradients_at="local"``: the shared parameters plus this replica's
-      unsent updates), and ``ResidualClipping(2.0, 1)`` keeps each residual element within
-      2 tau (DGC's local clipping: a surplus that far beyond tau is stale).
+      unsent updates), ``ResidualClipping(2.0, 1)`` keeps each residual element within
+      2 tau (DGC's local clipping: a surplus that far beyond tau is stale), and each step's
+      exchange runs while the next step computes (``overlap``).
     * ``recipe="dl4j"``: DL4J's ParallelWrapper exactly: ``AdaptiveThreshold()`` (tau moves
       by a factor of 2 per 20 steps to keep 1e-4..1e-2 of the elements), DL4J's threshold
       messages (a word per element), each replica's update applied in full (``combine="sum"``),
-      no masking. It needs a smaller learning rate.
+      no masking, no overlap. It needs a smaller learning rate.
 
     Each of ``threshold_algorithm``, ``residual_post_processor``, ``combine``,
     ``momentum_masking`` (DGC's factor masking, off in both recipes) and ``gradients_at``
@@ -352,6 +283,13 @@ class SharedGradients(Synchronizer):
     the recipe's sparse format (dgc: gap16, dl4j: threshold) and the bitmap; "threshold",
     "gap16" or "bitmap" forces one (see ``encoding``). ``broadcast_buffers`` copies rank 0's
     buffers (e.g. BatchNorm statistics) after each step, those some replica changed.
+
+    ``overlap=True`` runs each step's exchange while the next step computes (one collective,
+    started after the encoding and collected before the next encoding), as DL4J's
+    asynchronous sharing did: the peers' updates arrive one step later. It needs the local
+    view and messages of one size (a threshold algorithm with a ``message_count``, a sparse
+    encoding). Left unset, it is on in the dgc recipe wherever it can run, off otherwise.
+    Checkpoints and restore points save the exchange in flight, so resume stays exact.
     """
 
     name = "shared_gradients"
@@ -360,15 +298,16 @@ class SharedGradients(Synchronizer):
                  residual_post_processor: ResidualPostProcessor | None = None, *,
                  recipe: str = "dgc", combine: str | None = None,
                  momentum_masking: bool | None = None, gradients_at: str | None = None,
-                 encoding: str = "auto", broadcast_buffers: bool = True) -> None:
+                 encoding: str = "auto", broadcast_buffers: bool = True,
+                 overlap: bool | None = None) -> None:
         super().__init__()
         if recipe not in _RECIPES:
             raise ValueError(f"recipe={recipe!r}; expected 'dgc' (top-k sharing with gradients "
                              f"at the local view, trains at the dense recipe) or 'dl4j' "
                              f"(DL4J's exact rules)")
         if threshold_algorithm is None:
-            threshold_algorithm = QuantileThreshold(_DGC_DENSITY) if recipe == "dgc" \
-                else AdaptiveThreshold()
+            threshold_algorithm = AdaptiveThreshold() if recipe == "dl4j" else \
+                QuantileThreshold(_DGC_DENSITY, exact_count=True)
         if not isinstance(threshold_algorithm, ThresholdAlgorithm):
             raise TypeError(f"threshold_algorithm={threshold_algorithm!r}; expected a "
                             f"ThresholdAlgorithm such as QuantileThreshold(1/300), "
@@ -400,6 +339,7 @@ class SharedGradients(Synchronizer):
         self.gradients_at = gradients_at
         self.encoding = encoding
         self.broadcast_buffers = bool(broadcast_buffers)
+        self.overlap = _overlap(overlap, recipe, gradients_at, self._capacity(1 << 20))
         self.setup_bytes_sent = 0
         self._replica: _Replica | None = None
         self._holding = False
@@ -408,6 +348,13 @@ class SharedGradients(Synchronizer):
         self._pending_residual: Tensor | None = None
         self._pending_view: list[Tensor] | None = None
         """The local view a restored state brought, set at the next step."""
+        self._started: Started | None = None
+        """With ``overlap``: the exchange of the last step's messages, still running (its
+        peers' messages not yet in the parameters, this replica's own whole in the view)."""
+        self._own: tuple[Encoded, Steps | None] | None = None
+        """The message this replica put in ``_started``, and its steps (None once restored:
+        it is then read back from the exchange)."""
+        self._pending_started: Started | None = None
         self._format = Format.BITMAP if encoding == "bitmap" else Format.THRESHOLD
         self._half_sign = 1
         self._last_tau = threshold_algorithm.tau
@@ -424,6 +371,7 @@ class SharedGradients(Synchronizer):
         # A fit that failed without abort_step or finish left the local view: whatever the
         # model holds now (it may be a state loaded since) is taken as it is.
         self._holding = False
+        self._started = self._own = None
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("shared_gradients: the model has no parameters that require grad; "
@@ -445,6 +393,12 @@ class SharedGradients(Synchronizer):
         else:
             self._replica = _Replica(params, torch.zeros(numel, dtype=dtype,
                                                          device=params[0].device), buffers)
+        if self.overlap and self._capacity(numel) is None:
+            raise ValueError(f"shared_gradients: overlap=True with "
+                             f"{self.threshold_algorithm!r} and encoding={self.encoding!r}; "
+                             f"expected messages of one size, which an exchange started ahead "
+                             f"needs: QuantileThreshold(density, exact_count=True), or "
+                             f"encoding='bitmap'")
         self._adopt_pending_residual()
         if is_distributed(ctx):
             # Like DDP at construction: every replica starts from rank 0's parameters, unless
@@ -478,6 +432,10 @@ class SharedGradients(Synchronizer):
             else:
                 _set_local_view_(replica.params, replica.old, replica.residual_views,
                                  self._reach(ctx))
+                if self._started is not None:  # the own message in flight: whole in the view
+                    msg, steps = self._own_in_flight(ctx)
+                    decode_into(msg, replica.params, replica.bounds, steps=steps,
+                                factor=self._reach(ctx))
         replica.stamps = replica.current_stamps()
         self._holding = True
         self._seconds["local_view"] += time.perf_counter() - started
@@ -496,6 +454,8 @@ class SharedGradients(Synchronizer):
                                "the loop to call after_backward before optimizer.step()")
         replica.old_saved = False
         scale = self._scale(ctx)
+        flags = self._changed_flags(ctx)  # before the collected exchange broadcasts buffers
+        self._collect(ctx)
         started = time.perf_counter()
         view = replica.params if self._holding else None
         with torch.no_grad():
@@ -510,7 +470,7 @@ class SharedGradients(Synchronizer):
             steps = None if msg.format == Format.BITMAP else message_steps(found)
             # Exact: see encoding's module docstring.
             decode(msg, replica.residual, sign=-1, steps=steps)
-            if view is not None:  # the local view loses what the residual lost, whole
+            if view is not None and not self.overlap:  # the local view loses it whole
                 decode_into(msg, view, replica.bounds, steps=steps, factor=-self._reach(ctx))
             if self.momentum_masking:
                 self._masked += mask_momentum_(ctx.optimizer, replica.params, replica.bounds,
@@ -521,22 +481,28 @@ class SharedGradients(Synchronizer):
             self._post_process(replica.residual, found, msg.tau, view, self._reach(ctx))
             self._record(msg)
             self._seconds["encoding"] += time.perf_counter() - started
-            self._exchange_and_apply(msg, nonfinite, ctx, steps)
+            self._exchange(msg, nonfinite, flags, ctx, steps)
         self.threshold_algorithm.update(msg.moved / msg.numel)
 
     def idle_step(self, ctx: StepContext) -> None:
         replica = self._require_setup()
         replica.old_saved = False
         msg = empty_message(replica.residual.numel(), replica.residual.device)
+        flags = self._changed_flags(ctx)
         with torch.no_grad():
             if not self._holding:
                 replica.save_old()  # the parameters are "old": this replica did not step
-            self._exchange_and_apply(msg, 0, ctx)
+            self._collect(ctx)
+            self._exchange(msg, 0, flags, ctx)
 
     def abort_step(self, ctx: StepContext) -> None:
+        # The exchange in flight is left to the process group: the fit fails, and a peer
+        # that died would make waiting for it hang.
+        self._started = self._own = None
         self._settle()
 
     def finish(self, ctx: StepContext) -> None:
+        self._collect(ctx)
         self._settle()
 
     def shared_parameters(self, ctx: StepContext) -> dict[int, Tensor]:
@@ -582,15 +548,19 @@ class SharedGradients(Synchronizer):
         return Format.GAP16 if self.recipe == "dgc" else Format.THRESHOLD
 
     def _capacity(self, numel: int) -> int | None:
-        """Payload words that no message exceeds, when the threshold algorithm fixes the
-        count (``message_count``) and such messages are sparse: the exchange then takes one
-        collective. None otherwise."""
+        """Payload words that no message exceeds, when messages have one size (bitmaps, or
+        a threshold algorithm that fixes the count: ``message_count``): the exchange then
+        takes one collective. None otherwise."""
+        bitmap_words = -(-numel // 16)
+        if self.encoding == "bitmap":
+            return bitmap_words
         count = self.threshold_algorithm.message_count(numel)
-        if count is None or self.encoding == "bitmap":
+        if count is None:
             return None
         words = -(-count // 2) if self._sparse_format() == Format.GAP16 else count
-        bitmap_words = -(-numel // 16)
-        return words if 2 * words < bitmap_words else None  # never the bitmap: see choose_format
+        # Below half the bitmap's words a message is never a bitmap (see choose_format); a
+        # model so small that it may be gets room for either.
+        return words if 2 * words < bitmap_words else max(words, bitmap_words)
 
     def _encode(self, residual: Tensor, found: Scan) -> tuple[Encoded, Scan]:
         """The message, and the scan it carries (the largest ``message_count`` of ``found``
@@ -645,25 +615,75 @@ class SharedGradients(Synchronizer):
         self._sparsity_sum += self._last_sparsity
         self._encoded_steps += 1
 
-    def _exchange_and_apply(self, msg: Encoded, nonfinite: int, ctx: StepContext,
-                            steps: Steps | None = None) -> None:
+    def _changed_flags(self, ctx: StepContext) -> list[bool]:
+        """Which buffers some forward wrote since the last broadcast (none when not sent)."""
+        replica = self._require_setup()
+        return replica.changed_buffers() if self.broadcast_buffers and is_distributed(ctx) \
+            else []
+
+    def _exchange(self, msg: Encoded, nonfinite: int, flags: list[bool], ctx: StepContext,
+                  steps: Steps | None = None) -> None:
         """Exchange ``msg`` (whose parsed ``steps`` the caller may give) and apply every
-        replica's message."""
-        replica = self._replica
-        assert replica is not None
-        started = time.perf_counter()
-        changed: list[bool] = []
+        replica's message, or with ``overlap`` start the exchange, to collect at the next
+        step."""
+        replica = self._require_setup()
+        if self.overlap:
+            started = start_exchange(msg, nonfinite, ctx.group if is_distributed(ctx) else None,
+                                     ctx.world_size if is_distributed(ctx) else 1, flags,
+                                     self._capacity(msg.numel) or 0)
+            self._started, self._own = started, (msg, steps)
+            self.bytes_sent += started.bytes_sent
+            self.sync_steps += 1
+            replica.stamps = replica.current_stamps()  # the post-processor wrote the view
+            return
+        started_at = time.perf_counter()
         if is_distributed(ctx):
-            flags = replica.changed_buffers() if self.broadcast_buffers else []
             got = exchange_messages(msg, nonfinite, ctx.group, ctx.world_size, flags,
                                     self._capacity(msg.numel))
-            messages, bad, sent, changed = got.messages, got.nonfinite, got.bytes_sent, got.changed
         else:
-            messages, bad, sent = [msg], [nonfinite], 0
-        exchanged = time.perf_counter()
-        self._seconds["exchange"] += exchanged - started
-        self.bytes_sent += sent
+            got = Exchanged([msg], [nonfinite], [], 0)
+        self._seconds["exchange"] += time.perf_counter() - started_at
+        self.bytes_sent += got.bytes_sent
         self.sync_steps += 1
+        self._apply(got, ctx, steps)
+
+    @torch.no_grad()
+    def _collect(self, ctx: StepContext) -> None:
+        """With ``overlap``: wait for the exchange started at the last step and apply it (this
+        replica's own message leaves the view whole, as every message reaches ``old``)."""
+        if self._started is None:
+            return
+        started_at = time.perf_counter()
+        got = self._started.wait()
+        if len(got.messages) != (ctx.world_size if is_distributed(ctx) else 1):
+            raise ValueError(f"shared_gradients: a restored exchange holds "
+                             f"{len(got.messages)} replicas' messages for "
+                             f"{ctx.world_size} replicas; expected a checkpoint of as many "
+                             f"workers")
+        self._seconds["exchange"] += time.perf_counter() - started_at
+        replica = self._require_setup()
+        if self._holding:
+            msg, steps = self._own_in_flight(ctx)
+            decode_into(msg, replica.params, replica.bounds, steps=steps,
+                        factor=-self._reach(ctx))
+        own_steps = self._own[1] if self._own is not None else None
+        self._started = self._own = None
+        self._apply(got, ctx, own_steps)
+
+    def _own_in_flight(self, ctx: StepContext) -> tuple[Encoded, Steps | None]:
+        """This replica's message in the exchange in flight, and its steps when known."""
+        if self._own is not None:
+            return self._own
+        assert self._started is not None
+        me = dist.get_rank(group=ctx.group) if is_distributed(ctx) else 0
+        return self._started.wait().messages[me], None
+
+    def _apply(self, got: Exchanged, ctx: StepContext, steps: Steps | None = None) -> None:
+        """Apply every replica's message to the parameters and ``old`` (``steps``: this
+        replica's message's, when known), then broadcast the buffers some replica wrote."""
+        replica = self._require_setup()
+        started_at = time.perf_counter()
+        bad = got.nonfinite
         if any(bad):
             replica.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             self._settle()
@@ -673,10 +693,10 @@ class SharedGradients(Synchronizer):
                 f"({[bad[r] for r in ranks]} elements) at sync step {self.sync_steps}; the "
                 f"parameters were left at their last consistent values. Lower the learning "
                 f"rate or clip gradients")
-        # The parameters hold "old" here. Rank order: the same float sums on every replica;
-        # old gets the same sums, so it mirrors the parameters.
+        # Rank order: the same float sums on every replica; old gets the same sums, so it
+        # mirrors the parameters (beneath the local view, when they hold it).
         me = dist.get_rank(group=ctx.group) if is_distributed(ctx) else 0
-        for rank, message in enumerate(messages):
+        for rank, message in enumerate(got.messages):
             own = steps if rank == me else None
             if replica.old_flat is not None:
                 decode_into(message, replica.params, replica.bounds, mirror=replica.old_flat,
@@ -687,11 +707,11 @@ class SharedGradients(Synchronizer):
         replica.stamps = replica.current_stamps()
         # Only the buffers some replica wrote (BatchNorm statistics, not a constant mask): the
         # flags came with the headers, so every replica broadcasts the same ones.
-        written = [b for b, flag in zip(replica.buffers, changed, strict=False) if flag]
+        written = [b for b, flag in zip(replica.buffers, got.changed, strict=False) if flag]
         if written:
             self.bytes_sent += _broadcast_from_first(written, ctx)
-            replica.broadcast_done(changed)
-        self._seconds["applying"] += time.perf_counter() - exchanged
+            replica.broadcast_done(got.changed)
+        self._seconds["applying"] += time.perf_counter() - started_at
 
     # -- reporting ---------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -718,11 +738,12 @@ class SharedGradients(Synchronizer):
                 "recipe": self.recipe, "combine": self.combine,
                 "momentum_masking": self.momentum_masking, "gradients_at": self.gradients_at,
                 "encoding": self.encoding,
-                "broadcast_buffers": self.broadcast_buffers}
+                "broadcast_buffers": self.broadcast_buffers, "overlap": self.overlap}
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, threshold, format, this replica's residual and, while the parameters
-        hold it, its local view (restore them on this rank).
+        """Counters, threshold, format, this replica's residual, while the parameters hold
+        it its local view, and with ``overlap`` the exchange in flight, waited for (restore
+        them on this rank).
 
         The residual is the part of this replica's updates not yet sent: restoring one
         replica's state into every replica would apply that part once per replica. The local
@@ -737,6 +758,8 @@ class SharedGradients(Synchronizer):
             state["residual"] = self._replica.residual.detach().clone()
             if self._holding:  # where the next step's forward runs, bit for bit
                 state["local_view"] = [p.detach().clone() for p in self._replica.params]
+        if self._started is not None:  # every replica's messages, applied at the next step
+            state["in_flight"] = self._started.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -751,10 +774,20 @@ class SharedGradients(Synchronizer):
         self._sparsity_sum = float(state.get("sparsity_sum", 0.0))
         self._pending_residual = state.get("residual")
         self._pending_view = state.get("local_view")
+        in_flight = state.get("in_flight")
+        self._pending_started = None if in_flight is None else Started.from_state(in_flight)
         if self._replica is not None:
             self._adopt_pending_residual()
 
     def _adopt_pending_residual(self) -> None:
+        started, self._pending_started = self._pending_started, None
+        self._started, self._own = started, None  # a loaded state replaces what ran
+        if started is not None and self._replica is not None \
+                and started.numel != self._replica.residual.numel():
+            raise ValueError(f"shared_gradients: the saved exchange in flight encodes "
+                             f"{started.numel} elements but the model has "
+                             f"{self._replica.residual.numel()} trainable ones; expected a "
+                             f"checkpoint of the same model")
         residual, self._pending_residual = self._pending_residual, None
         if residual is None or self._replica is None:
             return

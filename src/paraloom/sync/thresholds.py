@@ -192,9 +192,10 @@ class QuantileThreshold(ThresholdAlgorithm):
 
     ``exact_count=True`` makes it DGC's hierarchical top-k: tau is sampled at
     ``EXACT_COUNT_HEADROOM`` times the density, and the message keeps the largest
-    ``round(density * numel)`` of the elements it selects (``message_count``), each moved by
-    the smallest kept magnitude (``encoding.keep_largest``). Every message then has one size,
-    which lets replicas exchange them in one collective instead of two.
+    ``round(density * numel)`` (at least one) of the elements it selects (``message_count``),
+    each moved by the smallest kept magnitude (``encoding.keep_largest``). Every message then
+    has one size, which lets replicas exchange them in one collective instead of two, and
+    start the exchange ahead (shared gradients' ``overlap``).
     """
 
     __slots__ = ("density", "sample", "calls", "exact_count")
@@ -232,7 +233,9 @@ class QuantileThreshold(ThresholdAlgorithm):
         self.calls = int(state.get("calls", 0))
 
     def message_count(self, numel: int) -> int | None:
-        return round(self.density * numel) if self.exact_count else None
+        """``round(density * numel)``, at least one (a model of fewer than ``0.5 / density``
+        elements still trains)."""
+        return max(1, round(self.density * numel)) if self.exact_count else None
 
     def _settings(self) -> tuple[str, ...]:
         return ("density", "sample", "exact_count")

@@ -277,6 +277,9 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
         loop_s = time.perf_counter() - t
         begin, t = rec.now(), time.perf_counter()
         p.runner.finish(with_state=False)
+        if rank == 0 and cfg.checkpoint_dir:  # after finish: what a retry returns as it is
+            _checkpoint(p, cfg, {"epoch": cfg.epochs, "round": 0,
+                                 "step": position[2] + p.runner.steps})
         state = pack(*p.runner.final_state()) if rank == 0 else b""
         rec.event("finish", begin, time.perf_counter() - t)
     info: dict[str, Any] = {
@@ -313,6 +316,8 @@ def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds
             samples += done.rows
             step += 1
             last = r == rounds - 1
+            if epoch == cfg.epochs - 1 and last:
+                continue  # the fit's end: checkpointed after finish, which completes the sync
             if rank == 0 and cfg.checkpoint_dir and (last or step % cfg.checkpoint_every == 0):
                 nxt = (epoch + 1, 0) if last else (epoch, r + 1)
                 _checkpoint(p, cfg, {"epoch": nxt[0], "round": nxt[1], "step": step})

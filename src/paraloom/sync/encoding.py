@@ -234,8 +234,7 @@ def keep_largest(found: Scan, count: int) -> Scan:
         raise ValueError(f"count={count!r}; expected an int >= 0 (elements to keep)")
     index, values = found.indices, found.values
     if index.numel() > count:
-        top = values.abs().topk(count, sorted=False).indices.sort().values
-        index, values = index.index_select(0, top), values.index_select(0, top)
+        index, values = _largest(index, values, count)
     if index.numel() == 0:
         return found._replace(indices=index, values=values)
     dtype = values.dtype
@@ -248,6 +247,21 @@ def keep_largest(found: Scan, count: int) -> Scan:
         exact = values.abs() < upper
         index, values = index[exact], values[exact]
     return Scan(mantissa, exponent, index, values, found.peaks, found.chunk)
+
+
+def _largest(index: Tensor, values: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` entries of largest magnitude, in their order: a top-k of whichever is
+    fewer, the kept or the dropped (for 236k of 300k elements, a top-k of the kept and a sort
+    took 10.6 ms; of the dropped, and a mask, 4.5)."""
+    magnitudes = values.abs()
+    if 2 * count <= index.numel():
+        top = magnitudes.topk(count, sorted=False).indices.sort().values
+        return index.index_select(0, top), values.index_select(0, top)
+    drop = magnitudes.topk(index.numel() - count, largest=False, sorted=False).indices
+    keep = torch.ones_like(index, dtype=torch.bool)
+    keep[drop] = False
+    kept = keep.nonzero().squeeze(1)  # then two gathers: faster than two boolean indexings
+    return index.index_select(0, kept), values.index_select(0, kept)
 
 
 def choose_format(count: int, numel: int, previous: Format,

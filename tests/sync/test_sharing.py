@@ -743,3 +743,42 @@ def test_overlap_a_failed_step_drops_the_exchange_in_flight_and_keeps_shared() -
     sync.before_step(ctx)
     sync.abort_step(ctx)
     assert sync._started is None and torch.equal(model.weight, shared)
+
+
+def _clipped_view_run(layout: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    if layout == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+    ctx = StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    # A tau far below the updates: the clip takes from most elements, every step.
+    sync = SharedGradients(FixedThreshold(2.0 ** -12), ResidualClipping(2.0, 1),
+                           encoding="threshold", overlap=False)
+    sync.setup(ctx)
+    g = torch.Generator().manual_seed(1)
+    from paraloom.sync import sharing
+    real_scan = sharing.scan
+    sharing.scan = lambda v, tau: real_scan(v, tau, chunk=512)  # chunks that split parameters
+    try:
+        for _ in range(4):
+            sync.before_step(ctx)
+            ctx.optimizer.zero_grad()
+            model(torch.randn(16, 3, 8, 8, generator=g)).pow(2).mean().backward()
+            sync.after_backward(ctx)
+            ctx.optimizer.step()
+            sync.after_step(ctx)
+    finally:
+        sharing.scan = real_scan
+    shared = sync.shared_parameters(ctx)
+    residual = sync._replica.residual_views
+    for p, r in zip(model.parameters(), residual, strict=True):  # one worker: reach 1
+        assert torch.allclose(p, shared[id(p)] + r, rtol=0, atol=1e-6)
+    assert sync._replica.residual.abs().max() == 2.0 ** -11  # clipped at 2 tau
+    return [p.detach().contiguous().clone() for p in model.parameters()]
+
+
+def test_what_clipping_takes_from_the_residual_leaves_the_local_view_in_any_layout() -> None:
+    """Contiguous parameters take it in a pass over each clipped chunk, channels_last ones at
+    the elements it took: the same view either way."""
+    dense, strided = _clipped_view_run("contiguous"), _clipped_view_run("channels_last")
+    assert all(torch.equal(a, b) for a, b in zip(dense, strided, strict=True))

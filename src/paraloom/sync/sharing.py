@@ -194,6 +194,20 @@ def _chunks(params: Sequence[Tensor], old: Sequence[Tensor], residual: Sequence[
     return parts
 
 
+def _add_range_(tensors: Sequence[Tensor], begin: int, values: Tensor, alpha: float) -> None:
+    """Add ``alpha * values`` to the elements ``begin`` to ``begin + len(values)`` of
+    contiguous tensors laid end to end (a zero adds nothing: ``x + 0.0 == x``)."""
+    end, offset = begin + values.numel(), 0
+    for t in tensors:
+        lo, hi = max(begin, offset), min(end, offset + t.numel())
+        if lo < hi:
+            t.view(-1)[lo - offset: hi - offset].add_(
+                values[lo - begin: hi - begin].to(t.dtype), alpha=alpha)
+        offset += t.numel()
+        if offset >= end:
+            return
+
+
 def _set_local_view_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
                      reach: float, chunk: int | None = None) -> None:
     """``p = old + reach * residual`` for each parameter: the shared parameters plus this
@@ -594,16 +608,21 @@ class SharedGradients(Synchronizer):
         chunks = [(0, residual.numel())] if bound is None else \
             [(i * found.chunk, min((i + 1) * found.chunk, residual.numel()))
              for i in torch.nonzero(~(found.peaks <= bound)).reshape(-1).tolist()]  # NaN too
+        dense = view is not None and all(p.is_contiguous() for p in view)
         for begin, end in chunks:
             part = residual[begin:end]
             before = None if view is None else part.clone()
             post.process(part, tau, self.sync_steps)
-            if view is not None and before is not None:
-                taken = before.sub_(part)
-                index = torch.nonzero(taken).reshape(-1)
-                if index.numel():
-                    add_at_(view, self._require_setup().bounds, index + begin,
-                             taken[index] * -reach)
+            if view is None or before is None:
+                continue
+            taken = before.sub_(part)
+            if dense:  # a pass over the chunk: cheaper than finding the few elements it took
+                _add_range_(view, begin, taken, -reach)
+                continue
+            index = torch.nonzero(taken).reshape(-1)
+            if index.numel():
+                add_at_(view, self._require_setup().bounds, index + begin,
+                        taken.index_select(0, index) * -reach)
 
     def _record(self, msg: Encoded) -> None:
         self._format = msg.format

@@ -712,37 +712,36 @@ def test_overlap_resumes_bit_for_bit_with_the_exchange_in_flight_saved(pool) -> 
     assert results[0]["uninterrupted"] == results[1]["uninterrupted"]
 
 
+def _overlap_run(steps: int, seed: int, *, save: bool = False,
+                 ) -> tuple[SharedGradients, StepContext]:
+    """``steps`` overlapped steps of a linear model; ``save``: a state_dict after each."""
+    torch.manual_seed(0)
+    ctx = _ctx(nn.Linear(64, 1, bias=False), lr=0.05)
+    sync = SharedGradients(QuantileThreshold(1 / 32, exact_count=True), overlap=True)
+    sync.setup(ctx)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        _local_step(sync, ctx, torch.randn(4, 64, generator=g), [])
+        if save:
+            assert "in_flight" in sync.state_dict()
+    return sync, ctx
+
+
 def test_overlap_saving_a_state_does_not_change_the_trajectory() -> None:
     """A checkpoint waits for the exchange in flight but applies it at the step it would
     have been applied anyway."""
-    finals = []
-    for save in (False, True):
-        torch.manual_seed(0)
-        model = nn.Linear(64, 1, bias=False)
-        ctx = _ctx(model, lr=0.05)
-        sync = SharedGradients(QuantileThreshold(1 / 32, exact_count=True), overlap=True)
-        sync.setup(ctx)
-        g = torch.Generator().manual_seed(4)
-        for _ in range(6):
-            _local_step(sync, ctx, torch.randn(4, 64, generator=g), [])
-            if save:
-                assert "in_flight" in sync.state_dict()
-        finals.append(model.weight.detach().clone())
+    finals = [_overlap_run(6, 4, save=save)[1].model.weight.detach().clone()
+              for save in (False, True)]
     assert torch.equal(finals[0], finals[1])
 
 
 def test_overlap_a_failed_step_drops_the_exchange_in_flight_and_keeps_shared() -> None:
-    model = nn.Linear(64, 1, bias=False)
-    ctx = _ctx(model, lr=0.05)
-    sync = SharedGradients(QuantileThreshold(1 / 32, exact_count=True), overlap=True)
-    sync.setup(ctx)
-    g = torch.Generator().manual_seed(5)
-    for _ in range(3):
-        _local_step(sync, ctx, torch.randn(4, 64, generator=g), [])
-    shared = sync.shared_parameters(ctx)[id(model.weight)].clone()
+    sync, ctx = _overlap_run(3, 5)
+    weight = ctx.model.weight
+    shared = sync.shared_parameters(ctx)[id(weight)].clone()
     sync.before_step(ctx)
     sync.abort_step(ctx)
-    assert sync._started is None and torch.equal(model.weight, shared)
+    assert sync._started is None and torch.equal(weight, shared)
 
 
 def _clipped_view_run(layout: str) -> list[torch.Tensor]:

@@ -164,8 +164,8 @@ _VARIANTS: dict[str, dict[str, Any]] = {
     "sampled": {"overlap": False, "threshold_algorithm": ("QuantileThreshold", 1 / 160)},
 }
 """``--modes`` suffixes: ``shared_gradients+blocking`` is shared gradients with these options
-(blocking: the exchange not overlapped; sampled: nor one message size, the last stop's
-default)."""
+(blocking: each exchange waited for in its step; sampled: that, and messages at their own
+lengths)."""
 
 
 def _mode_options(mode: str) -> tuple[str, dict[str, Any]]:

@@ -85,7 +85,7 @@ class Started:
     __slots__ = ("numel", "flags", "slots", "header_words", "bytes_sent", "_work", "_result")
 
     def __init__(self, numel: int, flags: int, slots: Tensor, header_words: int,
-                 bytes_sent: int, work: Any = None) -> None:
+                 bytes_sent: int, work: dist.Work | None = None) -> None:
         self.numel = numel
         """Elements of the tensor the messages encode."""
         self.flags = flags

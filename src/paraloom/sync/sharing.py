@@ -251,6 +251,14 @@ def _any_rank(flag: bool, ctx: StepContext) -> bool:
     return bool(votes.item())
 
 
+def _peers(ctx: StepContext) -> tuple[dist.ProcessGroup | None, int, int]:
+    """The exchange's process group, its size and this replica's rank in it (None, 1 and 0 in
+    one process)."""
+    if not is_distributed(ctx):
+        return None, 1, 0
+    return ctx.group, ctx.world_size, dist.get_rank(group=ctx.group)
+
+
 def _broadcast_from_first(tensors: list[Tensor], ctx: StepContext) -> int:
     """Broadcast tensors from the group's rank 0, packed; returns the bytes this rank sent."""
     return broadcast_tensors_(tensors, ctx.group, ctx.world_size)
@@ -413,7 +421,7 @@ class SharedGradients(Synchronizer):
                              f"expected messages of one size, which an exchange started ahead "
                              f"needs: QuantileThreshold(density, exact_count=True), or "
                              f"encoding='bitmap'")
-        self._adopt_pending_residual()
+        self._adopt_pending()
         if is_distributed(ctx):
             # Like DDP at construction: every replica starts from rank 0's parameters, unless
             # none was written since the last exchange left them identical (a warm fit() that
@@ -611,10 +619,11 @@ class SharedGradients(Synchronizer):
         dense = view is not None and all(p.is_contiguous() for p in view)
         for begin, end in chunks:
             part = residual[begin:end]
-            before = None if view is None else part.clone()
-            post.process(part, tau, self.sync_steps)
-            if view is None or before is None:
+            if view is None:
+                post.process(part, tau, self.sync_steps)
                 continue
+            before = part.clone()
+            post.process(part, tau, self.sync_steps)
             taken = before.sub_(part)
             if dense:  # a pass over the chunk: cheaper than finding the few elements it took
                 _add_range_(view, begin, taken, -reach)
@@ -647,8 +656,8 @@ class SharedGradients(Synchronizer):
         step."""
         replica = self._require_setup()
         if self.overlap:
-            started = start_exchange(msg, nonfinite, ctx.group if is_distributed(ctx) else None,
-                                     ctx.world_size if is_distributed(ctx) else 1, flags,
+            group, world_size, _ = _peers(ctx)
+            started = start_exchange(msg, nonfinite, group, world_size, flags,
                                      self._capacity(msg.numel) or 0)
             self._started, self._own = started, (msg, steps)
             self.bytes_sent += started.bytes_sent
@@ -674,7 +683,7 @@ class SharedGradients(Synchronizer):
             return
         started_at = time.perf_counter()
         got = self._started.wait()
-        if len(got.messages) != (ctx.world_size if is_distributed(ctx) else 1):
+        if len(got.messages) != _peers(ctx)[1]:
             raise ValueError(f"shared_gradients: a restored exchange holds "
                              f"{len(got.messages)} replicas' messages for "
                              f"{ctx.world_size} replicas; expected a checkpoint of as many "
@@ -694,8 +703,7 @@ class SharedGradients(Synchronizer):
         if self._own is not None:
             return self._own
         assert self._started is not None
-        me = dist.get_rank(group=ctx.group) if is_distributed(ctx) else 0
-        return self._started.wait().messages[me], None
+        return self._started.wait().messages[_peers(ctx)[2]], None
 
     def _apply(self, got: Exchanged, ctx: StepContext, steps: Steps | None = None) -> None:
         """Apply every replica's message to the parameters and ``old`` (``steps``: this
@@ -714,7 +722,7 @@ class SharedGradients(Synchronizer):
                 f"rate or clip gradients")
         # Rank order: the same float sums on every replica; old gets the same sums, so it
         # mirrors the parameters (beneath the local view, when they hold it).
-        me = dist.get_rank(group=ctx.group) if is_distributed(ctx) else 0
+        me = _peers(ctx)[2]
         for rank, message in enumerate(got.messages):
             own = steps if rank == me else None
             if replica.old_flat is not None:
@@ -796,9 +804,11 @@ class SharedGradients(Synchronizer):
         in_flight = state.get("in_flight")
         self._pending_started = None if in_flight is None else Started.from_state(in_flight)
         if self._replica is not None:
-            self._adopt_pending_residual()
+            self._adopt_pending()
 
-    def _adopt_pending_residual(self) -> None:
+    def _adopt_pending(self) -> None:
+        """Take what a loaded state left pending for the model: the exchange in flight and
+        the residual now, the local view (checked here) at the next step."""
         started, self._pending_started = self._pending_started, None
         self._started, self._own = started, None  # a loaded state replaces what ran
         if started is not None and self._replica is not None \

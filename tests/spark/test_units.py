@@ -313,6 +313,35 @@ def test_timed_synchronizer_delegates_and_splits_rounds():
         {"wait": 0.5}
 
 
+def test_every_synchronizer_hook_of_a_timed_synchronizer_reaches_the_wrapped_one():
+    """Hooks added to the base class reach the wrapped synchronizer without being listed
+    (a Spark checkpoint once saved rank 0's local view because two were not)."""
+    import inspect
+
+    from paraloom.sync.base import Synchronizer
+
+    hooks = [name for name, member in vars(Synchronizer).items()
+             if not name.startswith("_") and inspect.isfunction(member)]
+    calls = []
+
+    def recording(name):
+        def method(self, *args):
+            calls.append((name, args))
+            return name
+        return method
+
+    Recording = type("Recording", (Synchronizer,), {name: recording(name) for name in hooks})
+    timed = TimedSynchronizer(Recording())
+    for i, name in enumerate(hooks):
+        arity = len(inspect.signature(getattr(Synchronizer, name)).parameters) - 1
+        args = tuple(range(i, i + arity))
+        result = getattr(timed, name)(*args)
+        assert calls[-1] == (name, args), name
+        if name not in ("setup", "after_step", "idle_step"):  # timed: they return None
+            assert result == name
+    assert {"abort_step", "shared_parameters", "config", "state_dict"} <= set(hooks)
+
+
 def test_timed_synchronizer_runs_step_fn_the_inner_synchronizers_way():
     """AllReduce runs a step_fn on the user's module inside DDP: timing must not bypass it."""
     from paraloom.sync.base import StepContext, Synchronizer

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import torch.distributed as dist
-from torch import Tensor, nn
 
 from paraloom.spark.stats.recorder import PhaseRecorder
 from paraloom.sync.base import StepContext, Synchronizer
@@ -63,7 +63,9 @@ class TimedSynchronizer(Synchronizer):
     """Wraps a synchronizer to time its step hooks; everything else is the wrapped one's.
 
     ``recorder`` is set after the replica made its own copy of this object. The wrapped
-    synchronizer's counters (``bytes_sent``, ``stats()``) are reported unchanged.
+    synchronizer's counters (``bytes_sent``, ``stats()``) are reported unchanged. Every public
+    ``Synchronizer`` method that is not timed here goes to the wrapped one as it is (see
+    ``_forward_untimed``), so a hook added to the base class reaches it too.
     """
 
     def __init__(self, inner: Synchronizer) -> None:  # no super().__init__: counters are inner's
@@ -87,36 +89,11 @@ class TimedSynchronizer(Synchronizer):
                 not getattr(encode, "_paraloom_timed", False):
             self.inner._encode = _timed(encode, self.recorder, "encode")  # type: ignore[attr-defined]
 
-    def wrap_model(self, model: nn.Module, ctx: StepContext) -> nn.Module:
-        return self.inner.wrap_model(model, ctx)
-
-    def run_step_fn(self, step_fn: Callable[[nn.Module, Any], Any], module: nn.Module,
-                    batch: Any, ctx: StepContext) -> Any:
-        return self.inner.run_step_fn(step_fn, module, batch, ctx)
-
-    def finish(self, ctx: StepContext) -> None:
-        self.inner.finish(ctx)
-
-    def before_step(self, ctx: StepContext) -> None:
-        self.inner.before_step(ctx)
-
-    def abort_step(self, ctx: StepContext) -> None:
-        self.inner.abort_step(ctx)
-
-    def shared_parameters(self, ctx: StepContext) -> dict[int, Tensor]:
-        return self.inner.shared_parameters(ctx)
-
-    def after_backward(self, ctx: StepContext) -> None:
-        self.inner.after_backward(ctx)
-
     def after_step(self, ctx: StepContext) -> None:
         self._timed_hook(self.inner.after_step, ctx)
 
     def idle_step(self, ctx: StepContext) -> None:
         self._timed_hook(self.inner.idle_step, ctx)
-
-    def synchronized(self) -> bool:
-        return self.inner.synchronized()
 
     def _timed_hook(self, hook: Callable[[StepContext], None], ctx: StepContext) -> None:
         start = time.perf_counter()
@@ -126,11 +103,25 @@ class TimedSynchronizer(Synchronizer):
             if self.recorder is not None:
                 self.recorder.pending["sync"] += time.perf_counter() - start
 
-    def stats(self) -> dict[str, float]:
-        return self.inner.stats()
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+def _forwarding(name: str) -> Callable[..., Any]:
+    """A method that calls the wrapped synchronizer's ``name``."""
+    def forward(self: TimedSynchronizer, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
+    forward.__name__ = forward.__qualname__ = name
+    return forward
+
+
+def _forward_untimed() -> None:
+    """Give ``TimedSynchronizer`` every public ``Synchronizer`` method it does not define, as
+    a call to the wrapped synchronizer's: inheriting them would run the base class's no-ops
+    (``__getattr__`` is not consulted for what the class has)."""
+    for name, member in vars(Synchronizer).items():
+        if name.startswith("_") or name in vars(TimedSynchronizer) or \
+                not inspect.isfunction(member):  # static helpers stay the base class's
+            continue
+        setattr(TimedSynchronizer, name, _forwarding(name))
+
+
+_forward_untimed()

@@ -266,7 +266,7 @@ def test_state_dict_round_trip_and_pickling() -> None:
     restored = SharedGradients(AdaptiveThreshold(initial=1e-3))
     restored.load_state_dict(state)
     assert restored.threshold_algorithm.tau == sync.threshold_algorithm.tau
-    assert restored.sync_steps == 1 and restored._format == Format(state["format"])
+    assert restored.sync_steps == 1 and restored._encoder.format == Format(state["format"])
     restored.setup(_ctx(nn.Linear(3, 1, bias=False)))  # the residual waited for the model
     assert torch.equal(restored._replica.residual, sync._replica.residual)
     with pytest.raises(ValueError, match="same model"):
@@ -347,7 +347,7 @@ def test_clipping_only_the_chunks_past_its_bound_equals_clipping_everything() ->
     _step(sync, ctx, [[0.0] * 3_000])  # ResidualClipping clips from the second step on
     grad = torch.randn(1, 3_000, generator=g) * 0.2
     grad[0, 100] = -5.0  # one element far past 2 tau: only its chunk needs the clip
-    from paraloom.sync import sharing
+    from paraloom.sync.sharing import encoder as sharing
     real_scan = sharing.scan
     sharing.scan = lambda v, tau: real_scan(v, tau, chunk=512)  # 6 chunks
     try:
@@ -755,14 +755,16 @@ def _clipped_view_run(layout: str) -> list[torch.Tensor]:
                            encoding="threshold", overlap=False)
     sync.setup(ctx)
     g = torch.Generator().manual_seed(1)
-    from paraloom.sync import sharing
+    from paraloom.sync.sharing import encoder as sharing
     real_scan = sharing.scan
     sharing.scan = lambda v, tau: real_scan(v, tau, chunk=512)  # chunks that split parameters
     try:
         for _ in range(4):
             sync.before_step(ctx)
-            ctx.optimizer.zero_grad()
-            model(torch.randn(16, 3, 8, 8, generator=g)).pow(2).mean().backward()
+            # The same gradients in either layout: a conv's backward may round differently
+            # in channels_last (another kernel), which is not what this test is about.
+            for p in model.parameters():
+                p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g) * 0.1)
             sync.after_backward(ctx)
             ctx.optimizer.step()
             sync.after_step(ctx)

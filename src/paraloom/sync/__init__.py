@@ -5,7 +5,7 @@ from paraloom.sync.averaging import Averaging
 from paraloom.sync.base import NoSync, StepContext, Synchronizer
 from paraloom.sync.compressed import Fp16AllReduce
 from paraloom.sync.registry import build_synchronizer, training_modes
-from paraloom.sync.sharing import SharedGradients
+from paraloom.sync.sharing import SharedGradients, SharingRecipe
 from paraloom.sync.thresholds import (
     AdaptiveThreshold,
     FixedThreshold,
@@ -19,6 +19,7 @@ from paraloom.sync.thresholds import (
 __all__ = [
     "AdaptiveThreshold", "AllReduce", "Averaging", "FixedThreshold", "Fp16AllReduce", "NoSync",
     "QuantileThreshold", "ResidualClipping", "ResidualPostProcessor", "SharedGradients",
+    "SharingRecipe",
     "StepContext", "Synchronizer", "TargetSparsityThreshold", "ThresholdAlgorithm",
     "build_synchronizer", "training_modes",
 ]

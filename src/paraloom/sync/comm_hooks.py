@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     PowerSGDState,
@@ -44,7 +45,7 @@ COMM_HOOKS = ("fp16", "bf16", "powersgd")
 
 Count = Callable[[int, int], None]
 """Called by a hook with (elements all-reduced, bytes per element)."""
-Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+Hook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 """A DDP communication hook: (state, bucket) -> future of the bucket's averaged gradients."""
 
 # PowerSGDState's keywords that comm_hook_options may set: the rank and the warm-up have names.
@@ -118,7 +119,7 @@ def cast_hook(name: str, count: Count) -> Hook:
     hook = default_hooks.fp16_compress_hook if name == "fp16" else default_hooks.bf16_compress_hook
     itemsize = torch.empty((), dtype=dtype).element_size()
 
-    def counted_compress_hook(state: dist.ProcessGroup, bucket: dist.GradBucket,
+    def counted_compress_hook(state: dist.ProcessGroup, bucket: GradBucket,
                               ) -> torch.futures.Future[torch.Tensor]:
         count(bucket.buffer().numel(), itemsize)
         return hook(state, bucket)
@@ -188,13 +189,13 @@ class PowerSGD:
     # -- the hook ------------------------------------------------------------------------------
     @property
     def hook(self) -> Hook:
-        def counted_powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket,
+        def counted_powersgd_hook(state: PowerSGDState, bucket: GradBucket,
                                   ) -> torch.futures.Future[torch.Tensor]:
             return self._run(bucket)
 
         return counted_powersgd_hook
 
-    def _run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _run(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         st = self.state
         if self._in_flight is not None:
             self._in_flight.wait()

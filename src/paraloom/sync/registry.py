@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
@@ -62,7 +63,7 @@ def _mode_options(name: str, given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _wrapper_names(name: str, parameters: Any) -> list[str]:
+def _wrapper_names(name: str, parameters: Iterable[str]) -> list[str]:
     """A mode's constructor options as ParallelWrapper names them (averaging_frequency=...)."""
     renamed = {argument: option for option, (argument, _) in _AVERAGING_OPTIONS.items()}
     return sorted(renamed.get(p, p) if name == "averaging" else p for p in parameters)

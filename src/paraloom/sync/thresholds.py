@@ -64,7 +64,7 @@ def sampled_quantile(v: Tensor, density: float, sample: int, offset: int = 0) ->
     return float(picked.kthvalue(rank).values)
 
 
-def _positive(name: str, value: Any) -> float:
+def _positive(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}={value!r}; expected a number")
     if not math.isfinite(value) or value <= 0:
@@ -72,14 +72,14 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
-def _fraction(name: str, value: Any) -> float:
+def _fraction(name: str, value: object) -> float:
     value = _positive(name, value)
     if value >= 1:
         raise ValueError(f"{name}={value!r}; expected a fraction of elements in (0, 1)")
     return float(value)
 
 
-def _decay(value: Any) -> float:
+def _decay(value: object) -> float:
     value = _positive("decay", value)
     if not 0.5 <= value < 1:
         raise ValueError(f"decay={value!r}; expected a factor in [0.5, 1), e.g. "

@@ -1,4 +1,4 @@
-"""Exchanging encoded messages between replicas: every rank's message reaches every rank.
+"""The exchange of shared gradients: every rank's encoded message reaches every rank.
 
 ``exchange_messages`` runs an exchange to its end; ``start_exchange`` starts one that the
 caller collects later with ``Started.wait``, so that it runs while the next step computes
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from paraloom.sync.base import Synchronizer
+from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 from paraloom.sync.encoding import Encoded, Format
 
-__all__ = ["Exchanged", "Started", "exchange_messages", "start_exchange"]
+__all__ = ["Exchanged", "Started", "any_rank", "exchange_messages", "peers", "start_exchange"]
 
 _FLAG_BITS = 31
 """Changed-buffer flags per int32 header word (the sign bit unused)."""
@@ -168,3 +168,18 @@ def _exchanged(numel: int, rows: list[list[int]], payloads: list[Tensor], flags:
     anywhere = [any(row[_FIXED_WORDS + i // _FLAG_BITS] >> (i % _FLAG_BITS) & 1 for row in rows)
                 for i in range(flags)]
     return Exchanged(messages, [row[5] for row in rows], anywhere, sent)
+
+
+def any_rank(flag: bool, ctx: StepContext) -> bool:
+    """Whether ``flag`` holds on any replica (every replica gets the same answer)."""
+    votes = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=ctx.group)
+    return bool(votes.item())
+
+
+def peers(ctx: StepContext) -> tuple[dist.ProcessGroup | None, int, int]:
+    """The exchange's process group, its size and this replica's rank in it (None, 1 and 0 in
+    one process)."""
+    if not is_distributed(ctx):
+        return None, 1, 0
+    return ctx.group, ctx.world_size, dist.get_rank(group=ctx.group)

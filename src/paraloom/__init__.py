@@ -31,7 +31,7 @@ if TYPE_CHECKING:
         RequestTimeoutError,
     )
     from paraloom.listeners import TrainingListener
-    from paraloom.placement import ReplicaInfo, replica_info
+    from paraloom.sharding import ReplicaInfo, replica_info
     from paraloom.sync import (
         AdaptiveThreshold,
         FixedThreshold,
@@ -40,7 +40,9 @@ if TYPE_CHECKING:
         TargetSparsityThreshold,
     )
     from paraloom.sync.base import StepContext, Synchronizer
+    from paraloom.sync.sharing import SharingRecipe
     from paraloom.training.modes import TrainingMode
+    from paraloom.training.options import FaultTolerance, LoopOptions, StepOptions
     from paraloom.training.resume import TrainingCheckpoint
     from paraloom.training.wrapper import ParallelWrapper
 
@@ -57,11 +59,14 @@ _WHERE = {
     "ModelUpdateError": "paraloom.inference", "ParallelInference": "paraloom.inference",
     "QueueFullError": "paraloom.inference", "RequestTimeoutError": "paraloom.inference",
     "TrainingListener": "paraloom.listeners",
-    "ReplicaInfo": "paraloom.placement", "replica_info": "paraloom.placement",
+    "ReplicaInfo": "paraloom.sharding", "replica_info": "paraloom.sharding",
     "AdaptiveThreshold": "paraloom.sync", "FixedThreshold": "paraloom.sync",
     "QuantileThreshold": "paraloom.sync", "ResidualClipping": "paraloom.sync",
     "TargetSparsityThreshold": "paraloom.sync",
     "StepContext": "paraloom.sync.base", "Synchronizer": "paraloom.sync.base",
+    "SharingRecipe": "paraloom.sync.sharing",
+    "FaultTolerance": "paraloom.training.options", "LoopOptions": "paraloom.training.options",
+    "StepOptions": "paraloom.training.options",
     "TrainingMode": "paraloom.training.modes",
     "TrainingCheckpoint": "paraloom.training.resume",
     "ParallelWrapper": "paraloom.training.wrapper",
@@ -72,11 +77,13 @@ __all__ = [
     "EarlyStoppingConfig",
     "EarlyStoppingParallelTrainer",
     "EarlyStoppingResult",
+    "FaultTolerance",
     "FixedThreshold",
     "InferenceClosedError",
     "InferenceError",
     "InferenceMode",
     "InvalidRequestError",
+    "LoopOptions",
     "ModelUpdateError",
     "NotPicklableError",
     "ParallelInference",
@@ -87,7 +94,9 @@ __all__ = [
     "ReplicaInfo",
     "RequestTimeoutError",
     "ResidualClipping",
+    "SharingRecipe",
     "StepContext",
+    "StepOptions",
     "Synchronizer",
     "TargetSparsityThreshold",
     "TrainingCheckpoint",

@@ -1,4 +1,8 @@
-"""Which replica this code runs in: ``replica_info()``, for datasets that shard themselves."""
+"""Sharding data over the replicas: ``replica_info()`` says which replica this code runs in.
+
+An ``IterableDataset`` that every replica iterates reads its own share with it; the replica
+sets it in its process (``set_replica_info``) and in its DataLoader workers (``WorkerInit``).
+"""
 
 from __future__ import annotations
 

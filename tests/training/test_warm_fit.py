@@ -8,9 +8,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from paraloom import ParallelWrapper
+from paraloom.training.mirror import ReplicaMirror
 from paraloom.training.optim import load_state_copying
 from paraloom.training.transport import SharedOutbox
-from paraloom.training.versions import ReplicaMirror
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from paraloom.data import iter_tensors
-from paraloom.placement import ReplicaInfo, WorkerInit
+from paraloom.sharding import ReplicaInfo, WorkerInit
 
 __all__ = ["LoaderSpec", "loader_spec", "ReplicaLoader", "SeededBatch", "epoch_batches", "digest"]
 

@@ -43,7 +43,7 @@ optimizer, synchronizer, step and RNG states. Stored per rank in a training chec
 # -- to a replica ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Begin:
-    """Start a fit(): the master state, the dataset for index rounds, and where to resume.
+    """Start a fit(): the user's model state, the dataset for index rounds, and where to resume.
     ``state`` None: keep the parameters this replica holds (a warm fit() of an unchanged
     model)."""
 

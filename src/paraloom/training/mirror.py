@@ -1,5 +1,7 @@
-"""Version stamps of the user's model and optimizer, so a warm fit() sends the replicas only
-what changed since they last reported it.
+"""What the replicas hold after a fit(), so that a warm fit() sends them only what changed.
+
+``ReplicaMirror`` keeps stamps of the user's model and optimizer as the replicas last took
+them; ``hyperparameters`` and ``changed_settings`` compare the optimizer's settings.
 
 A stamp is cheap (no hash of the values): the tensor's identity, storage address and autograd
 version counter, which every in-place write bumps (``load_state_dict``, an optimizer step,

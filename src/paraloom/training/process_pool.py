@@ -16,8 +16,8 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
+from torch._C._distributed_c10d import TCPStore
 
 from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import NotPicklableError, WorkerError
@@ -119,7 +119,7 @@ class ProcessPool:
         self._tasks: list[Queue[ToReplica | Pickled]] = [
             ctx.Queue(maxsize=max(1, queue_size)) for _ in range(workers)]
         # The parent hosts the rendezvous store on a port the OS picks (never a guessed port).
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._procs: list[BaseProcess] = []
         with _no_main_reimport():

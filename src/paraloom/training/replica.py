@@ -137,7 +137,7 @@ class Replica:
     def begin_fit(self, state: ModelState | None, resume: ReplicaState | None = None,
                   optimizer_state: dict[str, Any] | None = None, seed: int | None = None,
                   hyperparameters: list[dict[str, Any]] | None = None) -> None:
-        """Load the master parameters and optimizer state (or this replica's state from a
+        """Load the user's parameters and optimizer state (or this replica's state from a
         checkpoint; None: keep what this replica holds), seed the replica's RNG, and set up the
         synchronizer."""
         self._rng = None  # a fresh fit's seed wins over an earlier fit's restored RNG

@@ -20,7 +20,7 @@ from paraloom.clipping import GradientClipping
 from paraloom.data import IndexedDataset, batch_size, cpu_copy, split_batch
 from paraloom.errors import NotPicklableError
 from paraloom.forward import LossFn
-from paraloom.placement import ReplicaInfo, set_replica_info
+from paraloom.sharding import ReplicaInfo, set_replica_info
 from paraloom.sync.base import Synchronizer
 from paraloom.training.loaders import ReplicaLoader, digest
 from paraloom.training.messages import (
@@ -140,7 +140,7 @@ class ReplicaRunner:
         return None
 
     def begin(self, message: Begin) -> None:
-        """Start a fit(): load the master state (or this rank's resume state), set up the
+        """Start a fit(): load the user's model state (or this rank's resume state), set up the
         synchronizer; ``seed`` (when not resuming) seeds this replica's RNG as ``seed + rank``."""
         self.dataset = message.dataset
         if self.loader is not None:

@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TextIO, TypedDict
 
 from tqdm.auto import tqdm
 
@@ -17,7 +17,17 @@ log = logging.getLogger("paraloom")
 score_log = logging.getLogger("paraloom.score")
 """Where ``report_score_after_averaging`` writes; shown even where no logging is configured."""
 
-__all__ = ["RoundTracker", "show_scores"]
+__all__ = ["RoundSummary", "RoundTracker", "show_scores"]
+
+
+class RoundSummary(TypedDict):
+    """What ``RoundTracker.summary`` counts (the start of ``ParallelWrapper.stats()``)."""
+
+    rounds: int
+    batches: int
+    samples: int
+    seconds: float
+    samples_per_s: float
 
 
 class _BarSafeHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -29,11 +39,11 @@ class _BarSafeHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """
 
     @property
-    def stream(self) -> Any:
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value: Any) -> None:
+    def stream(self, value: TextIO) -> None:
         pass  # always the current sys.stderr
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -192,6 +202,7 @@ class RoundTracker:
             self.end_epoch()
         self.bar.close()
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RoundSummary:
+        """The fit's counters so far: rounds trained, batches, samples, seconds, samples/s."""
         return {"rounds": self.next_round - self.skipped, "batches": self.batches,
                 "samples": self.rows, "seconds": self.seconds, "samples_per_s": self.samples_per_s}

@@ -29,7 +29,7 @@ class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
                               cloudpickle.CloudPickler.dispatch_table)
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: object) -> bytes:
     """Pickle for a worker process: classes by value, CPU tensors as shared-memory handles.
 
     Each result can be loaded once (it carries file-descriptor handles), by ``pickle.loads``.

@@ -22,6 +22,7 @@ from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
 
 from paraloom.training.gate import RoundGate
 from paraloom.training.memory import keep_freed_memory
@@ -96,7 +97,7 @@ def _init_group(cfg: WorkerConfig) -> dist.ProcessGroup | None:
     if cfg.world_size == 1:
         return None
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    store = dist.TCPStore("127.0.0.1", cfg.store_port, is_master=False, timeout=timeout)
+    store = TCPStore("127.0.0.1", cfg.store_port, is_master=False, timeout=timeout)
     dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size,
                             timeout=timeout)
     return dist.group.WORLD

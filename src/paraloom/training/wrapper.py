@@ -2,70 +2,55 @@
 
 from __future__ import annotations
 
-import copy
 import functools
-import inspect
-import itertools
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
 
-from paraloom.clipping import GradientClipping
-from paraloom.data import (
-    IndexedDataset,
-    Prefetcher,
-    as_data_source,
-    cpu_copy,
-    indexed_view,
-    split_batch,
-)
+from paraloom.data import as_data_source
 from paraloom.devices import DeviceSpec, training_devices
-from paraloom.errors import NotPicklableError, WorkerError
+from paraloom.errors import WorkerError
 from paraloom.forward import LossFn
 from paraloom.listeners import TrainingListener, as_listener
 from paraloom.precision import resolve_precision
 from paraloom.sync.base import Synchronizer
 from paraloom.sync.registry import build_synchronizer
-from paraloom.training.loaders import LoaderSpec, epoch_batches, loader_spec
+from paraloom.training.dealing import total_batches
+from paraloom.training.fit_run import FitPlan, FitRun, Start
 from paraloom.training.local_pool import LocalPool
-from paraloom.training.messages import (
-    Answer,
-    Begin,
-    CheckpointReply,
-    Finish,
-    Finished,
-    Hyperparameters,
-    IdleRound,
-    IndexRound,
-    LoaderEpoch,
-    LoaderRound,
-    ReplicaResult,
-    ReplicaState,
-    Round,
-    RoundMessage,
-    StepDone,
-)
+from paraloom.training.messages import ReplicaResult
+from paraloom.training.mirror import ReplicaMirror, changed_settings, hyperparameters
 from paraloom.training.modes import TrainingMode
 from paraloom.training.optim import OptimizerFactory, OptimizerSpec, load_state_copying
+from paraloom.training.options import (
+    FaultTolerance,
+    LoopOptions,
+    StepOptions,
+    WrapperKeywords,
+    refuse_misplaced,
+    split_keywords,
+)
 from paraloom.training.pool import Pool
 from paraloom.training.process_pool import ProcessPool
 from paraloom.training.recovery import RecoveringPool, Recovery
-from paraloom.training.replica import SchedulerFactory, StepFn, require_loss
+from paraloom.training.replica import StepFn, require_loss
 from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
-from paraloom.training.tracker import RoundTracker
-from paraloom.training.transport import shared_copy
-from paraloom.training.versions import ReplicaMirror, changed_settings, hyperparameters
+from paraloom.training.tracker import RoundSummary, RoundTracker
 
-__all__ = ["ParallelWrapper"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from paraloom.sync.sharing import SharingRecipe
+
+__all__ = ["FitStats", "ParallelWrapper"]
 
 log = logging.getLogger("paraloom")
 
@@ -97,95 +82,70 @@ class ParallelWrapper:
 
     ``devices`` (``"auto"``, ``"cpu"``, ``["cuda:0", "cuda:1"]``, a GPU count) places the
     replicas round robin; ``workers`` defaults to one per GPU (2 on the CPU). Workers are
-    spawned processes, started on the first ``fit()`` and kept until ``close()``
-    (or the end of a ``with`` block). Each round deals one batch to each worker; the
-    ``training_mode`` decides how the replicas stay consistent.
+    processes, started on the first ``fit()`` and kept until ``close()`` (or the end of a
+    ``with`` block). Each round deals one batch to each worker; ``training_mode`` decides how
+    the replicas stay consistent: ``"averaging"`` (the default), ``"shared_gradients"``,
+    ``"allreduce"``, a ``TrainingMode``, or a ``Synchronizer`` instance. ``sharing`` (a
+    ``SharingRecipe``) configures ``"shared_gradients"``, which it implies.
+
+    The options come in groups: ``steps`` (``StepOptions``: ``lr_scheduler``, gradient
+    clipping), ``faults`` (``FaultTolerance``: ``max_failures``, ``timeout``,
+    ``heartbeat_timeout``, ``step_timeout``) and ``loop`` (``LoopOptions``:
+    ``prefetch_buffer``, ``progress``, ``report_score_after_averaging``). Each of their
+    options is also a keyword of its own, and so is every option of the training mode
+    (``averaging_frequency=3``, ``threshold_algorithm=...``, ``bucket_cap_mb=...``): see
+    ``WrapperKeywords``. A keyword wins over its group object.
+
+    Raises ``TypeError`` for a model that is not an ``nn.Module``, a keyword no group or
+    mode takes, ``fit()``'s arguments given here, or ``sharing`` with another mode;
+    ``ValueError`` for a bad option value (the message names it and the fix).
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn | None = None,
                  optimizer: torch.optim.Optimizer | OptimizerFactory,
-                 workers: int | None = None, devices: DeviceSpec = "auto",
-                 training_mode: str | TrainingMode | Synchronizer = TrainingMode.AVERAGING,
-                 averaging_frequency: int = 1, average_updaters: bool = True,
-                 prefetch_buffer: int = 16, report_score_after_averaging: bool = False,
-                 step_fn: StepFn | None = None,
+                 step_fn: StepFn | None = None, workers: int | None = None,
+                 devices: DeviceSpec = "auto",
+                 training_mode: str | TrainingMode | Synchronizer | None = None,
+                 sharing: SharingRecipe | None = None, precision: str = "32-true",
                  listeners: Iterable[TrainingListener | Callable[[int, int, float], object]] = (),
-                 progress: bool = True, timeout: float = 300.0, precision: str = "32-true",
-                 gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
-                 lr_scheduler: SchedulerFactory | None = None,
-                 heartbeat_timeout: float | None = 2.0, step_timeout: float | None = None,
-                 max_failures: int = 0, **sync_options: Any) -> None:
+                 steps: StepOptions | None = None, faults: FaultTolerance | None = None,
+                 loop: LoopOptions | None = None,
+                 **options: Unpack[WrapperKeywords]) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        refuse_misplaced(dict(options), ParallelWrapper.fit)
+        self.steps, self.faults, self.loop, sync_options = split_keywords(
+            dict(options), steps=steps, faults=faults, loop=loop)
         self.device_plan = training_devices(devices, workers)
-        workers = self.device_plan.workers
-        if prefetch_buffer < 0:
-            raise ValueError(f"prefetch_buffer={prefetch_buffer}; expected >= 0")
-        if timeout <= 0:
-            raise ValueError(f"timeout={timeout}; expected seconds > 0")
-        for name, value in (("heartbeat_timeout", heartbeat_timeout),
-                            ("step_timeout", step_timeout)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}={value!r}; expected seconds > 0, or None to turn "
-                                 "this watch off")
-        if not isinstance(max_failures, int) or max_failures < 0:
-            raise ValueError(f"max_failures={max_failures!r}; expected an int >= 0 (0 raises "
-                             "WorkerError at the first failure)")
-        if max_failures and workers == 1:
+        self.workers = self.device_plan.workers
+        if self.faults.max_failures and self.workers == 1:
             warnings.warn("max_failures= applies to worker processes; with workers=1 training "
                           "runs in this process and an error is raised as it happens",
                           stacklevel=2)
         self.model = model
-        self.workers = workers
-        self.prefetch_buffer = prefetch_buffer
-        self.report_score_after_averaging = report_score_after_averaging
-        self.progress = progress
-        self.timeout = timeout
-        self.heartbeat_timeout = heartbeat_timeout
-        self.step_timeout = step_timeout
-        self.max_failures = max_failures
         self.listeners: list[TrainingListener] = [as_listener(x) for x in listeners]
-        _refuse_fit_arguments(sync_options)
-        self.synchronizer = build_synchronizer(
-            training_mode, averaging_frequency=averaging_frequency,
-            average_updaters=average_updaters, **sync_options)
+        self.synchronizer = _synchronizer(training_mode, sharing, sync_options)
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.precision = resolve_precision(precision).name
-        self.clipping = GradientClipping.of(gradient_clip_val, gradient_clip_algorithm)
-        if lr_scheduler is not None and (isinstance(lr_scheduler, LRScheduler)
-                                         or not callable(lr_scheduler)):
-            raise TypeError(f"lr_scheduler={lr_scheduler!r}; expected a function that builds "
-                            f"the scheduler on each replica's optimizer, e.g. lambda opt: "
-                            f"OneCycleLR(opt, max_lr=0.1, total_steps=N) (a scheduler object "
-                            f"steps your optimizer, which no replica trains with: step it in a "
-                            f"listener's on_epoch_end instead)")
+        self.clipping = self.steps.clipping
         self._spec = WorkerSpec(model=model, optimizer=OptimizerSpec.from_user(optimizer, model),
                                 loss_fn=loss_fn, step_fn=step_fn, synchronizer=self.synchronizer,
                                 precision=self.precision, clipping=self.clipping,
-                                lr_scheduler=lr_scheduler)
+                                lr_scheduler=self.steps.lr_scheduler)
         require_loss(loss_fn, step_fn)
         self._pool: Pool | None = None
         self._pool_layout = self._layout()
         """``_layout()`` when the pool started: a change restarts the workers."""
         self._iteration = 0
-        self._stop_requested = False
-        self._halted = False
-        """Whether this fit's stop() was passed on to the workers (``_halt_if_stopped``)."""
-        self._round_base = 0
-        """The tracker's iteration when this fit's first round went out."""
-        self._stats: dict[str, Any] = {}
-        self._tracker: RoundTracker | None = None
-        self._warned_unsharded = False
+        self._run: FitRun | None = None
+        """The running fit(), or the last one (its tracker answers ``recoveries``)."""
+        self._stats: FitStats | None = None
         self._mirror: ReplicaMirror | None = None
         """What the replicas hold after the last fit(): a warm fit() sends only changes."""
-        self._sent = {"model_sent": True, "optimizer_state_sent": True}
         self._received: ReplicaResult | None = None
         """The last fit's result, held so that its shared memory (worker 0's outbox, which the
         next result reuses) stays mapped here: mapping 150 MB anew costs more than copying it."""
-        self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, workers)
-        self._settings_sent: list[dict[str, Any]] = []
-        """The user's optimizer settings as the replicas last took them (``hyperparameters``)."""
-        self._warned_settings = False
+        self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, self.workers)
         self._fit_thread: int | None = None
         """The thread running fit(), while one does."""
 
@@ -226,8 +186,9 @@ class ParallelWrapper:
 
     def stop(self) -> None:
         """Ask a running fit() to stop after the round in flight (e.g. from a listener); the
-        rounds queued behind it are not trained."""
-        self._stop_requested = True
+        rounds queued behind it are not trained. Between fits it does nothing."""
+        if self._run is not None and self._fit_thread is not None:
+            self._run.stop()
 
     def _layout(self) -> tuple[tuple[bool, ...], tuple[tuple[int, ...], ...]]:
         """What the replicas are built with and a warm fit() cannot change in them: which
@@ -253,37 +214,37 @@ class ParallelWrapper:
         self._pool_layout = layout
         if self.workers == 1:
             self._pool = LocalPool(self._spec, device=self.device_plan.devices[0])
-        else:
-            spec_bytes = pickle_spec(self._spec)
-            queue_size = self._queue_depth()
+            return self._pool
+        spec_bytes, faults = pickle_spec(self._spec), self.faults
+        queue_size = self.loop.queue_depth(self.workers)
 
-            def start() -> ProcessPool:
-                return ProcessPool(spec_bytes, self.workers, timeout_s=self.timeout,
-                                   step_timeout_s=self.step_timeout,
-                                   heartbeat_timeout_s=self.heartbeat_timeout,
-                                   queue_size=queue_size, devices=self.device_plan)
+        def start() -> ProcessPool:
+            return ProcessPool(spec_bytes, self.workers, timeout_s=faults.timeout,
+                               step_timeout_s=faults.step_timeout,
+                               heartbeat_timeout_s=faults.heartbeat_timeout,
+                               queue_size=queue_size, devices=self.device_plan)
 
-            self._pool = RecoveringPool(start, self.max_failures, self._recovered) \
-                if self.max_failures else start()
+        self._pool = RecoveringPool(start, faults.max_failures, self._recovered) \
+            if faults.max_failures else start()
         return self._pool
 
     @property
     def recoveries(self) -> list[Recovery]:
         """The worker failures the last fit() survived (``max_failures=``), in order."""
-        return list(self._tracker.recoveries) if self._tracker is not None else []
+        return list(self._run.tracker.recoveries) if self._run is not None else []
 
     def _recovered(self, recovery: Recovery) -> None:
         """A worker failed and the pool recovered: tell the listeners and the progress bar."""
         for listener in self.listeners:
             listener.on_worker_failure(recovery.rank, recovery.error, True)
-        if self._tracker is not None:
-            self._tracker.recovered(recovery)
+        if self._run is not None:
+            self._run.tracker.recovered(recovery)
 
     # -- training ------------------------------------------------------------------------------
     @_one_fit_at_a_time
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None,
             shuffle: bool = False, resume_from: str | Path | None = None,
-            initial_epoch: int = 0) -> dict[str, Any]:
+            initial_epoch: int = 0) -> FitStats:
         """Train for ``epochs`` passes over ``data``; the model then holds the trained weights.
 
         ``data`` yields ``(inputs, targets)`` batches (a DataLoader, a list, a re-iterable);
@@ -301,49 +262,56 @@ class ParallelWrapper:
         data = as_data_source(data, batch_size, shuffle)
         start = self._start_position(resume_from, initial_epoch)
         pool = self._ensure_pool()
-        self._stop_requested = self._halted = False
         tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
-                               total_batches=_total(data, epochs - start.epoch),
-                               progress=self.progress,
-                               report_score=self.report_score_after_averaging)
-        self._tracker = tracker
+                               total_batches=total_batches(data, epochs - start.epoch),
+                               progress=self.loop.progress,
+                               report_score=self.loop.report_score_after_averaging)
+        plan = FitPlan(data, epochs, start, self.workers, self.loop,
+                       batches_are_pairs=self._spec.step_fn is None)
+        run = self._run = FitRun(plan, pool, tracker, self._checkpoints, self.listeners,
+                                 self._user_optimizer)
         self._checkpoints.reset()
         completed = False
         try:
-            source = self._begin(pool, data, start)
+            source = run.begin(self.model, self._mirror)
             for listener in self.listeners:
                 listener.on_fit_start(self)
-            self._deal(pool, tracker, data, source, epochs, start)
-            result = self._finish(pool, tracker)
+            run.deal(source)
+            result = self._finish(run)
             completed = True
         except BaseException as e:
-            self._mirror = None
-            if self._pool is not None:
-                self._pool.kill()
-                self._pool = None
-            if isinstance(e, WorkerError):
-                if where := tracker.batch_of(e.batch, e.worker):
-                    e.args = (f"{e.args[0]}\n(at {where})",)
-                for listener in self.listeners:
-                    listener.on_worker_failure(e.worker, e, False)
+            self._failed(e, tracker)
             raise
         finally:
             self._iteration = tracker.iteration
             tracker.close(completed)
-        self._adopt(result)
+        self._adopt(result, run.settings_sent)
         self._received = result
         self._mirror = ReplicaMirror(self.model, self._user_optimizer, pool)
         for listener in self.listeners:
             listener.on_fit_end(self)
         return self.stats()
 
-    def _start_position(self, resume_from: str | Path | None, initial_epoch: int) -> _Position:
+    def _failed(self, error: BaseException, tracker: RoundTracker) -> None:
+        """A fit failed: the workers go (the next fit starts new ones); a worker's error
+        names the batch it trained on, and the listeners hear of it."""
+        self._mirror = None
+        if self._pool is not None:
+            self._pool.kill()
+            self._pool = None
+        if isinstance(error, WorkerError):
+            if where := tracker.batch_of(error.batch, error.worker):
+                error.args = (f"{error.args[0]}\n(at {where})",)
+            for listener in self.listeners:
+                listener.on_worker_failure(error.worker, error, False)
+
+    def _start_position(self, resume_from: str | Path | None, initial_epoch: int) -> Start:
         if resume_from is None:
-            return _Position(epoch=initial_epoch)
+            return Start(epoch=initial_epoch)
         ckpt = TrainingCheckpoint.load(resume_from)
         ckpt.check(self.fingerprint(), resume_from)
         self._iteration = ckpt.iteration
-        return _Position(ckpt.epoch, ckpt.batch, ckpt.data_rng, ckpt.replicas)
+        return Start(ckpt.epoch, ckpt.batch, ckpt.data_rng, ckpt.replicas)
 
     def fingerprint(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed by this wrapper."""
@@ -360,331 +328,25 @@ class ParallelWrapper:
 
     def live_stats(self) -> dict[str, Any]:
         """Live counters of the running fit(): batches, samples, seconds, total batches."""
-        t = self._tracker
-        if t is None:
+        if self._run is None:
             return {"batches": 0, "samples": 0, "seconds": 0.0, "total_batches": None}
+        t = self._run.tracker
         return {"batches": t.batches, "samples": t.rows, "seconds": t.seconds,
                 "total_batches": t.bar.total}
 
-    def _begin(self, pool: Pool, data: Any, start: _Position) -> _Source:
-        """Start the fit on every worker; returns what the workers load themselves: the loader
-        each runs, or the dataset dealt by index (None: batches go through this process).
+    def _finish(self, run: FitRun) -> ReplicaResult:
+        """Rank 0's result; the fit's ``stats()`` from the tracker and every worker."""
+        result, per_worker = run.finish()
+        tracker = run.tracker
+        self._stats = FitStats(
+            **tracker.summary(), model_sent=run.sent.model, optimizer_state_sent=run.sent.optimizer,
+            workers=self.workers, failures=len(tracker.recoveries),
+            seconds_lost=tracker.seconds_lost(), mode=self.synchronizer.name,
+            per_worker=per_worker,
+            bytes_sent_per_step=[w.get("bytes_sent_per_step", 0.0) for w in per_worker])
+        return result
 
-        The user's model and optimizer are the master copies: their current state goes out
-        (a learning rate changed between fits applies), and the workers' RNGs are seeded from
-        the caller's, so ``torch.manual_seed`` makes dropout reproducible too. On a warm pool
-        the model and the optimizer state go out only if they changed since the last fit()
-        (``versions.ReplicaMirror``); the optimizer's hyperparameters always do.
-        """
-        loader = loader_spec(data)
-        indexed = indexed_view(data) if loader is None else None
-        user_opt = self._user_optimizer
-        mirror = self._mirror if self._mirror is not None and self._mirror.pool is pool \
-            and pool.warm and start.replicas is None else None
-        send_model = mirror is None or not mirror.model_unchanged(self.model)
-        send_opt = user_opt is not None and (
-            mirror is None or not mirror.optimizer_unchanged(user_opt))
-        self._sent = {"model_sent": send_model, "optimizer_state_sent": send_opt}
-        # Copies: never share the user's tensors with the workers.
-        opt = copy.deepcopy(user_opt.state_dict()) if user_opt is not None and send_opt \
-            else None
-        settings = hyperparameters(user_opt) if user_opt is not None and not send_opt \
-            else None
-        self._settings_sent = hyperparameters(user_opt) if user_opt is not None else []
-        self._warned_settings = False
-        if user_opt is not None:
-            # The replicas step copies of it: torch's schedulers check this flag to warn of a
-            # scheduler.step() before any optimizer.step(), which a listener's step is not.
-            setattr(user_opt, "_opt_called", True)  # noqa: B010
-        seed = int(torch.randint(0, 2**62, ()).item())
-        state = cpu_copy(self.model.state_dict()) if send_model else None
-
-        def messages(dataset: IndexedDataset | None) -> list[Begin]:
-            return [Begin(state, dataset, start.replicas[rank] if start.replicas else None,
-                          opt, seed, loader, settings) for rank in range(self.workers)]
-
-        try:
-            pool.begin(messages(indexed))
-        except NotPicklableError as e:  # e.g. a dataset holding a lock: stream it instead
-            if loader is not None:
-                raise NotPicklableError(
-                    f"{e}. Each worker runs its own DataLoader over this "
-                    f"{type(loader.dataset).__name__}, so it must be picklable: define it at "
-                    "module level and open files or connections lazily in __getitem__ / "
-                    "__iter__; or pass a generator of batches, which this process reads") from e
-            if indexed is None:
-                raise
-            log.info("%s; its batches go through the parent process instead", e)
-            indexed = None
-            pool.begin(messages(None))
-        return loader or indexed
-
-    def _deal(self, pool: Pool, tracker: RoundTracker, data: Any, source: _Source,
-              epochs: int, start: _Position) -> None:
-        dealing = _Dealing(base=tracker.iteration)
-        self._round_base = dealing.base
-        self._warned_unsharded = False
-        for epoch in range(start.epoch, epochs):
-            if epoch > start.epoch:
-                self._await_rounds(pool, tracker)
-                tracker.end_epoch()
-            if not self._stop_requested:
-                tracker.start_epoch(epoch)
-            if self._stop_requested:
-                self._halt_if_stopped(pool)
-                return
-            # What the epoch's listeners changed (a scheduler's step) applies from its first
-            # round on: every earlier round is done, none of this epoch's is dealt.
-            self._send_settings(pool)
-            generators = _data_generators(data)
-            if epoch == start.epoch and start.data_rng is not None:
-                _set_data_rng(start.data_rng, generators)  # the interrupted epoch's order
-            epoch_rng = [torch.get_rng_state(), *(g.get_state() for g in generators)]
-            skip = start.batch if epoch == start.epoch else 0
-            if isinstance(source, LoaderSpec) and source.stream:
-                dealt = self._deal_stream(pool, tracker, source, epoch, skip, epoch_rng,
-                                          dealing)
-            else:
-                dealt = self._deal_epoch(pool, tracker, data, source, epoch, skip, epoch_rng,
-                                         dealing)
-            if self._stop_requested:
-                self._halt_if_stopped(pool)
-                return
-            if dealt == 0 and epoch == start.epoch:
-                raise ValueError("data yielded no batches at all (an empty generator or "
-                                 "IterableDataset?); expected at least one (inputs, targets) "
-                                 "batch")
-            if dealt == 0:
-                raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
-                                 "source (a DataLoader or a list), not a one-shot generator")
-            if dealing.round_id:
-                stream = isinstance(source, LoaderSpec) and source.stream
-                # Nothing has drawn from the data RNG since the epoch ended: its state now is
-                # where the next epoch starts.
-                following = [torch.get_rng_state(), *(g.get_state() for g in generators)] \
-                    if stream else None
-                self._checkpoints.request(pool, dealing.base + dealing.round_id - 1, epoch,
-                                          dealt, epoch_rng, True, following)
-
-    def _deal_epoch(self, pool: Pool, tracker: RoundTracker, data: Any, source: _Source,
-                    epoch: int, skip: int, epoch_rng: list[torch.Tensor],
-                    dealing: _Dealing) -> int:
-        """Deal one epoch whose batches are known up front, a round at a time without waiting
-        for replies (bounded by the workers' queues); returns the batches dealt."""
-        dealt = skip
-        for payloads in self._rounds(pool, data, source, epoch, skip):
-            # Wait for replies rather than for room in a full queue: listeners (and the
-            # progress bar) then run as each round finishes, not a round late.
-            while tracker.in_flight >= self._queue_depth():
-                self._handle(pool, pool.recv(timeout_s=None), tracker)
-            round_id = dealing.round_id
-            tracker.add(round_id, epoch, dealt, len(payloads))
-            for rank in range(self.workers):
-                pool.send(rank, _round(source, round_id, epoch, payloads[rank])
-                          if rank < len(payloads) else IdleRound(round_id))
-            dealt += len(payloads)
-            self._checkpoints.request(pool, dealing.base + round_id, epoch, dealt, epoch_rng,
-                                      False)
-            dealing.round_id += 1
-            self._drain(pool, tracker, block=False)
-            if self._stop_requested:
-                break
-        return dealt
-
-    def _queue_depth(self) -> int:
-        """Rounds a worker's queue holds: how far the parent deals ahead of the replies."""
-        return max(2, -(-self.prefetch_buffer // self.workers))
-
-    def _deal_stream(self, pool: Pool, tracker: RoundTracker, source: LoaderSpec, epoch: int,
-                     skip: int, epoch_rng: list[torch.Tensor], dealing: _Dealing) -> int:
-        """Deal one epoch of an IterableDataset that every worker iterates itself: a round
-        goes out once the last is answered, to the workers whose stream goes on (the others
-        take part idly) until every stream has ended. A checkpoint's ``batch`` counts
-        ``workers`` per round, so a resumed worker skips ``batch // workers`` of its batches."""
-        seed = int(torch.randint(0, 2**62, ()).item())
-        for rank in range(self.workers):
-            pool.send(rank, LoaderEpoch(epoch, seed))
-        active, position, dealt, trained = list(range(self.workers)), skip // self.workers, \
-            skip, False
-        seen: set[str] = set()
-        while active:
-            round_id = dealing.round_id
-            tracker.add(round_id, epoch, dealt, len(active))
-            for rank in range(self.workers):
-                pool.send(rank, LoaderRound(round_id, epoch, position) if rank in active
-                          else IdleRound(round_id))
-            replies = self._await_round(pool, tracker, round_id)
-            active = [rank for rank in active if replies[rank].more]
-            trained = trained or any(r.loss is not None for r in replies.values())
-            self._check_sharded(source, replies.values(), seen)
-            position, dealt = position + 1, dealt + self.workers
-            self._checkpoints.request(pool, dealing.base + round_id, epoch, dealt, epoch_rng,
-                                      False)
-            dealing.round_id += 1
-            if self._stop_requested:
-                break
-        return dealt if trained else skip
-
-    def _await_rounds(self, pool: Pool, tracker: RoundTracker) -> None:
-        """Handle replies until every round dealt is done (its listeners called)."""
-        while tracker.in_flight:
-            self._handle(pool, pool.recv(timeout_s=None), tracker)
-
-    def _send_settings(self, pool: Pool) -> None:
-        """Send the user's optimizer settings to every replica, if they changed since sent."""
-        user_opt = self._user_optimizer
-        if user_opt is None:
-            return
-        now = hyperparameters(user_opt)
-        if changed_settings(now, self._settings_sent):
-            for rank in range(self.workers):
-                pool.send(rank, Hyperparameters(copy.deepcopy(now)))
-            self._settings_sent = now
-
-    def _await_round(self, pool: Pool, tracker: RoundTracker,
-                     round_id: int) -> dict[int, StepDone]:
-        """Handle replies until every worker has answered round ``round_id``."""
-        got: dict[int, StepDone] = {}
-        while len(got) < self.workers:
-            reply = pool.recv(timeout_s=None)
-            self._handle(pool, reply, tracker)
-            if isinstance(reply, StepDone) and reply.round_id == round_id:
-                got[reply.rank] = reply
-        return got
-
-    def _check_sharded(self, source: LoaderSpec, replies: Iterable[StepDone],
-                       seen: set[str]) -> None:
-        """Warn (once per fit) when two of an epoch's first batches are the same: every worker
-        (or loader worker) reads the whole stream, so each batch is trained several times."""
-        for reply in replies:
-            if reply.digest is None:
-                continue
-            if reply.digest in seen and not self._warned_unsharded:
-                self._warned_unsharded = True
-                warnings.warn(
-                    f"the workers read the same batches from your "
-                    f"{type(source.dataset).__name__}: every worker iterates its own copy of an "
-                    "IterableDataset, so unless it shards itself each batch is trained several "
-                    "times. Shard it in __iter__: keep every info.world_size-th item from "
-                    "info.rank on, with info = paraloom.replica_info(), and within a worker's "
-                    "DataLoader every num_workers-th from torch.utils.data.get_worker_info().id",
-                    stacklevel=4)
-            seen.add(reply.digest)
-
-    def _rounds(self, pool: Pool, data: Any, source: _Source, epoch: int,
-                skip: int = 0) -> Iterator[list[Any]]:
-        """Group the epoch's batches (index lists for an indexed dataset, positions in each
-        worker's share for a loader) into rounds of ``workers`` (the last may be short)."""
-        if isinstance(source, LoaderSpec):
-            yield from self._loader_rounds(pool, data, epoch, skip)
-            return
-        if source is not None:
-            batches = itertools.islice(data.batch_sampler, skip, None)
-            payloads: Iterable[Any] = (list(b) for b in batches)
-            prefetcher = None
-        else:
-            # Copy each batch as it is read: a source may refill one buffer for every batch.
-            copied = (shared_copy(self._checked(b)) for b in itertools.islice(data, skip, None))
-            # prefetch_buffer counts batches per worker, as DL4J's prefetchBuffer does.
-            prefetcher = Prefetcher(copied, self.prefetch_buffer * self.workers) \
-                if self.prefetch_buffer else None
-            payloads = prefetcher or copied
-        try:
-            chunk: list[Any] = []
-            for payload in payloads:
-                chunk.append(payload)
-                if len(chunk) == self.workers:
-                    yield chunk
-                    chunk = []
-            if chunk:
-                yield chunk
-        finally:
-            if prefetcher is not None:
-                prefetcher.close()
-
-    def _checked(self, batch: Any) -> Any:
-        """The batch, once it is known to be an (inputs, targets) pair (a TypeError that says
-        what a batch must be otherwise); a ``step_fn`` takes batches of any structure."""
-        if self._spec.step_fn is None:
-            split_batch(batch)
-        return batch
-
-    def _loader_rounds(self, pool: Pool, data: Any, epoch: int,
-                       skip: int) -> Iterator[list[int]]:
-        """Send each worker its share of the epoch's batches (``LoaderEpoch``: batch ``skip +
-        rank``, then every ``workers``-th); a round is the next position in every share."""
-        batches = epoch_batches(data)[skip:]
-        seed = int(torch.randint(0, 2**62, ()).item())
-        for rank in range(self.workers):
-            pool.send(rank, LoaderEpoch(epoch, seed, batches[rank::self.workers], skip + rank,
-                                        self.workers))
-        for position in range(-(-len(batches) // self.workers)):
-            yield [position] * min(self.workers, len(batches) - position * self.workers)
-
-    def _drain(self, pool: Pool, tracker: RoundTracker, block: bool) -> Finished | None:
-        """Handle worker replies until none is waiting, or (``block``) until one finishes."""
-        while True:
-            reply = pool.recv(timeout_s=None if block else 0)
-            if reply is None:
-                return None
-            if isinstance(reply, Finished):
-                return reply
-            self._handle(pool, reply, tracker)
-
-    def _halt_if_stopped(self, pool: Pool) -> None:
-        """After ``stop()``: every worker skips the queued rounds after the one in flight, also
-        those dealt before the call (the last rounds of a fit all are)."""
-        if self._stop_requested and not self._halted:
-            self._halted = True
-            self._checkpoints.cut(self._round_base + pool.halt())
-
-    def _handle(self, pool: Pool, reply: Answer | None, tracker: RoundTracker) -> None:
-        """Account for a worker's reply to a round or a checkpoint request; then pass on a
-        ``stop()`` that a listener it ran may have called."""
-        match reply:
-            case StepDone():
-                tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced,
-                              reply.skipped)
-                self._warn_if_settings_changed()
-            case CheckpointReply():
-                self._checkpoints.receive(reply)
-        self._halt_if_stopped(pool)
-
-    def _warn_if_settings_changed(self) -> None:
-        """Warn (once per fit) when a listener's ``on_iteration`` changed the optimizer's
-        settings: the replicas take them only as the next epoch starts."""
-        user_opt = self._user_optimizer
-        if self._warned_settings or user_opt is None or not self.listeners:
-            return
-        changed = changed_settings(hyperparameters(user_opt), self._settings_sent)
-        if changed:
-            self._warned_settings = True
-            names = sorted({key for _, key in changed})
-            warnings.warn(
-                f"the optimizer's {names} changed during an epoch (a scheduler stepped in "
-                f"on_iteration?); the replicas take settings changed in a listener as the "
-                f"next epoch starts (on_epoch_start and on_epoch_end changes apply exactly). "
-                f"For a per-step schedule pass ParallelWrapper(lr_scheduler=lambda opt: ...), "
-                f"which every replica steps after every round", stacklevel=2)
-
-    def _finish(self, pool: Pool, tracker: RoundTracker) -> ReplicaResult:
-        for rank in range(self.workers):
-            pool.send(rank, Finish())
-        results: dict[int, ReplicaResult] = {}
-        while len(results) < self.workers:
-            finished = self._drain(pool, tracker, block=True)
-            if finished is not None:
-                results[finished.rank] = finished.result
-        per_worker = [results[r].stats for r in range(self.workers)]
-        self._stats = {**tracker.summary(), **self._sent, "workers": self.workers,
-                       "failures": len(tracker.recoveries),
-                       "seconds_lost": tracker.seconds_lost(),
-                       "mode": self.synchronizer.name, "per_worker": per_worker,
-                       "bytes_sent_per_step": [w.get("bytes_sent_per_step", 0.0)
-                                               for w in per_worker]}
-        return results[0]
-
-    def _adopt(self, result: ReplicaResult) -> None:
+    def _adopt(self, result: ReplicaResult, settings_sent: list[dict[str, Any]]) -> None:
         """Load rank 0's final parameters (and optimizer state) into the user's objects."""
         if result.state is None:
             raise WorkerError("worker 0 finished without sending the trained parameters",
@@ -696,7 +358,7 @@ class ParallelWrapper:
             # Settings a listener changed after the replicas last took them (a scheduler
             # stepped in the last on_epoch_end) stay the user's: they apply from the next fit.
             mine = hyperparameters(user_opt)
-            kept = changed_settings(mine, self._settings_sent)
+            kept = changed_settings(mine, settings_sent)
             try:
                 load_state_copying(user_opt, result.optimizer_state)
             except (ValueError, KeyError) as e:  # a factory-built optimizer may differ in shape
@@ -705,79 +367,51 @@ class ParallelWrapper:
                 if group < len(user_opt.param_groups) and key in mine[group]:
                     user_opt.param_groups[group][key] = mine[group][key]
 
-    def stats(self) -> dict[str, Any]:
-        """Counters of the last fit(): rounds, samples, samples/s, bytes sent per step."""
-        return dict(self._stats)
+    def stats(self) -> FitStats:
+        """Counters of the last fit(): rounds, samples, samples/s, bytes sent per step (see
+        ``FitStats``); empty before the first fit completes."""
+        if self._stats is None:
+            return cast(FitStats, {})  # no fit yet: no counters
+        return FitStats(**self._stats)
 
 
-_Source = LoaderSpec | IndexedDataset | None
-"""What the workers load themselves: their own DataLoader, a dataset to gather rows of by index,
-or nothing (batches go through the parent)."""
+class FitStats(RoundSummary):
+    """What ``fit()`` and ``stats()`` return: the round counters, then what the fit sent,
+    its failures, and every worker's synchronizer counters."""
+
+    model_sent: bool
+    """Whether the model's state went to the workers (False: a warm fit, unchanged)."""
+    optimizer_state_sent: bool
+    workers: int
+    failures: int
+    """Worker failures survived (``max_failures``)."""
+    seconds_lost: float
+    """Wall time the failures cost."""
+    mode: str
+    """The synchronizer's name."""
+    per_worker: list[dict[str, float]]
+    """Each worker's ``Synchronizer.stats()``: bytes sent, and the mode's own counters."""
+    bytes_sent_per_step: list[float]
 
 
-@dataclass
-class _Dealing:
-    """Rounds dealt in this fit() so far, and the iteration the fit began at."""
+def _synchronizer(training_mode: str | TrainingMode | Synchronizer | None,
+                  sharing: SharingRecipe | None, options: dict[str, Any]) -> Synchronizer:
+    """The synchronizer for ``training_mode`` (default "averaging") with the mode's options;
+    ``sharing`` implies, and configures, "shared_gradients"."""
+    if sharing is None:
+        return build_synchronizer(
+            TrainingMode.AVERAGING if training_mode is None else training_mode, **options)
+    from paraloom.sync.sharing import SharingRecipe
 
-    base: int
-    round_id: int = 0
-
-
-def _round(source: _Source, round_id: int, epoch: int, payload: Any) -> RoundMessage:
-    """The message that deals ``payload`` (a batch, an index list, a position) in a round."""
-    if isinstance(source, LoaderSpec):
-        return LoaderRound(round_id, epoch, payload)
-    if source is not None:
-        return IndexRound(round_id, payload)
-    return Round(round_id, payload)
-
-
-@dataclass
-class _Position:
-    """Where a fit() starts: an epoch, batches of it already trained, and the data RNG."""
-
-    epoch: int = 0
-    batch: int = 0
-    data_rng: list[torch.Tensor] | None = None
-    replicas: list[ReplicaState | None] | None = None
-
-
-def _data_generators(data: Any) -> list[torch.Generator]:
-    """The data source's own generators (a DataLoader's, its sampler's), each once."""
-    found: list[torch.Generator] = []
-    sampler = getattr(data, "sampler", None)
-    batch_sampler = getattr(data, "batch_sampler", None)
-    for g in (getattr(data, "generator", None), getattr(sampler, "generator", None),
-              getattr(getattr(batch_sampler, "sampler", None), "generator", None)):
-        if isinstance(g, torch.Generator) and all(g is not x for x in found):
-            found.append(g)
-    return found
-
-
-def _set_data_rng(states: list[torch.Tensor], generators: list[torch.Generator]) -> None:
-    if len(states) != len(generators) + 1:
-        raise ValueError(f"the checkpoint holds {len(states) - 1} data generator state(s) but "
-                         f"this data source has {len(generators)}: resume with the same kind of "
-                         "DataLoader (with or without generator=) as the interrupted run")
-    torch.set_rng_state(states[0])
-    for g, state in zip(generators, states[1:], strict=True):
-        g.set_state(state)
-
-
-def _refuse_fit_arguments(options: dict[str, Any]) -> None:
-    """Refuse fit()'s arguments (epochs=, batch_size=, ...) given to the constructor."""
-    fit_arguments = set(inspect.signature(ParallelWrapper.fit).parameters) - {"self", "data"}
-    misplaced = sorted(fit_arguments & set(options))
-    if misplaced:
-        names = ", ".join(f"{k}=" for k in misplaced)
-        verbs = ("is not a ParallelWrapper option; it goes", "are not ParallelWrapper options; "
-                 "they go")[len(misplaced) > 1]
-        example = ", ".join(f"{k}={options[k]!r}" for k in misplaced)
-        raise TypeError(f"{names} {verbs} to fit(): wrapper.fit(data, {example})")
-
-
-def _total(data: Any, epochs: int) -> int | None:
-    try:
-        return len(data) * epochs
-    except TypeError:
-        return None
+    if not isinstance(sharing, SharingRecipe):
+        raise TypeError(f"sharing={sharing!r}; expected a SharingRecipe(...), e.g. "
+                        f"SharingRecipe(threshold_algorithm=QuantileThreshold(1/100))")
+    mode = training_mode.value if isinstance(training_mode, TrainingMode) else training_mode
+    if mode not in (None, "shared_gradients"):
+        raise TypeError(f"sharing= configures training_mode='shared_gradients'; got "
+                        f"training_mode={training_mode!r}: leave training_mode out, or drop "
+                        f"sharing=")
+    if "recipe" in options:
+        raise TypeError("recipe= and sharing= were both given; expected one: "
+                        "sharing=SharingRecipe(preset=...)")
+    return build_synchronizer("shared_gradients", recipe=sharing, **options)

@@ -1,0 +1,395 @@
+"""FitRun: one ``fit()`` of a ParallelWrapper, from the first message to rank 0's result.
+
+The wrapper holds what lasts between fits (the workers, the mirror of what they hold, the
+checkpoint collector); a FitRun holds what lasts one fit: where it starts, what it sent, the
+rounds dealt, ``stop()``, and the warnings given once per fit. It deals each epoch's rounds
+(``dealing``), handles the workers' replies as they come (the ``RoundTracker`` fires the
+listeners and the progress bar in round order), asks for checkpoints between rounds, and at
+the end collects every replica's ``Finished``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraloom.data import IndexedDataset, cpu_copy, indexed_view, split_batch
+from paraloom.errors import NotPicklableError
+from paraloom.listeners import TrainingListener
+from paraloom.training.dealing import (
+    Source,
+    batch_rounds,
+    data_generators,
+    data_rng,
+    loader_rounds,
+    round_message,
+    set_data_rng,
+)
+from paraloom.training.loaders import LoaderSpec, loader_spec
+from paraloom.training.messages import (
+    Answer,
+    Begin,
+    CheckpointReply,
+    Finish,
+    Finished,
+    Hyperparameters,
+    IdleRound,
+    LoaderEpoch,
+    LoaderRound,
+    ReplicaResult,
+    ReplicaState,
+    StepDone,
+)
+from paraloom.training.mirror import ReplicaMirror, changed_settings, hyperparameters
+from paraloom.training.options import LoopOptions
+from paraloom.training.pool import Pool
+from paraloom.training.resume import CheckpointCollector
+from paraloom.training.tracker import RoundTracker
+
+__all__ = ["FitPlan", "FitRun", "Sent", "Start"]
+
+log = logging.getLogger("paraloom")
+
+
+@dataclass
+class Start:
+    """Where a fit() starts: an epoch, batches of it already trained, and the data RNG, with
+    each replica's state when it resumes from a checkpoint."""
+
+    epoch: int = 0
+    batch: int = 0
+    data_rng: list[torch.Tensor] | None = None
+    replicas: list[ReplicaState | None] | None = None
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """What one fit() trains and with whom: fixed for the fit."""
+
+    data: Any
+    """The data source, as ``as_data_source`` left it."""
+    epochs: int
+    start: Start
+    workers: int
+    loop: LoopOptions
+    batches_are_pairs: bool
+    """Each batch must be an ``(inputs, targets)`` pair (no ``step_fn`` was given)."""
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What a fit's first message sent: the model's state, the optimizer's state."""
+
+    model: bool
+    optimizer: bool
+
+
+@dataclass
+class _Dealt:
+    """Rounds dealt in this fit() so far, and the iteration the fit began at."""
+
+    base: int
+    round_id: int = 0
+
+
+class FitRun:
+    """One fit(): deals its rounds to ``pool`` and handles the replies until rank 0's result."""
+
+    def __init__(self, plan: FitPlan, pool: Pool, tracker: RoundTracker,
+                 checkpoints: CheckpointCollector, listeners: list[TrainingListener],
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        self.plan, self.pool, self.tracker = plan, pool, tracker
+        self.checkpoints, self.listeners, self.optimizer = checkpoints, listeners, optimizer
+        self.stop_requested = False
+        """Set by ``ParallelWrapper.stop()``: no round is dealt after the one in flight."""
+        self.sent = Sent(model=True, optimizer=True)
+        """What the first message sent (``stats()``'s ``model_sent`` and the like)."""
+        self.settings_sent: list[dict[str, Any]] = []
+        """The optimizer's settings as the replicas last took them (``hyperparameters``)."""
+        self._halted = False
+        """Whether stop() was passed on to the workers (``_halt_if_stopped``)."""
+        self._dealt = _Dealt(base=tracker.iteration)
+        self._warned_unsharded = False
+        self._warned_settings = False
+
+    def stop(self) -> None:
+        """Stop after the round in flight; the rounds queued behind it are not trained."""
+        self.stop_requested = True
+
+    # -- the first message ---------------------------------------------------------------------
+    def begin(self, model: nn.Module, mirror: ReplicaMirror | None) -> Source:
+        """Start the fit on every worker; returns what the workers load themselves: the loader
+        each runs, or the dataset dealt by index (None: batches go through this process).
+
+        The user's model and optimizer are the reference copies: their current state goes out
+        (a learning rate changed between fits applies), and the workers' RNGs are seeded from
+        the caller's, so ``torch.manual_seed`` makes dropout reproducible too. On a warm pool
+        the model and the optimizer state go out only if they changed since the last fit()
+        (``mirror``); the optimizer's hyperparameters always do.
+        """
+        data, start, opt = self.plan.data, self.plan.start, self.optimizer
+        loader = loader_spec(data)
+        indexed = indexed_view(data) if loader is None else None
+        if mirror is not None and not (mirror.pool is self.pool and self.pool.warm
+                                       and start.replicas is None):
+            mirror = None
+        send_model = mirror is None or not mirror.model_unchanged(model)
+        send_opt = opt is not None and (mirror is None or not mirror.optimizer_unchanged(opt))
+        self.sent = Sent(model=send_model, optimizer=send_opt)
+        # Copies: never share the user's tensors with the workers.
+        opt_state = copy.deepcopy(opt.state_dict()) if opt is not None and send_opt else None
+        settings = hyperparameters(opt) if opt is not None and not send_opt else None
+        self.settings_sent = hyperparameters(opt) if opt is not None else []
+        if opt is not None:
+            # The replicas step copies of it: torch's schedulers check this flag to warn of a
+            # scheduler.step() before any optimizer.step(), which a listener's step is not.
+            setattr(opt, "_opt_called", True)  # noqa: B010
+        seed = int(torch.randint(0, 2**62, ()).item())
+        state = cpu_copy(model.state_dict()) if send_model else None
+
+        def messages(dataset: IndexedDataset | None) -> list[Begin]:
+            return [Begin(state, dataset, start.replicas[rank] if start.replicas else None,
+                          opt_state, seed, loader, settings) for rank in range(self.plan.workers)]
+
+        try:
+            self.pool.begin(messages(indexed))
+        except NotPicklableError as e:  # e.g. a dataset holding a lock: stream it instead
+            if loader is not None:
+                raise NotPicklableError(
+                    f"{e}. Each worker runs its own DataLoader over this "
+                    f"{type(loader.dataset).__name__}, so it must be picklable: define it at "
+                    "module level and open files or connections lazily in __getitem__ / "
+                    "__iter__; or pass a generator of batches, which this process reads") from e
+            if indexed is None:
+                raise
+            log.info("%s; its batches go through the parent process instead", e)
+            indexed = None
+            self.pool.begin(messages(None))
+        return loader or indexed
+
+    # -- epochs --------------------------------------------------------------------------------
+    def deal(self, source: Source) -> None:
+        """Deal every epoch from the start position on, or until ``stop()``."""
+        start = self.plan.start
+        for epoch in range(start.epoch, self.plan.epochs):
+            if epoch > start.epoch:
+                self._await_rounds()
+                self.tracker.end_epoch()
+            if not self.stop_requested:
+                self.tracker.start_epoch(epoch)
+            if self.stop_requested:
+                self._halt_if_stopped()
+                return
+            # What the epoch's listeners changed (a scheduler's step) applies from its first
+            # round on: every earlier round is done, none of this epoch's is dealt.
+            self._send_settings()
+            generators = data_generators(self.plan.data)
+            if epoch == start.epoch and start.data_rng is not None:
+                set_data_rng(start.data_rng, generators)  # the interrupted epoch's order
+            epoch_rng = data_rng(generators)
+            skip = start.batch if epoch == start.epoch else 0
+            stream = isinstance(source, LoaderSpec) and source.stream
+            if isinstance(source, LoaderSpec) and source.stream:
+                dealt = self._deal_stream(source, epoch, skip, epoch_rng)
+            else:
+                dealt = self._deal_epoch(source, epoch, skip, epoch_rng)
+            if self.stop_requested:
+                self._halt_if_stopped()
+                return
+            _check_dealt(dealt, epoch, first=epoch == start.epoch)
+            if self._dealt.round_id:
+                # Nothing has drawn from the data RNG since the epoch ended: its state now is
+                # where the next epoch starts.
+                following = data_rng(generators) if stream else None
+                self.checkpoints.request(self.pool, self._dealt.base + self._dealt.round_id - 1,
+                                         epoch, dealt, epoch_rng, True, following)
+
+    def _deal_epoch(self, source: Source, epoch: int, skip: int,
+                    epoch_rng: list[torch.Tensor]) -> int:
+        """Deal one epoch whose batches are known up front, a round at a time without waiting
+        for replies (bounded by the workers' queues); returns the batches dealt."""
+        dealt, workers = skip, self.plan.workers
+        for payloads in self._rounds(source, epoch, skip):
+            # Wait for replies rather than for room in a full queue: listeners (and the
+            # progress bar) then run as each round finishes, not a round late.
+            while self.tracker.in_flight >= self.plan.loop.queue_depth(workers):
+                self._handle(self.pool.recv(timeout_s=None))
+            round_id = self._dealt.round_id
+            self.tracker.add(round_id, epoch, dealt, len(payloads))
+            for rank in range(workers):
+                self.pool.send(rank, round_message(source, round_id, epoch, payloads[rank])
+                               if rank < len(payloads) else IdleRound(round_id))
+            dealt += len(payloads)
+            self.checkpoints.request(self.pool, self._dealt.base + round_id, epoch, dealt,
+                                     epoch_rng, False)
+            self._dealt.round_id += 1
+            self._drain(block=False)
+            if self.stop_requested:
+                break
+        return dealt
+
+    def _rounds(self, source: Source, epoch: int, skip: int) -> Iterable[list[Any]]:
+        plan = self.plan
+        if isinstance(source, LoaderSpec):
+            return loader_rounds(self.pool, plan.data, epoch, skip, plan.workers)
+        # prefetch_buffer counts batches per worker, as DL4J's prefetchBuffer does.
+        return batch_rounds(plan.data, source, plan.workers, skip,
+                            plan.loop.prefetch_buffer * plan.workers, self._checked)
+
+    def _deal_stream(self, source: LoaderSpec, epoch: int, skip: int,
+                     epoch_rng: list[torch.Tensor]) -> int:
+        """Deal one epoch of an IterableDataset that every worker iterates itself: a round
+        goes out once the last is answered, to the workers whose stream goes on (the others
+        take part idly) until every stream has ended. A checkpoint's ``batch`` counts
+        ``workers`` per round, so a resumed worker skips ``batch // workers`` of its batches."""
+        workers = self.plan.workers
+        seed = int(torch.randint(0, 2**62, ()).item())
+        for rank in range(workers):
+            self.pool.send(rank, LoaderEpoch(epoch, seed))
+        active, position, dealt, trained = list(range(workers)), skip // workers, skip, False
+        seen: set[str] = set()
+        while active:
+            round_id = self._dealt.round_id
+            self.tracker.add(round_id, epoch, dealt, len(active))
+            for rank in range(workers):
+                self.pool.send(rank, LoaderRound(round_id, epoch, position) if rank in active
+                               else IdleRound(round_id))
+            replies = self._await_round(round_id)
+            active = [rank for rank in active if replies[rank].more]
+            trained = trained or any(r.loss is not None for r in replies.values())
+            self._check_sharded(source, replies.values(), seen)
+            position, dealt = position + 1, dealt + workers
+            self.checkpoints.request(self.pool, self._dealt.base + round_id, epoch, dealt,
+                                     epoch_rng, False)
+            self._dealt.round_id += 1
+            if self.stop_requested:
+                break
+        return dealt if trained else skip
+
+    # -- replies -------------------------------------------------------------------------------
+    def _await_rounds(self) -> None:
+        """Handle replies until every round dealt is done (its listeners called)."""
+        while self.tracker.in_flight:
+            self._handle(self.pool.recv(timeout_s=None))
+
+    def _await_round(self, round_id: int) -> dict[int, StepDone]:
+        """Handle replies until every worker has answered round ``round_id``."""
+        got: dict[int, StepDone] = {}
+        while len(got) < self.plan.workers:
+            reply = self.pool.recv(timeout_s=None)
+            self._handle(reply)
+            if isinstance(reply, StepDone) and reply.round_id == round_id:
+                got[reply.rank] = reply
+        return got
+
+    def _drain(self, block: bool) -> Finished | None:
+        """Handle worker replies until none is waiting, or (``block``) until one finishes."""
+        while True:
+            reply = self.pool.recv(timeout_s=None if block else 0)
+            if reply is None:
+                return None
+            if isinstance(reply, Finished):
+                return reply
+            self._handle(reply)
+
+    def _handle(self, reply: Answer | None) -> None:
+        """Account for a worker's reply to a round or a checkpoint request; then pass on a
+        ``stop()`` that a listener it ran may have called."""
+        match reply:
+            case StepDone():
+                self.tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced,
+                                   reply.skipped)
+                self._warn_if_settings_changed()
+            case CheckpointReply():
+                self.checkpoints.receive(reply)
+        self._halt_if_stopped()
+
+    def _halt_if_stopped(self) -> None:
+        """After ``stop()``: every worker skips the queued rounds after the one in flight, also
+        those dealt before the call (the last rounds of a fit all are)."""
+        if self.stop_requested and not self._halted:
+            self._halted = True
+            self.checkpoints.cut(self._dealt.base + self.pool.halt())
+
+    # -- the end -------------------------------------------------------------------------------
+    def finish(self) -> tuple[ReplicaResult, list[dict[str, float]]]:
+        """Collect every replica's ``Finished``: rank 0's result, and each worker's stats."""
+        workers = self.plan.workers
+        for rank in range(workers):
+            self.pool.send(rank, Finish())
+        results: dict[int, ReplicaResult] = {}
+        while len(results) < workers:
+            finished = self._drain(block=True)
+            if finished is not None:
+                results[finished.rank] = finished.result
+        return results[0], [results[r].stats for r in range(workers)]
+
+    # -- checks and settings -------------------------------------------------------------------
+    def _checked(self, batch: Any) -> Any:
+        """The batch, once it is known to be an (inputs, targets) pair (a TypeError that says
+        what a batch must be otherwise); a ``step_fn`` takes batches of any structure."""
+        if self.plan.batches_are_pairs:
+            split_batch(batch)
+        return batch
+
+    def _check_sharded(self, source: LoaderSpec, replies: Iterable[StepDone],
+                       seen: set[str]) -> None:
+        """Warn (once per fit) when two of an epoch's first batches are the same: every worker
+        (or loader worker) reads the whole stream, so each batch is trained several times."""
+        for reply in replies:
+            if reply.digest is None:
+                continue
+            if reply.digest in seen and not self._warned_unsharded:
+                self._warned_unsharded = True
+                warnings.warn(
+                    f"the workers read the same batches from your "
+                    f"{type(source.dataset).__name__}: every worker iterates its own copy of an "
+                    "IterableDataset, so unless it shards itself each batch is trained several "
+                    "times. Shard it in __iter__: keep every info.world_size-th item from "
+                    "info.rank on, with info = paraloom.replica_info(), and within a worker's "
+                    "DataLoader every num_workers-th from torch.utils.data.get_worker_info().id",
+                    stacklevel=5)
+            seen.add(reply.digest)
+
+    def _send_settings(self) -> None:
+        """Send the user's optimizer settings to every replica, if they changed since sent."""
+        if self.optimizer is None:
+            return
+        now = hyperparameters(self.optimizer)
+        if changed_settings(now, self.settings_sent):
+            for rank in range(self.plan.workers):
+                self.pool.send(rank, Hyperparameters(copy.deepcopy(now)))
+            self.settings_sent = now
+
+    def _warn_if_settings_changed(self) -> None:
+        """Warn (once per fit) when a listener's ``on_iteration`` changed the optimizer's
+        settings: the replicas take them only as the next epoch starts."""
+        if self._warned_settings or self.optimizer is None or not self.listeners:
+            return
+        changed = changed_settings(hyperparameters(self.optimizer), self.settings_sent)
+        if changed:
+            self._warned_settings = True
+            names = sorted({key for _, key in changed})
+            warnings.warn(
+                f"the optimizer's {names} changed during an epoch (a scheduler stepped in "
+                f"on_iteration?); the replicas take settings changed in a listener as the "
+                f"next epoch starts (on_epoch_start and on_epoch_end changes apply exactly). "
+                f"For a per-step schedule pass ParallelWrapper(lr_scheduler=lambda opt: ...), "
+                f"which every replica steps after every round", stacklevel=2)
+
+
+def _check_dealt(dealt: int, epoch: int, first: bool) -> None:
+    """Refuse an epoch that yielded no batch: an empty source, or a one-shot generator."""
+    if dealt == 0 and first:
+        raise ValueError("data yielded no batches at all (an empty generator or "
+                         "IterableDataset?); expected at least one (inputs, targets) batch")
+    if dealt == 0:
+        raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
+                         "source (a DataLoader or a list), not a one-shot generator")

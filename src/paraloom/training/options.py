@@ -1,0 +1,201 @@
+"""ParallelWrapper's options, grouped by concern: each a small frozen dataclass with defaults.
+
+- ``StepOptions``: what each replica does in a step besides forward and backward (the
+  learning-rate schedule, gradient clipping);
+- ``FaultTolerance``: how long a wait may take, and how many worker failures a fit survives;
+- ``LoopOptions``: how the parent runs a fit (batches dealt ahead, the progress bar, scores).
+
+Every option also works as a keyword of ``ParallelWrapper`` itself
+(``ParallelWrapper(..., max_failures=2)`` is ``faults=FaultTolerance(max_failures=2)``):
+``WrapperKeywords`` lists those keywords, with the synchronizers' options, and
+``split_keywords`` sorts them into the groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
+
+from torch.optim.lr_scheduler import LRScheduler
+
+from paraloom.clipping import GradientClipping
+from paraloom.training.replica import SchedulerFactory
+
+if TYPE_CHECKING:
+    from paraloom.sync.sharing import SharingRecipe
+    from paraloom.sync.thresholds import ResidualPostProcessor, ThresholdAlgorithm
+
+__all__ = ["FaultTolerance", "LoopOptions", "StepOptions", "WrapperKeywords", "refuse_misplaced",
+           "split_keywords"]
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What each replica does in a step besides forward and backward.
+
+    Raises ``TypeError`` for an ``lr_scheduler`` that is a scheduler object (or not callable),
+    ``ValueError`` for a clipping value that is not a number > 0 or an unknown algorithm.
+    """
+
+    lr_scheduler: SchedulerFactory | None = None
+    """A function that builds the scheduler on each replica's optimizer, e.g.
+    ``lambda opt: OneCycleLR(opt, max_lr=0.1, total_steps=N)``; every replica steps it after
+    every round. None: the learning rate changes only as you change it between epochs."""
+    gradient_clip_val: float | None = None
+    """Clip the gradients before each optimizer step (Lightning's name); None: no clipping."""
+    gradient_clip_algorithm: str = "norm"
+    """``"norm"``: scale to a global 2-norm of at most the value; ``"value"``: clamp each
+    element to ``[-value, value]``."""
+
+    def __post_init__(self) -> None:
+        scheduler = self.lr_scheduler
+        if scheduler is not None and (isinstance(scheduler, LRScheduler)
+                                      or not callable(scheduler)):
+            raise TypeError(f"lr_scheduler={scheduler!r}; expected a function that builds "
+                            f"the scheduler on each replica's optimizer, e.g. lambda opt: "
+                            f"OneCycleLR(opt, max_lr=0.1, total_steps=N) (a scheduler object "
+                            f"steps your optimizer, which no replica trains with: step it in a "
+                            f"listener's on_epoch_end instead)")
+        GradientClipping.of(self.gradient_clip_val, self.gradient_clip_algorithm)
+
+    @property
+    def clipping(self) -> GradientClipping | None:
+        """The clipping these options ask for, or None."""
+        return GradientClipping.of(self.gradient_clip_val, self.gradient_clip_algorithm)
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """How long a wait may take, and how many worker failures a fit survives.
+
+    Raises ``ValueError`` for a time that is not > 0 (None turns a watch off) or a
+    ``max_failures`` that is not an int >= 0.
+    """
+
+    max_failures: int = 0
+    """Worker failures (a crash, a hang, an exception in a replica) one ``fit()`` survives by
+    restarting the workers from the last restore point, with results exactly as without the
+    failure. 0: the first failure raises ``WorkerError``."""
+    timeout: float = 300.0
+    """Seconds any single wait may take (a queue, a join, starting the workers)."""
+    heartbeat_timeout: float | None = 2.0
+    """Seconds without a heartbeat from a worker process before it counts as hung (its
+    heartbeat runs on its own thread, so a slow step is not a hang). None: no watch."""
+    step_timeout: float | None = None
+    """Seconds one round may take on a worker before it counts as hung. None: no limit."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ValueError(f"timeout={self.timeout}; expected seconds > 0")
+        for name in ("heartbeat_timeout", "step_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r}; expected seconds > 0, or None to turn "
+                                 "this watch off")
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) \
+                or self.max_failures < 0:
+            raise ValueError(f"max_failures={self.max_failures!r}; expected an int >= 0 (0 "
+                             "raises WorkerError at the first failure)")
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How the parent process runs a fit.
+
+    Raises ``ValueError`` for a negative ``prefetch_buffer``.
+    """
+
+    prefetch_buffer: int = 16
+    """Batches per worker read ahead of the training (DL4J's prefetchBuffer): how far the
+    parent deals rounds ahead of the replicas' replies. 0: no reading ahead."""
+    progress: bool = True
+    """Show a tqdm progress bar with the loss and samples/s."""
+    report_score_after_averaging: bool = False
+    """With ``"averaging"``: listeners and the bar see the loss only of rounds that ended at
+    an averaging (DL4J's reportScoreAfterAveraging)."""
+
+    def __post_init__(self) -> None:
+        if self.prefetch_buffer < 0:
+            raise ValueError(f"prefetch_buffer={self.prefetch_buffer}; expected >= 0")
+
+    def queue_depth(self, workers: int) -> int:
+        """Rounds a worker's queue holds: how far the parent deals ahead of the replies."""
+        return max(2, -(-self.prefetch_buffer // workers))
+
+
+class WrapperKeywords(TypedDict, total=False):
+    """The keywords ``ParallelWrapper`` takes besides its named parameters: each option of
+    ``StepOptions``, ``FaultTolerance`` and ``LoopOptions``, and the training mode's own."""
+
+    lr_scheduler: SchedulerFactory | None
+    gradient_clip_val: float | None
+    gradient_clip_algorithm: str
+    max_failures: int
+    timeout: float
+    heartbeat_timeout: float | None
+    step_timeout: float | None
+    prefetch_buffer: int
+    progress: bool
+    report_score_after_averaging: bool
+    # "averaging" (paraloom.sync.Averaging)
+    averaging_frequency: int
+    average_updaters: bool
+    # "shared_gradients" (paraloom.sync.SharingRecipe)
+    recipe: str | SharingRecipe
+    threshold_algorithm: ThresholdAlgorithm | None
+    residual_post_processor: ResidualPostProcessor | None
+    combine: str | None
+    momentum_masking: bool | None
+    gradients_at: str | None
+    encoding: str
+    broadcast_buffers: bool
+    overlap: bool | None
+    # "allreduce" (paraloom.sync.AllReduce and DistributedDataParallel's own)
+    comm_hook: str | None
+    powersgd_rank: int | None
+    powersgd_warmup: int | None
+    comm_hook_options: dict[str, Any] | None
+    bucket_cap_mb: float | None
+    find_unused_parameters: bool
+    gradient_as_bucket_view: bool
+    static_graph: bool
+
+
+_Group = TypeVar("_Group", StepOptions, FaultTolerance, LoopOptions)
+
+
+def _merged(given: _Group | None, cls: type[_Group], keywords: dict[str, Any],
+            parameter: str) -> _Group:
+    """``given`` (or the defaults) with the flat keywords of its fields applied on top."""
+    if given is not None and not isinstance(given, cls):
+        raise TypeError(f"{parameter}={given!r}; expected a {cls.__name__}(...)")
+    names = {f.name for f in dataclasses.fields(cls)}
+    mine = {key: keywords.pop(key) for key in list(keywords) if key in names}
+    base = given if given is not None else cls()
+    return dataclasses.replace(base, **mine) if mine else base
+
+
+def split_keywords(keywords: dict[str, Any], *, steps: StepOptions | None,
+                   faults: FaultTolerance | None, loop: LoopOptions | None
+                   ) -> tuple[StepOptions, FaultTolerance, LoopOptions, dict[str, Any]]:
+    """The three option groups, each from its object (or defaults) with its flat keywords
+    applied, and the keywords left for the synchronizer."""
+    rest = dict(keywords)
+    return (_merged(steps, StepOptions, rest, "steps"),
+            _merged(faults, FaultTolerance, rest, "faults"),
+            _merged(loop, LoopOptions, rest, "loop"), rest)
+
+
+def refuse_misplaced(keywords: dict[str, Any], fit: Callable[..., object]) -> None:
+    """Refuse ``fit()``'s arguments (epochs=, batch_size=, ...) given to the constructor."""
+    fit_arguments = set(inspect.signature(fit).parameters) - {"self", "data"}
+    misplaced = sorted(fit_arguments & set(keywords))
+    if misplaced:
+        names = ", ".join(f"{k}=" for k in misplaced)
+        verbs = ("is not a ParallelWrapper option; it goes", "are not ParallelWrapper options; "
+                 "they go")[len(misplaced) > 1]
+        example = ", ".join(f"{k}={keywords[k]!r}" for k in misplaced)
+        raise TypeError(f"{names} {verbs} to fit(): wrapper.fit(data, {example})")

@@ -105,6 +105,6 @@ def expected(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def closing(app: Starlette) -> None:
     """Close the pools an app built (the lifespan would, under a real server)."""
-    for served in app.state.registry.models().values():
+    for served in app.state.repository.models().values():
         if served.owns_pool:
             served.pool.close(drain=False, timeout=WAIT_S)

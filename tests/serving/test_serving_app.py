@@ -283,7 +283,7 @@ def test_unload_then_load_serves_the_model_again_in_a_new_pool(app: Starlette,
                                                                client: Client) -> None:
     x = torch.rand(2, 1, 8, 8)
     before = outputs_of(client.post(URL, json=infer_json(x)))
-    old_pool = app.state.registry.get("lenet").pool
+    old_pool = app.state.repository.get("lenet").pool
     assert client.post("/v2/repository/models/lenet/unload").status_code == 200
     assert old_pool.closed  # unload drained and closed the pool the server built
     assert_error(client.post(URL, json=infer_json(x)), 404, "not loaded", "/load")
@@ -293,7 +293,7 @@ def test_unload_then_load_serves_the_model_again_in_a_new_pool(app: Starlette,
         {"name": "lenet", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]
     assert client.post("/v2/repository/models/lenet/load").json() == {"name": "lenet",
                                                                       "version": "2"}
-    served = app.state.registry.get("lenet")
+    served = app.state.repository.get("lenet")
     assert served.pool is not old_pool and not served.pool.closed
     torch.testing.assert_close(outputs_of(client.post(URL, json=infer_json(x))), before)
 

@@ -9,7 +9,8 @@ import time
 import torch
 
 from paraloom.bench.load import Target, cpu_seconds, percentile, run_load
-from paraloom.bench.serving import _grpc_request, _v2_binary, _v2_json, summarize
+from paraloom.bench.serving_report import summarize
+from paraloom.bench.serving_requests import grpc_request, v2_binary, v2_json
 from paraloom.models import LeNet
 from paraloom.serving import ServerThread, create_app
 from paraloom.serving.grpc.messages import message
@@ -51,14 +52,14 @@ def test_the_load_generator_gets_answers_over_http_and_grpc() -> None:
     x = torch.rand(1, 1, 8, 8)
     with ServerThread(create_app(model, name="lenet", workers=1), grpc_port=0) as server:
         port = int(server.grpc_url.rsplit(":", 1)[1])
-        binary, header = _v2_binary(x)
-        for target in (Target(server.host, server.port, _v2_json(x),
+        binary, header = v2_binary(x)
+        for target in (Target(server.host, server.port, v2_json(x),
                               path="/v2/models/lenet/infer"),
                        Target(server.host, server.port, binary, path="/v2/models/lenet/infer",
                               headers=(("Content-Type", "application/octet-stream"),
                                        ("Inference-Header-Content-Length", str(header)))),
-                       Target(server.host, port, _grpc_request(x), method=_INFER),
-                       Target(server.host, port, _grpc_request(x), method=_INFER, grpcio=True)):
+                       Target(server.host, port, grpc_request(x), method=_INFER),
+                       Target(server.host, port, grpc_request(x), method=_INFER, grpcio=True)):
             result = run_load(target, concurrency=3, duration=0.5, warmup=0.1, processes=2)
             assert result["errors"] == 0 and result["requests"] > 0
             assert 0 < result["p50_ms"] <= result["p99_ms"]
@@ -82,7 +83,7 @@ def test_the_h2c_caller_counts_grpc_errors_and_large_messages() -> None:
         assert result["requests"] == 0 and result["error_kinds"] == ["gRPC error status"]
         # 25.6 KB: two DATA frames per call, and the server's 64 KB window is spent every
         # third call, so calls go on only if its WINDOW_UPDATEs are read
-        big = _grpc_request(torch.rand(100, 1, 8, 8))
+        big = grpc_request(torch.rand(100, 1, 8, 8))
         result = run_load(Target(server.host, port, big, method=_INFER), concurrency=2,
                           duration=0.5, warmup=0.0, processes=1)
         assert result["errors"] == 0 and result["requests"] > 0

@@ -136,7 +136,7 @@ def test_input_datatype_with_input_shape_is_served_and_a_failed_probe_says_what_
                  "--input-datatype", "INT64", "--input-name", "ids")
     app, _ = cli._build_app(args)
     try:
-        meta = app.state.registry.get("model").metadata()
+        meta = app.state.repository.get("model").metadata()
         assert meta["inputs"] == [{"name": "ids", "datatype": "INT64", "shape": [-1, 5]}]
         assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 2]}]
     finally:

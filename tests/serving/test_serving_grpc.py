@@ -406,7 +406,7 @@ def test_unload_lets_the_request_in_flight_finish_on_the_model(backend: str) -> 
             assert gate.entered.wait(WAIT_S)  # the request is in the model now
             unloading = workers.submit(client.unload_model, "lenet")
             waited = time.monotonic() + WAIT_S
-            while server.app.state.registry.models():  # out of the lookup table at once
+            while server.app.state.repository.models():  # out of the lookup table at once
                 assert time.monotonic() < waited
                 time.sleep(0.005)
             with pytest.raises(InferenceServerException) as later:

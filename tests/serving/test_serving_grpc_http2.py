@@ -201,13 +201,13 @@ def test_concurrent_calls_go_on_over_new_connections_with_nothing_lost(
 @pytest.mark.timeout(120)
 def test_the_benchmark_caller_goes_on_over_new_connections(small_connections: list[int]) -> None:
     from paraloom.bench.load import Target, run_load
-    from paraloom.bench.serving import _GRPC_INFER, _grpc_request
+    from paraloom.bench.serving_requests import GRPC_INFER, grpc_request
 
     app = create_app(LeNet(image_size=28).eval(), name="lenet", workers=1)
     with ServerThread(app, grpc_port=0, grpc_backend="uvicorn") as server:
         port = int(server.grpc_url.rsplit(":", 1)[1])
-        result = run_load(Target("127.0.0.1", port, _grpc_request(torch.rand(1, 1, 28, 28)),
-                                 method=_GRPC_INFER), concurrency=2, duration=1.0,
+        result = run_load(Target("127.0.0.1", port, grpc_request(torch.rand(1, 1, 28, 28)),
+                                 method=GRPC_INFER), concurrency=2, duration=1.0,
                           warmup=0.2, processes=1)
     assert result["errors"] == 0, result["error_kinds"]
     assert result["requests"] > 3 * 25

@@ -99,8 +99,7 @@ def test_every_model_is_served_with_its_own_pool_and_config(server: ServerThread
     assert http.get_model_metadata("cnn")["versions"] == ["2"]
     assert http.get_model_metadata("tabular")["inputs"] == [
         {"name": "input", "datatype": "FP32", "shape": [-1, 6]}]
-    registry = server.app.state.registry
-    pools = registry.pools()
+    pools = server.app.state.repository.pools()
     assert len({id(p) for p in pools.values()}) == 3
     assert (pools["tabular"].workers, pools["tabular"]._config.batch_limit) == (1, 4)
     assert (pools["lenet"].workers, pools["lenet"]._config.batch_limit) == (2, 8)
@@ -133,7 +132,7 @@ def test_metrics_carry_each_model_label(server: ServerThread) -> None:
 def test_unload_and_load_over_grpc_and_http(server: ServerThread, models_dir: dict) -> None:
     http, grpc = _http(server), tg.InferenceServerClient(server.grpc_url)
     img = np.random.default_rng(2).random((1, 1, 8, 8), dtype=np.float32)
-    old_pool = server.app.state.registry.pools()["lenet"]
+    old_pool = server.app.state.repository.pools()["lenet"]
     grpc.unload_model("lenet")
     assert old_pool.closed
     assert not http.is_model_ready("lenet") and not grpc.is_model_ready("lenet")
@@ -168,7 +167,7 @@ def test_load_replaces_a_model_and_in_flight_requests_finish_on_the_old_one(
     old = _run(models_dir["cnn"][2], img)
     # Change the policy to the latest version; a reload builds a new pool from the directory.
     (root / "cnn" / "config.json").write_text(json.dumps({"workers": 1}))
-    old_pool = server.app.state.registry.pools()["cnn"]
+    old_pool = server.app.state.repository.pools()["cnn"]
 
     def call(i: int) -> np.ndarray:
         client = _http(server)
@@ -186,7 +185,7 @@ def test_load_replaces_a_model_and_in_flight_requests_finish_on_the_old_one(
     assert old_pool.closed
     assert http.get_model_metadata("cnn")["versions"] == ["3"]
     np.testing.assert_allclose(_infer(http, th, "cnn", img), new, rtol=1e-5, atol=1e-6)
-    assert server.app.state.registry.pools()["cnn"].workers == 1
+    assert server.app.state.repository.pools()["cnn"].workers == 1
 
 
 def test_loads_that_break_the_rules_are_refused(server: ServerThread, models_dir: dict) -> None:
@@ -258,7 +257,7 @@ def test_a_version_policy_serves_several_versions_each_in_its_own_pool(
         index = http.get_model_repository_index()
         assert [(r["name"], r["version"], r["state"]) for r in index] == \
             [("cnn", v, "READY") for v in served]
-        assert len({id(p) for p in app.state.registry.pools().values()}) == len(served)
+        assert len({id(p) for p in app.state.repository.pools().values()}) == len(served)
         http.unload_model("cnn")  # every version goes, and comes back with a load
         assert not http.is_model_ready("cnn")
         grpc.load_model("cnn")

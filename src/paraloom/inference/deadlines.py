@@ -13,7 +13,6 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from paraloom.inference.batching import Request
 
@@ -31,7 +30,7 @@ class _Ticket:
     def __init__(self, request: Request) -> None:
         self.request: Request | None = request
 
-    def clear(self, _future: Any = None) -> None:
+    def clear(self, _future: object = None) -> None:
         self.request = None
 
 

@@ -105,7 +105,7 @@ def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any],
     return delivered
 
 
-def _settle(r: Request, error: BaseException | None, value: Any = None) -> bool:
+def _settle(r: Request, error: BaseException | None, value: object = None) -> bool:
     """Resolve r's future unless something else already did; True if this call resolved it."""
     try:
         if error is None:

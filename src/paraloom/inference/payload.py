@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple, TypeGuard
+from typing import Any, NamedTuple, TypeGuard, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ __all__ = ["Parsed", "parse", "one_example", "with_keywords", "describe_key", "c
 
 # spec of a request's structure: None for one tensor, ("tuple"|"list", n) or ("dict", keys).
 _ONE = None
+
+# A model's output structure: moving its tensors gives the same structure back.
+_Output = TypeVar("_Output")
 
 
 class Parsed(NamedTuple):
@@ -213,7 +216,7 @@ def _split(obj: Any, rows: list[int], total: int) -> list[Any]:
                 f"the model returned a tensor of shape {tuple(obj.shape)} for a batch of {total} "
                 "rows; batched inference needs outputs whose first dimension is the batch "
                 "(use inference_mode='sequential' for other models)")
-        return list(obj.split(rows))
+        return list(torch.split(obj, rows))
     if isinstance(obj, (tuple, list)):
         columns = [_split(o, rows, total) for o in obj]
         per_request = [[col[i] for col in columns] for i in range(len(rows))]
@@ -243,6 +246,7 @@ def to_numpy(output: Any) -> Any:
     return map_tensors(output, _numpy)
 
 
-def to_device(output: Any, device: torch.device) -> Any:
+def to_device(output: _Output, device: torch.device) -> _Output:
     """Move every tensor in an output to ``device`` (the device the request came from)."""
-    return map_tensors(output, lambda t: t if t.device == device else t.to(device))
+    moved: _Output = map_tensors(output, lambda t: t if t.device == device else t.to(device))
+    return moved

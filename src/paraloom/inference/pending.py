@@ -46,14 +46,14 @@ class Pending:
                 self._ready.release()
             return self._state == _CANCELLED
 
-    def _finish(self, value: Any, error: BaseException | None) -> None:
+    def _finish(self, value: object, error: BaseException | None) -> None:
         with self._state_lock:
             if self._state in (_DONE, _CANCELLED):
                 raise InvalidStateError("the outcome of this request was already set")
             self._value, self._error, self._state = value, error, _DONE
             self._ready.release()
 
-    def set_result(self, value: Any) -> None:
+    def set_result(self, value: object) -> None:
         """Give the caller its output."""
         self._finish(value, None)
 

@@ -21,6 +21,8 @@ from paraloom.devices import parse_devices
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
+    from paraloom.serving.repository.models import ModelRepository
+    from paraloom.serving.served import PoolOptions
     from paraloom.serving.signature import TensorSpec
 
 __all__ = ["add_arguments", "build_model", "main", "run"]
@@ -43,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to bind (default 127.0.0.1: this machine only; "
                         "0.0.0.0 exposes the model to the network)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any)")
+    _add_pool_arguments(parser)
+    _add_signature_arguments(parser)
+    _add_http_arguments(parser)
+
+
+def _add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     pool = parser.add_argument_group("batching (ParallelInference)")
     pool.add_argument("--mode", default="batched", choices=["batched", "sequential", "inplace"],
                       help="inference mode (default batched)")
@@ -57,12 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="wait this long for a fuller batch (default 0: never wait)")
     pool.add_argument("--threads-per-worker", type=int, default=None,
                       help="torch threads per replica (default: torch's own setting)")
+
+
+def _add_signature_arguments(parser: argparse.ArgumentParser) -> None:
     sig = parser.add_argument_group("signature (default: read from the model)")
     sig.add_argument("--input-shape", metavar="DIMS",
                      help="e.g. --input-shape=-1,1,28,28 (-1: any size; write the =)")
     sig.add_argument("--input-datatype", default=None, help="with --input-shape: e.g. INT64 "
                      "(default FP32)")
     sig.add_argument("--input-name", default=None, help="with --input-shape (default: input)")
+
+
+def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     http = parser.add_argument_group("HTTP")
     http.add_argument("--models-dir", metavar="DIR", help="without MODEL: serve every model "
                       "in DIR (a model repository: one sub-folder or .safetensors file per "
@@ -90,11 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--access-log", action="store_true", help="log every request")
 
 
-def _import_factory(spec: str) -> Callable[..., nn.Module]:
+def _import_factory(spec: str) -> Callable[..., Any]:
+    """The user's ``--factory`` function; user code, so what it returns is not known here."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--factory {spec!r} must look like 'package.module:function'")
-    obj: Any = importlib.import_module(module_name)
+    obj: object = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
     if not callable(obj):
@@ -161,12 +176,12 @@ def _input_specs(args: argparse.Namespace) -> list[TensorSpec] | None:
 
 def _reload_on_sighup(app: Starlette) -> None:
     """Make SIGHUP reload the served file, as ``POST .../load`` with no body does."""
-    registry, name = app.state.registry, app.state.served.name
+    repository, name = _repository(app), app.state.served.name
     inner = app.router.lifespan_context
 
     async def reload() -> None:
         try:
-            version = await registry.load(name, {}, trusted=True)
+            version = await repository.load(name, {}, trusted=True)
             _log.info("SIGHUP: model %r now serves version %s", name, version)
         except Exception as e:  # a bad file must not stop the server: log it, keep serving
             _log.error("SIGHUP reload failed, the old version keeps serving: %s", e)
@@ -191,7 +206,24 @@ def _check_graceful_timeout(seconds: float) -> None:
                          "e.g. --graceful-timeout 30")
 
 
-def _pool_options(args: argparse.Namespace) -> dict[str, Any]:
+def _repository(app: Starlette) -> ModelRepository:
+    """The models of an app ``_build_app`` made (create_app and create_repository_app set them)."""
+    repository: ModelRepository = app.state.repository
+    return repository
+
+
+def _log_models(repository: ModelRepository) -> None:
+    """Log each model's inputs and outputs, or why it is not served."""
+    for row in repository.index():
+        if row["state"] == "READY":
+            meta = repository.get(row["name"]).metadata()
+            _log.info("model %r: inputs %s, outputs %s", row["name"], meta["inputs"],
+                      meta["outputs"])
+        else:
+            _log.warning("model %r not served: %s", row["name"], row["reason"])
+
+
+def _pool_options(args: argparse.Namespace) -> PoolOptions:
     return {"inference_mode": args.mode, "workers": args.workers, "devices": args.devices,
             "batch_limit": args.batch_limit, "queue_limit": args.queue_limit,
             "max_wait_ms": args.max_wait_ms, "threads_per_worker": args.threads_per_worker}
@@ -234,14 +266,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if model_file is not None and hasattr(signal, "SIGHUP"):
         _reload_on_sighup(app)
-    app.state.registry.refuse_loads = getattr(args, "refuse_loads", None)
-    for row in app.state.registry.index():
-        if row["state"] == "READY":
-            meta = app.state.registry.get(row["name"]).metadata()
-            _log.info("model %r: inputs %s, outputs %s", row["name"], meta["inputs"],
-                      meta["outputs"])
-        else:
-            _log.warning("model %r not served: %s", row["name"], row["reason"])
+    repository = _repository(app)
+    repository.refuse_loads = getattr(args, "refuse_loads", None)
+    _log_models(repository)
     try:
         serve(app, host=args.host, port=args.port, log_level=args.log_level,
               access_log=args.access_log, graceful_timeout=args.graceful_timeout,

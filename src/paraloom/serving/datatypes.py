@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -80,7 +79,7 @@ def lookup(raw: object, where: str) -> DataType:
     return DATATYPES[raw]
 
 
-def tensor_from_json(data: Any, dt: DataType, shape: tuple[int, ...], where: str
+def tensor_from_json(data: object, dt: DataType, shape: tuple[int, ...], where: str
                      ) -> torch.Tensor:
     """A tensor from JSON ``data`` (flat or nested, row-major), checked against its datatype."""
     if dt.name == "BF16":
@@ -110,7 +109,7 @@ def tensor_from_json(data: Any, dt: DataType, shape: tuple[int, ...], where: str
     return torch.from_numpy(cast_keeping_gil(arr, dt.numpy_dtype).reshape(shape))
 
 
-def _exact_integers(data: Any, arr: np.ndarray, dt: DataType, where: str) -> np.ndarray:
+def _exact_integers(data: object, arr: np.ndarray, dt: DataType, where: str) -> np.ndarray:
     """JSON integers that numpy read as floats or objects (past int64's range, as UINT64's upper
     half, next to smaller ones) as ``dt``'s integers, exactly; ``arr`` if any is not an int."""
     try:
@@ -133,7 +132,7 @@ _NUMPY_KEEPS_GIL = 500
 _CAST_IN_CHUNKS = 1 << 15
 
 
-def cast_keeping_gil(arr: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+def cast_keeping_gil(arr: np.ndarray, dtype: np.dtype[np.generic]) -> np.ndarray:
     """``arr`` as a new contiguous flat array of ``dtype``, cast in chunks numpy casts without
     dropping the GIL. On the event loop, a dropped GIL is taken back only when a worker thread
     yields it (up to the switch interval later): that wait, not the cast, was the cost."""
@@ -180,4 +179,5 @@ def tensor_to_json(t: torch.Tensor) -> list[int | float]:
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:
         t = t.float()
-    return t.numpy().ravel().tolist()
+    values: list[int | float] = t.numpy().ravel().tolist()
+    return values

@@ -7,7 +7,7 @@ or one test after another, never see each other's counts.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
     from paraloom.inference.parallel import ParallelInference
+    from paraloom.inference.stats import InferenceStats, Percentiles
 
 __all__ = ["CONTENT_TYPE_LATEST", "PoolCollector", "ServingMetrics"]
 
@@ -27,7 +28,17 @@ __all__ = ["CONTENT_TYPE_LATEST", "PoolCollector", "ServingMetrics"]
 _SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
             1.0, 2.5, 5.0, 10.0)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-_QUANTILES = {"p50": "0.5", "p90": "0.9", "p99": "0.99", "max": "1"}
+_QUANTILES: tuple[tuple[Literal["p50", "p90", "p99", "max"], str], ...] = (
+    ("p50", "0.5"), ("p90", "0.9"), ("p99", "0.99"), ("max", "1"))
+_COUNTERS: tuple[tuple[Literal["requests", "completed", "failed", "rows", "batches"], str], ...] = (
+    ("requests", "Requests ParallelInference accepted."),
+    ("completed", "Requests answered with an output."),
+    ("failed", "Accepted requests answered with an error."),
+    ("rows", "Rows run through the model."),
+    ("batches", "Forward passes."))
+_GAUGES: tuple[tuple[Literal["model_version", "queued"], str, str], ...] = (
+    ("model_version", "model_version", "Version of the model now served."),
+    ("queued", "queue_length", "Requests waiting now."))
 
 
 class ServingMetrics:
@@ -83,32 +94,26 @@ class PoolCollector:
 
     def collect(self) -> Iterator[Metric]:
         """The metric families, one sample per model, from one ``stats()`` call per pool."""
-        # Read by key name, with a default for any key a pool leaves out.
-        stats: dict[str, Mapping[str, Any]] = {m: p.stats() for m, p in self.pools().items()}
+        stats = {m: p.stats() for m, p in self.pools().items()}
         if self.versions is not None:  # a pool counts from 1; the server's versions may not
             served = self.versions()
-            stats = {m: {**s, "model_version": served.get(m, s.get("model_version", 0))}
+            stats = {m: _with_version(s, served.get(m, s.get("model_version", 0)))
                      for m, s in stats.items()}
         yield from self._counters(stats)
         yield self._batch_sizes(stats)
-        for key, name, what in (
-                ("queue_time_ms", "queue", "Time requests waited in the queue"),
-                ("forward_time_ms", "forward", "Time of each batched forward pass")):
-            yield self._timing(stats, key, name, what)
-        for key, name, help_text in (("model_version", "model_version",
-                                      "Version of the model now served."),
-                                     ("queued", "queue_length", "Requests waiting now.")):
+        yield self._timing(stats, "queue_time_ms", "queue", "Time requests waited in the queue")
+        yield self._timing(stats, "forward_time_ms", "forward",
+                           "Time of each batched forward pass")
+        for key, name, help_text in _GAUGES:
             gauge = GaugeMetricFamily(f"paraloom_{name}", help_text, labels=["model"])
             for model, s in stats.items():
                 gauge.add_metric([model], float(s.get(key, 0)))
             yield gauge
 
-    def _counters(self, stats: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
-        for key, help_text in (("requests", "Requests ParallelInference accepted."),
-                               ("completed", "Requests answered with an output."),
-                               ("failed", "Accepted requests answered with an error."),
-                               ("rows", "Rows run through the model."),
-                               ("batches", "Forward passes.")):
+    # Each reads by key name, with a default for any key a pool leaves out.
+
+    def _counters(self, stats: Mapping[str, InferenceStats]) -> Iterator[Metric]:
+        for key, help_text in _COUNTERS:
             family = CounterMetricFamily(f"paraloom_pool_{key}", help_text, labels=["model"])
             for model, s in stats.items():
                 family.add_metric([model], float(s.get(key, 0)))
@@ -121,11 +126,11 @@ class PoolCollector:
                 rejected.add_metric([model, reason], float(count))
         yield rejected
 
-    def _batch_sizes(self, stats: Mapping[str, Mapping[str, Any]]) -> Metric:
+    def _batch_sizes(self, stats: Mapping[str, InferenceStats]) -> Metric:
         family = HistogramMetricFamily("paraloom_batch_size", "Rows in each forward pass.",
                                        labels=["model"])
         for model, s in stats.items():
-            histogram: Mapping[int, int] = s.get("batch_size_histogram", {})
+            histogram = s.get("batch_size_histogram", {})
             buckets = []
             for bound in _SIZES:  # Prometheus buckets are cumulative: batches of <= bound rows
                 seen = sum(n for size, n in histogram.items() if int(size) <= bound)
@@ -134,14 +139,22 @@ class PoolCollector:
             family.add_metric([model], buckets, sum_value=float(s.get("rows", 0)))
         return family
 
-    def _timing(self, stats: Mapping[str, Mapping[str, Any]], key: str, name: str, what: str
+    def _timing(self, stats: Mapping[str, InferenceStats],
+                key: Literal["queue_time_ms", "forward_time_ms"], name: str, what: str
                 ) -> Metric:
         family = GaugeMetricFamily(
             f"paraloom_{name}_time_seconds",
             f"{what}, over the pool's recent window, by quantile (1: the maximum).",
             labels=["model", "quantile"])
         for model, s in stats.items():
-            summary: Mapping[str, float] = s.get(key, {})
-            for k, quantile in _QUANTILES.items():
+            summary: Percentiles | dict[str, float] = s.get(key, {})
+            for k, quantile in _QUANTILES:
                 family.add_metric([model, quantile], summary.get(k, 0.0) / 1e3)
         return family
+
+
+def _with_version(stats: InferenceStats, version: int) -> InferenceStats:
+    """A copy of a pool's stats with ``model_version`` the version the server serves."""
+    copied = stats.copy()
+    copied["model_version"] = version
+    return copied

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import anyio
 import torch
 from torch import nn
 
+from paraloom.inference.config import InferenceMode
 from paraloom.inference.errors import (
     InferenceClosedError,
     InvalidRequestError,
@@ -26,13 +27,15 @@ from paraloom.serving.errors import (
     ServingError,
     UnavailableError,
 )
-from paraloom.serving.repository import ModelFiles
 from paraloom.serving.signature import ModelSignature, TensorMetadata, probe_input
 
 if TYPE_CHECKING:
+    from paraloom.devices import DeviceSpec
     from paraloom.inference.parallel import ParallelInference
+    from paraloom.precision import Precision
+    from paraloom.serving.repository.files import ModelFiles
 
-__all__ = ["ModelMetadata", "ServedModel", "build_pool"]
+__all__ = ["ModelMetadata", "PoolOptions", "ServedModel", "build_pool"]
 
 _DRAIN_POLL_S = 0.01  # how often a closing in-place model checks for requests still running
 
@@ -45,6 +48,21 @@ class ModelMetadata(TypedDict):
     platform: str
     inputs: list[TensorMetadata]
     outputs: list[TensorMetadata]
+
+
+class PoolOptions(TypedDict, total=False):
+    """The ``ParallelInference`` options a server builds a pool with (its keyword arguments)."""
+
+    inference_mode: InferenceMode | str
+    workers: int | None
+    batch_limit: int
+    queue_limit: int
+    max_wait_ms: float
+    timeout: float | None
+    devices: DeviceSpec
+    precision: str | Precision
+    example_input: object
+    threads_per_worker: int | None
 
 
 class _GatewayTimeoutError(ServingError):
@@ -70,9 +88,9 @@ class ServedModel:
         self.retry_after = retry_after
         self.draining = False
         self._load_lock = asyncio.Lock()
-        self._inplace = str(getattr(pool, "inference_mode", "")).lower().endswith("inplace")
+        self._inplace = pool.inference_mode is InferenceMode.INPLACE
         # In place, requests wait on threads for a free replica: at most this many at once.
-        self._inplace_limit = _inplace_limit(pool)
+        self._inplace_limit = pool.workers + pool.queue_limit
         self._inplace_now = 0  # changed on the event loop only
         self.close_timeout: float | None = None  # the server sets its graceful timeout here
         self.siblings: list[ServedModel] = [self]  # every version of this model served now
@@ -80,7 +98,13 @@ class ServedModel:
     @property
     def version(self) -> str:
         """The version now served, as the protocol's string."""
-        return str(self.first_version + self.pool.model_version - 1)
+        return self._served_as(self.pool.model_version)
+
+    def _served_as(self, generation: int) -> str:
+        """The version the pool's ``generation`` of the model is served as. The pool counts its
+        own (``model_version``: 1, then +1 per ``update_model``); a repository's numbered
+        folders start elsewhere (``first_version``)."""
+        return str(self.first_version + generation - 1)
 
     def check_version(self, version: str | None) -> None:
         """Raise ``NotFoundError`` unless ``version`` (None: any) is the one served."""
@@ -91,7 +115,7 @@ class ServedModel:
     @property
     def ready(self) -> bool:
         """Whether new requests will be accepted."""
-        return not self.draining and not getattr(self.pool, "closed", False)
+        return not self.draining and not self.pool.closed
 
     def metadata(self) -> ModelMetadata:
         """The v2 model metadata object."""
@@ -101,7 +125,8 @@ class ServedModel:
                 "outputs": [s.as_json() for s in self.signature.outputs]}
 
     async def infer(self, tensors: list[torch.Tensor]) -> tuple[Any, str]:
-        """Run one request through the pool; returns the model's result and the version used."""
+        """Run one request through the pool; returns the model's result (whatever the user's
+        model returned) and the version that ran it."""
         if self.draining:
             raise UnavailableError("the server is shutting down and takes no new requests",
                                    reason="shutting_down", retry_after=self.retry_after)
@@ -109,10 +134,10 @@ class ServedModel:
             tensors[0] if len(tensors) == 1 else tuple(tensors)
         try:
             if self._inplace:
-                result, version = await self._infer_inplace(x)
+                result, generation = await self._infer_inplace(x)
             else:  # queued: a full queue must answer 503 now, not block the event loop
                 future = self.pool.submit(x, block=False, return_version=True)
-                result, version = await asyncio.wrap_future(future)
+                result, generation = await asyncio.wrap_future(future)
         except QueueFullError as e:
             raise UnavailableError(f"the inference queue is full ({e}); retry after "
                                    f"{self.retry_after} s", reason="queue_full",
@@ -124,13 +149,14 @@ class ServedModel:
             raise ProtocolError(str(e)) from e
         except RequestTimeoutError as e:
             raise _GatewayTimeoutError(str(e)) from e
-        return result, str(self.first_version + version - 1)  # the pool counts from 1
+        return result, self._served_as(generation)
 
     async def _infer_inplace(self, x: torch.Tensor | tuple[torch.Tensor, ...]
                              ) -> tuple[Any, int]:
-        """Run x on a thread that waits for a free replica; QueueFullError past the limit."""
+        """Run x on a thread that waits for a free replica; QueueFullError past the limit.
+        Returns the model's result and the pool's generation that ran it."""
         limit = self._inplace_limit
-        if limit is not None and self._inplace_now >= limit:
+        if self._inplace_now >= limit:
             raise QueueFullError(f"{self._inplace_now} requests are running or waiting for a "
                                  f"replica, the most this pool takes (workers + queue_limit = "
                                  f"{limit}); retry later, or add workers or raise queue_limit")
@@ -140,11 +166,12 @@ class ServedModel:
             # thread; it waits for a free replica as the pool's own output_async does.
             future = await anyio.to_thread.run_sync(functools.partial(
                 self.pool.submit, x, block=True, return_version=True))
-            return await asyncio.wrap_future(future)
+            result, generation = await asyncio.wrap_future(future)
+            return result, generation
         finally:
             self._inplace_now -= 1
 
-    async def load(self, parameters: dict[str, Any]) -> str:
+    async def load(self, parameters: Mapping[str, object]) -> str:
         """Swap in the weights a load request names (see ``ModelFiles``); returns the version."""
         if self.numbered:
             versions = [s.version for s in self.siblings]
@@ -171,7 +198,7 @@ class ServedModel:
         return self.version
 
     def _check_serving(self) -> None:
-        if self.draining or getattr(self.pool, "closed", False):
+        if self.draining or self.pool.closed:
             raise self._shutting_down("the model is not serving: the server is shutting down")
 
     def _shutting_down(self, message: str) -> UnavailableError:
@@ -201,21 +228,14 @@ class ServedModel:
 
 def build_pool(model: nn.Module, signature: ModelSignature,
                sample: torch.Tensor | Sequence[torch.Tensor] | None, probed: bool,
-               pool_options: dict[str, Any]) -> ParallelInference:
+               pool_options: PoolOptions) -> ParallelInference:
     """ParallelInference(model), warmed on the signature's probe so errors are blamed right."""
     from paraloom.inference.parallel import ParallelInference
 
-    options = dict(pool_options)
+    options = pool_options.copy()
     if probed and options.get("example_input") is None:
         # An input the model is known to accept: a later failure of one request is then that
         # request's fault (400), while a model failing on everything is the model's (500).
         options["example_input"] = probe_input(signature, sample)
     return ParallelInference(model, **options)
 
-
-def _inplace_limit(pool: ParallelInference) -> int | None:
-    """workers + queue_limit of a pool that says them (a ParallelInference does), else None."""
-    workers, queue_limit = getattr(pool, "workers", None), getattr(pool, "queue_limit", None)
-    if isinstance(workers, int) and isinstance(queue_limit, int):
-        return workers + queue_limit
-    return None

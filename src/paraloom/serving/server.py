@@ -9,16 +9,18 @@ import socket
 import sys
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 from starlette.applications import Starlette
 from torch import nn
 
-from paraloom.serving.app import create_app
+from paraloom.serving.app import AppOptions, create_app, repository_of
 from paraloom.serving.sockets import bind_socket
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from paraloom.inference.parallel import ParallelInference
     from paraloom.serving.grpc.service import GrpcEndpoint
 
@@ -109,28 +111,27 @@ def _grpc(app: Starlette, host: str, port: int | None, backend: str, reuse_port:
     else:
         from paraloom.serving.grpc.service import GrpcServer as server
     state = app.state
-    return server(state.registry, state.metrics, host=host, port=port,
+    return server(state.repository, state.metrics, host=host, port=port,
                   max_message_bytes=state.max_body_bytes, reuse_port=reuse_port)
 
 
-def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float,
-            **uvicorn_options: Any) -> uvicorn.Config:
+def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float
+            ) -> uvicorn.Config:
     if not math.isfinite(graceful_timeout) or graceful_timeout <= 0:
         raise ValueError(f"graceful_timeout={graceful_timeout}; expected a finite number of "
                          "seconds > 0")
-    registry = getattr(app.state, "registry", None)
-    if registry is not None:  # the pools' drain at shutdown gets the same bound
-        registry.close_timeout = graceful_timeout
-        for served in registry.every():
+    repository = repository_of(app)
+    if repository is not None:  # the pools' drain at shutdown gets the same bound
+        repository.close_timeout = graceful_timeout
+        for served in repository.every():
             served.close_timeout = graceful_timeout
     # uvicorn types the graceful timeout as whole seconds; round up so it is never shortened.
     return uvicorn.Config(app, log_level=log_level, access_log=access_log,
-                          timeout_graceful_shutdown=math.ceil(graceful_timeout), lifespan="on",
-                          **uvicorn_options)
+                          timeout_graceful_shutdown=math.ceil(graceful_timeout), lifespan="on")
 
 
 def _as_app(pool_or_model: nn.Module | ParallelInference | Starlette, name: str | None,
-            app_options: dict[str, Any]) -> Starlette:
+            app_options: AppOptions) -> Starlette:
     if isinstance(pool_or_model, Starlette):
         if name is not None or app_options:
             raise TypeError("pass name and app options to create_app, not with an app")
@@ -142,7 +143,8 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
           host: str = _DEFAULT_HOST, port: int = 8000, log_level: str = "info",
           access_log: bool = False, graceful_timeout: float = 30.0, grpc_port: int | None = None,
           grpc_backend: str = "auto", switch_interval: float | None = 0.001,
-          reuse_port: bool = False, freeze_gc: bool = True, **app_options: Any) -> None:
+          reuse_port: bool = False, freeze_gc: bool = True, **app_options: Unpack[AppOptions]
+          ) -> None:
     """Serve a model, a ParallelInference or an app from ``create_app`` until SIGINT/SIGTERM.
 
     Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting
@@ -180,11 +182,11 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
 
 def close_owned_pools(app: Starlette) -> None:
     """Close, without draining, every pool the app built (when its lifespan never ran)."""
-    registry = getattr(app.state, "registry", None)
-    if registry is None:
+    repository = repository_of(app)
+    if repository is None:
         return
-    registry.draining = True
-    for served in registry.every():
+    repository.draining = True
+    for served in repository.every():
         served.draining = True
         if served.owns_pool:
             served.pool.close(drain=False, timeout=5.0)

@@ -65,7 +65,8 @@ class ModelSignature:
         return [_check_one(spec, given[spec.name]) for spec in self.inputs]
 
     def name_outputs(self, result: Any) -> list[tuple[str, torch.Tensor]]:
-        """Pair what the model returned with the declared output names."""
+        """Pair what the model returned (``result``: the user's model's own output, a tensor, a
+        mapping or a sequence of tensors) with the declared output names."""
         if isinstance(result, torch.Tensor):
             tensors = [result]
         elif isinstance(result, Mapping):

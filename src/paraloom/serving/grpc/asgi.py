@@ -13,22 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 from urllib.parse import quote
 
 import grpc
 from google.protobuf.message import DecodeError
+from starlette.types import Receive, Scope, Send
 
 from paraloom.serving.errors import ServingError
-from paraloom.serving.grpc.messages import SERVICE, method_types
-from paraloom.serving.grpc.service import METHODS, Service, status_code
+from paraloom.serving.grpc.messages import SERVICE, Message, method_types
+from paraloom.serving.grpc.service import METHODS, Handler, Service, status_code
 
 __all__ = ["GrpcAsgiApp", "parse_timeout"]
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 _HEADERS = [(b"content-type", b"application/grpc"),
             (b"grpc-accept-encoding", b"identity,gzip,deflate")]
@@ -83,7 +78,7 @@ class GrpcAsgiApp:
 
     def __init__(self, service: Service, max_message_bytes: int) -> None:
         self.max_message_bytes = max_message_bytes
-        self._methods: dict[str, tuple[Callable[[Any, Any], Awaitable[Any]], Any, Any]] = {}
+        self._methods: dict[str, tuple[Handler, type[Message], type[Message]]] = {}
         for name in METHODS:
             request_type, response_type = method_types(name)
             self._methods[f"/{SERVICE}/{name}"] = (getattr(service, name), request_type,
@@ -160,7 +155,7 @@ class GrpcAsgiApp:
         else:
             seconds = parse_timeout(timeout)
             response = await asyncio.wait_for(call(request, response_type), seconds)
-        out = response.SerializeToString()
+        out: bytes = response.SerializeToString()
         return b"\x00" + len(out).to_bytes(4, "big") + out
 
 

@@ -6,13 +6,21 @@ The tensors are decoded by the same functions as HTTP's (``paraloom.serving.prot
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+import torch
 
 from paraloom.serving.datatypes import DataType, datatype_of, lookup, tensor_to_bytes
 from paraloom.serving.errors import ProtocolError
-from paraloom.serving.grpc.messages import message
+from paraloom.serving.grpc.messages import (
+    InferRequestMessage,
+    InputTensor,
+    Message,
+    OutputRequest,
+    Parameter,
+    message,
+)
 from paraloom.serving.handling import InferAnswer
 from paraloom.serving.protocol import (
     InferRequest,
@@ -23,7 +31,11 @@ from paraloom.serving.protocol import (
     parse_shape,
 )
 
-__all__ = ["decode_infer_request", "encode_infer_response", "parameter_value"]
+__all__ = ["ParameterValue", "decode_infer_request", "encode_infer_response", "parameter_value",
+           "parameter_values"]
+
+ParameterValue = bool | int | float | str | bytes | None
+"""What one parameter holds: the field its oneof chose (None: none was set)."""
 
 # The typed contents field each datatype's values travel in (FP16 and BF16 have none: raw only).
 _FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
@@ -37,13 +49,22 @@ _CONTENTS = [*_NUMPY, "bytes_contents"]
 _Response = message("ModelInferResponse")
 
 
-def parameter_value(param: Any) -> Any:
+def parameter_value(param: Parameter) -> ParameterValue:
     """The Python value of an ``InferParameter`` or ``ModelRepositoryParameter``."""
     which = param.WhichOneof("parameter_choice")
-    return None if which is None else getattr(param, which)
+    if which is None:
+        return None
+    value: ParameterValue = getattr(param, which)
+    return value
 
 
-def _typed(tensor: Any, dt: DataType, shape: tuple[int, ...], where: str) -> Any:
+def parameter_values(params: Mapping[str, Parameter]) -> dict[str, ParameterValue]:
+    """The Python values of a message's ``parameters`` map."""
+    return {k: parameter_value(v) for k, v in params.items()}
+
+
+def _typed(tensor: InputTensor, dt: DataType, shape: tuple[int, ...], where: str
+           ) -> torch.Tensor:
     used = [f for f in _CONTENTS if len(getattr(tensor.contents, f))]
     field = _FIELD.get(dt.name)
     if field is None:
@@ -57,7 +78,7 @@ def _typed(tensor: Any, dt: DataType, shape: tuple[int, ...], where: str) -> Any
     return json_input(tensor.name, dt, shape, values)
 
 
-def _input(tensor: Any, index: int, raw: list[bytes] | None) -> RequestInput:
+def _input(tensor: InputTensor, index: int, raw: list[bytes] | None) -> RequestInput:
     if not tensor.name:
         raise ProtocolError(f"inputs[{index}] has no name; the v2 protocol requires it")
     where = f"input {tensor.name!r}"
@@ -73,7 +94,7 @@ def _input(tensor: Any, index: int, raw: list[bytes] | None) -> RequestInput:
                         binary_input(tensor.name, dt, shape, chunk, len(chunk)))
 
 
-def decode_infer_request(request: Any) -> InferRequest:
+def decode_infer_request(request: InferRequestMessage) -> InferRequest:
     """The ``InferRequest`` a ModelInferRequest carries; ``ProtocolError`` if it is malformed."""
     if not request.inputs:
         raise ProtocolError("request has no inputs; send at least one tensor")
@@ -86,23 +107,29 @@ def decode_infer_request(request: Any) -> InferRequest:
     names = [t.name for t in inputs]
     if len(set(names)) != len(names):
         raise ProtocolError(f"request names an input more than once: {names}")
-    outputs = None
-    if request.outputs:
-        outputs = []
-        for i, out in enumerate(request.outputs):
-            if not out.name:
-                raise ProtocolError(f"outputs[{i}] has no name")
-            if "classification" in out.parameters:
-                raise ProtocolError(f"output {out.name!r} asks for classification, an "
-                                    "extension paraloom does not implement; request the raw "
-                                    "output instead")
-            outputs.append(RequestedOutput(out.name, None))
-    params = {k: parameter_value(v) for k, v in request.parameters.items()}
-    return InferRequest(id=request.id or None, inputs=inputs, outputs=outputs,
+    params = parameter_values(request.parameters)
+    return InferRequest(id=request.id or None, inputs=inputs,
+                        outputs=_requested_outputs(request.outputs),
                         binary_output=_raw_output(params, raw is not None), parameters=params)
 
 
-def _raw_output(params: dict[str, Any], raw_inputs: bool) -> bool:
+def _requested_outputs(requested: Sequence[OutputRequest]) -> list[RequestedOutput] | None:
+    """The outputs a request names; None (every output) when it names none."""
+    if not requested:
+        return None
+    outputs = []
+    for i, out in enumerate(requested):
+        if not out.name:
+            raise ProtocolError(f"outputs[{i}] has no name")
+        if "classification" in out.parameters:
+            raise ProtocolError(f"output {out.name!r} asks for classification, an "
+                                "extension paraloom does not implement; request the raw "
+                                "output instead")
+        outputs.append(RequestedOutput(out.name, None))
+    return outputs
+
+
+def _raw_output(params: Mapping[str, ParameterValue], raw_inputs: bool) -> bool:
     """Raw outputs for raw inputs, typed for typed; ``binary_data_output`` (bool) decides."""
     asked = params.get("binary_data_output")
     if asked is None:
@@ -113,7 +140,7 @@ def _raw_output(params: dict[str, Any], raw_inputs: bool) -> bool:
     return asked
 
 
-def encode_infer_response(answer: InferAnswer) -> Any:
+def encode_infer_response(answer: InferAnswer) -> Message:
     """A ModelInferResponse: outputs in ``raw_output_contents`` (what tritonclient.grpc's raw
     inputs get, as from Triton), or in typed contents when the request asked for them
     (typed inputs, or ``binary_data_output: false``) and every output has a typed field."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 from uvicorn.protocols.http.zttp_h2_impl import ZttpH2Protocol
@@ -26,6 +26,9 @@ from uvicorn.protocols.http.zttp_h2_impl import ZttpH2Protocol
 from paraloom.serving.grpc.asgi import GrpcAsgiApp
 from paraloom.serving.grpc.service import GrpcEndpoint, Service
 from paraloom.serving.sockets import bind_socket
+
+if TYPE_CHECKING:
+    import zttp
 
 __all__ = ["Http2GrpcServer", "STREAMS_PER_CONNECTION"]
 
@@ -80,15 +83,13 @@ class _Protocol(ZttpH2Protocol):
     """uvicorn's HTTP/2 connection, its writes corked per loop turn, closed gracefully after
     ``STREAMS_PER_CONNECTION`` calls."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.streams = 0
+    streams = 0  # calls this connection took
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
         self.transport = _Corked(self.transport, self.loop)  # type: ignore[assignment]
 
-    def handle_request(self, event: Any) -> None:
+    def handle_request(self, event: zttp.Request) -> None:
         self.streams += 1
         if self.shutdown_requested:  # uvicorn would answer HTTP 503: refuse, to be retried
             self.conn.stream(event.stream_id).reset(_REFUSED_STREAM)
@@ -102,10 +103,8 @@ class _Protocol(ZttpH2Protocol):
 class Http2GrpcServer(GrpcEndpoint):
     """``GRPCInferenceService`` over uvicorn's HTTP/2; start and stop it on a running loop."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._server: uvicorn.Server | None = None
-        self._sock: socket.socket | None = None
+    _server: uvicorn.Server | None = None  # while serving
+    _sock: socket.socket | None = None
 
     async def start(self) -> int:
         """Bind and start serving; returns the port (the OS's pick when asked for 0)."""
@@ -113,7 +112,7 @@ class Http2GrpcServer(GrpcEndpoint):
             sock = bind_socket(self.host, self.requested_port, reuse_port=self.reuse_port)
         except OSError as e:
             raise self.listen_error(e.__cause__ or e) from e
-        app = GrpcAsgiApp(Service(self.registry, self.metrics), self.max_message_bytes)
+        app = GrpcAsgiApp(Service(self.repository, self.metrics), self.max_message_bytes)
         config = uvicorn.Config(app, http="zttp", http2=True, lifespan="off", log_config=None,
                                 log_level=None, access_log=False,  # logging as HTTP set it
                                 timeout_keep_alive=_IDLE_S)

@@ -1,5 +1,5 @@
 """``inference.GRPCInferenceService``'s handlers (``Service``, which both gRPC servers call) and
-the grpc.aio server, over the same registry and metrics as HTTP.
+the grpc.aio server, over the same model repository and metrics as HTTP.
 
 The gRPC server runs on the HTTP server's event loop (it is started and stopped with it), so
 both transports share the models, their pools, the batching and the metrics. Errors map to
@@ -12,26 +12,35 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import grpc
 from grpc import aio
 
-from paraloom._version import __version__
-from paraloom.serving.app import EXTENSIONS
 from paraloom.serving.errors import NotFoundError, ServingError
 from paraloom.serving.grpc.codec import (
     decode_infer_request,
     encode_infer_response,
-    parameter_value,
+    parameter_values,
 )
-from paraloom.serving.grpc.messages import SERVICE, method_types
-from paraloom.serving.handling import handle_infer
+from paraloom.serving.grpc.messages import (
+    SERVICE,
+    InferRequestMessage,
+    LoadRequest,
+    Message,
+    ModelRef,
+    NamedModel,
+    ReadyFilter,
+    method_types,
+)
+from paraloom.serving.handling import describe_server, handle_infer
 from paraloom.serving.metrics import ServingMetrics
 from paraloom.serving.protocol import InferRequest
-from paraloom.serving.registry import ModelRegistry
+from paraloom.serving.repository.models import ModelRepository
 
-__all__ = ["METHODS", "GrpcEndpoint", "GrpcServer", "Service", "status_code"]
+__all__ = ["METHODS", "GrpcEndpoint", "GrpcServer", "Handler", "Service", "status_code"]
+
+Handler = Callable[[Message, type[Message]], Awaitable[Message]]
+"""One RPC of ``Service``: (the request message, the response class) -> the response."""
 
 _log = logging.getLogger("paraloom.serving")
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
@@ -47,53 +56,61 @@ def status_code(error: ServingError) -> grpc.StatusCode:
 class Service:
     """The RPC handlers; each takes the decoded request message and returns the response."""
 
-    def __init__(self, registry: ModelRegistry, metrics: ServingMetrics) -> None:
-        self.registry = registry
+    def __init__(self, repository: ModelRepository, metrics: ServingMetrics) -> None:
+        self.repository = repository
         self.metrics = metrics
 
-    async def ServerLive(self, request: Any, response: Any) -> Any:  # noqa: N802
+    async def ServerLive(self, request: Message, response: type[Message]  # noqa: N802
+                         ) -> Message:
         return response(live=True)
 
-    async def ServerReady(self, request: Any, response: Any) -> Any:  # noqa: N802
-        return response(ready=self.registry.ready)
+    async def ServerReady(self, request: Message, response: type[Message]  # noqa: N802
+                          ) -> Message:
+        return response(ready=self.repository.ready)
 
-    async def ModelReady(self, request: Any, response: Any) -> Any:  # noqa: N802
+    async def ModelReady(self, request: ModelRef, response: type[Message]  # noqa: N802
+                         ) -> Message:
         try:
-            ready = self.registry.is_ready(request.name, request.version or None)
+            ready = self.repository.is_ready(request.name, request.version or None)
         except NotFoundError:  # as Triton: a model or version it does not serve is not ready
             ready = False
         return response(ready=ready)
 
-    async def ServerMetadata(self, request: Any, response: Any) -> Any:  # noqa: N802
-        return response(name="paraloom", version=__version__, extensions=EXTENSIONS)
+    async def ServerMetadata(self, request: Message, response: type[Message]  # noqa: N802
+                             ) -> Message:
+        return response(**describe_server())
 
-    async def ModelMetadata(self, request: Any, response: Any) -> Any:  # noqa: N802
-        meta = self.registry.get(request.name, request.version or None).metadata()
+    async def ModelMetadata(self, request: ModelRef, response: type[Message]  # noqa: N802
+                            ) -> Message:
+        meta = self.repository.get(request.name, request.version or None).metadata()
         return response(name=meta["name"], versions=meta["versions"],
                         platform=meta["platform"], inputs=meta["inputs"],
                         outputs=meta["outputs"])
 
-    async def ModelInfer(self, request: Any, response: Any) -> Any:  # noqa: N802
+    async def ModelInfer(self, request: InferRequestMessage,  # noqa: N802
+                         response: type[Message]) -> Message:
         async def decode() -> InferRequest:
             return decode_infer_request(request)
 
-        answer = await handle_infer(self.registry, self.metrics, request.model_name,
+        answer = await handle_infer(self.repository, self.metrics, request.model_name,
                                     request.model_version or None, decode)
         return encode_infer_response(answer)
 
-    async def RepositoryIndex(self, request: Any, response: Any) -> Any:  # noqa: N802
-        rows = self.registry.index()
+    async def RepositoryIndex(self, request: ReadyFilter,  # noqa: N802
+                              response: type[Message]) -> Message:
+        rows = self.repository.index()
         if request.ready:
             rows = [r for r in rows if r["state"] == "READY"]
         return response(models=rows)
 
-    async def RepositoryModelLoad(self, request: Any, response: Any) -> Any:  # noqa: N802
-        params = {k: parameter_value(v) for k, v in request.parameters.items()}
-        await self.registry.load(request.model_name, params)
+    async def RepositoryModelLoad(self, request: LoadRequest,  # noqa: N802
+                                  response: type[Message]) -> Message:
+        await self.repository.load(request.model_name, parameter_values(request.parameters))
         return response()
 
-    async def RepositoryModelUnload(self, request: Any, response: Any) -> Any:  # noqa: N802
-        await self.registry.unload(request.model_name)
+    async def RepositoryModelUnload(self, request: NamedModel,  # noqa: N802
+                                    response: type[Message]) -> Message:
+        await self.repository.unload(request.model_name)
         return response()
 
 
@@ -101,12 +118,12 @@ METHODS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMe
             "ModelInfer", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"]
 
 
-def _handler(call: Callable[[Any, Any], Awaitable[Any]], request_type: Any,
-             response_type: Any) -> grpc.RpcMethodHandler:
-    async def handle(request: Any, context: aio.ServicerContext) -> Any:
+def _handler(call: Handler, request_type: type[Message], response_type: type[Message]
+             ) -> grpc.RpcMethodHandler:
+    async def handle(request: Message, context: aio.ServicerContext) -> Message:
         try:
             return await call(request, response_type)
-        except ServingError as e:
+        except ServingError as e:  # abort() raises: the call ends with this status
             await context.abort(status_code(e), e.message)
         except (ValueError, TypeError) as e:  # a message field of the wrong shape
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}")
@@ -125,13 +142,13 @@ def _generic_handler(service: Service) -> grpc.GenericRpcHandler:
 
 
 class GrpcEndpoint:
-    """What both gRPC servers hold: the registry and metrics they serve and where they listen.
+    """What both gRPC servers hold: the repository and metrics they serve and where they listen.
     Subclasses start and stop serving on a running loop."""
 
-    def __init__(self, registry: ModelRegistry, metrics: ServingMetrics, *,
+    def __init__(self, repository: ModelRepository, metrics: ServingMetrics, *,
                  host: str = "127.0.0.1", port: int = 0, max_message_bytes: int = 16 << 20,
                  reuse_port: bool = False) -> None:
-        self.registry = registry
+        self.repository = repository
         self.metrics = metrics
         self.host = host
         self.requested_port = port
@@ -156,9 +173,7 @@ class GrpcEndpoint:
 class GrpcServer(GrpcEndpoint):
     """A grpc.aio server of ``GRPCInferenceService``; start and stop it on a running loop."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._server: aio.Server | None = None
+    _server: aio.Server | None = None  # while serving
 
     async def start(self) -> int:
         """Bind and start serving; returns the port (the OS's pick when asked for 0)."""
@@ -166,11 +181,11 @@ class GrpcServer(GrpcEndpoint):
                    ("grpc.max_send_message_length", -1),
                    ("grpc.so_reuseport", int(self.reuse_port))]
         server = aio.server(options=options)
-        server.add_generic_rpc_handlers((_generic_handler(Service(self.registry,
+        server.add_generic_rpc_handlers((_generic_handler(Service(self.repository,
                                                                   self.metrics)),))
         host = f"[{self.host}]" if ":" in self.host else self.host
         try:
-            port = server.add_insecure_port(f"{host}:{self.requested_port}")
+            port: int = server.add_insecure_port(f"{host}:{self.requested_port}")
         except RuntimeError as e:
             raise self.listen_error(e) from e
         await server.start()

@@ -22,14 +22,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Literal, cast
 
 from paraloom.serving.errors import NotFoundError
-from paraloom.serving.repository import ModelFiles
-from paraloom.serving.served import ServedModel, build_pool
+from paraloom.serving.repository.files import ModelFiles
+from paraloom.serving.served import PoolOptions, ServedModel, build_pool
 from paraloom.serving.signature import TensorSpec, infer_signature
 
-__all__ = ["Found", "ModelConfig", "ModelDir", "VersionPolicy"]
+__all__ = ["Found", "ModelConfig", "ModelsDir", "VersionPolicy", "read_config"]
 
 _WEIGHTS = "model.safetensors"
 _PICKLES = {".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".joblib", ".npy"}
@@ -44,7 +44,7 @@ class VersionPolicy:
     """Which numbered versions to serve, as Triton's ``version_policy``: the latest ``count``,
     all, or the ``specific`` ones."""
 
-    kind: str = "latest"  # "latest", "all" or "specific"
+    kind: Literal["latest", "all", "specific"] = "latest"
     count: int = 1
     specific: tuple[int, ...] = ()
 
@@ -62,8 +62,8 @@ class ModelConfig:
     """A model's optional config: its served name, version policy, pool options and signature."""
 
     name: str
-    versions: VersionPolicy = field(default_factory=VersionPolicy)
-    pool_options: dict[str, Any] = field(default_factory=dict)
+    version_policy: VersionPolicy = field(default_factory=VersionPolicy)
+    pool_options: PoolOptions = field(default_factory=PoolOptions)
     inputs: tuple[TensorSpec, ...] | None = None
     outputs: tuple[TensorSpec, ...] | None = None
 
@@ -103,7 +103,7 @@ def _specs(raw: object, key: str, where: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def _versions(raw: object, where: str) -> VersionPolicy:
+def _version_policy(raw: object, where: str) -> VersionPolicy:
     usage = ('use {"latest": {"num_versions": N}}, {"all": {}} or {"specific": {"versions": '
              '[N, ...]}} (version numbers >= 1)')
     if raw is None:
@@ -141,24 +141,25 @@ def read_config(path: Path, default_name: str) -> ModelConfig:
     name = raw.get("name", default_name)
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"{path.name}: name {name!r} must be a non-empty string without '/'")
-    options = {_POOL_KEYS[k]: v for k, v in raw.items() if k in _POOL_KEYS}
+    # The values are JSON as written; ParallelInference checks them when the pool is built.
+    options = cast(PoolOptions, {_POOL_KEYS[k]: v for k, v in raw.items() if k in _POOL_KEYS})
     return ModelConfig(
-        name=name, versions=_versions(raw.get("version_policy"), path.name),
+        name=name, version_policy=_version_policy(raw.get("version_policy"), path.name),
         pool_options=options,
         inputs=None if "inputs" not in raw else _specs(raw["inputs"], "inputs", path.name),
         outputs=None if "outputs" not in raw else _specs(raw["outputs"], "outputs", path.name))
 
 
-class ModelDir:
+class ModelsDir:
     """The models in a directory, and how to build a ``ServedModel`` of one of them."""
 
-    def __init__(self, root: str | Path, *, pool_defaults: dict[str, Any] | None = None,
+    def __init__(self, root: str | Path, *, pool_defaults: PoolOptions | None = None,
                  retry_after: int = 1) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ValueError(f"models directory {str(root)!r} is not a directory; pass the "
                              "folder that holds one sub-folder or .safetensors file per model")
-        self.pool_defaults = dict(pool_defaults or {})
+        self.pool_defaults = PoolOptions() if pool_defaults is None else pool_defaults.copy()
         self.retry_after = retry_after
 
     def _inside(self, path: Path) -> bool:
@@ -189,23 +190,23 @@ class ModelDir:
             config = read_config(config_path, folder.name) if config_path.is_file() else None
         except ValueError as e:
             return Found(folder.name, None, error=str(e))
-        policy = config.versions if config is not None else VersionPolicy()
-        versions = dict(numbered)
-        wanted = policy.select(sorted(versions))
-        missing = [v for v in wanted if v not in versions]
+        policy = config.version_policy if config is not None else VersionPolicy()
+        folders = dict(numbered)  # version -> its folder
+        wanted = policy.select(sorted(folders))
+        missing = [v for v in wanted if v not in folders]
         if missing:
             return Found(config.name if config else folder.name, None,
                          error=f"versions {missing} are not in {folder.name}/ (found "
-                         f"{sorted(versions)})")
+                         f"{sorted(folders)})")
         older = []
         for v in wanted[:-1]:
-            entry = self._found(folder.name, versions[v] / _WEIGHTS, config_path,
-                                folder=versions[v], version=v)
+            entry = self._found(folder.name, folders[v] / _WEIGHTS, config_path,
+                                folder=folders[v], version=v)
             if entry.path is None:
                 return entry
             older.append((v, entry.path))
-        latest = self._found(folder.name, versions[wanted[-1]] / _WEIGHTS, config_path,
-                             folder=versions[wanted[-1]], version=wanted[-1])
+        latest = self._found(folder.name, folders[wanted[-1]] / _WEIGHTS, config_path,
+                             folder=folders[wanted[-1]], version=wanted[-1])
         return replace(latest, older=tuple(older), numbered=True)
 
     def _found(self, stem: str, weights: Path, config_path: Path, *, folder: Path | None,
@@ -280,7 +281,7 @@ class ModelDir:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"cannot load {path.relative_to(self.root)}: {e}") from e
         signature = infer_signature(model, inputs=config.inputs, outputs=config.outputs)
-        options = {**self.pool_defaults, **config.pool_options}
+        options: PoolOptions = {**self.pool_defaults, **config.pool_options}
         pool = build_pool(model, signature, None, config.outputs is None, options)
         # A load request reads from the model's own folder: DIR itself for DIR/NAME.safetensors.
         files = ModelFiles(model_file=path, model_dir=folder or self.root)

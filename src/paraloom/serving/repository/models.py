@@ -1,6 +1,6 @@
 """The models a server serves, by name: lookups, the index, and load/unload at run time.
 
-One registry serves both transports (HTTP and gRPC). Each model is a ``ServedModel`` with its
+One repository serves both transports (HTTP and gRPC). Each model is a ``ServedModel`` with its
 own ``ParallelInference`` pool. Replacing or unloading a model takes it out of the lookup table
 first, then drains its pool: requests already submitted to it finish on it, later ones go to the
 new model (or get 404 once it is unloaded).
@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import anyio
 
 from paraloom.serving.errors import ForbiddenError, NotFoundError, ProtocolError, UnavailableError
-from paraloom.serving.repository import check_load_parameters
+from paraloom.serving.repository.files import check_load_parameters
 from paraloom.serving.served import ServedModel
 
 if TYPE_CHECKING:
     from paraloom.inference.parallel import ParallelInference
-    from paraloom.serving.model_dir import ModelDir
+    from paraloom.serving.repository.directory import ModelsDir
 
-__all__ = ["IndexEntry", "ModelRegistry"]
+__all__ = ["IndexEntry", "ModelRepository"]
 
 _log = logging.getLogger("paraloom.serving")
 _RETIRE_TIMEOUT = 30.0  # the longest an unloaded model's in-flight requests may take to finish
@@ -36,7 +36,7 @@ class IndexEntry(TypedDict):
 
     name: str
     version: str
-    state: str
+    state: Literal["READY", "UNAVAILABLE"]
     reason: str
 
 
@@ -53,10 +53,10 @@ class _Entry:
         return [*self.older.values(), *([self.served] if self.served is not None else [])]
 
 
-class ModelRegistry:
-    """Named ``ServedModel``s; with a ``ModelDir``, models are found and built from it."""
+class ModelRepository:
+    """Named ``ServedModel``s; with a ``ModelsDir``, models are found and built from it."""
 
-    def __init__(self, source: ModelDir | None = None) -> None:
+    def __init__(self, source: ModelsDir | None = None) -> None:
         self.source = source
         self._entries: dict[str, _Entry] = {}
         self._lock: asyncio.Lock | None = None  # made on the event loop, at the first load
@@ -178,7 +178,7 @@ class ModelRegistry:
             self._lock = asyncio.Lock()
         return self._lock
 
-    async def load(self, name: str, parameters: dict[str, Any], *, trusted: bool = False
+    async def load(self, name: str, parameters: Mapping[str, object], *, trusted: bool = False
                    ) -> str:
         """Load, reload or replace ``name``; returns the version now served.
 
@@ -202,7 +202,7 @@ class ModelRegistry:
                 return await new.load(parameters)
             return new.version
 
-    async def _build(self, name: str, entry: _Entry | None, parameters: dict[str, Any]
+    async def _build(self, name: str, entry: _Entry | None, parameters: Mapping[str, object]
                      ) -> list[ServedModel]:
         check_load_parameters(parameters)  # the same refusals as a weights load
         if self.source is not None:

@@ -10,8 +10,8 @@ one with those weights loaded, so nothing named in the file is ever imported or 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
@@ -23,7 +23,7 @@ __all__ = ["ModelFiles", "check_load_parameters"]
 _SUFFIX = ".safetensors"
 
 
-def check_load_parameters(parameters: dict[str, Any]) -> None:
+def check_load_parameters(parameters: Mapping[str, object]) -> None:
     """Refuse Triton's upload parameters (``file:...``, ``config``): 403."""
     for key in parameters:
         if key.startswith("file:") or key == "config":
@@ -50,7 +50,7 @@ class ModelFiles:
         """Whether any load is allowed at all."""
         return self.model_file is not None or self.model_dir is not None
 
-    def resolve(self, parameters: dict[str, Any]) -> Path:
+    def resolve(self, parameters: Mapping[str, object]) -> Path:
         """The file a load request's parameters name, if the rule allows it."""
         if not self.enabled:
             raise ForbiddenError("model loading is disabled on this server: start it from a "
@@ -110,5 +110,6 @@ class ModelFiles:
         return model
 
 
-def _architecture(header: dict[str, Any]) -> dict[str, Any]:
+def _architecture(header: Mapping[str, object]) -> dict[str, object]:
+    """The header's architecture: what a file's weights must share with the served model's."""
     return {k: header[k] for k in ("name", "class", "kwargs") if k in header}

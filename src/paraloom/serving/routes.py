@@ -1,0 +1,203 @@
+"""The v2 HTTP endpoints: each route a thin translation between HTTP and the shared semantics
+(``handling``) and model repository (``repository``); errors in the protocol's form."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import anyio
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from paraloom.serving.body import read_body
+from paraloom.serving.errors import ProtocolError, ServingError
+from paraloom.serving.handling import InferAnswer, describe_server, handle_infer
+from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
+from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
+from paraloom.serving.repository.models import ModelRepository
+from paraloom.serving.served import ServedModel
+
+__all__ = ["EXCEPTION_HANDLERS", "ROUTES", "error_response"]
+
+_log = logging.getLogger("paraloom.serving")
+_HEADER = "Inference-Header-Content-Length"
+_PARSE_IN_THREAD = 1 << 20  # decode bodies this large off the event loop
+_LOAD_BODY_LIMIT = 64 << 10
+
+
+def error_response(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
+    """The protocol's error form, ``{"error": message}``."""
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _repository(request: Request) -> ModelRepository:
+    repository: ModelRepository = request.app.state.repository
+    return repository
+
+
+def _metrics(request: Request) -> ServingMetrics:
+    metrics: ServingMetrics = request.app.state.metrics
+    return metrics
+
+
+def _served(request: Request) -> ServedModel:
+    return _repository(request).get(request.path_params["name"],
+                                    request.path_params.get("version"))
+
+
+async def server_metadata(request: Request) -> Response:
+    """GET /v2."""
+    return JSONResponse(describe_server())
+
+
+async def live(request: Request) -> Response:
+    """GET /v2/health/live: 200 while the process answers."""
+    return Response(status_code=200)
+
+
+async def ready(request: Request) -> Response:
+    """GET /v2/health/ready: 200 while the models take requests, 400 (the spec's 4xx) otherwise."""
+    return Response(status_code=200 if _repository(request).ready else 400)
+
+
+async def model_metadata(request: Request) -> Response:
+    """GET /v2/models/{name}[/versions/{version}]."""
+    return JSONResponse(_served(request).metadata())
+
+
+async def model_ready(request: Request) -> Response:
+    """GET /v2/models/{name}[/versions/{version}]/ready."""
+    ready = _repository(request).is_ready(request.path_params["name"],
+                                        request.path_params.get("version"))
+    return Response(status_code=200 if ready else 400)
+
+
+def _header_length(request: Request) -> int | None:
+    raw = request.headers.get(_HEADER)
+    if raw is None:
+        return None
+    digits = raw.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        raise ProtocolError(f"{_HEADER} is {raw!r}; expected the JSON part's length in bytes, "
+                            "as ASCII digits")
+    return int(digits)
+
+
+def _encode(answer: InferAnswer) -> Response:
+    body, header_length = encode_infer_response(
+        model_name=answer.model_name, model_version=answer.model_version,
+        request_id=answer.request_id, outputs=answer.outputs)
+    if header_length is None:
+        return Response(body, media_type="application/json")
+    return Response(body, media_type="application/octet-stream",
+                    headers={_HEADER: str(header_length)})
+
+
+async def infer(request: Request) -> Response:
+    """POST /v2/models/{name}[/versions/{version}]/infer."""
+    async def decode() -> InferRequest:
+        body = await read_body(request, request.app.state.max_body_bytes)
+        header_length = _header_length(request)
+        if len(body) > _PARSE_IN_THREAD:
+            return await anyio.to_thread.run_sync(parse_infer_request, body, header_length)
+        return parse_infer_request(body, header_length)
+
+    try:
+        answer = await handle_infer(_repository(request), _metrics(request),
+                                    request.path_params["name"],
+                                    request.path_params.get("version"), decode)
+    except ServingError as e:
+        return error_response(e.status, e.message, e.retry_after)
+    return _encode(answer)
+
+
+async def repository_index(request: Request) -> Response:
+    """POST /v2/repository/index: every model, its version and state (READY, UNAVAILABLE)."""
+    body = await read_body(request, _LOAD_BODY_LIMIT)
+    rows = _repository(request).index()
+    if body.strip():
+        try:
+            obj = json.loads(body)
+        except ValueError as e:
+            raise ProtocolError(f"index request body is not valid JSON: {e}") from e
+        if isinstance(obj, dict) and obj.get("ready") is True:
+            rows = [r for r in rows if r["state"] == "READY"]
+    return JSONResponse(rows)
+
+
+async def _load_parameters(request: Request) -> dict[str, object]:
+    body = await read_body(request, _LOAD_BODY_LIMIT)
+    if not body.strip():
+        return {}
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        raise ProtocolError(f"load request body is not valid JSON: {e}") from e
+    params = obj.get("parameters", {}) if isinstance(obj, dict) else None
+    if not isinstance(params, dict):
+        raise ProtocolError('load request body must be {"parameters": {"path": NAME}} or empty')
+    return params
+
+
+async def load_model(request: Request) -> Response:
+    """POST /v2/repository/models/{name}/load: load, reload or swap in new weights."""
+    name = request.path_params["name"]
+    version = await _repository(request).load(name, await _load_parameters(request))
+    _log.info("model %r now serves version %s", name, version)
+    return JSONResponse({"name": name, "version": version})
+
+
+async def unload_model(request: Request) -> Response:
+    """POST /v2/repository/models/{name}/unload: stop serving it once in-flight requests end."""
+    name = request.path_params["name"]
+    await read_body(request, _LOAD_BODY_LIMIT)
+    await _repository(request).unload(name)
+    return JSONResponse({"name": name})
+
+
+async def metrics(request: Request) -> Response:
+    """GET /metrics in Prometheus' text format."""
+    return Response(_metrics(request).exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _on_serving_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ServingError)
+    return error_response(exc.status, exc.message, exc.retry_after)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = (f"no endpoint {request.method} {request.url.path}; the v2 endpoints are "
+                   "under /v2 (GET /v2/models/NAME, POST /v2/models/NAME/infer)")
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return error_response(exc.status_code, message)
+
+
+_MODEL = "/v2/models/{name}"
+_VERSION = "/v2/models/{name}/versions/{version}"
+ROUTES = [
+    Route("/v2", server_metadata, methods=["GET"]),
+    Route("/v2/health/live", live, methods=["GET"]),
+    Route("/v2/health/ready", ready, methods=["GET"]),
+    Route(_MODEL, model_metadata, methods=["GET"]),
+    Route(_VERSION, model_metadata, methods=["GET"]),
+    Route(_MODEL + "/ready", model_ready, methods=["GET"]),
+    Route(_VERSION + "/ready", model_ready, methods=["GET"]),
+    Route(_MODEL + "/infer", infer, methods=["POST"]),
+    Route(_VERSION + "/infer", infer, methods=["POST"]),
+    Route("/v2/repository/index", repository_index, methods=["POST"]),
+    Route("/v2/repository/models/{name}/load", load_model, methods=["POST"]),
+    Route("/v2/repository/models/{name}/unload", unload_model, methods=["POST"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
+
+EXCEPTION_HANDLERS = {ServingError: _on_serving_error, HTTPException: _on_http_error}
+"""Every ``ServingError`` and routing error answered in the protocol's ``{"error": ...}``."""

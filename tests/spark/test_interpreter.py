@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from paraloom.spark.runtime.interpreter import missing_paraloom_hint, use_driver_python
-from paraloom.spark.training.master import SparkTrainingError, run_job
+from paraloom.spark.training.jobs import SparkTrainingError, run_job
 
 
 def _context(master: str, conf: dict[str, str] | None = None):

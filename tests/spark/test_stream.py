@@ -65,7 +65,7 @@ def test_a_spill_replays_the_chunks_and_removes_its_file(tmp_path):
 def test_a_worker_holds_a_few_chunks_whatever_the_partition_size():
     import weakref
 
-    from paraloom.spark.training.master import TrainingMaster
+    from paraloom.spark.training.base import TrainingMaster
 
     alive = set()
 

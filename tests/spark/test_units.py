@@ -27,12 +27,13 @@ from paraloom.spark.runtime.state import (
 )
 from paraloom.spark.stats import PHASES, TimedSynchronizer, TrainingStats, split_round
 from paraloom.spark.training.averaging_task import (
-    RoundConfig,
+    AveragingRound,
     add_results,
     averaging_task,
     weighted,
 )
 from paraloom.spark.training.board import ErrorBoard, settle
+from paraloom.spark.training.messages import WorkerFailed, WorkerFinished, WorkerRerun
 from paraloom.spark.training.rendezvous import bounded_call, local_rank, meet, task_host
 from paraloom.spark.training.shared_task import SharedConfig, checkpoint_path, shared_task
 from paraloom.spark.training.task import pickle_spec
@@ -186,12 +187,11 @@ def test_error_board_relays_causes_and_reraises_dead_peers():
     boards = [ErrorBoard(store, r, 3, "run1") for r in range(3)]
     assert boards[0].causes(wait_s=0.1) == []
     own = settle(ValueError("bad row 7"), boards[2], rank=2, linger_s=0.1)
-    assert own[0] == "error" and json.loads(own[2])["symptom"] is False
+    assert isinstance(own, WorkerFailed) and own.symptom is False
     dead = RuntimeError("[gloo] Read error: Connection reset by peer")
-    kind, rank, info, _ = settle(dead, boards[1], rank=1, linger_s=0.1)
-    info = json.loads(info)
-    assert (kind, rank, info["cause_rank"], info["symptom"]) == ("error", 1, 2, True)
-    assert info["message"] == "ValueError: bad row 7" and "bad row 7" in info["traceback"]
+    info = settle(dead, boards[1], rank=1, linger_s=0.1)
+    assert (type(info), info.rank, info.cause_rank, info.symptom) == (WorkerFailed, 1, 2, True)
+    assert info.message == "ValueError: bad row 7" and "bad row 7" in info.traceback
     lonely = ErrorBoard(store, 1, 3, "run2")  # another stage attempt: nothing posted there
     with pytest.raises(RuntimeError, match="reset by peer"):
         settle(dead, lonely, rank=1, linger_s=0.1)
@@ -203,8 +203,8 @@ def test_a_partial_rerun_reports_instead_of_waiting():
     cfg = SharedConfig(fit_id="partial", world_size=2, epochs=1, batch_size=8, seed=0,
                        origin=time.time(), features=Features(), rendezvous_timeout_s=5)
     context = FakeBarrier()
-    [(kind, rank, _, _)] = list(shared_task(b"", b"", cfg, context, _chunk(8)))
-    assert (kind, rank, context.calls) == ("rerun", 0, 0)
+    [record] = list(shared_task(b"", b"", cfg, context, _chunk(8)))
+    assert (type(record), record.rank, context.calls) == (WorkerRerun, 0, 0)
 
 
 def _linear_spec(sync) -> tuple[WorkerSpec, nn.Module]:
@@ -230,52 +230,50 @@ def test_barrier_task_trains_checkpoints_and_resumes(tmp_path):
                        checkpoint_every=4, collect_stats=True)
     state = pack(model.state_dict())
     context = FakeBarrier()
-    [(kind, rank, info_text, blob)] = list(shared_task(pickle_spec(spec), state, cfg, context,
-                                                       _chunk(40)))
-    info = json.loads(info_text)
-    assert (kind, rank, context.calls) == ("ok", 0, 1)  # exactly one allGather
-    assert info["steps"] == 15 and info["samples"] == 120 and info["resumed_from_step"] is None
-    losses = [info["losses"][str(e)][0] / info["losses"][str(e)][1] for e in range(3)]
+    [record] = list(shared_task(pickle_spec(spec), state, cfg, context, _chunk(40)))
+    assert isinstance(record, WorkerFinished)
+    info = record.report
+    assert (record.rank, context.calls) == (0, 1)  # exactly one allGather
+    assert info.steps == 15 and info.samples == 120 and info.resumed_from_step is None
+    losses = [info.losses[e][0] / info.losses[e][1] for e in range(3)]
     assert losses[-1] < losses[0]
-    rounds = info["stats"]["rounds"]
+    rounds = info.stats["rounds"]
     assert len(rounds["start"]) == 15 and set(PHASES) <= set(rounds)
     assert sum(rounds["compute"]) > 0
-    final = unpack(blob)
-    assert state_digest(final.model) == info["digest"] != state_digest(model.state_dict())
+    final = unpack(record.state)
+    assert state_digest(final.model) == info.digest != state_digest(model.state_dict())
     assert checkpoint_path(str(tmp_path), "unit").exists()
     # A re-run of the same fit (Spark's retry) starts from the checkpoint: nothing left to do.
-    [(kind, _, again, blob2)] = list(shared_task(pickle_spec(spec), state, cfg, FakeBarrier(),
-                                                 _chunk(40)))
-    again = json.loads(again)
-    assert kind == "ok" and again["resumed_from_step"] == 15 and again["steps"] == 0
-    assert state_digest(unpack(blob2).model) == info["digest"]
+    [again] = list(shared_task(pickle_spec(spec), state, cfg, FakeBarrier(), _chunk(40)))
+    assert isinstance(again, WorkerFinished)
+    assert again.report.resumed_from_step == 15 and again.report.steps == 0
+    assert state_digest(unpack(again.state).model) == info.digest
 
 
 @pytest.mark.timeout(60)
 def test_barrier_task_reports_a_bad_spec_without_hanging():
     cfg = SharedConfig(fit_id="bad", world_size=1, epochs=1, batch_size=8, seed=0,
                        origin=time.time(), features=Features(), rendezvous_timeout_s=10)
-    [(kind, rank, info, _)] = list(shared_task(b"not a pickle", pack({}), cfg, FakeBarrier(),
-                                               _chunk(8)))
-    assert kind == "error" and rank == 0
-    assert "UnpicklingError" in json.loads(info)["message"] or "pickle" in info
+    [record] = list(shared_task(b"not a pickle", pack({}), cfg, FakeBarrier(), _chunk(8)))
+    assert isinstance(record, WorkerFailed) and record.rank == 0
+    assert "UnpicklingError" in record.message or "pickle" in record.message + record.traceback
 
 
 def test_averaging_tasks_average_weighted_by_examples():
     spec, model = _linear_spec(NoSync())
     spec_bytes, state = pickle_spec(spec), pack(model.state_dict())
-    cfg = RoundConfig(fit_id="avg-unit", epoch=0, round=0, batch_size=8, frequency=5, seed=0,
-                      origin=time.time(), features=Features(), save_updater=True)
+    cfg = AveragingRound(fit_id="avg-unit", epoch=0, index=0, batch_size=8, frequency=5,
+                         seed=0, origin=time.time(), features=Features(), save_updater=True)
     [big] = list(averaging_task(spec_bytes, state, cfg, 0, _chunk(40, seed=1)))
     [small] = list(averaging_task(spec_bytes, state, cfg, 1, _chunk(8, seed=2)))
-    assert (big["n"], small["n"], big["steps"], small["steps"]) == (40, 8, 5, 1)
-    p0, p1 = big["model"].astype(np.float64), small["model"].astype(np.float64)
+    assert (big.n, small.n, big.steps, small.steps) == (40, 8, 5, 1)
+    p0, p1 = big.model.astype(np.float64), small.model.astype(np.float64)
     assert not np.allclose(p0, p1)
     total = weighted(add_results(add_results(None, big), small))
-    np.testing.assert_allclose(total["model"] / total["n"], (40 * p0 + 8 * p1) / 48, rtol=1e-12)
-    later = RoundConfig(**{**cfg.__dict__, "round": 1})
+    np.testing.assert_allclose(total.model / total.n, (40 * p0 + 8 * p1) / 48, rtol=1e-12)
+    later = AveragingRound(**{**cfg.__dict__, "index": 1})
     [idle] = list(averaging_task(spec_bytes, state, later, 1, _chunk(8, seed=2)))
-    assert idle["n"] == 0 and add_results(total, idle)["n"] == 48
+    assert idle.n == 0 and add_results(total, idle).n == 48
 
 
 def test_regression_evaluation_matches_numpy_and_merges():

@@ -9,11 +9,13 @@
 Needs the ``spark`` extra: ``pip install "paraloom[spark]"`` (PySpark 4, Java 17+).
 
 Layout: ``model.py`` (SparkModel) and ``cli.py`` (``paraloom spark-train``) here;
-``training/`` the two masters, their Spark tasks, the barrier rendezvous and error board;
+``training/`` the two masters, their Spark tasks and the records those send the driver, the
+barrier rendezvous and error board;
 ``evaluation/`` distributed evaluation (several metrics in one pass), inference; ``data/``
 rows, DataFrames and Parquet (through Arrow) to arrays of one or several inputs, deterministic
 partitions; ``stats/`` per-phase timings and TrainingStats;
-``runtime/`` what both use on the executors (state as bytes, the per-worker model cache).
+``runtime/`` what both use on the executors (state as bytes, the model cache of an executor's
+Python process).
 """
 
 from __future__ import annotations

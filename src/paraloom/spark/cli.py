@@ -64,10 +64,10 @@ def _confs(entries: list[str]) -> dict[str, str]:
 
 
 def session(master: str, confs: dict[str, str] | None = None) -> tuple[SparkSession, bool]:
-    """(a SparkSession for ``master``, whether this call created it).
+    """(a SparkSession for the master URL ``master``, whether this call created it).
 
-    For ``local`` masters the executors use this Python and loopback networking, unless the
-    environment already says otherwise (PYSPARK_PYTHON, SPARK_LOCAL_IP).
+    For a ``local`` master URL the executors use this Python and loopback networking, unless
+    the environment already says otherwise (PYSPARK_PYTHON, SPARK_LOCAL_IP).
     """
     from pyspark.sql import SparkSession
 

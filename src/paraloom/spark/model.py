@@ -40,9 +40,10 @@ from paraloom.spark.evaluation import (
 from paraloom.spark.evaluation.inference import Shipment
 from paraloom.spark.evaluation.metrics import MetricSet
 from paraloom.spark.runtime.interpreter import use_driver_python
+from paraloom.spark.runtime.state import OptimizerState
 from paraloom.spark.stats import TrainingStats
 from paraloom.spark.training import FitJob, TrainingMaster
-from paraloom.spark.training.master import SparkTrainingError, root_cause
+from paraloom.spark.training.jobs import SparkTrainingError, root_cause
 from paraloom.sync.base import NoSync
 from paraloom.training.optim import OptimizerFactory, OptimizerSpec
 from paraloom.training.replica import StepFn
@@ -59,13 +60,14 @@ log = logging.getLogger("paraloom")
 
 
 def _spark_context(spark: SparkSession | SparkContext) -> SparkContext:
-    sc = getattr(spark, "sparkContext", spark)
-    if not hasattr(sc, "broadcast") or not hasattr(sc, "parallelize"):
+    found = getattr(spark, "sparkContext", spark)
+    if not hasattr(found, "broadcast") or not hasattr(found, "parallelize"):
         raise TypeError(f"spark must be a SparkSession or SparkContext; got "
                         f"{type(spark).__name__}. Spark Connect sessions have no RDD API: use "
                         f"a classic session (SparkSession.builder.master(...))")
+    sc = cast("SparkContext", found)
     use_driver_python(sc)
-    return cast("SparkContext", sc)
+    return sc
 
 
 _LABEL_HINT = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)"
@@ -142,12 +144,11 @@ class SparkModel:
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self._optimizer_spec = OptimizerSpec.from_user(optimizer, model) \
             if optimizer is not None else None
-        self._optimizer_state: dict[str, Any] | None = None
+        self._optimizer_state: OptimizerState | None = None
         label = None if label_dtype is None else str(label_dtype).removeprefix("torch.")
         self.features = Features(normalize_shapes(feature_shape) if feature_shape else None,
                                  _dtype_name(model), label)
         self._stats: TrainingStats | None = None
-        self._last_fit: dict[str, Any] = {}
 
     # -- training ------------------------------------------------------------------------------
     @property
@@ -156,7 +157,7 @@ class SparkModel:
         a one-unit output (``targets.ColumnTargets``)."""
         return column_loss(self.loss_fn)
 
-    def _optimizer_state_now(self) -> dict[str, Any] | None:
+    def _optimizer_state_now(self) -> OptimizerState | None:
         """What the workers' optimizers start from: the user's optimizer as it is now (its
         param groups carry the settings, so a learning rate changed before a fit applies even
         while there is no state yet), or a factory's last state."""
@@ -164,7 +165,7 @@ class SparkModel:
             return self._user_optimizer.state_dict()
         return self._optimizer_state
 
-    def fit(self, data: RDD[Any] | DataFrame, epochs: int = 1, *,
+    def fit(self, data: RDD[object] | DataFrame, epochs: int = 1, *,
             features: Spec | None = None, label: Label = "label", inputs: Inputs | None = None,
             collect_stats: bool = False, seed: int = 0,
             prebatched: bool = False) -> dict[str, Any]:
@@ -179,19 +180,7 @@ class SparkModel:
         With ``collect_stats=True`` per-worker, per-phase timings are kept: see
         ``training_stats()``.
         """
-        if self._optimizer_spec is None:
-            raise ValueError("fit() needs an optimizer: SparkModel(..., optimizer=torch.optim."
-                             "SGD(model.parameters(), lr=0.05)) or a factory params -> Optimizer")
-        if self.loss_fn is None and self.step_fn is None:
-            raise ValueError("fit() needs loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=")
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
-        if self._user_optimizer is not None:  # its param groups as they are now
-            self._optimizer_spec = OptimizerSpec.from_user(self._user_optimizer, self.model)
-        spec = WorkerSpec(model=self.model, optimizer=self._optimizer_spec, loss_fn=self._loss,
-                          step_fn=self.step_fn, synchronizer=NoSync(), clipping=self.clipping)
-        state = cpu_copy(self.model.state_dict())
-        job = FitJob(self.sc, spec, state, self._optimizer_state_now(), self.features)
+        job = self._fit_job(epochs)
         columns = self._columns(data, features, label, inputs)
         if is_dataframe(data) or prebatched:  # DataFrames: decoded from Arrow batches
             job.chunked = True
@@ -210,8 +199,24 @@ class SparkModel:
             self.model.load_state_dict(result.state)
         self._adopt_optimizer(result.optimizer_state)
         self._stats = result.stats
-        self._last_fit = result.summary
         return dict(result.summary)
+
+    def _fit_job(self, epochs: int) -> FitJob:
+        """What the training master gets: the replica spec and the user's model and optimizer
+        state as they are now; checks first that fit() has what it needs."""
+        if self._optimizer_spec is None:
+            raise ValueError("fit() needs an optimizer: SparkModel(..., optimizer=torch.optim."
+                             "SGD(model.parameters(), lr=0.05)) or a factory params -> Optimizer")
+        if self.loss_fn is None and self.step_fn is None:
+            raise ValueError("fit() needs loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
+        if self._user_optimizer is not None:  # its param groups as they are now
+            self._optimizer_spec = OptimizerSpec.from_user(self._user_optimizer, self.model)
+        spec = WorkerSpec(model=self.model, optimizer=self._optimizer_spec, loss_fn=self._loss,
+                          step_fn=self.step_fn, synchronizer=NoSync(), clipping=self.clipping)
+        state = cpu_copy(self.model.state_dict())
+        return FitJob(self.sc, spec, state, self._optimizer_state_now(), self.features)
 
     def fit_paths(self, path: str | Sequence[str], epochs: int = 1, *,
                   features: Spec | None = None, label: Label = "label",
@@ -238,7 +243,7 @@ class SparkModel:
         return self.fit(df, epochs, features=features, label=label, inputs=inputs,
                         collect_stats=collect_stats, seed=seed, prebatched=prebatched)
 
-    def _adopt_optimizer(self, state: dict[str, Any] | None) -> None:
+    def _adopt_optimizer(self, state: OptimizerState | None) -> None:
         if state is None:
             return
         self._optimizer_state = state
@@ -281,16 +286,16 @@ class SparkModel:
         return ship(self.sc, self.model, self.features, self._thresholds())
 
     @overload
-    def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = ...,
+    def evaluate(self, data: RDD[object] | DataFrame, *, features: Spec | None = ...,
                  label: Label = ..., inputs: Inputs | None = ...,
                  output: int | str | None = ..., batch_size: int = ...,
                  metrics: None = ..., prebatched: bool = ...) -> Evaluation: ...
     @overload
-    def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = ...,
+    def evaluate(self, data: RDD[object] | DataFrame, *, features: Spec | None = ...,
                  label: Label = ..., inputs: Inputs | None = ...,
                  output: int | str | None = ..., batch_size: int = ...,
                  metrics: Sequence[str], prebatched: bool = ...) -> dict[str, Any]: ...
-    def evaluate(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
+    def evaluate(self, data: RDD[object] | DataFrame, *, features: Spec | None = None,
                  label: Label = "label", inputs: Inputs | None = None,
                  output: int | str | None = None, batch_size: int = 256,
                  metrics: Sequence[str] | None = None,
@@ -316,7 +321,7 @@ class SparkModel:
                                     names, loss_fn=self._loss, batch_size=batch_size,
                                     output=output, threshold=self._threshold(output))
 
-    def evaluate_regression(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
+    def evaluate_regression(self, data: RDD[object] | DataFrame, *, features: Spec | None = None,
                             label: Label = "label", inputs: Inputs | None = None,
                             output: int | str | None = None, batch_size: int = 256,
                             prebatched: bool = False) -> RegressionEvaluation:
@@ -327,14 +332,14 @@ class SparkModel:
                               prebatched=prebatched)
 
     @overload
-    def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
+    def _evaluate(self, data: RDD[object] | DataFrame, columns: Columns, output: int | str | None,
                   batch_size: int, regression: Literal[False],
                   prebatched: bool = ...) -> Evaluation: ...
     @overload
-    def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
+    def _evaluate(self, data: RDD[object] | DataFrame, columns: Columns, output: int | str | None,
                   batch_size: int, regression: Literal[True],
                   prebatched: bool = ...) -> RegressionEvaluation: ...
-    def _evaluate(self, data: RDD[Any] | DataFrame, columns: Columns, output: int | str | None,
+    def _evaluate(self, data: RDD[object] | DataFrame, columns: Columns, output: int | str | None,
                   batch_size: int, regression: bool,
                   prebatched: bool = False) -> Evaluation | RegressionEvaluation:
         chunks = data_chunks(data, columns, batch_size, prebatched)
@@ -368,11 +373,11 @@ class SparkModel:
                 batch_size: int = ..., argmax: bool = ..., keyed: bool = ...,
                 prebatched: bool = ...) -> DataFrame: ...
     @overload
-    def predict(self, data: RDD[Any], *, features: Spec | None = ...,
+    def predict(self, data: RDD[object], *, features: Spec | None = ...,
                 inputs: Inputs | None = ..., output: str | tuple[str, ...] = ...,
                 batch_size: int = ..., argmax: bool = ..., keyed: bool = ...,
                 prebatched: bool = ...) -> RDD[Any]: ...
-    def predict(self, data: RDD[Any] | DataFrame, *, features: Spec | None = None,
+    def predict(self, data: RDD[object] | DataFrame, *, features: Spec | None = None,
                 inputs: Inputs | None = None, output: str | tuple[str, ...] = "prediction",
                 batch_size: int = 256, argmax: bool = False,
                 keyed: bool = False, prebatched: bool = False) -> DataFrame | RDD[Any]:

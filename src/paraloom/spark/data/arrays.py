@@ -7,7 +7,7 @@ or a dict of arrays (keyword inputs); every function here keeps that structure.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import TypeAlias, cast
 
 import numpy as np
 
@@ -17,7 +17,7 @@ Arrays: TypeAlias = np.ndarray | tuple[np.ndarray, ...] | dict[str, np.ndarray]
 """One field of a batch of rows: an array, a tuple of arrays, or a dict of arrays."""
 
 
-def map_arrays(f: Callable[[np.ndarray], Any], a: Any) -> Any:
+def map_arrays(f: Callable[[np.ndarray], np.ndarray], a: Arrays) -> Arrays:
     """``f`` applied to every array of ``a``, keeping its tuple / dict structure."""
     if isinstance(a, tuple):
         return tuple(f(v) for v in a)
@@ -26,7 +26,7 @@ def map_arrays(f: Callable[[np.ndarray], Any], a: Any) -> Any:
     return f(a)
 
 
-def leaves(a: Any) -> list[np.ndarray]:
+def leaves(a: Arrays) -> list[np.ndarray]:
     """The arrays of ``a`` in order."""
     if isinstance(a, tuple):
         return list(a)
@@ -35,14 +35,14 @@ def leaves(a: Any) -> list[np.ndarray]:
     return [a]
 
 
-def num_rows(a: Any) -> int:
+def num_rows(a: Arrays) -> int:
     """Rows in ``a`` (the first array's length; 0 for no arrays)."""
     first = leaves(a)
     return len(first[0]) if first else 0
 
 
-def take(a: Any, idx: np.ndarray) -> Any:
-    """Rows ``idx`` of every array of ``a``."""
+def take(a: Arrays, idx: np.ndarray | slice) -> Arrays:
+    """Rows ``idx`` (indices or a slice) of every array of ``a``."""
     return map_arrays(lambda v: v[idx], a)
 
 
@@ -55,32 +55,37 @@ def _stack_one(values: Sequence[np.ndarray], what: str) -> np.ndarray:
                          f"same shape ({e})") from e
 
 
-def stack(rows: Sequence[Any], what: str = "feature") -> Any:
+def stack(rows: Sequence[Arrays], what: str = "feature") -> Arrays:
     """One array per field from per-row values (arrays, or tuples / dicts of arrays)."""
     first = rows[0]
     if isinstance(first, tuple):
-        if any(not isinstance(r, tuple) or len(r) != len(first) for r in rows):
+        tuples = [r for r in rows if isinstance(r, tuple) and len(r) == len(first)]
+        if len(tuples) != len(rows):
             raise ValueError(f"{what} rows hold different numbers of arrays: every row must "
                              f"have the same inputs")
-        return tuple(_stack_one([r[i] for r in rows], f"{what} {i}") for i in range(len(first)))
+        return tuple(_stack_one([r[i] for r in tuples], f"{what} {i}")
+                     for i in range(len(first)))
     if isinstance(first, dict):
-        if any(not isinstance(r, dict) or r.keys() != first.keys() for r in rows):
+        dicts = [r for r in rows if isinstance(r, dict) and r.keys() == first.keys()]
+        if len(dicts) != len(rows):
             raise ValueError(f"{what} rows hold different keys: every row must have the same "
                              f"inputs {sorted(first)}")
-        return {k: _stack_one([r[k] for r in rows], f"{what} {k!r}") for k in first}
-    return _stack_one(rows, what)
+        return {k: _stack_one([r[k] for r in dicts], f"{what} {k!r}") for k in first}
+    return _stack_one(cast("Sequence[np.ndarray]", rows), what)
 
 
-def concat(parts: Sequence[Any]) -> Any:
+def concat(parts: Sequence[Arrays]) -> Arrays:
     """Row-wise concatenation of same-structured arrays (a partition's chunks joined)."""
     first = parts[0]
     if isinstance(first, tuple):
-        return tuple(np.concatenate([p[i] for p in parts]) for i in range(len(first)))
+        tuples = cast("Sequence[tuple[np.ndarray, ...]]", parts)
+        return tuple(np.concatenate([p[i] for p in tuples]) for i in range(len(first)))
     if isinstance(first, dict):
-        return {k: np.concatenate([p[k] for p in parts]) for k in first}
-    return np.concatenate(parts)
+        dicts = cast("Sequence[dict[str, np.ndarray]]", parts)
+        return {k: np.concatenate([p[k] for p in dicts]) for k in first}
+    return np.concatenate(cast("Sequence[np.ndarray]", parts))
 
 
-def empty_like(a: Any) -> Any:
+def empty_like(a: Arrays) -> Arrays:
     """``a`` with no rows (same structure, dtypes and row shapes)."""
     return map_arrays(lambda v: v[:0], a)

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from paraloom.spark.data.rows import Columns, Pair, Spec, check_columns, column
+from paraloom.spark.data.arrays import Arrays
+from paraloom.spark.data.rows import Columns, FieldSpec, Pair, Spec, check_columns, column
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
     from pyspark import RDD
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column, DataFrame
 
 __all__ = ["arrow_column", "arrow_field", "batch_pair", "encode_chunk", "decode_chunk",
            "arrow_chunks", "arrow_columns", "check_prebatched", "data_chunks", "unbatch"]
@@ -54,7 +55,7 @@ def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
         return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise TypeError(f"column {name!r} has type {kind}; expected numbers or arrays of numbers")
-    return arr.to_numpy(zero_copy_only=False)
+    return np.asarray(arr.to_numpy(zero_copy_only=False))
 
 
 def _spec(get: Callable[[str], pa.Array], rows: int, spec: Spec) -> np.ndarray:
@@ -64,7 +65,7 @@ def _spec(get: Callable[[str], pa.Array], rows: int, spec: Spec) -> np.ndarray:
     return np.concatenate(parts, axis=1)
 
 
-def arrow_field(get: Callable[[str], pa.Array], rows: int, field: Any) -> Any:
+def arrow_field(get: Callable[[str], pa.Array], rows: int, field: FieldSpec) -> Arrays:
     """One field (a spec, a tuple or a dict of specs) of ``rows`` rows as numpy array(s), each
     column read with ``get(name)``: the one decoding path of training, evaluation and
     prediction."""
@@ -81,7 +82,7 @@ def batch_pair(batch: pa.RecordBatch, columns: Columns) -> Pair:
             arrow_field(batch.column, batch.num_rows, columns.label))
 
 
-def _flat(prefix: str, a: Any) -> dict[str, np.ndarray]:
+def _flat(prefix: str, a: Arrays) -> dict[str, np.ndarray]:
     if isinstance(a, tuple):
         return {f"{prefix}#{i}": v for i, v in enumerate(a)}
     if isinstance(a, dict):
@@ -92,12 +93,13 @@ def _flat(prefix: str, a: Any) -> dict[str, np.ndarray]:
 def encode_chunk(pair: Pair) -> bytes:
     """A chunk as ``.npz`` bytes (arrays only: decoding unpickles nothing)."""
     out = io.BytesIO()
+    # Any: savez's stub gives its arrays-by-keyword the type of its own allow_pickle flag
     arrays: dict[str, Any] = {**_flat("x", pair[0]), **_flat("y", pair[1])}
     np.savez(out, **arrays)
     return out.getvalue()
 
 
-def _unflat(prefix: str, arrays: dict[str, np.ndarray]) -> Any:
+def _unflat(prefix: str, arrays: dict[str, np.ndarray]) -> Arrays:
     if prefix in arrays:
         return arrays[prefix]
     items = [(k[len(prefix):], v) for k, v in arrays.items() if k.startswith(prefix)]
@@ -113,7 +115,7 @@ def decode_chunk(blob: bytes) -> Pair:
     return _unflat("x", arrays), _unflat("y", arrays)
 
 
-def arrow_columns(df: DataFrame, names: list[str]) -> list[Any]:
+def arrow_columns(df: DataFrame, names: list[str]) -> list[Column]:
     """``df``'s columns ``names`` ready for Arrow: Spark ML vectors as arrays of doubles."""
     from pyspark.ml.functions import vector_to_array
 
@@ -214,7 +216,7 @@ def _stacked(size: int) -> Callable[[Iterable[Pair]], Iterator[Pair]]:
     return lambda rows: chunk_rows((((0, 0), row) for row in rows), size)
 
 
-def data_chunks(data: RDD[Any] | DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
+def data_chunks(data: RDD[object] | DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
                 prebatched: bool = False) -> RDD[Pair]:
     """Chunks of at most ``rows`` stacked ``(features, label)`` rows from a DataFrame (decoded
     from Arrow batches on the executors) or an RDD of ``(features, label)`` pairs.

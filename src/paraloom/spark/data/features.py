@@ -2,34 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-__all__ = ["Features", "Shapes"]
+from paraloom.spark.data.arrays import Arrays
+
+if TYPE_CHECKING:  # typing has TypeIs from Python 3.13 on
+    from typing_extensions import TypeIs
+
+__all__ = ["Features", "Shapes", "ShapeArgument", "Tensors"]
 
 Shape = tuple[int, ...]
 Shapes = Shape | tuple[Shape | None, ...] | dict[str, Shape | None]
 """One input's per-row shape, or one per input (a tuple in argument order, or by name)."""
+ShapeArgument = Sequence[int] | Sequence[Sequence[int] | None] | dict[str, Sequence[int] | None]
+"""``SparkModel(feature_shape=...)`` as given: lists or tuples."""
+Tensors = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
+"""A batch's inputs or targets as the model and the loss take them: ``Arrays`` as tensors."""
 
 
-def _is_shape(value: Any) -> bool:
+def _is_shape(value: object) -> TypeIs[Shape]:
     return isinstance(value, tuple) and all(isinstance(v, int) for v in value)
 
 
-def normalize_shapes(value: Any) -> Shapes | None:
+def normalize_shapes(value: ShapeArgument | None) -> Shapes | None:
     """``feature_shape=`` as tuples: a shape, a sequence of shapes (or None), or a dict."""
     if value is None:
         return None
     if isinstance(value, dict):
         return {str(k): None if v is None else tuple(int(d) for d in v) for k, v in value.items()}
     items = tuple(value)
-    if all(isinstance(v, (int, np.integer)) for v in items):
-        return tuple(int(v) for v in items)
-    if all(v is None or isinstance(v, (list, tuple)) for v in items):
-        return tuple(None if v is None else tuple(int(d) for d in v) for v in items)
+    numbers = [int(v) for v in items if isinstance(v, (int, np.integer))]
+    if len(numbers) == len(items):
+        return tuple(numbers)
+    shapes = [v for v in items if v is None or isinstance(v, (list, tuple))]
+    if len(shapes) == len(items):
+        return tuple(None if v is None else tuple(int(d) for d in v) for v in shapes)
     raise TypeError(f"feature_shape={value!r}; expected a shape (e.g. (1, 8, 8)), one shape "
                     f"(or None) per input, or a dict of them by input name")
 
@@ -59,48 +71,59 @@ class Features:
             t = t.reshape(len(t), *shape)
         return t
 
-    def shapes_for(self, x: Any) -> Any:
+    def shapes_for(self, x: object) -> Shapes | None:
         """``feature_shape`` laid out like ``x`` (one input, a tuple or a dict of them): one
         shape or None per input; a ValueError when they do not fit.
 
         Only ``x``'s structure is read (its length or keys), so the driver checks
         ``Columns.features`` with it before any Spark job.
         """
-        shape = self.shape
         if isinstance(x, tuple):
-            if isinstance(shape, dict) or _is_shape(shape):
-                raise ValueError(f"feature_shape={shape} but the rows hold {len(x)} positional "
-                                 f"inputs; give a tuple with one shape (or None) per input, "
-                                 f"in order")
-            shapes = cast("tuple[Shape | None, ...] | None", shape)
-            if shapes is not None and len(shapes) != len(x):
-                raise ValueError(f"feature_shape gives {len(shapes)} shapes but the rows hold "
-                                 f"{len(x)} inputs; give one shape (or None) per input")
-            return shapes or (None,) * len(x)
+            return self._positional_shapes(len(x))
         if isinstance(x, dict):
-            if shape is not None and not isinstance(shape, dict):
-                raise ValueError(f"feature_shape={shape} but the rows hold keyword inputs "
-                                 f"{list(x)}; give a dict of shapes by input name, e.g. "
-                                 f"{{{next(iter(x))!r}: (1, 8, 8)}}")
-            named = shape or {}
-            unknown = sorted(set(named) - set(x))
-            if unknown:
-                raise ValueError(f"feature_shape names inputs {unknown} that the rows do not "
-                                 f"have; their inputs are {sorted(x)}")
-            return {k: named.get(k) for k in x}
+            return self._keyword_shapes([str(k) for k in x])
+        return self._one_shape()
+
+    def _positional_shapes(self, inputs: int) -> tuple[Shape | None, ...]:
+        shape = self.shape
+        if isinstance(shape, dict) or _is_shape(shape):
+            raise ValueError(f"feature_shape={shape} but the rows hold {inputs} positional "
+                             f"inputs; give a tuple with one shape (or None) per input, "
+                             f"in order")
+        if shape is not None and len(shape) != inputs:
+            raise ValueError(f"feature_shape gives {len(shape)} shapes but the rows hold "
+                             f"{inputs} inputs; give one shape (or None) per input")
+        return shape or (None,) * inputs
+
+    def _keyword_shapes(self, names: list[str]) -> dict[str, Shape | None]:
+        shape = self.shape
+        if shape is not None and not isinstance(shape, dict):
+            raise ValueError(f"feature_shape={shape} but the rows hold keyword inputs "
+                             f"{names}; give a dict of shapes by input name, e.g. "
+                             f"{{{names[0]!r}: (1, 8, 8)}}")
+        named = shape or {}
+        unknown = sorted(set(named) - set(names))
+        if unknown:
+            raise ValueError(f"feature_shape names inputs {unknown} that the rows do not "
+                             f"have; their inputs are {sorted(names)}")
+        return {k: named.get(k) for k in names}
+
+    def _one_shape(self) -> Shape | None:
+        shape = self.shape
         if shape is not None and not _is_shape(shape):
             raise ValueError(f"feature_shape={shape} gives several shapes but the rows hold one "
                              f"input; give one shape, or pass inputs=")
         return shape
 
-    def features(self, x: Any) -> Any:
+    def features(self, x: Arrays) -> Tensors:
         """A batch of feature rows as tensor(s) of the model's dtype and input shape(s)."""
-        shapes = self.shapes_for(x)
         if isinstance(x, tuple):
+            shapes = self._positional_shapes(len(x))
             return tuple(self._input(v, shapes[i], f"input {i}") for i, v in enumerate(x))
         if isinstance(x, dict):
-            return {k: self._input(v, shapes[k], f"input {k!r}") for k, v in x.items()}
-        return self._input(x, shapes, "features")
+            named = self._keyword_shapes(list(x))
+            return {k: self._input(v, named[k], f"input {k!r}") for k, v in x.items()}
+        return self._input(x, self._one_shape(), "features")
 
     def _label(self, y: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(y))
@@ -112,7 +135,7 @@ class Features:
             return t.long()
         return t.to(torch.int64)
 
-    def labels(self, y: Any) -> Any:
+    def labels(self, y: Arrays) -> Tensors:
         """A batch of labels: int64 for integers (class indices), else the feature dtype; a
         tuple (or dict) of them for several outputs."""
         if isinstance(y, tuple):

@@ -5,13 +5,14 @@ each partition by the rows' origin, so a re-run stage attempt (or the next avera
 sees the same rows in the same order; rows are stacked into chunks so that reading a partition
 costs a few large array copies rather than one unpickle per row. The sort is Spark's
 (``repartitionAndSortWithinPartitions``, which spills to disk past
-``spark.python.worker.memory``): no step holds a whole partition in a Python worker.
+``spark.python.worker.memory``): no step holds a whole partition in an executor's Python
+process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -62,8 +63,8 @@ def _target(workers: int) -> Callable[[_Key], int]:
     return lambda key: (key[0] + key[1]) % workers
 
 
-def _spread(rdd: RDD[Any], workers: int, repartition: str,
-            finish: Callable[[Iterable[tuple[_Key, Any]]], Iterator[Chunk]]) -> RDD[Chunk]:
+def _spread(rdd: RDD[Pair], workers: int, repartition: str,
+            finish: Callable[[Iterable[tuple[_Key, Pair]]], Iterator[Chunk]]) -> RDD[Chunk]:
     """Element ``j`` of source partition ``i`` to partition ``(i + j) % workers``, each
     partition sorted by origin; then ``finish`` turns its keyed elements into chunks."""
     have = rdd.getNumPartitions()

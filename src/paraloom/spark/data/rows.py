@@ -11,27 +11,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import numpy as np
 import torch
 
-from paraloom.spark.data.arrays import map_arrays, stack
+from paraloom.spark.data.arrays import Arrays, map_arrays, stack
 
 if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
     from pyspark import RDD
-    from pyspark.sql import DataFrame, Row
+    from pyspark.sql import Column, DataFrame, Row
+    from pyspark.sql.types import DataType
 
-__all__ = ["Pair", "field", "Spec", "Inputs", "Label", "Columns", "to_array", "row_pair",
-           "partition_arrays", "as_rows", "rows_of", "row_extractor", "check_columns",
+__all__ = ["Pair", "field", "Spec", "FieldSpec", "Inputs", "Label", "Columns", "to_array",
+           "row_pair", "partition_arrays", "as_rows", "rows_of", "row_extractor", "check_columns",
            "check_names", "column", "is_dataframe", "is_rdd"]
 
-Pair = tuple[Any, Any]
+Pair = tuple[Arrays, Arrays]
 """One element, or a stack of them: (features, label), each an array or a tuple / dict of them
 (see ``arrays.Arrays``)."""
 
 
-def to_array(value: Any) -> np.ndarray:
+def to_array(value: object) -> np.ndarray:
     """A feature or label value (number, list, numpy array, tensor, Spark ML vector) as numpy."""
     if isinstance(value, np.ndarray):
         return value
@@ -43,11 +45,12 @@ def to_array(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def _is_scalar(value: Any) -> bool:
-    return np.ndim(value) == 0 and not isinstance(value, (list, tuple, dict))
+def _is_scalar(value: object) -> bool:
+    # np.ndim takes any object (0 for what is not array-like), wider than its stub says
+    return np.ndim(cast("ArrayLike", value)) == 0 and not isinstance(value, (list, tuple, dict))
 
 
-def field(value: Any, *, label: bool = False) -> Any:
+def field(value: object, *, label: bool = False) -> Arrays:
     """An RDD element's features or label: one array, or a tuple / dict of them (several).
 
     Features: a tuple holding any array-like value is several inputs (DL4J's MultiDataSet); a
@@ -61,7 +64,7 @@ def field(value: Any, *, label: bool = False) -> Any:
     return to_array(value)
 
 
-def row_pair(row: Any) -> Pair:
+def row_pair(row: object) -> Pair:
     """One training element as ``(features, label)``: arrays, or tuples / dicts of arrays."""
     if not isinstance(row, (tuple, list)) or len(row) != 2:
         raise TypeError(f"a training element must be a pair (features, label); got "
@@ -71,7 +74,7 @@ def row_pair(row: Any) -> Pair:
     return field(row[0]), field(row[1], label=True)
 
 
-def partition_arrays(pairs: Iterable[tuple[Any, Any]]) -> Pair:
+def partition_arrays(pairs: Iterable[Pair]) -> Pair:
     """Stack ``(features, label)`` rows into arrays per field (empty arrays for no rows)."""
     xs, ys = [], []
     for x, y in pairs:
@@ -87,7 +90,7 @@ def is_dataframe(data: object) -> TypeGuard[DataFrame]:
     return hasattr(data, "rdd") and hasattr(data, "columns")
 
 
-def is_rdd(data: object) -> TypeGuard[RDD[Any]]:
+def is_rdd(data: object) -> TypeGuard[RDD[object]]:
     """True for a pyspark RDD (anything with ``mapPartitions``)."""
     return hasattr(data, "mapPartitions")
 
@@ -101,12 +104,16 @@ Inputs = Sequence[Spec] | Mapping[str, Spec]
 Label = Spec | tuple[Spec, ...]
 """One target (a column, or a list of columns assembled), or a tuple of them: one per output."""
 
+FieldSpec = Spec | tuple[Spec, ...] | dict[str, Spec]
+"""The columns of a field, as read: one spec, a tuple of specs (``model(*inputs)``, several
+targets) or a dict of them (``model(**inputs)``)."""
+
 
 @dataclass(frozen=True)
 class Columns:
     """Which DataFrame columns make a row's features and label, and in what structure."""
 
-    features: Spec | tuple[Spec, ...] | dict[str, Spec]
+    features: FieldSpec
     """A spec (one input), a tuple of specs (``model(*inputs)``) or a dict (``model(**inputs)``)."""
     label: Spec | tuple[Spec, ...]
 
@@ -117,7 +124,7 @@ class Columns:
         if inputs is not None and features is not None:
             raise ValueError("give either features= (one model input) or inputs= (several), "
                              "not both")
-        chosen: Spec | tuple[Spec, ...] | dict[str, Spec]
+        chosen: FieldSpec
         if inputs is None:
             chosen = _spec(features if features is not None else "features", "features")
         elif isinstance(inputs, Mapping):
@@ -153,7 +160,7 @@ class Columns:
         return len(self.label) if isinstance(self.label, tuple) else 1
 
 
-def _spec(value: Any, what: str) -> Spec:
+def _spec(value: object, what: str) -> Spec:
     if isinstance(value, str):
         return value
     if isinstance(value, (list, tuple)) and value and all(isinstance(c, str) for c in value):
@@ -162,7 +169,7 @@ def _spec(value: Any, what: str) -> Spec:
                     f"names (assembled into one array)")
 
 
-def _specs(field: Spec | tuple[Spec, ...] | dict[str, Spec]) -> list[Spec]:
+def _specs(field: FieldSpec) -> list[Spec]:
     if isinstance(field, tuple):
         return list(field)
     if isinstance(field, dict):
@@ -178,7 +185,7 @@ def _column(row: Row, spec: Spec) -> np.ndarray:
     return np.concatenate([np.ravel(to_array(row[c])) for c in spec])
 
 
-def _extract(row: Row, field: Spec | tuple[Spec, ...] | dict[str, Spec]) -> Any:
+def _extract(row: Row, field: FieldSpec) -> Arrays:
     if isinstance(field, tuple):
         return tuple(_column(row, s) for s in field)
     if isinstance(field, dict):
@@ -191,7 +198,7 @@ def row_extractor(columns: Columns) -> Callable[[Row], Pair]:
     return lambda row: (_extract(row, columns.features), _extract(row, columns.label))
 
 
-def _numeric(kind: Any, depth: int = 0) -> bool:
+def _numeric(kind: DataType, depth: int = 0) -> bool:
     """A Spark type torch can take: numbers, booleans, (nested) arrays of them, ML vectors."""
     from pyspark.sql.types import ArrayType, BooleanType, DecimalType, NumericType
 
@@ -204,7 +211,7 @@ def _numeric(kind: Any, depth: int = 0) -> bool:
     return isinstance(kind, (NumericType, BooleanType))
 
 
-def column(name: str) -> Any:
+def column(name: str) -> Column:
     """The column called ``name``, taken literally: a dot or a backtick in it (``sepal.length``,
     as in many CSV headers) is part of the name, not a struct field or a quote."""
     from pyspark.sql.functions import col
@@ -237,7 +244,7 @@ def check_columns(df: DataFrame, columns: Columns) -> list[str]:
     return check_names(df, columns.names(), "features= (or inputs=) and label=")
 
 
-def as_rows(data: RDD[Any] | DataFrame, features: Spec | None = None, label: Label = "label",
+def as_rows(data: RDD[object] | DataFrame, features: Spec | None = None, label: Label = "label",
             inputs: Inputs | None = None) -> RDD[Pair]:
     """An RDD of ``(features, label)`` numpy pairs from an RDD of pairs or a DataFrame.
 
@@ -247,7 +254,7 @@ def as_rows(data: RDD[Any] | DataFrame, features: Spec | None = None, label: Lab
     return rows_of(data, Columns.of(features, label, inputs))
 
 
-def rows_of(data: RDD[Any] | DataFrame, columns: Columns) -> RDD[Pair]:
+def rows_of(data: RDD[object] | DataFrame, columns: Columns) -> RDD[Pair]:
     """``as_rows`` with the columns already chosen (ignored for an RDD of pairs)."""
     if is_dataframe(data):
         get = row_extractor(columns)

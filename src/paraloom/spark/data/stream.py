@@ -53,7 +53,7 @@ def _join(group: list[Pair]) -> Pair:
 
 def _slice(pair: Pair, lo: int, hi: int | None = None) -> Pair:
     idx = slice(lo, hi)
-    return take(pair[0], idx), take(pair[1], idx)  # type: ignore[arg-type]
+    return take(pair[0], idx), take(pair[1], idx)
 
 
 def stream_batches(chunks: Iterable[Pair], batch_size: int, *, seed: int, epoch: int, rank: int,

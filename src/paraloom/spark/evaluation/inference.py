@@ -1,7 +1,7 @@
 """Distributed evaluation and inference: the model travels once per job, cached per worker.
 
 The driver broadcasts the model (cloudpickled structure) and its parameters (safetensors
-bytes); each Python worker builds it once per parameter version and keeps it in the
+bytes); each executor Python process builds it once per parameter version and keeps it in the
 ``runtime.executor.cached`` LRU, as ``predict_batch_udf`` does. Evaluation merges
 per-partition metric states with ``treeAggregate``; DataFrames are scored by an iterator
 Arrow UDF (record batches decoded column by column, as for training), RDDs by
@@ -26,7 +26,7 @@ from paraloom.data import batch_size as batch_size_of
 from paraloom.data import map_tensors
 from paraloom.evaluation import Evaluation
 from paraloom.forward import LossFn, compute_loss, forward
-from paraloom.spark.data import Features, Pair, num_rows, take
+from paraloom.spark.data import Arrays, Features, FieldSpec, Pair, Tensors, num_rows, take
 from paraloom.spark.data.arrays import stack
 from paraloom.spark.data.arrow import arrow_columns, check_prebatched
 from paraloom.spark.data.rows import check_names, field
@@ -40,8 +40,11 @@ from paraloom.spark.evaluation.metrics import (
 from paraloom.spark.runtime import cached, pack, task_threads, unpack
 
 if TYPE_CHECKING:
+    import pyarrow as pa  # type: ignore[import-untyped]
     from pyspark import RDD, Broadcast, SparkContext
     from pyspark.sql import DataFrame
+    from pyspark.sql.pandas._typing import ArrowScalarIterFunction
+    from pyspark.sql.types import DataType
 
 __all__ = ["Shipment", "ship", "shipped_model", "evaluate_rdd", "evaluate_metrics", "predict_rdd",
            "predict_dataframe"]
@@ -74,13 +77,13 @@ def ship(sc: SparkContext, model: nn.Module, features: Features,
     state = pack({k: v for k, v in model.state_dict().items()})
     structure = cloudpickle.dumps(model)
     # Both in the key: the same parameters in another module (an activation swapped, a plain
-    # attribute changed) must not find the cached model in a reused Python worker.
+    # attribute changed) must not find the cached model in a reused Python process.
     key = hashlib.sha256(hashlib.sha256(structure).digest() + state).hexdigest()[:24]
     return Shipment(key, sc.broadcast(structure), sc.broadcast(state), features, thresholds)
 
 
 def shipped_model(shipment: Shipment) -> nn.Module:
-    """The shipment's model in this Python worker, in eval mode (built once, then cached)."""
+    """The shipment's model in this Python process, in eval mode (built once, then cached)."""
     def build() -> nn.Module:
         model: nn.Module = cloudpickle.loads(shipment.model.value)
         model.load_state_dict(unpack(shipment.state.value).model)
@@ -100,7 +103,7 @@ def _cat(parts: list[Any]) -> Any:
 
 
 @torch.no_grad()
-def _outputs(model: nn.Module, x: Any, features: Features, batch_size: int) -> Any:
+def _outputs(model: nn.Module, x: Arrays, features: Features, batch_size: int) -> Any:
     inputs = features.features(x)
     n = batch_size_of(inputs)
     def rows(start: int) -> Any:
@@ -109,7 +112,8 @@ def _outputs(model: nn.Module, x: Any, features: Features, batch_size: int) -> A
     return _cat([forward(model, rows(i)) for i in range(0, n, batch_size)])
 
 
-def pick_output(out: Any, targets: Any, output: int | str | None) -> tuple[Any, Any]:
+def pick_output(out: Any, targets: Tensors,
+                output: int | str | None) -> tuple[Any, Any]:
     """The one output (and target) a metric counts: ``output`` of several, else the only one."""
     several = isinstance(out, (tuple, list, dict))
     if output is None:
@@ -119,16 +123,28 @@ def pick_output(out: Any, targets: Any, output: int | str | None) -> tuple[Any, 
         return out, targets
     if not several:
         if output in (0, -1):
-            return out, targets[output] if isinstance(targets, (tuple, list)) else targets
+            return out, targets[output] if isinstance(targets, tuple) else targets
         raise ValueError(f"output={output!r} but the model returned one output; leave output "
                          f"unset")
     try:
         chosen = out[output]  # a name for a dict, an index otherwise
     except (IndexError, KeyError, TypeError):
         raise ValueError(f"output={output!r} but the model returned {len(out)} outputs") from None
-    if isinstance(targets, (tuple, list, dict)):
-        return chosen, targets[output]  # type: ignore[index]
+    if isinstance(targets, (tuple, dict)):
+        return chosen, _pick(targets, output)
     return chosen, targets
+
+
+def _pick(targets: tuple[torch.Tensor, ...] | dict[str, torch.Tensor],
+          output: int | str) -> torch.Tensor:
+    """``targets[output]``, failing as indexing does when ``output`` does not fit them."""
+    if isinstance(targets, dict):
+        if isinstance(output, str):
+            return targets[output]
+        raise KeyError(output)
+    if isinstance(output, int):
+        return targets[output]
+    raise TypeError(f"tuple indices must be integers or slices, not {type(output).__name__}")
 
 
 def _chunks(rows: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -143,7 +159,7 @@ def _slices(chunks: Iterable[Pair], size: int) -> Iterator[Pair]:
         n = num_rows(x)
         for start in range(0, n, size):
             part = slice(start, start + size)
-            yield (take(x, part), take(y, part)) if n > size else (x, y)  # type: ignore[arg-type]
+            yield (take(x, part), take(y, part)) if n > size else (x, y)
 
 
 def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: int,
@@ -206,14 +222,16 @@ def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | Non
 
 def evaluate_metrics(chunks: RDD[Pair], shipment: Shipment, metrics: Sequence[str], *,
                      loss_fn: LossFn | None = None, batch_size: int = 256, depth: int = 2,
-                     output: int | str | None = None, threshold: float = 0.0) -> dict[str, Any]:
+                     output: int | str | None = None,
+                     threshold: float = 0.0) -> dict[str, MetricState]:
     """Several metrics (``metrics.METRICS`` names) of chunks of rows, in one pass."""
     result = _aggregate(chunks, shipment, loss_fn, batch_size,
                         MetricSet.factory(metrics, threshold), depth, output)
     return dict(result.states)
 
 
-def _per_row(out: torch.Tensor, argmax: bool, threshold: float = 0.0) -> list[Any]:
+def _per_row(out: torch.Tensor, argmax: bool,
+             threshold: float = 0.0) -> list[int] | list[np.ndarray]:
     if argmax:
         if out.dim() == 1 or (out.dim() == 2 and out.shape[1] == 1):
             # one score per row: class 1 above the threshold (0 for a logit, 0.5 for a
@@ -242,7 +260,7 @@ def _whole(out: torch.Tensor, argmax: bool, threshold: float = 0.0) -> np.ndarra
     return out.detach().cpu().numpy()
 
 
-def predict_rdd(rdd: RDD[Any], shipment: Shipment, *, batch_size: int = 256,
+def predict_rdd(rdd: RDD[object], shipment: Shipment, *, batch_size: int = 256,
                 argmax: bool = False, keyed: bool = False, prebatched: bool = False) -> RDD[Any]:
     """Outputs for an RDD of features (same order), or of ``(key, features)`` pairs.
 
@@ -277,7 +295,7 @@ def predict_rdd(rdd: RDD[Any], shipment: Shipment, *, batch_size: int = 256,
     return rdd.mapPartitions(run_batches if prebatched else run)
 
 
-def _layout(features: Any) -> list[str]:
+def _layout(features: FieldSpec) -> list[str]:
     """Every column an input spec (one, a tuple or a dict of them) reads, once each."""
     specs = (list(features.values()) if isinstance(features, dict)
              else list(features) if isinstance(features, tuple) else [features])
@@ -289,9 +307,10 @@ def _layout(features: Any) -> list[str]:
     return names
 
 
-def _arrow_output(out: torch.Tensor, argmax: bool, dtype: str, threshold: float = 0.0) -> Any:
+def _arrow_output(out: torch.Tensor, argmax: bool, dtype: str,
+                  threshold: float = 0.0) -> pa.Array:
     """One output per row as an Arrow array: the class index (int64), or the flattened row."""
-    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow as pa
 
     if argmax:
         return pa.array(np.asarray(_per_row(out, argmax, threshold), dtype=np.int64),
@@ -302,14 +321,14 @@ def _arrow_output(out: torch.Tensor, argmax: bool, dtype: str, threshold: float 
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.reshape(-1)))
 
 
-def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: Any,
-               names: list[str], outputs: tuple[str, ...] | None, empty: Any,
-               prebatched: bool = False) -> Callable[[Iterator[Any]], Iterator[Any]]:
+def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: FieldSpec,
+               names: list[str], outputs: tuple[str, ...] | None, empty: pa.DataType,
+               prebatched: bool = False) -> ArrowScalarIterFunction:
     from paraloom.spark.data.arrow import arrow_field, unbatch
 
     dtype = shipment.features.dtype
 
-    def score(cols: tuple[Any, ...]) -> Any:
+    def score(cols: tuple[pa.Array, ...]) -> pa.Array:
         import pyarrow as pa
 
         if not len(cols[0]):
@@ -321,34 +340,76 @@ def _arrow_udf(shipment: Shipment, batch_size: int, argmax: bool, features: Any,
             rows, per_row = int(counts.sum()), pa.array(
                 np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
             if not rows:  # only empty minibatches: nothing to run the model on
-                value: Any = [] if outputs is None else dict.fromkeys(outputs, [])
+                value: list[object] | dict[str, list[object]] = (
+                    [] if outputs is None else dict.fromkeys(outputs, []))
                 return pa.array([value] * len(counts), empty)
         x = arrow_field(by_name.__getitem__, rows, features)
         out = _outputs(shipped_model(shipment), x, shipment.features, batch_size)
-        parts = _several(out)
 
-        def column(o: torch.Tensor, i: int = 0) -> Any:
+        def column(o: torch.Tensor, i: int) -> pa.Array:
             one = _arrow_output(o, argmax, dtype, shipment.threshold(i))
             return one if per_row is None else pa.ListArray.from_arrays(per_row, one)
 
-        if outputs is None:
-            if parts is not None:
-                raise ValueError(f"the model returned {len(parts)} outputs; give predict() "
-                                 f"output=(name, ...) with one column name per output")
-            return column(out)
-        if parts is None or len(parts) != len(outputs):
-            got = 1 if parts is None else len(parts)
-            raise ValueError(f"output={outputs} names {len(outputs)} columns but the model "
-                             f"returned {got} output(s); give one name per output")
-        return pa.StructArray.from_arrays([column(o, i) for i, o in enumerate(parts)],
-                                          names=list(outputs))
+        return _output_columns(out, outputs, column)
 
-    def run(batches: Iterator[Any]) -> Iterator[Any]:
+    def run(batches: Iterator[pa.Array | tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
         task_threads()
         for cols in batches:
             yield score(cols if isinstance(cols, tuple) else (cols,))
 
     return run
+
+
+def _output_columns(out: Any, outputs: tuple[str, ...] | None,
+                    column: Callable[[torch.Tensor, int], pa.Array]) -> pa.Array:
+    """The model's output as the UDF's result: one column, or a struct of one per output."""
+    import pyarrow as pa
+
+    parts = _several(out)
+    if outputs is None:
+        if parts is not None:
+            raise ValueError(f"the model returned {len(parts)} outputs; give predict() "
+                             f"output=(name, ...) with one column name per output")
+        return column(out, 0)
+    if parts is None or len(parts) != len(outputs):
+        got = 1 if parts is None else len(parts)
+        raise ValueError(f"output={outputs} names {len(outputs)} columns but the model "
+                         f"returned {got} output(s); give one name per output")
+    return pa.StructArray.from_arrays([column(o, i) for i, o in enumerate(parts)],
+                                      names=list(outputs))
+
+
+def _output_names(output: str | tuple[str, ...]) -> tuple[str, ...]:
+    outputs = (output,) if isinstance(output, str) else tuple(output)
+    if not outputs or not all(isinstance(o, str) for o in outputs):
+        raise TypeError(f"output={output!r}; expected a column name, or a tuple of names (one "
+                        f"per model output)")
+    return outputs
+
+
+def _result_types(float64: bool, argmax: bool, prebatched: bool,
+                  outputs: tuple[str, ...] | None) -> tuple[DataType, pa.DataType]:
+    """The UDF's Spark return type, and the same as an Arrow type (for empty batches): per
+    output a class index or a flattened row, a list of them per pre-batched row; a struct of
+    them for several ``outputs``."""
+    import pyarrow as pa
+    from pyspark.sql.types import (
+        ArrayType,
+        DoubleType,
+        FloatType,
+        LongType,
+        StructField,
+        StructType,
+    )
+
+    one: DataType = LongType() if argmax else ArrayType(DoubleType() if float64 else FloatType())
+    one_pa = pa.int64() if argmax else pa.list_(pa.float64() if float64 else pa.float32())
+    if prebatched:  # one output per example: a list of them per row
+        one, one_pa = ArrayType(one), pa.list_(one_pa)
+    if outputs is None:
+        return one, one_pa
+    return (StructType([StructField(n, one) for n in outputs]),
+            pa.struct([(n, one_pa) for n in outputs]))
 
 
 def _check_new_columns(df: DataFrame, outputs: tuple[str, ...]) -> None:
@@ -364,7 +425,7 @@ def _check_new_columns(df: DataFrame, outputs: tuple[str, ...]) -> None:
                          f"model output")
 
 
-def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
+def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: FieldSpec,
                       output: str | tuple[str, ...] = "prediction", batch_size: int = 256,
                       argmax: bool = False, prebatched: bool = False) -> DataFrame:
     """``df`` with a column ``output``: the model's output per row (flattened), or its argmax.
@@ -374,43 +435,25 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: Any,
     ``prebatched``: every row holds a minibatch (lists of ``n`` examples) and gets a list of
     ``n`` outputs.
     """
-    import pyarrow as pa
-    from pyspark.sql.functions import ArrowUDFType, arrow_udf, col
-    from pyspark.sql.types import (
-        ArrayType,
-        DataType,
-        DoubleType,
-        FloatType,
-        LongType,
-        StructField,
-        StructType,
-    )
+    from pyspark.sql.functions import col
+    from pyspark.sql.pandas.functions import ArrowUDFType, arrow_udf
 
     names = check_names(df, _layout(features), "features= (or inputs=)")
     if prebatched:
         check_prebatched(df, names)
     cols = arrow_columns(df, names)
-    element = DoubleType() if shipment.features.dtype == "float64" else FloatType()
-    one: DataType = LongType() if argmax else ArrayType(element)
-    outputs = (output,) if isinstance(output, str) else tuple(output)
-    if not outputs or not all(isinstance(o, str) for o in outputs):
-        raise TypeError(f"output={output!r}; expected a column name, or a tuple of names (one "
-                        f"per model output)")
+    outputs = _output_names(output)
     _check_new_columns(df, outputs)
-    several = not isinstance(output, str)
-    element_pa = pa.float64() if shipment.features.dtype == "float64" else pa.float32()
-    one_pa = pa.int64() if argmax else pa.list_(element_pa)
-    if prebatched:  # one output per example: a list of them per row
-        one, one_pa = ArrayType(one), pa.list_(one_pa)
-    return_type = StructType([StructField(n, one) for n in outputs]) if several else one
-    empty = pa.struct([(n, one_pa) for n in outputs]) if several else one_pa
+    several = outputs if not isinstance(output, str) else None
+    return_type, empty = _result_types(shipment.features.dtype == "float64", argmax, prebatched,
+                                       several)
     # A struct return type is allowed (documented), though pyspark's overloads omit it.
     with warnings.catch_warnings():  # "prefer type hints": the type is given, hints need pa
         warnings.simplefilter("ignore", UserWarning)
         udf = arrow_udf(_arrow_udf(shipment, batch_size, argmax, features, names,  # type: ignore[call-overload]
-                                   outputs if several else None, empty, prebatched),
+                                   several, empty, prebatched),
                         return_type, ArrowUDFType.SCALAR_ITER)
-    if not several:
+    if several is None:
         return df.withColumn(outputs[0], udf(*cols))
     scored = "__paraloom_outputs"
     return (df.withColumn(scored, udf(*cols))

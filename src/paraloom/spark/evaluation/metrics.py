@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:  # typing has Self from Python 3.11 on
     from typing_extensions import Self
@@ -58,7 +58,7 @@ def metric_factory(name: str, threshold: float = 0.0) -> Callable[[torch.Tensor]
 class MetricSet:
     """Several metric states updated from the same outputs: one pass for all of them."""
 
-    states: dict[str, Any]
+    states: dict[str, MetricState]
 
     @classmethod
     def factory(cls, names: Sequence[str],

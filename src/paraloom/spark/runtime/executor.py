@@ -1,8 +1,9 @@
-"""What Spark tasks share inside one Python worker: a small model cache and thread settings.
+"""What Spark tasks share inside one executor Python process: a model cache, thread settings.
 
-Spark reuses Python workers between tasks (``spark.python.worker.reuse``, on by default), so a
-model built for one task can serve the next ones of the same job, as ``predict_batch_udf``'s
-``ModelCache`` does. Keys are chosen by the caller (a job or fit id plus a state digest).
+Spark reuses an executor's Python processes between tasks (``spark.python.worker.reuse``, on by
+default), so a model built for one task can serve the next ones of the same job, as
+``predict_batch_udf``'s ``ModelCache`` does. Keys are chosen by the caller (a job or fit id
+plus a state digest).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
@@ -21,16 +22,16 @@ __all__ = ["cached", "task_threads", "clear_cache", "gpu_addresses", "peak_rss"]
 
 T = TypeVar("T")
 _CAPACITY = 4
-_CACHE: OrderedDict[str, Any] = OrderedDict()
+_CACHE: OrderedDict[str, object] = OrderedDict()
 _LOCK = threading.Lock()
 
 
 def cached(key: str, build: Callable[[], T]) -> T:
-    """The object cached under ``key`` in this Python worker, built on first use (LRU of 4)."""
+    """The object cached under ``key`` in this Python process, built on first use (LRU of 4)."""
     with _LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)
-            return _CACHE[key]
+            return cast(T, _CACHE[key])  # the key names what was built: the caller's T
     value = build()
     with _LOCK:
         _CACHE[key] = value
@@ -75,7 +76,7 @@ def gpu_addresses() -> list[str]:
 
 
 def peak_rss() -> int:
-    """This process's peak resident memory in bytes since it started (a reused Python worker
+    """This process's peak resident memory in bytes since it started (a reused Python process
     counts its earlier tasks too: ``spark.python.worker.reuse=false`` measures one fit)."""
     import resource
     import sys

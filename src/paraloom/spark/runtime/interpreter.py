@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
 
 __all__ = ["use_driver_python", "missing_paraloom_hint"]
 
 
-def use_driver_python(sc: Any) -> bool:
-    """For a local master, the executors run this interpreter (a virtual environment's Python
+def use_driver_python(sc: SparkContext) -> bool:
+    """For a local master URL, the executors run this interpreter (a virtual environment's Python
     given by path, say), unless PYSPARK_PYTHON or spark.pyspark.python says otherwise; returns
     whether it changed anything."""
     if not str(sc.master).startswith("local") or os.environ.get("PYSPARK_PYTHON"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -18,11 +18,27 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 __all__ = ["Packed", "pack", "unpack", "split_optimizer_state", "join_optimizer_state",
-           "flatten", "unflatten", "state_digest"]
+           "flatten", "unflatten", "state_digest", "OptimizerState", "OptimizerSkeleton",
+           "Layout", "Meta"]
 
 _META = "paraloom"
 _MODEL = "model/"
 _OPTIM = "optim/"
+
+OptimizerState = dict[str, Any]
+"""An optimizer's ``state_dict()``: ``{"state": {index: {key: tensor or number}},
+"param_groups": [...]}``, whatever the user's optimizer keeps (torch types it so too)."""
+Meta = dict[str, Any]
+"""JSON-able metadata packed with a state (a checkpoint's position, its synchronizer state)."""
+
+
+class OptimizerSkeleton(TypedDict):
+    """An optimizer state without its tensors: JSON-able, sent alongside them."""
+
+    scalars: dict[str, dict[str, object]]
+    """Per parameter index, the values of its state that are not tensors (a step count)."""
+    param_groups: list[dict[str, object]]
+    """The param groups' settings (lr, momentum, ...) and parameter indices."""
 
 
 @dataclass
@@ -30,11 +46,12 @@ class Packed:
     """What ``unpack`` returns: tensors by name, optimizer state (or None), and metadata."""
 
     model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
+    optimizer: OptimizerState | None = None
+    meta: Meta = field(default_factory=dict)
 
 
-def split_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def split_optimizer_state(state: OptimizerState
+                          ) -> tuple[dict[str, torch.Tensor], OptimizerSkeleton]:
     """An optimizer ``state_dict()`` as (tensors by name, a JSON-able skeleton for the rest).
 
     Tensors come in one canonical order (parameter index, then key), whatever order the
@@ -42,14 +59,14 @@ def split_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor
     which differs between processes, and averaging needs every replica's layout alike.
     """
     tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
+    scalars: dict[str, dict[str, object]] = {}
     for index, values in sorted(state.get("state", {}).items(), key=lambda kv: int(kv[0])):
         for key, value in sorted(values.items()):
             if isinstance(value, torch.Tensor):
                 tensors[f"{index}/{key}"] = value
             else:
                 scalars.setdefault(str(index), {})[key] = value
-    skeleton = {"scalars": scalars, "param_groups": state.get("param_groups", [])}
+    skeleton = OptimizerSkeleton(scalars=scalars, param_groups=state.get("param_groups", []))
     try:
         json.dumps(skeleton)
     except TypeError as e:
@@ -60,9 +77,9 @@ def split_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor
 
 
 def join_optimizer_state(tensors: dict[str, torch.Tensor],
-                         skeleton: dict[str, Any]) -> dict[str, Any]:
+                         skeleton: OptimizerSkeleton) -> OptimizerState:
     """The inverse of ``split_optimizer_state``: an optimizer ``state_dict()``."""
-    state: dict[int, dict[str, Any]] = {}
+    state: dict[int, dict[str, object]] = {}
     for name, value in tensors.items():
         index, _, key = name.partition("/")
         state.setdefault(int(index), {})[key] = value
@@ -77,11 +94,11 @@ def _independent(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().clone()
 
 
-def pack(model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None = None,
-         meta: dict[str, Any] | None = None) -> bytes:
+def pack(model: dict[str, torch.Tensor], optimizer: OptimizerState | None = None,
+         meta: Meta | None = None) -> bytes:
     """Model state, optional optimizer state and JSON-able metadata as safetensors bytes."""
     tensors = {_MODEL + k: _independent(v) for k, v in model.items()}
-    header: dict[str, Any] = {"meta": meta or {}}
+    header: dict[str, object] = {"meta": meta or {}}
     if optimizer is not None:
         opt_tensors, header["optimizer"] = split_optimizer_state(optimizer)
         tensors.update({_OPTIM + k: _independent(v) for k, v in opt_tensors.items()})
@@ -110,7 +127,8 @@ def _metadata(data: bytes) -> str | None:
         raise ValueError(f"{len(data)} bytes is too short for a safetensors blob")
     length = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + length])
-    return header.get("__metadata__", {}).get(_META)
+    value = header.get("__metadata__", {}).get(_META)
+    return value if isinstance(value, str) else None
 
 
 Layout = list[tuple[str, list[int], str]]

@@ -7,10 +7,11 @@ are summed into buckets); the JSON export keeps every round.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from html import escape
-from typing import Any, Protocol
+from typing import Protocol
 
-from paraloom.spark.stats.recorder import PHASES
+from paraloom.spark.stats.recorder import PHASES, Event, WorkerStats
 
 __all__ = ["StatsView", "render_html", "COLORS"]
 
@@ -35,13 +36,13 @@ class StatsView(Protocol):
     def master(self) -> str: ...
 
     @property
-    def workers(self) -> list[dict[str, Any]]: ...
+    def workers(self) -> list[WorkerStats]: ...
 
     @property
-    def driver(self) -> list[dict[str, Any]]: ...
+    def driver(self) -> list[Event]: ...
 
     @property
-    def summary(self) -> dict[str, Any]: ...
+    def summary(self) -> Mapping[str, object]: ...
 
     def phase_totals(self) -> dict[int, dict[str, float]]: ...
 
@@ -92,7 +93,7 @@ def _axis(span: float, height: int) -> list[str]:
 
 
 def _timeline(label: str, worker: int | str, rounds: dict[str, list[float]] | None,
-              events: list[dict[str, Any]], span: float) -> str:
+              events: list[Event], span: float) -> str:
     scale = (_WIDTH - _LEFT - 10) / span
     height = 2 * _LANE + 16
     parts = _axis(span, height)

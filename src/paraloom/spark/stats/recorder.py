@@ -1,4 +1,5 @@
-"""Phase timings as a task records them: one column per phase, one row per training round.
+"""Phase timings as a task records them: one column per phase, one row per training round (a
+worker's minibatch, or its idle turn, as in ParallelWrapper; not an averaging round).
 
 Phases: ``data`` (building the minibatch), ``compute`` (forward, backward, optimizer step),
 ``encode`` (threshold-encoding the update), ``communicate`` (time inside torch.distributed
@@ -13,11 +14,35 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
+from typing import TypedDict
 
-__all__ = ["PHASES", "PhaseRecorder", "split_round"]
+__all__ = ["PHASES", "PhaseRecorder", "split_round", "Event", "WorkerStats"]
 
 PHASES = ("data", "compute", "encode", "communicate", "apply", "wait")
+
+
+class Event(TypedDict):
+    """A one-off span (setup, rendezvous, a broadcast): seconds since the driver's fit start."""
+
+    name: str
+    start: float
+    duration: float
+
+
+class _WorkerStats(TypedDict):
+    rank: int
+    host: str
+    pid: int
+    rounds: dict[str, list[float]]
+    """``"start"`` and one column per phase, one row per round."""
+    events: list[Event]
+
+
+class WorkerStats(_WorkerStats, total=False):
+    """One worker's timings as its task records them (``PhaseRecorder.to_dict``), JSON-able."""
+
+    hosts: list[str]
+    """Every host that ran one of the worker's tasks (``TrainingStats.merge_rounds``)."""
 
 
 class PhaseRecorder:
@@ -27,7 +52,7 @@ class PhaseRecorder:
         self.rank = rank
         self.origin = origin
         self.columns: dict[str, list[float]] = {"start": [], **{p: [] for p in PHASES}}
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Event] = []
         self.pending = {"encode": 0.0, "communicate": 0.0, "sync": 0.0}
 
     def now(self) -> float:
@@ -45,18 +70,18 @@ class PhaseRecorder:
 
     def event(self, name: str, start: float, duration: float) -> None:
         """A one-off span: setup, rendezvous, loading data, the final synchronization."""
-        self.events.append({"name": name, "start": round(start, 6),
-                            "duration": round(duration, 6)})
+        self.events.append(Event(name=name, start=round(start, 6),
+                                 duration=round(duration, 6)))
 
     def take(self) -> dict[str, float]:
         """The encode / communicate / sync seconds gathered since the last call, then reset."""
         out, self.pending = self.pending, {"encode": 0.0, "communicate": 0.0, "sync": 0.0}
         return out
 
-    def to_dict(self, **extra: Any) -> dict[str, Any]:
-        """JSON-able: rank, host, pid, the round columns, the events, and ``extra``."""
-        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "rounds": self.columns, "events": self.events, **extra}
+    def to_dict(self) -> WorkerStats:
+        """JSON-able: rank, host, pid, the round columns, the events."""
+        return WorkerStats(rank=self.rank, host=socket.gethostname(), pid=os.getpid(),
+                           rounds=self.columns, events=self.events)
 
 
 def split_round(total: float, taken: dict[str, float], idle: bool) -> dict[str, float]:

@@ -11,7 +11,7 @@ import functools
 import inspect
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch.distributed as dist
 
@@ -27,17 +27,19 @@ _COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "all_gather_into_tensor
                 "reduce", "all_gather_object", "broadcast_object_list")
 
 
-def _timed(fn: Callable[P, R], recorder: PhaseRecorder, phase: str) -> Callable[P, R]:
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+class _Timed(Generic[P, R]):
+    """``fn``, each call's seconds added to the recorder's pending ``phase``."""
+
+    def __init__(self, fn: Callable[P, R], recorder: PhaseRecorder, phase: str) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.recorder, self.phase = fn, recorder, phase
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         start = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            return self.fn(*args, **kwargs)
         finally:
-            recorder.pending[phase] += time.perf_counter() - start
-
-    wrapper._paraloom_timed = True  # type: ignore[attr-defined]
-    return wrapper
+            self.recorder.pending[self.phase] += time.perf_counter() - start
 
 
 @contextlib.contextmanager
@@ -45,13 +47,13 @@ def timed_collectives(recorder: PhaseRecorder) -> Iterator[None]:
     """Count time spent in torch.distributed collectives as ``communicate``.
 
     The module functions are replaced for the duration of the block and restored after: a
-    Spark task owns its Python worker while it runs, and synchronizers call
+    Spark task owns its Python process while it runs, and synchronizers call
     ``torch.distributed.<collective>`` by attribute, so this sees every collective they make
     (DDP's C++ reducer excepted: that time shows as compute).
     """
     saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
     for name, fn in saved.items():
-        setattr(dist, name, _timed(fn, recorder, "communicate"))
+        setattr(dist, name, _Timed(fn, recorder, "communicate"))
     try:
         yield
     finally:
@@ -70,6 +72,7 @@ class TimedSynchronizer(Synchronizer):
 
     def __init__(self, inner: Synchronizer) -> None:  # no super().__init__: counters are inner's
         self.inner = inner
+        self.name = inner.name
         self.recorder: PhaseRecorder | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -78,16 +81,12 @@ class TimedSynchronizer(Synchronizer):
             raise AttributeError(name)
         return getattr(inner, name)
 
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.inner.name
-
     def setup(self, ctx: StepContext) -> None:
         self.inner.setup(ctx)
         encode = getattr(self.inner, "_encode", None)  # SharedGradients' encoder, if any
-        if self.recorder is not None and callable(encode) and \
-                not getattr(encode, "_paraloom_timed", False):
-            self.inner._encode = _timed(encode, self.recorder, "encode")  # type: ignore[attr-defined]
+        if self.recorder is not None and callable(encode) and not isinstance(encode, _Timed):
+            # an instance attribute shadows the method, for this replica's copy only
+            vars(self.inner)["_encode"] = _Timed(encode, self.recorder, "encode")
 
     def after_step(self, ctx: StepContext) -> None:
         self._timed_hook(self.inner.after_step, ctx)

@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from paraloom.spark.stats.html import render_html
-from paraloom.spark.stats.recorder import PHASES
+from paraloom.spark.stats.recorder import PHASES, Event, WorkerStats
 
 __all__ = ["TrainingStats"]
 
@@ -22,15 +22,16 @@ class TrainingStats:
     """Per-worker round timings and events of one ``fit()``, plus the driver's own events."""
 
     master: str
-    workers: list[dict[str, Any]]
-    driver: list[dict[str, Any]] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
+    workers: list[WorkerStats]
+    driver: list[Event] = field(default_factory=list)
+    summary: Mapping[str, object] = field(default_factory=dict)
+    """The fit's summary (what ``SparkModel.fit`` returned)."""
 
     def phase_totals(self) -> dict[int, dict[str, float]]:
         """Seconds per phase for each worker rank."""
         return {w["rank"]: {p: float(sum(w["rounds"][p])) for p in PHASES} for w in self.workers}
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Everything, JSON-able."""
         return {"master": self.master, "summary": self.summary,
                 "phase_totals": {str(k): v for k, v in self.phase_totals().items()},
@@ -54,16 +55,18 @@ class TrainingStats:
         return path
 
     @staticmethod
-    def merge_rounds(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One record per rank from several tasks' records (averaging: one task per round)."""
-        by_rank: dict[int, dict[str, Any]] = {}
+    def merge_rounds(parts: list[WorkerStats]) -> list[WorkerStats]:
+        """One record per rank from several tasks' records (averaging: one task per averaging
+        round)."""
+        by_rank: dict[int, WorkerStats] = {}
         for part in sorted(parts, key=lambda p: (p["rank"], p["rounds"]["start"][:1])):
-            into = by_rank.setdefault(part["rank"], {**part, "rounds": {k: [] for k in
-                                                                          part["rounds"]},
-                                                     "events": [], "hosts": []})
+            into = by_rank.setdefault(part["rank"], WorkerStats(
+                rank=part["rank"], host=part["host"], pid=part["pid"],
+                rounds={k: [] for k in part["rounds"]}, events=[], hosts=[]))
             for k, v in part["rounds"].items():
                 into["rounds"][k].extend(v)
             into["events"].extend(part["events"])
-            if part["host"] not in into["hosts"]:
-                into["hosts"].append(part["host"])
+            hosts = into.setdefault("hosts", [])
+            if part["host"] not in hosts:
+                hosts.append(part["host"])
         return [by_rank[r] for r in sorted(by_rank)]

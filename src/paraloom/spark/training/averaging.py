@@ -1,10 +1,10 @@
 """ParameterAveragingTrainingMaster: one ordinary Spark job per averaging round (DL4J's design).
 
-Each round broadcasts the parameters (and the optimizer state with ``save_updater=True``),
-every partition trains ``averaging_frequency`` minibatches of ``batch_size_per_worker`` rows
-from where the previous round stopped, and the driver averages what the tasks return with
-``treeAggregate``, weighted by the examples each trained. No barrier, no collectives: a
-failed task is simply retried by Spark.
+Each averaging round broadcasts the parameters (and the optimizer state with
+``save_updater=True``), every partition trains ``averaging_frequency`` minibatches of
+``batch_size_per_worker`` rows from where the previous averaging round stopped, and the driver
+averages what the tasks return with ``treeAggregate``, weighted by the examples each trained.
+No barrier, no collectives: a failed task is simply retried by Spark.
 """
 
 from __future__ import annotations
@@ -13,19 +13,21 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from paraloom.spark.data import Chunk, Pair, batch_count, num_rows
 from paraloom.spark.runtime import join_optimizer_state, pack, unflatten
-from paraloom.spark.stats import TrainingStats
+from paraloom.spark.stats import Event, TrainingStats, WorkerStats
 from paraloom.spark.training.averaging_task import (
-    RoundConfig,
+    AveragingRound,
     add_results,
     averaging_task,
     weighted,
 )
-from paraloom.spark.training.master import FitJob, FitResult, TrainingMaster, positive_int, run_job
-from paraloom.spark.training.summary import averaging_summary
+from paraloom.spark.training.base import TrainingMaster, positive_int
+from paraloom.spark.training.jobs import FitJob, FitResult, run_job
+from paraloom.spark.training.messages import AveragingSums
+from paraloom.spark.training.summary import AveragingRoundTotals, averaging_summary
 from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import NoSync
 
@@ -40,13 +42,14 @@ def _rows(chunks: Iterable[Chunk]) -> list[int]:
 
 
 class ParameterAveragingTrainingMaster(TrainingMaster):
-    """Synchronous parameter averaging through the driver, one Spark job per round.
+    """Synchronous parameter averaging through the driver, one Spark job per averaging round.
 
     ``save_updater=True`` (the default) averages and re-broadcasts the optimizer state too;
-    False restarts every round from the optimizer's initial state, as DL4J's real default
-    does (which resets momentum and Adam's moments every round). ``aggregation_depth`` is the
-    ``treeAggregate`` depth. ``job_timeout`` bounds each round's job. ``prefetch_batches``:
-    minibatches a task reads ahead, shuffles and holds at once (its memory bound).
+    False restarts every averaging round from the optimizer's initial state, as DL4J's real
+    default does (which resets momentum and Adam's moments every averaging round).
+    ``aggregation_depth`` is the ``treeAggregate`` depth. ``job_timeout`` bounds each averaging
+    round's job. ``prefetch_batches``: minibatches a task reads ahead, shuffles and holds at
+    once (its memory bound).
     """
 
     name = "averaging"
@@ -68,7 +71,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
 
     def fit(self, job: FitJob, rows: RDD[Pair], *, epochs: int, seed: int,
             collect_stats: bool) -> FitResult:
-        """Train ``epochs`` passes in rounds; returns the averaged parameters."""
+        """Train ``epochs`` passes in averaging rounds; returns the averaged parameters."""
         sc, origin = job.sc, time.time()
         workers = self.resolve_workers(sc)
         data = self.prepare(rows, workers, job.chunked)
@@ -81,82 +84,84 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                           // self.averaging_frequency)
             if per_epoch == 0:
                 raise ValueError("the training data is empty: no partition has any rows")
-            base = RoundConfig(fit_id=job.fit_id, epoch=0, round=0,
-                               batch_size=self.batch_size_per_worker,
-                               frequency=self.averaging_frequency, seed=seed, origin=origin,
-                               features=job.features, save_updater=self.save_updater,
-                               collect_stats=collect_stats, window_rows=self.window_rows())
-            loop = _Loop(self, job, data, spec_bc, base)
+            base = AveragingRound(fit_id=job.fit_id, epoch=0, index=0,
+                                  batch_size=self.batch_size_per_worker,
+                                  frequency=self.averaging_frequency, seed=seed, origin=origin,
+                                  features=job.features, save_updater=self.save_updater,
+                                  collect_stats=collect_stats, window_rows=self.window_rows())
+            driver = _Driver(self, job, data, spec_bc, base)
             for epoch in range(epochs):
-                for r in range(per_epoch):
-                    attempts = max(attempts, loop.round(epoch, r))
+                for index in range(per_epoch):
+                    attempts = max(attempts, driver.run(epoch, index))
         finally:
             spec_bc.unpersist()
             data.unpersist()
         seconds = time.perf_counter() - start
-        summary = averaging_summary(loop.rounds, job, loop.base, workers, epochs, seconds,
-                                    attempts)
-        summary["rows_per_worker"] = sizes
+        summary = averaging_summary(driver.totals, job.spec.model, driver.base, workers, epochs,
+                                    seconds, attempts, sizes)
         stats = None
         if collect_stats:
             stats = TrainingStats("ParameterAveragingTrainingMaster",
-                                  TrainingStats.merge_rounds(loop.task_stats),
-                                  loop.driver_events, summary)
-        return FitResult(loop.state, loop.optimizer_state, summary, stats)
+                                  TrainingStats.merge_rounds(driver.task_stats),
+                                  driver.events, summary)
+        return FitResult(driver.state, driver.optimizer_state, summary, stats)
 
 
-class _Loop:
-    """The driver's state between rounds: the current parameters and what was recorded."""
+class _Driver:
+    """The driver's side between averaging rounds: the current parameters, and what each
+    averaging round recorded."""
 
     def __init__(self, master: ParameterAveragingTrainingMaster, job: FitJob, data: RDD[Chunk],
-                 spec_bc: Broadcast[bytes], base: RoundConfig) -> None:
+                 spec_bc: Broadcast[bytes], base: AveragingRound) -> None:
         self.master, self.job, self.data, self.spec_bc, self.base = master, job, data, spec_bc, base
         self.state = job.state
         self.optimizer_state = job.optimizer_state
-        self.rounds: list[dict[str, Any]] = []
-        self.task_stats: list[dict[str, Any]] = []
-        self.driver_events: list[dict[str, Any]] = []
+        self.totals: list[AveragingRoundTotals] = []
+        self.task_stats: list[WorkerStats] = []
+        self.events: list[Event] = []
 
     def _event(self, name: str, began: float) -> None:
-        self.driver_events.append({"name": name, "start": began - self.base.origin,
-                                   "duration": time.time() - began})
+        self.events.append(Event(name=name, start=began - self.base.origin,
+                                 duration=time.time() - began))
 
-    def round(self, epoch: int, r: int) -> int:
-        """Run round ``r`` of ``epoch``; returns the stage attempts it took."""
+    def run(self, epoch: int, index: int) -> int:
+        """Run averaging round ``index`` of ``epoch``; returns the stage attempts it took."""
         sc, master = self.job.sc, self.master
         began = time.time()
         optimizer = self.optimizer_state if master.save_updater else None
         state_bc = sc.broadcast(pack(self.state, optimizer))
-        self._event(f"broadcast {epoch}.{r}", began)
-        cfg = replace(self.base, epoch=epoch, round=r)
+        self._event(f"broadcast {epoch}.{index}", began)
+        cfg = replace(self.base, epoch=epoch, index=index)
         job = self.data.mapPartitionsWithIndex(partial(averaging_task, self.spec_bc, state_bc, cfg))
         began = time.time()
         try:
             total, attempts = run_job(
                 sc, lambda: job.treeAggregate(None, add_results, add_results,
                                               depth=master.aggregation_depth),
-                f"paraloom ParameterAveragingTrainingMaster round {epoch}.{r}",
+                f"paraloom ParameterAveragingTrainingMaster round {epoch}.{index}",
                 master.job_timeout)
         finally:
             state_bc.unpersist()
-        self._event(f"round {epoch}.{r}", began)
+        self._event(f"round {epoch}.{index}", began)
         began = time.time()
         self._average(total, epoch)
-        self._event(f"average {epoch}.{r}", began)
+        self._event(f"average {epoch}.{index}", began)
         return attempts
 
-    def _average(self, total: dict[str, Any] | None, epoch: int) -> None:
+    def _average(self, total: AveragingSums | None, epoch: int) -> None:
+        """Keep the averaging round's counts and stats; adopt the averaged parameters."""
         if total is None:
             return
         total = weighted(total)
-        self.task_stats.extend(total.get("stats", []))
-        n = total["n"]
-        self.rounds.append({"epoch": epoch, **{k: total.get(k, 0) for k in
-                                                ("n", "loss_sum", "steps", "bytes_received",
-                                                 "bytes_sent", "peak_rss")}})
-        if not n:
+        self.task_stats.extend(total.stats)
+        n = total.n
+        self.totals.append(AveragingRoundTotals(
+            epoch, n, total.loss_sum, total.steps, total.bytes_received, total.bytes_sent,
+            total.peak_rss))
+        if not n or total.model is None or total.layout is None:
             return
-        self.state = unflatten(total["model"] / n, total["layout"])
-        if "optimizer" in total:
-            tensors = unflatten(total["optimizer"] / n, total["optimizer_layout"])
-            self.optimizer_state = join_optimizer_state(tensors, total["skeleton"])
+        self.state = unflatten(total.model / n, total.layout)
+        if total.optimizer is not None and total.optimizer_layout is not None \
+                and total.skeleton is not None:
+            tensors = unflatten(total.optimizer / n, total.optimizer_layout)
+            self.optimizer_state = join_optimizer_state(tensors, total.skeleton)

@@ -1,9 +1,10 @@
-"""One ParameterAveragingTrainingMaster task: load the round's parameters, train, return sums.
+"""One ParameterAveragingTrainingMaster task: load the averaging round's parameters, train,
+return them with the example count.
 
 An ordinary (non-barrier) Spark task: it talks to no peer, so Spark retries it on its own when
-it fails. It returns its parameters (and optimizer state) *multiplied by its example count*, so
-that the driver's ``treeAggregate`` of these records, divided by the total count, is the
-example-weighted average.
+it fails. ``treeAggregate`` adds what the tasks return (``add_results``) as float64 vectors
+*multiplied by each task's example count*, so that the driver's total, divided by the total
+count, is the example-weighted average.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import copy
 import itertools
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import zip_longest
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,7 +29,9 @@ from paraloom.spark.runtime import (
     task_threads,
     unpack,
 )
-from paraloom.spark.stats import PhaseRecorder
+from paraloom.spark.runtime.state import Layout, OptimizerState
+from paraloom.spark.stats import PhaseRecorder, WorkerStats
+from paraloom.spark.training.messages import AveragingSums
 from paraloom.spark.training.task import batch_tensors, load_spec, make_runner
 from paraloom.training.messages import Begin, Round
 from paraloom.training.runner import ReplicaRunner
@@ -36,16 +39,22 @@ from paraloom.training.runner import ReplicaRunner
 if TYPE_CHECKING:
     from pyspark import Broadcast
 
-__all__ = ["RoundConfig", "averaging_task", "add_results", "weighted"]
+__all__ = ["AveragingRound", "averaging_task", "add_results", "weighted"]
 
 
 @dataclass(frozen=True)
-class RoundConfig:
-    """One averaging round: which minibatches each partition trains, and how."""
+class AveragingRound:
+    """One averaging round (one Spark job): which minibatches each partition trains, and how.
+
+    Every partition trains its next ``frequency`` minibatches (DL4J's averagingFrequency),
+    starting from the parameters the driver broadcast; the driver then averages the results.
+    """
 
     fit_id: str
     epoch: int
-    round: int
+    index: int
+    """Which averaging round of the epoch: each partition trains its minibatches from
+    ``index * frequency`` on."""
     batch_size: int
     frequency: int
     seed: int
@@ -58,14 +67,15 @@ class RoundConfig:
     """Rows a task shuffles and holds at once (``prefetch_batches`` minibatches)."""
 
 
-def _runner(spec_bytes: bytes, cfg: RoundConfig,
-            index: int) -> tuple[ReplicaRunner, dict[str, Any]]:
+def _runner(spec_bytes: bytes, cfg: AveragingRound,
+            index: int) -> tuple[ReplicaRunner, OptimizerState]:
     """This worker's replica for the fit, and the optimizer state it was built with.
 
-    One replica per Python worker and fit: rounds reload its parameters, not its structure.
-    The built-with state is what DL4J's saveUpdater=false restarts from every round.
+    One replica per executor Python process and fit: averaging rounds reload its parameters,
+    not its structure. The built-with state is what DL4J's saveUpdater=false restarts from
+    every averaging round.
     """
-    def build() -> tuple[ReplicaRunner, dict[str, Any]]:
+    def build() -> tuple[ReplicaRunner, OptimizerState]:
         runner = make_runner(load_spec(spec_bytes), rank=index, world_size=1, device="cpu",
                              recorder=None)
         return runner, copy.deepcopy(runner.replica.optimizer.state_dict())
@@ -78,10 +88,20 @@ def _read(data: bytes | Broadcast[bytes]) -> bytes:
     return data if isinstance(data, bytes) else data.value
 
 
+def _drain(source: Iterator[Chunk]) -> None:
+    """Read the rest of the partition, so that Spark can reuse this Python process."""
+    for _ in source:
+        pass
+
+
+def _stats(rec: PhaseRecorder, cfg: AveragingRound) -> tuple[WorkerStats, ...]:
+    return (rec.to_dict(),) if cfg.collect_stats else ()
+
+
 def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Broadcast[bytes],
-                   cfg: RoundConfig, index: int,
-                   chunks: Iterable[Chunk]) -> Iterator[dict[str, Any]]:
-    """Train partition ``index``'s minibatches of this round; yield one summable record.
+                   cfg: AveragingRound, index: int,
+                   chunks: Iterable[Chunk]) -> Iterator[AveragingSums]:
+    """Train partition ``index``'s minibatches of this averaging round; yield its one record.
 
     ``spec_bytes`` / ``state_bytes`` may be broadcast variables (read on first use here).
     """
@@ -90,19 +110,16 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     begin, t = rec.now(), time.perf_counter()
     source = iter(chunks)
     batches = stream_batches(source, cfg.batch_size, seed=cfg.seed, epoch=cfg.epoch, rank=index,
-                             window_rows=cfg.window_rows, first=cfg.round * cfg.frequency,
+                             window_rows=cfg.window_rows, first=cfg.index * cfg.frequency,
                              count=cfg.frequency)
     head = next(batches, None)
     data_s = time.perf_counter() - t
-    if head is None:  # a short partition in a late round: nothing to average in
-        for _ in source:  # read to the end, so that Spark can reuse this Python worker
-            pass
-        yield {"n": 0, "stats": [rec.to_dict()] if cfg.collect_stats else [],
-               "peak_rss": peak_rss()}
+    if head is None:  # a short partition in a late averaging round: nothing to average in
+        _drain(source)
+        yield AveragingSums(0, stats=_stats(rec, cfg), peak_rss=peak_rss())
         return
     t = time.perf_counter()
-    state = _read(state_bytes)
-    spec = _read(spec_bytes)
+    state, spec = _read(state_bytes), _read(spec_bytes)
     communicate_s, t = time.perf_counter() - t, time.perf_counter()
     runner, pristine = _runner(spec, cfg, index)
     packed = unpack(state)
@@ -112,18 +129,14 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     loss_sum, rows_total = _train(runner, itertools.chain([head], batches), cfg, rec, begin,
                                   {"data": data_s, "communicate": communicate_s,
                                    "apply": apply_s})
-    for _ in source:  # the rest of the partition: read past, so that the worker is reused
-        pass
+    _drain(source)
     t = time.perf_counter()
-    record = _record(runner, rows_total, loss_sum, cfg)
+    sums = _sums(runner, rows_total, loss_sum, cfg)
     rec.columns["encode"][-1] += round(time.perf_counter() - t, 6)
-    record["stats"] = [rec.to_dict()] if cfg.collect_stats else []
-    record["bytes_received"] = len(state)
-    record["peak_rss"] = peak_rss()
-    yield record
+    yield replace(sums, stats=_stats(rec, cfg), bytes_received=len(state), peak_rss=peak_rss())
 
 
-def _train(runner: ReplicaRunner, batches: Iterator[Pair], cfg: RoundConfig,
+def _train(runner: ReplicaRunner, batches: Iterator[Pair], cfg: AveragingRound,
            rec: PhaseRecorder, begin: float, first: dict[str, float]) -> tuple[float, int]:
     loss_sum, rows_total = 0.0, 0
     i = 0
@@ -146,60 +159,70 @@ def _train(runner: ReplicaRunner, batches: Iterator[Pair], cfg: RoundConfig,
     return loss_sum, rows_total
 
 
-def _record(runner: ReplicaRunner, n: int, loss_sum: float, cfg: RoundConfig) -> dict[str, Any]:
+def _sums(runner: ReplicaRunner, n: int, loss_sum: float, cfg: AveragingRound) -> AveragingSums:
+    """The trained replica's vectors (not yet weighted) and counts."""
     runner.finish(with_state=False)
     state, optimizer_state = runner.final_state()
     model, layout = flatten(state)
-    record: dict[str, Any] = {"n": n, "loss_sum": loss_sum, "model": model, "layout": layout,
-                              "steps": runner.steps, "weighted": False}
+    optimizer, optimizer_layout, skeleton = None, None, None
     if cfg.save_updater:
         tensors, skeleton = split_optimizer_state(optimizer_state)
-        opt, opt_layout = flatten(tensors)
-        record.update(optimizer=opt, optimizer_layout=opt_layout, skeleton=skeleton)
-    record["bytes_sent"] = sum(v.nbytes for k, v in record.items() if k in ("model", "optimizer"))
-    return record
+        optimizer, optimizer_layout = flatten(tensors)
+    sent = model.nbytes + (optimizer.nbytes if optimizer is not None else 0)
+    return AveragingSums(n, loss_sum, runner.steps, model, layout, optimizer, optimizer_layout,
+                         skeleton, bytes_sent=sent)
 
 
-def weighted(record: dict[str, Any]) -> dict[str, Any]:
-    """The record with its vectors turned into float64 sums weighted by its example count.
+def _times(vector: np.ndarray | None, n: int) -> np.ndarray | None:
+    return None if vector is None else vector.astype(np.float64) * n
+
+
+def weighted(sums: AveragingSums) -> AveragingSums:
+    """``sums`` with its vectors turned into float64 sums weighted by its example count.
 
     Tasks send their plain vectors (float32 for float32 models: half the bytes); the sums,
     inside treeAggregate and on the driver, are float64.
     """
-    if record.get("weighted", True):
-        return record
-    for key in ("model", "optimizer"):
-        if key in record:
-            record[key] = record[key].astype(np.float64) * record["n"]
-    record["weighted"] = True
-    return record
+    if sums.weighted:
+        return sums
+    return replace(sums, model=_times(sums.model, sums.n),
+                   optimizer=_times(sums.optimizer, sums.n), weighted=True)
 
 
-def add_results(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-    """treeAggregate's combiner: sums of weighted vectors and counts; stats lists joined."""
+def _check_layouts(a: AveragingSums, b: AveragingSums) -> None:
+    """Vectors add up only when every replica flattened the same tensors in the same order."""
+    pairs: tuple[tuple[str, Layout | None, Layout | None], ...] = (
+        ("layout", a.layout, b.layout),
+        ("optimizer layout", a.optimizer_layout, b.optimizer_layout))
+    for what, x, y in pairs:
+        if x != y:
+            first = next(((u, v) for u, v in zip_longest(x or [], y or []) if u != v), (x, y))
+            raise ValueError(f"two partitions returned {what}s that differ (first difference: "
+                             f"{first[0]} against {first[1]}); every replica must train the "
+                             f"same model with the same optimizer")
+
+
+def _plus(into: np.ndarray | None, other: np.ndarray | None) -> np.ndarray | None:
+    """``into + other``, added in place: ``into`` is the accumulator's own weighted vector."""
+    if into is not None and other is not None:
+        into += other
+    return into
+
+
+def add_results(a: AveragingSums | None, b: AveragingSums | None) -> AveragingSums | None:
+    """treeAggregate's combiner: sums of weighted vectors and counts; stats joined."""
     if a is None:
         return b
     if b is None:
         return a
     a, b = weighted(a), weighted(b)
-    a["peak_rss"] = b["peak_rss"] = max(a.get("peak_rss", 0), b.get("peak_rss", 0))
-    if not b["n"]:
-        a["stats"] = a.get("stats", []) + b.get("stats", [])
-        return a
-    if not a["n"]:
-        b["stats"] = a.get("stats", []) + b.get("stats", [])
-        return b
-    for key in ("layout", "optimizer_layout"):
-        if a.get(key) != b.get(key):
-            first = next(((x, y) for x, y in zip_longest(a.get(key) or [], b.get(key) or [])
-                          if x != y), (a.get(key), b.get(key)))
-            raise ValueError(f"two partitions returned {key.replace('_', ' ')}s that differ "
-                             f"(first difference: {first[0]} against {first[1]}); every "
-                             f"replica must train the same model with the same optimizer")
-    a["model"] += b["model"]
-    if "optimizer" in a:
-        a["optimizer"] += b["optimizer"]
-    for key in ("n", "loss_sum", "steps", "bytes_received", "bytes_sent"):
-        a[key] = a.get(key, 0) + b.get(key, 0)
-    a["stats"] = a.get("stats", []) + b.get("stats", [])
-    return a
+    peak, stats = max(a.peak_rss, b.peak_rss), a.stats + b.stats
+    if not b.n:
+        return replace(a, peak_rss=peak, stats=stats)
+    if not a.n:
+        return replace(b, peak_rss=peak, stats=stats)
+    _check_layouts(a, b)
+    return replace(a, n=a.n + b.n, loss_sum=a.loss_sum + b.loss_sum, steps=a.steps + b.steps,
+                   model=_plus(a.model, b.model), optimizer=_plus(a.optimizer, b.optimizer),
+                   bytes_received=a.bytes_received + b.bytes_received,
+                   bytes_sent=a.bytes_sent + b.bytes_sent, peak_rss=peak, stats=stats)

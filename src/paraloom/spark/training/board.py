@@ -6,7 +6,8 @@ fixes. The two look alike to the peers (a collective fails), so the failing rank
 error on rank 0's store before it leaves the process group; a peer whose collective failed
 looks there first:
 
-* a posted error: report it (the task succeeds, the stage completes, the driver raises it);
+* a posted error: report it in a ``WorkerFailed`` record (the task succeeds, the stage
+  completes, the driver raises it);
 * nothing posted: the peer died, so fail this task too, and Spark re-runs the whole stage.
 
 A rank that completes its task while the stage fails anyway must not: Spark would keep its
@@ -19,22 +20,34 @@ import datetime
 import json
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
 
-from paraloom.spark.training.task import Record, failure
+from paraloom.spark.training.messages import WorkerFailed
+from paraloom.spark.training.task import failure
 from paraloom.training.failures import is_symptom
 
-__all__ = ["ErrorBoard", "leave_group", "settle"]
+__all__ = ["ErrorBoard", "Posted", "leave_group", "settle"]
 
 _POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Posted:
+    """An error a rank posted on the board."""
+
+    rank: int
+    message: str
+    traceback: str
 
 
 class ErrorBoard:
     """Error messages and acknowledgements under this stage attempt's prefix of the store."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, run_id: str) -> None:
-        self.store = dist.PrefixStore(f"paraloom/{run_id}/board", store)
+    def __init__(self, store: Store, rank: int, world_size: int, run_id: str) -> None:
+        self.store = PrefixStore(f"paraloom/{run_id}/board", store)
         self.rank = rank
         self.world_size = world_size
 
@@ -42,7 +55,7 @@ class ErrorBoard:
         """Publish this rank's error for its peers."""
         self.store.set(f"error/{self.rank}", json.dumps({"message": message, "traceback": tb}))
 
-    def causes(self, wait_s: float = 2.0) -> list[tuple[int, dict[str, str]]]:
+    def causes(self, wait_s: float = 2.0) -> list[Posted]:
         """Errors the other ranks posted, waiting up to ``wait_s`` for the first one."""
         deadline = time.monotonic() + wait_s
         while True:
@@ -50,7 +63,8 @@ class ErrorBoard:
             for r in range(self.world_size):
                 key = f"error/{r}"
                 if r != self.rank and self.store.check([key]):
-                    found.append((r, json.loads(self.store.get(key))))
+                    posted = json.loads(self.store.get(key))
+                    found.append(Posted(r, str(posted["message"]), str(posted["traceback"])))
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(_POLL_S)
@@ -83,8 +97,9 @@ def leave_group() -> None:
 
 
 def settle(error: Exception, board: ErrorBoard | None, rank: int,
-           linger_s: float = 10.0) -> Record:
-    """The record of a failed rank; re-raises the error when only a dead peer explains it."""
+           linger_s: float = 10.0) -> WorkerFailed:
+    """The record of a failed rank: its own error, or the one a peer posted; re-raises the
+    error when only a dead peer explains it."""
     message = f"{type(error).__name__}: {error}"
     tb = "".join(traceback.format_exception(error))
     if board is None:
@@ -101,6 +116,6 @@ def settle(error: Exception, board: ErrorBoard | None, rank: int,
         raise error from None
     if not causes:
         raise error  # a peer died: fail this task too so that Spark re-runs the whole stage
-    first, cause = causes[0]
+    cause = causes[0]
     board.done(linger_s)
-    return failure(rank, cause["message"], cause["traceback"], cause_rank=first)
+    return failure(rank, cause.message, cause.traceback, cause_rank=cause.rank)

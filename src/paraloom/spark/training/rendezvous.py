@@ -20,9 +20,10 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypedDict, TypeVar
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 __all__ = ["BarrierContext", "NetworkSettings", "Rendezvous", "task_host", "local_rank",
            "bounded_call", "interface_address", "meet", "connect", "init_group"]
@@ -81,7 +82,7 @@ class NetworkSettings:
     @contextlib.contextmanager
     def interface_env(self) -> Iterator[None]:
         """Point gloo and NCCL at ``interface`` while the group forms and trains; the
-        previous values come back after (a reused Python worker runs later tasks too)."""
+        previous values come back after (a reused Python process runs later tasks too)."""
         if not self.interface:
             yield
             return
@@ -122,21 +123,30 @@ def interface_address(name: str) -> str:
 _SIOCGIFADDR = 0x8915  # Linux: an interface's address (netdevice(7))
 
 
-def open_store(network: NetworkSettings | None, timeout_s: float) -> dist.TCPStore:
+def open_store(network: NetworkSettings | None, timeout_s: float) -> TCPStore:
     """Rank 0's store: on any free port, or on the first free one of ``port_range``."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if network is None or network.port_range is None:
-        return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                             timeout=timeout)
+        return TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     first, last = network.port_range
     for port in range(first, last + 1):
         try:
-            return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                                 timeout=timeout)
+            return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                            timeout=timeout)
         except (RuntimeError, OSError):  # in use: try the next one
             continue
     raise RuntimeError(f"no free port in port_range=({first}, {last}) for the rendezvous "
                        f"store: widen the range or free a port")
+
+
+class _Announcement(TypedDict, total=False):
+    """What a rank passes to the ``allGather`` (as JSON): its setup error or None, and from
+    rank 0 where its store listens and the stage attempt's run id."""
+
+    error: str | None
+    port: int
+    run_id: str
+    host: str | None
 
 
 @dataclass(frozen=True)
@@ -190,7 +200,7 @@ def bounded_call(fn: Callable[[], T], timeout_s: float, what: str) -> T:
 
 
 def meet(context: BarrierContext, setup_error: str | None, timeout_s: float,
-         network: NetworkSettings | None = None) -> tuple[Rendezvous, dist.TCPStore | None]:
+         network: NetworkSettings | None = None) -> tuple[Rendezvous, TCPStore | None]:
     """The one ``allGather`` of a barrier task: returns the rendezvous and rank 0's store.
 
     Every rank calls it exactly once whatever happened before (a rank whose setup failed
@@ -198,37 +208,38 @@ def meet(context: BarrierContext, setup_error: str | None, timeout_s: float,
     """
     rank = context.partitionId()
     store = None
-    message: dict[str, Any] = {"error": setup_error}
+    message = _Announcement(error=setup_error)
     try:
         # The interface's own address, checked on every rank: gloo binds to it there.
         found = interface_address(network.interface) if network and network.interface else None
         if rank == 0:
             host = network.host if network and network.host else found
             store = open_store(network, timeout_s)
-            message.update(port=store.port, run_id=secrets.token_hex(8), host=host)
+            message.update(_Announcement(port=store.port, run_id=secrets.token_hex(8),
+                                         host=host))
     except Exception as e:  # announced, so that no peer waits for a store never opened
         message["error"] = message["error"] or f"{type(e).__name__}: {e}"
     replies = bounded_call(lambda: context.allGather(json.dumps(message)), timeout_s,
                            f"the rendezvous allGather of rank {rank}")
-    parsed = [json.loads(r) for r in replies]
+    parsed: list[_Announcement] = [json.loads(r) for r in replies]
     first = parsed[0]
     host = first.get("host") or task_host(context.getTaskInfos()[0].address)
-    errors = tuple((r, m["error"]) for r, m in enumerate(parsed) if m.get("error"))
+    errors = tuple((r, error) for r, m in enumerate(parsed) if (error := m.get("error")))
     return Rendezvous(host, int(first.get("port") or 0), str(first.get("run_id", "")),
                       errors), store
 
 
-def connect(rdv: Rendezvous, timeout_s: float) -> dist.TCPStore:
+def connect(rdv: Rendezvous, timeout_s: float) -> TCPStore:
     """A client of rank 0's store (ranks other than 0)."""
-    return dist.TCPStore(rdv.host, rdv.port, is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(rdv.host, rdv.port, is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def init_group(rdv: Rendezvous, rank: int, world_size: int, backend: str, timeout_s: float,
-               store: dist.Store) -> dist.ProcessGroup | None:
+               store: Store) -> dist.ProcessGroup | None:
     """Join the attempt's torch.distributed group; every collective then times out finitely."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore(f"paraloom/{rdv.run_id}/group", store)
+    prefixed = PrefixStore(f"paraloom/{rdv.run_id}/group", store)
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
                             timeout=timeout)
     return dist.group.WORLD

@@ -11,32 +11,31 @@ resumes from rank 0's last checkpoint.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from paraloom.spark.data import Chunk, Pair
 from paraloom.spark.runtime import pack, unpack
-from paraloom.spark.stats import TrainingStats
-from paraloom.spark.training.master import (
-    FitJob,
-    FitResult,
-    SparkTrainingError,
-    TrainingMaster,
-    positive_int,
-    positive_seconds,
-    run_job,
+from paraloom.spark.stats import Event, TrainingStats
+from paraloom.spark.training.base import TrainingMaster, positive_int, positive_seconds
+from paraloom.spark.training.jobs import FitJob, FitResult, SparkTrainingError, run_job
+from paraloom.spark.training.messages import (
+    TaskRecord,
+    WorkerFailed,
+    WorkerFinished,
+    WorkerReport,
+    WorkerRerun,
 )
 from paraloom.spark.training.rendezvous import NetworkSettings
 from paraloom.spark.training.shared_task import SharedConfig, checkpoint_path, shared_task
 from paraloom.spark.training.summary import shared_summary
-from paraloom.spark.training.task import Record, pickle_spec
+from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import Synchronizer
 from paraloom.sync.sharing import SharedGradients
 from paraloom.sync.thresholds import ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm
@@ -44,7 +43,7 @@ from paraloom.sync.thresholds import ResidualClipping, ResidualPostProcessor, Th
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext, StorageLevel
 
-__all__ = ["SharedTrainingMaster"]
+__all__ = ["SharedTrainingMaster", "StageOutcome", "stage_outcome"]
 
 
 class _Default(Enum):
@@ -54,6 +53,29 @@ class _Default(Enum):
 
 
 _DEFAULT = _Default.DEFAULT
+
+
+def _post_processor(given: ResidualPostProcessor | None | _Default,
+                    recipe: str) -> ResidualPostProcessor | None:
+    """``residual_post_processor`` as SharedGradients takes it: not given, the recipe's (None
+    lets SharedGradients choose); None, the no-op base class."""
+    if given is _DEFAULT:
+        return ResidualClipping(5.0, 5) if recipe == "dl4j" else None
+    if given is None:
+        return ResidualPostProcessor()  # none: the no-op base class
+    return given
+
+
+def _check_synchronizer(synchronizer: object, threshold_algorithm: object) -> None:
+    """A synchronizer given instead of SharedGradients: a Synchronizer, without a threshold."""
+    if synchronizer is None:
+        return
+    if not isinstance(synchronizer, Synchronizer):
+        raise TypeError(f"synchronizer={synchronizer!r}; expected a paraloom "
+                        f"Synchronizer instance")
+    if threshold_algorithm is not None:
+        raise TypeError("threshold_algorithm applies to the default SharedGradients "
+                        "synchronizer only; configure your synchronizer directly")
 
 
 class SharedTrainingMaster(TrainingMaster):
@@ -95,17 +117,8 @@ class SharedTrainingMaster(TrainingMaster):
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout,
                          prefetch_batches=prefetch_batches)
-        if residual_post_processor is _DEFAULT:
-            residual_post_processor = ResidualClipping(5.0, 5) if recipe == "dl4j" else None
-        elif residual_post_processor is None:
-            residual_post_processor = ResidualPostProcessor()  # none: the no-op base class
-        if synchronizer is not None:
-            if not isinstance(synchronizer, Synchronizer):
-                raise TypeError(f"synchronizer={synchronizer!r}; expected a paraloom "
-                                f"Synchronizer instance")
-            if threshold_algorithm is not None:
-                raise TypeError("threshold_algorithm applies to the default SharedGradients "
-                                "synchronizer only; configure your synchronizer directly")
+        residual_post_processor = _post_processor(residual_post_processor, recipe)
+        _check_synchronizer(synchronizer, threshold_algorithm)
         self.threshold_algorithm = threshold_algorithm
         self.residual_post_processor = residual_post_processor
         # Built now so that a wrong threshold or post-processor fails here, not in a task.
@@ -173,12 +186,12 @@ class SharedTrainingMaster(TrainingMaster):
         state_bc = sc.broadcast(pack(job.state, job.optimizer_state))
         data = self.prepare(rows, workers, job.chunked)
 
-        def run(chunks: Iterable[Chunk]) -> Iterator[Record]:
+        def run(chunks: Iterable[Chunk]) -> Iterator[TaskRecord]:
             return shared_task(spec_bc.value, state_bc.value, cfg, BarrierTaskContext.get(),
                                chunks)
 
         # The shuffle after the barrier stage is what lets Spark re-run it when a task dies.
-        stage = data.barrier().mapPartitions(run).map(lambda r: (r[1], r)).partitionBy(1)
+        stage = data.barrier().mapPartitions(run).map(lambda r: (r.rank, r)).partitionBy(1)
         start, launched = time.perf_counter(), time.time() - cfg.origin
         try:
             records, attempts = run_job(sc, stage.values().collect,
@@ -191,42 +204,62 @@ class SharedTrainingMaster(TrainingMaster):
             checkpoint_path(cfg.checkpoint_dir or "", job.fit_id).unlink(missing_ok=True)
         return self._result(job, records, attempts, (launched, time.perf_counter() - start), cfg)
 
-    def _result(self, job: FitJob, records: list[Record], attempts: int,
+    def _result(self, job: FitJob, records: list[TaskRecord], attempts: int,
                 timing: tuple[float, float], cfg: SharedConfig) -> FitResult:
         launched, seconds = timing
-        infos, errors, reran, state = {}, [], [], b""
-        for kind, rank, info, blob in records:
-            parsed = json.loads(info)
-            if kind == "error":
-                errors.append((rank, parsed))
-            elif kind == "rerun":  # re-run alone after the others had finished the fit
-                reran.append(rank)
-            else:
-                infos[rank] = parsed
-                state = blob if rank == 0 else state
-        if errors:
-            raise _training_error(errors, attempts)
-        if sorted([*infos, *reran]) != list(range(cfg.world_size)) or not state:
-            raise SparkTrainingError(f"SharedTrainingMaster: expected reports from workers "
-                                     f"0..{cfg.world_size - 1}, got {sorted(infos)}; the "
-                                     f"stage lost results, run fit() again", attempts=attempts)
-        packed = unpack(state)
-        summary = shared_summary(infos, job, cfg, seconds, attempts)
+        outcome = stage_outcome(records, cfg.world_size, attempts)
+        packed = unpack(outcome.state)
+        reports = outcome.reports
+        summary = shared_summary(reports, job.spec.model, cfg, seconds, attempts)
         stats = None
         if cfg.collect_stats:
-            per_worker = [infos[r]["stats"] for r in sorted(infos)]
+            per_worker = [timings for r in sorted(reports) if (timings := reports[r].stats)]
             stats = TrainingStats("SharedTrainingMaster", per_worker,
-                                  [{"name": "barrier stage", "start": launched,
-                                    "duration": seconds}], summary)
+                                  [Event(name="barrier stage", start=launched,
+                                         duration=seconds)], summary)
         return FitResult(packed.model, packed.optimizer, summary, stats)
 
 
-def _training_error(errors: list[tuple[int, dict[str, Any]]], attempts: int) -> SparkTrainingError:
+@dataclass(frozen=True)
+class StageOutcome:
+    """What a barrier stage that trained to the end produced."""
+
+    reports: dict[int, WorkerReport]
+    """Every worker's report by rank (a worker re-run alone after the fit sends none)."""
+    state: bytes
+    """Rank 0's final parameters and optimizer state, ``pack``ed."""
+
+
+def stage_outcome(records: Iterable[TaskRecord], world_size: int,
+                  attempts: int) -> StageOutcome:
+    """The driver's dispatcher: a barrier stage's records as its outcome, or the
+    SparkTrainingError to raise (a worker's error; or reports missing, the stage lost them)."""
+    reports: dict[int, WorkerReport] = {}
+    failures: list[WorkerFailed] = []
+    reran: list[int] = []
+    state = b""
+    for record in records:
+        match record:
+            case WorkerFailed():
+                failures.append(record)
+            case WorkerRerun():  # re-run alone after the others had finished the fit
+                reran.append(record.rank)
+            case WorkerFinished():
+                reports[record.rank] = record.report
+                state = record.state if record.rank == 0 else state
+    if failures:
+        raise _training_error(failures, attempts)
+    if sorted([*reports, *reran]) != list(range(world_size)) or not state:
+        raise SparkTrainingError(f"SharedTrainingMaster: expected reports from workers "
+                                 f"0..{world_size - 1}, got {sorted(reports)}; the "
+                                 f"stage lost results, run fit() again", attempts=attempts)
+    return StageOutcome(reports, state)
+
+
+def _training_error(failures: list[WorkerFailed], attempts: int) -> SparkTrainingError:
     """The error to raise: a rank's own failure first, else one that a peer relayed."""
-    rank, err = min(errors, key=lambda e: (e[1]["symptom"], e[1].get("cause_rank") is None,
-                                           e[0]))
-    worker = err.get("cause_rank")
-    worker = rank if worker is None else worker
-    return SparkTrainingError(f"SharedTrainingMaster: worker {worker} failed: {err['message']}",
-                              worker=worker, remote_traceback=err["traceback"],
+    first = min(failures, key=lambda f: (f.symptom, f.cause_rank is None, f.rank))
+    worker = first.rank if first.cause_rank is None else first.cause_rank
+    return SparkTrainingError(f"SharedTrainingMaster: worker {worker} failed: {first.message}",
+                              worker=worker, remote_traceback=first.traceback,
                               attempts=attempts)

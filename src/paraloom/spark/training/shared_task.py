@@ -5,7 +5,7 @@ processes. Every wait is bounded (``rendezvous_timeout_s`` for the one allGather
 ``timeout_s`` for every collective). How failures end (details in ``board.py``):
 
 * a Python error in one rank (bad data, a loss that raises, NaN) is posted on rank 0's store
-  and reported as an "error" record; its peers find it there and report it too. The stage
+  and reported in a ``WorkerFailed`` record; its peers find it there and report it too. The stage
   completes, and the driver raises that error: a retry would only repeat it.
 * a rank that dies (killed process, lost executor) fails its task, and so do its peers, which
   find nothing posted; Spark re-runs the whole barrier stage, whose rank 0 resumes from its
@@ -20,13 +20,13 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
 
 from paraloom.checkpoint import atomic_write
 from paraloom.devices import task_device
@@ -43,23 +43,23 @@ from paraloom.spark.runtime import (
 )
 from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
 from paraloom.spark.training.board import ErrorBoard, leave_group, settle
+from paraloom.spark.training.messages import (
+    TaskRecord,
+    WorkerFailed,
+    WorkerFinished,
+    WorkerReport,
+    WorkerRerun,
+)
 from paraloom.spark.training.rendezvous import (
     BarrierContext,
     NetworkSettings,
+    Rendezvous,
     connect,
     init_group,
     local_rank,
     meet,
 )
-from paraloom.spark.training.task import (
-    EpochLoss,
-    Record,
-    batch_tensors,
-    failure,
-    load_spec,
-    make_runner,
-    ok,
-)
+from paraloom.spark.training.task import EpochLoss, batch_tensors, failure, load_spec, make_runner
 from paraloom.training.messages import Begin, IdleRound, Round
 from paraloom.training.runner import ReplicaRunner
 
@@ -141,14 +141,14 @@ def _prepare(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: 
 
 
 def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
-                context: BarrierContext, chunks: Iterable[Chunk]) -> Iterator[Record]:
-    """Train this rank's replica on its partition for every epoch; yield one record."""
+                context: BarrierContext, chunks: Iterable[Chunk]) -> Iterator[TaskRecord]:
+    """Train this rank's replica on its partition for every epoch; yield its one record."""
     rank = context.partitionId()
     tasks = len(context.getTaskInfos())
     _debug(rank, f"task started (fit {cfg.fit_id}, {tasks} task(s))")
     if tasks != cfg.world_size:
         # Spark re-ran only some partitions: the others completed this fit (see board.py).
-        yield ("rerun", rank, json.dumps({"rank": rank, "tasks": tasks}), b"")
+        yield WorkerRerun(rank, tasks)
         return
     rec = PhaseRecorder(rank, cfg.origin)
     prepared, setup_error, setup_tb = None, None, None
@@ -166,6 +166,15 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
             prepared.data.close()
         yield _setup_failure(rank, setup_error, setup_tb, rdv.errors)
         return
+    record = _train_in_group(prepared, cfg, rank, rec, rdv, store)
+    _debug(rank, f"done: {'error' if isinstance(record, WorkerFailed) else 'ok'}")
+    yield record
+
+
+def _train_in_group(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
+                    rdv: Rendezvous, store: TCPStore | None) -> WorkerFinished | WorkerFailed:
+    """Join the stage attempt's process group, train, leave it; a Python error becomes this
+    rank's record, its own or a peer's (``settle``), and a dead peer fails the task."""
     board = None
     network = cfg.network or NetworkSettings()
     # gloo binds to the interface as the group forms, NCCL at its first collective: the
@@ -173,23 +182,21 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
     with network.interface_env():
         try:
             begin, t = rec.now(), time.perf_counter()
-            store = store or connect(rdv, cfg.timeout_s)
-            board = ErrorBoard(store, rank, cfg.world_size, rdv.run_id)
-            init_group(rdv, rank, cfg.world_size, prepared.backend, cfg.timeout_s, store)
+            group_store = store or connect(rdv, cfg.timeout_s)
+            board = ErrorBoard(group_store, rank, cfg.world_size, rdv.run_id)
+            init_group(rdv, rank, cfg.world_size, p.backend, cfg.timeout_s, group_store)
             rec.event("process group", begin, time.perf_counter() - t)
-            record = _train(prepared, cfg, rank, rec, f"{rdv.host}:{rdv.port}")
+            return _train(p, cfg, rank, rec, f"{rdv.host}:{rdv.port}")
         except Exception as e:
             _debug(rank, f"failed: {type(e).__name__}: {e}")
-            record = settle(e, board, rank)  # re-raises when a peer died: Spark re-runs it
+            return settle(e, board, rank)  # re-raises when a peer died: Spark re-runs it
         finally:
             leave_group()
-            prepared.data.close()
-    _debug(rank, f"done: {record[0]}")
-    yield record
+            p.data.close()
 
 
 def _setup_failure(rank: int, error: str | None, tb: str | None,
-                   announced: tuple[tuple[int, str], ...]) -> Record:
+                   announced: tuple[tuple[int, str], ...]) -> WorkerFailed:
     """This rank's record when some rank could not set up: its own error (in its setup, or
     in the rendezvous itself, e.g. no free port or no such interface), else the first
     announced one, relayed (so the driver names the cause, not "a peer failed")."""
@@ -245,7 +252,8 @@ def _checkpoint(p: _Prepared, cfg: SharedConfig, position: dict[str, int]) -> No
     atomic_write(path, write)  # a crash mid-write leaves the previous checkpoint intact
 
 
-def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
+def _jsonable(state: Mapping[str, object]) -> dict[str, object]:
+    """The entries of a synchronizer's state that a checkpoint's JSON header can hold."""
     out = {}
     for key, value in state.items():
         try:
@@ -257,7 +265,7 @@ def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
-           rendezvous: str) -> Record:
+           rendezvous: str) -> WorkerFinished:
     rounds = _agree_rounds(batch_count(p.data.rows, cfg.batch_size), p.device)
     if rounds == 0:
         raise ValueError("no worker has any training rows: the data is empty")
@@ -282,16 +290,15 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
                                  "step": position[2] + p.runner.steps})
         state = pack(*p.runner.final_state()) if rank == 0 else b""
         rec.event("finish", begin, time.perf_counter() - t)
-    info: dict[str, Any] = {
-        "rank": rank, "rounds_per_epoch": rounds, "steps": p.runner.steps, "samples": samples,
-        "loop_seconds": loop_s, "rows": p.data.rows, "losses": losses.to_dict(),
-        "sync": p.runner.replica.sync.stats(),
-        "digest": state_digest(p.runner.replica.model_state()), "device": p.device,
-        "resumed_from_step": position[2] if resume is not None else None,
-        "peak_rss": peak_rss(), "rendezvous": rendezvous}
-    if cfg.collect_stats:
-        info["stats"] = rec.to_dict()
-    return ok(rank, info, state)
+    report = WorkerReport(
+        rank=rank, rounds_per_epoch=rounds, steps=p.runner.steps, samples=samples,
+        loop_seconds=loop_s, rows=p.data.rows, losses=losses.by_epoch(),
+        sync=p.runner.replica.sync.stats(),
+        digest=state_digest(p.runner.replica.model_state()), device=p.device,
+        resumed_from_step=position[2] if resume is not None else None,
+        peak_rss=peak_rss(), rendezvous=rendezvous,
+        stats=rec.to_dict() if cfg.collect_stats else None)
+    return WorkerFinished(rank, report, state)
 
 
 def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds: int,

@@ -1,35 +1,25 @@
-"""Pieces both masters' Spark tasks use: the replica, minibatches, and result records."""
+"""Pieces both masters' Spark tasks use: the replica, minibatches, failure records."""
 
 from __future__ import annotations
 
-import json
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any
 
 import cloudpickle
 
-from paraloom.spark.data import Features, Pair
+from paraloom.spark.data import Features, Pair, Tensors
 from paraloom.spark.stats import PhaseRecorder, TimedSynchronizer
+from paraloom.spark.training.messages import WorkerFailed
 from paraloom.training.failures import is_symptom
 from paraloom.training.runner import ReplicaRunner, WorkerSpec
 from paraloom.training.runner import pickle_spec as pickle_for_workers
 
-__all__ = ["Record", "failure", "ok", "load_spec", "make_runner", "batch_tensors",
-           "EpochLoss", "pickle_spec"]
-
-Record = tuple[str, int, str, bytes]
-"""What a training task yields: (kind "ok" | "error", rank, JSON info, packed state or b"")."""
-
-
-def ok(rank: int, info: dict[str, Any], state: bytes = b"") -> Record:
-    """A successful task's record."""
-    return ("ok", rank, json.dumps(info), state)
+__all__ = ["failure", "load_spec", "make_runner", "batch_tensors", "EpochLoss", "pickle_spec"]
 
 
 def failure(rank: int, error: BaseException | str, tb: str | None = None, *,
-            cause_rank: int | None = None) -> Record:
-    """A failed task's record: message, traceback, and whether it is a mere symptom.
+            cause_rank: int | None = None) -> WorkerFailed:
+    """A failed worker's record: message, traceback, and whether it is a mere symptom.
 
     ``cause_rank``: the error is another rank's, relayed (that rank may not report itself).
     """
@@ -37,8 +27,7 @@ def failure(rank: int, error: BaseException | str, tb: str | None = None, *,
     if tb is None and isinstance(error, BaseException):
         tb = "".join(traceback.format_exception(error))
     symptom = cause_rank is not None or is_symptom(message)
-    return ("error", rank, json.dumps({"message": message, "traceback": tb or "",
-                                       "symptom": symptom, "cause_rank": cause_rank}), b"")
+    return WorkerFailed(rank, message, tb or "", symptom, cause_rank)
 
 
 def load_spec(spec_bytes: bytes) -> WorkerSpec:
@@ -61,7 +50,7 @@ def make_runner(spec: WorkerSpec, *, rank: int, world_size: int, device: str,
     return runner
 
 
-def batch_tensors(arrays: Pair, features: Features) -> tuple[Any, Any]:
+def batch_tensors(arrays: Pair, features: Features) -> tuple[Tensors, Tensors]:
     """A minibatch's ``(features, labels)`` arrays as (inputs, targets) tensors (tuples for
     several)."""
     return features.features(arrays[0]), features.labels(arrays[1])
@@ -69,7 +58,7 @@ def batch_tensors(arrays: Pair, features: Features) -> tuple[Any, Any]:
 
 @dataclass
 class EpochLoss:
-    """Loss sum and rows per epoch on one worker."""
+    """Loss sum (loss times rows) and rows per epoch on one worker."""
 
     sums: dict[int, float]
     rows: dict[int, int]
@@ -84,8 +73,9 @@ class EpochLoss:
         self.sums[epoch] = self.sums.get(epoch, 0.0) + loss * rows
         self.rows[epoch] = self.rows.get(epoch, 0) + rows
 
-    def to_dict(self) -> dict[str, Any]:
-        return {str(e): [self.sums[e], self.rows[e]] for e in sorted(self.sums)}
+    def by_epoch(self) -> dict[int, tuple[float, int]]:
+        """(loss sum, rows) per epoch, in epoch order (``WorkerReport.losses``)."""
+        return {e: (self.sums[e], self.rows[e]) for e in sorted(self.sums)}
 
 
 def pickle_spec(spec: WorkerSpec) -> bytes:

@@ -10,7 +10,7 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from safetensors import safe_open
@@ -19,10 +19,20 @@ from torch import Tensor, nn
 
 from paraloom.models import MLP, LeNet
 
+if TYPE_CHECKING:
+    from typing_extensions import NotRequired
+
 __all__ = ["save", "load", "register_model", "atomic_write", "check_safetensors", "read_header",
            "read_tensors"]
 
 _HEADER_KEY = "paraloom"
+
+# The header ``save`` writes: "name" (registered) or "class" (an import path), the kwargs to
+# call it with, and the caller's metadata. The functional form, as "class" is a keyword; the
+# types are quoted because NotRequired is typing_extensions' before Python 3.11.
+ModelSpec = TypedDict("ModelSpec", {"kwargs": "dict[str, Any]", "name": "NotRequired[str]",
+                                    "class": "NotRequired[str]",
+                                    "metadata": "NotRequired[dict[str, Any]]"})
 _REGISTRY: dict[str, type[nn.Module] | Callable[..., nn.Module]] = {"lenet": LeNet, "mlp": MLP}
 
 
@@ -71,10 +81,10 @@ def rebuild_problem(model: nn.Module, name: str | None = None,
 
 
 def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | None,
-                warn: bool = True) -> dict[str, Any]:
+                warn: bool = True) -> ModelSpec:
     kwargs = _default_kwargs(model, kwargs)
     name = _registered_name(model, name)
-    spec: dict[str, Any] = {"kwargs": kwargs}
+    spec: ModelSpec = {"kwargs": kwargs}
     if name is not None:
         spec["name"] = name
     else:
@@ -131,7 +141,7 @@ def save(model: nn.Module, path: str | Path, *, name: str | None = None,
     _write(model, path, _model_spec(model, name, kwargs), metadata)
 
 
-def _write(model: nn.Module, path: str | Path, spec: dict[str, Any],
+def _write(model: nn.Module, path: str | Path, spec: ModelSpec,
            metadata: dict[str, Any] | None) -> None:
     """Write ``model``'s weights and the header ``spec`` (plus ``metadata``) to ``path``."""
     if metadata:

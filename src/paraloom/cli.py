@@ -7,9 +7,14 @@ import importlib
 import json
 import math
 import sys
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from paraloom.errors import ParaloomError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.utils.data import DataLoader
 
 __all__ = ["main", "add_data_arguments"]
 
@@ -75,7 +80,8 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _training_setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _training_setup(args: argparse.Namespace
+                    ) -> tuple[nn.Module, DataLoader[Any], DataLoader[Any] | None]:
     """(model, training loader, test loader or None): built-in or the user's (--factory,
     --data, --test-data)."""
     from torch.utils.data import DataLoader
@@ -101,7 +107,7 @@ def _training_setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return build_model(args.model, loader.dataset[0][0].shape), loader, test
 
 
-def _mean_loss(model: Any, data: Any, loss_fn: Any) -> float:
+def _mean_loss(model: nn.Module, data: Iterable[object], loss_fn: nn.Module) -> float:
     import torch
 
     from paraloom.data import split_batch
@@ -139,7 +145,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_model(path: str, factory_spec: str | None) -> Any:
+def _load_model(path: str, factory_spec: str | None) -> nn.Module:
     """A paraloom file, or (with --factory) the user's model with the file's weights."""
     from pathlib import Path
 
@@ -171,25 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model with ParallelWrapper and save it")
-    p.add_argument("--model", default="lenet", choices=["lenet", "mlp"])
-    add_data_arguments(p)
-    _add_user_code_arguments(p)
-    p.add_argument("--test-data", metavar="PKG.MOD:FN",
-                   help="with --data: a function returning the test Dataset or DataLoader")
-    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
-    p.add_argument("--workers", type=int, default=None,
-                   help="worker processes (default: one per GPU, else 2)")
-    p.add_argument("--devices", default="auto",
-                   help="auto (every GPU, else the CPU), cpu, a GPU count, or cuda:0,cuda:1")
-    p.add_argument("--mode", default="averaging",
-                   choices=["averaging", "shared_gradients", "allreduce"])
-    p.add_argument("--averaging-frequency", type=int, default=3,
-                   help="rounds between averaging steps (averaging mode)")
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="where to save the model (.safetensors)")
+    _add_train_arguments(p)
     p.set_defaults(func=_train)
 
     p = sub.add_parser("evaluate", help="accuracy and confusion matrix of a saved model")
@@ -210,6 +198,28 @@ def _parser() -> argparse.ArgumentParser:
         _attach(bench_sub.add_parser(name, help=f"the {name} benchmark"), module,
                 bench=True)
     return parser
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="lenet", choices=["lenet", "mlp"])
+    add_data_arguments(p)
+    _add_user_code_arguments(p)
+    p.add_argument("--test-data", metavar="PKG.MOD:FN",
+                   help="with --data: a function returning the test Dataset or DataLoader")
+    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes (default: one per GPU, else 2)")
+    p.add_argument("--devices", default="auto",
+                   help="auto (every GPU, else the CPU), cpu, a GPU count, or cuda:0,cuda:1")
+    p.add_argument("--mode", default="averaging",
+                   choices=["averaging", "shared_gradients", "allreduce"])
+    p.add_argument("--averaging-frequency", type=int, default=3,
+                   help="rounds between averaging steps (averaging mode)")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="where to save the model (.safetensors)")
 
 
 def _add_user_code_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sized
 from typing import Any, TypeVar
 
 import torch
@@ -22,6 +22,8 @@ __all__ = ["split_batch", "batch_size", "to_device", "describe", "map_tensors", 
 
 # A tensor structure whose tensors a function replaces by tensors: the same structure comes back.
 _Structure = TypeVar("_Structure")
+_Key = TypeVar("_Key", bound=Hashable)
+_Value = TypeVar("_Value")
 
 
 def split_batch(batch: object) -> tuple[Any, Any]:
@@ -45,7 +47,7 @@ def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
             yield from iter_tensors(o)
 
 
-def map_tensors(obj: object, fn: Callable[[torch.Tensor], Any]) -> Any:
+def map_tensors(obj: object, fn: Callable[[torch.Tensor], object]) -> Any:
     """Apply ``fn`` to every tensor in a tensor / tuple / list / dict structure."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -57,11 +59,13 @@ def map_tensors(obj: object, fn: Callable[[torch.Tensor], Any]) -> Any:
     return obj
 
 
-def _rebuild_dict(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+def _rebuild_dict(like: dict[Any, Any], items: dict[_Key, _Value]) -> dict[_Key, _Value]:
+    """``items`` in a dict of ``like``'s type (an OrderedDict stays one), or as they are."""
     try:
-        return type(like)(items)
+        rebuilt: dict[_Key, _Value] = type(like)(items)
     except TypeError:  # a dict subclass with another constructor
         return items
+    return rebuilt
 
 
 def batch_size(inputs: object) -> int:
@@ -162,7 +166,8 @@ class IndexedDataset:
         return self.collate_fn(rows)
 
 
-def as_data_source(data: object, batch_size: int | None = None, shuffle: bool = False) -> Any:
+def as_data_source(data: object, batch_size: int | None = None,
+                   shuffle: bool = False) -> Iterable[Any]:
     """Validate a data source; a Dataset (or an IterableDataset of single samples) with
     ``batch_size`` becomes a DataLoader. One whose length says it has no batches is refused."""
     source = _batched_source(data, batch_size, shuffle)
@@ -170,7 +175,7 @@ def as_data_source(data: object, batch_size: int | None = None, shuffle: bool = 
     return source
 
 
-def _batched_source(data: object, batch_size: int | None, shuffle: bool) -> Any:
+def _batched_source(data: object, batch_size: int | None, shuffle: bool) -> Iterable[Any]:
     if isinstance(data, Dataset) and not isinstance(data, (IterableDataset,)):
         if batch_size is None:
             raise TypeError(f"got a {type(data).__name__} (single samples) where batches are "
@@ -191,10 +196,12 @@ def _batched_source(data: object, batch_size: int | None, shuffle: bool) -> Any:
     return data
 
 
-def _refuse_empty(data: Any) -> None:
+def _refuse_empty(data: Iterable[Any]) -> None:
     """Refuse a source whose length says it has no batches, saying why (before any training)."""
     if isinstance(data, DataLoader) and isinstance(data.dataset, IterableDataset):
         return  # its length is only the dataset's own estimate
+    if not isinstance(data, Sized):
+        return  # a stream: its batches are counted as they are dealt
     try:
         batches = len(data)
     except TypeError:
@@ -203,7 +210,7 @@ def _refuse_empty(data: Any) -> None:
         raise ValueError(f"data has no batches at all: {_why_empty(data)}")
 
 
-def _why_empty(data: Any) -> str:
+def _why_empty(data: object) -> str:
     if not isinstance(data, DataLoader):
         return (f"the {type(data).__name__} is empty; pass at least one (inputs, targets) "
                 "batch")

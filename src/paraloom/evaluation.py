@@ -3,8 +3,9 @@ and ROC (one implementation for local and Spark evaluation)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -14,6 +15,46 @@ from paraloom.data import split_batch, to_device
 from paraloom.forward import forward
 
 __all__ = ["Evaluation", "RegressionEvaluation", "ROC", "evaluate"]
+
+
+class ClassificationMetrics(TypedDict):
+    """What ``Evaluation.metrics()`` returns (precision, recall and F1 are macro means)."""
+
+    accuracy: float
+    precision: float
+    recall: float
+    f1: float
+    loss: float
+    count: int
+    confusion_matrix: list[list[int]]
+    """Rows: actual class, columns: predicted class."""
+
+
+class PerColumn(TypedDict):
+    mse: list[float]
+    mae: list[float]
+    r2: list[float]
+
+
+class RegressionMetrics(TypedDict):
+    """What ``RegressionEvaluation.metrics()`` returns (means over the columns)."""
+
+    mse: float
+    mae: float
+    rmse: float
+    r2: float
+    loss: float
+    count: int
+    per_column: PerColumn
+
+
+class ROCMetrics(TypedDict):
+    """What ``ROC.metrics()`` returns."""
+
+    auc: float
+    auc_per_class: list[float]
+    count: int
+    bins: int
 
 
 def class_labels(targets: torch.Tensor, outputs: torch.Tensor, classes: int) -> torch.Tensor:
@@ -87,7 +128,7 @@ class Evaluation:
         f1 = 2 * precision * recall / (precision + recall).clamp(min=1e-12)
         return precision, recall, f1
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> ClassificationMetrics:
         """Accuracy, macro precision/recall/F1, mean loss, and the confusion matrix as lists."""
         precision, recall, f1 = self._per_class()
         return {"accuracy": self.accuracy, "precision": float(precision.mean()),
@@ -157,7 +198,7 @@ class RegressionEvaluation:
         self.loss_sum += other.loss_sum
         return self
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> RegressionMetrics:
         """Mean over columns of MSE, MAE, RMSE and R², the per-column lists, mean loss, count."""
         n = max(1, self.count)
         mse = self.sum_sq_error / n
@@ -249,7 +290,7 @@ class ROC:
         below = np.cumsum(neg) - neg  # negatives in lower bins
         return float((pos * (below + 0.5 * neg)).sum() / (pos.sum() * neg.sum()))
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> ROCMetrics:
         """AUC (binary: class 1's; else the macro mean over classes present), per class."""
         per_class = [self.auc(c) for c in range(self.num_classes)]
         present = [a for a in per_class if a == a]
@@ -265,8 +306,8 @@ class ROC:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Any, *, num_classes: int | None = None,
-             loss_fn: Any = None) -> Evaluation:
+def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | None = None,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Evaluation:
     """Evaluate a classifier on ``(inputs, targets)`` batches."""
     was_training = model.training
     model.eval()

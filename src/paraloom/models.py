@@ -41,7 +41,8 @@ class LeNet(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        logits: torch.Tensor = self.classifier(self.features(x))
+        return logits
 
 
 class MLP(nn.Module):
@@ -63,7 +64,8 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        logits: torch.Tensor = self.net(x)
+        return logits
 
 
 def build_model(name: str, input_shape: tuple[int, ...] | torch.Size) -> nn.Module:

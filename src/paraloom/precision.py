@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from torch import nn
 from paraloom.data import map_tensors
 
 __all__ = ["Precision", "PRECISIONS", "resolve_precision"]
+
+# A model's output structure: converting its tensors gives the same structure back.
+_Output = TypeVar("_Output")
 
 
 class Precision:
@@ -72,11 +75,12 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
-    def convert_output(self, output: Any) -> Any:
+    def convert_output(self, output: _Output) -> _Output:
         """Give floating-point outputs back as float32 unless this is 32-true."""
         if self.param_dtype is None and self.autocast_dtype is None:
             return output
-        return map_tensors(output, _to_float32)
+        converted: _Output = map_tensors(output, _to_float32)
+        return converted
 
 
 def _to_float32(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ def import_callable(spec: str, option: str) -> Callable[..., Any]:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: object = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"{option} {spec!r}: cannot import {module_name!r} ({e}); run from the "
                          "folder that holds it, or add its folder to PYTHONPATH") from e

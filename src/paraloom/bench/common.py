@@ -6,10 +6,16 @@ import argparse
 import json
 import os
 import platform
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypedDict
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["Machine", "machine", "write_results", "plain_args", "pyplot", "save_figure",
            "bar_plot", "plain_epoch", "with_threshold"]
@@ -33,7 +39,7 @@ def machine() -> Machine:
             "platform": platform.platform()}
 
 
-def write_results(path: str | Path, results: dict[str, Any]) -> Path:
+def write_results(path: str | Path, results: Mapping[str, object]) -> Path:
     """Write results as indented JSON, creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,7 +53,7 @@ def plain_args(args: argparse.Namespace) -> argparse.Namespace:
                                  if isinstance(v, (str, int, float, bool, type(None)))})
 
 
-def pyplot() -> Any | None:
+def pyplot() -> ModuleType | None:
     """``matplotlib.pyplot`` on the file-only Agg backend; None, with a note, without it."""
     try:
         import matplotlib
@@ -60,7 +66,7 @@ def pyplot() -> Any | None:
     return plt
 
 
-def save_figure(fig: Any, path: Path) -> None:
+def save_figure(fig: Figure, path: Path) -> None:
     """Lay out, write the PNG, close the figure and say where."""
     import matplotlib.pyplot as plt
 
@@ -83,7 +89,7 @@ def bar_plot(path: str | Path, title: str, bars: dict[str, float], ylabel: str) 
     save_figure(fig, Path(path).with_suffix(".png"))
 
 
-def plain_epoch(model: torch.nn.Module, loss_fn: Any, opt: torch.optim.Optimizer,
+def plain_epoch(model: nn.Module, loss_fn: nn.Module, opt: torch.optim.Optimizer,
                 x: torch.Tensor, y: torch.Tensor, batch_size: int) -> int:
     """One epoch of a plain training loop over pre-made tensors; returns the rows trained."""
     rows = 0

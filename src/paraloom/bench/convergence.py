@@ -18,13 +18,14 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from paraloom.bench.common import (
+    Machine,
     machine,
     plain_args,
     pyplot,
@@ -51,6 +52,42 @@ CONTENDERS: dict[str, dict[str, Any]] = {
                           "threshold_algorithm": ("QuantileThreshold", 1 / 160)},
 }
 """Contender name -> ParallelWrapper options (everything else is the same recipe)."""
+
+
+class RunResult(TypedDict):
+    """One contender's training run from one seed."""
+
+    seed: int
+    accuracy: float | None
+    """Test accuracy; None when the run diverged."""
+    diverged: str | None
+    """The first line of the worker's error when a NaN loss stopped the run."""
+    bytes_per_step: float | None
+    seconds: float
+
+
+class Summary(TypedDict):
+    """One contender on one task, over the seeds."""
+
+    median_accuracy: float
+    min_accuracy: float
+    diverged: int
+    gap_points: float | None
+    """Percentage points below dense all-reduce's median accuracy."""
+    median_bytes_per_step: float
+    bytes_fraction_of_allreduce: float | None
+    median_seconds: float
+
+
+class ConvergenceResults(TypedDict):
+    """The JSON that ``run`` writes."""
+
+    machine: Machine
+    config: dict[str, object]
+    contenders: dict[str, dict[str, Any]]
+    runs: dict[str, dict[str, list[RunResult]]]
+    """Task -> contender -> one result per seed."""
+    summary: dict[str, dict[str, Summary]]
 
 
 def shifted_digits(split: str, copies: int = 4, seed: int = 0, size: int = 16) -> TensorDataset:
@@ -121,7 +158,7 @@ def _accuracy(model: nn.Module, data: TensorDataset) -> float:
         return float((model(x).argmax(dim=1) == y).float().mean())
 
 
-def _train(args: argparse.Namespace, task: str, contender: str, seed: int) -> dict[str, Any]:
+def _train(args: argparse.Namespace, task: str, contender: str, seed: int) -> RunResult:
     from paraloom import ParallelWrapper
     from paraloom.errors import WorkerError
 
@@ -151,18 +188,28 @@ def _train(args: argparse.Namespace, task: str, contender: str, seed: int) -> di
             "seconds": time.perf_counter() - start}
 
 
-def _summary(runs: list[dict[str, Any]], dense_bytes: float | None,
-             dense_accuracy: float | None) -> dict[str, Any]:
-    done = [r for r in runs if r["accuracy"] is not None]
-    accuracy = statistics.median(r["accuracy"] for r in done) if done else math.nan
-    steps = statistics.median(r["bytes_per_step"] for r in done) if done else math.nan
+def _summary(runs: list[RunResult], dense_bytes: float | None,
+             dense_accuracy: float | None) -> Summary:
+    # (accuracy, bytes per step) of the runs that did not diverge: they have both.
+    done = [(a, b) for r in runs
+            if (a := r["accuracy"]) is not None and (b := r["bytes_per_step"]) is not None]
+    accuracy = statistics.median(a for a, _ in done) if done else math.nan
+    steps = statistics.median(b for _, b in done) if done else math.nan
     return {"median_accuracy": accuracy,
-            "min_accuracy": min((r["accuracy"] for r in done), default=math.nan),
+            "min_accuracy": min((a for a, _ in done), default=math.nan),
             "diverged": len(runs) - len(done),
             "gap_points": None if dense_accuracy is None else 100 * (dense_accuracy - accuracy),
             "median_bytes_per_step": steps,
             "bytes_fraction_of_allreduce": None if not dense_bytes else steps / dense_bytes,
             "median_seconds": statistics.median(r["seconds"] for r in runs)}
+
+
+def _summaries(runs: dict[str, list[RunResult]]) -> dict[str, Summary]:
+    """Each contender's summary, against dense all-reduce's when it ran."""
+    dense = _summary(runs["allreduce"], None, None) if "allreduce" in runs else None
+    dense_bytes = None if dense is None else dense["median_bytes_per_step"]
+    dense_accuracy = None if dense is None else dense["median_accuracy"]
+    return {c: _summary(r, dense_bytes, dense_accuracy) for c, r in runs.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,9 +220,9 @@ def run(args: argparse.Namespace) -> int:
         unknown = [n for n in (tasks if name == "task" else contenders) if n not in known]
         if unknown:
             raise SystemExit(f"unknown {name}(s) {unknown}; expected some of {list(known)}")
-    results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(),
-                               "contenders": {c: CONTENDERS[c] for c in contenders},
-                               "runs": {}, "summary": {}}
+    results: ConvergenceResults = {"machine": machine(), "config": vars(args).copy(),
+                                   "contenders": {c: CONTENDERS[c] for c in contenders},
+                                   "runs": {}, "summary": {}}
     for task in tasks:
         results["runs"][task] = {c: [] for c in contenders}
         for seed in range(args.seeds):  # seeds outermost: drift hits every contender alike
@@ -186,18 +233,14 @@ def run(args: argparse.Namespace) -> int:
                       + ("diverged" if r["accuracy"] is None else
                          f"accuracy {r['accuracy']:.4f}, {r['bytes_per_step']:.0f} B/step")
                       + f", {r['seconds']:.1f} s", flush=True)
-        runs = results["runs"][task]
-        dense = _summary(runs["allreduce"], None, None) if "allreduce" in runs else {}
-        results["summary"][task] = {
-            c: _summary(runs[c], dense.get("median_bytes_per_step"),
-                        dense.get("median_accuracy")) for c in contenders}
+        results["summary"][task] = _summaries(results["runs"][task])
     path = write_results(args.out, results)
     _print(results, path)
     _plot(results, Path(args.out).with_suffix(".png"))
     return 0
 
 
-def _print(results: dict[str, Any], path: Path) -> None:
+def _print(results: ConvergenceResults, path: Path) -> None:
     print(f"{'task':<11}{'contender':<14}{'accuracy':>9}{'gap':>7}{'min':>8}{'diverged':>9}"
           f"{'B/step':>10}{'of dense':>10}{'s/run':>7}")
     for task, rows in results["summary"].items():
@@ -210,7 +253,7 @@ def _print(results: dict[str, Any], path: Path) -> None:
     print(f"results written to {path}")
 
 
-def _plot(results: dict[str, Any], path: Path) -> None:
+def _plot(results: ConvergenceResults, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return

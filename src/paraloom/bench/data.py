@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,14 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
+from paraloom.bench.common import (
+    Machine,
+    machine,
+    plain_args,
+    pyplot,
+    save_figure,
+    write_results,
+)
 from paraloom.bench.ddp import join_group, run_ranks
 
 if TYPE_CHECKING:
@@ -130,7 +137,11 @@ def augment(img: torch.Tensor, size: int) -> torch.Tensor:
     return (_jitter(x) - _MEAN) / _STD
 
 
-class AugmentedImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+_Pair = tuple[torch.Tensor, torch.Tensor]
+"""An (image, label) example of ``AugmentedImages``."""
+
+
+class AugmentedImages(Dataset[_Pair]):
     """``n`` random 3 x size x size uint8 images (fixed by ``seed``), augmented on read."""
 
     def __init__(self, n: int, size: int = 64, seed: int = 0) -> None:
@@ -142,7 +153,7 @@ class AugmentedImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> _Pair:
         return augment(self.images[i], self.size), self.labels[i]
 
 
@@ -174,7 +185,8 @@ class ResNetSmall(nn.Module):
         self.head = nn.Linear(4 * width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+        logits: torch.Tensor = self.head(self.stages(self.stem(x)).mean((2, 3)))
+        return logits
 
 
 class NearFree(nn.Module):
@@ -185,7 +197,8 @@ class NearFree(nn.Module):
         self.head = nn.Linear(3, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(x.mean((2, 3)))
+        logits: torch.Tensor = self.head(x.mean((2, 3)))
+        return logits
 
 
 def _model(config: str) -> nn.Module:
@@ -219,22 +232,23 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace, conf
     model = nn.parallel.DistributedDataParallel(_model(config))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data = AugmentedImages(args.images, args.size)
-    sampler: DistributedSampler[Any] = DistributedSampler(data, world, rank, shuffle=True,
+    sampler: DistributedSampler[int] = DistributedSampler(data, world, rank, shuffle=True,
                                                           seed=0, drop_last=True)
 
-    def loader() -> DataLoader[Any]:
+    def loader() -> DataLoader[_Pair]:
         return DataLoader(data, batch_size=_batch(args, config), sampler=sampler,
                           num_workers=args.num_workers, drop_last=True,
                           persistent_workers=args.num_workers > 0)
 
     rows = 0
 
-    def epoch(e: int, loader: DataLoader[Any]) -> int:
+    def epoch(e: int, loader: DataLoader[_Pair]) -> int:
         sampler.set_epoch(e)
         n = 0
         for x, y in loader:
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            # loss.backward(), through the function it calls: torch leaves that one unannotated
+            torch.autograd.backward(F.cross_entropy(model(x), y))
             opt.step()
             n += len(x)
         return n
@@ -277,7 +291,7 @@ class _Clock:
         self.times.append(time.perf_counter())
 
 
-def _through_parent(loader: DataLoader[Any]) -> Iterator[Any]:
+def _through_parent(loader: DataLoader[_Pair]) -> Iterator[object]:
     yield from loader
 
 
@@ -285,10 +299,10 @@ class _Batches:
     """A re-iterable of the loader's batches that ParallelWrapper cannot see into: the
     parent process reads it and moves each batch to the workers (the old path)."""
 
-    def __init__(self, loader: DataLoader[Any]) -> None:
+    def __init__(self, loader: DataLoader[_Pair]) -> None:
         self.loader = loader
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[object]:
         return _through_parent(self.loader)
 
     def __len__(self) -> int:
@@ -306,7 +320,7 @@ def _paraloom(args: argparse.Namespace, config: str, parent_path: bool) -> dict[
     loader = DataLoader(data, batch_size=_batch(args, config), shuffle=True, drop_last=True,
                         num_workers=nw, persistent_workers=nw > 0,
                         generator=torch.Generator().manual_seed(0))
-    source: Any = _Batches(loader) if parent_path else loader
+    source: Iterable[object] = _Batches(loader) if parent_path else loader
     clock = _Clock()
     with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=args.workers,
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
@@ -325,6 +339,16 @@ def _paraloom(args: argparse.Namespace, config: str, parent_path: bool) -> dict[
 
 
 # -- the report --------------------------------------------------------------------------------
+class DataResults(TypedDict):
+    """The JSON that ``run`` writes."""
+
+    machine: Machine
+    config: dict[str, object]
+    augment_ms_per_image: float
+    runs: dict[str, dict[str, dict[str, float]]]
+    """Configuration -> contender -> samples/s, GB/s, CPU seconds and shares, ratio to DDP."""
+
+
 def _augment_ms(args: argparse.Namespace) -> float:
     data = AugmentedImages(64, args.size)
     before = torch.get_num_threads()
@@ -343,8 +367,8 @@ def run(args: argparse.Namespace) -> int:
     cores = machine()["cores"] or 1
     threads = max(1, cores // args.workers)
     image_bytes = 3 * args.size * args.size * 4
-    results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(),
-                               "augment_ms_per_image": _augment_ms(args), "runs": {}}
+    results: DataResults = {"machine": machine(), "config": vars(args).copy(),
+                            "augment_ms_per_image": _augment_ms(args), "runs": {}}
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
         runs: dict[str, dict[str, float]] = {"ddp": _ddp(args, config, threads),
                                              "paraloom": _paraloom(args, config, False)}
@@ -362,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(results: dict[str, Any], path: Path) -> None:
+def _print(results: DataResults, path: Path) -> None:
     print(f"augmentation: {results['augment_ms_per_image']:.2f} ms per image (one thread)")
     print(f"{'config':<11}{'contender':<26}{'samples/s':>11}{'GB/s':>8}{'/DDP':>7}"
           f"{'parent CPU':>12}")
@@ -373,7 +397,7 @@ def _print(results: dict[str, Any], path: Path) -> None:
     print(f"results written to {path}")
 
 
-def _plot(results: dict[str, Any], path: Path) -> None:
+def _plot(results: DataResults, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return

@@ -19,21 +19,62 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
+from paraloom.bench.common import (
+    Machine,
+    machine,
+    plain_args,
+    pyplot,
+    save_figure,
+    write_results,
+)
 from paraloom.datasets import digits
 from paraloom.evaluation import evaluate
 from paraloom.models import LeNet
 
+if TYPE_CHECKING:
+    from typing_extensions import NotRequired
+
+    from paraloom import ParallelWrapper
+
 __all__ = ["add_arguments", "run", "Injector", "inject_failure"]
 
 KINDS = ("raise", "exit", "kill", "stop")
+
+
+class FitResult(TypedDict):
+    """One long fit with failures of one kind injected (``"none"``: the clean run)."""
+
+    kind: str
+    seconds: float
+    hung: bool
+    error: str | None
+    """What the fit raised, if it failed."""
+    injected: int
+    recovered: int
+    restart_s: list[float]
+    replayed_rounds: list[int]
+    detection_s: list[float]
+    """Per recovery: seconds from the injection to the parent's detecting it."""
+    seconds_lost_estimate: float
+    accuracy: float | None
+    seconds_lost_per_failure: NotRequired[float]
+    """Wall time against the clean run's, per injected failure (not for the clean run)."""
+    accuracy_vs_clean: NotRequired[float | None]
+
+
+class FaultsResults(TypedDict):
+    """The JSON that ``run`` writes."""
+
+    machine: Machine
+    config: dict[str, object]
+    runs: list[FitResult]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,11 +122,13 @@ def inject_failure(kind: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
-def _fit(args: argparse.Namespace, kind: str, log: Path) -> dict[str, Any]:
+def _setup(args: argparse.Namespace, kind: str, log: Path
+           ) -> tuple[Injector, ParallelWrapper, DataLoader[tuple[torch.Tensor, ...]]]:
+    """The failing LeNet, a 2-worker wrapper allowed its failures, and the digits loader."""
     from paraloom import ParallelWrapper
 
     torch.manual_seed(0)
-    train, test = digits("train"), digits("test")
+    train = digits("train")
     steps = args.epochs * len(train) // args.batch_size // 2  # steps of rank 1
     budget = args.failures if kind != "none" else 0
     model = Injector(kind, p=min(0.5, 1.5 * budget / max(1, steps)), budget=budget, log=str(log))
@@ -94,26 +137,35 @@ def _fit(args: argparse.Namespace, kind: str, log: Path) -> dict[str, Any]:
                                                         momentum=0.9),
                               workers=2, training_mode=args.mode, progress=False,
                               heartbeat_timeout=args.heartbeat_timeout, max_failures=budget)
-    hung = threading.Event()
-    done = threading.Event()
-
-    def watchdog() -> None:
-        if not done.wait(args.limit):
-            hung.set()
-            for pid in wrapper.worker_pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-    threading.Thread(target=watchdog, daemon=True).start()
     loader = DataLoader(train, batch_size=args.batch_size,
                         generator=torch.Generator().manual_seed(0), shuffle=True)
+    return model, wrapper, loader
+
+
+def _watchdog(wrapper: ParallelWrapper, limit: float, done: threading.Event,
+              hung: threading.Event) -> None:
+    """Unless ``done`` is set within ``limit`` seconds: a hang, so SIGKILL the workers."""
+    if not done.wait(limit):
+        hung.set()
+        for pid in wrapper.worker_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _fit(args: argparse.Namespace, kind: str, log: Path) -> FitResult:
+    model, wrapper, loader = _setup(args, kind, log)
+    hung = threading.Event()
+    done = threading.Event()
+    threading.Thread(target=_watchdog, args=(wrapper, args.limit, done, hung),
+                     daemon=True).start()
     started = time.monotonic()
-    error = None
+    recovered, lost, error = 0, 0.0, None
     try:
         with wrapper:
             stats = wrapper.fit(loader, epochs=args.epochs)
+        recovered, lost = stats.get("failures", 0), stats.get("seconds_lost", 0.0)
     except Exception as e:  # reported, not raised: the table shows it
-        stats, error = {}, f"{type(e).__name__}: {e}"
+        error = f"{type(e).__name__}: {e}"
     finally:
         done.set()
     seconds = time.monotonic() - started
@@ -123,11 +175,11 @@ def _fit(args: argparse.Namespace, kind: str, log: Path) -> dict[str, Any]:
     detection = [f.detected_at - max((t for t in injected if t <= f.detected_at), default=0.0)
                  for f in wrapper.recoveries]
     return {"kind": kind, "seconds": seconds, "hung": hung.is_set(), "error": error,
-            "injected": len(injected), "recovered": stats.get("failures", 0),
+            "injected": len(injected), "recovered": recovered,
             "restart_s": [f.restart_seconds for f in wrapper.recoveries],
             "replayed_rounds": [f.replayed_rounds for f in wrapper.recoveries],
-            "detection_s": detection, "seconds_lost_estimate": stats.get("seconds_lost", 0.0),
-            "accuracy": evaluate(model.net, DataLoader(test, batch_size=256)).accuracy
+            "detection_s": detection, "seconds_lost_estimate": lost,
+            "accuracy": evaluate(model.net, DataLoader(digits("test"), batch_size=256)).accuracy
             if error is None else None}
 
 
@@ -139,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--kinds: unknown {unknown}; expected some of {list(KINDS)}")
     workdir = Path(args.out).with_suffix("")
     workdir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(), "runs": []}
+    results: FaultsResults = {"machine": machine(), "config": vars(args).copy(), "runs": []}
     _fit(args, "none", workdir / "none.log")  # starts the forkserver: no run pays for it
     clean = _fit(args, "none", workdir / "none.log")
     results["runs"].append(clean)
@@ -148,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
         log.unlink(missing_ok=True)
         r = _fit(args, kind, log)
         r["seconds_lost_per_failure"] = (r["seconds"] - clean["seconds"]) / max(1, r["injected"])
-        r["accuracy_vs_clean"] = None if r["accuracy"] is None else \
-            r["accuracy"] - clean["accuracy"]
+        r["accuracy_vs_clean"] = None if r["accuracy"] is None or clean["accuracy"] is None \
+            else r["accuracy"] - clean["accuracy"]
         results["runs"].append(r)
     path = write_results(args.out, results)
     _print(results, path)
@@ -157,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(results: dict[str, Any], path: Path) -> None:
+def _print(results: FaultsResults, path: Path) -> None:
     print(f"{'kind':<8}{'failures':>9}{'hangs':>6}{'detect med':>11}{'max':>7}"
           f"{'lost/fail s':>12}{'accuracy':>9}{'vs clean':>9}")
     for r in results["runs"]:
@@ -174,7 +226,7 @@ def _print(results: dict[str, Any], path: Path) -> None:
     print(f"results written to {path}")
 
 
-def _plot(results: dict[str, Any], path: Path) -> None:
+def _plot(results: FaultsResults, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return

@@ -12,19 +12,46 @@ import argparse
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.common import bar_plot, machine, plain_epoch, write_results
+from paraloom.bench.common import Machine, bar_plot, machine, plain_epoch, write_results
 
 __all__ = ["gpu_counts", "run_gpu"]
 
 ModelFn = Callable[[], nn.Module]
 OptimizerFn = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 LossFn = Callable[[], nn.Module]
+
+
+class ScalingRow(TypedDict):
+    """One mode on ``gpus`` GPUs."""
+
+    gpus: int
+    mode: str
+    samples_per_s: float
+    speedup: float
+    """Against the plain loop on ``cuda:0``."""
+    efficiency: float
+    """``speedup / gpus``."""
+
+
+class GpuMachine(Machine):
+    """``machine()`` and the name of every visible GPU."""
+
+    gpus: list[str]
+
+
+class GpuResults(TypedDict):
+    """The JSON that ``run_gpu`` writes."""
+
+    machine: GpuMachine
+    config: dict[str, object]
+    plain_loop_cuda0_samples_per_s: float
+    scaling: list[ScalingRow]
 
 
 def gpu_counts(available: int) -> list[int]:
@@ -61,6 +88,7 @@ def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: st
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
     kwargs: dict[str, Any] = {"averaging_frequency": 3} if mode == "averaging" else {}
     times: list[float] = []
+    batch_size: int = args.batch_size
     with ParallelWrapper(model, loss_fn=make_loss(),
                          optimizer=make_optimizer(model.parameters()), devices=gpus,
                          workers=gpus, training_mode=mode, progress=False,
@@ -69,7 +97,13 @@ def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: st
         wrapper.fit(loader, epochs=1)  # starts the workers; warm-up
         times.clear()
         wrapper.fit(loader, epochs=args.epochs)
-    return (len(times) - 1) * args.batch_size * gpus / (times[-1] - times[0])
+    return (len(times) - 1) * batch_size * gpus / (times[-1] - times[0])
+
+
+def _row(gpus: int, mode: str, samples_per_s: float, baseline: float) -> ScalingRow:
+    speedup = samples_per_s / baseline
+    return {"gpus": gpus, "mode": mode, "samples_per_s": samples_per_s, "speedup": speedup,
+            "efficiency": speedup / gpus}
 
 
 def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
@@ -78,17 +112,14 @@ def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
     counts = gpu_counts(torch.cuda.device_count() if torch.cuda.is_available() else 0)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     baseline = _plain_loop(args, data, make_model, make_optimizer, make_loss)
-    rows = [{"gpus": n, "mode": mode,
-             "samples_per_s": _paraloom(args, data, n, mode, make_model, make_optimizer,
-                                        make_loss)}
+    rows = [_row(n, mode, _paraloom(args, data, n, mode, make_model, make_optimizer, make_loss),
+                 baseline)
             for mode in modes for n in counts]
-    for row in rows:
-        row["speedup"] = row["samples_per_s"] / baseline
-        row["efficiency"] = row["speedup"] / row["gpus"]
-    results = {"machine": {**machine(), "gpus": [torch.cuda.get_device_name(i)
-                                                 for i in range(torch.cuda.device_count())]},
-               "config": vars(args).copy(),
-               "plain_loop_cuda0_samples_per_s": baseline, "scaling": rows}
+    results: GpuResults = {
+        "machine": {**machine(), "gpus": [torch.cuda.get_device_name(i)
+                                          for i in range(torch.cuda.device_count())]},
+        "config": vars(args).copy(),
+        "plain_loop_cuda0_samples_per_s": baseline, "scaling": rows}
     out = Path(args.out)
     path = write_results(str(out.with_name(out.stem + "_cuda" + out.suffix)), results)
     print(f"{args.model}: plain loop on cuda:0: {baseline:.0f} samples/s (batch "

@@ -86,12 +86,10 @@ class GrpcCaller(ClosedLoopCaller):
         self.received = 0
         self.going_away = False  # the server sent GOAWAY NO_ERROR: no new stream here
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # a TCP transport: it writes
+    def _connected(self) -> None:
         settings = struct.pack(">HIHI", 2, 0, 4, _MAX_WINDOW)  # no push; widest windows
         self.transport.write(_PREFACE + _frame(_SETTINGS, 0, 0, settings) + _frame(
             _WINDOW_UPDATE, 0, 0, struct.pack(">I", _MAX_WINDOW - _DEFAULT_WINDOW)))
-        self._send()
 
     def _request(self) -> None:
         if self.going_away:

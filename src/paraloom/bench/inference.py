@@ -21,13 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 
-from paraloom.bench.common import bar_plot, machine, plain_args, write_results
+from paraloom.bench.common import Machine, bar_plot, machine, plain_args, write_results
 from paraloom.inference import ParallelInference
-from paraloom.inference.stats import percentiles
+from paraloom.inference.stats import Percentiles, percentiles
 from paraloom.models import LeNet
 
 __all__ = ["add_arguments", "run"]
@@ -35,6 +35,72 @@ __all__ = ["add_arguments", "run"]
 DEFAULT_OUTPUT = "benchmarks/results/inference.json"
 GOAL_VS_NAIVE = 2.5
 GOAL_VS_OFFLINE = 0.7
+
+
+class Latency(TypedDict):
+    """Milliseconds per request."""
+
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    mean: float
+
+
+class ClientRun(TypedDict):
+    """Client threads sending one-row requests: throughput in rows/s."""
+
+    requests: int
+    seconds: float
+    throughput: float
+    latency_ms: Latency
+
+
+class NaiveRun(ClientRun):
+    """The best of the thread counts tried."""
+
+    torch_threads: int
+    by_torch_threads: dict[str, float]
+
+
+class BatchedRun(ClientRun):
+    """Through ParallelInference, with its batching counters."""
+
+    batches: int
+    mean_batch_rows: float
+    queue_time_ms: Percentiles
+    forward_time_ms: Percentiles
+
+
+class OfflineRun(TypedDict):
+    """Full batches in a loop: the limit, in rows/s."""
+
+    batch: int
+    torch_threads: int
+    windows_by_torch_threads: dict[str, list[float]]
+    throughput: float
+
+
+class Ratios(TypedDict):
+    """Batched throughput against the naive and offline ones, and the goals for each."""
+
+    batched_vs_naive: float
+    batched_vs_offline: float
+    goal_vs_naive: float
+    goal_vs_offline: float
+    goals_met: bool
+
+
+class InferenceResults(TypedDict):
+    """The JSON that ``run`` writes."""
+
+    benchmark: str
+    machine: Machine
+    config: dict[str, object]
+    offline: OfflineRun
+    naive: NaiveRun
+    batched: BatchedRun
+    ratios: Ratios
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,14 +157,15 @@ def _clients(n: int, per_client: int, call: Callable[[], object]) -> tuple[float
     return elapsed, [x for own in latencies for x in own]
 
 
-def _summary(requests: int, seconds: float, latencies: list[float]) -> dict[str, Any]:
+def _summary(requests: int, seconds: float, latencies: list[float]) -> ClientRun:
     lat = percentiles([x * 1e3 for x in latencies])
     return {"requests": requests, "seconds": seconds, "throughput": requests / seconds,
-            "latency_ms": {k: lat[k] for k in ("p50", "p90", "p99", "max", "mean")}}
+            "latency_ms": {"p50": lat["p50"], "p90": lat["p90"], "p99": lat["p99"],
+                           "max": lat["max"], "mean": lat["mean"]}}
 
 
 def _offline(model: torch.nn.Module, x: torch.Tensor, batch: int, cores: int,
-             seconds: float = 1.0, windows: int = 3) -> dict[str, Any]:
+             seconds: float = 1.0, windows: int = 3) -> OfflineRun:
     """The model on full batches in a loop: the best window over 1 and ``cores`` torch threads."""
     xb = x.expand(batch, *x.shape[1:]).contiguous()
     by_threads: dict[str, list[float]] = {}
@@ -126,7 +193,7 @@ def _loop(model: torch.nn.Module, xb: torch.Tensor, seconds: float) -> tuple[int
 
 
 def _naive(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace,
-           cores: int) -> dict[str, Any]:
+           cores: int) -> NaiveRun:
     """Client threads calling the model directly; the best of 1 and ``cores`` torch threads."""
     def call() -> None:
         with torch.inference_mode():
@@ -145,7 +212,7 @@ def _naive(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace,
 
 
 def _batched(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace
-             ) -> dict[str, Any]:
+             ) -> BatchedRun:
     with ParallelInference(model, inference_mode="batched", workers=args.workers,
                            batch_limit=args.batch_limit, queue_limit=args.queue_limit,
                            max_wait_ms=args.max_wait_ms, example_input=x,
@@ -154,13 +221,10 @@ def _batched(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace
         before = pi.stats()
         seconds, latencies = _clients(args.clients, args.requests, lambda: pi.output(x))
         after = pi.stats()
-    result = _summary(args.clients * args.requests, seconds, latencies)
     batches = after["batches"] - before["batches"]
-    result["batches"] = batches
-    result["mean_batch_rows"] = (after["rows"] - before["rows"]) / max(1, batches)
-    result["queue_time_ms"] = after["queue_time_ms"]
-    result["forward_time_ms"] = after["forward_time_ms"]
-    return result
+    return {**_summary(args.clients * args.requests, seconds, latencies), "batches": batches,
+            "mean_batch_rows": (after["rows"] - before["rows"]) / max(1, batches),
+            "queue_time_ms": after["queue_time_ms"], "forward_time_ms": after["forward_time_ms"]}
 
 
 def _settle(args: argparse.Namespace, cores: int) -> argparse.Namespace:
@@ -189,12 +253,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(before)
     vs_naive = batched["throughput"] / naive["throughput"]
     vs_offline = batched["throughput"] / offline["throughput"]
-    result = {"benchmark": "inference", "machine": host, "config": {
-                  "model": f"LeNet(image_size={args.image_size})", **vars(args)},
-              "offline": offline, "naive": naive, "batched": batched, "ratios": {
-                  "batched_vs_naive": vs_naive, "batched_vs_offline": vs_offline,
-                  "goal_vs_naive": GOAL_VS_NAIVE, "goal_vs_offline": GOAL_VS_OFFLINE,
-                  "goals_met": vs_naive >= GOAL_VS_NAIVE and vs_offline >= GOAL_VS_OFFLINE}}
+    result: InferenceResults = {
+        "benchmark": "inference", "machine": host,
+        "config": {"model": f"LeNet(image_size={args.image_size})", **vars(args)},
+        "offline": offline, "naive": naive, "batched": batched,
+        "ratios": {"batched_vs_naive": vs_naive, "batched_vs_offline": vs_offline,
+                   "goal_vs_naive": GOAL_VS_NAIVE, "goal_vs_offline": GOAL_VS_OFFLINE,
+                   "goals_met": vs_naive >= GOAL_VS_NAIVE and vs_offline >= GOAL_VS_OFFLINE}}
     path = write_results(args.output, result)
     print(_report(result, path))
     bar_plot(path, f"LeNet(image_size={args.image_size}): one-row requests from "
@@ -204,11 +269,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(result: dict[str, Any], path: Path) -> str:
-    def line(name: str, r: dict[str, Any]) -> str:
-        lat = r.get("latency_ms")
+def _report(result: InferenceResults, path: Path) -> str:
+    def line(name: str, throughput: float, lat: Latency | None = None) -> str:
         tail = f"  p50 {lat['p50']:.2f} ms  p99 {lat['p99']:.2f} ms" if lat else ""
-        return f"{name:<40}{r['throughput']:>8,.0f} rows/s{tail}"
+        return f"{name:<40}{throughput:>8,.0f} rows/s{tail}"
 
     ratios = result["ratios"]
     c = result["config"]
@@ -216,9 +280,11 @@ def _report(result: dict[str, Any], path: Path) -> str:
         f"{c['model']}, {c['clients']} client threads x {c['requests']} one-row "
         f"requests, {result['machine']['cores']} cores",
         line(f"offline (batch {c['offline_batch']}, torch threads="
-             f"{result['offline']['torch_threads']})", result["offline"]),
-        line(f"naive (torch threads={result['naive']['torch_threads']})", result["naive"]),
-        line(f"batched ({c['workers']}x{c['threads_per_worker']} threads)", result["batched"]),
+             f"{result['offline']['torch_threads']})", result["offline"]["throughput"]),
+        line(f"naive (torch threads={result['naive']['torch_threads']})",
+             result["naive"]["throughput"], result["naive"]["latency_ms"]),
+        line(f"batched ({c['workers']}x{c['threads_per_worker']} threads)",
+             result["batched"]["throughput"], result["batched"]["latency_ms"]),
         f"mean batch: {result['batched']['mean_batch_rows']:.1f} rows",
         f"batched / naive   = {ratios['batched_vs_naive']:.2f}  (goal >= {GOAL_VS_NAIVE})",
         f"batched / offline = {ratios['batched_vs_offline']:.2f}  (goal >= {GOAL_VS_OFFLINE})",

@@ -24,10 +24,15 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paraloom.bench.caller import ClosedLoopCaller
 from paraloom.bench.h2c import GrpcCaller
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+    from multiprocessing.sharedctypes import Synchronized
+    from multiprocessing.synchronize import Event
 
 __all__ = ["Target", "cpu_seconds", "percentile", "run_load"]
 
@@ -178,8 +183,13 @@ class _CpuWindow:
         return self.readings[1] - self.readings[0] if len(self.readings) == 2 else math.nan
 
 
-def _process(target: Target, callers: int, ready: Any, go: Any, start: Any, warmup: float,
-             duration: float, results: Any) -> None:
+_ProcessResult = tuple[list[float], list[str], float]
+"""One load process's latencies, errors and CPU seconds over the window."""
+
+
+def _process(target: Target, callers: int, ready: Queue[int], go: Event,
+             start: Synchronized[float], warmup: float, duration: float,
+             results: Queue[_ProcessResult]) -> None:
     ready.put(os.getpid())  # imported and ready: the parent starts every process at once
     if not go.wait(300):
         results.put(([], ["never started"], time.process_time()))
@@ -213,13 +223,29 @@ def cpu_seconds(pgid: int) -> float:
     return total / ticks
 
 
+def _gather(results: Queue[_ProcessResult], processes: int, timeout: float
+            ) -> _ProcessResult:
+    """Every load process's report, merged: latencies, errors, client CPU seconds."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    client_cpu = 0.0
+    for _ in range(processes):
+        got, errs, cpu = results.get(timeout=timeout)
+        latencies += got
+        errors += errs
+        client_cpu += cpu
+    return latencies, errors, client_cpu
+
+
 def run_load(target: Target, *, concurrency: int, duration: float, warmup: float,
              processes: int, server_pgid: int | None = None) -> dict[str, Any]:
     """Load ``target`` from ``concurrency`` callers; requests/s, p50/p90/p99 ms, CPU use."""
     processes = max(1, min(processes, concurrency))
     ctx = mp.get_context("spawn")
-    results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    start = ctx.Value("d", 0.0)
+    results: Queue[_ProcessResult] = ctx.Queue()
+    ready: Queue[int] = ctx.Queue()
+    go = ctx.Event()
+    start: Synchronized[float] = ctx.Value("d", 0.0)
     counts = [concurrency // processes + (i < concurrency % processes)
               for i in range(processes)]
     procs = [ctx.Process(target=_process, args=(target, n, ready, go, start, warmup, duration,
@@ -234,14 +260,7 @@ def run_load(target: Target, *, concurrency: int, duration: float, warmup: float
     cpu_before = cpu_seconds(server_pgid) if server_pgid else math.nan
     time.sleep(duration)
     cpu_after = cpu_seconds(server_pgid) if server_pgid else math.nan
-    latencies: list[float] = []
-    errors: list[str] = []
-    client_cpu = 0.0
-    for _ in procs:
-        got, errs, cpu = results.get(timeout=duration + warmup + 180)
-        latencies += got
-        errors += errs
-        client_cpu += cpu
+    latencies, errors, client_cpu = _gather(results, len(procs), duration + warmup + 180)
     for p in procs:
         p.join(30)
     latencies.sort()

@@ -50,7 +50,8 @@ class ResNet18(nn.Module):
         self.head = nn.Linear(512, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.features(x).mean(dim=(2, 3)))
+        logits: Tensor = self.head(self.features(x).mean(dim=(2, 3)))
+        return logits
 
 
 class TinyGPT(nn.Module):
@@ -76,7 +77,8 @@ class TinyGPT(nn.Module):
         t = tokens.shape[1]
         x = self.tokens(tokens) + self.positions.weight[:t]
         x = self.blocks(x, mask=self.mask[:t, :t], is_causal=True)
-        return self.norm(x) @ self.tokens.weight.T  # (batch, tokens, vocab) logits
+        logits: Tensor = self.norm(x) @ self.tokens.weight.T  # (batch, tokens, vocab)
+        return logits
 
 
 class TokenCrossEntropy(nn.Module):

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import nn
@@ -25,7 +27,34 @@ from torch.utils.data import DataLoader, TensorDataset
 from paraloom.bench.common import bar_plot, machine, plain_args, write_results
 from paraloom.models import LeNet
 
+if TYPE_CHECKING:
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    from paraloom.spark.training import TrainingMaster
+
 __all__ = ["add_arguments", "run"]
+
+
+class _Measured(TypedDict):
+    samples_per_s: float
+    train_samples_per_s: float | None
+    seconds: float
+    bytes_per_step_per_worker: float
+
+
+class Measured(_Measured, total=False):
+    """One contender's numbers, as written to the results file."""
+
+    stage_attempts: int
+    ratio_to_ddp: float | None
+
+
+class DdpLoop(TypedDict):
+    """What rank 0 of the TorchDistributor run returns."""
+
+    samples: int
+    loop_seconds: float
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,11 +90,12 @@ def _model(image_size: int) -> nn.Module:
     return LeNet(image_size=image_size)
 
 
-def _sgd(params: Any) -> torch.optim.Optimizer:
+def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def _spark(args: argparse.Namespace, spark: Any, data: TensorDataset, kind: str) -> dict:
+def _spark(args: argparse.Namespace, spark: SparkSession, data: TensorDataset,
+           kind: str) -> Measured:
     from paraloom.spark import (
         AdaptiveThreshold,
         ParameterAveragingTrainingMaster,
@@ -73,8 +103,9 @@ def _spark(args: argparse.Namespace, spark: Any, data: TensorDataset, kind: str)
         SparkModel,
     )
 
+    master: TrainingMaster
     if kind == "shared":
-        master: Any = SharedTrainingMaster(
+        master = SharedTrainingMaster(
             args.batch_size, args.workers,
             threshold_algorithm=AdaptiveThreshold(args.threshold, max_sparsity=5e-3))
     else:
@@ -91,13 +122,13 @@ def _spark(args: argparse.Namespace, spark: Any, data: TensorDataset, kind: str)
     summary = net.fit(rows, epochs=args.epochs)
     seconds = time.perf_counter() - start
     per_step = summary.get("bytes_sent_per_step") or [summary.get("bytes_per_step_per_worker")]
-    return {"samples_per_s": summary["samples"] / seconds,
-            "train_samples_per_s": summary.get("train_samples_per_s"), "seconds": seconds,
-            "bytes_per_step_per_worker": sum(per_step) / len(per_step),
-            "stage_attempts": summary["stage_attempts"]}
+    return Measured(samples_per_s=summary["samples"] / seconds,
+                    train_samples_per_s=summary.get("train_samples_per_s"), seconds=seconds,
+                    bytes_per_step_per_worker=sum(per_step) / len(per_step),
+                    stage_attempts=summary["stage_attempts"])
 
 
-def _wrapper(args: argparse.Namespace, data: TensorDataset) -> dict:
+def _wrapper(args: argparse.Namespace, data: TensorDataset) -> Measured:
     from paraloom import ParallelWrapper
     from paraloom.sync.thresholds import AdaptiveThreshold, ResidualClipping
 
@@ -113,11 +144,11 @@ def _wrapper(args: argparse.Namespace, data: TensorDataset) -> dict:
         stats = wrapper.fit(loader, epochs=args.epochs)
         seconds = time.perf_counter() - start
     per_step = stats["bytes_sent_per_step"]
-    return {"samples_per_s": stats["samples"] / seconds, "train_samples_per_s": None,
-            "seconds": seconds, "bytes_per_step_per_worker": sum(per_step) / len(per_step)}
+    return Measured(samples_per_s=stats["samples"] / seconds, train_samples_per_s=None,
+                    seconds=seconds, bytes_per_step_per_worker=sum(per_step) / len(per_step))
 
 
-def ddp_train(samples: int, image_size: int, batch_size: int, epochs: int) -> dict:
+def ddp_train(samples: int, image_size: int, batch_size: int, epochs: int) -> DdpLoop:
     """One TorchDistributor process: DDP over gloo on this rank's share of the same data."""
     import torch.distributed as dist
 
@@ -138,10 +169,10 @@ def ddp_train(samples: int, image_size: int, batch_size: int, epochs: int) -> di
     dist.barrier()
     seconds = time.perf_counter() - start
     dist.destroy_process_group()
-    return {"samples": epochs * steps * batch_size * world, "loop_seconds": seconds}
+    return DdpLoop(samples=epochs * steps * batch_size * world, loop_seconds=seconds)
 
 
-def _ddp(args: argparse.Namespace, spark: Any) -> dict:
+def _ddp(args: argparse.Namespace) -> Measured:
     from pyspark.ml.torch.distributor import TorchDistributor
 
     distributor = TorchDistributor(num_processes=args.workers, local_mode=False, use_gpu=False)
@@ -152,13 +183,14 @@ def _ddp(args: argparse.Namespace, spark: Any) -> dict:
     if out is None:  # TorchDistributor returns rank 0's value; None means it had none
         raise RuntimeError("TorchDistributor returned no result from rank 0")
     params = sum(p.numel() for p in _model(args.image_size).parameters())
-    return {"samples_per_s": out["samples"] / seconds,
-            "train_samples_per_s": out["samples"] / out["loop_seconds"], "seconds": seconds,
-            "bytes_per_step_per_worker": 2 * (args.workers - 1) / args.workers * 4 * params}
+    return Measured(samples_per_s=out["samples"] / seconds,
+                    train_samples_per_s=out["samples"] / out["loop_seconds"], seconds=seconds,
+                    bytes_per_step_per_worker=2 * (args.workers - 1) / args.workers * 4 * params)
 
 
-def _warm_up(sc: Any, workers: int) -> None:
-    """Start the Python workers and import torch in them, so no contender pays for it."""
+def _warm_up(sc: SparkContext, workers: int) -> None:
+    """Start the executors' Python processes and import torch in them, so no contender pays
+    for it."""
     sc.parallelize(range(workers), workers).map(
         lambda _: __import__("paraloom.spark.training.shared_task").__name__).collect()
 
@@ -175,29 +207,30 @@ def run(args: argparse.Namespace) -> int:
     args = plain_args(args)
     data = _data(args.samples, args.image_size)
     spark, created = session(args.master)
-    results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(),
-                               "spark_master": args.master, "contenders": {}}
+    contenders: dict[str, Measured] = {}
+    results = {"machine": machine(), "config": vars(args).copy(),
+               "spark_master": args.master, "contenders": contenders}
     try:
         _warm_up(spark.sparkContext, args.workers)
-        runners = {"spark_shared": lambda: _spark(args, spark, data, "shared"),
-                   "spark_averaging": lambda: _spark(args, spark, data, "averaging"),
-                   "parallel_wrapper": lambda: _wrapper(args, data),
-                   "ddp_torch_distributor": lambda: _ddp(args, spark)}
+        runners: dict[str, Callable[[], Measured]] = {
+            "spark_shared": lambda: _spark(args, spark, data, "shared"),
+            "spark_averaging": lambda: _spark(args, spark, data, "averaging"),
+            "parallel_wrapper": lambda: _wrapper(args, data),
+            "ddp_torch_distributor": lambda: _ddp(args)}
         for name in [c.strip() for c in args.contenders.split(",") if c.strip()]:
             if name not in runners:
                 raise SystemExit(f"unknown contender {name!r}; expected {sorted(runners)}")
-            results["contenders"][name] = runners[name]()
+            contenders[name] = runners[name]()
     finally:
         if created:
             spark.stop()
-    ddp = results["contenders"].get("ddp_torch_distributor")
-    for r in results["contenders"].values():
+    ddp = contenders.get("ddp_torch_distributor")
+    for r in contenders.values():
         r["ratio_to_ddp"] = r["samples_per_s"] / ddp["samples_per_s"] if ddp else None
     path = write_results(args.out, results)
-    _print(results, path)
+    _print(contenders, path)
     bar_plot(path, f"Spark training, {args.workers} workers ({args.master})",
-             {name: r["samples_per_s"] for name, r in results["contenders"].items()},
-             "samples/s")
+             {name: r["samples_per_s"] for name, r in contenders.items()}, "samples/s")
     return 0
 
 
@@ -205,9 +238,9 @@ def _cell(value: float | None, width: int, digits: int = 0) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
 
-def _print(results: dict[str, Any], path: Any) -> None:
+def _print(contenders: dict[str, Measured], path: Path) -> None:
     print(f"{'contender':<24}{'samples/s':>11}{'train loop':>12}{'/DDP':>7}{'bytes/step':>13}")
-    for name, r in results["contenders"].items():
+    for name, r in contenders.items():
         print(f"{name:<24}{_cell(r['samples_per_s'], 11)}{_cell(r['train_samples_per_s'], 12)}"
-              f"{_cell(r['ratio_to_ddp'], 7, 2)}{_cell(r['bytes_per_step_per_worker'], 13)}")
+              f"{_cell(r.get('ratio_to_ddp'), 7, 2)}{_cell(r['bytes_per_step_per_worker'], 13)}")
     print(f"results written to {path}")

@@ -11,9 +11,9 @@ the executors, then, at ``--small-rows`` and at ``--rows``, in one Spark session
   share of the Parquet files with pyarrow (the same model, batch size and epochs).
 
 For every Spark phase it samples the driver's RSS (this Python process) every 20 ms and reports
-the peak; the fit summaries give each Python worker's peak RSS (``spark.python.worker.reuse``
-is off, so each task's process is fresh). Goals: driver peak flat within 200 MB from the small
-to the large size; ``fit_paths`` >= 0.8 of ``fit_cached``.
+the peak; the fit summaries give the peak RSS of each executor Python process
+(``spark.python.worker.reuse`` is off, so each task's process is fresh). Goals: driver peak
+flat within 200 MB from the small to the large size; ``fit_paths`` >= 0.8 of ``fit_cached``.
 """
 
 from __future__ import annotations
@@ -27,13 +27,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from paraloom.spark import SparkModel
 
 __all__ = ["add_arguments", "run", "RssSampler"]
 
@@ -105,7 +110,7 @@ def _generate(rows: int, files: int) -> Callable[[Iterator[Any]], Iterator[Any]]
     return gen
 
 
-def write_parquet(spark: Any, path: str, rows: int, files: int) -> float:
+def write_parquet(spark: SparkSession, path: str, rows: int, files: int) -> float:
     """``rows`` synthetic rows as ``files`` Parquet files, generated on the executors."""
     start = time.perf_counter()
     (spark.range(rows, numPartitions=files)
@@ -119,7 +124,7 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 128), nn.ReLU(), nn.Linear(128, CLASSES))
 
 
-def _spark_model(spark: Any, args: argparse.Namespace) -> Any:
+def _spark_model(spark: SparkSession, args: argparse.Namespace) -> SparkModel:
     from paraloom.spark import ParameterAveragingTrainingMaster, SparkModel
 
     model = _model()
@@ -137,7 +142,7 @@ def _fit_result(summary: dict[str, Any], seconds: float, rss: RssSampler) -> dic
             "worker_peak_rss_mb": summary.get("worker_peak_rss_mb")}
 
 
-def _ingest(spark: Any, path: str) -> dict[str, Any]:
+def _ingest(spark: SparkSession, path: str) -> dict[str, Any]:
     from paraloom.spark.data import Columns, num_rows
     from paraloom.spark.data.arrow import arrow_chunks
 
@@ -151,7 +156,7 @@ def _ingest(spark: Any, path: str) -> dict[str, Any]:
             "driver_rss_growth_mb": (rss.peak - rss.start) / 2**20}
 
 
-def _fit_paths(spark: Any, path: str, args: argparse.Namespace) -> dict[str, Any]:
+def _fit_paths(spark: SparkSession, path: str, args: argparse.Namespace) -> dict[str, Any]:
     net = _spark_model(spark, args)
     with RssSampler() as rss:
         start = time.perf_counter()
@@ -160,7 +165,7 @@ def _fit_paths(spark: Any, path: str, args: argparse.Namespace) -> dict[str, Any
     return _fit_result(summary, seconds, rss)
 
 
-def _fit_cached(spark: Any, path: str, args: argparse.Namespace) -> dict[str, Any]:
+def _fit_cached(spark: SparkSession, path: str, args: argparse.Namespace) -> dict[str, Any]:
     df = spark.read.parquet(path).cache()
     df.count()  # in memory before the clock starts
     try:
@@ -222,7 +227,7 @@ def ddp_parquet(path: str, batch_size: int, epochs: int) -> dict[str, Any]:
     return {"samples": samples, "loop_seconds": seconds}
 
 
-def _torch_distributor(spark: Any, path: str, args: argparse.Namespace) -> dict[str, Any]:
+def _torch_distributor(spark: SparkSession, path: str, args: argparse.Namespace) -> dict[str, Any]:
     from pyspark.ml.torch.distributor import TorchDistributor
 
     distributor = TorchDistributor(num_processes=args.workers, local_mode=True, use_gpu=False)

@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from paraloom.bench.common import (
+    Machine,
     machine,
     plain_args,
     plain_epoch,
@@ -37,6 +38,8 @@ from paraloom.bench.models import WORKLOADS, workload
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
+    from typing_extensions import NotRequired
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -50,6 +53,48 @@ _WHOLE_FIT_REPEATS = 3
 """Whole fit() calls timed per mode; the median is reported (one call's rate moves by ~4%)."""
 _STEADY_ROUNDS = 48
 """Rounds at least in the steady-state fit(): a round of timing error is then 2%, not 7%."""
+
+
+class ModeResult(TypedDict):
+    """One ParallelWrapper mode on one model."""
+
+    samples_per_s: float
+    fit_samples_per_s: float
+    whole_fit_30_samples_per_s: float
+    sync_seconds_per_step: dict[str, float]
+    step_seconds: float
+    bytes_per_step_per_worker: float
+
+
+class _Measured(TypedDict):
+    parameters: int
+    rows_per_epoch: int
+    batch_size_per_worker: int
+    threads_per_worker: int
+    samples_per_s: dict[str, float]
+    """Contender -> steady samples/s."""
+    bytes_per_step_per_worker: dict[str, float]
+    whole_fit_30_samples_per_s: dict[str, float]
+    skipped: NotRequired[dict[str, str]]
+    """Mode -> why it could not run."""
+    sync_seconds_per_step: NotRequired[dict[str, dict[str, float]]]
+    """Mode -> the step's seconds and those of each synchronization phase."""
+
+
+class ModelResults(_Measured):
+    """Every contender on one model, with the ratios between them."""
+
+    ratio_to_linear: dict[str, float]
+    ratio_to_ddp: dict[str, float]
+    whole_fit_30_to_steady: dict[str, float]
+
+
+class TrainingResults(TypedDict):
+    """The JSON that ``run`` writes."""
+
+    machine: Machine
+    config: dict[str, object]
+    models: dict[str, ModelResults]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -180,7 +225,7 @@ def _mode_options(mode: str) -> tuple[str, dict[str, Any]]:
     return name, options
 
 
-def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> dict[str, Any]:
+def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> ModeResult:
     """Samples/s (steady state, whole fit() of 30 rounds) and bytes/step in one mode."""
     from paraloom import ParallelWrapper
 
@@ -219,41 +264,47 @@ def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> dict[s
             "bytes_per_step_per_worker": sum(per_step) / len(per_step)}
 
 
-def _measure(args: argparse.Namespace) -> dict[str, Any]:
+def _measure(args: argparse.Namespace) -> ModelResults:
     """Every contender on one model (``args.model``)."""
     cores = machine()["cores"] or 1
     threads = max(1, cores // args.workers)
     data = _data(args)
     parameters = sum(p.numel() for p in _model(args).parameters())
-    results: dict[str, Any] = {"parameters": parameters, "rows_per_epoch": len(data),
-                               "batch_size_per_worker": args.batch_size,
-                               "threads_per_worker": threads, "samples_per_s": {}}
-    sps = results["samples_per_s"]
+    sps: dict[str, float] = {}
+    results: _Measured = {"parameters": parameters, "rows_per_epoch": len(data),
+                          "batch_size_per_worker": args.batch_size,
+                          "threads_per_worker": threads, "samples_per_s": sps,
+                          "bytes_per_step_per_worker": {}, "whole_fit_30_samples_per_s": {}}
     sps["single_1_thread"] = _single(args, data, 1)
     sps[f"single_{cores}_threads"] = _single(args, data, cores)
     sps["ddp"] = _ddp(args, data, threads)
-    results["bytes_per_step_per_worker"] = {
-        "ddp": 2 * (args.workers - 1) / args.workers * 4 * parameters}
-    results["whole_fit_30_samples_per_s"] = {}
+    results["bytes_per_step_per_worker"]["ddp"] = \
+        2 * (args.workers - 1) / args.workers * 4 * parameters
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        try:
-            r = _wrapper(args, data, mode)
-        except (ImportError, ValueError) as e:  # a mode this version does not have
-            results.setdefault("skipped", {})[mode] = str(e)
-            continue
-        sps[f"paraloom_{mode}"] = r["samples_per_s"]
-        results["whole_fit_30_samples_per_s"][f"paraloom_{mode}"] = \
-            r["whole_fit_30_samples_per_s"]
-        results["bytes_per_step_per_worker"][f"paraloom_{mode}"] = r["bytes_per_step_per_worker"]
-        if r["sync_seconds_per_step"]:  # where a step's time goes (shared_gradients)
-            results.setdefault("sync_seconds_per_step", {})[f"paraloom_{mode}"] = {
-                "step": r["step_seconds"], **r["sync_seconds_per_step"]}
+        _measure_mode(args, data, mode, results)
     linear = args.workers * sps["single_1_thread"]
-    results["ratio_to_linear"] = {k: v / linear for k, v in sps.items()}
-    results["ratio_to_ddp"] = {k: v / sps["ddp"] for k, v in sps.items()}
-    results["whole_fit_30_to_steady"] = {
-        k: v / sps[k] for k, v in results["whole_fit_30_samples_per_s"].items()}
-    return results
+    return {**results,
+            "ratio_to_linear": {k: v / linear for k, v in sps.items()},
+            "ratio_to_ddp": {k: v / sps["ddp"] for k, v in sps.items()},
+            "whole_fit_30_to_steady": {
+                k: v / sps[k] for k, v in results["whole_fit_30_samples_per_s"].items()}}
+
+
+def _measure_mode(args: argparse.Namespace, data: TensorDataset, mode: str,
+                  results: _Measured) -> None:
+    """Add one ``--modes`` entry's numbers to ``results`` (or why it was skipped)."""
+    try:
+        r = _wrapper(args, data, mode)
+    except (ImportError, ValueError) as e:  # a mode this version does not have
+        results.setdefault("skipped", {})[mode] = str(e)
+        return
+    name = f"paraloom_{mode}"
+    results["samples_per_s"][name] = r["samples_per_s"]
+    results["whole_fit_30_samples_per_s"][name] = r["whole_fit_30_samples_per_s"]
+    results["bytes_per_step_per_worker"][name] = r["bytes_per_step_per_worker"]
+    if r["sync_seconds_per_step"]:  # where a step's time goes (shared_gradients)
+        results.setdefault("sync_seconds_per_step", {})[name] = {
+            "step": r["step_seconds"], **r["sync_seconds_per_step"]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -269,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.model, args.batch_size = names[0], args.batch_size or _BATCH[names[0]]
         return run_gpu(args, _data(args), lambda: _model(args), _sgd, lambda: _loss(args))
-    results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(), "models": {}}
+    results: TrainingResults = {"machine": machine(), "config": vars(args).copy(), "models": {}}
     batch_size = args.batch_size
     for name in names:
         args.model, args.batch_size = name, batch_size or _BATCH[name]
@@ -282,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(name: str, results: dict[str, Any]) -> None:
+def _print(name: str, results: ModelResults) -> None:
     print(f"\n{name}: {results['parameters'] / 1e6:.2f}M parameters")
     print(f"{'contender':<28}{'samples/s':>12}{'/linear':>10}{'/DDP':>8}{'fit(30)':>9}"
           f"{'bytes/step':>14}")
@@ -301,7 +352,7 @@ def _print(name: str, results: dict[str, Any]) -> None:
           f"{_WHOLE_FIT_REPEATS}) / the steady rate")
 
 
-def _plot(results: dict[str, Any], path: Path) -> None:
+def _plot(results: TrainingResults, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install the development tools and run the static checks: ruff, then mypy (config in pyproject.toml).
+# Install the development tools and run the static checks: ruff, then mypy --strict over
+# src/paraloom (settings in pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh "test,serve,spark,dev"
 .venv/bin/ruff check src tests
-.venv/bin/mypy
+.venv/bin/mypy --strict

@@ -383,3 +383,19 @@ def test_a_cluster_master_with_local_checkpoints_is_warned_about_once():
         warnings.simplefilter("error")
         master._local_checkpoint_dir("spark://host:7077")  # once is enough
         SharedTrainingMaster(batch_size_per_worker=8, workers=2)._local_checkpoint_dir("local[2]")
+
+
+def test_the_shared_master_takes_a_sharing_recipe_as_it_is():
+    from paraloom import FixedThreshold, SharingRecipe
+    from paraloom.spark import SharedTrainingMaster
+
+    recipe = SharingRecipe("dl4j", FixedThreshold(1e-3), combine="mean")
+    master = SharedTrainingMaster(batch_size_per_worker=8, workers=2, recipe=recipe)
+    assert master.synchronizer.recipe is recipe
+    assert master.synchronizer.residual_post_processor is None  # as given, not Spark DL4J's
+    by_name = SharedTrainingMaster(batch_size_per_worker=8, workers=2, recipe="dl4j")
+    assert by_name.synchronizer.config()["residual_post_processor"] == {
+        "type": "ResidualClipping", "ratio": 5.0, "frequency": 5}
+    with pytest.raises(TypeError, match="beside recipe=SharingRecipe"):
+        SharedTrainingMaster(batch_size_per_worker=8, workers=2, recipe=recipe,
+                             residual_post_processor=None)

@@ -37,7 +37,7 @@ from paraloom.spark.training.shared_task import SharedConfig, checkpoint_path, s
 from paraloom.spark.training.summary import shared_summary
 from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import Synchronizer
-from paraloom.sync.sharing import SharedGradients
+from paraloom.sync.sharing import SharedGradients, SharingRecipe
 from paraloom.sync.thresholds import ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm
 
 if TYPE_CHECKING:
@@ -56,9 +56,10 @@ _DEFAULT = _Default.DEFAULT
 
 
 def _post_processor(given: ResidualPostProcessor | None | _Default,
-                    recipe: str) -> ResidualPostProcessor | None:
+                    recipe: str | SharingRecipe) -> ResidualPostProcessor | None:
     """``residual_post_processor`` as SharedGradients takes it: not given, the recipe's (None
-    lets SharedGradients choose); None, the no-op base class."""
+    lets SharedGradients choose; the "dl4j" preset's by name is Spark DL4J's clipping); None,
+    the no-op base class."""
     if given is _DEFAULT:
         return ResidualClipping(5.0, 5) if recipe == "dl4j" else None
     if given is None:
@@ -81,12 +82,13 @@ def _check_synchronizer(synchronizer: object, threshold_algorithm: object) -> No
 class SharedTrainingMaster(TrainingMaster):
     """DL4J's gradient-sharing master: every worker shares its threshold-encoded updates.
 
-    ``recipe`` is SharedGradients' (see ``paraloom.sync.sharing``): "dgc" (the default: top
-    ~1/160 of the residual per message in gap16 messages, gradients at the local view,
-    ``ResidualClipping(2.0, 1)``; it trains at the dense recipe's learning rate) or "dl4j"
-    (``AdaptiveThreshold()``, ``ResidualClipping(5.0, 5)``, each worker's update applied in
-    full: DL4J's Spark defaults). ``threshold_algorithm`` and ``residual_post_processor``
-    override the recipe's (``residual_post_processor=None`` for none).
+    ``recipe`` is SharedGradients' (see ``paraloom.sync.sharing``): a ``SharingRecipe``, taken
+    as it is, or a preset's name: "dgc" (the default: top ~1/160 of the residual per message
+    in gap16 messages, gradients at the local view, ``ResidualClipping(2.0, 1)``; it trains at
+    the dense recipe's learning rate) or "dl4j" (``AdaptiveThreshold()``,
+    ``ResidualClipping(5.0, 5)``, each worker's update applied in full: DL4J's Spark
+    defaults). With a preset's name, ``threshold_algorithm`` and ``residual_post_processor``
+    override the preset's (``residual_post_processor=None`` for none).
     ``workers`` defaults to the cluster's task slots; each worker is one barrier task and
     trains ``batch_size_per_worker`` rows per step. ``workers_per_node`` sets each task's
     torch threads to the node's cores divided by it (default: ``spark.task.cpus``).
@@ -112,7 +114,7 @@ class SharedTrainingMaster(TrainingMaster):
                  rendezvous_timeout: float = 300.0, job_timeout: float | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 50,
                  backend: str | None = None, synchronizer: Synchronizer | None = None,
-                 recipe: str = "dgc", network: NetworkSettings | None = None,
+                 recipe: str | SharingRecipe = "dgc", network: NetworkSettings | None = None,
                  prefetch_batches: int = 16) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -90,12 +91,13 @@ def test_bad_groups_and_values_are_refused_with_the_option_named() -> None:
 
 
 def test_every_documented_keyword_is_taken() -> None:
-    """Each keyword of WrapperKeywords, at its default, in a mode that takes it."""
+    """Each keyword of WrapperKeywords, at its default, in a mode that takes it (DDP's own
+    keywords go to "allreduce", which passes them to DistributedDataParallel at setup)."""
     sharing = {"recipe", "threshold_algorithm", "residual_post_processor", "combine",
                "momentum_masking", "gradients_at", "encoding", "broadcast_buffers", "overlap"}
-    allreduce = {"comm_hook", "powersgd_rank", "powersgd_warmup", "comm_hook_options",
-                 "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view",
-                 "static_graph"}
+    averaging = {"averaging_frequency", "average_updaters"} | {
+        f.name for group in (StepOptions, FaultTolerance, LoopOptions)
+        for f in dataclasses.fields(group)}
     defaults = {"recipe": "dgc", "encoding": "auto", "broadcast_buffers": True,
                 "averaging_frequency": 1, "average_updaters": True, "max_failures": 0,
                 "timeout": 300.0, "heartbeat_timeout": 2.0, "prefetch_buffer": 16,
@@ -104,7 +106,7 @@ def test_every_documented_keyword_is_taken() -> None:
                 "gradient_as_bucket_view": False, "static_graph": False}
     for key in WrapperKeywords.__annotations__:
         mode = "shared_gradients" if key in sharing else \
-            "allreduce" if key in allreduce else "averaging"
+            "averaging" if key in averaging else "allreduce"
         _wrapper(training_mode=mode, **{key: defaults.get(key)})
 
 

@@ -153,7 +153,8 @@ class WrapperKeywords(TypedDict, total=False):
     encoding: str
     broadcast_buffers: bool
     overlap: bool | None
-    # "allreduce" (paraloom.sync.AllReduce and DistributedDataParallel's own)
+    # "allreduce" (paraloom.sync.AllReduce, then DistributedDataParallel's own keywords as of
+    # torch 2.13: AllReduce refuses those this torch's DDP does not take)
     comm_hook: str | None
     powersgd_rank: int | None
     powersgd_warmup: int | None
@@ -162,6 +163,16 @@ class WrapperKeywords(TypedDict, total=False):
     find_unused_parameters: bool
     gradient_as_bucket_view: bool
     static_graph: bool
+    dim: int
+    init_sync: bool
+    check_reduction: bool
+    delay_all_reduce_named_params: object
+    param_to_hook_all_reduce: object
+    mixed_precision: object
+    skip_all_reduce_unused_params: bool
+    bucket_cap_mb_list: list[int] | None
+    batched_grad_copy: bool
+    forward_sync_buffers: bool | None
 
 
 _Group = TypeVar("_Group", StepOptions, FaultTolerance, LoopOptions)

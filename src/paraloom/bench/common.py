@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -59,7 +60,7 @@ def pyplot() -> ModuleType | None:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt: ModuleType = importlib.import_module("matplotlib.pyplot")
     except ImportError:
         print("matplotlib is not installed (pip install 'paraloom[bench]'): no plot")
         return None

@@ -111,6 +111,74 @@ def test_bench_training_prints_the_gpu_scaling_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "speed-up" in printed and "efficiency" in printed
     result = json.loads((tmp_path / "training_cuda.json").read_text())
-    assert [r["gpus"] for r in result["scaling"]] == list(range(1, torch.cuda.device_count() + 1))
+    counts = list(range(1, torch.cuda.device_count() + 1))
+    assert [r["gpus"] for r in result["scaling"] if r["mode"] == "averaging"] == counts
+    assert [r["gpus"] for r in result["scaling"] if r["mode"] == "ddp"] == counts
+    assert all(r["ratio_to_ddp"] > 0 for r in result["scaling"])
     assert all(r["samples_per_s"] > 0 for r in result["scaling"])
     print(json.dumps(result["scaling"]), file=sys.stderr)
+
+
+def test_bf16_training_is_within_a_point_of_fp32(digits_loader, digits_test):
+    accuracy = {}
+    for precision in ("32-true", "bf16-mixed"):
+        model, wrapper = _lenet_wrapper(workers=1, devices="cuda:0", precision=precision)
+        with wrapper:
+            wrapper.fit(digits_loader, epochs=10)
+        accuracy[precision] = _accuracy(model, digits_test)
+    print(json.dumps({"accuracy": accuracy}), file=sys.stderr)
+    assert accuracy["32-true"] > 0.95
+    assert abs(accuracy["bf16-mixed"] - accuracy["32-true"]) <= 0.01
+
+
+def test_fp16_mixed_and_accumulation_train_two_workers_on_the_gpu(digits_loader, digits_test):
+    model, wrapper = _lenet_wrapper(devices=["cuda:0", "cuda:0"], training_mode="allreduce",
+                                    precision="16-mixed", accumulate=2)
+    with wrapper:
+        wrapper.fit(digits_loader, epochs=8)
+    assert _accuracy(model, digits_test) > 0.9
+
+
+def test_a_spark_local_fit_is_placed_on_the_gpu(tmp_path, digits_test):
+    pytest.importorskip("pyspark")
+    import os
+    import shutil
+
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("Spark needs Java 17 or later")
+    from pyspark.sql import SparkSession
+
+    from paraloom.spark import SharedTrainingMaster, SparkModel
+
+    class DeviceRecordingLoss(nn.Module):  # defined here: it travels to the task by value
+        """Cross-entropy that writes the device its inputs came on."""
+
+        def __init__(self, path: str) -> None:
+            super().__init__()
+            self.path = path
+
+        def forward(self, out, target):
+            with open(self.path, "w") as f:
+                f.write(str(out.device))
+            return nn.functional.cross_entropy(out, target)
+
+    os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    spark = (SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+             .config("spark.driver.host", "127.0.0.1").getOrCreate())
+    try:
+        torch.manual_seed(0)
+        model = LeNet(image_size=8)
+        x = torch.stack([digits_test[i][0] for i in range(len(digits_test))])
+        y = torch.tensor([int(digits_test[i][1]) for i in range(len(digits_test))])
+        rows = [(x[i].reshape(-1).tolist(), int(y[i])) for i in range(len(y))]
+        frame = spark.createDataFrame(rows, ["features", "label"]).repartition(1)
+        seen = tmp_path / "device.txt"
+        net = SparkModel(spark, model, SharedTrainingMaster(32, workers=1),
+                         loss_fn=DeviceRecordingLoss(str(seen)),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                         feature_shape=(1, 8, 8))
+        summary = net.fit(frame, epochs=3, features="features", label="label")
+    finally:
+        spark.stop()
+    assert seen.read_text().startswith("cuda")
+    assert summary["epoch_losses"][-1] < summary["epoch_losses"][0]

@@ -27,7 +27,7 @@ from paraloom.training.messages import (
     Stop,
 )
 from paraloom.training.optim import OptimizerSpec
-from paraloom.training.process_pool import _pack
+from paraloom.training.transport import pack as _pack
 from paraloom.training.runner import ReplicaRunner, WorkerSpec, pickle_spec
 from paraloom.training.worker import WorkerConfig, worker_main
 

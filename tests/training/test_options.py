@@ -102,7 +102,8 @@ def test_every_documented_keyword_is_taken() -> None:
                 "averaging_frequency": 1, "average_updaters": True, "max_failures": 0,
                 "timeout": 300.0, "heartbeat_timeout": 2.0, "prefetch_buffer": 16,
                 "progress": True, "report_score_after_averaging": False,
-                "gradient_clip_algorithm": "norm", "find_unused_parameters": False,
+                "gradient_clip_algorithm": "norm", "accumulate": 1, "compile": False,
+                "find_unused_parameters": False,
                 "gradient_as_bucket_view": False, "static_graph": False}
     for key in WrapperKeywords.__annotations__:
         mode = "shared_gradients" if key in sharing else \

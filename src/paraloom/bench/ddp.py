@@ -27,11 +27,12 @@ _TIMEOUT = datetime.timedelta(seconds=120)
 _Reply = TypeVar("_Reply")
 
 
-def join_group(rank: int, world: int, port: int, threads: int) -> None:
-    """In a rank process: ``threads`` torch threads, then the gloo group of the parent's store."""
+def join_group(rank: int, world: int, port: int, threads: int, backend: str = "gloo") -> None:
+    """In a rank process: ``threads`` torch threads, then the group (gloo, or NCCL for one GPU
+    per rank) of the parent's store."""
     torch.set_num_threads(threads)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_TIMEOUT)
 
 
 def run_ranks(target: Callable[[int, int, int, Unpack[_Args], Queue[_Reply]], None], world: int,

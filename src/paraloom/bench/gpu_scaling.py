@@ -2,8 +2,10 @@
 
 For each GPU count n (1, 2, ... every visible GPU), ParallelWrapper trains
 the training benchmark's model with one worker per GPU (``devices=n``, NCCL from n = 2) in each
-mode; the baseline is a plain training loop on ``cuda:0`` in this process, the same batch per
-step. Speed-up is against that loop, efficiency is speed-up / n.
+mode, and PyTorch DDP trains it with n NCCL ranks, one per GPU, on the same shuffled batches
+(gathered on the host and copied through pinned memory, as paraloom's workers take theirs).
+Speed-up is against a plain training loop on ``cuda:0`` in this process (the data already on
+the GPU), efficiency is speed-up / n, and ``/DDP`` is the rate over DDP's on as many GPUs.
 """
 
 from __future__ import annotations
@@ -12,13 +14,18 @@ import argparse
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from paraloom.bench.common import Machine, bar_plot, machine, plain_epoch, write_results
+from paraloom.bench.ddp import join_group, run_ranks
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
 
 __all__ = ["gpu_counts", "run_gpu"]
 
@@ -37,6 +44,8 @@ class ScalingRow(TypedDict):
     """Against the plain loop on ``cuda:0``."""
     efficiency: float
     """``speedup / gpus``."""
+    ratio_to_ddp: float
+    """Against DDP on as many GPUs (1.0 for DDP's own rows)."""
 
 
 class GpuMachine(Machine):
@@ -100,10 +109,55 @@ def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: st
     return (len(times) - 1) * batch_size * gpus / (times[-1] - times[0])
 
 
-def _row(gpus: int, mode: str, samples_per_s: float, baseline: float) -> ScalingRow:
+def _ddp_rank(rank: int, world: int, port: int, args: argparse.Namespace, data: TensorDataset,
+              out: Queue[float]) -> None:
+    """One DDP rank on ``cuda:rank`` (NCCL), timed over ``args.epochs`` after a warm-up."""
+    from paraloom.bench.training import _loss, _model, _sgd
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    join_group(rank, world, port, threads=1, backend="nccl")
+    model = nn.parallel.DistributedDataParallel(_model(args).to(device), device_ids=[rank])
+    opt, loss_fn = _sgd(model.parameters()), _loss(args)
+    x, y = data.tensors
+    bs = args.batch_size
+    steps = len(x) // (bs * world)
+    shuffle = torch.Generator().manual_seed(0)
+
+    def epoch() -> None:
+        order = torch.randperm(len(x), generator=shuffle)
+        for s in range(steps):
+            rows = order[(s * world + rank) * bs:(s * world + rank + 1) * bs]
+            inputs = x.index_select(0, rows).pin_memory().to(device, non_blocking=True)
+            targets = y.index_select(0, rows).pin_memory().to(device, non_blocking=True)
+            opt.zero_grad()
+            loss_fn(model(inputs), targets).backward()
+            opt.step()
+
+    epoch()
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        epoch()
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    if rank == 0:
+        out.put(args.epochs * steps * bs * world / (time.perf_counter() - start))
+    dist.destroy_process_group()
+
+
+def _ddp(args: argparse.Namespace, data: TensorDataset, gpus: int) -> float:
+    """Samples/s of PyTorch DDP with one NCCL rank per GPU on ``gpus`` GPUs."""
+    [rate] = run_ranks(_ddp_rank, gpus, (args, data), replies=1, timeout_s=300)
+    return float(rate)
+
+
+def _row(gpus: int, mode: str, samples_per_s: float, baseline: float,
+         ddp: float) -> ScalingRow:
     speedup = samples_per_s / baseline
     return {"gpus": gpus, "mode": mode, "samples_per_s": samples_per_s, "speedup": speedup,
-            "efficiency": speedup / gpus}
+            "efficiency": speedup / gpus, "ratio_to_ddp": samples_per_s / ddp}
 
 
 def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
@@ -112,9 +166,11 @@ def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
     counts = gpu_counts(torch.cuda.device_count() if torch.cuda.is_available() else 0)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     baseline = _plain_loop(args, data, make_model, make_optimizer, make_loss)
-    rows = [_row(n, mode, _paraloom(args, data, n, mode, make_model, make_optimizer, make_loss),
-                 baseline)
-            for mode in modes for n in counts]
+    ddp = {n: _ddp(args, data, n) for n in counts}
+    rows = [_row(n, "ddp", ddp[n], baseline, ddp[n]) for n in counts]
+    rows += [_row(n, mode, _paraloom(args, data, n, mode, make_model, make_optimizer, make_loss),
+                  baseline, ddp[n])
+             for mode in modes for n in counts]
     results: GpuResults = {
         "machine": {**machine(), "gpus": [torch.cuda.get_device_name(i)
                                           for i in range(torch.cuda.device_count())]},
@@ -124,10 +180,11 @@ def run_gpu(args: argparse.Namespace, data: TensorDataset, make_model: ModelFn,
     path = write_results(str(out.with_name(out.stem + "_cuda" + out.suffix)), results)
     print(f"{args.model}: plain loop on cuda:0: {baseline:.0f} samples/s (batch "
           f"{args.batch_size} per GPU)")
-    print(f"{'mode':<18}{'GPUs':>5}{'samples/s':>12}{'speed-up':>10}{'efficiency':>12}")
+    print(f"{'mode':<18}{'GPUs':>5}{'samples/s':>12}{'speed-up':>10}{'efficiency':>12}"
+          f"{'/DDP':>8}")
     for row in rows:
         print(f"{row['mode']:<18}{row['gpus']:>5}{row['samples_per_s']:>12.0f}"
-              f"{row['speedup']:>10.2f}{row['efficiency']:>12.2f}")
+              f"{row['speedup']:>10.2f}{row['efficiency']:>12.2f}{row['ratio_to_ddp']:>8.2f}")
     print(f"results written to {path}")
     bar_plot(path, f"{args.model} on CUDA: speed-up over a plain loop on one GPU",
              {f"{row['mode']} x{row['gpus']}": row["speedup"] for row in rows}, "speed-up")

@@ -33,12 +33,14 @@ from paraloom.bench.common import (
     write_results,
 )
 from paraloom.bench.ddp import join_group, run_ranks
-from paraloom.bench.models import WORKLOADS, workload
+from paraloom.bench.models import WORKLOADS, Workload, mlp_of_width, workload
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
     from typing_extensions import NotRequired
+
+    from paraloom.training.wrapper import FitStats
 
 __all__ = ["add_arguments", "run"]
 
@@ -48,11 +50,38 @@ _ROUNDS = {"lenet": 64, "transformer": 8, "resnet18": 8, "mlp": 8}
 _BATCH = {"lenet": 64, "transformer": 8, "resnet18": 16, "mlp": 64}
 """Rows per worker per step by default (8 x 128 tokens for the transformer): each model's
 step then costs 0.3-0.5 s on one core, so the whole table takes minutes, not hours."""
+_SWEEP = (256, 1024, 4096)
+"""``--sweep``: the widths of the 784-W-W-W-10 MLP (0.3M, 2.9M and 37M parameters)."""
+
+
+def _width_rounds(width: int) -> int:
+    """Rounds per timed epoch of the W-wide MLP: about a second of steps at batch 64."""
+    return max(8, min(256, 2**26 // (width * width)))
+
+
 _WHOLE_FIT_ROUNDS = 30
 _WHOLE_FIT_REPEATS = 3
 """Whole fit() calls timed per mode; the median is reported (one call's rate moves by ~4%)."""
 _STEADY_ROUNDS = 48
 """Rounds at least in the steady-state fit(): a round of timing error is then 2%, not 7%."""
+
+
+class FixedCost(TypedDict):
+    """paraloom's own cost per round of a mode, beside the round's length (seconds)."""
+
+    round: float
+    """The steady round: the time between two rounds' completions."""
+    parent_cpu: float
+    """CPU time of the parent process per round (dealing, messages, listeners)."""
+    worker_outside: float
+    """Per worker, the mean time per round outside taking its batch, forward, backward, the
+    optimizer and the synchronizer's hooks: taking the round's message, replying."""
+    worker_data: float
+    """Per worker, taking the round's batch (gathering shuffled rows; DDP's loop does too)."""
+    worker_hooks: float
+    """Per worker, the synchronizer's hooks (the mode's own work, not a fixed cost)."""
+    share: float
+    """(parent_cpu + worker_outside) / round."""
 
 
 class ModeResult(TypedDict):
@@ -64,6 +93,9 @@ class ModeResult(TypedDict):
     sync_seconds_per_step: dict[str, float]
     step_seconds: float
     bytes_per_step_per_worker: float
+    fixed_cost: FixedCost
+    compile_seconds: float
+    """With ``--compile``: the longest a replica took to compile (in the warm-up fit)."""
 
 
 class _Measured(TypedDict):
@@ -77,8 +109,12 @@ class _Measured(TypedDict):
     whole_fit_30_samples_per_s: dict[str, float]
     skipped: NotRequired[dict[str, str]]
     """Mode -> why it could not run."""
+    compile_seconds: NotRequired[dict[str, float]]
+    """With ``--compile``: mode -> the replicas' compile time, apart from the rates."""
     sync_seconds_per_step: NotRequired[dict[str, dict[str, float]]]
     """Mode -> the step's seconds and those of each synchronization phase."""
+    fixed_cost: NotRequired[dict[str, FixedCost]]
+    """Mode -> paraloom's fixed cost per round."""
 
 
 class ModelResults(_Measured):
@@ -100,6 +136,11 @@ class TrainingResults(TypedDict):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="lenet",
                    help="comma-separated, or 'all': " + ", ".join(WORKLOADS))
+    p.add_argument("--width", type=int, default=None,
+                   help="with --model mlp: a 784-W-W-W-10 MLP instead of the 37.8M one")
+    p.add_argument("--sweep", action="store_true",
+                   help="the 784-W-W-W-10 MLP at W = " + ", ".join(map(str, _SWEEP))
+                        + " (with the --modes given), batch 64 per worker")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=None,
                    help="per worker (default: " + ", ".join(f"{m} {b}" for m, b in
@@ -115,23 +156,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ddp-malloc", default="system", choices=["system", "keep"],
                    help="the DDP ranks' allocator: 'system' (glibc's defaults, as PyTorch runs) "
                         "or 'keep' (the setting ParallelWrapper's workers use, training.memory)")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="gradient accumulation: batches per optimizer step and exchange, in "
+                        "every contender (DDP: no_sync() for all but the last)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each contender's model (its compile time is reported "
+                        "apart: the warm-up epoch takes it)")
     p.add_argument("--out", default="benchmarks/results/training.json")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: the 1..N GPU scaling table instead (see bench.gpu_scaling)")
 
 
+def _workload(args: argparse.Namespace) -> Workload:
+    width = getattr(args, "width", None)
+    return workload(args.model) if width is None else mlp_of_width(width)
+
+
 def _data(args: argparse.Namespace) -> TensorDataset:
-    rows = args.samples or _ROUNDS[args.model] * args.batch_size * args.workers
-    return workload(args.model).data(rows, torch.Generator().manual_seed(0))
+    width = getattr(args, "width", None)
+    rounds = _ROUNDS[args.model] if width is None else _width_rounds(width)
+    rows = args.samples or rounds * args.batch_size * args.workers
+    return _workload(args).data(rows, torch.Generator().manual_seed(0))
 
 
 def _model(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(0)
-    return workload(args.model).build()
+    return _workload(args).build()
 
 
 def _loss(args: argparse.Namespace) -> nn.Module:
-    return workload(args.model).loss()
+    return _workload(args).loss()
 
 
 def _sgd(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
@@ -145,6 +199,8 @@ def _single(args: argparse.Namespace, data: TensorDataset, threads: int) -> floa
     try:
         model, loss_fn = _model(args), _loss(args)
         opt = _sgd(model.parameters())
+        if getattr(args, "compile", False):
+            model = torch.compile(model)  # type: ignore[assignment]
         x, y = data.tensors
         plain_epoch(model, loss_fn, opt, x, y, args.batch_size)  # warm-up
         start = time.perf_counter()
@@ -162,17 +218,36 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace,
 
         keep_freed_memory()
     join_group(rank, world, port, threads)
-    model = nn.parallel.DistributedDataParallel(_model(args))
+    inner = _model(args)
+    if getattr(args, "compile", False):
+        inner = torch.compile(inner)  # type: ignore[assignment]
+    model = nn.parallel.DistributedDataParallel(inner)
     opt, loss_fn = _sgd(model.parameters()), _loss(args)
     x, y = data.tensors
-    bs = args.batch_size
+    bs, accumulate = args.batch_size, getattr(args, "accumulate", 1)
     steps = len(x) // (bs * world)
+    shuffle = torch.Generator().manual_seed(0)
+
+    def backward(rows: torch.Tensor) -> None:
+        loss = loss_fn(model(x.index_select(0, rows)), y.index_select(0, rows))
+        (loss / accumulate if accumulate > 1 else loss).backward()
 
     def epoch() -> None:
-        for s in range(steps):  # the DistributedSampler layout: rank r takes every world-th batch
-            i = (s * world + rank) * bs
-            opt.zero_grad()
-            loss_fn(model(x[i:i + bs]), y[i:i + bs]).backward()
+        # DistributedSampler(shuffle=True): one permutation per epoch, the same on every rank,
+        # rank r taking every world-th batch; each batch gathered from the TensorDataset as
+        # paraloom's workers gather theirs (index_select), so both sides do the same data work.
+        # With accumulation, all but the last batch of a step run in no_sync() (Lightning's
+        # way), the epoch's last batches stepping on what they add up.
+        order = torch.randperm(len(x), generator=shuffle)
+        for s in range(steps):
+            rows = order[(s * world + rank) * bs:(s * world + rank + 1) * bs]
+            if s % accumulate == 0:
+                opt.zero_grad()
+            if (s + 1) % accumulate and s + 1 < steps:
+                with model.no_sync():
+                    backward(rows)
+                continue
+            backward(rows)
             opt.step()
 
     epoch()
@@ -187,7 +262,8 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace,
 
 
 def _ddp(args: argparse.Namespace, data: TensorDataset, threads: int) -> float:
-    """Samples/s of PyTorch DDP with ``args.workers`` gloo processes."""
+    """Samples/s of PyTorch DDP with ``args.workers`` gloo processes, on shuffled epochs (as
+    ParallelWrapper trains them here)."""
     # Rank 0 alone reports the rate.
     [rate] = run_ranks(_ddp_worker, args.workers, (args, data, threads), replies=1,
                        timeout_s=600)
@@ -227,7 +303,7 @@ def _mode_options(mode: str) -> tuple[str, dict[str, Any]]:
 
 def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> ModeResult:
     """Samples/s (steady state, whole fit() of 30 rounds) and bytes/step in one mode."""
-    from paraloom import ParallelWrapper
+    from paraloom import ParallelWrapper, StepOptions
 
     model = _model(args)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
@@ -236,10 +312,12 @@ def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> ModeRe
                        batch_size=args.batch_size, shuffle=True, drop_last=True)
     name, kwargs = _mode_options(mode)
     clock = _Clock()
+    steps = StepOptions(accumulate=getattr(args, "accumulate", 1),
+                        compile=getattr(args, "compile", False))
     with ParallelWrapper(model, loss_fn=_loss(args), optimizer=_sgd(model.parameters()),
                          workers=args.workers, training_mode=name, progress=False,
-                         listeners=[clock], **kwargs) as wrapper:
-        wrapper.fit(loader, epochs=1)  # starts the workers; warm-up
+                         listeners=[clock], steps=steps, **kwargs) as wrapper:
+        warm = wrapper.fit(loader, epochs=1)  # starts the workers (and compiles); warm-up
         clock.times.clear()
         rounds = -(-len(loader) // args.workers)
         stats = wrapper.fit(loader, epochs=max(args.epochs, -(-_STEADY_ROUNDS // rounds)))
@@ -261,7 +339,20 @@ def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> ModeRe
     return {"samples_per_s": steady, "fit_samples_per_s": stats["samples_per_s"],
             "whole_fit_30_samples_per_s": whole, "sync_seconds_per_step": phases,
             "step_seconds": rows_per_round / steady,
-            "bytes_per_step_per_worker": sum(per_step) / len(per_step)}
+            "bytes_per_step_per_worker": sum(per_step) / len(per_step),
+            "fixed_cost": _fixed_cost(stats, rows_per_round / steady),
+            "compile_seconds": warm["compile_seconds"]}
+
+
+def _fixed_cost(stats: FitStats, round_s: float) -> FixedCost:
+    """The parent's CPU and the workers' time outside their steps and hooks, per round."""
+    workers = stats["per_worker"]
+    outside = statistics.mean(w.get("overhead_seconds", 0.0) for w in workers)
+    data = statistics.mean(w.get("data_seconds", 0.0) for w in workers)
+    hooks = statistics.mean(w.get("sync_hook_seconds", 0.0) for w in workers)
+    parent = stats["parent_cpu_seconds_per_round"]
+    return {"round": round_s, "parent_cpu": parent, "worker_outside": outside,
+            "worker_data": data, "worker_hooks": hooks, "share": (parent + outside) / round_s}
 
 
 def _measure(args: argparse.Namespace) -> ModelResults:
@@ -302,17 +393,35 @@ def _measure_mode(args: argparse.Namespace, data: TensorDataset, mode: str,
     results["samples_per_s"][name] = r["samples_per_s"]
     results["whole_fit_30_samples_per_s"][name] = r["whole_fit_30_samples_per_s"]
     results["bytes_per_step_per_worker"][name] = r["bytes_per_step_per_worker"]
+    results.setdefault("fixed_cost", {})[name] = r["fixed_cost"]
+    if r["compile_seconds"]:
+        results.setdefault("compile_seconds", {})[name] = r["compile_seconds"]
     if r["sync_seconds_per_step"]:  # where a step's time goes (shared_gradients)
         results.setdefault("sync_seconds_per_step", {})[name] = {
             "step": r["step_seconds"], **r["sync_seconds_per_step"]}
 
 
-def run(args: argparse.Namespace) -> int:
-    args = plain_args(args)
+def _runs(args: argparse.Namespace) -> list[tuple[str, int | None]]:
+    """The (model, width) pairs to measure; an unknown name or a misplaced width fails here,
+    before anything runs."""
+    if args.sweep:
+        return [("mlp", width) for width in _SWEEP]
     names = list(WORKLOADS) if args.model == "all" else \
         [m.strip() for m in args.model.split(",") if m.strip()]
     for name in names:
-        workload(name)  # an unknown name fails before anything runs
+        workload(name)
+    if args.width is not None:
+        if names != ["mlp"]:
+            raise ValueError(f"--width {args.width} applies to --model mlp only; got --model "
+                             f"{args.model}")
+        mlp_of_width(args.width)
+    return [(name, args.width) for name in names]
+
+
+def run(args: argparse.Namespace) -> int:
+    args = plain_args(args)
+    runs = _runs(args)
+    names = [name for name, _ in runs]
     if args.device == "cuda":
         if len(names) != 1:
             raise ValueError("--device cuda measures one --model at a time")
@@ -322,10 +431,11 @@ def run(args: argparse.Namespace) -> int:
         return run_gpu(args, _data(args), lambda: _model(args), _sgd, lambda: _loss(args))
     results: TrainingResults = {"machine": machine(), "config": vars(args).copy(), "models": {}}
     batch_size = args.batch_size
-    for name in names:
-        args.model, args.batch_size = name, batch_size or _BATCH[name]
-        results["models"][name] = _measure(args)
-        _print(name, results["models"][name])
+    for name, width in runs:
+        args.model, args.width, args.batch_size = name, width, batch_size or _BATCH[name]
+        key = _workload(args).name
+        results["models"][key] = _measure(args)
+        _print(key, results["models"][key])
         write_results(args.out, results)  # after each model: a long run keeps what it measured
     path = write_results(args.out, results)
     _plot(results, Path(args.out).with_suffix(".png"))
@@ -343,9 +453,16 @@ def _print(name: str, results: ModelResults) -> None:
         print(f"{k:<28}{v:>12.1f}{results['ratio_to_linear'][k]:>10.2f}"
               f"{results['ratio_to_ddp'][k]:>8.2f}{'' if whole is None else f'{whole:>9.2f}':>9}"
               f"{'' if b is None else f'{b:>14.0f}'}")
+    for k, cost in results.get("fixed_cost", {}).items():
+        print(f"{k}: fixed cost per {cost['round'] * 1e3:.1f} ms round: parent "
+              f"{cost['parent_cpu'] * 1e3:.2f} ms CPU + worker {cost['worker_outside'] * 1e3:.2f} "
+              f"ms (messages) = {cost['share']:.1%}; the worker's batch "
+              f"{cost['worker_data'] * 1e3:.2f} ms, hooks {cost['worker_hooks'] * 1e3:.2f} ms")
     for k, phases in results.get("sync_seconds_per_step", {}).items():
         print(f"{k}: a step takes {phases['step'] * 1e3:.1f} ms, of which " + ", ".join(
             f"{phase} {s * 1e3:.1f} ms" for phase, s in phases.items() if phase != "step"))
+    for k, seconds in results.get("compile_seconds", {}).items():
+        print(f"{k}: torch.compile took {seconds:.1f} s (in the warm-up, not in the rates)")
     for mode, why in results.get("skipped", {}).items():
         print(f"skipped {mode}: {why}")
     print(f"fit(30): samples/s of a whole 30-round fit() on the warm pool (median of "

@@ -20,8 +20,10 @@ backward goes through the same hook (for PowerSGD its error feedback goes in wit
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 from paraloom.sync.collectives import broadcast_tensors_
 from paraloom.sync.comm_hooks import PowerSGD, cast_hook, resolve_comm_hook
+from paraloom.sync.ddp_errors import explain_ddp_error
 
 __all__ = ["AllReduce"]
 
@@ -174,6 +177,16 @@ class AllReduce(Synchronizer):
             self._powersgd.load_state_dict(self._powersgd_resume)
             self._powersgd_resume = None
         ddp.register_comm_hook(self._powersgd.state, self._powersgd.hook)
+
+    def explain(self, error: BaseException, ctx: StepContext) -> BaseException | None:
+        """DDP's errors name DDP's constructor: say which ``ParallelWrapper`` option to set."""
+        return explain_ddp_error(error, ctx.model)
+
+    def accumulating(self, ctx: StepContext) -> AbstractContextManager[object]:
+        """DDP's ``no_sync()``: the gradients add up locally; the step's backward reduces them."""
+        if self._ddp is None:
+            return contextlib.nullcontext()
+        return self._ddp.no_sync()
 
     def after_step(self, ctx: StepContext) -> None:
         self.sync_steps += 1

@@ -23,7 +23,9 @@ its constructor arguments picklable.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,11 +110,24 @@ class Synchronizer:
     def after_backward(self, ctx: StepContext) -> None:
         """Gradients are ready in ``p.grad``; the optimizer has not stepped yet."""
 
+    def accumulating(self, ctx: StepContext) -> AbstractContextManager[object]:
+        """The context of a backward whose gradients only add up (gradient accumulation: no
+        ``after_backward`` or step follows). A synchronizer that communicates during
+        backward holds that off here, as ``AllReduce`` does with DDP's ``no_sync()``; the
+        default does nothing."""
+        return contextlib.nullcontext()
+
     def shared_parameters(self, ctx: StepContext) -> dict[int, torch.Tensor]:
         """The values every replica agrees on, by ``id`` of their parameter, for the
         parameters whose model value is this replica's own between steps (shared gradients'
         local view): a saved state takes these. Empty: the model holds them."""
         return {}
+
+    def explain(self, error: BaseException, ctx: StepContext) -> BaseException | None:
+        """An error of a step in the user's terms, when the synchronizer knows better words
+        for it (``AllReduce`` rewrites DDP's advice as ``ParallelWrapper`` options); None:
+        raise it as it is."""
+        return None
 
     def abort_step(self, ctx: StepContext) -> None:
         """The step that ``before_step`` began raised (a NaN loss, a bad batch): undo what
@@ -139,7 +154,8 @@ class Synchronizer:
         """Counters reported by ``ParallelWrapper.stats()``; extend in subclasses."""
         steps = max(1, self.sync_steps)
         return {"bytes_sent": float(self.bytes_sent),
-                "bytes_sent_per_step": self.bytes_sent / steps}
+                "bytes_sent_per_step": self.bytes_sent / steps,
+                "sync_steps": float(self.sync_steps)}
 
     def state_dict(self) -> dict[str, Any]:
         """This replica's synchronizer state for checkpoints (tensors and plain values only).

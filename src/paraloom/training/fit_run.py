@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from paraloom.training.messages import (
     Answer,
     Begin,
     CheckpointReply,
+    EndAccumulation,
     Finish,
     Finished,
     Hyperparameters,
@@ -49,6 +51,7 @@ from paraloom.training.messages import (
 )
 from paraloom.training.mirror import ReplicaMirror, changed_settings, hyperparameters
 from paraloom.training.options import LoopOptions
+from paraloom.training.pacing import Pacing, PendingRounds
 from paraloom.training.pool import Pool
 from paraloom.training.resume import CheckpointCollector
 from paraloom.training.tracker import RoundTracker
@@ -81,6 +84,8 @@ class FitPlan:
     loop: LoopOptions
     batches_are_pairs: bool
     """Each batch must be an ``(inputs, targets)`` pair (no ``step_fn`` was given)."""
+    accumulate: int = 1
+    """Rounds per optimizer step (``StepOptions.accumulate``): an epoch's end then steps."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,12 @@ class FitRun:
         self._halted = False
         """Whether stop() was passed on to the workers (``_halt_if_stopped``)."""
         self._dealt = _Dealt(base=tracker.iteration)
+        self.pacing = Pacing()
+        """Rounds per message, from the rounds' length (``training.pacing``)."""
+        self._cpu_began = time.process_time()
+        self.parent_cpu_s = 0.0
+        """CPU seconds this process (all its threads) spent while the rounds ran: dealing,
+        messaging, listeners. A fixed cost per round, taken from the workers' cores."""
         self._warned_unsharded = False
         self._warned_settings = False
 
@@ -177,6 +188,7 @@ class FitRun:
     # -- epochs --------------------------------------------------------------------------------
     def deal(self, source: Source) -> None:
         """Deal every epoch from the start position on, or until ``stop()``."""
+        self._cpu_began = time.process_time()
         start = self.plan.start
         for epoch in range(start.epoch, self.plan.epochs):
             if epoch > start.epoch:
@@ -204,6 +216,9 @@ class FitRun:
                 self._halt_if_stopped()
                 return
             _check_dealt(dealt, epoch, first=epoch == start.epoch)
+            if self.plan.accumulate > 1:  # the epoch's last rounds step, as in Lightning
+                for rank in range(self.plan.workers):
+                    self.pool.send(rank, EndAccumulation())
             if self._dealt.round_id:
                 # Nothing has drawn from the data RNG since the epoch ended: its state now is
                 # where the next epoch starts.
@@ -213,27 +228,44 @@ class FitRun:
 
     def _deal_epoch(self, source: Source, epoch: int, skip: int,
                     epoch_rng: list[torch.Tensor]) -> int:
-        """Deal one epoch whose batches are known up front, a round at a time without waiting
-        for replies (bounded by the workers' queues); returns the batches dealt."""
-        dealt, workers = skip, self.plan.workers
+        """Deal one epoch whose batches are known up front, without waiting for replies
+        (bounded by the rounds in flight), several rounds per message where steps are short
+        (``pacing``); returns the batches dealt."""
+        dealt, workers, pending = skip, self.plan.workers, PendingRounds(self.plan.workers)
         for payloads in self._rounds(source, epoch, skip):
+            per_message = self._rounds_per_message(source)
             # Wait for replies rather than for room in a full queue: listeners (and the
             # progress bar) then run as each round finishes, not a round late.
-            while self.tracker.in_flight >= self.plan.loop.queue_depth(workers):
+            while self.tracker.in_flight >= max(self.plan.loop.queue_depth(workers),
+                                                2 * per_message):
+                pending.send(self.pool)  # the replies waited for may be of these rounds
                 self._handle(self.pool.recv(timeout_s=None))
             round_id = self._dealt.round_id
             self.tracker.add(round_id, epoch, dealt, len(payloads))
-            for rank in range(workers):
-                self.pool.send(rank, round_message(source, round_id, epoch, payloads[rank])
-                               if rank < len(payloads) else IdleRound(round_id))
+            pending.add([round_message(source, round_id, epoch, payloads[rank])
+                         if rank < len(payloads) else IdleRound(round_id)
+                         for rank in range(workers)])
             dealt += len(payloads)
-            self.checkpoints.request(self.pool, self._dealt.base + round_id, epoch, dealt,
-                                     epoch_rng, False)
+            iteration = self._dealt.base + round_id
+            wanting = self.checkpoints.wanting(iteration, epoch, False)
+            if len(pending) >= per_message or wanting:
+                pending.send(self.pool)  # a checkpoint request follows its round
+            self.checkpoints.request(self.pool, iteration, epoch, dealt, epoch_rng, False,
+                                     wanting=wanting)
             self._dealt.round_id += 1
             self._drain(block=False)
             if self.stop_requested:
                 break
+        pending.send(self.pool)  # after stop(), the workers answer these as skipped
         return dealt
+
+    def _rounds_per_message(self, source: Source) -> int:
+        """Batches read by this process wait in shared memory while in flight: for them,
+        no more rounds in flight than ``prefetch_buffer`` allows."""
+        per_message = self.pacing.rounds_per_message
+        if source is None:
+            return min(per_message, max(1, self.plan.loop.queue_depth(self.plan.workers) // 2))
+        return per_message
 
     def _rounds(self, source: Source, epoch: int, skip: int) -> Iterable[list[Any]]:
         plan = self.plan
@@ -304,9 +336,11 @@ class FitRun:
         ``stop()`` that a listener it ran may have called."""
         match reply:
             case StepDone():
-                self.tracker.reply(reply.round_id, reply.loss, reply.rows, reply.synced,
-                                   reply.skipped)
-                self._warn_if_settings_changed()
+                completed = self.tracker.reply(reply.round_id, reply.loss, reply.rows,
+                                               reply.synced, reply.skipped)
+                if completed:
+                    self.pacing.completed(completed)
+                    self._warn_if_settings_changed()  # listeners ran: did they change them?
             case CheckpointReply():
                 self.checkpoints.receive(reply)
         self._halt_if_stopped()
@@ -322,6 +356,8 @@ class FitRun:
     def finish(self) -> tuple[ReplicaResult, list[dict[str, float]]]:
         """Collect every replica's ``Finished``: rank 0's result, and each worker's stats."""
         workers = self.plan.workers
+        self._await_rounds()
+        self.parent_cpu_s = time.process_time() - self._cpu_began
         for rank in range(workers):
             self.pool.send(rank, Finish())
         results: dict[int, ReplicaResult] = {}

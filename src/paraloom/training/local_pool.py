@@ -14,6 +14,7 @@ from paraloom.training.messages import (
     Answer,
     Begin,
     Failed,
+    RoundBatch,
     RoundMessage,
     ToReplica,
 )
@@ -54,6 +55,10 @@ class LocalPool:
         return self._last_round if last is None else min(last, self._last_round)
 
     def send(self, rank: int, message: ToReplica) -> None:
+        for one in message.rounds if isinstance(message, RoundBatch) else (message,):
+            self._handle(one)
+
+    def _handle(self, message: ToReplica) -> None:
         round_id = message.round_id if isinstance(message, RoundMessage) else None
         if round_id is not None:
             self._last_round = round_id

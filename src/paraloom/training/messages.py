@@ -3,15 +3,17 @@
 To a replica, in order: ``Begin``; then per round one of ``Round`` (a batch), ``IndexRound``
 (indices into the dataset sent with ``Begin``), ``LoaderRound`` (the next batch of the
 replica's own DataLoader, whose epoch a ``LoaderEpoch`` starts) or ``IdleRound`` (no batch in
-a short last round), with a ``CheckpointRequest`` after a round when a listener wants a
-checkpoint and a ``RestorePointRequest`` when the pool keeps restore points to recover from
-failures; then ``Finish``; ``Stop`` ends a worker process. ``Pickled`` wraps ``Begin`` or
-``Round``, pickled by the parent (classes by value, tensors in shared memory) because they carry
-user objects.
+a short last round), or a ``RoundBatch`` of several of them in order, with an
+``EndAccumulation`` at an epoch's end with gradient accumulation, a
+``CheckpointRequest`` after a round when a listener wants a checkpoint and a
+``RestorePointRequest`` when the pool keeps restore points to recover from failures; then
+``Finish``; ``Stop`` ends a worker process. ``Pickled`` wraps ``Begin``, ``Round`` or a
+``RoundBatch`` of them, pickled by the parent (classes by value, tensors in shared memory)
+because they carry user objects.
 
-From a replica: ``Ready`` once started; ``StepDone`` per round; ``CheckpointReply`` and
-``RestorePoint`` per request; ``Finished`` after ``Finish``; ``Failed`` instead of any of them
-when it fails.
+From a replica: ``Ready`` once started; ``StepDone`` per round (a ``RoundsDone`` of them per
+``RoundBatch``); ``CheckpointReply`` and ``RestorePoint`` per request; ``Finished`` after
+``Finish``; ``Failed`` instead of any of them when it fails.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from paraloom.data import IndexedDataset
 from paraloom.training.loaders import LoaderSpec
 
 __all__ = [
-    "Begin", "Hyperparameters", "Round", "IndexRound", "LoaderEpoch", "LoaderRound", "IdleRound",
-    "RoundMessage", "CheckpointRequest",
+    "Begin", "Hyperparameters", "EndAccumulation", "Round", "IndexRound", "LoaderEpoch",
+    "LoaderRound", "IdleRound",
+    "RoundMessage", "RoundBatch", "RoundsDone", "CheckpointRequest",
     "RestorePointRequest", "Finish", "Stop", "Pickled", "ToReplica", "Ready", "StepDone",
     "CheckpointReply", "RestorePoint", "ReplicaResult", "Finished", "Failed", "Answer", "Reply",
     "ModelState", "ReplicaState",
@@ -69,6 +72,12 @@ class Hyperparameters:
     before the next round, which the parent deals only after every earlier round is done."""
 
     settings: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class EndAccumulation:
+    """An epoch ended part way through a gradient accumulation (``accumulate=k``): step on
+    the gradients its rounds added up, as every replica does at once."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,20 @@ RoundMessage = Round | IndexRound | LoaderRound | IdleRound
 
 
 @dataclass(frozen=True)
+class RoundBatch:
+    """Several rounds in one message, trained in order and answered with one ``RoundsDone``:
+    where a step takes milliseconds, one message per round would cost the parent more CPU
+    than the rounds' own work (``FitRun`` batches rounds by the steps' length)."""
+
+    rounds: tuple[RoundMessage, ...]
+
+    @property
+    def round_id(self) -> int:
+        """The last round in the batch."""
+        return self.rounds[-1].round_id
+
+
+@dataclass(frozen=True)
 class CheckpointRequest:
     """Report this replica's full state after round ``tag`` (for a training checkpoint)."""
 
@@ -157,7 +180,8 @@ class Pickled:
 
     data: bytes
     round_id: int | None = None
-    """The round of a pickled ``Round``, readable before unpickling (for error reports)."""
+    """The (first) round of a pickled ``Round`` or ``RoundBatch``, readable before unpickling
+    (for error reports)."""
 
     def unpack(self) -> ToReplica:
         message = pickle.loads(self.data)
@@ -167,8 +191,9 @@ class Pickled:
         return message
 
 
-ToReplica = (Begin | Hyperparameters | Round | IndexRound | LoaderEpoch | LoaderRound | IdleRound
-             | CheckpointRequest | RestorePointRequest | Finish | Stop)
+ToReplica = (Begin | Hyperparameters | EndAccumulation | Round | IndexRound | LoaderEpoch
+             | LoaderRound | IdleRound | RoundBatch | CheckpointRequest | RestorePointRequest
+             | Finish | Stop)
 
 
 # -- from a replica ----------------------------------------------------------------------------
@@ -197,6 +222,14 @@ class StepDone:
     """A fingerprint of a stream's first batches (replicas that all read the same data)."""
     skipped: bool = False
     """The round was queued when ``stop()`` halted the fit: no replica trained it."""
+
+
+@dataclass(frozen=True)
+class RoundsDone:
+    """The answer to a ``RoundBatch``: each round's ``StepDone``, in order (the pool hands
+    them on one by one)."""
+
+    replies: tuple[StepDone, ...]
 
 
 @dataclass(frozen=True)
@@ -251,5 +284,5 @@ class Failed:
 Answer = StepDone | CheckpointReply | RestorePoint | Finished
 """What a replica answers to a message; ``Pool.recv`` returns these (restore points only to
 the pool that asked for them: ``training.recovery``)."""
-Reply = Ready | Answer | Failed
+Reply = Ready | Answer | RoundsDone | Failed
 """Everything a worker process puts on the result queue."""

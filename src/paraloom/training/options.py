@@ -1,7 +1,7 @@
 """ParallelWrapper's options, grouped by concern: each a small frozen dataclass with defaults.
 
 - ``StepOptions``: what each replica does in a step besides forward and backward (the
-  learning-rate schedule, gradient clipping);
+  learning-rate schedule, gradient clipping, gradient accumulation, ``torch.compile``);
 - ``FaultTolerance``: how long a wait may take, and how many worker failures a fit survives;
 - ``LoopOptions``: how the parent runs a fit (batches dealt ahead, the progress bar, scores).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
@@ -49,8 +49,26 @@ class StepOptions:
     gradient_clip_algorithm: str = "norm"
     """``"norm"``: scale to a global 2-norm of at most the value; ``"value"``: clamp each
     element to ``[-value, value]``."""
+    accumulate: int = 1
+    """Gradient accumulation (Lightning's ``accumulate_grad_batches``): each replica adds up
+    the gradients of ``accumulate`` rounds' batches (each loss divided by ``accumulate``) and
+    the replicas exchange and step once, so an exchange serves ``accumulate`` times the
+    samples. The last step of an epoch takes what the epoch's last rounds accumulated. The
+    schedule steps, and ``averaging_frequency`` counts, once per optimizer step. 1: step every
+    round."""
+    compile: bool | Mapping[str, Any] = False
+    """``torch.compile`` each replica's model (True), or the keywords for it (e.g.
+    ``{"mode": "max-autotune"}`` or ``{"backend": "aot_eager"}``). The first rounds then
+    include the compilation: ``stats()["compile_seconds"]`` reports it apart. False: eager."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) \
+                or self.accumulate < 1:
+            raise ValueError(f"accumulate={self.accumulate!r}; expected an int >= 1 (batches "
+                             "whose gradients add up before each exchange and optimizer step)")
+        if not isinstance(self.compile, bool | Mapping):
+            raise TypeError(f"compile={self.compile!r}; expected True, False or a dict of "
+                            "torch.compile keywords such as {'mode': 'max-autotune'}")
         scheduler = self.lr_scheduler
         if scheduler is not None and (isinstance(scheduler, LRScheduler)
                                       or not callable(scheduler)):
@@ -65,6 +83,13 @@ class StepOptions:
     def clipping(self) -> GradientClipping | None:
         """The clipping these options ask for, or None."""
         return GradientClipping.of(self.gradient_clip_val, self.gradient_clip_algorithm)
+
+    @property
+    def compile_options(self) -> dict[str, Any] | None:
+        """The keywords for ``torch.compile``, or None for an eager model."""
+        if isinstance(self.compile, Mapping):
+            return dict(self.compile)
+        return {} if self.compile else None
 
 
 @dataclass(frozen=True)
@@ -133,6 +158,8 @@ class WrapperKeywords(TypedDict, total=False):
     lr_scheduler: SchedulerFactory | None
     gradient_clip_val: float | None
     gradient_clip_algorithm: str
+    accumulate: int
+    compile: bool | Mapping[str, Any]
     max_failures: int
     timeout: float
     heartbeat_timeout: float | None

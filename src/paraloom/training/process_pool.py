@@ -20,7 +20,7 @@ import torch.multiprocessing as mp  # registers the shared-memory tensor reducti
 from torch._C._distributed_c10d import TCPStore
 
 from paraloom.devices import TrainingDevices, training_devices
-from paraloom.errors import NotPicklableError, WorkerError
+from paraloom.errors import WorkerError
 from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
 from paraloom.training.gate import RoundGate
 from paraloom.training.memory import worker_malloc
@@ -37,13 +37,14 @@ from paraloom.training.messages import (
     Reply,
     RestorePoint,
     RestorePointRequest,
-    Round,
+    RoundBatch,
     RoundMessage,
+    RoundsDone,
     StepDone,
     Stop,
     ToReplica,
 )
-from paraloom.training.transport import dumps
+from paraloom.training.transport import carries_user_objects, pack
 from paraloom.training.worker import WorkerConfig, worker_main
 
 if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
@@ -165,7 +166,7 @@ class ProcessPool:
             if isinstance(reply, Ready):
                 ready.add(reply.rank)
             elif reply is not None:
-                self._pending.append(reply)
+                self._keep(reply)
 
     def begin(self, messages: Sequence[Begin]) -> None:
         """Start a fit() on every worker: ``messages[rank]`` to each.
@@ -174,7 +175,7 @@ class ProcessPool:
         own file-descriptor handles. Everything is pickled before anything is sent, so a
         dataset that cannot be pickled (NotPicklableError) leaves the workers untouched.
         """
-        packed = [_pack(message) for message in messages]
+        packed = [pack(message) for message in messages]
         self._gate.reset()
         for rank, message in enumerate(packed):
             self._put(rank, message)
@@ -188,11 +189,13 @@ class ProcessPool:
         """Queue a message for one worker; waits (checking liveness) while its queue is full."""
         # A batch or a dataset may hold classes defined in the user's script: they travel by
         # value.
-        self._put(rank, _pack(message) if isinstance(message, Round | Begin) else message)
-        if isinstance(message, RoundMessage | CheckpointRequest | RestorePointRequest | Finish):
+        self._put(rank, pack(message) if carries_user_objects(message) else message)
+        answers = len(message.rounds) if isinstance(message, RoundBatch) else int(isinstance(
+            message, RoundMessage | CheckpointRequest | RestorePointRequest | Finish))
+        if answers:
             if self._outstanding[rank] == 0:
                 self._since[rank] = time.monotonic()
-            self._outstanding[rank] += 1
+            self._outstanding[rank] += answers
 
     def _put(self, rank: int, message: ToReplica | Pickled) -> None:
         while True:
@@ -211,22 +214,33 @@ class ProcessPool:
         while True:
             left = _POLL_S if deadline is None else deadline - time.monotonic()
             reply = self._get(max(0.0, min(_POLL_S, left)))
+            if isinstance(reply, RoundsDone):  # handed on one round at a time, in order
+                self._keep(reply)
+                return self._pending.popleft()
             if reply is not None and not isinstance(reply, Ready):
                 return reply
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def _get(self, timeout_s: float, starting: bool = False) -> Answer | Ready | None:
+    def _get(self, timeout_s: float, starting: bool = False) -> Answer | RoundsDone | Ready | None:
         try:
             reply = self._inbox.get(timeout_s)
         except queue.Empty:
-            self._check_alive(starting)
-            if not starting:
-                self._check_progress()
+            # A look for nothing (timeout 0, between rounds) checks the workers at most every
+            # _POLL_S: each check polls every process (a few syscalls each).
+            if timeout_s > 0 or time.monotonic() - self._checked > _POLL_S:
+                self._check_alive(starting)
+                if not starting:
+                    self._check_progress()
             return None
         except (OSError, EOFError) as e:
             # A reply whose tensors live in a process that has just died cannot be unpickled.
             dead = self._silently_dead(set())
+            if dead is not None and (self._procs[dead].exitcode or 0) >= 0:
+                # It exited on its own: after reporting its error, which may come behind.
+                report = self._reported_failure(0.5)
+                if report is not None:
+                    raise self._error(report, starting) from e
             self.kill()
             if dead is not None:
                 raise self._death(dead, starting) from e
@@ -235,16 +249,28 @@ class ProcessPool:
             raise self._error(reply, starting)
         if time.monotonic() - self._checked > _POLL_S:  # replies keep coming: check the rest
             self._check_alive(starting)
-        if isinstance(reply, StepDone | CheckpointReply | RestorePoint | Finished):
-            self._outstanding[reply.rank] -= 1
-            self._since[reply.rank] = time.monotonic()
+        if isinstance(reply, RoundsDone):
+            rank, answers = reply.replies[0].rank, len(reply.replies)
+        elif isinstance(reply, StepDone | CheckpointReply | RestorePoint | Finished):
+            rank, answers = reply.rank, 1
+        else:
+            return reply
+        self._outstanding[rank] -= answers
+        self._since[rank] = time.monotonic()
         return reply
 
     def _absorb_replies(self) -> None:
         """Move replies already waiting into the pending list, accounting for them."""
         while (reply := self._get(0)) is not None:
             if not isinstance(reply, Ready):
-                self._pending.append(reply)
+                self._keep(reply)
+
+    def _keep(self, reply: Answer | RoundsDone) -> None:
+        """Hold a reply for ``recv`` (a batch's, one round at a time, in order)."""
+        if isinstance(reply, RoundsDone):
+            self._pending.extend(reply.replies)
+        else:
+            self._pending.append(reply)
 
     def _check_progress(self) -> None:
         """Raise if a worker has had work and sent nothing for ``step_timeout_s`` (it hangs)."""
@@ -325,8 +351,12 @@ class ProcessPool:
         while (left := deadline - time.monotonic()) > 0:
             try:
                 reply = self._inbox.get(left)
-            except (queue.Empty, OSError, EOFError):
+            except queue.Empty:
                 return None
+            except (OSError, EOFError):
+                # A reply whose tensors lived in the worker that has exited: dropped, as the
+                # others are; the report may come behind it.
+                continue
             if isinstance(reply, Failed):
                 return reply
         return None
@@ -441,27 +471,3 @@ class _Inbox:
 
     def close(self) -> None:
         self._closed.set()
-
-
-def _pack(message: Begin | Round) -> Pickled:
-    try:
-        if isinstance(message, Round):
-            return Pickled(dumps(message), message.round_id)
-        return Pickled(dumps(message))
-    except Exception as e:
-        if isinstance(message, Round):
-            what = f"batch of round {message.round_id}"
-        elif _unpicklable(message.dataset):
-            what = "dataset"
-        else:
-            what = "model or optimizer state"
-        raise NotPicklableError(f"the {what} cannot be sent to the workers: "
-                                f"{type(e).__name__}: {e}") from e
-
-
-def _unpicklable(obj: object) -> bool:
-    try:
-        dumps(obj)
-    except Exception:
-        return True
-    return False

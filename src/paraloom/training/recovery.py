@@ -35,6 +35,7 @@ from paraloom.training.messages import (
     ReplicaState,
     RestorePoint,
     RestorePointRequest,
+    RoundBatch,
     RoundMessage,
     StepDone,
     ToReplica,
@@ -132,7 +133,7 @@ class RecoveringPool:
     def send(self, rank: int, message: ToReplica) -> None:
         self._log.append((rank, message))
         self._sent(lambda: self._pool.send(rank, message))
-        if rank == self.workers - 1 and isinstance(message, RoundMessage):
+        if rank == self.workers - 1 and isinstance(message, RoundMessage | RoundBatch):
             self._maybe_request(message.round_id)
 
     def halt(self, last: int | None = None) -> int:
@@ -182,7 +183,8 @@ class RecoveringPool:
     def _maybe_request(self, round_id: int) -> None:
         if self._pending is not None:
             return
-        logged = len(self._log) // self.workers
+        logged = sum(len(m.rounds) if isinstance(m, RoundBatch) else 1
+                     for _, m in self._log) // self.workers
         if time.monotonic() - self._last_request >= self._interval() \
                 or logged >= _MAX_LOGGED_ROUNDS:
             self._request(round_id)
@@ -238,7 +240,9 @@ class RecoveringPool:
             log.warning("paraloom: %s; recovering (failure %d of at most %d)",
                         str(error).splitlines()[0], self.failures, self.max_failures)
             self._pool.kill()
-            rounds = {m.round_id for _, m in self._log if isinstance(m, RoundMessage)}
+            rounds = {r.round_id for _, m in self._log
+                      for r in (m.rounds if isinstance(m, RoundBatch) else (m,))
+                      if isinstance(r, RoundMessage)}
             again = None
             self._begun_at = None
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +21,10 @@ from paraloom.precision import Precision, resolve_precision
 from paraloom.sync.base import StepContext, Synchronizer
 from paraloom.training.messages import ModelState, ReplicaState
 from paraloom.training.optim import OptimizerSpec
+from paraloom.training.timing import RoundTiming
 
-__all__ = ["Replica", "NonFiniteLossError", "BatchError", "LossFn", "SchedulerFactory", "StepFn",
-           "require_loss", "host_to_device"]
+__all__ = ["Accumulation", "Replica", "NonFiniteLossError", "BatchError", "LossFn",
+           "SchedulerFactory", "StepFn", "require_loss", "host_to_device"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 """``step_fn(model, batch) -> loss``: the user's own forward and loss."""
@@ -100,6 +102,36 @@ def _grad_scaler(precision: Precision, device: torch.device) -> torch.amp.GradSc
     return torch.amp.GradScaler(device.type)
 
 
+class Accumulation:
+    """Where a replica stands in gradient accumulation: ``size`` rounds per optimizer step."""
+
+    __slots__ = ("size", "rounds", "has_gradients")
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
+        self.rounds = 0
+        """Rounds of the accumulation under way taken so far (its step not yet taken)."""
+        self.has_gradients = False
+        """Gradients of a batch since the last step wait in the parameters' ``.grad``."""
+
+    def reset(self) -> None:
+        self.rounds, self.has_gradients = 0, False
+
+    def holds_back(self) -> bool:
+        """Count a round: True while it only accumulates, False for the round that steps."""
+        if self.rounds + 1 < self.size:
+            self.rounds += 1
+            return True
+        self.rounds = 0
+        return False
+
+    def added(self) -> None:
+        self.has_gradients = True
+
+    def stepped(self) -> None:
+        self.has_gradients = False
+
+
 class Replica:
     """A private copy of the model and its optimizer on one device, kept in sync by ``sync``."""
 
@@ -109,7 +141,8 @@ class Replica:
                  group: dist.ProcessGroup | None = None, rank: int = 0, world_size: int = 1,
                  precision: str | Precision = "32-true",
                  clipping: GradientClipping | None = None,
-                 lr_scheduler: SchedulerFactory | None = None) -> None:
+                 lr_scheduler: SchedulerFactory | None = None, accumulate: int = 1,
+                 compile_options: dict[str, Any] | None = None) -> None:
         require_loss(loss_fn, step_fn)
         self.device = torch.device(device)
         self.precision = resolve_precision(precision)
@@ -130,6 +163,13 @@ class Replica:
         self.scheduler: LRScheduler | None = None
         """This fit's ``lr_scheduler(optimizer)``, stepped after every round."""
         self._rng: torch.Tensor | None = None
+        self.accumulation = Accumulation(accumulate)
+        self.compile_options = compile_options
+        self._compiled: nn.Module | None = None
+        """``torch.compile(model)`` when compile_options ask for it: the forward runs in it."""
+        self._compiled_ran = False
+        self.timing = RoundTiming()
+        """Seconds in the step and in the synchronizer's hooks, summed over this fit."""
         self.loss_computed: Callable[[], None] | None = None
         """Called once a step's own work is done (its loss computed, or an idle round begun),
         before the collectives: the pool tells a hung worker from peers that wait for it."""
@@ -152,6 +192,8 @@ class Replica:
         if seed is not None:
             torch.manual_seed(seed)
         self.ctx.step = 0
+        self.accumulation.reset()
+        self.timing.reset()
         # A fresh schedule per fit(), from the param groups' initial_lr (a scheduler keeps it),
         # before a resumed state replaces where it stands.
         self.scheduler = None if self.lr_scheduler is None else \
@@ -161,7 +203,17 @@ class Replica:
         self.sync.setup(self.ctx)
         if resume is not None:
             self.sync.load_state_dict(resume["sync"])
-        self._module = self.sync.wrap_model(self.model, self.ctx)
+        self._module = self.sync.wrap_model(self._forward_model(), self.ctx)
+
+    def _forward_model(self) -> nn.Module:
+        """The model the forward runs in: the replica's own, or (``compile_options``) one
+        ``torch.compile`` of it for every fit (its parameters are the model's)."""
+        if self.compile_options is None:
+            return self.model
+        if self._compiled is None:
+            compiled: nn.Module = torch.compile(self.model, **self.compile_options)  # type: ignore[assignment]
+            self._compiled = compiled
+        return self._compiled
 
     def set_hyperparameters(self, hyperparameters: list[dict[str, Any]]) -> None:
         """Set each param group's settings (lr, momentum, ...) to the user's."""
@@ -174,34 +226,86 @@ class Replica:
             group.update(copy.deepcopy(settings))
 
     def step(self, batch: Any | None) -> float | None:
-        """Train on one batch (None: an idle round); returns the batch's loss."""
-        ctx = self.ctx
+        """Train on one batch (None: an idle round); returns the batch's loss. With gradient
+        accumulation, a round before the last of an accumulation only adds up gradients."""
         if self._rng is not None:  # restored lazily: with workers=1 the caller shares the RNG
             torch.set_rng_state(self._rng)
             self._rng = None
-        if batch is None:
+        if self.accumulation.holds_back():
+            return self._accumulate(batch)
+        return self._synchronized_step(batch)
+
+    def end_accumulation(self) -> None:
+        """Step on what the rounds since the last step accumulated (an epoch ended)."""
+        if self.accumulation.rounds:
+            self.accumulation.rounds = 0
+            self._synchronized_step(None)
+
+    def _synchronized_step(self, batch: Any | None) -> float | None:
+        """The step every replica takes together: the synchronizer's hooks around forward,
+        backward (of ``batch``, or of what accumulated) and the optimizer."""
+        ctx, accumulated = self.ctx, self.accumulation.has_gradients
+        timing, began = self.timing, time.perf_counter()
+        if batch is None and not accumulated:
             if self.loss_computed is not None:
                 self.loss_computed()
             self.sync.idle_step(ctx)
-            self._step_scheduler()
-            ctx.step += 1
+            timing.sync_s += time.perf_counter() - began
+            self._end_step()
             return None
         self.sync.before_step(ctx)
+        stepping = time.perf_counter()
         try:
             value = self._train_step(batch)
-        except BaseException:
-            self.sync.abort_step(ctx)
+        except BaseException as e:
+            self._abort(e)
             raise
+        stepped = time.perf_counter()
         self.sync.after_step(ctx)
-        self._step_scheduler()
-        ctx.step += 1
+        timing.step_s += stepped - stepping
+        timing.sync_s += time.perf_counter() - stepped + (stepping - began)
+        self._end_step()
         return value
 
-    def _train_step(self, batch: Any) -> float:
-        """Forward, backward and optimizer step on one batch; returns the batch's loss."""
-        ctx = self.ctx
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(batch)
+    def _abort(self, error: BaseException) -> None:
+        """A step raised: the synchronizer undoes what it began; an error it can say in
+        paraloom's terms is raised in those."""
+        self.sync.abort_step(self.ctx)
+        explained = self.sync.explain(error, self.ctx)
+        if explained is not None:
+            raise explained from error
+
+    def _end_step(self) -> None:
+        self.accumulation.stepped()
+        self._step_scheduler()
+        self.ctx.step += 1
+
+    def _accumulate(self, batch: Any | None) -> float | None:
+        """A round inside an accumulation: forward and backward (no collectives), no step."""
+        if batch is None:
+            if self.loss_computed is not None:
+                self.loss_computed()
+            return None
+        ctx, began = self.ctx, time.perf_counter()
+        self.sync.before_step(ctx)
+        try:
+            with self.sync.accumulating(ctx):
+                value = self._backward(batch)
+        except BaseException as e:
+            self._abort(e)
+            raise
+        self.timing.step_s += time.perf_counter() - began
+        return value
+
+    def _backward(self, batch: Any | None) -> float | None:
+        """Forward and backward of ``batch`` (None: of a zero loss, which takes part in the
+        collectives that run in backward), its loss divided by ``accumulate``, the gradients
+        added to what the accumulation holds; returns the batch's loss."""
+        if not self.accumulation.has_gradients:
+            self.optimizer.zero_grad(set_to_none=True)
+        began = time.perf_counter()
+        compiling = self._compiled is not None and not self._compiled_ran and batch is not None
+        loss = self._loss(batch) if batch is not None else self._zero_loss()
         if self.loss_computed is not None:
             self.loss_computed()
         value = float(loss.detach())
@@ -209,10 +313,26 @@ class Replica:
             raise NonFiniteLossError(
                 f"the loss is {value} on a batch of {describe(batch)}: lower the learning rate, "
                 "check the data for NaN/inf, or clip gradients (gradient_clip_val=1.0)")
+        if self.accumulation.size > 1:
+            loss = loss / self.accumulation.size
         scaled = self.scaler.scale(loss) if self.scaler else loss
         scaled.backward()  # type: ignore[no-untyped-call]
+        self.accumulation.added()
+        if compiling:  # torch.compile compiles the forward and backward on their first run
+            self._compiled_ran = True
+            self.timing.compile_s += time.perf_counter() - began
+        return value if batch is not None else None
+
+    def _train_step(self, batch: Any | None) -> float | None:
+        """Backward (``_backward``), then the optimizer step; returns the batch's loss."""
+        ctx = self.ctx
+        value = self._backward(batch)
         ctx.skip_optimizer_step = False
+        hook = time.perf_counter()
         self.sync.after_backward(ctx)
+        spent = time.perf_counter() - hook  # a hook: step() counts the whole step as step_s
+        self.timing.sync_s += spent
+        self.timing.step_s -= spent
         if not ctx.skip_optimizer_step:
             ctx.clip_gradients()
         if self.scaler is not None:
@@ -222,6 +342,16 @@ class Replica:
         elif not ctx.skip_optimizer_step:
             self.optimizer.step()
         return value
+
+    def _zero_loss(self) -> torch.Tensor:
+        """A loss of 0 over every trainable parameter, run as the model's forward (so that a
+        synchronizer that all-reduces in backward, DDP, takes part with what accumulated)."""
+        def zero(model: nn.Module, _: Any) -> torch.Tensor:
+            return sum((p.sum() for p in model.parameters() if p.requires_grad),
+                       torch.zeros((), device=self.device)) * 0.0
+
+        loss: torch.Tensor = self.sync.run_step_fn(zero, self._module, None, self.ctx)
+        return loss.float()
 
     def _step_scheduler(self) -> None:
         """One step of the schedule per round, trained or idle: every replica's rate moves alike."""
@@ -265,7 +395,9 @@ class Replica:
                                 f"(model{_conversion(t.dtype)}){_precision_hint(t.dtype)}")
 
     def finish(self) -> None:
-        """End of fit(): the synchronizer makes every replica hold the same parameters."""
+        """End of fit(): a step on what is left accumulated (a ``stop()`` in an
+        accumulation), then the synchronizer makes every replica hold the same parameters."""
+        self.end_accumulation()
         self.sync.finish(self.ctx)
 
     def model_state(self) -> ModelState:
@@ -290,6 +422,10 @@ class Replica:
             snap["scaler"] = self.scaler.state_dict()
         if self.scheduler is not None:
             snap["scheduler"] = self.scheduler.state_dict()
+        if self.accumulation.rounds:  # part way through an accumulation: its gradients
+            snap["accumulation"] = {"rounds": self.accumulation.rounds, "grads": [
+                None if p.grad is None or not self.accumulation.has_gradients
+                else p.grad.detach().cpu().clone() for p in self.model.parameters()]}
         return snap
 
     def _restore(self, snap: ReplicaState) -> None:
@@ -303,3 +439,14 @@ class Replica:
             self.scaler.load_state_dict(snap["scaler"])
         if self.scheduler is not None and "scheduler" in snap:
             self.scheduler.load_state_dict(snap["scheduler"])
+        self._restore_accumulation(snap.get("accumulation"))
+
+    def _restore_accumulation(self, saved: dict[str, Any] | None) -> None:
+        self.accumulation.reset()
+        if saved is None:
+            return
+        self.accumulation.rounds = int(saved["rounds"])
+        for p, grad in zip(self.model.parameters(), saved["grads"], strict=True):
+            p.grad = None if grad is None else grad.to(p.device, p.dtype).clone()
+            if grad is not None:
+                self.accumulation.added()

@@ -160,14 +160,22 @@ class CheckpointCollector:
         that were never trained, so they are dropped."""
         self.last = last
 
+    def wanting(self, iteration: int, epoch: int, epoch_end: bool) -> list[TrainingListener]:
+        """The listeners that want a checkpoint after round ``iteration`` (asked once per
+        round: pass the answer to ``request``)."""
+        return [x for x in self.listeners if x.wants_checkpoint(iteration, epoch, epoch_end)]
+
     def request(self, pool: Pool, iteration: int, epoch: int, dealt: int,
                 epoch_rng: list[torch.Tensor], epoch_end: bool,
-                next_epoch_rng: list[torch.Tensor] | None = None) -> None:
+                next_epoch_rng: list[torch.Tensor] | None = None,
+                wanting: list[TrainingListener] | None = None) -> None:
         """Ask every replica for its state after round ``iteration`` if a listener wants a
-        checkpoint there. ``next_epoch_rng`` (at an epoch's end): the checkpoint resumes at
-        the start of the next epoch, with that data RNG, instead of past ``dealt`` batches of
-        this one (a stream cannot tell that nothing is left of it without a round)."""
-        wanting = [x for x in self.listeners if x.wants_checkpoint(iteration, epoch, epoch_end)]
+        checkpoint there (``wanting``: those ``self.wanting`` named, when already asked).
+        ``next_epoch_rng`` (at an epoch's end): the checkpoint resumes at the start of the
+        next epoch, with that data RNG, instead of past ``dealt`` batches of this one (a
+        stream cannot tell that nothing is left of it without a round)."""
+        if wanting is None:
+            wanting = self.wanting(iteration, epoch, epoch_end)
         resume_at = (epoch, dealt, epoch_rng) if next_epoch_rng is None \
             else (epoch + 1, 0, next_epoch_rng)
         known = self.pending.get(iteration)

@@ -28,6 +28,7 @@ from paraloom.training.messages import (
     Begin,
     CheckpointReply,
     CheckpointRequest,
+    EndAccumulation,
     Finish,
     Finished,
     Hyperparameters,
@@ -64,6 +65,8 @@ class WorkerSpec:
     precision: str = "32-true"
     clipping: GradientClipping | None = None
     lr_scheduler: SchedulerFactory | None = None
+    accumulate: int = 1
+    compile_options: dict[str, Any] | None = None
 
 
 _PROCESS_HINT = ("Define it at module level, keep open files, locks, threads and generators "
@@ -104,7 +107,8 @@ class ReplicaRunner:
                                step_fn=spec.step_fn, synchronizer=copy.deepcopy(spec.synchronizer),
                                device=device, group=group, rank=rank, world_size=world_size,
                                precision=spec.precision, clipping=spec.clipping,
-                               lr_scheduler=spec.lr_scheduler)
+                               lr_scheduler=spec.lr_scheduler, accumulate=spec.accumulate,
+                               compile_options=spec.compile_options)
         self.dataset: IndexedDataset | None = None
         self.loader: ReplicaLoader | None = None
         self.steps = 0
@@ -115,11 +119,18 @@ class ReplicaRunner:
         """Act on one message; returns the reply to send back, if it has one."""
         match message:
             case Round() | IndexRound() | LoaderRound() | IdleRound():
-                return self.train(message)
+                began = time.perf_counter()
+                done = self.train(message)
+                timing = self.replica.timing
+                timing.rounds += 1
+                timing.round_s += time.perf_counter() - began
+                return done
             case Begin():
                 self.begin(message)
             case Hyperparameters():
                 self.replica.set_hyperparameters(message.settings)
+            case EndAccumulation():
+                self.replica.end_accumulation()
             case LoaderEpoch():
                 self._own_loader().start_epoch(message.epoch, message.seed, message.batches,
                                                message.first, message.stride)
@@ -161,7 +172,9 @@ class ReplicaRunner:
             return StepDone(self.rank, message.round_id, None, 0, self._synchronized())
         if isinstance(message, LoaderRound):
             return self._train_loaded(message)
+        began = time.perf_counter()
         batch = message.batch if isinstance(message, Round) else self._gather(message.indices)
+        self.replica.timing.data_s += time.perf_counter() - began
         loss = self.replica.step(batch)
         self.steps += 1
         return StepDone(self.rank, message.round_id, loss, _rows(batch), self._synchronized())
@@ -169,7 +182,9 @@ class ReplicaRunner:
     def _train_loaded(self, message: LoaderRound) -> StepDone:
         """Train on the next batch of this replica's own DataLoader (idly once a stream ends)."""
         loader = self._own_loader()
+        began = time.perf_counter()
         batch = loader.take(message.epoch, message.position)
+        self.replica.timing.data_s += time.perf_counter() - began
         loss = self.replica.step(batch)
         rows = 0
         if batch is not None:
@@ -202,9 +217,10 @@ class ReplicaRunner:
         if self.loader is not None:
             self.loader.close()
         set_replica_info(None)
+        stats = {**self.replica.sync.stats(), **self.replica.timing.stats()}
         if not with_state:
-            return ReplicaResult(self.replica.sync.stats(), self.steps)
-        return ReplicaResult(self.replica.sync.stats(), self.steps, *self.final_state())
+            return ReplicaResult(stats, self.steps)
+        return ReplicaResult(stats, self.steps, *self.final_state())
 
     def final_state(self) -> tuple[ModelState, dict[str, Any]]:
         """CPU copies of the parameters and buffers, and of the optimizer state (in the outbox's

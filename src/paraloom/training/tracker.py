@@ -116,8 +116,9 @@ class RoundTracker:
         return f"epoch {r.epoch}, batch {r.first_batch + (rank or 0)}"
 
     def reply(self, round_id: int, loss: float | None, rows: int, synced: bool,
-              skipped: bool = False) -> None:
-        """A worker's ``step`` reply (``skipped``: a round that stop() cut off)."""
+              skipped: bool = False) -> int:
+        """A worker's ``step`` reply (``skipped``: a round that stop() cut off); returns the
+        rounds it completed (their listeners called), in order."""
         r = self.rounds[round_id]
         r.replies += 1
         r.skipped = r.skipped or skipped
@@ -125,10 +126,13 @@ class RoundTracker:
         if loss is not None:
             r.losses.append(loss)
             r.rows += rows
+        completed = 0
         while self.next_round in self.rounds and \
                 self.rounds[self.next_round].replies == self.workers:
             self._complete(self.next_round, self.rounds.pop(self.next_round))
             self.next_round += 1
+            completed += 1
+        return completed
 
     @property
     def in_flight(self) -> int:
@@ -148,6 +152,8 @@ class RoundTracker:
         for listener in self.listeners:
             listener.on_iteration(self.iteration, r.epoch, loss)
         self.iteration += 1
+        if self.bar.disable:
+            return
         self.bar.update(len(r.losses))
         postfix: dict[str, object] = {"loss": f"{loss:.4f}",
                                       "samples_s": f"{self.samples_per_s:.0f}"}

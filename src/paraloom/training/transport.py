@@ -12,15 +12,17 @@ import io
 import pickle
 from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, TypeGuard
 
 import cloudpickle
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's shared-memory reducers)
 
 from paraloom.data import map_tensors
+from paraloom.errors import NotPicklableError
+from paraloom.training.messages import Begin, Pickled, Round, RoundBatch, ToReplica
 
-__all__ = ["SharedOutbox", "dumps", "shared_copy"]
+__all__ = ["SharedOutbox", "carries_user_objects", "dumps", "pack", "shared_copy"]
 
 
 # cloudpickle has no type information, so its pickler class is Any to mypy.
@@ -92,3 +94,39 @@ class SharedOutbox:
             copied = map_tensors(obj, put)
         del self._buffers[position:]
         return copied
+
+
+def carries_user_objects(message: ToReplica) -> TypeGuard[Begin | Round | RoundBatch]:
+    """Whether a message holds the user's objects (batches, a dataset, a model state), which
+    travel pickled by value with their tensors in shared memory (``pack``)."""
+    if isinstance(message, RoundBatch):
+        return any(isinstance(r, Round) for r in message.rounds)
+    return isinstance(message, Round | Begin)
+
+
+def pack(message: Begin | Round | RoundBatch) -> Pickled:
+    """``message`` pickled for a worker (``dumps``), with its first round's id so that a
+    batch that fails to load is reported on its own round; ``NotPicklableError`` names the
+    part that cannot travel."""
+    try:
+        if isinstance(message, Round | RoundBatch):
+            first = message.rounds[0] if isinstance(message, RoundBatch) else message
+            return Pickled(dumps(message), first.round_id)
+        return Pickled(dumps(message))
+    except Exception as e:
+        if isinstance(message, Round | RoundBatch):
+            what = f"batch of round {message.round_id}"
+        elif _unpicklable(message.dataset):
+            what = "dataset"
+        else:
+            what = "model or optimizer state"
+        raise NotPicklableError(f"the {what} cannot be sent to the workers: "
+                                f"{type(e).__name__}: {e}") from e
+
+
+def _unpicklable(obj: object) -> bool:
+    try:
+        dumps(obj)
+    except Exception:
+        return True
+    return False

@@ -32,7 +32,9 @@ from paraloom.training.messages import (
     Pickled,
     Ready,
     Reply,
+    RoundBatch,
     RoundMessage,
+    RoundsDone,
     StepDone,
     Stop,
     ToReplica,
@@ -127,13 +129,13 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
                 results: Queue[Reply], beats: MutableSequence[float],
                 gate_array: object = None) -> None:
     """Entry point of a worker process (``gate_array``: the pool's RoundGate)."""
-    round_id = None
     started_ppid = os.getppid()
     # The parent still treats this process as a daemon (ended when it exits); in here the flag
     # would forbid the loader worker processes of a DataLoader the replica runs itself.
     multiprocessing.current_process().daemon = False
     gate = RoundGate(gate_array) if gate_array is not None else None
     _start_heartbeat(beats, cfg.rank)
+    loop: _Loop | None = None
     try:
         if cfg.malloc == "keep":
             keep_freed_memory()
@@ -141,33 +143,61 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
         if cfg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(cfg.device))
         group = _init_group(cfg)
-        runner = _runner(cfg, pickle.loads(spec_bytes), group, gate)
+        loop = _Loop(cfg.rank, _runner(cfg, pickle.loads(spec_bytes), group, gate), gate)
         results.put(Ready(cfg.rank))
         while not isinstance(message := _next_message(tasks, cfg.parent_pid, started_ppid),
                                                 Stop):
-            if isinstance(message, Pickled):
-                # The round is known before unpickling, so a batch that fails to load is
-                # reported on its own round.
-                round_id = round_id if message.round_id is None else message.round_id
-                held = message.round_id
-                if held is not None and gate is not None and not gate.admit(cfg.rank, held):
-                    results.put(StepDone(cfg.rank, held, None, 0, False, skipped=True))
-                    continue  # stop() halted the fit before this queued round
-                message = message.unpack()
-            elif isinstance(message, RoundMessage) and gate is not None and \
-                    not gate.admit(cfg.rank, message.round_id):
-                results.put(StepDone(cfg.rank, message.round_id, None, 0, False, skipped=True))
-                continue
-            if isinstance(message, RoundMessage):
-                round_id = message.round_id
-            elif isinstance(message, Finish):
-                round_id = None
-            reply = runner.handle(message)
-            if reply is not None:
-                results.put(reply)
+            loop.serve(message, results)
     except BaseException as e:  # reported to the parent, which raises WorkerError
-        _report(results, Failed(cfg.rank, round_id, f"{type(e).__name__}: {e}",
-                                traceback.format_exc(), type(e).__name__))
+        _report(results, Failed(cfg.rank, None if loop is None else loop.round_id,
+                                f"{type(e).__name__}: {e}", traceback.format_exc(),
+                                type(e).__name__))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _Loop:
+    """One worker's handling of its messages, with the round in progress (for a failure's
+    report) and the time each round took, its reply's sending included."""
+
+    def __init__(self, rank: int, runner: ReplicaRunner, gate: RoundGate | None) -> None:
+        self.rank, self.runner, self.gate = rank, runner, gate
+        self.round_id: int | None = None
+        """The round being trained (None outside rounds): a failure names it."""
+
+    def serve(self, message: ToReplica | Pickled, results: Queue[Reply]) -> None:
+        """Handle one message and send its reply (if it has one)."""
+        began = time.perf_counter()
+        timing = self.runner.replica.timing
+        counted = timing.round_s
+        if isinstance(message, Pickled):
+            # The round is known before unpickling, so a batch that fails to load is reported
+            # on its own round.
+            self.round_id = message.round_id if message.round_id is not None else self.round_id
+            message = message.unpack()
+        reply = self._handle(message)
+        if reply is not None:
+            results.put(reply)
+        if isinstance(reply, StepDone | RoundsDone):  # the whole span: unpickling and sending too
+            timing.round_s = counted + time.perf_counter() - began
+
+    def _handle(self, message: ToReplica) -> Reply | None:
+        if isinstance(message, RoundBatch):
+            return RoundsDone(tuple(self._round(r) for r in message.rounds))
+        if isinstance(message, RoundMessage):
+            return self._round(message)
+        if isinstance(message, Finish):
+            self.round_id = None
+        return self.runner.handle(message)
+
+    def _round(self, message: RoundMessage) -> StepDone:
+        """Train one round, unless stop() halted the fit before it (the gate says so)."""
+        if self.gate is not None and not self.gate.admit(self.rank, message.round_id):
+            return StepDone(self.rank, message.round_id, None, 0, False, skipped=True)
+        self.round_id = message.round_id
+        done = self.runner.handle(message)
+        if not isinstance(done, StepDone):
+            raise TypeError(f"a round was answered with {type(done).__name__}; expected "
+                            f"StepDone")
+        return done

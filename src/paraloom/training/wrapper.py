@@ -89,8 +89,8 @@ class ParallelWrapper:
     ``SharingRecipe``) configures ``"shared_gradients"``, which it implies.
 
     The options come in groups: ``steps`` (``StepOptions``: ``lr_scheduler``, gradient
-    clipping), ``faults`` (``FaultTolerance``: ``max_failures``, ``timeout``,
-    ``heartbeat_timeout``, ``step_timeout``) and ``loop`` (``LoopOptions``:
+    clipping, ``accumulate``, ``compile``), ``faults`` (``FaultTolerance``: ``max_failures``,
+    ``timeout``, ``heartbeat_timeout``, ``step_timeout``) and ``loop`` (``LoopOptions``:
     ``prefetch_buffer``, ``progress``, ``report_score_after_averaging``). Each of their
     options is also a keyword of its own, and so is every option of the training mode
     (``averaging_frequency=3``, ``threshold_algorithm=...``, ``bucket_cap_mb=...``): see
@@ -131,7 +131,9 @@ class ParallelWrapper:
         self._spec = WorkerSpec(model=model, optimizer=OptimizerSpec.from_user(optimizer, model),
                                 loss_fn=loss_fn, step_fn=step_fn, synchronizer=self.synchronizer,
                                 precision=self.precision, clipping=self.clipping,
-                                lr_scheduler=self.steps.lr_scheduler)
+                                lr_scheduler=self.steps.lr_scheduler,
+                                accumulate=self.steps.accumulate,
+                                compile_options=self.steps.compile_options)
         require_loss(loss_fn, step_fn)
         self._pool: Pool | None = None
         self._pool_layout = self._layout()
@@ -267,7 +269,8 @@ class ParallelWrapper:
                                progress=self.loop.progress,
                                report_score=self.loop.report_score_after_averaging)
         plan = FitPlan(data, epochs, start, self.workers, self.loop,
-                       batches_are_pairs=self._spec.step_fn is None)
+                       batches_are_pairs=self._spec.step_fn is None,
+                       accumulate=self.steps.accumulate)
         run = self._run = FitRun(plan, pool, tracker, self._checkpoints, self.listeners,
                                  self._user_optimizer)
         self._checkpoints.reset()
@@ -320,6 +323,8 @@ class ParallelWrapper:
             "parameters": [[k, list(v.shape)] for k, v in self.model.state_dict().items()],
             "workers": self.workers, "training_mode": self.synchronizer.name,
             "synchronizer": self.synchronizer.config(), "precision": self.precision}
+        if self.steps.accumulate > 1:  # absent at 1: older checkpoints still match
+            fingerprint["accumulate"] = self.steps.accumulate
         spec = self._spec.optimizer
         if spec.cls is not None:  # a factory's optimizer is known only once it is built
             fingerprint["optimizer"] = spec.cls.__qualname__
@@ -343,7 +348,10 @@ class ParallelWrapper:
             workers=self.workers, failures=len(tracker.recoveries),
             seconds_lost=tracker.seconds_lost(), mode=self.synchronizer.name,
             per_worker=per_worker,
-            bytes_sent_per_step=[w.get("bytes_sent_per_step", 0.0) for w in per_worker])
+            bytes_sent_per_step=[w.get("bytes_sent_per_step", 0.0) for w in per_worker],
+            parent_cpu_seconds_per_round=run.parent_cpu_s / max(1, tracker.next_round),
+            compile_seconds=max((w.get("compile_seconds", 0.0) for w in per_worker),
+                                default=0.0))
         return result
 
     def _adopt(self, result: ReplicaResult, settings_sent: list[dict[str, Any]]) -> None:
@@ -392,6 +400,12 @@ class FitStats(RoundSummary):
     per_worker: list[dict[str, float]]
     """Each worker's ``Synchronizer.stats()``: bytes sent, and the mode's own counters."""
     bytes_sent_per_step: list[float]
+    parent_cpu_seconds_per_round: float
+    """CPU time this process spent per round (dealing, messages, listeners): with the
+    workers' ``overhead_seconds``, paraloom's fixed cost per round."""
+    compile_seconds: float
+    """With ``compile=``: the longest a replica's ``torch.compile`` took in this fit (its first
+    forward and backward); 0.0 without, or when the replicas compiled in an earlier fit."""
 
 
 def _synchronizer(training_mode: str | TrainingMode | Synchronizer | None,

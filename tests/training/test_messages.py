@@ -27,8 +27,8 @@ from paraloom.training.messages import (
     Stop,
 )
 from paraloom.training.optim import OptimizerSpec
-from paraloom.training.transport import pack as _pack
 from paraloom.training.runner import ReplicaRunner, WorkerSpec, pickle_spec
+from paraloom.training.transport import pack as _pack
 from paraloom.training.worker import WorkerConfig, worker_main
 
 

@@ -113,3 +113,25 @@ def with_threshold(options: dict[str, Any]) -> dict[str, Any]:
     name, density, *keywords = spec
     return {**options,
             "threshold_algorithm": getattr(thresholds, name)(density, **dict(*keywords))}
+
+
+_CLUMP_S = 1e-3
+"""Listener calls closer than this are of rounds whose replies came in one message."""
+
+
+def steady_rate(times: list[float], rows_per_round: int, skip: int = 2) -> float:
+    """Rows/s from the listener's timestamps of round completions, past the first ``skip``.
+
+    Rounds that travelled in one message (``training.pacing``) are answered together, so their
+    listener calls come together, at the arrival of the last of them: the count starts after
+    the group that holds the first timestamp kept, so no round is counted in a span it did
+    not run in. Raises ``ValueError`` with fewer than two groups of timestamps.
+    """
+    kept = times[skip:]
+    first = 0
+    while first + 1 < len(kept) and kept[first + 1] - kept[first] < _CLUMP_S:
+        first += 1
+    if first >= len(kept) - 1:
+        raise ValueError(f"{len(times)} round timestamps in fewer than two groups: time more "
+                         "rounds (--samples, --epochs)")
+    return (len(kept) - 1 - first) * rows_per_round / (kept[-1] - kept[first])

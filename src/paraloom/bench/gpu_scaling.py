@@ -21,7 +21,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.common import Machine, bar_plot, machine, plain_epoch, write_results
+from paraloom.bench.common import (
+    Machine,
+    bar_plot,
+    machine,
+    plain_epoch,
+    steady_rate,
+    write_results,
+)
 from paraloom.bench.ddp import join_group, run_ranks
 
 if TYPE_CHECKING:
@@ -106,7 +113,7 @@ def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: st
         wrapper.fit(loader, epochs=1)  # starts the workers; warm-up
         times.clear()
         wrapper.fit(loader, epochs=args.epochs)
-    return (len(times) - 1) * batch_size * gpus / (times[-1] - times[0])
+    return steady_rate(times, batch_size * gpus, skip=0)
 
 
 def _ddp_rank(rank: int, world: int, port: int, args: argparse.Namespace, data: TensorDataset,

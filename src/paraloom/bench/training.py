@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,22 +23,28 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from paraloom.bench.common import (
-    Machine,
     machine,
     plain_args,
     plain_epoch,
-    pyplot,
-    save_figure,
+    steady_rate,
     with_threshold,
     write_results,
 )
 from paraloom.bench.ddp import join_group, run_ranks
 from paraloom.bench.models import WORKLOADS, Workload, mlp_of_width, workload
+from paraloom.bench.training_report import (
+    WHOLE_FIT_REPEATS,
+    FixedCost,
+    Measured,
+    ModelResults,
+    ModeResult,
+    TrainingResults,
+    plot_ratios,
+    print_model,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
-
-    from typing_extensions import NotRequired
 
     from paraloom.training.wrapper import FitStats
 
@@ -60,77 +66,8 @@ def _width_rounds(width: int) -> int:
 
 
 _WHOLE_FIT_ROUNDS = 30
-_WHOLE_FIT_REPEATS = 3
-"""Whole fit() calls timed per mode; the median is reported (one call's rate moves by ~4%)."""
 _STEADY_ROUNDS = 48
 """Rounds at least in the steady-state fit(): a round of timing error is then 2%, not 7%."""
-
-
-class FixedCost(TypedDict):
-    """paraloom's own cost per round of a mode, beside the round's length (seconds)."""
-
-    round: float
-    """The steady round: the time between two rounds' completions."""
-    parent_cpu: float
-    """CPU time of the parent process per round (dealing, messages, listeners)."""
-    worker_outside: float
-    """Per worker, the mean time per round outside taking its batch, forward, backward, the
-    optimizer and the synchronizer's hooks: taking the round's message, replying."""
-    worker_data: float
-    """Per worker, taking the round's batch (gathering shuffled rows; DDP's loop does too)."""
-    worker_hooks: float
-    """Per worker, the synchronizer's hooks (the mode's own work, not a fixed cost)."""
-    share: float
-    """(parent_cpu + worker_outside) / round."""
-
-
-class ModeResult(TypedDict):
-    """One ParallelWrapper mode on one model."""
-
-    samples_per_s: float
-    fit_samples_per_s: float
-    whole_fit_30_samples_per_s: float
-    sync_seconds_per_step: dict[str, float]
-    step_seconds: float
-    bytes_per_step_per_worker: float
-    fixed_cost: FixedCost
-    compile_seconds: float
-    """With ``--compile``: the longest a replica took to compile (in the warm-up fit)."""
-
-
-class _Measured(TypedDict):
-    parameters: int
-    rows_per_epoch: int
-    batch_size_per_worker: int
-    threads_per_worker: int
-    samples_per_s: dict[str, float]
-    """Contender -> steady samples/s."""
-    bytes_per_step_per_worker: dict[str, float]
-    whole_fit_30_samples_per_s: dict[str, float]
-    skipped: NotRequired[dict[str, str]]
-    """Mode -> why it could not run."""
-    compile_seconds: NotRequired[dict[str, float]]
-    """With ``--compile``: mode -> the replicas' compile time, apart from the rates."""
-    sync_seconds_per_step: NotRequired[dict[str, dict[str, float]]]
-    """Mode -> the step's seconds and those of each synchronization phase."""
-    fixed_cost: NotRequired[dict[str, FixedCost]]
-    """Mode -> paraloom's fixed cost per round."""
-
-
-class ModelResults(_Measured):
-    """Every contender on one model, with the ratios between them."""
-
-    ratio_to_linear: dict[str, float]
-    ratio_to_ddp: dict[str, float]
-    whole_fit_30_to_steady: dict[str, float]
-
-
-class TrainingResults(TypedDict):
-    """The JSON that ``run`` writes."""
-
-    machine: Machine
-    config: dict[str, object]
-    models: dict[str, ModelResults]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training rows per epoch (default: "
                         + ", ".join(f"{m} {r} rounds" for m, r in _ROUNDS.items()) + ")")
     p.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure the modes (each between two DDP runs) this many times; each "
+                        "ratio to DDP is the median of its runs")
     p.add_argument("--modes", default="averaging,allreduce,shared_gradients",
                    help="ParallelWrapper modes to measure, comma-separated; a suffix "
                         "+blocking or +sampled (shared_gradients+blocking) sets options, see "
@@ -323,11 +263,10 @@ def _wrapper(args: argparse.Namespace, data: TensorDataset, mode: str) -> ModeRe
         stats = wrapper.fit(loader, epochs=max(args.epochs, -(-_STEADY_ROUNDS // rounds)))
         # From the third round on: a listener runs when the parent takes the replies, which
         # the first rounds' dealing can hold back by a round (seen as two rounds in one gap).
-        times = clock.times[2:]
-        steady = (len(times) - 1) * rows_per_round / (times[-1] - times[0])
+        steady = steady_rate(clock.times, rows_per_round)
         rounds_per_epoch = -(-len(short) // args.workers)
         wholes = []
-        for _ in range(_WHOLE_FIT_REPEATS):
+        for _ in range(WHOLE_FIT_REPEATS):
             clock.times.clear()
             start = time.perf_counter()  # a whole call: the model if changed, rounds, final sync
             wrapper.fit(short, epochs=-(-_WHOLE_FIT_ROUNDS // rounds_per_epoch))
@@ -356,33 +295,53 @@ def _fixed_cost(stats: FitStats, round_s: float) -> FixedCost:
 
 
 def _measure(args: argparse.Namespace) -> ModelResults:
-    """Every contender on one model (``args.model``)."""
+    """Every contender on one model (``args.model``). DDP runs before and after each mode,
+    whose ratio is over the mean of the two (the machine's speed drifts by 10-20% over
+    minutes: both sides of a ratio then see the same); with ``--repeat R`` all of it R times,
+    each ratio the median of its R."""
     cores = machine()["cores"] or 1
     threads = max(1, cores // args.workers)
     data = _data(args)
     parameters = sum(p.numel() for p in _model(args).parameters())
     sps: dict[str, float] = {}
-    results: _Measured = {"parameters": parameters, "rows_per_epoch": len(data),
+    results: Measured = {"parameters": parameters, "rows_per_epoch": len(data),
                           "batch_size_per_worker": args.batch_size,
                           "threads_per_worker": threads, "samples_per_s": sps,
                           "bytes_per_step_per_worker": {}, "whole_fit_30_samples_per_s": {}}
     sps["single_1_thread"] = _single(args, data, 1)
     sps[f"single_{cores}_threads"] = _single(args, data, cores)
-    sps["ddp"] = _ddp(args, data, threads)
     results["bytes_per_step_per_worker"]["ddp"] = \
         2 * (args.workers - 1) / args.workers * 4 * parameters
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        _measure_mode(args, data, mode, results)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    runs: dict[str, list[float]] = {"ddp": []}
+    ratios: dict[str, list[float]] = {"ddp": []}
+    for _ in range(max(1, getattr(args, "repeat", 1))):
+        before = _ddp(args, data, threads)
+        runs["ddp"].append(before)
+        ratios["ddp"].append(1.0)
+        for mode in modes:
+            _measure_mode(args, data, mode, results)
+            after = _ddp(args, data, threads)  # DDP brackets each mode: drift moves both
+            runs["ddp"].append(after)
+            ratios["ddp"].append(1.0)
+            name = f"paraloom_{mode}"
+            if name in sps:
+                runs.setdefault(name, []).append(sps[name])
+                ratios.setdefault(name, []).append(sps[name] / ((before + after) / 2))
+            before = after
+    sps.update({k: statistics.median(rates) for k, rates in runs.items()})
     linear = args.workers * sps["single_1_thread"]
+    ratio_to_ddp = {k: v / sps["ddp"] for k, v in sps.items()}
+    ratio_to_ddp.update({k: statistics.median(r) for k, r in ratios.items()})
     return {**results,
             "ratio_to_linear": {k: v / linear for k, v in sps.items()},
-            "ratio_to_ddp": {k: v / sps["ddp"] for k, v in sps.items()},
+            "ratio_to_ddp": ratio_to_ddp, "ratio_to_ddp_runs": ratios,
             "whole_fit_30_to_steady": {
                 k: v / sps[k] for k, v in results["whole_fit_30_samples_per_s"].items()}}
 
 
 def _measure_mode(args: argparse.Namespace, data: TensorDataset, mode: str,
-                  results: _Measured) -> None:
+                  results: Measured) -> None:
     """Add one ``--modes`` entry's numbers to ``results`` (or why it was skipped)."""
     try:
         r = _wrapper(args, data, mode)
@@ -435,58 +394,12 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.width, args.batch_size = name, width, batch_size or _BATCH[name]
         key = _workload(args).name
         results["models"][key] = _measure(args)
-        _print(key, results["models"][key])
+        print_model(key, results["models"][key])
         write_results(args.out, results)  # after each model: a long run keeps what it measured
     path = write_results(args.out, results)
-    _plot(results, Path(args.out).with_suffix(".png"))
+    plot_ratios(results, Path(args.out).with_suffix(".png"))
     print(f"results written to {path}")
     return 0
-
-
-def _print(name: str, results: ModelResults) -> None:
-    print(f"\n{name}: {results['parameters'] / 1e6:.2f}M parameters")
-    print(f"{'contender':<28}{'samples/s':>12}{'/linear':>10}{'/DDP':>8}{'fit(30)':>9}"
-          f"{'bytes/step':>14}")
-    for k, v in results["samples_per_s"].items():
-        b = results["bytes_per_step_per_worker"].get(k)
-        whole = results["whole_fit_30_to_steady"].get(k)
-        print(f"{k:<28}{v:>12.1f}{results['ratio_to_linear'][k]:>10.2f}"
-              f"{results['ratio_to_ddp'][k]:>8.2f}{'' if whole is None else f'{whole:>9.2f}':>9}"
-              f"{'' if b is None else f'{b:>14.0f}'}")
-    for k, cost in results.get("fixed_cost", {}).items():
-        print(f"{k}: fixed cost per {cost['round'] * 1e3:.1f} ms round: parent "
-              f"{cost['parent_cpu'] * 1e3:.2f} ms CPU + worker {cost['worker_outside'] * 1e3:.2f} "
-              f"ms (messages) = {cost['share']:.1%}; the worker's batch "
-              f"{cost['worker_data'] * 1e3:.2f} ms, hooks {cost['worker_hooks'] * 1e3:.2f} ms")
-    for k, phases in results.get("sync_seconds_per_step", {}).items():
-        print(f"{k}: a step takes {phases['step'] * 1e3:.1f} ms, of which " + ", ".join(
-            f"{phase} {s * 1e3:.1f} ms" for phase, s in phases.items() if phase != "step"))
-    for k, seconds in results.get("compile_seconds", {}).items():
-        print(f"{k}: torch.compile took {seconds:.1f} s (in the warm-up, not in the rates)")
-    for mode, why in results.get("skipped", {}).items():
-        print(f"skipped {mode}: {why}")
-    print(f"fit(30): samples/s of a whole 30-round fit() on the warm pool (median of "
-          f"{_WHOLE_FIT_REPEATS}) / the steady rate")
-
-
-def _plot(results: TrainingResults, path: Path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    models = list(results["models"])
-    contenders = [k for k in results["models"][models[0]]["ratio_to_ddp"] if k != "ddp"]
-    fig, ax = plt.subplots(figsize=(2.2 * len(models) + 3, 4))
-    width = 0.8 / max(1, len(contenders))
-    for i, contender in enumerate(contenders):
-        ax.bar([m + i * width for m in range(len(models))],
-               [results["models"][name]["ratio_to_ddp"].get(contender, 0.0) for name in models],
-               width, label=contender)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([m + width * (len(contenders) - 1) / 2 for m in range(len(models))],
-                  [f"{n}\n{results['models'][n]['parameters'] / 1e6:.1f}M" for n in models])
-    ax.set_ylabel("steady samples/s / PyTorch DDP's")
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
 
 
 if __name__ == "__main__":

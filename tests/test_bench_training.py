@@ -1,0 +1,38 @@
+"""``paraloom bench training`` end to end on a tiny MLP: the sweep's flags, paired repeats,
+the fixed cost per round, accumulation and compile in every contender."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paraloom.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_a_width_with_repeats_reports_bracketed_ratios_and_the_fixed_cost(tmp_path, capsys):
+    out = tmp_path / "training.json"
+    assert main(["bench", "training", "--model", "mlp", "--width", "16", "--samples", "512",
+                 "--epochs", "1", "--modes", "allreduce", "--repeat", "2", "--accumulate", "2",
+                 "--compile", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mlp16: " in printed and "fixed cost per" in printed and "torch.compile took" in printed
+    result = json.loads(out.read_text())["models"]["mlp16"]
+    runs = result["ratio_to_ddp_runs"]
+    assert runs["ddp"] == [1.0] * 4  # DDP before and after the mode, twice
+    assert len(runs["paraloom_allreduce"]) == 2 and all(r > 0 for r in runs["paraloom_allreduce"])
+    assert result["ratio_to_ddp"]["paraloom_allreduce"] == pytest.approx(
+        sum(runs["paraloom_allreduce"]) / 2)  # the median of two
+    cost = result["fixed_cost"]["paraloom_allreduce"]
+    assert 0 < cost["parent_cpu"] < cost["round"] and 0 <= cost["share"] < 1
+    assert result["compile_seconds"]["paraloom_allreduce"] > 0
+    assert result["parameters"] == 784 * 16 + 16 + 2 * (16 * 16 + 16) + 16 * 10 + 10
+
+
+def test_a_width_applies_to_the_mlp_only(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "training", "--model", "lenet", "--width", "64"])
+    assert exited.value.code == 2
+    assert "--width 64 applies to --model mlp only" in capsys.readouterr().err

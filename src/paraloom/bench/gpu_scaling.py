@@ -30,6 +30,7 @@ from paraloom.bench.common import (
     write_results,
 )
 from paraloom.bench.ddp import join_group, run_ranks
+from paraloom.bench.models import bench_sgd, workload_for
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -119,13 +120,13 @@ def _paraloom(args: argparse.Namespace, data: TensorDataset, gpus: int, mode: st
 def _ddp_rank(rank: int, world: int, port: int, args: argparse.Namespace, data: TensorDataset,
               out: Queue[float]) -> None:
     """One DDP rank on ``cuda:rank`` (NCCL), timed over ``args.epochs`` after a warm-up."""
-    from paraloom.bench.training import _loss, _model, _sgd
-
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     join_group(rank, world, port, threads=1, backend="nccl")
-    model = nn.parallel.DistributedDataParallel(_model(args).to(device), device_ids=[rank])
-    opt, loss_fn = _sgd(model.parameters()), _loss(args)
+    work = workload_for(args.model, getattr(args, "width", None))
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(work.build().to(device), device_ids=[rank])
+    opt, loss_fn = bench_sgd(model.parameters()), work.loss()
     x, y = data.tensors
     bs = args.batch_size
     steps = len(x) // (bs * world)

@@ -8,7 +8,7 @@ is random (speed does not depend on it); labels are drawn from the model's outpu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -158,3 +158,14 @@ def workload(name: str) -> Workload:
     if name not in WORKLOADS:
         raise ValueError(f"model={name!r}; expected one of {sorted(WORKLOADS)}")
     return WORKLOADS[name]
+
+
+def workload_for(model: str, width: int | None = None) -> Workload:
+    """``--model`` and ``--width`` of ``bench training``: the named workload, or the
+    784-W-W-W-10 MLP."""
+    return workload(model) if width is None else mlp_of_width(width)
+
+
+def bench_sgd(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """Every contender's optimizer in ``bench training``: SGD, lr 0.01, momentum 0.9."""
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)

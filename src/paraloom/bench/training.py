@@ -31,7 +31,7 @@ from paraloom.bench.common import (
     write_results,
 )
 from paraloom.bench.ddp import join_group, run_ranks
-from paraloom.bench.models import WORKLOADS, Workload, mlp_of_width, workload
+from paraloom.bench.models import WORKLOADS, Workload, bench_sgd, mlp_of_width, workload
 from paraloom.bench.training_report import (
     WHOLE_FIT_REPEATS,
     FixedCost,
@@ -129,7 +129,7 @@ def _loss(args: argparse.Namespace) -> nn.Module:
 
 
 def _sgd(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    return bench_sgd(params)
 
 
 def _single(args: argparse.Namespace, data: TensorDataset, threads: int) -> float:

@@ -36,3 +36,14 @@ def test_a_width_applies_to_the_mlp_only(capsys):
         main(["bench", "training", "--model", "lenet", "--width", "64"])
     assert exited.value.code == 2
     assert "--width 64 applies to --model mlp only" in capsys.readouterr().err
+
+
+def test_the_steady_rate_counts_rounds_answered_together_once():
+    from paraloom.bench.common import steady_rate
+
+    # Rounds 0-1 alone, then groups of 4 answered together every 0.4 s (0.1 s a round): the
+    # first group kept ends at 1.0, and 8 rounds ran in the 0.8 s after it.
+    times = [0.1, 0.2] + [1.0] * 4 + [1.4] * 4 + [1.8] * 4
+    assert steady_rate(times, rows_per_round=10, skip=2) == pytest.approx(8 * 10 / 0.8)
+    with pytest.raises(ValueError, match="fewer than two groups"):
+        steady_rate([0.1, 0.2, 1.0, 1.0], rows_per_round=10)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+from paraloom.sync.base import StepContext, Synchronizer, is_distributed, zero_loss
 from paraloom.sync.collectives import broadcast_tensors_
 from paraloom.sync.comm_hooks import PowerSGD, cast_hook, resolve_comm_hook
 from paraloom.sync.ddp_errors import explain_ddp_error
@@ -55,7 +55,7 @@ class _Joinable(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.idle:
             # Touches every trainable parameter, so DDP sees each one's (zero) gradient.
-            return sum(p.sum() for p in self.module.parameters() if p.requires_grad) * 0.0
+            return zero_loss(self.module)
         if self.step is not None:
             return self.step(self.module)
         return self.module(*args, **kwargs)

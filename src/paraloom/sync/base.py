@@ -206,6 +206,14 @@ class NoSync(Synchronizer):
         self.sync_steps += 1
 
 
+def zero_loss(model: nn.Module) -> torch.Tensor:
+    """0 times the sum of every trainable parameter: a backward through it gives each one a
+    zero gradient, so a replica without a batch takes part in collectives that run in
+    backward (DDP's bucket all-reduces)."""
+    return sum((p.sum() for p in model.parameters() if p.requires_grad),
+               torch.zeros((), device=next(model.parameters()).device)) * 0.0
+
+
 def is_distributed(ctx: StepContext) -> bool:
     """True when the replica has peers to talk to."""
     return ctx.world_size > 1 and dist.is_available() and dist.is_initialized()

@@ -18,7 +18,7 @@ from paraloom.clipping import GradientClipping
 from paraloom.data import cpu_copy, describe, iter_tensors, map_tensors, split_batch, to_device
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.precision import Precision, resolve_precision
-from paraloom.sync.base import StepContext, Synchronizer
+from paraloom.sync.base import StepContext, Synchronizer, zero_loss
 from paraloom.training.messages import ModelState, ReplicaState
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.timing import RoundTiming
@@ -346,11 +346,8 @@ class Replica:
     def _zero_loss(self) -> torch.Tensor:
         """A loss of 0 over every trainable parameter, run as the model's forward (so that a
         synchronizer that all-reduces in backward, DDP, takes part with what accumulated)."""
-        def zero(model: nn.Module, _: Any) -> torch.Tensor:
-            return sum((p.sum() for p in model.parameters() if p.requires_grad),
-                       torch.zeros((), device=self.device)) * 0.0
-
-        loss: torch.Tensor = self.sync.run_step_fn(zero, self._module, None, self.ctx)
+        loss: torch.Tensor = self.sync.run_step_fn(lambda model, _: zero_loss(model),
+                                                   self._module, None, self.ctx)
         return loss.float()
 
     def _step_scheduler(self) -> None:

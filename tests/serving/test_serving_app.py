@@ -38,7 +38,8 @@ URL = "/v2/models/lenet/infer"
 def test_server_metadata_names_the_extensions(client: Client) -> None:
     body = client.get("/v2").json()
     assert body["name"] == "paraloom"
-    assert body["extensions"] == ["binary_tensor_data", "model_repository"]
+    assert body["extensions"] == ["binary_tensor_data", "model_repository",
+                                  "system_shared_memory"]
 
 
 def test_health_endpoints_are_200_while_serving(client: Client) -> None:

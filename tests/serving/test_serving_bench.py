@@ -87,3 +87,30 @@ def test_the_h2c_caller_counts_grpc_errors_and_large_messages() -> None:
         result = run_load(Target(server.host, port, big, method=_INFER), concurrency=2,
                           duration=0.5, warmup=0.0, processes=1)
         assert result["errors"] == 0 and result["requests"] > 0
+
+
+def test_the_feature_rows_check_every_answer_and_compare_like_with_like() -> None:
+    import asyncio
+
+    from paraloom.bench.serving_features import _check, _grpc_body, _ratios, _stream, _unary
+
+    torch.manual_seed(0)
+    model = LeNet(image_size=8).eval()
+    xs = torch.rand(8, 1, 1, 8, 8)
+    with torch.no_grad():
+        expected = torch.stack([model(x)[0] for x in xs])
+    bodies = [_grpc_body("lenet", xs[i % 8], request_id=str(i)) for i in range(60)]
+    app = create_app(model, name="lenet", workers=2)
+    with ServerThread(app, grpc_port=0, grpc_backend="grpcio") as server:
+        port = int(server.grpc_url.rsplit(":", 1)[1])
+        _, streamed = asyncio.run(_stream(port, bodies))
+        _, unary = asyncio.run(_unary(port, bodies, concurrency=8))
+    assert len(streamed) == len(unary) == 60
+    assert _check(streamed, expected, streamed=True) and _check(unary, expected, streamed=False)
+    assert not _check(streamed[1:], expected, streamed=True)  # an id never answered
+    assert not _check(unary, expected.flip(0), streamed=False)  # rows of other requests
+    shm = {"http inline (binary) @1": 100.0, "http shared memory @1": 250.0,
+           "grpc inline (raw) @1": 50.0, "grpc shared memory @1": 200.0}
+    assert _ratios(shm, {"grpc unary": 100.0, "grpc stream": 95.0}, [1]) == {
+        "http shared memory / inline @1": 2.5, "grpc shared memory / inline @1": 4.0,
+        "grpc stream / unary": 0.95}

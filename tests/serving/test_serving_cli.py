@@ -354,3 +354,29 @@ def test_processes_share_the_ports_refuse_api_loads_and_reload_together(tmp_path
     finally:
         assert proc.stop() == 0
     proc.wait_for("Application shutdown complete")
+
+
+def test_allow_handlers_is_for_a_models_directory_and_reaches_it(tmp_path: Path) -> None:
+    saved(tmp_path / "m.safetensors", 0)
+    with pytest.raises(ValueError, match="--allow-handlers applies to a models directory"):
+        cli._build_app(parse(str(tmp_path / "m.safetensors"), "--allow-handlers"))
+    folder = tmp_path / "repo" / "texts" / "2"
+    folder.mkdir(parents=True)
+    saved(folder / "model.safetensors", 0)
+    (folder.parent / "handler.py").write_text(  # the model's folder: every version uses it
+        'INPUTS = [{"name": "input", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]\n'
+        'OUTPUTS = [{"name": "y", "datatype": "FP32", "shape": [-1, 10]}]\n'
+        'def postprocess(out):\n    return {"y": out.numpy()}\n')
+    for allow, state in ((False, "UNAVAILABLE"), (True, "READY")):
+        argv = ["--models-dir", str(tmp_path / "repo"), "--workers", "1"]
+        app, _ = cli._build_app(parse(*argv, *(["--allow-handlers"] if allow else [])))
+        try:
+            (row,) = app.state.repository.index()
+            assert (row["name"], row["state"]) == ("texts", state)
+            if allow:
+                served = app.state.repository.get("texts")
+                assert served.version == "2" and served.handler is not None
+                assert [s.name for s in served.signature.outputs] == ["y"]
+        finally:
+            for served in app.state.repository.every():
+                served.pool.close(drain=False)

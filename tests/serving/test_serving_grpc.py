@@ -331,7 +331,10 @@ def test_the_messages_are_wire_compatible_with_tritonclient() -> None:
     assert SERVICE == theirs.full_name
     for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata",
                    "ModelMetadata", "ModelInfer", "RepositoryIndex", "RepositoryModelLoad",
-                   "RepositoryModelUnload"):
+                   "RepositoryModelUnload", "ModelStreamInfer", "SystemSharedMemoryStatus",
+                   "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+                   "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
+                   "CudaSharedMemoryUnregister"):
         ours = method_types(method)
         for mine, other in zip(ours, (theirs.methods_by_name[method].input_type,
                                       theirs.methods_by_name[method].output_type), strict=True):
@@ -345,6 +348,18 @@ _DATATYPES = ["FP32", "FP64", "FP16", "BF16", "INT8", "INT32", "INT64", "UINT8",
               "BOOL", "BYTES", "fp32", ""]
 _CONTENTS = ["bool_contents", "int_contents", "int64_contents", "uint_contents",
              "uint64_contents", "fp32_contents", "fp64_contents", "bytes_contents"]
+
+
+def _fuzz_region(draw: st.DrawFn, parameters: object) -> None:
+    """Shared memory parameters, right or wrong: the region is registered by ``stub``'s
+    server only in the stream test; every other name is unknown."""
+    for key in draw(st.lists(st.sampled_from(["shared_memory_region", "shared_memory_byte_size",
+                                              "shared_memory_offset"]), max_size=3)):
+        param = parameters[key]  # type: ignore[index]
+        if key == "shared_memory_region":
+            param.string_param = draw(st.sampled_from(["fuzz", "none", ""]))
+        else:
+            param.int64_param = draw(st.sampled_from([0, 4, 256, 1 << 40, -1]))
 
 
 @st.composite
@@ -366,8 +381,12 @@ def _fuzzed_requests(draw: st.DrawFn) -> pb.ModelInferRequest:
                       "fp32_contents": [0.5] * 64, "fp64_contents": [1e300] * 64}.get(
                 field, [draw(st.sampled_from([0, 1, 127, 255, 70000]))] * 64)
             getattr(tensor.contents, field).extend(values)
+        if draw(st.integers(0, 3)) == 0:
+            _fuzz_region(draw, tensor.parameters)
     if draw(st.booleans()):
-        request.outputs.add(name=draw(st.sampled_from(["output", "logits"])))
+        output = request.outputs.add(name=draw(st.sampled_from(["output", "logits"])))
+        if draw(st.booleans()):
+            _fuzz_region(draw, output.parameters)
     if draw(st.booleans()) and request.raw_input_contents:
         request.raw_input_contents.append(b"\0")
     return request
@@ -389,6 +408,38 @@ def test_fuzzed_requests_are_answered_or_refused_never_internal(
         assert response.model_name == "lenet" and len(response.outputs) == 1
         typed = response.outputs[0].contents.fp32_contents
         assert len(response.raw_output_contents) + bool(typed) == 1  # raw or typed, not both
+
+
+@pytest.fixture()
+def fuzz_region(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> Iterator[None]:
+    """A registered 512-byte region named "fuzz" (tritonclient's helpers make the segment)."""
+    import tritonclient.utils.shared_memory as tshm
+
+    key = f"/pl_fuzz_{id(stub)}"
+    region = tshm.create_shared_memory_region("fuzz", key, 512)
+    stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+        name="fuzz", key=key, byte_size=512), timeout=WAIT_S)
+    yield
+    stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(), timeout=WAIT_S)
+    tshm.destroy_shared_memory_region(region)
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(_fuzzed_requests(), min_size=1, max_size=12))
+def test_fuzzed_streams_answer_every_request_and_end_ok(
+        stub: service_pb2_grpc.GRPCInferenceServiceStub, fuzz_region: None,
+        requests: list[pb.ModelInferRequest]) -> None:
+    for i, request in enumerate(requests):
+        request.id = str(i)
+    answers = list(stub.ModelStreamInfer(iter(requests), timeout=WAIT_S))
+    assert sorted(int(a.infer_response.id) for a in answers) == list(range(len(requests)))
+    for answer in answers:
+        if answer.error_message:
+            assert answer.error_message.startswith(f"request '{answer.infer_response.id}': ")
+            assert "INTERNAL" not in answer.error_message, answer.error_message
+        else:
+            assert len(answer.infer_response.outputs) == 1
 
 
 def test_unload_lets_the_request_in_flight_finish_on_the_model(backend: str) -> None:

@@ -6,7 +6,9 @@ batch limit, and the same requests (one row, 784 FP32 values) from the same clos
 under a cache folder, so its pins never touch this environment) serves the model with a custom
 runtime and adaptive batching; LitServe with its batching. Servers and concurrency levels are
 measured in interleaved rounds; the report gives medians over rounds, ratios against MLServer
-and LitServe, and the server's CPU use. Writes JSON and a PNG plot.
+and LitServe, and the server's CPU use. Writes JSON and a PNG plot. Then (``--features``, on by
+default; ``--only-features`` runs nothing else) shared memory against inline requests and a gRPC
+stream against unary calls: ``paraloom.bench.serving_features``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from paraloom.bench.load import Target, run_load
 from paraloom.bench.serving_contenders import CONTENDERS, Measure
+from paraloom.bench.serving_features import run_features
 from paraloom.bench.serving_report import ratios, summarize, write_report
 
 __all__ = ["add_arguments", "main", "run"]
@@ -60,6 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where MLServer's venv is created (~/.cache/paraloom/bench)")
     parser.add_argument("--output", default="benchmarks/results/serving.json",
                         help="where to write the results (benchmarks/results/serving.json)")
+    features = parser.add_argument_group("features: shared memory and streaming")
+    features.add_argument("--features", action=argparse.BooleanOptionalAction, default=True,
+                          help="also measure shared memory against inline 1 MiB requests and a "
+                          "gRPC stream against unary calls (default: on)")
+    features.add_argument("--only-features", action="store_true",
+                          help="measure only the features (no MLServer, no LitServe)")
+    features.add_argument("--feature-concurrency", default="1,8",
+                          help="client concurrency levels of the shared memory rows (1,8)")
+    features.add_argument("--stream-requests", type=int, default=1000,
+                          help="requests on the stream, and unary calls to compare (1000)")
+    features.add_argument("--stream-concurrency", type=int, default=64,
+                          help="unary calls in flight against the stream (64)")
 
 
 def _check_servers(servers: list[str]) -> bool:
@@ -119,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     from paraloom.checkpoint import save
     from paraloom.models import LeNet
 
+    if args.only_features:
+        return _features_only(args)
     levels = [int(c) for c in args.concurrency.split(",")]
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not _check_servers(servers):
@@ -138,11 +155,24 @@ def run(args: argparse.Namespace) -> int:
             return CONTENDERS[server](path, x, expected, args, levels, measure)
 
         rounds = [_round(i, args.rounds, servers, contend, results) for i in range(args.rounds)]
+        if args.features:
+            results["features"] = run_features(args, Path(tmp))
     results["rounds"] = rounds
     results["medians"] = summarize(rounds)
     results["ratios"] = ratios(results["medians"], levels)
     results["load_average_after"] = list(os.getloadavg())
     write_report(args, results)
+    return 0
+
+
+def _features_only(args: argparse.Namespace) -> int:
+    from paraloom.bench.common import machine, write_results
+
+    with tempfile.TemporaryDirectory() as tmp:
+        features = run_features(args, Path(tmp))
+    path = write_results(args.output, {"benchmark": "serving features", "machine": machine(),
+                                       "workers": args.workers, "features": features})
+    print(f"wrote {path}")
     return 0
 
 

@@ -19,6 +19,7 @@ from paraloom.serving.repository.files import ModelFiles
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.routes import EXCEPTION_HANDLERS, ROUTES
 from paraloom.serving.served import PoolOptions, ServedModel, build_pool
+from paraloom.serving.shared_memory import SharedMemoryRegistry
 from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class AppOptions(PoolOptions, total=False):
     model_file: str | None
     model_dir: str | None
     retry_after: int
+    shared_memory: bool
 
 
 def repository_of(app: Starlette) -> ModelRepository | None:
@@ -84,7 +86,7 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
                outputs: Sequence[TensorSpec] | None = None,
                max_body_bytes: int = 16 << 20, model_file: str | None = None,
                model_dir: str | None = None, retry_after: int = 1,
-               **pool_options: Unpack[PoolOptions]) -> Starlette:
+               shared_memory: bool = True, **pool_options: Unpack[PoolOptions]) -> Starlette:
     """An ASGI app serving a model (or an existing ParallelInference) under the v2 protocol.
 
     Given a model, the app builds ``ParallelInference(model, **pool_options)`` and closes it,
@@ -92,6 +94,9 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
     module it serves, to describe it and to load new weights). The signature comes from
     ``inputs``/``outputs``, a ``sample`` input, or the model's first layer. Remote loads may read
     only ``model_file`` or ``.safetensors`` files in ``model_dir`` (see ``ModelFiles``).
+    ``shared_memory`` serves Triton's system shared memory extension (see
+    ``paraloom.serving.shared_memory``): clients on this host may then name segments of its
+    shared memory, to be read and written; turn it off on a server other hosts can reach.
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes={max_body_bytes}; expected a positive byte count")
@@ -122,22 +127,27 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
 
     repository = ModelRepository()
     repository.add(served, rebuild)
-    app = _app(repository, max_body_bytes)
+    app = _app(repository, max_body_bytes, shared_memory)
     app.state.served = served
     return app
 
 
 def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 << 20,
-                          retry_after: int = 1, **pool_defaults: Unpack[PoolOptions]
+                          retry_after: int = 1, allow_handlers: bool = False,
+                          shared_memory: bool = True, **pool_defaults: Unpack[PoolOptions]
                           ) -> Starlette:
     """An ASGI app serving every model in ``models_dir`` (see ``paraloom.serving.repository``).
 
     Each model gets its own ``ParallelInference``, built with ``pool_defaults`` overridden by
     the model's config. Models that fail to load are listed as UNAVAILABLE with the reason.
+    ``allow_handlers`` imports and runs a model folder's ``handler.py`` (code from the
+    repository: off by default; such a model is then UNAVAILABLE, saying how to allow it).
+    ``shared_memory``: as for ``create_app``.
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes={max_body_bytes}; expected a positive byte count")
-    source = ModelsDir(models_dir, pool_defaults=pool_defaults, retry_after=retry_after)
+    source = ModelsDir(models_dir, pool_defaults=pool_defaults, retry_after=retry_after,
+                       allow_handlers=allow_handlers)
     repository = ModelRepository(source)
     try:
         for name, found in source.scan().items():
@@ -151,21 +161,25 @@ def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 <<
         for served in repository.every():
             served.pool.close(drain=False)
         raise
-    app = _app(repository, max_body_bytes)
+    app = _app(repository, max_body_bytes, shared_memory)
     app.state.served = None
     return app
 
 
-def _app(repository: ModelRepository, max_body_bytes: int) -> Starlette:
+def _app(repository: ModelRepository, max_body_bytes: int, shared_memory: bool) -> Starlette:
     app_metrics = ServingMetrics()
     app_metrics.watch(repository.pools, repository.versions)
+    regions = SharedMemoryRegistry() if shared_memory else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await repository.close()
+        if regions is not None:
+            regions.close()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.repository, app.state.metrics = repository, app_metrics
     app.state.max_body_bytes = max_body_bytes
+    app.state.regions = regions
     return app

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import ipaddress
 import logging
 import math
 import signal
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from paraloom.serving.served import PoolOptions
     from paraloom.serving.signature import TensorSpec
 
-__all__ = ["add_arguments", "build_model", "main", "run"]
+__all__ = ["add_arguments", "build_model", "main", "run", "shared_memory_on"]
 
 _log = logging.getLogger("paraloom.serving")
 
@@ -100,6 +101,14 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                       help="server processes sharing the ports, each with its own pools of "
                       "--workers replicas (default 1); more than 1 takes the HTTP and JSON "
                       "work off one event loop, but loads go by SIGHUP only")
+    http.add_argument("--shared-memory", choices=("auto", "on", "off"), default="auto",
+                      help="Triton's system shared memory extension: clients on this host pass "
+                      "tensors through POSIX shared memory regions they register (default "
+                      "auto: on when --host is a loopback address and --processes is 1)")
+    http.add_argument("--allow-handlers", action="store_true",
+                      help="with --models-dir: import and run each model folder's handler.py "
+                      "(pre- and postprocessing, strings in and out); it is code from the "
+                      "repository, so off by default: such models are listed UNAVAILABLE")
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     http.add_argument("--access-log", action="store_true", help="log every request")
 
@@ -229,21 +238,45 @@ def _pool_options(args: argparse.Namespace) -> PoolOptions:
             "max_wait_ms": args.max_wait_ms, "threads_per_worker": args.threads_per_worker}
 
 
+def shared_memory_on(args: argparse.Namespace) -> bool:
+    """Whether --shared-memory (auto: a loopback host, one process) turns the extension on.
+
+    Regions are registered with one process, so with --processes > 1 a request could reach a
+    sibling that never saw its region: refused there."""
+    processes = getattr(args, "processes", 1)
+    if args.shared_memory == "on" and processes > 1:
+        raise ValueError("--shared-memory on needs --processes 1: each process holds its own "
+                         "registered regions, and a client's requests reach any of them")
+    if args.shared_memory == "auto":
+        try:
+            loopback = ipaddress.ip_address(args.host).is_loopback
+        except ValueError:
+            loopback = args.host == "localhost"
+        return loopback and processes == 1
+    return bool(args.shared_memory == "on")
+
+
 def _build_app(args: argparse.Namespace) -> tuple[Starlette, str | None]:
     """The app to serve and the paraloom file it serves (None: a repository or no file)."""
     from paraloom.serving.app import create_app, create_repository_app
 
     max_body = int(args.max_body_mb * (1 << 20))
+    shared_memory = shared_memory_on(args)
     if args.models_dir and not args.model and not args.factory:
         if args.input_shape or args.input_datatype or args.input_name:
             raise ValueError("--input-shape, --input-datatype and --input-name apply to one "
                              'model; with a models directory, put "inputs" in each model\'s '
                              "config.json")
         return create_repository_app(args.models_dir, max_body_bytes=max_body,
-                                     **_pool_options(args)), None
+                                     allow_handlers=args.allow_handlers,
+                                     shared_memory=shared_memory, **_pool_options(args)), None
+    if args.allow_handlers:
+        raise ValueError("--allow-handlers applies to a models directory (--models-dir DIR "
+                         "without MODEL), whose model folders hold handler.py")
     model, model_file = build_model(args)
     app = create_app(model, name=args.name, model_file=model_file, model_dir=args.models_dir,
-                     max_body_bytes=max_body, inputs=_input_specs(args), **_pool_options(args))
+                     max_body_bytes=max_body, inputs=_input_specs(args),
+                     shared_memory=shared_memory, **_pool_options(args))
     return app, model_file
 
 
@@ -256,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
         _check_graceful_timeout(args.graceful_timeout)
         if args.processes < 1:
             raise ValueError(f"--processes {args.processes}; expected 1 or more")
+        if not shared_memory_on(args):  # "auto" resolved here, once, for every process
+            args.shared_memory = "off"
         if args.processes > 1:
             from paraloom.serving.processes import run_processes
 

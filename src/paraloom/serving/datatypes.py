@@ -10,6 +10,10 @@ import numpy as np
 import torch
 
 from paraloom.serving.errors import ProtocolError, short_repr
+from paraloom.serving.strings import BYTES, is_strings, strings_to_buffer, strings_to_json
+
+Value = torch.Tensor | np.ndarray
+"""A tensor on the wire: a torch tensor, or a numpy array of ``bytes`` for a BYTES tensor."""
 
 __all__ = [
     "DATATYPES",
@@ -18,8 +22,12 @@ __all__ = [
     "lookup",
     "tensor_from_bytes",
     "tensor_from_json",
+    "tensor_in_place",
     "tensor_to_bytes",
     "tensor_to_json",
+    "value_datatype",
+    "value_to_bytes",
+    "value_to_json",
 ]
 
 
@@ -69,13 +77,11 @@ def datatype_of(dtype: torch.dtype) -> str:
 
 
 def lookup(raw: object, where: str) -> DataType:
-    """The datatype a request names; ``ProtocolError`` for BYTES or an unknown name."""
-    if raw == "BYTES":
-        raise ProtocolError(f"{where} has datatype BYTES, which paraloom does not serve: torch "
-                            f"models take numeric tensors; use one of {', '.join(DATATYPES)}")
+    """The numeric datatype a request names; ``ProtocolError`` for an unknown name (callers
+    handle BYTES, which has no tensor dtype, before they get here)."""
     if not isinstance(raw, str) or raw not in DATATYPES:
         raise ProtocolError(f"{where} has unknown datatype {short_repr(raw)}; expected one of "
-                            f"{', '.join(DATATYPES)} (case-sensitive)")
+                            f"{', '.join(DATATYPES)} or {BYTES} (case-sensitive)")
     return DATATYPES[raw]
 
 
@@ -150,9 +156,11 @@ def _kind_word(kind: str) -> str:
             "U": "string", "S": "bytes", "O": "mixed or nested"}.get(kind, f"{kind!r}-kind")
 
 
-def tensor_from_bytes(chunk: memoryview, dt: DataType, shape: tuple[int, ...]) -> torch.Tensor:
-    """A writable tensor from the binary extension's little-endian, row-major bytes."""
-    raw = bytearray(chunk)  # one copy: the request body is read-only, tensors must be writable
+def tensor_from_bytes(chunk: memoryview | bytearray, dt: DataType, shape: tuple[int, ...]
+                      ) -> torch.Tensor:
+    """A writable tensor from the binary extension's little-endian, row-major bytes (a
+    ``bytearray`` is used as it is; other buffers are copied once: tensors must be writable)."""
+    raw = chunk if isinstance(chunk, bytearray) else bytearray(chunk)
     if not raw:
         return torch.empty(shape, dtype=dt.torch_dtype)
     if dt.numpy_dtype is None or _LITTLE:
@@ -161,6 +169,14 @@ def tensor_from_bytes(chunk: memoryview, dt: DataType, shape: tuple[int, ...]) -
         flat = torch.from_numpy(np.frombuffer(raw, dtype=dt.numpy_dtype).astype(
             dt.numpy_dtype.newbyteorder("=")))
     return flat.reshape(shape)
+
+
+def tensor_in_place(data: np.ndarray, dt: DataType, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``data`` (uint8, little-endian, row-major) without a copy; on a big-endian
+    host, a converted copy."""
+    if not _LITTLE:
+        return tensor_from_bytes(bytearray(data.tobytes()), dt, shape)
+    return torch.from_numpy(data).view(dt.torch_dtype).reshape(shape)
 
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:
@@ -181,3 +197,26 @@ def tensor_to_json(t: torch.Tensor) -> list[int | float]:
         t = t.float()
     values: list[int | float] = t.numpy().ravel().tolist()
     return values
+
+
+def value_datatype(value: Value) -> str:
+    """The v2 datatype of an output: a tensor's, or BYTES for an array of strings."""
+    if isinstance(value, torch.Tensor):
+        return datatype_of(value.dtype)
+    if is_strings(value):
+        return BYTES
+    raise TypeError(f"an output of numpy dtype {value.dtype} should have been a tensor")
+
+
+def value_to_bytes(value: Value) -> bytes:
+    """An output's binary form (little-endian tensor bytes, or length-prefixed strings)."""
+    if isinstance(value, torch.Tensor):
+        return tensor_to_bytes(value)
+    return strings_to_buffer(value)
+
+
+def value_to_json(value: Value, name: str) -> list[int | float] | list[str]:
+    """An output's values as a flat JSON list."""
+    if isinstance(value, torch.Tensor):
+        return tensor_to_json(value)
+    return strings_to_json(value, name)

@@ -13,20 +13,25 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+import anyio
 import torch
 
 from paraloom._version import __version__
+from paraloom.serving.datatypes import Value, value_to_bytes
 from paraloom.serving.errors import ModelFailedError, NotFoundError, ProtocolError, ServingError
 from paraloom.serving.metrics import ServingMetrics
-from paraloom.serving.protocol import InferRequest
+from paraloom.serving.protocol import AnswerOutput, InferRequest
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.served import ServedModel
+from paraloom.serving.shared_memory import RegionRef, SharedMemoryRegistry, registry_or_refuse
 
 __all__ = ["EXTENSIONS", "InferAnswer", "ServerMetadata", "describe_server", "handle_infer",
            "select_outputs"]
 
 _log = logging.getLogger("paraloom.serving")
 EXTENSIONS = ["binary_tensor_data", "model_repository"]
+SHARED_MEMORY = "system_shared_memory"  # listed when the server has shared memory on
+_RELOOKUPS = 3  # times a handler's preprocess is redone when the model changed meanwhile
 
 
 class ServerMetadata(TypedDict):
@@ -38,9 +43,11 @@ class ServerMetadata(TypedDict):
     extensions: list[str]
 
 
-def describe_server() -> ServerMetadata:
-    """The server metadata both transports answer with."""
-    return {"name": "paraloom", "version": __version__, "extensions": list(EXTENSIONS)}
+def describe_server(shared_memory: bool = False) -> ServerMetadata:
+    """The server metadata both transports answer with (``shared_memory``: whether the system
+    shared memory extension is on)."""
+    return {"name": "paraloom", "version": __version__,
+            "extensions": [*EXTENSIONS, *([SHARED_MEMORY] if shared_memory else [])]}
 
 
 @dataclass(frozen=True)
@@ -50,46 +57,85 @@ class InferAnswer:
     model_name: str
     model_version: str
     request_id: str | None
-    outputs: list[tuple[str, torch.Tensor, bool]]  # (name, tensor, as binary)
+    outputs: list[AnswerOutput]
 
 
-def select_outputs(served: ServedModel, parsed: InferRequest, result: Any
-                   ) -> list[tuple[str, torch.Tensor, bool]]:
+def select_outputs(served: ServedModel, parsed: InferRequest, result: Any) -> list[AnswerOutput]:
     """The outputs the request asked for (all by default), named as the signature says;
-    ``result`` is whatever the user's model returned."""
-    named = dict(served.signature.name_outputs(result))
+    ``result`` is whatever the user's model (or its handler's postprocess) returned."""
+    named: dict[str, Value] = dict(served.signature.name_outputs(result))
     if parsed.outputs is None:
-        return [(n, t, parsed.binary_output) for n, t in named.items()]
+        return [AnswerOutput(n, t, parsed.binary_output) for n, t in named.items()]
     unknown = [o.name for o in parsed.outputs if o.name not in named]
     if unknown:
         raise ProtocolError(f"request asks for outputs {unknown} that the model does not have; "
                             f"its outputs are {list(named)}")
-    return [(o.name, named[o.name], parsed.binary_output if o.binary is None else o.binary)
+    return [AnswerOutput(o.name, named[o.name],
+                         parsed.binary_output if o.binary is None else o.binary, o.region)
             for o in parsed.outputs]
 
 
+def write_regions(outputs: list[AnswerOutput], regions: SharedMemoryRegistry | None
+                  ) -> list[AnswerOutput]:
+    """Write the outputs asked for in shared memory there; each then records the bytes
+    written as its region's size (what the response reports)."""
+    written = []
+    for out in outputs:
+        if out.region is not None:
+            where = f"output {out.name!r}"
+            target = registry_or_refuse(regions, f"{where} asks for shared memory region "
+                                                 f"{out.region.region!r}, but ")
+            data = value_to_bytes(out.value)
+            target.write(out.region, data, where)
+            out = out._replace(region=RegionRef(out.region.region, len(data),
+                                                out.region.offset))
+        written.append(out)
+    return written
+
+
+async def _prepared(repository: ModelRepository, name: str, version: str | None,
+                    parsed: InferRequest) -> tuple[ServedModel, list[torch.Tensor]]:
+    """The model to run and its input tensors (its handler's preprocess run on a thread)."""
+    for _ in range(_RELOOKUPS):
+        served = repository.get(name, version)
+        values = served.signature.check(parsed.inputs)
+        handler = served.handler
+        if handler is None:
+            return served, values  # type: ignore[return-value]  # the signature is numeric
+        tensors = await anyio.to_thread.run_sync(handler.to_model, values)
+        # A model replaced or unloaded while preprocess ran must not get the request: look
+        # again, and redo the preprocess with the handler of what serves now.
+        if repository.get(name, version) is served:
+            return served, tensors
+    raise NotFoundError(f"model {name!r} changed {_RELOOKUPS} times while this request was "
+                        "preprocessed; send it again")
+
+
 async def _infer(repository: ModelRepository, name: str, version: str | None,
-                 parsed: InferRequest) -> InferAnswer:
-    # No await between the lookup and the submit in served.infer: a model replaced or unloaded
-    # meanwhile is never handed a request after it stopped taking them.
-    served = repository.get(name, version)
-    tensors = served.signature.check(parsed.inputs)
+                 parsed: InferRequest, regions: SharedMemoryRegistry | None) -> InferAnswer:
+    # No await between the last lookup and the submit in served.infer: a model replaced or
+    # unloaded meanwhile is never handed a request after it stopped taking them.
+    served, tensors = await _prepared(repository, name, version, parsed)
     result, used = await served.infer(tensors)
     if version is not None and used != version:
         raise NotFoundError(f"model {name!r} moved to version {used!r} while this request "
                             f"waited; version {version!r} is gone, send it again")
-    return InferAnswer(served.name, used, parsed.id, select_outputs(served, parsed, result))
+    if served.handler is not None:
+        result = await anyio.to_thread.run_sync(served.handler.from_model, result)
+    outputs = write_regions(select_outputs(served, parsed, result), regions)
+    return InferAnswer(served.name, used, parsed.id, outputs)
 
 
 async def handle_infer(repository: ModelRepository, metrics: ServingMetrics, name: str,
-                       version: str | None, decode: Callable[[], Awaitable[InferRequest]]
-                       ) -> InferAnswer:
-    """Decode, run and answer one request, counting it; every failure is a ``ServingError``."""
+                       version: str | None, decode: Callable[[], Awaitable[InferRequest]],
+                       regions: SharedMemoryRegistry | None = None) -> InferAnswer:
+    """Decode, run and answer one request, counting it; every failure is a ``ServingError``.
+    ``regions``: the shared memory regions outputs may be written to (None: off)."""
     label = repository.label(name)
     started = time.perf_counter()
     metrics.request(label)
     try:
-        answer = await _infer(repository, name, version, await decode())
+        answer = await _infer(repository, name, version, await decode(), regions)
     except ServingError as e:
         metrics.failure(label, e.reason)
         raise

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict, TypeVar, overload
 
 if TYPE_CHECKING:  # typing has NotRequired from Python 3.11 on
     from typing_extensions import NotRequired
@@ -20,16 +20,26 @@ import torch
 
 from paraloom.serving.datatypes import (
     DataType,
-    datatype_of,
+    Value,
     lookup,
     tensor_from_bytes,
     tensor_from_json,
-    tensor_to_bytes,
-    tensor_to_json,
+    tensor_in_place,
+    value_datatype,
+    value_to_bytes,
+    value_to_json,
 )
 from paraloom.serving.errors import ProtocolError, short_repr
+from paraloom.serving.shared_memory import (
+    RegionRef,
+    SharedMemoryRegistry,
+    region_ref,
+    registry_or_refuse,
+)
+from paraloom.serving.strings import BYTES, strings_from_buffer, strings_from_json
 
 __all__ = [
+    "AnswerOutput",
     "InferRequest",
     "RequestInput",
     "RequestedOutput",
@@ -38,6 +48,7 @@ __all__ = [
     "json_input",
     "parse_infer_request",
     "parse_shape",
+    "read_region",
 ]
 
 
@@ -60,20 +71,32 @@ except ImportError:  # pragma: no cover - the same results, slower
 
 @dataclass
 class RequestInput:
-    """One decoded input tensor of an inference request."""
+    """One decoded input of an inference request (a BYTES input: a numpy array of bytes)."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
-    tensor: torch.Tensor
+    tensor: Value
 
 
 @dataclass
 class RequestedOutput:
-    """An output the client asked for; ``binary`` None means 'as the request default says'."""
+    """An output the client asked for; ``binary`` None means 'as the request default says';
+    ``region``: write it into this shared memory region instead of the response."""
 
     name: str
     binary: bool | None = None
+    region: RegionRef | None = None
+
+
+class AnswerOutput(NamedTuple):
+    """One output to send: its name and value, whether as binary data, and the shared memory
+    region it goes to instead (None: in the response)."""
+
+    name: str
+    value: Value
+    binary: bool
+    region: RegionRef | None = None
 
 
 @dataclass
@@ -88,13 +111,14 @@ class InferRequest:
 
 
 class _OutputEntry(TypedDict):
-    """One output of an inference response: JSON ``data``, or ``binary_data_size`` bytes."""
+    """One output of an inference response: JSON ``data``, ``binary_data_size`` bytes, or the
+    shared memory region it was written to."""
 
     name: str
     datatype: str
     shape: list[int]
-    parameters: NotRequired[dict[str, int]]
-    data: NotRequired[list[int | float]]
+    parameters: NotRequired[dict[str, int | str]]
+    data: NotRequired[list[int | float] | list[str]]
 
 
 class _InferResponse(TypedDict):
@@ -167,37 +191,61 @@ def _build_tensor(build: Callable[..., torch.Tensor], where: str, shape: tuple[i
                             "matches it") from e
 
 
-def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int
-                 ) -> tuple[RequestInput, int]:
+def read_region(regions: SharedMemoryRegistry | None, ref: RegionRef, name: str,
+                datatype: str, shape: tuple[int, ...]) -> Value:
+    """The input ``name`` read from the shared memory region ``ref`` names."""
+    where = f"input {name!r}"
+    dt = None if datatype == BYTES else lookup(datatype, where)
+    expected = None if dt is None else math.prod(shape) * dt.itemsize
+    if expected is not None and ref.byte_size != expected:
+        raise ProtocolError(f"{where} has shared_memory_byte_size {ref.byte_size} but shape "
+                            f"{list(shape)} of {datatype} needs {expected} bytes")
+    data = registry_or_refuse(regions, f"{where} names shared memory region "
+                                       f"{ref.region!r}, but ").read(ref, where)
+    if dt is None:
+        return strings_from_buffer(data.data, shape, where)
+    return _build_tensor(tensor_in_place, where, shape, data, dt, shape)
+
+
+def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int,
+                 regions: SharedMemoryRegistry | None) -> tuple[RequestInput, int]:
     if not isinstance(obj, dict):
         raise ProtocolError(f"inputs[{index}] must be an object with name, shape, datatype and "
                             f"data, got {short_repr(obj)}")
     name = _get(obj, "name", str, f"inputs[{index}]")
     where = f"input {name!r}"
     shape = parse_shape(obj.get("shape"), where)
-    dt = lookup(obj.get("datatype"), where)
+    dt = None if obj.get("datatype") == BYTES else lookup(obj.get("datatype"), where)
+    datatype = BYTES if dt is None else dt.name
     params = _get(obj, "parameters", dict, where, required=False) or {}
+    ref = region_ref(params, where)
+    if ref is not None:
+        return RequestInput(name, datatype, shape,
+                            read_region(regions, ref, name, datatype, shape)), 0
     size = params.get("binary_data_size")
     if size is None:
         if "data" not in obj:
             raise ProtocolError(f"{where} has neither 'data' nor parameters.binary_data_size; "
                                 "send the values as JSON 'data' or as binary tensor data")
-        return RequestInput(name, dt.name, shape, json_input(name, dt, shape, obj["data"])), 0
+        value = (strings_from_json(obj["data"], shape, where) if dt is None
+                 else json_input(name, dt, shape, obj["data"]))
+        return RequestInput(name, datatype, shape, value), 0
     if binary is None:
         raise ProtocolError(f"{where} declares binary_data_size but the request has no "
                             "Inference-Header-Content-Length header giving the JSON length")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ProtocolError(f"{where} has binary_data_size {short_repr(size)}; expected a "
                             "non-negative integer")
-    expected = math.prod(shape) * dt.itemsize
-    if size != expected:
+    if dt is not None and size != math.prod(shape) * dt.itemsize:
         raise ProtocolError(f"{where} has binary_data_size {size} but shape {list(shape)} of "
-                            f"{dt.name} needs {expected} bytes")
+                            f"{dt.name} needs {math.prod(shape) * dt.itemsize} bytes")
     if offset + size > len(binary):
         raise ProtocolError(f"{where} needs bytes {offset}..{offset + size} of the binary data "
                             f"but the body has only {len(binary)} bytes after the JSON header")
-    tensor = binary_input(name, dt, shape, binary[offset:offset + size], size)
-    return RequestInput(name, dt.name, shape, tensor), size
+    chunk = binary[offset:offset + size]
+    value = (strings_from_buffer(chunk, shape, where) if dt is None
+             else binary_input(name, dt, shape, chunk, size))
+    return RequestInput(name, datatype, shape, value), size
 
 
 def json_input(name: str, dt: DataType, shape: tuple[int, ...], data: object) -> torch.Tensor:
@@ -206,8 +254,8 @@ def json_input(name: str, dt: DataType, shape: tuple[int, ...], data: object) ->
     return _build_tensor(tensor_from_json, where, shape, data, dt, shape, where)
 
 
-def binary_input(name: str, dt: DataType, shape: tuple[int, ...], chunk: memoryview,
-                 size: int) -> torch.Tensor:
+def binary_input(name: str, dt: DataType, shape: tuple[int, ...],
+                 chunk: memoryview | bytearray, size: int) -> torch.Tensor:
     """The tensor of an input sent as raw bytes (binary extension, gRPC raw contents)."""
     where = f"input {name!r}"
     expected = math.prod(shape) * dt.itemsize
@@ -253,12 +301,14 @@ def _parse_outputs(raw: object) -> list[RequestedOutput] | None:
             raise ProtocolError(f"output {name!r} asks for classification, an extension "
                                 "paraloom does not implement; request the raw output instead")
         binary = _get(params, "binary_data", bool, f"output {name!r} parameters", False)
-        outputs.append(RequestedOutput(name, binary))
+        outputs.append(RequestedOutput(name, binary, region_ref(params, f"output {name!r}")))
     return outputs
 
 
-def parse_infer_request(body: bytes, header_length: int | None = None) -> InferRequest:
-    """Decode a v2 inference request body (JSON, or JSON then binary tensor data)."""
+def parse_infer_request(body: bytes, header_length: int | None = None,
+                        regions: SharedMemoryRegistry | None = None) -> InferRequest:
+    """Decode a v2 inference request body (JSON, or JSON then binary tensor data); inputs in
+    shared memory are read from ``regions`` (None: shared memory is off)."""
     obj, binary = _split_body(body, header_length)
     if not isinstance(obj, dict):
         raise ProtocolError(f"request body must be a JSON object with 'inputs', got "
@@ -268,7 +318,7 @@ def parse_infer_request(body: bytes, header_length: int | None = None) -> InferR
         raise ProtocolError("request has an empty 'inputs' array; send at least one tensor")
     inputs, offset = [], 0
     for i, raw in enumerate(raw_inputs):
-        item, used = _parse_input(raw, i, binary, offset)
+        item, used = _parse_input(raw, i, binary, offset, regions)
         inputs.append(item)
         offset += used
     names = [t.name for t in inputs]
@@ -286,25 +336,39 @@ def parse_infer_request(body: bytes, header_length: int | None = None) -> InferR
                         binary_output=bool(binary_output), parameters=params)
 
 
+def region_parameters(ref: RegionRef, size: int) -> dict[str, int | str]:
+    """An output's parameters when it went to shared memory: the region and bytes written."""
+    params: dict[str, int | str] = {"shared_memory_region": ref.region,
+                                    "shared_memory_byte_size": size}
+    if ref.offset:
+        params["shared_memory_offset"] = ref.offset
+    return params
+
+
 def encode_infer_response(*, model_name: str, model_version: str, request_id: str | None,
-                          outputs: list[tuple[str, torch.Tensor, bool]]
+                          outputs: Sequence[AnswerOutput | tuple[str, Value, bool]]
                           ) -> tuple[bytes, int | None]:
-    """Encode outputs ``(name, tensor, as_binary)``; returns the body and the JSON length.
+    """Encode the outputs (``AnswerOutput``s, or ``(name, value, as_binary)``); returns the body
+    and the JSON length.
 
     The JSON length is None when no output is binary (then the body is plain JSON) and must be
-    sent as the Inference-Header-Content-Length header otherwise.
+    sent as the Inference-Header-Content-Length header otherwise. An output with a region was
+    written there already: the response says where, and carries no data for it.
     """
     entries: list[_OutputEntry] = []
     chunks: list[bytes] = []
-    for name, tensor, as_binary in outputs:
-        entry: _OutputEntry = {"name": name, "datatype": datatype_of(tensor.dtype),
-                               "shape": list(tensor.shape)}
-        if as_binary:
-            chunk = tensor_to_bytes(tensor)
+    for output in outputs:
+        name, value, as_binary, region = AnswerOutput(*output)
+        entry: _OutputEntry = {"name": name, "datatype": value_datatype(value),
+                               "shape": list(value.shape)}
+        if region is not None:
+            entry["parameters"] = region_parameters(region, region.byte_size)
+        elif as_binary:
+            chunk = value_to_bytes(value)
             entry["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
         else:
-            entry["data"] = tensor_to_json(tensor)
+            entry["data"] = value_to_json(value, name)
         entries.append(entry)
     response: _InferResponse = {"model_name": model_name, "model_version": model_version,
                                 "outputs": entries}

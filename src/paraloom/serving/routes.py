@@ -19,6 +19,8 @@ from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.served import ServedModel
+from paraloom.serving.shared_memory import SharedMemoryRegistry
+from paraloom.serving.shared_memory_routes import SHARED_MEMORY_ROUTES
 
 __all__ = ["EXCEPTION_HANDLERS", "ROUTES", "error_response"]
 
@@ -51,7 +53,7 @@ def _served(request: Request) -> ServedModel:
 
 async def server_metadata(request: Request) -> Response:
     """GET /v2."""
-    return JSONResponse(describe_server())
+    return JSONResponse(describe_server(_regions(request) is not None))
 
 
 async def live(request: Request) -> Response:
@@ -87,6 +89,11 @@ def _header_length(request: Request) -> int | None:
     return int(digits)
 
 
+def _regions(request: Request) -> SharedMemoryRegistry | None:
+    regions: SharedMemoryRegistry | None = request.app.state.regions
+    return regions
+
+
 def _encode(answer: InferAnswer) -> Response:
     body, header_length = encode_infer_response(
         model_name=answer.model_name, model_version=answer.model_version,
@@ -99,17 +106,20 @@ def _encode(answer: InferAnswer) -> Response:
 
 async def infer(request: Request) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer."""
+    regions = _regions(request)
+
     async def decode() -> InferRequest:
         body = await read_body(request, request.app.state.max_body_bytes)
         header_length = _header_length(request)
         if len(body) > _PARSE_IN_THREAD:
-            return await anyio.to_thread.run_sync(parse_infer_request, body, header_length)
-        return parse_infer_request(body, header_length)
+            return await anyio.to_thread.run_sync(parse_infer_request, body, header_length,
+                                                  regions)
+        return parse_infer_request(body, header_length, regions)
 
     try:
         answer = await handle_infer(_repository(request), _metrics(request),
                                     request.path_params["name"],
-                                    request.path_params.get("version"), decode)
+                                    request.path_params.get("version"), decode, regions)
     except ServingError as e:
         return error_response(e.status, e.message, e.retry_after)
     return _encode(answer)
@@ -197,6 +207,7 @@ ROUTES = [
     Route("/v2/repository/models/{name}/load", load_model, methods=["POST"]),
     Route("/v2/repository/models/{name}/unload", unload_model, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
+    *SHARED_MEMORY_ROUTES,
 ]
 
 EXCEPTION_HANDLERS = {ServingError: _on_serving_error, HTTPException: _on_http_error}

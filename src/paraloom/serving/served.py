@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from paraloom.devices import DeviceSpec
     from paraloom.inference.parallel import ParallelInference
     from paraloom.precision import Precision
+    from paraloom.serving.handlers import Handler
     from paraloom.serving.repository.files import ModelFiles
 
 __all__ = ["ModelMetadata", "PoolOptions", "ServedModel", "build_pool"]
@@ -75,8 +76,11 @@ class ServedModel:
 
     def __init__(self, name: str, pool: ParallelInference, model: nn.Module | None,
                  signature: ModelSignature, *, files: ModelFiles, owns_pool: bool,
-                 retry_after: int = 1, first_version: int = 1, numbered: bool = False) -> None:
+                 retry_after: int = 1, first_version: int = 1, numbered: bool = False,
+                 handler: Handler | None = None) -> None:
         self.name = name
+        self.handler = handler
+        """The model's ``handler.py`` (then ``signature`` is the handler's), or None."""
         self.first_version = first_version  # the version the pool's first model is served as
         self.numbered = numbered
         """Whether the version is a numbered folder of a repository: its weights then stay."""

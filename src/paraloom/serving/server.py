@@ -112,7 +112,8 @@ def _grpc(app: Starlette, host: str, port: int | None, backend: str, reuse_port:
         from paraloom.serving.grpc.service import GrpcServer as server
     state = app.state
     return server(state.repository, state.metrics, host=host, port=port,
-                  max_message_bytes=state.max_body_bytes, reuse_port=reuse_port)
+                  max_message_bytes=state.max_body_bytes, reuse_port=reuse_port,
+                  regions=getattr(state, "regions", None))
 
 
 def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float

@@ -9,9 +9,10 @@ from typing import Any, TypedDict
 import torch
 from torch import nn
 
-from paraloom.serving.datatypes import DATATYPES, datatype_of
+from paraloom.serving.datatypes import DATATYPES, Value, datatype_of
 from paraloom.serving.errors import ProtocolError
 from paraloom.serving.protocol import RequestInput
+from paraloom.serving.strings import BYTES
 
 __all__ = ["ModelSignature", "TensorMetadata", "TensorSpec", "infer_signature", "probe_input"]
 
@@ -26,16 +27,17 @@ class TensorMetadata(TypedDict):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One named tensor of the model's signature; -1 in ``shape`` means any size."""
+    """One named tensor of the model's signature; -1 in ``shape`` means any size. BYTES
+    (strings) is for the inputs and outputs of a handler (``paraloom.serving.handlers``)."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.datatype not in DATATYPES:
+        if self.datatype not in DATATYPES and self.datatype != BYTES:
             raise ValueError(f"TensorSpec {self.name!r} has datatype {self.datatype!r}; "
-                             f"expected one of {', '.join(DATATYPES)}")
+                             f"expected one of {', '.join(DATATYPES)} or {BYTES}")
         if not all(isinstance(d, int) and d >= -1 for d in self.shape):
             raise ValueError(f"TensorSpec {self.name!r} has shape {self.shape!r}; expected "
                              "integers >= 0, or -1 for a dimension of any size")
@@ -53,7 +55,7 @@ class ModelSignature:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
 
-    def check(self, request_inputs: list[RequestInput]) -> list[torch.Tensor]:
+    def check(self, request_inputs: list[RequestInput]) -> list[Value]:
         """The request's tensors in the model's input order; ``ProtocolError`` if they don't fit."""
         given = {t.name: t for t in request_inputs}
         expected = [s.name for s in self.inputs]
@@ -79,10 +81,12 @@ class ModelSignature:
         return [(s.name, t) for s, t in zip(self.outputs, tensors, strict=True)]
 
 
-def _check_one(spec: TensorSpec, given: RequestInput) -> torch.Tensor:
+def _check_one(spec: TensorSpec, given: RequestInput) -> Value:
     if given.datatype != spec.datatype:
+        hint = (" (a model takes strings only through a handler.py that turns them into "
+                "tensors)" if BYTES in (given.datatype, spec.datatype) else "")
         raise ProtocolError(f"input {spec.name!r} has datatype {given.datatype} but the model "
-                            f"expects {spec.datatype}; send {spec.datatype} data")
+                            f"expects {spec.datatype}; send {spec.datatype} data{hint}")
     shape = given.shape
     fits = len(shape) == len(spec.shape) and all(
         want in (-1, got) for want, got in zip(spec.shape, shape, strict=True))
@@ -175,6 +179,12 @@ def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.T
     """
     samples = None if sample is None else _as_list(sample)
     in_specs = tuple(inputs) if inputs is not None else _infer_inputs(model, samples)
+    strings = [s.name for s in (*in_specs, *(outputs or ())) if s.datatype == BYTES]
+    if strings:
+        raise ValueError(f"tensors {strings} are declared {BYTES}, but a torch model takes and "
+                         "returns numeric tensors; declare strings in a handler.py's INPUTS "
+                         "and OUTPUTS (paraloom.serving.handlers), which turns them into "
+                         "tensors")
     if outputs is not None:
         return ModelSignature(in_specs, tuple(outputs))
     probe = samples if samples is not None else _sample_from_specs(in_specs)

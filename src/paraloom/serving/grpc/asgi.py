@@ -6,13 +6,16 @@ compressed, then the length as 4 big-endian bytes), and an answer of the same fr
 by the ``grpc-status`` and ``grpc-message`` trailers. uvicorn's HTTP/2 (zttp) does the framing,
 flow control and HPACK in compiled code, so a call costs about what an HTTP/1.1 request does
 (see ``paraloom.serving.grpc.http2``). The calls go to ``service._Service``, as grpc.aio's do:
-the same lookups, validation, errors, limits and metrics.
+the same lookups, validation, errors, limits and metrics. ``ModelStreamInfer`` reads the
+request body as it arrives, one message at a time, and sends each answer as a DATA frame as soon
+as it is ready (``paraloom.serving.grpc.streaming``), then the trailers when the stream ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import zlib
+from collections.abc import AsyncIterator
 from urllib.parse import quote
 
 import grpc
@@ -21,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from paraloom.serving.errors import ServingError
 from paraloom.serving.grpc.messages import SERVICE, Message, method_types
-from paraloom.serving.grpc.service import METHODS, Handler, Service, status_code
+from paraloom.serving.grpc.service import METHODS, STREAMING, Handler, Service, status_code
 
 __all__ = ["GrpcAsgiApp", "parse_timeout"]
 
@@ -78,6 +81,8 @@ class GrpcAsgiApp:
 
     def __init__(self, service: Service, max_message_bytes: int) -> None:
         self.max_message_bytes = max_message_bytes
+        self._service = service
+        self._stream_path = f"/{SERVICE}/{STREAMING}"
         self._methods: dict[str, tuple[Handler, type[Message], type[Message]]] = {}
         for name in METHODS:
             request_type, response_type = method_types(name)
@@ -91,6 +96,9 @@ class GrpcAsgiApp:
         if scope["method"] != "POST" or \
                 not headers.get(b"content-type", b"").startswith(b"application/grpc"):
             await _plain(send, 415, b"this port serves gRPC: POST application/grpc over HTTP/2")
+            return
+        if scope["path"] == self._stream_path:
+            await self._stream(headers, receive, send)
             return
         code, text, answer = grpc.StatusCode.OK, "", b""
         try:
@@ -107,10 +115,68 @@ class GrpcAsgiApp:
         await send({"type": "http.response.start", "status": 200, "headers": _HEADERS,
                     "trailers": True})
         await send({"type": "http.response.body", "body": answer})
-        trailers = [(b"grpc-status", b"%d" % code.value[0])]
-        if text:
-            trailers.append((b"grpc-message", quote(text, safe=_SAFE).encode("ascii")))
-        await send({"type": "http.response.trailers", "headers": trailers})
+        await _trailers(send, code, text)
+
+    async def _stream(self, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+        """A ``ModelStreamInfer`` call: answers sent as they are ready, then the status."""
+        request_type, response_type = method_types(STREAMING)
+        requests = self._messages(receive, headers.get(b"grpc-encoding", b"identity"),
+                                  request_type)
+        await send({"type": "http.response.start", "status": 200, "headers": _HEADERS,
+                    "trailers": True})
+        code, text = grpc.StatusCode.OK, ""
+        timeout = headers.get(b"grpc-timeout")
+        answering = self._send_answers(requests, response_type, send)
+        try:
+            if timeout is None:
+                await answering
+            else:
+                await asyncio.wait_for(answering, parse_timeout(timeout))
+        except _CallError as e:
+            code, text = e.code, e.message
+        except (DecodeError, ValueError, TypeError) as e:
+            code, text = grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}"
+        except asyncio.TimeoutError:
+            code, text = grpc.StatusCode.DEADLINE_EXCEEDED, "the stream's deadline passed"
+        await send({"type": "http.response.body", "body": b""})
+        await _trailers(send, code, text)
+
+    async def _send_answers(self, requests: AsyncIterator[Message],
+                            response_type: type[Message], send: Send) -> None:
+        async for answer in self._service.ModelStreamInfer(requests,
+                                                           response_type):
+            out = answer.SerializeToString()
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"\x00" + len(out).to_bytes(4, "big") + out})
+
+    async def _messages(self, receive: Receive, encoding: bytes, request_type: type[Message]
+                        ) -> AsyncIterator[Message]:
+        """The request messages of a stream, each as soon as its bytes arrived."""
+        buffer = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise _CallError(grpc.StatusCode.CANCELLED, "the client went away")
+            buffer += message.get("body", b"")
+            while len(buffer) >= 5:
+                length = int.from_bytes(buffer[1:5], "big")
+                if length > self.max_message_bytes:
+                    raise _CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"request message of {length} bytes is over "
+                                     f"{self.max_message_bytes}, the server's limit")
+                if len(buffer) < 5 + length:
+                    break
+                compressed, data = buffer[0], bytes(buffer[5:5 + length])
+                del buffer[:5 + length]
+                if compressed:
+                    data = _decompress(data, encoding, self.max_message_bytes)
+                yield request_type.FromString(data)
+            if not message.get("more_body", False):
+                if buffer:
+                    raise _CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"the stream ended inside a message ({len(buffer)} bytes "
+                                     "left over)")
+                return
 
     async def _read(self, receive: Receive) -> bytes:
         """The request body, refused as soon as it is longer than one message may be."""
@@ -157,6 +223,13 @@ class GrpcAsgiApp:
             response = await asyncio.wait_for(call(request, response_type), seconds)
         out: bytes = response.SerializeToString()
         return b"\x00" + len(out).to_bytes(4, "big") + out
+
+
+async def _trailers(send: Send, code: grpc.StatusCode, text: str) -> None:
+    trailers = [(b"grpc-status", b"%d" % code.value[0])]
+    if text:
+        trailers.append((b"grpc-message", quote(text, safe=_SAFE).encode("ascii")))
+    await send({"type": "http.response.trailers", "headers": trailers})
 
 
 async def _plain(send: Send, status: int, text: bytes) -> None:

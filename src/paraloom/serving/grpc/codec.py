@@ -6,12 +6,11 @@ The tensors are decoded by the same functions as HTTP's (``paraloom.serving.prot
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
-import torch
 
-from paraloom.serving.datatypes import DataType, datatype_of, lookup, tensor_to_bytes
+from paraloom.serving.datatypes import Value, lookup, value_datatype, value_to_bytes
 from paraloom.serving.errors import ProtocolError
 from paraloom.serving.grpc.messages import (
     InferRequestMessage,
@@ -29,6 +28,15 @@ from paraloom.serving.protocol import (
     binary_input,
     json_input,
     parse_shape,
+    read_region,
+    region_parameters,
+)
+from paraloom.serving.shared_memory import SharedMemoryRegistry, region_ref
+from paraloom.serving.strings import (
+    BYTES,
+    strings_from_buffer,
+    strings_from_list,
+    strings_to_list,
 )
 
 __all__ = ["ParameterValue", "decode_infer_request", "encode_infer_response", "parameter_value",
@@ -63,54 +71,71 @@ def parameter_values(params: Mapping[str, Parameter]) -> dict[str, ParameterValu
     return {k: parameter_value(v) for k, v in params.items()}
 
 
-def _typed(tensor: InputTensor, dt: DataType, shape: tuple[int, ...], where: str
-           ) -> torch.Tensor:
+def _typed(tensor: InputTensor, datatype: str, shape: tuple[int, ...], where: str) -> Value:
     used = [f for f in _CONTENTS if len(getattr(tensor.contents, f))]
-    field = _FIELD.get(dt.name)
+    field = "bytes_contents" if datatype == BYTES else _FIELD.get(datatype)
     if field is None:
-        raise ProtocolError(f"{where} is {dt.name}, which has no typed contents field in the "
+        raise ProtocolError(f"{where} is {datatype}, which has no typed contents field in the "
                             "protocol; send it in raw_input_contents (tritonclient.grpc does)")
     wrong = [f for f in used if f != field]
     if wrong:
-        raise ProtocolError(f"{where} is {dt.name} but its values are in {wrong}; send "
-                            f"{dt.name} values in contents.{field}")
+        raise ProtocolError(f"{where} is {datatype} but its values are in {wrong}; send "
+                            f"{datatype} values in contents.{field}")
+    if datatype == BYTES:
+        return strings_from_list(list(tensor.contents.bytes_contents), shape, where)
     values: np.ndarray = np.asarray(getattr(tensor.contents, field), dtype=_NUMPY[field])
-    return json_input(tensor.name, dt, shape, values)
+    return json_input(tensor.name, lookup(datatype, where), shape, values)
 
 
-def _input(tensor: InputTensor, index: int, raw: list[bytes] | None) -> RequestInput:
+def _input(tensor: InputTensor, index: int, raw: Iterator[bytes] | None,
+           regions: SharedMemoryRegistry | None) -> RequestInput:
     if not tensor.name:
         raise ProtocolError(f"inputs[{index}] has no name; the v2 protocol requires it")
     where = f"input {tensor.name!r}"
     shape = parse_shape(list(tensor.shape), where)
-    dt = lookup(tensor.datatype, where)
+    datatype = tensor.datatype if tensor.datatype == BYTES else lookup(tensor.datatype,
+                                                                       where).name
+    ref = region_ref(parameter_values(tensor.parameters), where)
+    if ref is not None:
+        value = read_region(regions, ref, tensor.name, datatype, shape)
+        return RequestInput(tensor.name, datatype, shape, value)
     if raw is None:
-        return RequestInput(tensor.name, dt.name, shape, _typed(tensor, dt, shape, where))
+        return RequestInput(tensor.name, datatype, shape, _typed(tensor, datatype, shape, where))
     if tensor.HasField("contents"):
         raise ProtocolError(f"{where} has typed contents but the request also carries "
                             "raw_input_contents; send every input one way")
-    chunk = memoryview(raw[index])
-    return RequestInput(tensor.name, dt.name, shape,
-                        binary_input(tensor.name, dt, shape, chunk, len(chunk)))
+    chunk = memoryview(next(raw))
+    if datatype == BYTES:
+        return RequestInput(tensor.name, datatype, shape,
+                            strings_from_buffer(chunk, shape, where))
+    return RequestInput(tensor.name, datatype, shape,
+                        binary_input(tensor.name, lookup(datatype, where), shape, chunk,
+                                     len(chunk)))
 
 
-def decode_infer_request(request: InferRequestMessage) -> InferRequest:
-    """The ``InferRequest`` a ModelInferRequest carries; ``ProtocolError`` if it is malformed."""
+def decode_infer_request(request: InferRequestMessage,
+                         regions: SharedMemoryRegistry | None = None) -> InferRequest:
+    """The ``InferRequest`` a ModelInferRequest carries; ``ProtocolError`` if it is malformed.
+    Inputs in shared memory are read from ``regions`` (None: shared memory is off); they have
+    no entry in ``raw_input_contents``, which holds the other inputs' bytes in order."""
     if not request.inputs:
         raise ProtocolError("request has no inputs; send at least one tensor")
     raw = list(request.raw_input_contents) or None
-    if raw is not None and len(raw) != len(request.inputs):
-        raise ProtocolError(f"request has {len(request.inputs)} inputs but "
-                            f"{len(raw)} raw_input_contents; send one raw entry per input, "
-                            "in order, or typed contents for all")
-    inputs = [_input(t, i, raw) for i, t in enumerate(request.inputs)]
+    in_memory = sum("shared_memory_region" in t.parameters for t in request.inputs)
+    if raw is not None and len(raw) != len(request.inputs) - in_memory:
+        raise ProtocolError(f"request has {len(request.inputs) - in_memory} inputs outside "
+                            f"shared memory but {len(raw)} raw_input_contents; send one raw "
+                            "entry per such input, in order, or typed contents for all")
+    entries = None if raw is None else iter(raw)
+    inputs = [_input(t, i, entries, regions) for i, t in enumerate(request.inputs)]
     names = [t.name for t in inputs]
     if len(set(names)) != len(names):
         raise ProtocolError(f"request names an input more than once: {names}")
     params = parameter_values(request.parameters)
     return InferRequest(id=request.id or None, inputs=inputs,
                         outputs=_requested_outputs(request.outputs),
-                        binary_output=_raw_output(params, raw is not None), parameters=params)
+                        binary_output=_raw_output(params, raw is not None or in_memory > 0),
+                        parameters=params)
 
 
 def _requested_outputs(requested: Sequence[OutputRequest]) -> list[RequestedOutput] | None:
@@ -125,7 +150,8 @@ def _requested_outputs(requested: Sequence[OutputRequest]) -> list[RequestedOutp
             raise ProtocolError(f"output {out.name!r} asks for classification, an "
                                 "extension paraloom does not implement; request the raw "
                                 "output instead")
-        outputs.append(RequestedOutput(out.name, None))
+        region = region_ref(parameter_values(out.parameters), f"output {out.name!r}")
+        outputs.append(RequestedOutput(out.name, None, region))
     return outputs
 
 
@@ -140,20 +166,39 @@ def _raw_output(params: Mapping[str, ParameterValue], raw_inputs: bool) -> bool:
     return asked
 
 
+def _set_parameters(target: Mapping[str, Parameter], values: Mapping[str, int | str]) -> None:
+    for key, value in values.items():
+        param = target[key]  # a protobuf map makes the entry on first access
+        if isinstance(value, str):
+            param.string_param = value  # type: ignore[attr-defined]
+        else:
+            param.int64_param = value  # type: ignore[attr-defined]
+
+
 def encode_infer_response(answer: InferAnswer) -> Message:
     """A ModelInferResponse: outputs in ``raw_output_contents`` (what tritonclient.grpc's raw
     inputs get, as from Triton), or in typed contents when the request asked for them
-    (typed inputs, or ``binary_data_output: false``) and every output has a typed field."""
+    (typed inputs, or ``binary_data_output: false``) and every output has a typed field.
+    An output written to shared memory carries its region in its parameters, and an empty
+    raw entry (raw entries are matched to the outputs by position)."""
     response = _Response(model_name=answer.model_name, model_version=answer.model_version,
                          id=answer.request_id or "")
-    names = [datatype_of(tensor.dtype) for _, tensor, _ in answer.outputs]
-    raw = any(binary for _, _, binary in answer.outputs) or any(n not in _FIELD for n in names)
-    for (name, tensor, _), datatype in zip(answer.outputs, names, strict=True):
-        out = response.outputs.add(name=name, datatype=datatype, shape=list(tensor.shape))
-        if raw:  # all or none: raw_output_contents is matched to the outputs by position
-            response.raw_output_contents.append(tensor_to_bytes(tensor))
+    names = [value_datatype(out.value) for out in answer.outputs]
+    raw = any(out.binary for out in answer.outputs) or any(
+        n not in _FIELD and n != BYTES for n in names)
+    for out, datatype in zip(answer.outputs, names, strict=True):
+        entry = response.outputs.add(name=out.name, datatype=datatype,
+                                     shape=list(out.value.shape))
+        if out.region is not None:
+            _set_parameters(entry.parameters, region_parameters(out.region,
+                                                                out.region.byte_size))
+            if raw:
+                response.raw_output_contents.append(b"")
+        elif raw:  # all or none: raw_output_contents is matched to the outputs by position
+            response.raw_output_contents.append(value_to_bytes(out.value))
+        elif isinstance(out.value, np.ndarray):  # BYTES
+            entry.contents.bytes_contents.extend(strings_to_list(out.value))
         else:
-            values = tensor.detach().cpu().contiguous().numpy().ravel()
-            getattr(out.contents, _FIELD[datatype]).extend(values.tolist())
+            values = out.value.detach().cpu().contiguous().numpy().ravel()
+            getattr(entry.contents, _FIELD[datatype]).extend(values.tolist())
     return response
-

@@ -112,7 +112,8 @@ class Http2GrpcServer(GrpcEndpoint):
             sock = bind_socket(self.host, self.requested_port, reuse_port=self.reuse_port)
         except OSError as e:
             raise self.listen_error(e.__cause__ or e) from e
-        app = GrpcAsgiApp(Service(self.repository, self.metrics), self.max_message_bytes)
+        app = GrpcAsgiApp(Service(self.repository, self.metrics, self.regions),
+                          self.max_message_bytes)
         config = uvicorn.Config(app, http="zttp", http2=True, lifespan="off", log_config=None,
                                 log_level=None, access_log=False,  # logging as HTTP set it
                                 timeout_keep_alive=_IDLE_S)

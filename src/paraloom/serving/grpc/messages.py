@@ -20,7 +20,8 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
 __all__ = ["SERVICE", "InferRequestMessage", "InputTensor", "LoadRequest", "Message",
-           "ModelRef", "NamedModel", "OutputRequest", "Parameter", "ReadyFilter", "message",
+           "ModelRef", "NamedModel", "OutputRequest", "Parameter", "ReadyFilter", "RegionRequest",
+           "message",
            "method_types"]
 
 SERVICE = "inference.GRPCInferenceService"
@@ -71,6 +72,20 @@ class NamedModel(Protocol):
     def model_name(self) -> str: ...
 
 
+class RegionRequest(Protocol):
+    """The shared memory requests: a region's name ("": every region) and, to register,
+    where it lies (the CUDA ones carry a name only here)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def byte_size(self) -> int: ...
+
+
 class LoadRequest(NamedModel, Protocol):
     """``RepositoryModelLoadRequest``: the model and the load's parameters."""
 
@@ -95,6 +110,8 @@ class InputTensor(Protocol):
     def datatype(self) -> str: ...
     @property
     def shape(self) -> Sequence[int]: ...
+    @property
+    def parameters(self) -> Mapping[str, Parameter]: ...
     @property
     def contents(self) -> Message: ...
     def HasField(self, field_name: str) -> bool: ...  # noqa: N802 (protobuf's name)

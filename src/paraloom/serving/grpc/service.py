@@ -11,12 +11,12 @@ that failed by itself 500 INTERNAL.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from grpc import aio
 
-from paraloom.serving.errors import NotFoundError, ServingError
+from paraloom.serving.errors import NotFoundError, ProtocolError, ServingError
 from paraloom.serving.grpc.codec import (
     decode_infer_request,
     encode_infer_response,
@@ -30,14 +30,19 @@ from paraloom.serving.grpc.messages import (
     ModelRef,
     NamedModel,
     ReadyFilter,
+    RegionRequest,
     method_types,
 )
+from paraloom.serving.grpc.streaming import answer_stream
 from paraloom.serving.handling import describe_server, handle_infer
 from paraloom.serving.metrics import ServingMetrics
 from paraloom.serving.protocol import InferRequest
 from paraloom.serving.repository.models import ModelRepository
+from paraloom.serving.shared_memory import SharedMemoryRegistry, registry_or_refuse
+from paraloom.serving.shared_memory_routes import CUDA_REFUSAL
 
-__all__ = ["METHODS", "GrpcEndpoint", "GrpcServer", "Handler", "Service", "status_code"]
+__all__ = ["METHODS", "STREAMING", "GrpcEndpoint", "GrpcServer", "Handler", "Service",
+           "status_code"]
 
 Handler = Callable[[Message, type[Message]], Awaitable[Message]]
 """One RPC of ``Service``: (the request message, the response class) -> the response."""
@@ -56,9 +61,11 @@ def status_code(error: ServingError) -> grpc.StatusCode:
 class Service:
     """The RPC handlers; each takes the decoded request message and returns the response."""
 
-    def __init__(self, repository: ModelRepository, metrics: ServingMetrics) -> None:
+    def __init__(self, repository: ModelRepository, metrics: ServingMetrics,
+                 regions: SharedMemoryRegistry | None = None) -> None:
         self.repository = repository
         self.metrics = metrics
+        self.regions = regions
 
     async def ServerLive(self, request: Message, response: type[Message]  # noqa: N802
                          ) -> Message:
@@ -78,7 +85,7 @@ class Service:
 
     async def ServerMetadata(self, request: Message, response: type[Message]  # noqa: N802
                              ) -> Message:
-        return response(**describe_server())
+        return response(**describe_server(self.regions is not None))
 
     async def ModelMetadata(self, request: ModelRef, response: type[Message]  # noqa: N802
                             ) -> Message:
@@ -90,11 +97,53 @@ class Service:
     async def ModelInfer(self, request: InferRequestMessage,  # noqa: N802
                          response: type[Message]) -> Message:
         async def decode() -> InferRequest:
-            return decode_infer_request(request)
+            return decode_infer_request(request, self.regions)
 
         answer = await handle_infer(self.repository, self.metrics, request.model_name,
-                                    request.model_version or None, decode)
+                                    request.model_version or None, decode, self.regions)
         return encode_infer_response(answer)
+
+    def ModelStreamInfer(self, requests: AsyncIterator[InferRequestMessage],  # noqa: N802
+                         response: type[Message]) -> AsyncIterator[Message]:
+        """The answers to a stream of requests, as they are ready (``grpc.streaming``)."""
+        unary = method_types("ModelInfer")[1]
+        return answer_stream(lambda r: self.ModelInfer(r, unary), requests)
+
+    def _regions(self) -> SharedMemoryRegistry:
+        return registry_or_refuse(self.regions)
+
+    async def SystemSharedMemoryStatus(self, request: RegionRequest,  # noqa: N802
+                                       response: type[Message]) -> Message:
+        answer = response()
+        for row in self._regions().status(request.name or None):
+            answer.regions[row["name"]].CopyFrom(type(answer.regions[row["name"]])(**row))
+        return answer
+
+    async def SystemSharedMemoryRegister(self, request: RegionRequest,  # noqa: N802
+                                         response: type[Message]) -> Message:
+        self._regions().register(request.name, request.key, request.offset,
+                                 request.byte_size)
+        return response()
+
+    async def SystemSharedMemoryUnregister(self, request: RegionRequest,  # noqa: N802
+                                           response: type[Message]) -> Message:
+        self._regions().unregister(request.name or None)
+        return response()
+
+    async def CudaSharedMemoryStatus(self, request: RegionRequest,  # noqa: N802
+                                     response: type[Message]) -> Message:
+        if request.name:
+            raise NotFoundError(f"no CUDA shared memory region {request.name!r}: "
+                                f"{CUDA_REFUSAL}")
+        return response()
+
+    async def CudaSharedMemoryRegister(self, request: RegionRequest,  # noqa: N802
+                                       response: type[Message]) -> Message:
+        raise ProtocolError(CUDA_REFUSAL)
+
+    async def CudaSharedMemoryUnregister(self, request: RegionRequest,  # noqa: N802
+                                         response: type[Message]) -> Message:
+        return response()
 
     async def RepositoryIndex(self, request: ReadyFilter,  # noqa: N802
                               response: type[Message]) -> Message:
@@ -115,7 +164,13 @@ class Service:
 
 
 METHODS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-            "ModelInfer", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"]
+           "ModelInfer", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+           "SystemSharedMemoryStatus", "SystemSharedMemoryRegister",
+           "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
+           "CudaSharedMemoryUnregister"]
+"""The unary methods."""
+STREAMING = "ModelStreamInfer"
+"""The one streaming method: requests in, answers out, each as it is ready."""
 
 
 def _handler(call: Handler, request_type: type[Message], response_type: type[Message]
@@ -133,11 +188,25 @@ def _handler(call: Handler, request_type: type[Message], response_type: type[Mes
         response_serializer=response_type.SerializeToString)
 
 
+def _stream_handler(service: Service) -> grpc.RpcMethodHandler:
+    request_type, response_type = method_types(STREAMING)
+
+    async def handle(requests: AsyncIterator[Message], context: aio.ServicerContext
+                     ) -> AsyncIterator[Message]:
+        async for answer in service.ModelStreamInfer(requests, response_type):
+            yield answer
+
+    return grpc.stream_stream_rpc_method_handler(
+        handle, request_deserializer=request_type.FromString,
+        response_serializer=response_type.SerializeToString)
+
+
 def _generic_handler(service: Service) -> grpc.GenericRpcHandler:
     handlers = {}
     for name in METHODS:
         request_type, response_type = method_types(name)
         handlers[name] = _handler(getattr(service, name), request_type, response_type)
+    handlers[STREAMING] = _stream_handler(service)
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
@@ -147,9 +216,11 @@ class GrpcEndpoint:
 
     def __init__(self, repository: ModelRepository, metrics: ServingMetrics, *,
                  host: str = "127.0.0.1", port: int = 0, max_message_bytes: int = 16 << 20,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, regions: SharedMemoryRegistry | None = None
+                 ) -> None:
         self.repository = repository
         self.metrics = metrics
+        self.regions = regions
         self.host = host
         self.requested_port = port
         self.max_message_bytes = max_message_bytes
@@ -181,8 +252,8 @@ class GrpcServer(GrpcEndpoint):
                    ("grpc.max_send_message_length", -1),
                    ("grpc.so_reuseport", int(self.reuse_port))]
         server = aio.server(options=options)
-        server.add_generic_rpc_handlers((_generic_handler(Service(self.repository,
-                                                                  self.metrics)),))
+        server.add_generic_rpc_handlers((_generic_handler(Service(
+            self.repository, self.metrics, self.regions)),))
         host = f"[{self.host}]" if ":" in self.host else self.host
         try:
             port: int = server.add_insecure_port(f"{host}:{self.requested_port}")

@@ -15,6 +15,10 @@ DIR (symlinks) are refused. A config is JSON: ``name``, ``version_policy`` (Trit
 [1, 3]}}``; each version served gets its own pool), ``mode``, ``workers``, ``batch_limit``,
 ``queue_limit``, ``max_wait_ms``, ``threads_per_worker``, ``inputs`` and ``outputs``
 (``[{"name", "datatype", "shape"}]``).
+
+A model folder (or a numbered version's folder) may hold ``handler.py``: pre- and
+postprocessing around the model (``paraloom.serving.handlers``). It is code, so it runs only
+when the server allows handlers; otherwise the model is listed UNAVAILABLE with the reason.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from pathlib import Path
 from typing import Literal, cast
 
 from paraloom.serving.errors import NotFoundError
+from paraloom.serving.handlers import HANDLER_FILE, Handler, load_handler
 from paraloom.serving.repository.files import ModelFiles
 from paraloom.serving.served import PoolOptions, ServedModel, build_pool
-from paraloom.serving.signature import TensorSpec, infer_signature
+from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
 
 __all__ = ["Found", "ModelConfig", "ModelsDir", "VersionPolicy", "read_config"]
 
@@ -154,13 +159,14 @@ class ModelsDir:
     """The models in a directory, and how to build a ``ServedModel`` of one of them."""
 
     def __init__(self, root: str | Path, *, pool_defaults: PoolOptions | None = None,
-                 retry_after: int = 1) -> None:
+                 retry_after: int = 1, allow_handlers: bool = False) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ValueError(f"models directory {str(root)!r} is not a directory; pass the "
                              "folder that holds one sub-folder or .safetensors file per model")
         self.pool_defaults = PoolOptions() if pool_defaults is None else pool_defaults.copy()
         self.retry_after = retry_after
+        self.allow_handlers = allow_handlers
 
     def _inside(self, path: Path) -> bool:
         return path.resolve().is_relative_to(self.root)
@@ -281,10 +287,31 @@ class ModelsDir:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"cannot load {path.relative_to(self.root)}: {e}") from e
         signature = infer_signature(model, inputs=config.inputs, outputs=config.outputs)
+        handler = self._handler(folder, signature, f"{name}:{version}")
         options: PoolOptions = {**self.pool_defaults, **config.pool_options}
         pool = build_pool(model, signature, None, config.outputs is None, options)
         # A load request reads from the model's own folder: DIR itself for DIR/NAME.safetensors.
         files = ModelFiles(model_file=path, model_dir=folder or self.root)
-        return ServedModel(name, pool, model, signature, files=files, owns_pool=True,
-                           retry_after=self.retry_after, first_version=version,
-                           numbered=numbered)
+        return ServedModel(name, pool, model, signature if handler is None else handler.signature,
+                           files=files, owns_pool=True, retry_after=self.retry_after,
+                           first_version=version, numbered=numbered, handler=handler)
+
+    def _handler(self, folder: Path | None, signature: ModelSignature, label: str
+                 ) -> Handler | None:
+        """The handler.py of a model's folder (a version's own first), loaded if allowed."""
+        if folder is None:
+            return None
+        candidates = [folder / HANDLER_FILE, folder.parent / HANDLER_FILE]
+        if folder.parent == self.root:
+            candidates.pop()
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            return None
+        shown = path.relative_to(self.root)
+        if not self._inside(path):
+            raise ValueError(f"{shown} resolves outside the models directory: refused")
+        if not self.allow_handlers:
+            raise ValueError(f"{shown} is code, which this server does not run: start it with "
+                             "--allow-handlers (create_repository_app(allow_handlers=True)) to "
+                             "serve this model through its handler")
+        return load_handler(path, signature, label)

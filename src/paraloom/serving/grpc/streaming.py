@@ -1,0 +1,92 @@
+"""``ModelStreamInfer``: many requests over one bidirectional stream, answers as they are ready.
+
+Each request on the stream runs as its own task through the same path as a unary ``ModelInfer``
+(so it is batched with every other request the model's pool holds, from any transport), and its
+answer goes back as soon as it is ready, carrying the request's id. A request that fails gets a
+``ModelStreamInferResponse`` with ``error_message`` (prefixed with its id, since tritonclient
+hands stream callbacks the error alone) and an ``infer_response`` that names the model and the
+id; the stream goes on. At most ``STREAM_IN_FLIGHT`` requests of one stream run at once; past
+that the stream is not read until one finishes (gRPC's flow control then holds the client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from paraloom.serving.errors import ServingError
+from paraloom.serving.grpc.messages import InferRequestMessage, Message, message
+
+__all__ = ["STREAM_IN_FLIGHT", "answer_stream"]
+
+STREAM_IN_FLIGHT = 1024
+"""Requests of one stream running at once; more wait, unread, in the client's stream."""
+_StreamResponse = message("ModelStreamInferResponse")
+_InferResponse = message("ModelInferResponse")
+
+Infer = Callable[[InferRequestMessage], Awaitable[Message]]
+"""Answers one request (``Service.ModelInfer`` bound to its response class)."""
+
+
+def _error(request: InferRequestMessage, text: str) -> Message:
+    prefix = f"request {request.id!r}: " if request.id else ""
+    return _StreamResponse(error_message=prefix + text, infer_response=_InferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id))
+
+
+async def _answer(infer: Infer, request: InferRequestMessage) -> Message:
+    try:
+        return _StreamResponse(infer_response=await infer(request))
+    except ServingError as e:
+        return _error(request, e.message)
+    except (ValueError, TypeError) as e:  # a message field of the wrong shape
+        return _error(request, f"bad request: {e}")
+    except Exception as e:  # noqa: BLE001 - one request's failure must not end the stream
+        return _error(request, f"{grpc.StatusCode.INTERNAL.name}: {type(e).__name__}: {e}")
+
+
+async def answer_stream(infer: Infer, requests: AsyncIterator[InferRequestMessage],
+                        in_flight: int = STREAM_IN_FLIGHT) -> AsyncIterator[Message]:
+    """The answers to ``requests``, each as soon as it is ready; ends when the requests have
+    ended and every one is answered. Cancelling the iteration cancels the requests running."""
+    answers: asyncio.Queue[Message | BaseException | None] = asyncio.Queue()
+    slots = asyncio.Semaphore(in_flight)
+    running: set[asyncio.Task[None]] = set()
+
+    async def run(request: InferRequestMessage) -> None:
+        try:
+            await answers.put(await _answer(infer, request))
+        finally:
+            slots.release()
+
+    async def read() -> None:
+        try:
+            async for request in requests:
+                await slots.acquire()
+                task = asyncio.create_task(run(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running)
+            await answers.put(None)
+        except BaseException as e:  # noqa: BLE001 - the stream broke: end the answers with it
+            await answers.put(e)
+            raise
+
+    reader = asyncio.create_task(read())
+    try:
+        while True:
+            answer = await answers.get()
+            if answer is None:
+                return
+            if isinstance(answer, BaseException):
+                raise answer
+            yield answer
+    finally:
+        for task in [reader, *running]:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(reader, *running, return_exceptions=True)

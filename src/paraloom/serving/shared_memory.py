@@ -1,0 +1,232 @@
+"""System shared memory, as Triton's extension defines it: regions of POSIX shared memory that a
+client on the same host registers, then names in requests instead of sending the bytes.
+
+A client creates a segment (``shm_open``; tritonclient's ``tritonclient.utils.shared_memory``),
+registers part of it under a name (``key``, ``offset``, ``byte_size``), and writes inputs there.
+A request's input or requested output then carries ``shared_memory_region``,
+``shared_memory_byte_size`` and optionally ``shared_memory_offset`` (relative to the region's
+own offset) instead of data: the model reads the input where it lies, without a copy (as
+Triton does: the client must not rewrite a region before its request is answered), and the
+output is written into its region. Every access is checked against the region's registered
+size, and against the segment's size now (a client that shrank it must not crash the server); a
+request that reads or writes past either is refused (``ProtocolError``, HTTP 400 /
+``INVALID_ARGUMENT``).
+
+The server maps a segment once, at registration. An unregistered region is unmapped once no
+request reads it any more: a request in flight holds the mapping (numpy's buffer export) until
+it ends, so memory is never read after it was unmapped. Linux (``/dev/shm``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+import numpy as np
+
+from paraloom.serving.errors import NotFoundError, ProtocolError, short_repr
+
+__all__ = ["MAX_REGIONS", "OFF", "RegionRef", "RegionStatus", "SharedMemoryRegistry",
+           "region_ref", "registry_or_refuse"]
+
+MAX_REGIONS = 1024
+"""Regions one server holds at once; a register past it is refused (each holds a mapping)."""
+OFF = ("shared memory is off on this server (paraloom serve --shared-memory on, or "
+       "shared_memory=True, turns it on; 'auto' is on for a loopback --host and one process)")
+"""Why a request that uses shared memory is refused by a server that has it off."""
+_KEY = re.compile(r"/?[A-Za-z0-9_.\-]{1,200}")
+_NAME = re.compile(r"[A-Za-z0-9_.\-:]{1,200}")
+_REGION, _SIZE, _OFFSET = ("shared_memory_region", "shared_memory_byte_size",
+                           "shared_memory_offset")
+
+
+class RegionStatus(TypedDict):
+    """One registered region, as the status endpoints list it."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(frozen=True)
+class RegionRef:
+    """Where a request's input is read from or its output written to: ``byte_size`` bytes at
+    ``offset`` (from the region's start) of the region registered as ``region``."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+@dataclass
+class _Region:
+    status: RegionStatus
+    mapping: mmap.mmap = field(repr=False)
+    fd: int = -1  # kept open: the segment's size is checked at every access
+
+    def close(self) -> None:
+        os.close(self.fd)
+        try:
+            self.mapping.close()
+        except BufferError:  # a request in flight still reads it: unmapped when it ends
+            pass
+
+
+def _count(params: Mapping[str, object], key: str, where: str, default: int | None) -> int:
+    value = params.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError(f"{where} has {key} {short_repr(value)}; expected a non-negative "
+                            "integer number of bytes")
+    return value
+
+
+def region_ref(params: Mapping[str, object], where: str) -> RegionRef | None:
+    """The region a tensor's ``parameters`` name; None when they name none."""
+    name = params.get(_REGION)
+    if name is None:
+        if _SIZE in params or _OFFSET in params:
+            raise ProtocolError(f"{where} gives {_SIZE} or {_OFFSET} without "
+                                f"{_REGION}; name the registered region too")
+        return None
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"{where} has {_REGION} {short_repr(name)}; expected the name a "
+                            "region was registered under")
+    if _SIZE not in params:
+        raise ProtocolError(f"{where} names region {name!r} without {_SIZE}; send the number "
+                            "of bytes to read or write there")
+    return RegionRef(name, _count(params, _SIZE, where, None), _count(params, _OFFSET, where, 0))
+
+
+def registry_or_refuse(regions: SharedMemoryRegistry | None, what: str = "") -> \
+        SharedMemoryRegistry:
+    """``regions``, or ``ProtocolError`` (``what``, then why) when shared memory is off."""
+    if regions is None:
+        raise ProtocolError(what + OFF)
+    return regions
+
+
+def _open_segment(key: str) -> tuple[mmap.mmap, int]:
+    """Map the whole POSIX shared memory segment ``key``, read-write; the map and its fd."""
+    path = os.path.join("/dev/shm", key.lstrip("/"))
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError as e:
+        raise ProtocolError(f"no shared memory segment {key!r} on this host; create it (with "
+                            "shm_open, tritonclient.utils.shared_memory.create_shared_memory_"
+                            "region) before registering it") from e
+    except OSError as e:
+        raise ProtocolError(f"cannot open shared memory segment {key!r}: {e.strerror}") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise ProtocolError(f"shared memory segment {key!r} is empty; give it a size "
+                                "(ftruncate) before registering it")
+        return mmap.mmap(fd, size), fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class SharedMemoryRegistry:
+    """The regions registered with one server; shared by HTTP and gRPC. Thread-safe."""
+
+    def __init__(self, max_regions: int = MAX_REGIONS) -> None:
+        self.max_regions = max_regions
+        self._regions: dict[str, _Region] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Map ``byte_size`` bytes at ``offset`` of segment ``key`` as region ``name``.
+
+        Raises ``ProtocolError`` for a name already registered, a key that is not a plain
+        segment name, a segment that does not exist, or a range past the segment's end.
+        """
+        if not _NAME.fullmatch(name):
+            raise ProtocolError(f"region name {short_repr(name)} is not valid; use up to 200 "
+                                "letters, digits, '_', '-', '.' or ':'")
+        if not _KEY.fullmatch(key) or key.lstrip("/") in (".", ".."):
+            raise ProtocolError(f"shared memory key {short_repr(key)} is not a segment name; "
+                                "expected a name such as '/input_data' (one optional leading "
+                                "'/', then letters, digits, '_', '-' or '.')")
+        if byte_size <= 0 or offset < 0:
+            raise ProtocolError(f"region {name!r} has offset {offset} and byte_size "
+                                f"{byte_size}; expected offset >= 0 and byte_size > 0")
+        with self._lock:
+            if name in self._regions:
+                raise ProtocolError(f"shared memory region {name!r} is already registered; "
+                                    "unregister it first, or pick another name")
+            if len(self._regions) >= self.max_regions:
+                raise ProtocolError(f"this server holds {self.max_regions} regions, its "
+                                    "limit; unregister some first")
+            mapping, fd = _open_segment(key)
+            region = _Region(RegionStatus(name=name, key=key, offset=offset,
+                                          byte_size=byte_size), mapping, fd)
+            end, size = offset + byte_size, len(mapping)
+            if end > size:
+                region.close()
+                raise ProtocolError(f"region {name!r} asks for bytes {offset}..{end} of "
+                                    f"segment {key!r}, which has {size} bytes")
+            self._regions[name] = region
+
+    def unregister(self, name: str | None = None) -> None:
+        """Unmap region ``name``, or every region when None; an unknown name is no error."""
+        with self._lock:
+            names = list(self._regions) if name is None else [name]
+            for one in names:
+                region = self._regions.pop(one, None)
+                if region is not None:
+                    region.close()
+
+    def status(self, name: str | None = None) -> list[RegionStatus]:
+        """The registered regions (only ``name``'s when given; ``NotFoundError`` if unknown)."""
+        with self._lock:
+            if name is None:
+                return [RegionStatus(**r.status) for r in self._regions.values()]
+            if name not in self._regions:
+                raise NotFoundError(f"no shared memory region {name!r} is registered")
+            return [RegionStatus(**self._regions[name].status)]
+
+    def _span(self, ref: RegionRef, size: int, where: str) -> tuple[_Region, int]:
+        region = self._regions.get(ref.region)
+        if region is None:
+            raise ProtocolError(f"{where} names shared memory region {ref.region!r}, which is "
+                                "not registered; register it first")
+        limit = region.status["byte_size"]
+        if ref.offset + size > limit:
+            raise ProtocolError(f"{where} needs bytes {ref.offset}..{ref.offset + size} of "
+                                f"region {ref.region!r}, which has {limit} bytes")
+        start = region.status["offset"] + ref.offset
+        if start + size > os.fstat(region.fd).st_size:  # past the end of a shrunk segment:
+            raise ProtocolError(                        # touching it would be a SIGBUS
+                f"{where} needs bytes {start}..{start + size} of shared memory segment "
+                f"{region.status['key']!r}, which was made smaller since region "
+                f"{ref.region!r} was registered; register it again")
+        return region, start
+
+    def read(self, ref: RegionRef, where: str) -> np.ndarray:
+        """The ``ref.byte_size`` bytes ``ref`` names, in place: a writable uint8 array over the
+        shared memory (it keeps the mapping alive while it lives)."""
+        with self._lock:
+            region, start = self._span(ref, ref.byte_size, where)
+            return np.frombuffer(region.mapping, dtype=np.uint8, count=ref.byte_size,
+                                 offset=start)
+
+    def write(self, ref: RegionRef, data: bytes | memoryview, where: str) -> None:
+        """Write ``data`` at ``ref``; ``ProtocolError`` if it is longer than ``ref.byte_size``
+        or would pass the region's end."""
+        if len(data) > ref.byte_size:
+            raise ProtocolError(f"{where} is {len(data)} bytes but the request gave "
+                                f"{_SIZE} {ref.byte_size}; give at least {len(data)}")
+        with self._lock:
+            region, start = self._span(ref, len(data), where)
+            region.mapping[start:start + len(data)] = data
+
+    def close(self) -> None:
+        """Unmap every region (at server shutdown)."""
+        self.unregister(None)

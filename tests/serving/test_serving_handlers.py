@@ -1,0 +1,184 @@
+"""Handlers: strings in and out around a model, over HTTP JSON, the binary extension and gRPC
+with tritonclient; opt-in only; a handler's failure answers its request and nothing else."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as tg
+import tritonclient.http as th
+from serving_helpers import WAIT_S, Client, closing
+from tritonclient.utils import InferenceServerException
+
+from paraloom import save
+from paraloom.models import MLP
+from paraloom.serving import ServerThread, create_repository_app
+from paraloom.serving.handlers import Handler, HandlerFailedError
+from paraloom.serving.signature import ModelSignature, TensorSpec
+
+_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serving" / "sentiment"
+_SENTIMENT = (_EXAMPLE / "handler.py").read_text()  # the README's example, as shipped
+
+_BROKEN = '''
+INPUTS = [{"name": "input", "datatype": "FP32", "shape": [-1, 16]}]
+OUTPUTS = [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]
+
+
+def postprocess(logits):
+    return [logits]
+'''
+
+
+def _model(folder: Path, handler: str | None, seed: int = 0) -> torch.nn.Module:
+    folder.mkdir(parents=True)
+    torch.manual_seed(seed)
+    model = MLP(in_features=16, hidden=[8], num_classes=2).eval()
+    save(model, folder / "model.safetensors")
+    if handler is not None:
+        (folder / "handler.py").write_text(textwrap.dedent(handler))
+    return model
+
+
+@pytest.fixture()
+def models(tmp_path: Path) -> Path:
+    _model(tmp_path / "sentiment", _SENTIMENT)
+    _model(tmp_path / "broken", _BROKEN)
+    _model(tmp_path / "noinputs", "def preprocess(inputs):\n    return inputs\n")
+    _model(tmp_path / "crashes", "raise ImportError('no tokenizer here')\n")
+    _model(tmp_path / "plain", None)
+    return tmp_path
+
+
+def _expected(models: Path, texts: list[bytes]) -> tuple[list[bytes], np.ndarray]:
+    from paraloom.checkpoint import load
+
+    model = load(models / "sentiment" / "model.safetensors").eval()
+    scope: dict[str, object] = {}
+    exec(_SENTIMENT, scope)  # the shipped example's text, run here to know what to expect
+    with torch.no_grad():
+        logits = model(scope["preprocess"]({"text": np.array(texts, dtype=object)}))  # type: ignore[operator]
+    out = scope["postprocess"](logits)  # type: ignore[operator]
+    return [s.encode() for s in out["label"]], out["score"]
+
+
+def test_handlers_run_only_when_allowed(models: Path) -> None:
+    app = create_repository_app(models, workers=1)
+    client = Client(app)
+    try:
+        index = {row["name"]: row for row in client.post("/v2/repository/index").json()}
+        assert index["sentiment"]["state"] == "UNAVAILABLE"
+        assert "--allow-handlers" in index["sentiment"]["reason"]
+        assert index["plain"]["state"] == "READY"
+    finally:
+        client.close()
+        closing(app)
+
+
+@pytest.fixture()
+def server(models: Path) -> Iterator[ServerThread]:
+    app = create_repository_app(models, allow_handlers=True, workers=1)
+    with ServerThread(app, grpc_port=0, grpc_backend="grpcio") as srv:
+        yield srv
+
+
+def test_bad_handlers_are_unavailable_with_the_reason(server: ServerThread) -> None:
+    client = th.InferenceServerClient(server.url[len("http://"):])
+    index = {row["name"]: row for row in client.get_model_repository_index()}
+    assert index["sentiment"]["state"] == index["broken"]["state"] == "READY"
+    assert "INPUTS" in index["noinputs"]["reason"]
+    assert "no tokenizer here" in index["crashes"]["reason"]
+
+
+def test_strings_in_and_out_over_every_encoding(server: ServerThread, models: Path) -> None:
+    texts = [b"a great, warm film", "très lent, triste".encode(), b"ok"]
+    labels, scores = _expected(models, texts)
+    http = th.InferenceServerClient(server.url[len("http://"):])
+    grpc = tg.InferenceServerClient(server.grpc_url)
+    meta = http.get_model_metadata("sentiment")
+    assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert [o["name"] for o in meta["outputs"]] == ["label", "score"]
+    assert grpc.get_model_metadata("sentiment").inputs[0].datatype == "BYTES"
+    data = np.array(texts, dtype=object)
+    for client, module, binary in [(http, th, True), (http, th, False), (grpc, tg, None)]:
+        given = module.InferInput("text", [3], "BYTES")
+        if binary is None:
+            given.set_data_from_numpy(data)
+        else:
+            given.set_data_from_numpy(data, binary_data=binary)
+        outputs = None if binary is None else [
+            module.InferRequestedOutput(n, binary_data=binary) for n in ("label", "score")]
+        result = client.infer("sentiment", [given], outputs=outputs)
+        assert [bytes(v) if not isinstance(v, str) else v.encode()
+                for v in result.as_numpy("label")] == labels
+        np.testing.assert_allclose(result.as_numpy("score"), scores, rtol=1e-6)
+
+
+def test_a_failing_handler_answers_its_request_only(server: ServerThread) -> None:
+    http = th.InferenceServerClient(server.url[len("http://"):])
+    empty = th.InferInput("text", [1], "BYTES")
+    empty.set_data_from_numpy(np.array([b""], dtype=object))
+    with pytest.raises(InferenceServerException, match="refused the input: ValueError: an "
+                       "empty text") as refused:
+        http.infer("sentiment", [empty])
+    assert refused.value.status() == "400"
+    x = th.InferInput("input", [1, 16], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 16), np.float32))
+    with pytest.raises(InferenceServerException, match="postprocess returned list") as failed:
+        http.infer("broken", [x])
+    assert failed.value.status() == "500"
+    url = f"{server.url}/v2/models/sentiment/infer"
+    wrong_count = {"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES",
+                               "data": ["one"]}]}
+    r = httpx.post(url, json=wrong_count, timeout=WAIT_S)
+    assert r.status_code == 400 and "1 strings but shape [2] needs 2" in r.json()["error"]
+    head = json.dumps({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
+                                   "parameters": {"binary_data_size": 6}}]}).encode()
+    r = httpx.post(url, content=head + b"\x09\x00\x00\x00ab", timeout=WAIT_S,
+                   headers={"Inference-Header-Content-Length": str(len(head))})
+    assert r.status_code == 400 and "says it has 9 bytes but only 2 remain" in r.json()["error"]
+    words = th.InferInput("input", [1, 16], "BYTES")
+    words.set_data_from_numpy(np.array([[b"w"] * 16], dtype=object))
+    with pytest.raises(InferenceServerException, match="handler.py"):
+        http.infer("plain", [words])
+    ok = th.InferInput("text", [1], "BYTES")
+    ok.set_data_from_numpy(np.array([b"fine"], dtype=object))
+    assert http.infer("sentiment", [ok]).as_numpy("label").shape == (1,)
+    assert http.is_server_ready()
+
+
+def _handler(preprocess: object = None, postprocess: object = None) -> Handler:
+    model = ModelSignature((TensorSpec("a", "FP32", (-1, 2)), TensorSpec("b", "FP32", (-1, 2))),
+                           (TensorSpec("output", "FP32", (-1, 2)),))
+    public = ModelSignature((TensorSpec("x", "FP32", (-1, 2)),),
+                            (TensorSpec("label", "BYTES", (-1,)),))
+    return Handler(Path("handler.py"), preprocess, postprocess, public, model)  # type: ignore[arg-type]
+
+
+def test_preprocess_may_return_a_dict_keyed_by_the_model_inputs() -> None:
+    x = torch.ones(3, 2)
+    handler = _handler(lambda inputs: {"b": torch.from_numpy(inputs["x"]) * 2,
+                                       "a": torch.from_numpy(inputs["x"])})
+    a, b = handler.to_model([x])
+    assert torch.equal(a, x) and torch.equal(b, 2 * x)
+    with pytest.raises(HandlerFailedError, match="missing: \\['b'\\]"):
+        _handler(lambda inputs: {"a": x}).to_model([x])
+    with pytest.raises(HandlerFailedError, match="returned str"):
+        _handler(lambda inputs: "text").to_model([x])
+
+
+def test_postprocess_outputs_are_checked_against_outputs() -> None:
+    handler = _handler(postprocess=lambda out: {"label": np.array(["x"] * len(out),
+                                                                  dtype=object)})
+    assert list(handler.from_model(torch.zeros(2, 2))["label"]) == ["x", "x"]
+    numbers = _handler(postprocess=lambda out: {"label": np.zeros(2)})
+    with pytest.raises(HandlerFailedError, match="declares BYTES"):
+        numbers.from_model(torch.zeros(2, 2))
+    with pytest.raises(HandlerFailedError, match="without outputs \\['label'\\]"):
+        _handler(postprocess=lambda out: {}).from_model(torch.zeros(2, 2))

@@ -106,9 +106,10 @@ def test_the_feature_rows_check_every_answer_and_compare_like_with_like() -> Non
         _, streamed = asyncio.run(_stream(port, bodies))
         _, unary = asyncio.run(_unary(port, bodies, concurrency=8))
     assert len(streamed) == len(unary) == 60
-    assert _check(streamed, expected, streamed=True) and _check(unary, expected, streamed=False)
-    assert not _check(streamed[1:], expected, streamed=True)  # an id never answered
-    assert not _check(unary, expected.flip(0), streamed=False)  # rows of other requests
+    assert _check(streamed, 60, expected, streamed=True)
+    assert _check(unary, 60, expected, streamed=False)
+    assert not _check(streamed[:-1], 60, expected, streamed=True)  # an answer never came
+    assert not _check(unary, 60, expected.flip(0), streamed=False)  # rows of other requests
     shm = {"http inline (binary) @1": 100.0, "http shared memory @1": 250.0,
            "grpc inline (raw) @1": 50.0, "grpc shared memory @1": 200.0}
     assert _ratios(shm, {"grpc unary": 100.0, "grpc stream": 95.0}, [1]) == {

@@ -52,6 +52,9 @@ def models(tmp_path: Path) -> Path:
     _model(tmp_path / "broken", _BROKEN)
     _model(tmp_path / "noinputs", "def preprocess(inputs):\n    return inputs\n")
     _model(tmp_path / "crashes", "raise ImportError('no tokenizer here')\n")
+    _model(tmp_path / "mistyped", 'INPUTS = [{"name": "input", "datatype": "BYTES", '
+           '"shape": [-1]}]\nOUTPUTS = [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]\n'
+           'def postprocess(out):\n    return {"y": out.numpy()}\n')
     _model(tmp_path / "plain", None)
     return tmp_path
 
@@ -94,6 +97,7 @@ def test_bad_handlers_are_unavailable_with_the_reason(server: ServerThread) -> N
     assert index["sentiment"]["state"] == index["broken"]["state"] == "READY"
     assert "INPUTS" in index["noinputs"]["reason"]
     assert "no tokenizer here" in index["crashes"]["reason"]
+    assert "has no preprocess, so its INPUTS must be the model's" in index["mistyped"]["reason"]
 
 
 def test_strings_in_and_out_over_every_encoding(server: ServerThread, models: Path) -> None:

@@ -51,17 +51,23 @@ def test_registry_reads_and_writes_inside_a_region(segment: shared_memory.Shared
     regions.close()
 
 
-def test_an_input_read_in_place_outlives_its_region(segment: shared_memory.SharedMemory
-                                                    ) -> None:
-    """Unregistering while a request reads the region leaves the request's memory mapped."""
+def test_regions_of_one_segment_share_a_file_and_reads_are_copies(
+        segment: shared_memory.SharedMemory) -> None:
+    import os
+
+    before = len(os.listdir("/proc/self/fd"))
     regions = SharedMemoryRegistry()
-    regions.register("r", "/" + segment.name, 0, 16)
-    segment.buf[:4] = b"\x01\x02\x03\x04"
-    view = regions.read(RegionRef("r", 4), "input")
-    regions.unregister("r")
-    assert view.tolist() == [1, 2, 3, 4]
-    segment.buf[0] = 9  # in place: what the client writes is what the model reads
-    assert view[0] == 9
+    regions.register("a", "/" + segment.name, 0, 16)
+    regions.register("b", "/" + segment.name, 16, 16)
+    assert len(os.listdir("/proc/self/fd")) == before + 1
+    segment.buf[16:20] = b"\x01\x02\x03\x04"
+    data = regions.read(RegionRef("b", 4), "input")
+    segment.buf[16] = 9  # the request's tensor owns its bytes: the client may write again
+    assert list(data) == [1, 2, 3, 4]
+    regions.unregister("a")
+    assert len(os.listdir("/proc/self/fd")) == before + 1  # "b" still uses the file
+    regions.unregister("b")
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_shrunk_segment_is_refused_not_a_crash(segment: shared_memory.SharedMemory) -> None:
@@ -71,12 +77,12 @@ def test_a_shrunk_segment_is_refused_not_a_crash(segment: shared_memory.SharedMe
     regions.register("r", "/" + segment.name, 0, 256)
     fd = os.open("/dev/shm/" + segment.name, os.O_RDWR)
     try:
-        os.ftruncate(fd, 64)  # the client made its segment smaller: touching byte 200 = SIGBUS
+        os.ftruncate(fd, 64)  # the client made its segment smaller: a mapped read = SIGBUS
         with pytest.raises(ProtocolError, match="made smaller"):
             regions.read(RegionRef("r", 8, offset=200), "input 'x'")
         with pytest.raises(ProtocolError, match="made smaller"):
             regions.write(RegionRef("r", 8, offset=200), b"12345678", "output 'y'")
-        assert regions.read(RegionRef("r", 8), "input 'x'").size == 8
+        assert len(regions.read(RegionRef("r", 8), "input 'x'")) == 8
     finally:
         os.ftruncate(fd, 256)
         os.close(fd)
@@ -104,6 +110,18 @@ def test_registry_refuses_what_it_cannot_serve(segment: shared_memory.SharedMemo
     with pytest.raises(ProtocolError, match=message):
         call(regions, key)  # type: ignore[operator]
     regions.close()
+
+
+def test_a_symlink_in_dev_shm_is_not_followed(segment: shared_memory.SharedMemory) -> None:
+    import os
+
+    link = f"/dev/shm/pl_link_{os.getpid()}"
+    os.symlink("/dev/shm/" + segment.name, link)  # even to a real segment: no symlinks
+    try:
+        with pytest.raises(ProtocolError, match="cannot open"):
+            SharedMemoryRegistry().register("r", "/" + os.path.basename(link), 0, 8)
+    finally:
+        os.unlink(link)
 
 
 def test_registry_bounds_the_regions_it_holds(segment: shared_memory.SharedMemory) -> None:
@@ -336,3 +354,35 @@ def test_fuzzed_shared_memory_requests_are_answered_or_refused_never_internal(
 
 def region_of(url: str) -> str:
     return url.split("/region/")[1].split("/")[0] if "/region/" in url else ""
+
+
+def test_left_to_auto_shared_memory_is_off_where_other_hosts_reach_the_server(
+        lenet: torch.nn.Module) -> None:
+    from paraloom.serving.app import settle_shared_memory
+
+    for host, choice, on in [("127.0.0.1", None, True), ("0.0.0.0", None, False),
+                            ("192.0.2.7", None, False), ("0.0.0.0", True, True),
+                            ("127.0.0.1", False, False)]:
+        app = create_app(lenet, name="lenet", workers=1, shared_memory=choice)
+        settle_shared_memory(app, host)
+        assert (app.state.regions is not None) is on, (host, choice)
+        closing(app)
+
+
+def test_a_grpc_region_parameter_without_a_value_is_invalid_argument(
+        lenet: torch.nn.Module) -> None:
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    app = create_app(lenet, name="lenet", workers=1)
+    with ServerThread(app, grpc_port=0, grpc_backend="grpcio") as server, \
+            grpc.insecure_channel(server.grpc_url) as channel:
+        request = pb.ModelInferRequest(model_name="lenet")
+        tensor = request.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
+        tensor.parameters["shared_memory_region"]  # present, with no value set
+        request.raw_input_contents.append(bytes(256))
+        with pytest.raises(grpc.RpcError) as error:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "shared memory" in error.value.details()

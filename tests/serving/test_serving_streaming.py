@@ -123,3 +123,27 @@ def test_answer_stream_ends_with_the_error_of_a_broken_request_stream() -> None:
 
     with pytest.raises(ConnectionError, match="went away"):
         asyncio.run(asyncio.wait_for(collect(), WAIT_S))
+
+
+def test_a_stream_whose_answers_are_not_read_stops_reading_requests() -> None:
+    """Answers wait to be sent in the slots: a client that never reads cannot grow them."""
+    pulled = 0
+
+    async def requests() -> AsyncIterator[Any]:
+        nonlocal pulled
+        for request in _requests(100):
+            pulled += 1
+            yield request
+
+    async def infer(request: Any) -> Any:
+        return _Response(id=request.id)
+
+    async def take_one_then_stall() -> int:
+        answers = answer_stream(infer, requests(), in_flight=4)
+        await answers.__anext__()
+        await asyncio.sleep(0.2)  # the client reads nothing more
+        seen = pulled
+        await answers.aclose()
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(take_one_then_stall(), WAIT_S)) <= 4 + 1

@@ -19,7 +19,7 @@ from paraloom.serving.repository.files import ModelFiles
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.routes import EXCEPTION_HANDLERS, ROUTES
 from paraloom.serving.served import PoolOptions, ServedModel, build_pool
-from paraloom.serving.shared_memory import SharedMemoryRegistry
+from paraloom.serving.shared_memory import SharedMemoryRegistry, is_loopback
 from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
     from paraloom.inference.parallel import ParallelInference
 
-__all__ = ["AppOptions", "create_app", "create_repository_app", "repository_of"]
+__all__ = ["AppOptions", "create_app", "create_repository_app", "repository_of",
+           "settle_shared_memory"]
 
 _log = logging.getLogger("paraloom.serving")
 
@@ -43,7 +44,7 @@ class AppOptions(PoolOptions, total=False):
     model_file: str | None
     model_dir: str | None
     retry_after: int
-    shared_memory: bool
+    shared_memory: bool | None
 
 
 def repository_of(app: Starlette) -> ModelRepository | None:
@@ -86,7 +87,8 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
                outputs: Sequence[TensorSpec] | None = None,
                max_body_bytes: int = 16 << 20, model_file: str | None = None,
                model_dir: str | None = None, retry_after: int = 1,
-               shared_memory: bool = True, **pool_options: Unpack[PoolOptions]) -> Starlette:
+               shared_memory: bool | None = None, **pool_options: Unpack[PoolOptions]
+               ) -> Starlette:
     """An ASGI app serving a model (or an existing ParallelInference) under the v2 protocol.
 
     Given a model, the app builds ``ParallelInference(model, **pool_options)`` and closes it,
@@ -95,8 +97,9 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
     ``inputs``/``outputs``, a ``sample`` input, or the model's first layer. Remote loads may read
     only ``model_file`` or ``.safetensors`` files in ``model_dir`` (see ``ModelFiles``).
     ``shared_memory`` serves Triton's system shared memory extension (see
-    ``paraloom.serving.shared_memory``): clients on this host may then name segments of its
-    shared memory, to be read and written; turn it off on a server other hosts can reach.
+    ``paraloom.serving.shared_memory``): clients may then name segments of this host's shared
+    memory, to be read and written. None (default): on when ``serve`` or ``ServerThread``
+    binds a loopback address, off otherwise; True: on wherever it is served; False: off.
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes={max_body_bytes}; expected a positive byte count")
@@ -134,7 +137,8 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
 
 def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 << 20,
                           retry_after: int = 1, allow_handlers: bool = False,
-                          shared_memory: bool = True, **pool_defaults: Unpack[PoolOptions]
+                          shared_memory: bool | None = None,
+                          **pool_defaults: Unpack[PoolOptions]
                           ) -> Starlette:
     """An ASGI app serving every model in ``models_dir`` (see ``paraloom.serving.repository``).
 
@@ -166,20 +170,29 @@ def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 <<
     return app
 
 
-def _app(repository: ModelRepository, max_body_bytes: int, shared_memory: bool) -> Starlette:
+def settle_shared_memory(app: Starlette, host: str) -> None:
+    """Turn an app's shared memory off when it was left to "auto" (``shared_memory=None``) and
+    ``host`` is reachable from other machines; ``serve`` and ``ServerThread`` call it."""
+    if getattr(app.state, "shared_memory_auto", False) and not is_loopback(host):
+        app.state.regions = None
+
+
+def _app(repository: ModelRepository, max_body_bytes: int, shared_memory: bool | None
+         ) -> Starlette:
     app_metrics = ServingMetrics()
     app_metrics.watch(repository.pools, repository.versions)
-    regions = SharedMemoryRegistry() if shared_memory else None
+    registry = SharedMemoryRegistry() if shared_memory is not False else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await repository.close()
-        if regions is not None:
-            regions.close()
+        if registry is not None:
+            registry.close()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.repository, app.state.metrics = repository, app_metrics
     app.state.max_body_bytes = max_body_bytes
-    app.state.regions = regions
+    app.state.regions = registry
+    app.state.shared_memory_auto = shared_memory is None
     return app

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import ipaddress
 import logging
 import math
 import signal
@@ -248,11 +247,9 @@ def shared_memory_on(args: argparse.Namespace) -> bool:
         raise ValueError("--shared-memory on needs --processes 1: each process holds its own "
                          "registered regions, and a client's requests reach any of them")
     if args.shared_memory == "auto":
-        try:
-            loopback = ipaddress.ip_address(args.host).is_loopback
-        except ValueError:
-            loopback = args.host == "localhost"
-        return loopback and processes == 1
+        from paraloom.serving.shared_memory import is_loopback
+
+        return is_loopback(args.host) and processes == 1
     return bool(args.shared_memory == "on")
 
 

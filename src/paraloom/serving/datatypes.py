@@ -22,7 +22,6 @@ __all__ = [
     "lookup",
     "tensor_from_bytes",
     "tensor_from_json",
-    "tensor_in_place",
     "tensor_to_bytes",
     "tensor_to_json",
     "value_datatype",
@@ -169,14 +168,6 @@ def tensor_from_bytes(chunk: memoryview | bytearray, dt: DataType, shape: tuple[
         flat = torch.from_numpy(np.frombuffer(raw, dtype=dt.numpy_dtype).astype(
             dt.numpy_dtype.newbyteorder("=")))
     return flat.reshape(shape)
-
-
-def tensor_in_place(data: np.ndarray, dt: DataType, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor over ``data`` (uint8, little-endian, row-major) without a copy; on a big-endian
-    host, a converted copy."""
-    if not _LITTLE:
-        return tensor_from_bytes(bytearray(data.tobytes()), dt, shape)
-    return torch.from_numpy(data).view(dt.torch_dtype).reshape(shape)
 
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:

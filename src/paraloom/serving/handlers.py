@@ -105,10 +105,12 @@ def load_handler(path: Path, model: ModelSignature, label: str) -> Handler:
 
 def _check_direct(path: Path, direct: bool, declared: Sequence[TensorSpec],
                   model: Sequence[TensorSpec], key: str, function: str) -> None:
-    """Without ``function``, the model's own tensors pass: ``key`` must list them."""
-    if direct and [s.name for s in declared] != [s.name for s in model]:
+    """Without ``function``, the model's own tensors pass: ``key`` must list them as they are
+    (names, datatypes and shapes)."""
+    if direct and list(declared) != list(model):
         raise ValueError(f"{path.name} has no {function}, so its {key} must be the model's "
-                         f"{[s.name for s in model]}; got {[s.name for s in declared]}")
+                         f"{[s.as_json() for s in model]}; got "
+                         f"{[s.as_json() for s in declared]}")
 
 
 def _as_numpy(value: Value) -> np.ndarray:

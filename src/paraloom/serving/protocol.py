@@ -24,7 +24,6 @@ from paraloom.serving.datatypes import (
     lookup,
     tensor_from_bytes,
     tensor_from_json,
-    tensor_in_place,
     value_datatype,
     value_to_bytes,
     value_to_json,
@@ -49,7 +48,13 @@ __all__ = [
     "parse_infer_request",
     "parse_shape",
     "read_region",
+    "MAX_STRING_REGION_BYTES",
 ]
+
+MAX_STRING_REGION_BYTES = 16 << 20
+"""The most bytes of a BYTES input read from shared memory: each string becomes a Python
+object, so this bounds the work and memory one request can ask for (numbers have no such cost:
+they are read straight into their tensor)."""
 
 
 try:  # orjson parses a request's floats ~9x faster than json: it sets the server's throughput
@@ -196,6 +201,10 @@ def read_region(regions: SharedMemoryRegistry | None, ref: RegionRef, name: str,
     """The input ``name`` read from the shared memory region ``ref`` names."""
     where = f"input {name!r}"
     dt = None if datatype == BYTES else lookup(datatype, where)
+    if dt is None and ref.byte_size > MAX_STRING_REGION_BYTES:
+        raise ProtocolError(f"{where} names {ref.byte_size} bytes of strings in shared memory; "
+                            f"at most {MAX_STRING_REGION_BYTES} bytes of strings are read from "
+                            "a region per input: send fewer per request")
     expected = None if dt is None else math.prod(shape) * dt.itemsize
     if expected is not None and ref.byte_size != expected:
         raise ProtocolError(f"{where} has shared_memory_byte_size {ref.byte_size} but shape "
@@ -203,8 +212,8 @@ def read_region(regions: SharedMemoryRegistry | None, ref: RegionRef, name: str,
     data = registry_or_refuse(regions, f"{where} names shared memory region "
                                        f"{ref.region!r}, but ").read(ref, where)
     if dt is None:
-        return strings_from_buffer(data.data, shape, where)
-    return _build_tensor(tensor_in_place, where, shape, data, dt, shape)
+        return strings_from_buffer(data, shape, where)
+    return binary_input(name, dt, shape, data, len(data))
 
 
 def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int,

@@ -5,37 +5,36 @@ A client creates a segment (``shm_open``; tritonclient's ``tritonclient.utils.sh
 registers part of it under a name (``key``, ``offset``, ``byte_size``), and writes inputs there.
 A request's input or requested output then carries ``shared_memory_region``,
 ``shared_memory_byte_size`` and optionally ``shared_memory_offset`` (relative to the region's
-own offset) instead of data: the model reads the input where it lies, without a copy (as
-Triton does: the client must not rewrite a region before its request is answered), and the
-output is written into its region. Every access is checked against the region's registered
-size, and against the segment's size now (a client that shrank it must not crash the server); a
-request that reads or writes past either is refused (``ProtocolError``, HTTP 400 /
-``INVALID_ARGUMENT``).
+own offset) instead of data: the server reads the input out of the region, and writes the
+output into it. Every access is checked against the region's registered size; a request that
+reads or writes past it, or past the segment's end now (a client may shrink its segment), is
+refused (``ProtocolError``, HTTP 400 / ``INVALID_ARGUMENT``).
 
-The server maps a segment once, at registration. An unregistered region is unmapped once no
-request reads it any more: a request in flight holds the mapping (numpy's buffer export) until
-it ends, so memory is never read after it was unmapped. Linux (``/dev/shm``).
+The server reads and writes with ``pread``/``pwrite`` on the segment's file, never through a
+mapping: a client that shrinks its segment while a request is in flight gets a short read (an
+error for that request), where a mapped page would have killed the server with SIGBUS. An input
+is read once, straight into the buffer its tensor uses (one copy, by the kernel, without the
+GIL). Regions of one segment share one file descriptor. Linux (``/dev/shm``).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
+import stat
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypedDict
-
-import numpy as np
 
 from paraloom.serving.errors import NotFoundError, ProtocolError, short_repr
 
 __all__ = ["MAX_REGIONS", "OFF", "RegionRef", "RegionStatus", "SharedMemoryRegistry",
-           "region_ref", "registry_or_refuse"]
+           "is_loopback", "region_ref", "registry_or_refuse"]
 
-MAX_REGIONS = 1024
-"""Regions one server holds at once; a register past it is refused (each holds a mapping)."""
+MAX_REGIONS = 256
+"""Regions one server holds at once; a register past it is refused. Regions of the same
+segment share a file descriptor, so at most this many are open for them."""
 OFF = ("shared memory is off on this server (paraloom serve --shared-memory on, or "
        "shared_memory=True, turns it on; 'auto' is on for a loopback --host and one process)")
 """Why a request that uses shared memory is refused by a server that has it off."""
@@ -67,15 +66,7 @@ class RegionRef:
 @dataclass
 class _Region:
     status: RegionStatus
-    mapping: mmap.mmap = field(repr=False)
-    fd: int = -1  # kept open: the segment's size is checked at every access
-
-    def close(self) -> None:
-        os.close(self.fd)
-        try:
-            self.mapping.close()
-        except BufferError:  # a request in flight still reads it: unmapped when it ends
-            pass
+    fd: int  # the segment's file, shared by every region of the segment
 
 
 def _count(params: Mapping[str, object], key: str, where: str, default: int | None) -> int:
@@ -88,12 +79,12 @@ def _count(params: Mapping[str, object], key: str, where: str, default: int | No
 
 def region_ref(params: Mapping[str, object], where: str) -> RegionRef | None:
     """The region a tensor's ``parameters`` name; None when they name none."""
-    name = params.get(_REGION)
-    if name is None:
+    if _REGION not in params:
         if _SIZE in params or _OFFSET in params:
             raise ProtocolError(f"{where} gives {_SIZE} or {_OFFSET} without "
                                 f"{_REGION}; name the registered region too")
         return None
+    name = params[_REGION]
     if not isinstance(name, str) or not name:
         raise ProtocolError(f"{where} has {_REGION} {short_repr(name)}; expected the name a "
                             "region was registered under")
@@ -101,6 +92,17 @@ def region_ref(params: Mapping[str, object], where: str) -> RegionRef | None:
         raise ProtocolError(f"{where} names region {name!r} without {_SIZE}; send the number "
                             "of bytes to read or write there")
     return RegionRef(name, _count(params, _SIZE, where, None), _count(params, _OFFSET, where, 0))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") is only reachable from this machine: where
+    shared memory is on when left to "auto"."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def registry_or_refuse(regions: SharedMemoryRegistry | None, what: str = "") -> \
@@ -111,11 +113,12 @@ def registry_or_refuse(regions: SharedMemoryRegistry | None, what: str = "") -> 
     return regions
 
 
-def _open_segment(key: str) -> tuple[mmap.mmap, int]:
-    """Map the whole POSIX shared memory segment ``key``, read-write; the map and its fd."""
+def _open_segment(key: str) -> int:
+    """The file descriptor of POSIX shared memory segment ``key``, read-write; ProtocolError
+    unless it is a regular, non-empty file in /dev/shm (no symlink is followed)."""
     path = os.path.join("/dev/shm", key.lstrip("/"))
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError as e:
         raise ProtocolError(f"no shared memory segment {key!r} on this host; create it (with "
                             "shm_open, tritonclient.utils.shared_memory.create_shared_memory_"
@@ -123,11 +126,13 @@ def _open_segment(key: str) -> tuple[mmap.mmap, int]:
     except OSError as e:
         raise ProtocolError(f"cannot open shared memory segment {key!r}: {e.strerror}") from e
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ProtocolError(f"{key!r} is not a shared memory segment")
+        if info.st_size == 0:
             raise ProtocolError(f"shared memory segment {key!r} is empty; give it a size "
                                 "(ftruncate) before registering it")
-        return mmap.mmap(fd, size), fd
+        return fd
     except BaseException:
         os.close(fd)
         raise
@@ -139,10 +144,11 @@ class SharedMemoryRegistry:
     def __init__(self, max_regions: int = MAX_REGIONS) -> None:
         self.max_regions = max_regions
         self._regions: dict[str, _Region] = {}
+        self._files: dict[str, tuple[int, int]] = {}  # key -> (fd, regions using it)
         self._lock = threading.Lock()
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        """Map ``byte_size`` bytes at ``offset`` of segment ``key`` as region ``name``.
+        """Register ``byte_size`` bytes at ``offset`` of segment ``key`` as region ``name``.
 
         Raises ``ProtocolError`` for a name already registered, a key that is not a plain
         segment name, a segment that does not exist, or a range past the segment's end.
@@ -164,24 +170,32 @@ class SharedMemoryRegistry:
             if len(self._regions) >= self.max_regions:
                 raise ProtocolError(f"this server holds {self.max_regions} regions, its "
                                     "limit; unregister some first")
-            mapping, fd = _open_segment(key)
-            region = _Region(RegionStatus(name=name, key=key, offset=offset,
-                                          byte_size=byte_size), mapping, fd)
-            end, size = offset + byte_size, len(mapping)
+            fd = self._files[key][0] if key in self._files else _open_segment(key)
+            size, end = os.fstat(fd).st_size, offset + byte_size
             if end > size:
-                region.close()
+                if key not in self._files:
+                    os.close(fd)
                 raise ProtocolError(f"region {name!r} asks for bytes {offset}..{end} of "
                                     f"segment {key!r}, which has {size} bytes")
-            self._regions[name] = region
+            self._files[key] = (fd, self._files.get(key, (fd, 0))[1] + 1)
+            self._regions[name] = _Region(RegionStatus(name=name, key=key, offset=offset,
+                                                       byte_size=byte_size), fd)
 
     def unregister(self, name: str | None = None) -> None:
-        """Unmap region ``name``, or every region when None; an unknown name is no error."""
+        """Forget region ``name``, or every region when None; an unknown name is no error."""
         with self._lock:
             names = list(self._regions) if name is None else [name]
             for one in names:
                 region = self._regions.pop(one, None)
-                if region is not None:
-                    region.close()
+                if region is None:
+                    continue
+                key = region.status["key"]
+                fd, users = self._files[key]
+                if users > 1:
+                    self._files[key] = (fd, users - 1)
+                else:
+                    del self._files[key]
+                    os.close(fd)
 
     def status(self, name: str | None = None) -> list[RegionStatus]:
         """The registered regions (only ``name``'s when given; ``NotFoundError`` if unknown)."""
@@ -192,7 +206,8 @@ class SharedMemoryRegistry:
                 raise NotFoundError(f"no shared memory region {name!r} is registered")
             return [RegionStatus(**self._regions[name].status)]
 
-    def _span(self, ref: RegionRef, size: int, where: str) -> tuple[_Region, int]:
+    def _span(self, ref: RegionRef, size: int, where: str) -> tuple[int, int]:
+        """The file descriptor and file offset of ``size`` bytes at ``ref``."""
         region = self._regions.get(ref.region)
         if region is None:
             raise ProtocolError(f"{where} names shared memory region {ref.region!r}, which is "
@@ -201,21 +216,23 @@ class SharedMemoryRegistry:
         if ref.offset + size > limit:
             raise ProtocolError(f"{where} needs bytes {ref.offset}..{ref.offset + size} of "
                                 f"region {ref.region!r}, which has {limit} bytes")
-        start = region.status["offset"] + ref.offset
-        if start + size > os.fstat(region.fd).st_size:  # past the end of a shrunk segment:
-            raise ProtocolError(                        # touching it would be a SIGBUS
-                f"{where} needs bytes {start}..{start + size} of shared memory segment "
-                f"{region.status['key']!r}, which was made smaller since region "
-                f"{ref.region!r} was registered; register it again")
-        return region, start
+        # A duplicate of the fd: an unregister during the read must not close it under us.
+        return os.dup(region.fd), region.status["offset"] + ref.offset
 
-    def read(self, ref: RegionRef, where: str) -> np.ndarray:
-        """The ``ref.byte_size`` bytes ``ref`` names, in place: a writable uint8 array over the
-        shared memory (it keeps the mapping alive while it lives)."""
+    def read(self, ref: RegionRef, where: str) -> bytearray:
+        """The ``ref.byte_size`` bytes ``ref`` names, read into a new (writable) buffer."""
         with self._lock:
-            region, start = self._span(ref, ref.byte_size, where)
-            return np.frombuffer(region.mapping, dtype=np.uint8, count=ref.byte_size,
-                                 offset=start)
+            fd, start = self._span(ref, ref.byte_size, where)
+        try:
+            out = bytearray(ref.byte_size)
+            got = os.preadv(fd, [out], start) if ref.byte_size else 0
+        finally:
+            os.close(fd)
+        if got != ref.byte_size:
+            raise ProtocolError(f"{where} needs bytes {start}..{start + ref.byte_size} of its "
+                                f"shared memory segment, which now ends at {start + got}: it "
+                                f"was made smaller since region {ref.region!r} was registered")
+        return out
 
     def write(self, ref: RegionRef, data: bytes | memoryview, where: str) -> None:
         """Write ``data`` at ``ref``; ``ProtocolError`` if it is longer than ``ref.byte_size``
@@ -224,9 +241,18 @@ class SharedMemoryRegistry:
             raise ProtocolError(f"{where} is {len(data)} bytes but the request gave "
                                 f"{_SIZE} {ref.byte_size}; give at least {len(data)}")
         with self._lock:
-            region, start = self._span(ref, len(data), where)
-            region.mapping[start:start + len(data)] = data
+            fd, start = self._span(ref, len(data), where)
+        try:
+            if os.fstat(fd).st_size < start + len(data):
+                raise ProtocolError(f"{where} goes to bytes {start}..{start + len(data)} of its "
+                                    "shared memory segment, which was made smaller since "
+                                    f"region {ref.region!r} was registered")
+            written = 0
+            while written < len(data):
+                written += os.pwrite(fd, memoryview(data)[written:], start + written)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
-        """Unmap every region (at server shutdown)."""
+        """Forget every region and close their files (at server shutdown)."""
         self.unregister(None)

@@ -5,8 +5,11 @@ Each request on the stream runs as its own task through the same path as a unary
 answer goes back as soon as it is ready, carrying the request's id. A request that fails gets a
 ``ModelStreamInferResponse`` with ``error_message`` (prefixed with its id, since tritonclient
 hands stream callbacks the error alone) and an ``infer_response`` that names the model and the
-id; the stream goes on. At most ``STREAM_IN_FLIGHT`` requests of one stream run at once; past
-that the stream is not read until one finishes (gRPC's flow control then holds the client).
+id; the stream goes on. At most ``STREAM_IN_FLIGHT`` requests of one stream are running or
+answered but not yet sent; past that the stream is not read until an answer has gone out (gRPC's
+flow control then holds the client), so a client that never reads its answers cannot grow the
+server's memory. Requests beyond the model pool's ``queue_limit`` get its "queue is full" error
+like unary calls do: the bound leaves room in the default queue (256) for other clients.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from paraloom.serving.grpc.messages import InferRequestMessage, Message, message
 
 __all__ = ["STREAM_IN_FLIGHT", "answer_stream"]
 
-STREAM_IN_FLIGHT = 1024
-"""Requests of one stream running at once; more wait, unread, in the client's stream."""
+STREAM_IN_FLIGHT = 128
+"""Requests of one stream running or waiting to be sent; more wait, unread, in the client's
+stream."""
 _StreamResponse = message("ModelStreamInferResponse")
 _InferResponse = message("ModelInferResponse")
 
@@ -57,10 +61,7 @@ async def answer_stream(infer: Infer, requests: AsyncIterator[InferRequestMessag
     running: set[asyncio.Task[None]] = set()
 
     async def run(request: InferRequestMessage) -> None:
-        try:
-            await answers.put(await _answer(infer, request))
-        finally:
-            slots.release()
+        await answers.put(await _answer(infer, request))  # its slot is freed once it is sent
 
     async def read() -> None:
         try:
@@ -85,6 +86,7 @@ async def answer_stream(infer: Infer, requests: AsyncIterator[InferRequestMessag
             if isinstance(answer, BaseException):
                 raise answer
             yield answer
+            slots.release()
     finally:
         for task in [reader, *running]:
             task.cancel()

@@ -52,7 +52,8 @@ def test_unknown_names_and_options_list_what_is_valid() -> None:
         build_synchronizer("shared_gradients", frequency=3)
     with pytest.raises(TypeError, match="training_mode=3"):
         build_synchronizer(3)
-    assert set(training_modes()) == {"averaging", "shared_gradients", "allreduce", "custom"}
+    assert set(training_modes()) == {"averaging", "shared_gradients", "allreduce", "diloco",
+                                     "custom"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("paraloom.sync.averaging") is None,

@@ -33,7 +33,8 @@ class Failures(TrainingListener):
 def _train(model: nn.Module, mode: str, epochs: int = 2, resume_from=None,
            **options) -> tuple[ParallelWrapper, dict]:
     torch.manual_seed(0)
-    options = {"averaging_frequency": 3, **options} if mode == "averaging" else options
+    options = {**{"averaging": {"averaging_frequency": 3},
+                  "diloco": {"sync_every": 4, "density": 0.1}}.get(mode, {}), **options}
     wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                               workers=2, training_mode=mode, progress=False, **options)
@@ -103,7 +104,8 @@ def test_allreduce_recovers_to_the_uninterrupted_result(tmp_path, how, reference
     assert _same(model, references["allreduce"])
 
 
-@pytest.mark.parametrize("mode", ["averaging", "shared_gradients", "shared_gradients+blocking"])
+@pytest.mark.parametrize("mode", ["averaging", "shared_gradients", "shared_gradients+blocking",
+                                  "diloco"])
 def test_other_modes_recover_from_a_restore_point(tmp_path, mode, monkeypatch, references):
     name, _, blocking = mode.partition("+")
     extra = {"overlap": False} if blocking else {}  # by default they save an exchange too

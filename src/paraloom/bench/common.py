@@ -104,7 +104,12 @@ def plain_epoch(model: nn.Module, loss_fn: nn.Module, opt: torch.optim.Optimizer
 
 def with_threshold(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with a ``threshold_algorithm`` given as JSON-able ``(class name, density[,
-    keywords])`` built into the ``paraloom.sync.thresholds`` object it names."""
+    keywords])`` built into the ``paraloom.sync.thresholds`` object it names, and
+    ``outer_optimizer="nesterov"`` into DiLoCo's ``nesterov_outer_optimizer``."""
+    if options.get("outer_optimizer") == "nesterov":  # JSON-able name of DiLoCo's outer step
+        from paraloom.sync.diloco import nesterov_outer_optimizer
+
+        options = {**options, "outer_optimizer": nesterov_outer_optimizer}
     spec = options.get("threshold_algorithm")
     if not isinstance(spec, tuple):
         return dict(options)

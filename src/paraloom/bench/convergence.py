@@ -39,6 +39,10 @@ __all__ = ["add_arguments", "run", "shifted_digits", "CONTENDERS", "TASKS"]
 CONTENDERS: dict[str, dict[str, Any]] = {
     "allreduce": {"training_mode": "allreduce"},
     "averaging": {"training_mode": "averaging", "averaging_frequency": 4},
+    "diloco": {"training_mode": "diloco"},
+    "diloco_dense": {"training_mode": "diloco", "density": 1.0},
+    "diloco_h25": {"training_mode": "diloco", "sync_every": 25},
+    "diloco_nesterov": {"training_mode": "diloco", "outer_optimizer": "nesterov"},
     "powersgd": {"training_mode": "allreduce", "comm_hook": "powersgd"},
     "sharing_dl4j": {"training_mode": "shared_gradients", "recipe": "dl4j"},
     "sharing_threshold": {"training_mode": "shared_gradients", "encoding": "threshold",

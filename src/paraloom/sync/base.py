@@ -83,6 +83,10 @@ class Synchronizer:
         """Rounds seen (stepped or idle) since setup."""
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` for a model this synchronizer's options cannot train; called
+        when ``ParallelWrapper`` is built, before any worker starts. The default accepts any."""
+
     def setup(self, ctx: StepContext) -> None:
         """Called once per fit() before the first step, after the process group exists."""
 

@@ -17,6 +17,7 @@ _FACTORIES = {
     "averaging": "paraloom.sync.averaging:Averaging",
     "shared_gradients": "paraloom.sync.sharing:SharedGradients",
     "allreduce": "paraloom.sync.allreduce:AllReduce",
+    "diloco": "paraloom.sync.diloco:DiLoCo",
 }
 _ALIASES = {"ddp": "allreduce", "all_reduce": "allreduce", "shared_gradient": "shared_gradients",
             "parameter_averaging": "averaging"}

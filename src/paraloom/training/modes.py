@@ -16,5 +16,8 @@ class TrainingMode(str, Enum):
     """Exchange threshold-encoded updates every step (Strom 2015, DL4J's recommended mode)."""
     ALLREDUCE = "allreduce"
     """Average dense gradients every step through PyTorch DDP."""
+    DILOCO = "diloco"
+    """Train alone for ``sync_every`` rounds, then step the shared parameters with the
+    replicas' averaged (compressed) pseudo-gradients through an outer optimizer (DiLoCo)."""
     CUSTOM = "custom"
     """A user-supplied ``Synchronizer``."""

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
+from torch import Tensor
+from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from paraloom.clipping import GradientClipping
@@ -180,6 +182,12 @@ class WrapperKeywords(TypedDict, total=False):
     encoding: str
     broadcast_buffers: bool
     overlap: bool | None
+    # "diloco" (paraloom.sync.DiLoCo)
+    sync_every: int
+    outer_optimizer: Callable[[Iterable[Tensor]], Optimizer] | None
+    density: float
+    values: str
+    fragments: int
     # "allreduce" (paraloom.sync.AllReduce, then DistributedDataParallel's own keywords as of
     # torch 2.13: AllReduce refuses those this torch's DDP does not take)
     comm_hook: str | None

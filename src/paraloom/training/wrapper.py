@@ -125,6 +125,7 @@ class ParallelWrapper:
         self.model = model
         self.listeners: list[TrainingListener] = [as_listener(x) for x in listeners]
         self.synchronizer = _synchronizer(training_mode, sharing, sync_options)
+        self.synchronizer.check_model(model)
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.precision = resolve_precision(precision).name
         self.clipping = self.steps.clipping

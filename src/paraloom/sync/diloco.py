@@ -1,0 +1,297 @@
+"""DiLoCo: replicas train alone for ``sync_every`` rounds, then an outer optimizer steps the
+shared parameters with the replicas' averaged pseudo-gradients (Douillard et al., 2023),
+optionally compressed with top-k, low-bit values and error feedback (as SparseLoCo, 2025), and
+optionally one fragment of the model at a time (as Streaming DiLoCo, 2025, without its overlap).
+
+Each replica keeps the shared parameters as they were at the last synchronization (the
+*anchor*). At a synchronization of a fragment, each replica computes its pseudo-gradient
+``anchor - parameters`` for the fragment's tensors, adds its residual (what earlier messages
+left out), sends the ``density`` largest entries (or everything, ``density=1.0``), and keeps
+the rest as its new residual. The replicas' messages are averaged; the outer optimizer (the
+same on every replica, so every replica computes the same step) treats that average as the
+gradient of the anchor and steps it; every replica then continues from the new anchor.
+Buffers (BatchNorm statistics) are averaged at each synchronization of the whole model. The
+user's optimizer is the inner one, and its state stays with its replica.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+from paraloom.sync.collectives import average_tensors_
+from paraloom.sync.pseudo_gradients import (
+    VALUE_FORMATS,
+    Selection,
+    decoded,
+    entries,
+    message_bytes,
+    select,
+    sum_selections,
+)
+
+__all__ = ["DiLoCo", "OuterOptimizer", "averaging_outer_optimizer", "nesterov_outer_optimizer",
+           "split_fragments"]
+
+OuterOptimizer = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+"""Builds the outer optimizer from the shared parameters (``lambda p: SGD(p, lr=0.7)``)."""
+
+nesterov_outer_optimizer: OuterOptimizer = functools.partial(
+    torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+"""The DiLoCo paper's outer optimizer: SGD with Nesterov momentum 0.9 at learning rate 0.7 (for
+long runs with an AdamW inner optimizer; see the README for where it lost to plain averaging)."""
+averaging_outer_optimizer: OuterOptimizer = functools.partial(torch.optim.SGD, lr=1.0)
+"""The default outer optimizer: SGD at learning rate 1, so a synchronization moves the shared
+parameters by the replicas' mean pseudo-gradient (what they sent of it): the average of the
+replicas' parameters when nothing is compressed."""
+
+
+def _check_outer(factory: OuterOptimizer) -> None:
+    if not callable(factory):
+        raise ValueError(f"outer_optimizer={factory!r}; expected a callable taking the "
+                         "parameters, e.g. lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, "
+                         "nesterov=True)")
+    probe = factory([torch.zeros(1)])
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise ValueError(f"outer_optimizer returned {type(probe).__name__}; expected a "
+                         "torch.optim.Optimizer over the parameters it was given")
+
+
+def _check_options(sync_every: int, density: float, values: str, fragments: int) -> None:
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every={sync_every!r}; expected an int >= 1 (rounds each "
+                         "replica trains alone between synchronizations)")
+    if isinstance(density, bool) or not isinstance(density, float | int) or \
+            not 0 < density <= 1:
+        raise ValueError(f"density={density!r}; expected a fraction in (0, 1] of each "
+                         "pseudo-gradient to send (1.0: all of it, as one all-reduce)")
+    if values not in VALUE_FORMATS:
+        raise ValueError(f"values={values!r}; expected one of {sorted(VALUE_FORMATS)}")
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise ValueError(f"fragments={fragments!r}; expected an int >= 1")
+    if fragments > sync_every:
+        raise ValueError(f"fragments={fragments} is more than sync_every={sync_every}: each "
+                         "fragment synchronizes once every sync_every rounds, one fragment at "
+                         "a time, so there can be at most sync_every of them")
+
+
+def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
+    """Consecutive groups of tensor indices, ``fragments`` of them, of near-equal total size."""
+    if fragments > len(sizes):
+        raise ValueError(f"fragments={fragments} but the model has {len(sizes)} trainable "
+                         f"parameter tensors; use at most {len(sizes)}")
+    total, done = sum(sizes), 0
+    out: list[list[int]] = []
+    current: list[int] = []
+    for i, size in enumerate(sizes):
+        current.append(i)
+        done += size
+        left = len(sizes) - i - 1
+        wanted = fragments - len(out) - 1
+        if wanted and (done * fragments >= total * (len(out) + 1) or left == wanted):
+            out.append(current)
+            current = []
+    out.append(current)
+    return out
+
+
+class DiLoCo(Synchronizer):
+    """``training_mode="diloco"``: synchronize every ``sync_every`` rounds, send little.
+
+    Options (defaults chosen so that ``training_mode="diloco"`` alone trains about as well as
+    all-reduce at a small fraction of its bytes; see the README's table):
+
+    - ``sync_every`` (50): rounds each replica trains alone. More: fewer bytes, more drift.
+    - ``outer_optimizer``: builds the outer optimizer from the shared parameters (default:
+      ``averaging_outer_optimizer``, SGD at lr 1: the mean of what the replicas sent). The
+      paper's Nesterov SGD (lr 0.7, momentum 0.9) is ``nesterov_outer_optimizer``; on the
+      convergence benchmark's short SGD runs it lost 10 or more points (see the README).
+    - ``density`` (0.05): the fraction of each pseudo-gradient sent (top-k by magnitude, the
+      rest kept as the residual and sent later); 1.0 sends it whole (one fp32 all-reduce).
+    - ``values`` ("int8"): how a sent value travels: "fp32", "fp16", or "int8" (one scale per
+      message). Not used with ``density=1.0``.
+    - ``fragments`` (1): synchronize the model in this many parts, one part every
+      ``sync_every // fragments`` rounds (staggered: the peak of traffic is divided).
+
+    Raises ``ValueError`` for an option out of range or an outer optimizer factory that does
+    not return a ``torch.optim.Optimizer``; ``fragments`` above the model's number of
+    parameter tensors is refused by ``check_model`` (``ParallelWrapper`` calls it when built).
+    """
+
+    name = "diloco"
+
+    def __init__(self, sync_every: int = 50, outer_optimizer: OuterOptimizer | None = None,
+                 density: float = 0.05, values: str = "int8", fragments: int = 1
+                 ) -> None:
+        super().__init__()
+        _check_options(sync_every, density, values, fragments)
+        self.outer_factory = outer_optimizer or averaging_outer_optimizer
+        _check_outer(self.outer_factory)
+        self.sync_every, self.density, self.values = sync_every, density, values
+        self.fragments = fragments
+        self.synchronizations = 0
+        self._anchors: list[torch.Tensor] = []
+        self._residuals: list[torch.Tensor | None] = []
+        self._groups: list[list[int]] = []
+        self._outer: torch.optim.Optimizer | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def check_model(self, model: torch.nn.Module) -> None:
+        split_fragments([p.numel() for p in model.parameters() if p.requires_grad],
+                        self.fragments)
+
+    def setup(self, ctx: StepContext) -> None:
+        self.sync_steps = self.bytes_sent = self.synchronizations = 0
+        params = self._params(ctx)
+        self._groups = split_fragments([p.numel() for p in params], self.fragments)
+        with torch.no_grad():
+            self._anchors = [p.detach().float().clone() for p in params]
+        self._residuals = [None] * len(params)
+        self._outer = self.outer_factory(self._anchors)
+
+    @staticmethod
+    def _params(ctx: StepContext) -> list[torch.nn.Parameter]:
+        return [p for p in ctx.model.parameters() if p.requires_grad]
+
+    def after_step(self, ctx: StepContext) -> None:
+        self._tick(ctx)
+
+    def idle_step(self, ctx: StepContext) -> None:
+        self._tick(ctx)
+
+    def _tick(self, ctx: StepContext) -> None:
+        self.sync_steps += 1
+        due = self._due()
+        if due is not None:
+            self.synchronize(ctx, self._groups[due])
+            if due == len(self._groups) - 1:
+                self._average_buffers(ctx)
+
+    def _due(self) -> int | None:
+        """The fragment that synchronizes after this round, or None."""
+        interval = max(1, self.sync_every // self.fragments)
+        if self.sync_steps % interval:
+            return None
+        return (self.sync_steps // interval - 1) % self.fragments
+
+    def synchronized(self) -> bool:
+        return self.sync_steps % self.sync_every == 0 and self.fragments == 1
+
+    def finish(self, ctx: StepContext) -> None:
+        """One last synchronization of everything not synchronized since it last changed."""
+        if self.synchronized():
+            return
+        self.synchronize(ctx, list(range(len(self._anchors))))
+        self._average_buffers(ctx)
+
+    # -- a synchronization -------------------------------------------------------------------
+    def synchronize(self, ctx: StepContext, indices: list[int]) -> None:
+        """Step the anchors of ``indices`` with the replicas' averaged pseudo-gradients and
+        start every replica from them."""
+        params = self._params(ctx)
+        with torch.no_grad():
+            flat = torch.cat([(self._anchors[i] - params[i].detach().float()).reshape(-1)
+                              for i in indices])
+            flat += self._residual_flat(indices, flat.device)
+            average = self._exchange(flat, indices, ctx)
+            self._step_outer(average, indices)
+            for i in indices:
+                params[i].copy_(self._anchors[i].to(params[i].dtype))
+        self.synchronizations += 1
+
+    def _residual_flat(self, indices: list[int], device: torch.device) -> torch.Tensor:
+        parts = []
+        for i in indices:
+            residual = self._residuals[i]
+            parts.append(torch.zeros(self._anchors[i].numel(), device=device)
+                         if residual is None else residual.reshape(-1))
+        return torch.cat(parts)
+
+    def _exchange(self, flat: torch.Tensor, indices: list[int], ctx: StepContext
+                  ) -> torch.Tensor:
+        """The replicas' mean of ``flat`` (compressed when ``density`` is set); the part of
+        ``flat`` not sent becomes the residual."""
+        world = ctx.world_size if is_distributed(ctx) else 1
+        if self.density >= 1:
+            if world > 1:
+                self.bytes_sent += average_tensors_([flat], ctx.group, world, ctx.device)
+            return flat
+        mine = select(flat, entries(flat.numel(), self.density), self.values)
+        residual = flat.clone()
+        residual.index_add_(0, mine.index, -decoded(mine))
+        self._store_residual(residual, indices)
+        selections = [mine] if world == 1 else self._gather(mine, ctx)
+        self.bytes_sent += (world - 1) * message_bytes(mine.values.numel(), self.values,
+                                                       flat.numel())
+        return sum_selections(selections, flat.numel(), flat.device) / world
+
+    def _gather(self, mine: Selection, ctx: StepContext) -> list[Selection]:
+        parts = []
+        # gloo has no int16: the offsets travel as their bytes.
+        for tensor in (mine.offsets.view(torch.uint8), mine.counts, mine.values,
+                       mine.scale.reshape(1)):
+            out = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
+            dist.all_gather(out, tensor, group=ctx.group)
+            parts.append(out)
+        return [Selection(o.view(torch.int16), c, v, s.reshape(()))
+                for o, c, v, s in zip(*parts, strict=True)]
+
+    def _store_residual(self, residual: torch.Tensor, indices: list[int]) -> None:
+        offset = 0
+        for i in indices:
+            n = self._anchors[i].numel()
+            self._residuals[i] = residual[offset:offset + n].view_as(self._anchors[i]).clone()
+            offset += n
+
+    def _step_outer(self, average: torch.Tensor, indices: list[int]) -> None:
+        assert self._outer is not None, "setup() was not called"
+        chosen = set(indices)
+        offset = 0
+        for i, anchor in enumerate(self._anchors):
+            if i in chosen:
+                anchor.grad = average[offset:offset + anchor.numel()].view_as(anchor).clone()
+                offset += anchor.numel()
+            else:
+                anchor.grad = None  # other fragments: the optimizer leaves them as they are
+        self._outer.step()
+        for anchor in self._anchors:
+            anchor.grad = None
+
+    def _average_buffers(self, ctx: StepContext) -> None:
+        buffers = list(ctx.model.buffers())
+        if buffers and is_distributed(ctx):
+            self.bytes_sent += average_tensors_(buffers, ctx.group, ctx.world_size, ctx.device)
+
+    # -- reporting and state -----------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        return {"sync_every": self.sync_every, "density": self.density, "values": self.values,
+                "fragments": self.fragments, "outer_optimizer": repr(self.outer_factory)}
+
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), "synchronizations": float(self.synchronizations)}
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self._outer is not None, "setup() was not called"
+        return {**super().state_dict(), "synchronizations": self.synchronizations,
+                "anchors": [a.detach().clone() for a in self._anchors],
+                "residuals": [None if r is None else r.clone() for r in self._residuals],
+                "outer": self._outer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.synchronizations = int(state.get("synchronizations", 0))
+        if "anchors" not in state:
+            return
+        with torch.no_grad():
+            for anchor, saved in zip(self._anchors, state["anchors"], strict=True):
+                anchor.copy_(saved)
+        self._residuals = [None if r is None else r.clone().to(a.device)
+                           for r, a in zip(state["residuals"], self._anchors, strict=True)]
+        assert self._outer is not None, "setup() was not called"
+        self._outer.load_state_dict(state["outer"])
+

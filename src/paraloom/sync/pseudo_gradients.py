@@ -1,0 +1,94 @@
+"""Pure functions on DiLoCo's pseudo-gradients: top-k selection with low-bit values, and the sum
+of every replica's selection. Error feedback (the residual) is the caller's state.
+
+A message of ``k`` entries holds their positions as 16-bit offsets within blocks of 65,536
+entries (in order, with one int32 count of entries per block), and ``k`` values in ``values``
+(``"fp32"``, ``"fp16"``, or ``"int8"``: round to nearest on a scale of the largest magnitude /
+127, one fp32 scale per message). Every replica's message has the same size, so one all-gather
+moves them: ``k * (2 + value bytes) + 4 * blocks + 4`` bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["BLOCK", "VALUE_FORMATS", "Selection", "decoded", "entries", "message_bytes",
+           "select", "sum_selections"]
+
+BLOCK = 1 << 16
+"""Entries per block: an offset within one fits in 16 bits."""
+
+VALUE_FORMATS = {"fp32": 4, "fp16": 2, "int8": 1}
+"""Value format -> bytes per value on the wire."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One replica's message: where its entries are (``offsets`` within blocks, int16 holding
+    offset - 32768, ascending; ``counts`` per block, int32), their wire values, and the fp32
+    scale that turns int8 values back into numbers (1.0 for float formats)."""
+
+    offsets: Tensor
+    counts: Tensor
+    values: Tensor
+    scale: Tensor
+
+    @property
+    def index(self) -> Tensor:
+        """The flat positions of the entries (int64)."""
+        blocks = torch.repeat_interleave(
+            torch.arange(self.counts.numel(), device=self.counts.device) * BLOCK,
+            self.counts.long())
+        return blocks + self.offsets.long() + 32768
+
+
+def entries(numel: int, density: float) -> int:
+    """How many entries a message of ``density`` carries out of ``numel`` (at least one)."""
+    return max(1, min(numel, math.ceil(density * numel)))
+
+
+def blocks(numel: int) -> int:
+    """Blocks of ``BLOCK`` entries that ``numel`` entries span."""
+    return max(1, math.ceil(numel / BLOCK))
+
+
+def message_bytes(count: int, values: str, numel: int) -> int:
+    """Bytes of one message of ``count`` entries out of ``numel``: offsets, values, the counts
+    per block and the scale."""
+    return count * (2 + VALUE_FORMATS[values]) + 4 * blocks(numel) + 4
+
+
+def _encode(picked: Tensor, values: str) -> tuple[Tensor, Tensor]:
+    if values == "fp32":
+        return picked.float(), torch.ones((), device=picked.device)
+    if values == "fp16":
+        return picked.half(), torch.ones((), device=picked.device)
+    top = picked.abs().max()
+    scale = torch.where(top > 0, top / 127, torch.ones_like(top)).float()
+    return torch.round(picked / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def decoded(selection: Selection) -> Tensor:
+    """The numbers a selection carries, in fp32."""
+    return selection.values.float() * selection.scale
+
+
+def select(full: Tensor, count: int, values: str) -> Selection:
+    """The ``count`` largest-magnitude entries of flat ``full`` in ``values`` format."""
+    index = torch.topk(full.abs(), count, sorted=False).indices.sort().values
+    counts = torch.bincount(index // BLOCK, minlength=blocks(full.numel())).to(torch.int32)
+    offsets = (index % BLOCK - 32768).to(torch.int16)
+    wire, scale = _encode(full[index], values)
+    return Selection(offsets, counts, wire, scale)
+
+
+def sum_selections(selections: list[Selection], numel: int, device: torch.device) -> Tensor:
+    """The dense sum of every replica's selection (entries chosen by several add up)."""
+    total = torch.zeros(numel, dtype=torch.float32, device=device)
+    for one in selections:
+        total.index_add_(0, one.index, decoded(one))
+    return total

@@ -1,0 +1,162 @@
+"""DiLoCo: the algorithm on one replica (plain training when the outer step is SGD at lr 1),
+error feedback, two ranks in one gloo group, exact state round trips, and bad options."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from paraloom.sync.averaging import Averaging
+from paraloom.sync.base import StepContext
+from paraloom.sync.diloco import DiLoCo, split_fragments
+from paraloom.sync.pseudo_gradients import entries, message_bytes
+
+from .replicas import batch, flat, make_model, train
+
+PLAIN = functools.partial(torch.optim.SGD, lr=1.0)  # the outer step that just averages
+
+
+def _one_replica(sync: DiLoCo | None, steps: int, model: torch.nn.Module | None = None
+                 ) -> tuple[torch.nn.Module, StepContext]:
+    model = model or make_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ctx = StepContext(model=model, optimizer=optimizer)
+    if sync is not None:
+        sync.setup(ctx)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = batch(0, step)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if sync is not None:
+            sync.after_step(ctx)
+    if sync is not None:
+        sync.finish(ctx)
+    return model, ctx
+
+
+def test_one_replica_with_a_plain_outer_step_is_plain_training() -> None:
+    plain, _ = _one_replica(None, 10)
+    diloco, _ = _one_replica(DiLoCo(sync_every=3, outer_optimizer=PLAIN, density=1.0), 10)
+    assert torch.allclose(torch.tensor(flat(diloco)), torch.tensor(flat(plain)), atol=1e-6)
+    nesterov, _ = _one_replica(DiLoCo(sync_every=3, density=1.0,
+                                      outer_optimizer=functools.partial(
+                                          torch.optim.SGD, lr=0.7, momentum=0.9,
+                                          nesterov=True)), 10)
+    assert max(abs(a - b) for a, b in zip(flat(nesterov), flat(plain), strict=True)) > 1e-3
+
+
+def test_what_a_message_leaves_out_is_sent_later() -> None:
+    """Error feedback: after a synchronization the anchor moved by exactly what was sent, and
+    the residual holds the rest of the pseudo-gradient."""
+    sync = DiLoCo(sync_every=4, outer_optimizer=PLAIN, density=0.1, values="fp32")
+    model, ctx = _one_replica(None, 0)
+    sync.setup(ctx)
+    start = [a.clone() for a in sync._anchors]
+    model, ctx = _one_replica(None, 4, model=model)  # 4 local steps, as between two syncs
+    pseudo = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(
+        start, model.parameters(), strict=True)])
+    sync.sync_steps = 3
+    sync.after_step(ctx)  # the 4th round: a synchronization
+    moved = torch.cat([(s - a).reshape(-1) for s, a in zip(start, sync._anchors, strict=True)])
+    residual = torch.cat([r.reshape(-1) for r in sync._residuals])  # type: ignore[union-attr]
+    assert int((moved != 0).sum()) == entries(pseudo.numel(), 0.1)
+    assert torch.allclose(moved + residual, pseudo, atol=1e-6)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                       torch.cat([a.reshape(-1) for a in sync._anchors]))
+
+
+def _two_ranks(rank: int, world_size: int, kind: str) -> dict[str, Any]:
+    sync = (Averaging(frequency=4, average_updaters=False) if kind == "averaging"
+            else DiLoCo(sync_every=4, outer_optimizer=PLAIN, density=1.0) if kind == "dense"
+            else DiLoCo(sync_every=4, density=0.05))
+    return train(rank, world_size, sync, 10, seed=0, idle={9: [1]})
+
+
+def test_two_ranks_end_identical_and_dense_plain_diloco_is_averaging(pool) -> None:
+    averaged = pool.run(_two_ranks, kind="averaging")
+    dense = pool.run(_two_ranks, kind="dense")
+    for a, b in zip(averaged, dense, strict=True):
+        assert torch.allclose(torch.tensor(a["params"]), torch.tensor(b["params"]), atol=1e-5)
+    compressed = pool.run(_two_ranks, kind="compressed")
+    assert compressed[0]["final"] == compressed[1]["final"]  # finish: every replica equal
+    numel = len(compressed[0]["params"])
+    per_sync = message_bytes(entries(numel, 0.05), "int8", numel)  # one peer, one message
+    assert compressed[0]["stats"]["bytes_sent"] == 3 * per_sync  # rounds 4, 8 and finish
+    assert compressed[0]["stats"]["synchronizations"] == 3
+
+
+def test_state_round_trip_continues_exactly() -> None:
+    sync = DiLoCo(sync_every=3, density=0.2)
+    model, ctx = _one_replica(sync, 7)  # finish() ran: one more synchronization
+    saved = sync.state_dict()
+    again = DiLoCo(sync_every=3, density=0.2)
+    again.setup(StepContext(model=make_model(5), optimizer=ctx.optimizer))
+    again.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(again._anchors, sync._anchors, strict=True))
+    assert again.state_dict()["outer"]["state"].keys() == saved["outer"]["state"].keys()
+    assert again.synchronizations == sync.synchronizations == 3
+
+
+def test_fragments_are_balanced_and_staggered() -> None:
+    assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert split_fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    with pytest.raises(ValueError, match="4 trainable parameter tensors"):
+        split_fragments([1, 1, 1, 1], 5)
+    sync = DiLoCo(sync_every=4, fragments=2, outer_optimizer=PLAIN)
+    due = []
+    for _ in range(8):
+        sync.sync_steps += 1
+        due.append(sync._due())
+    assert due == [None, 0, None, 1, None, 0, None, 1]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"sync_every": 0}, "sync_every=0"),
+    ({"density": 0.0}, "density=0.0"),
+    ({"density": 1.5}, "density=1.5"),
+    ({"values": "int4"}, "values='int4'"),
+    ({"fragments": 0}, "fragments=0"),
+    ({"sync_every": 2, "fragments": 3}, "at most sync_every"),
+    ({"outer_optimizer": lambda params: "SGD"}, "returned str"),
+    ({"outer_optimizer": 0.7}, "expected a callable"),
+    ({"sync_every": 10, "fragments": 5}, "4 trainable parameter tensors"),
+])
+def test_bad_options_are_refused_before_any_worker_starts(options: dict[str, Any],
+                                                          message: str) -> None:
+    from paraloom import ParallelWrapper
+
+    with pytest.raises(ValueError, match=message):
+        ParallelWrapper(make_model(0), loss_fn=torch.nn.CrossEntropyLoss(), workers=2,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        training_mode="diloco", **options)
+
+
+def test_options_of_other_modes_are_refused_with_diloco() -> None:
+    from paraloom import ParallelWrapper
+
+    with pytest.raises(TypeError, match="averaging_frequency"):
+        ParallelWrapper(make_model(0), loss_fn=torch.nn.CrossEntropyLoss(), workers=2,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        training_mode="diloco", averaging_frequency=3)
+    with pytest.raises(TypeError, match="comm_hook"):
+        ParallelWrapper(make_model(0), loss_fn=torch.nn.CrossEntropyLoss(), workers=2,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        training_mode="diloco", comm_hook="powersgd")
+
+
+def test_a_selection_round_trips_positions_across_blocks() -> None:
+    from paraloom.sync.pseudo_gradients import BLOCK, select, sum_selections
+
+    full = torch.zeros(3 * BLOCK + 5)
+    spots = [0, 7, BLOCK - 1, BLOCK, 2 * BLOCK + 32768, 3 * BLOCK + 4]
+    full[spots] = torch.tensor([5.0, -4.0, 3.0, -2.5, 2.0, -1.5])
+    chosen = select(full, len(spots), "fp32")
+    assert chosen.index.tolist() == spots and chosen.counts.tolist() == [3, 1, 1, 1]
+    assert torch.equal(sum_selections([chosen, chosen], full.numel(), full.device), 2 * full)
+    int8 = sum_selections([select(full, len(spots), "int8")], full.numel(), full.device)
+    assert torch.allclose(int8, full, atol=5.0 / 127)

@@ -22,7 +22,8 @@ def lenet() -> nn.Module:
 
 @pytest.fixture()
 def app(lenet: nn.Module) -> Iterator[Starlette]:
-    app = create_app(lenet, name="lenet", workers=2, batch_limit=32, queue_limit=64)
+    app = create_app(lenet, name="lenet", workers=2, batch_limit=32, queue_limit=64,
+                     shared_memory=True)  # in process, no server settles "auto"
     yield app
     closing(app)
 

@@ -360,13 +360,35 @@ def test_left_to_auto_shared_memory_is_off_where_other_hosts_reach_the_server(
         lenet: torch.nn.Module) -> None:
     from paraloom.serving.app import settle_shared_memory
 
-    for host, choice, on in [("127.0.0.1", None, True), ("0.0.0.0", None, False),
-                            ("192.0.2.7", None, False), ("0.0.0.0", True, True),
-                            ("127.0.0.1", False, False)]:
+    for host, processes, choice, on in [
+            ("127.0.0.1", 1, None, True), ("0.0.0.0", 1, None, False),
+            ("192.0.2.7", 1, None, False), ("127.0.0.1", 2, None, False),
+            ("0.0.0.0", 1, True, True), ("127.0.0.1", 1, False, False)]:
         app = create_app(lenet, name="lenet", workers=1, shared_memory=choice)
-        settle_shared_memory(app, host)
-        assert (app.state.regions is not None) is on, (host, choice)
+        assert (app.state.regions is not None) is (choice is True)  # auto: off until served
+        settle_shared_memory(app, host, processes)
+        assert (app.state.regions is not None) is on, (host, processes, choice)
         closing(app)
+
+
+def test_a_segment_created_again_under_its_key_is_another_file() -> None:
+    first = shared_memory.SharedMemory(create=True, size=64)
+    name = first.name
+    first.buf[:4] = b"AAAA"
+    regions = SharedMemoryRegistry()
+    regions.register("a", "/" + name, 0, 64)
+    first.close()
+    first.unlink()
+    second = shared_memory.SharedMemory(name=name, create=True, size=64)
+    try:
+        second.buf[:4] = b"BBBB"
+        regions.register("b", "/" + name, 0, 64)
+        assert bytes(regions.read(RegionRef("a", 4), "input")) == b"AAAA"  # the old file
+        assert bytes(regions.read(RegionRef("b", 4), "input")) == b"BBBB"
+    finally:
+        regions.close()
+        second.close()
+        second.unlink()
 
 
 def test_a_grpc_region_parameter_without_a_value_is_invalid_argument(

@@ -30,7 +30,7 @@ def _one_replica(sync: DiLoCo | None, steps: int, model: torch.nn.Module | None 
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         x, y = batch(0, step)
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x.to(next(model.parameters()).dtype)), y).backward()
         optimizer.step()
         if sync is not None:
             sync.after_step(ctx)
@@ -160,3 +160,32 @@ def test_a_selection_round_trips_positions_across_blocks() -> None:
     assert torch.equal(sum_selections([chosen, chosen], full.numel(), full.device), 2 * full)
     int8 = sum_selections([select(full, len(spots), "int8")], full.numel(), full.device)
     assert torch.allclose(int8, full, atol=5.0 / 127)
+
+
+def test_a_nan_in_a_message_reaches_every_replica_instead_of_being_rounded_away() -> None:
+    from paraloom.sync.pseudo_gradients import decoded, select
+
+    full = torch.tensor([0.5, float("nan"), -0.25, 0.0])
+    assert decoded(select(full, 3, "int8")).isnan().all()
+    assert torch.equal(decoded(select(torch.zeros(4), 2, "int8")), torch.zeros(2))
+
+
+def test_the_outer_optimizer_is_described_the_same_in_every_process() -> None:
+    from paraloom.sync.diloco import describe_factory
+
+    def mine(params):
+        return torch.optim.SGD(params, lr=0.5)
+
+    assert describe_factory(mine) == f"{__name__}.test_the_outer_optimizer_is_described_the_" \
+        "same_in_every_process.<locals>.mine"
+    assert "0x" not in describe_factory(lambda p: torch.optim.SGD(p, lr=1.0))
+    assert describe_factory(functools.partial(torch.optim.SGD, lr=0.7)) == \
+        "torch.optim.sgd.SGD(lr=0.7)"
+
+
+def test_a_float64_model_is_averaged_in_float64() -> None:
+    model = make_model(0, dtype=torch.float64)
+    sync = DiLoCo(sync_every=3, outer_optimizer=PLAIN, density=1.0)
+    _, ctx = _one_replica(sync, 6, model=model)
+    assert all(a.dtype == torch.float64 for a in sync._anchors)
+    assert all(torch.equal(a, p) for a, p in zip(sync._anchors, model.parameters(), strict=True))

@@ -99,7 +99,8 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
     ``shared_memory`` serves Triton's system shared memory extension (see
     ``paraloom.serving.shared_memory``): clients may then name segments of this host's shared
     memory, to be read and written. None (default): on when ``serve`` or ``ServerThread``
-    binds a loopback address, off otherwise; True: on wherever it is served; False: off.
+    binds a loopback address with one process, off otherwise (also under another ASGI
+    server); True: on wherever it is served; False: off.
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes={max_body_bytes}; expected a positive byte count")
@@ -170,10 +171,17 @@ def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 <<
     return app
 
 
-def settle_shared_memory(app: Starlette, host: str) -> None:
-    """Turn an app's shared memory off when it was left to "auto" (``shared_memory=None``) and
-    ``host`` is reachable from other machines; ``serve`` and ``ServerThread`` call it."""
-    if getattr(app.state, "shared_memory_auto", False) and not is_loopback(host):
+def settle_shared_memory(app: Starlette, host: str, processes: int = 1) -> None:
+    """Turn an app's shared memory on when it was left to "auto" (``shared_memory=None``), it
+    is served on a loopback ``host``, and by one process; ``serve`` and ``ServerThread`` call
+    it. An app served otherwise (another ASGI server, ``reuse_port``) keeps it off."""
+    if not getattr(app.state, "shared_memory_auto", False):
+        return
+    regions: SharedMemoryRegistry | None = app.state.regions
+    if is_loopback(host) and processes == 1:
+        app.state.regions = regions or SharedMemoryRegistry()
+    elif regions is not None:
+        regions.close()
         app.state.regions = None
 
 
@@ -181,18 +189,19 @@ def _app(repository: ModelRepository, max_body_bytes: int, shared_memory: bool |
          ) -> Starlette:
     app_metrics = ServingMetrics()
     app_metrics.watch(repository.pools, repository.versions)
-    registry = SharedMemoryRegistry() if shared_memory is not False else None
+    # "auto" (None) stays off until settle_shared_memory sees where the app is served.
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await repository.close()
-        if registry is not None:
-            registry.close()
+        regions = app.state.regions
+        if regions is not None:
+            regions.close()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.repository, app.state.metrics = repository, app_metrics
     app.state.max_body_bytes = max_body_bytes
-    app.state.regions = registry
+    app.state.regions = SharedMemoryRegistry() if shared_memory is True else None
     app.state.shared_memory_auto = shared_memory is None
     return app

@@ -128,7 +128,8 @@ class _Server(uvicorn.Server):
 
 def _grpc(app: Starlette, host: str, port: int | None, backend: str, reuse_port: bool = False
           ) -> GrpcEndpoint | None:
-    settle_shared_memory(app, host)  # before either transport serves: both read the state
+    # Before either transport serves: both read the state. Siblings on one port: off.
+    settle_shared_memory(app, host, processes=2 if reuse_port else 1)
     if port is None:
         return None
     if port < 0 or port > 65535:

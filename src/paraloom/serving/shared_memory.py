@@ -14,7 +14,8 @@ The server reads and writes with ``pread``/``pwrite`` on the segment's file, nev
 mapping: a client that shrinks its segment while a request is in flight gets a short read (an
 error for that request), where a mapped page would have killed the server with SIGBUS. An input
 is read once, straight into the buffer its tensor uses (one copy, by the kernel, without the
-GIL). Regions of one segment share one file descriptor. Linux (``/dev/shm``).
+GIL). Regions of one segment share one file descriptor (a key unlinked and created again is
+another segment). Linux (``/dev/shm``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class RegionRef:
 class _Region:
     status: RegionStatus
     fd: int  # the segment's file, shared by every region of the segment
+    file: tuple[int, int]  # the segment's (device, inode): a re-created key is another file
 
 
 def _count(params: Mapping[str, object], key: str, where: str, default: int | None) -> int:
@@ -144,7 +146,7 @@ class SharedMemoryRegistry:
     def __init__(self, max_regions: int = MAX_REGIONS) -> None:
         self.max_regions = max_regions
         self._regions: dict[str, _Region] = {}
-        self._files: dict[str, tuple[int, int]] = {}  # key -> (fd, regions using it)
+        self._files: dict[tuple[int, int], tuple[int, int]] = {}  # file -> (fd, its regions)
         self._lock = threading.Lock()
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
@@ -170,16 +172,21 @@ class SharedMemoryRegistry:
             if len(self._regions) >= self.max_regions:
                 raise ProtocolError(f"this server holds {self.max_regions} regions, its "
                                     "limit; unregister some first")
-            fd = self._files[key][0] if key in self._files else _open_segment(key)
-            size, end = os.fstat(fd).st_size, offset + byte_size
-            if end > size:
-                if key not in self._files:
+            fd = _open_segment(key)
+            info = os.fstat(fd)
+            file = (info.st_dev, info.st_ino)
+            if file in self._files:  # another region of the same segment: share its fd
+                os.close(fd)
+                fd = self._files[file][0]
+            end = offset + byte_size
+            if end > info.st_size:
+                if file not in self._files:
                     os.close(fd)
                 raise ProtocolError(f"region {name!r} asks for bytes {offset}..{end} of "
-                                    f"segment {key!r}, which has {size} bytes")
-            self._files[key] = (fd, self._files.get(key, (fd, 0))[1] + 1)
+                                    f"segment {key!r}, which has {info.st_size} bytes")
+            self._files[file] = (fd, self._files.get(file, (fd, 0))[1] + 1)
             self._regions[name] = _Region(RegionStatus(name=name, key=key, offset=offset,
-                                                       byte_size=byte_size), fd)
+                                                       byte_size=byte_size), fd, file)
 
     def unregister(self, name: str | None = None) -> None:
         """Forget region ``name``, or every region when None; an unknown name is no error."""
@@ -189,12 +196,11 @@ class SharedMemoryRegistry:
                 region = self._regions.pop(one, None)
                 if region is None:
                     continue
-                key = region.status["key"]
-                fd, users = self._files[key]
+                fd, users = self._files[region.file]
                 if users > 1:
-                    self._files[key] = (fd, users - 1)
+                    self._files[region.file] = (fd, users - 1)
                 else:
-                    del self._files[key]
+                    del self._files[region.file]
                     os.close(fd)
 
     def status(self, name: str | None = None) -> list[RegionStatus]:
@@ -223,9 +229,14 @@ class SharedMemoryRegistry:
         """The ``ref.byte_size`` bytes ``ref`` names, read into a new (writable) buffer."""
         with self._lock:
             fd, start = self._span(ref, ref.byte_size, where)
+        out = bytearray(ref.byte_size)
+        got = 0
         try:
-            out = bytearray(ref.byte_size)
-            got = os.preadv(fd, [out], start) if ref.byte_size else 0
+            while got < ref.byte_size:  # one read returns at most ~2 GiB, or less on a signal
+                step = os.preadv(fd, [memoryview(out)[got:]], start + got)
+                if step == 0:
+                    break
+                got += step
         finally:
             os.close(fd)
         if got != ref.byte_size:

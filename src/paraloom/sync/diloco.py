@@ -51,6 +51,17 @@ parameters by the replicas' mean pseudo-gradient (what they sent of it): the ave
 replicas' parameters when nothing is compressed."""
 
 
+def describe_factory(factory: object) -> str:
+    """A description of an outer optimizer factory that is the same in every process (no
+    memory address): a checkpoint's fingerprint compares it."""
+    if isinstance(factory, functools.partial):
+        arguments = [repr(a) for a in factory.args] + [f"{k}={v!r}" for k, v
+                                                        in sorted(factory.keywords.items())]
+        return f"{describe_factory(factory.func)}({', '.join(arguments)})"
+    name = getattr(factory, "__qualname__", None) or type(factory).__qualname__
+    return f"{getattr(factory, '__module__', '')}.{name}"
+
+
 def _check_outer(factory: OuterOptimizer) -> None:
     if not callable(factory):
         raise ValueError(f"outer_optimizer={factory!r}; expected a callable taking the "
@@ -142,15 +153,19 @@ class DiLoCo(Synchronizer):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def check_model(self, model: torch.nn.Module) -> None:
-        split_fragments([p.numel() for p in model.parameters() if p.requires_grad],
-                        self.fragments)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if any(p.is_complex() for p in params):
+            raise ValueError("training_mode='diloco' takes real parameters; the model has "
+                             "complex ones")
+        split_fragments([p.numel() for p in params], self.fragments)
 
     def setup(self, ctx: StepContext) -> None:
         self.sync_steps = self.bytes_sent = self.synchronizations = 0
         params = self._params(ctx)
         self._groups = split_fragments([p.numel() for p in params], self.fragments)
         with torch.no_grad():
-            self._anchors = [p.detach().float().clone() for p in params]
+            self._anchors = [p.detach().to(torch.promote_types(p.dtype, torch.float32))
+                             .clone() for p in params]
         self._residuals = [None] * len(params)
         self._outer = self.outer_factory(self._anchors)
 
@@ -195,7 +210,9 @@ class DiLoCo(Synchronizer):
         start every replica from them."""
         params = self._params(ctx)
         with torch.no_grad():
-            flat = torch.cat([(self._anchors[i] - params[i].detach().float()).reshape(-1)
+            dtype = torch.float64 if any(self._anchors[i].dtype == torch.float64
+                                         for i in indices) else torch.float32
+            flat = torch.cat([(self._anchors[i] - params[i].detach()).reshape(-1).to(dtype)
                               for i in indices])
             flat += self._residual_flat(indices, flat.device)
             average = self._exchange(flat, indices, ctx)
@@ -205,10 +222,12 @@ class DiLoCo(Synchronizer):
         self.synchronizations += 1
 
     def _residual_flat(self, indices: list[int], device: torch.device) -> torch.Tensor:
+        """The residuals of ``indices``, flat (zeros where none is kept yet)."""
         parts = []
         for i in indices:
             residual = self._residuals[i]
-            parts.append(torch.zeros(self._anchors[i].numel(), device=device)
+            parts.append(torch.zeros(self._anchors[i].numel(), device=device,
+                                     dtype=self._anchors[i].dtype)
                          if residual is None else residual.reshape(-1))
         return torch.cat(parts)
 
@@ -223,7 +242,7 @@ class DiLoCo(Synchronizer):
             return flat
         mine = select(flat, entries(flat.numel(), self.density), self.values)
         residual = flat.clone()
-        residual.index_add_(0, mine.index, -decoded(mine))
+        residual.index_add_(0, mine.index, -decoded(mine).to(residual.dtype))
         self._store_residual(residual, indices)
         selections = [mine] if world == 1 else self._gather(mine, ctx)
         self.bytes_sent += (world - 1) * message_bytes(mine.values.numel(), self.values,
@@ -254,7 +273,8 @@ class DiLoCo(Synchronizer):
         offset = 0
         for i, anchor in enumerate(self._anchors):
             if i in chosen:
-                anchor.grad = average[offset:offset + anchor.numel()].view_as(anchor).clone()
+                anchor.grad = average[offset:offset + anchor.numel()].view_as(anchor).to(
+                    anchor.dtype, copy=True)
                 offset += anchor.numel()
             else:
                 anchor.grad = None  # other fragments: the optimizer leaves them as they are
@@ -270,7 +290,8 @@ class DiLoCo(Synchronizer):
     # -- reporting and state -----------------------------------------------------------------
     def config(self) -> dict[str, Any]:
         return {"sync_every": self.sync_every, "density": self.density, "values": self.values,
-                "fragments": self.fragments, "outer_optimizer": repr(self.outer_factory)}
+                "fragments": self.fragments,
+                "outer_optimizer": describe_factory(self.outer_factory)}
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "synchronizations": float(self.synchronizations)}

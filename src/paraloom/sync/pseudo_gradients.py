@@ -68,7 +68,11 @@ def _encode(picked: Tensor, values: str) -> tuple[Tensor, Tensor]:
     if values == "fp16":
         return picked.half(), torch.ones((), device=picked.device)
     top = picked.abs().max()
-    scale = torch.where(top > 0, top / 127, torch.ones_like(top)).float()
+    # All zeros: scale 1. A NaN or Inf gives a NaN scale, so it reaches every replica (and the
+    # next loss fails as non-finite) instead of being rounded away here.
+    scale = torch.where(top == 0, torch.ones_like(top), top / 127).float()
+    if not torch.isfinite(scale):
+        scale = torch.full_like(scale, float("nan"))
     return torch.round(picked / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
@@ -78,11 +82,12 @@ def decoded(selection: Selection) -> Tensor:
 
 
 def select(full: Tensor, count: int, values: str) -> Selection:
-    """The ``count`` largest-magnitude entries of flat ``full`` in ``values`` format."""
+    """The ``count`` largest-magnitude entries of flat ``full`` in ``values`` format (the
+    values are sent as float32 at most)."""
     index = torch.topk(full.abs(), count, sorted=False).indices.sort().values
     counts = torch.bincount(index // BLOCK, minlength=blocks(full.numel())).to(torch.int32)
     offsets = (index % BLOCK - 32768).to(torch.int16)
-    wire, scale = _encode(full[index], values)
+    wire, scale = _encode(full[index].float(), values)
     return Selection(offsets, counts, wire, scale)
 
 

@@ -7,9 +7,10 @@ answer goes back as soon as it is ready, carrying the request's id. A request th
 hands stream callbacks the error alone) and an ``infer_response`` that names the model and the
 id; the stream goes on. At most ``STREAM_IN_FLIGHT`` requests of one stream are running or
 answered but not yet sent; past that the stream is not read until an answer has gone out (gRPC's
-flow control then holds the client), so a client that never reads its answers cannot grow the
-server's memory. Requests beyond the model pool's ``queue_limit`` get its "queue is full" error
-like unary calls do: the bound leaves room in the default queue (256) for other clients.
+flow control then holds the client). An answer is sent once the transport took it: on the
+uvicorn back end, zttp buffers what the client's flow-control window does not take yet.
+Requests beyond the model pool's ``queue_limit`` get its "queue is full" error like unary calls
+do: the bound leaves room in the default queue (256) for other clients.
 """
 
 from __future__ import annotations

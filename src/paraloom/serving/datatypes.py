@@ -20,6 +20,7 @@ __all__ = [
     "DataType",
     "datatype_of",
     "lookup",
+    "tensor_from_array",
     "tensor_from_bytes",
     "tensor_from_json",
     "tensor_to_bytes",
@@ -168,6 +169,14 @@ def tensor_from_bytes(chunk: memoryview | bytearray, dt: DataType, shape: tuple[
         flat = torch.from_numpy(np.frombuffer(raw, dtype=dt.numpy_dtype).astype(
             dt.numpy_dtype.newbyteorder("=")))
     return flat.reshape(shape)
+
+
+def tensor_from_array(data: np.ndarray, dt: DataType, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``data`` (a flat uint8 array of little-endian, row-major bytes, which the
+    tensor takes over without a copy; on a big-endian host, a converted copy)."""
+    if not _LITTLE and dt.numpy_dtype is not None:
+        return tensor_from_bytes(bytearray(data.tobytes()), dt, shape)
+    return torch.from_numpy(data).view(dt.torch_dtype).reshape(shape)
 
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:

@@ -22,6 +22,7 @@ from paraloom.serving.datatypes import (
     DataType,
     Value,
     lookup,
+    tensor_from_array,
     tensor_from_bytes,
     tensor_from_json,
     value_datatype,
@@ -212,8 +213,8 @@ def read_region(regions: SharedMemoryRegistry | None, ref: RegionRef, name: str,
     data = registry_or_refuse(regions, f"{where} names shared memory region "
                                        f"{ref.region!r}, but ").read(ref, where)
     if dt is None:
-        return strings_from_buffer(data, shape, where)
-    return binary_input(name, dt, shape, data, len(data))
+        return strings_from_buffer(data.data, shape, where)
+    return _build_tensor(tensor_from_array, where, shape, data, dt, shape)
 
 
 def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int,

@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypedDict
 
+import numpy as np
+
 from paraloom.serving.errors import NotFoundError, ProtocolError, short_repr
 
 __all__ = ["MAX_REGIONS", "OFF", "RegionRef", "RegionStatus", "SharedMemoryRegistry",
@@ -225,15 +227,16 @@ class SharedMemoryRegistry:
         # A duplicate of the fd: an unregister during the read must not close it under us.
         return os.dup(region.fd), region.status["offset"] + ref.offset
 
-    def read(self, ref: RegionRef, where: str) -> bytearray:
-        """The ``ref.byte_size`` bytes ``ref`` names, read into a new (writable) buffer."""
+    def read(self, ref: RegionRef, where: str) -> np.ndarray:
+        """The ``ref.byte_size`` bytes ``ref`` names, read into a new writable uint8 array (not
+        zero-filled first: every byte is read)."""
         with self._lock:
             fd, start = self._span(ref, ref.byte_size, where)
-        out = bytearray(ref.byte_size)
+        out = np.empty(ref.byte_size, dtype=np.uint8)
         got = 0
         try:
             while got < ref.byte_size:  # one read returns at most ~2 GiB, or less on a signal
-                step = os.preadv(fd, [memoryview(out)[got:]], start + got)
+                step = os.preadv(fd, [out[got:].data], start + got)
                 if step == 0:
                     break
                 got += step

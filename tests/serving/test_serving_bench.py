@@ -92,14 +92,14 @@ def test_the_h2c_caller_counts_grpc_errors_and_large_messages() -> None:
 def test_the_feature_rows_check_every_answer_and_compare_like_with_like() -> None:
     import asyncio
 
-    from paraloom.bench.serving_features import _check, _grpc_body, _ratios, _stream, _unary
+    from paraloom.bench.serving_features import _check, _ratios, _stream, _unary
 
     torch.manual_seed(0)
     model = LeNet(image_size=8).eval()
     xs = torch.rand(8, 1, 1, 8, 8)
     with torch.no_grad():
         expected = torch.stack([model(x)[0] for x in xs])
-    bodies = [_grpc_body("lenet", xs[i % 8], request_id=str(i)) for i in range(60)]
+    bodies = [grpc_request(xs[i % 8], request_id=str(i)) for i in range(60)]
     app = create_app(model, name="lenet", workers=2)
     with ServerThread(app, grpc_port=0, grpc_backend="grpcio") as server:
         port = int(server.grpc_url.rsplit(":", 1)[1])

@@ -34,7 +34,7 @@ from torch import nn
 from paraloom.bench.common import bar_plot
 from paraloom.bench.load import Target, run_load
 from paraloom.bench.serving_processes import free_port, run_server
-from paraloom.bench.serving_requests import GRPC_INFER, v2_binary
+from paraloom.bench.serving_requests import GRPC_INFER, grpc_request, v2_binary
 
 __all__ = ["FEATURES_WIDTH", "PooledHead", "pooled_head", "run_features"]
 
@@ -76,20 +76,6 @@ def _serve(path: Path | None, name: str, args: argparse.Namespace, extra: list[s
     return cmd, port, grpc_port
 
 
-def _grpc_body(name: str, x: torch.Tensor, region: str | None = None, request_id: str = ""
-               ) -> bytes:
-    from paraloom.serving.grpc.messages import message
-
-    request = message("ModelInferRequest")(model_name=name, id=request_id)
-    tensor = request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
-    if region is None:
-        request.raw_input_contents.append(x.numpy().astype("<f4").tobytes())
-    else:
-        tensor.parameters["shared_memory_region"].string_param = region
-        tensor.parameters["shared_memory_byte_size"].int64_param = x.numel() * 4
-    return bytes(request.SerializeToString())
-
-
 def _shm_targets(port: int, grpc_port: int, x: torch.Tensor, region: str
                  ) -> dict[str, Target]:
     path = _INFER.format("wide")
@@ -104,9 +90,9 @@ def _shm_targets(port: int, grpc_port: int, x: torch.Tensor, region: str
     return {
         "http inline (binary)": Target("127.0.0.1", port, body, path=path, headers=binary),
         "http shared memory": Target("127.0.0.1", port, in_memory, path=path),
-        "grpc inline (raw)": Target("127.0.0.1", grpc_port, _grpc_body("wide", x),
+        "grpc inline (raw)": Target("127.0.0.1", grpc_port, grpc_request(x, "wide"),
                                     method=GRPC_INFER),
-        "grpc shared memory": Target("127.0.0.1", grpc_port, _grpc_body("wide", x, region),
+        "grpc shared memory": Target("127.0.0.1", grpc_port, grpc_request(x, "wide", region),
                                      method=GRPC_INFER),
     }
 
@@ -209,7 +195,7 @@ def _stream_rows(tmp: Path, args: argparse.Namespace) -> dict[str, list[dict[str
     xs = torch.rand(8, 1, 1, 28, 28)
     with torch.no_grad():
         expected = torch.stack([model(x)[0] for x in xs])
-    bodies = [_grpc_body("lenet", xs[i % 8], request_id=str(i))
+    bodies = [grpc_request(xs[i % 8], request_id=str(i))
               for i in range(args.stream_requests)]
     cmd, port, grpc_port = _serve(path, "lenet", args, [])
     rows: dict[str, list[dict[str, Any]]] = {}

@@ -42,13 +42,19 @@ def v2_binary(x: torch.Tensor) -> tuple[bytes, int]:
     return head + x.numpy().astype("<f4").tobytes(), len(head)
 
 
-def grpc_request(x: torch.Tensor) -> bytes:
-    """A serialized ``ModelInferRequest`` for model "lenet" with ``x`` as raw contents."""
+def grpc_request(x: torch.Tensor, model: str = "lenet", region: str | None = None,
+                 request_id: str = "") -> bytes:
+    """A serialized ``ModelInferRequest`` for ``model`` with ``x`` as raw contents, or naming
+    the shared memory ``region`` that holds it."""
     from paraloom.serving.grpc.messages import message
 
-    request = message("ModelInferRequest")(model_name="lenet")
-    request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
-    request.raw_input_contents.append(x.numpy().astype("<f4").tobytes())
+    request = message("ModelInferRequest")(model_name=model, id=request_id)
+    tensor = request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    if region is None:
+        request.raw_input_contents.append(x.numpy().astype("<f4").tobytes())
+    else:
+        tensor.parameters["shared_memory_region"].string_param = region
+        tensor.parameters["shared_memory_byte_size"].int64_param = x.numel() * 4
     return bytes(request.SerializeToString())
 
 

@@ -19,7 +19,7 @@ from paraloom.serving.repository.files import ModelFiles
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.routes import EXCEPTION_HANDLERS, ROUTES
 from paraloom.serving.served import PoolOptions, ServedModel, build_pool
-from paraloom.serving.shared_memory import SharedMemoryRegistry, is_loopback
+from paraloom.serving.shared_memory import SharedMemoryRegistry, on_by_default
 from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ def settle_shared_memory(app: Starlette, host: str, processes: int = 1) -> None:
     if not getattr(app.state, "shared_memory_auto", False):
         return
     regions: SharedMemoryRegistry | None = app.state.regions
-    if is_loopback(host) and processes == 1:
+    if on_by_default(host, processes):
         app.state.regions = regions or SharedMemoryRegistry()
     elif regions is not None:
         regions.close()

@@ -247,9 +247,9 @@ def shared_memory_on(args: argparse.Namespace) -> bool:
         raise ValueError("--shared-memory on needs --processes 1: each process holds its own "
                          "registered regions, and a client's requests reach any of them")
     if args.shared_memory == "auto":
-        from paraloom.serving.shared_memory import is_loopback
+        from paraloom.serving.shared_memory import on_by_default
 
-        return is_loopback(args.host) and processes == 1
+        return on_by_default(args.host, processes)
     return bool(args.shared_memory == "on")
 
 

@@ -39,7 +39,7 @@ import torch
 
 from paraloom.serving.datatypes import Value
 from paraloom.serving.errors import ProtocolError, ServingError, short_repr
-from paraloom.serving.signature import ModelSignature, TensorSpec
+from paraloom.serving.signature import ModelSignature, TensorSpec, spec_from_json
 from paraloom.serving.strings import is_strings
 
 __all__ = ["HANDLER_FILE", "Handler", "HandlerFailedError", "load_handler"]
@@ -61,12 +61,10 @@ def _specs(raw: object, key: str, path: Path) -> tuple[TensorSpec, ...]:
         raise ValueError(f"{usage}; got {short_repr(raw)}")
     specs = []
     for item in raw:
-        if isinstance(item, TensorSpec):
-            specs.append(item)
-            continue
-        if not isinstance(item, dict) or set(item) != {"name", "datatype", "shape"}:
+        spec = spec_from_json(item)
+        if spec is None:
             raise ValueError(f"{usage}; got {short_repr(item)}")
-        specs.append(TensorSpec(str(item["name"]), str(item["datatype"]), tuple(item["shape"])))
+        specs.append(spec)
     return tuple(specs)
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "json_input",
     "parse_infer_request",
     "parse_shape",
+    "raw_value",
     "read_region",
     "MAX_STRING_REGION_BYTES",
 ]
@@ -252,9 +253,7 @@ def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int
     if offset + size > len(binary):
         raise ProtocolError(f"{where} needs bytes {offset}..{offset + size} of the binary data "
                             f"but the body has only {len(binary)} bytes after the JSON header")
-    chunk = binary[offset:offset + size]
-    value = (strings_from_buffer(chunk, shape, where) if dt is None
-             else binary_input(name, dt, shape, chunk, size))
+    value = raw_value(name, datatype, shape, binary[offset:offset + size])
     return RequestInput(name, datatype, shape, value), size
 
 
@@ -262,6 +261,14 @@ def json_input(name: str, dt: DataType, shape: tuple[int, ...], data: object) ->
     """The tensor of an input sent as values (JSON ``data``, or gRPC's typed contents)."""
     where = f"input {name!r}"
     return _build_tensor(tensor_from_json, where, shape, data, dt, shape, where)
+
+
+def raw_value(name: str, datatype: str, shape: tuple[int, ...], chunk: memoryview) -> Value:
+    """An input sent as raw bytes (binary extension, gRPC raw contents): length-prefixed
+    strings for BYTES, little-endian numbers otherwise."""
+    if datatype == BYTES:
+        return strings_from_buffer(chunk, shape, f"input {name!r}")
+    return binary_input(name, lookup(datatype, f"input {name!r}"), shape, chunk, len(chunk))
 
 
 def binary_input(name: str, dt: DataType, shape: tuple[int, ...],

@@ -19,8 +19,7 @@ from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.served import ServedModel
-from paraloom.serving.shared_memory import SharedMemoryRegistry
-from paraloom.serving.shared_memory_routes import SHARED_MEMORY_ROUTES
+from paraloom.serving.shared_memory_routes import SHARED_MEMORY_ROUTES, regions_of
 
 __all__ = ["EXCEPTION_HANDLERS", "ROUTES", "error_response"]
 
@@ -53,7 +52,7 @@ def _served(request: Request) -> ServedModel:
 
 async def server_metadata(request: Request) -> Response:
     """GET /v2."""
-    return JSONResponse(describe_server(_regions(request) is not None))
+    return JSONResponse(describe_server(regions_of(request) is not None))
 
 
 async def live(request: Request) -> Response:
@@ -89,11 +88,6 @@ def _header_length(request: Request) -> int | None:
     return int(digits)
 
 
-def _regions(request: Request) -> SharedMemoryRegistry | None:
-    regions: SharedMemoryRegistry | None = request.app.state.regions
-    return regions
-
-
 def _encode(answer: InferAnswer) -> Response:
     body, header_length = encode_infer_response(
         model_name=answer.model_name, model_version=answer.model_version,
@@ -106,7 +100,7 @@ def _encode(answer: InferAnswer) -> Response:
 
 async def infer(request: Request) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer."""
-    regions = _regions(request)
+    regions = regions_of(request)
 
     async def decode() -> InferRequest:
         body = await read_body(request, request.app.state.max_body_bytes)

@@ -33,7 +33,7 @@ import numpy as np
 from paraloom.serving.errors import NotFoundError, ProtocolError, short_repr
 
 __all__ = ["MAX_REGIONS", "OFF", "RegionRef", "RegionStatus", "SharedMemoryRegistry",
-           "is_loopback", "region_ref", "registry_or_refuse"]
+           "on_by_default", "region_ref", "registry_or_refuse"]
 
 MAX_REGIONS = 256
 """Regions one server holds at once; a register past it is refused. Regions of the same
@@ -98,15 +98,17 @@ def region_ref(params: Mapping[str, object], where: str) -> RegionRef | None:
     return RegionRef(name, _count(params, _SIZE, where, None), _count(params, _OFFSET, where, 0))
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or "localhost") is only reachable from this machine: where
-    shared memory is on when left to "auto"."""
+def on_by_default(host: str, processes: int) -> bool:
+    """Whether shared memory left to "auto" is on: for a server bound to an address only this
+    machine reaches (a loopback address, or "localhost"), in one process (regions are
+    registered with one process; a sibling on the same port never saw them)."""
     import ipaddress
 
     try:
-        return ipaddress.ip_address(host).is_loopback
+        loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return host == "localhost"
+        loopback = host == "localhost"
+    return loopback and processes == 1
 
 
 def registry_or_refuse(regions: SharedMemoryRegistry | None, what: str = "") -> \

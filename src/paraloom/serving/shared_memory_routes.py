@@ -18,17 +18,22 @@ from paraloom.serving.body import read_body
 from paraloom.serving.errors import NotFoundError, ProtocolError, short_repr
 from paraloom.serving.shared_memory import SharedMemoryRegistry, registry_or_refuse
 
-__all__ = ["CUDA_REFUSAL", "SHARED_MEMORY_ROUTES", "registry_of"]
+__all__ = ["CUDA_REFUSAL", "SHARED_MEMORY_ROUTES", "registry_of", "regions_of"]
 
 _BODY_LIMIT = 64 << 10
 CUDA_REFUSAL = ("CUDA shared memory is not served by paraloom; use system shared memory "
                 "(tritonclient.utils.shared_memory) or send the data in the request")
 
 
+def regions_of(request: Request) -> SharedMemoryRegistry | None:
+    """The app's shared memory registry; None when the server has shared memory off."""
+    regions: SharedMemoryRegistry | None = request.app.state.regions
+    return regions
+
+
 def registry_of(request: Request) -> SharedMemoryRegistry:
     """The app's registry; ``ProtocolError`` when the server has shared memory off."""
-    regions: SharedMemoryRegistry | None = request.app.state.regions
-    return registry_or_refuse(regions)
+    return registry_or_refuse(regions_of(request))
 
 
 def _register_fields(obj: object) -> tuple[str, int, int]:

@@ -14,7 +14,8 @@ from paraloom.serving.errors import ProtocolError
 from paraloom.serving.protocol import RequestInput
 from paraloom.serving.strings import BYTES
 
-__all__ = ["ModelSignature", "TensorMetadata", "TensorSpec", "infer_signature", "probe_input"]
+__all__ = ["ModelSignature", "TensorMetadata", "TensorSpec", "infer_signature", "probe_input",
+           "spec_from_json"]
 
 
 class TensorMetadata(TypedDict):
@@ -46,6 +47,16 @@ class TensorSpec:
     def as_json(self) -> TensorMetadata:
         """The v2 metadata form: ``{"name", "datatype", "shape"}``."""
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+def spec_from_json(item: object) -> TensorSpec | None:
+    """``item`` as a ``TensorSpec``: one already, or ``{"name", "datatype", "shape"}`` (exactly
+    those keys); None for anything else. ``ValueError`` from ``TensorSpec`` for bad values."""
+    if isinstance(item, TensorSpec):
+        return item
+    if not isinstance(item, dict) or set(item) != {"name", "datatype", "shape"}:
+        return None
+    return TensorSpec(str(item["name"]), str(item["datatype"]), tuple(item["shape"]))
 
 
 @dataclass(frozen=True)

@@ -25,16 +25,15 @@ from paraloom.serving.protocol import (
     InferRequest,
     RequestedOutput,
     RequestInput,
-    binary_input,
     json_input,
     parse_shape,
+    raw_value,
     read_region,
     region_parameters,
 )
 from paraloom.serving.shared_memory import SharedMemoryRegistry, region_ref
 from paraloom.serving.strings import (
     BYTES,
-    strings_from_buffer,
     strings_from_list,
     strings_to_list,
 )
@@ -104,13 +103,8 @@ def _input(tensor: InputTensor, index: int, raw: Iterator[bytes] | None,
     if tensor.HasField("contents"):
         raise ProtocolError(f"{where} has typed contents but the request also carries "
                             "raw_input_contents; send every input one way")
-    chunk = memoryview(next(raw))
-    if datatype == BYTES:
-        return RequestInput(tensor.name, datatype, shape,
-                            strings_from_buffer(chunk, shape, where))
-    return RequestInput(tensor.name, datatype, shape,
-                        binary_input(tensor.name, lookup(datatype, where), shape, chunk,
-                                     len(chunk)))
+    value = raw_value(tensor.name, datatype, shape, memoryview(next(raw)))
+    return RequestInput(tensor.name, datatype, shape, value)
 
 
 def decode_infer_request(request: InferRequestMessage,

@@ -32,7 +32,12 @@ from paraloom.serving.errors import NotFoundError
 from paraloom.serving.handlers import HANDLER_FILE, Handler, load_handler
 from paraloom.serving.repository.files import ModelFiles
 from paraloom.serving.served import PoolOptions, ServedModel, build_pool
-from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
+from paraloom.serving.signature import (
+    ModelSignature,
+    TensorSpec,
+    infer_signature,
+    spec_from_json,
+)
 
 __all__ = ["Found", "ModelConfig", "ModelsDir", "VersionPolicy", "read_config"]
 
@@ -100,11 +105,11 @@ def _specs(raw: object, key: str, where: str) -> tuple[TensorSpec, ...]:
                          '{"name": ..., "datatype": "FP32", "shape": [-1, ...]}')
     specs = []
     for item in raw:
-        if not isinstance(item, dict) or set(item) != {"name", "datatype", "shape"}:
+        spec = spec_from_json(item)
+        if spec is None:
             raise ValueError(f"{where}: each of {key!r} needs exactly name, datatype and "
                              f"shape; got {item!r}")
-        specs.append(TensorSpec(str(item["name"]), str(item["datatype"]),
-                                tuple(item["shape"])))
+        specs.append(spec)
     return tuple(specs)
 
 

@@ -90,6 +90,53 @@ def test_two_ranks_end_identical_and_dense_plain_diloco_is_averaging(pool) -> No
     assert compressed[0]["stats"]["synchronizations"] == 3
 
 
+def _sharded(rank: int, world_size: int, density: float) -> dict[str, Any]:
+    from paraloom.sync.sharded_exchange import sharded_average
+
+    flat = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+    average, residual, kept, sent, received = sharded_average(
+        flat, None, density, "fp32", None, rank, world_size)
+    return {"flat": flat.tolist(), "average": average.tolist(), "residual": residual.tolist(),
+            "kept": kept.tolist(), "sent": sent, "received": received}
+
+
+def test_the_sharded_exchange_loses_nothing_and_averages_exactly_when_dense(pool) -> None:
+    from paraloom.sync.sharded_exchange import packed_size
+
+    dense = pool.run(_sharded, density=1.0)
+    mean = (torch.tensor(dense[0]["flat"]) + torch.tensor(dense[1]["flat"])) / 2
+    for r in dense:
+        torch.testing.assert_close(torch.tensor(r["average"]), mean)
+    sparse = pool.run(_sharded, density=0.05)
+    assert sparse[0]["average"] == sparse[1]["average"]  # every rank steps the same way
+    average = torch.tensor(sparse[0]["average"])
+    assert int((average != 0).sum()) == 2 * entries(500, 0.05)  # re-selected per shard
+    # Error feedback at both ends: sent + the senders' residuals + the shard owners' kept
+    # remainder add up to the exact mean.
+    residuals = (torch.tensor(sparse[0]["residual"]) + torch.tensor(sparse[1]["residual"])) / 2
+    kept = torch.cat([torch.tensor(sparse[0]["kept"]), torch.tensor(sparse[1]["kept"])])
+    torch.testing.assert_close(average + residuals + kept, mean)
+    size = packed_size(500, 0.05, "fp32")
+    assert sparse[0]["sent"] == sparse[0]["received"] == 2 * size  # one shard out, one back
+
+
+def _ranks_sharded(rank: int, world_size: int) -> dict[str, Any]:
+    return train(rank, world_size, DiLoCo(sync_every=4, density=0.05, exchange="sharded"), 10,
+                 seed=0, idle={9: [1]})
+
+
+def test_sharded_diloco_ends_with_identical_replicas(pool) -> None:
+    from paraloom.sync.sharded_exchange import packed_size
+
+    result = pool.run(_ranks_sharded)
+    assert result[0]["final"] == result[1]["final"]
+    numel = len(result[0]["params"])
+    half = [packed_size(numel // 2, 0.05, "int8"), packed_size(numel - numel // 2, 0.05, "int8")]
+    per_sync = half[1] + max(half)  # rank 0: rank 1's shard out, then its own to rank 1
+    assert result[0]["stats"]["bytes_sent"] == 3 * per_sync
+    assert result[0]["stats"]["bytes_received"] == 3 * (half[0] + max(half))
+
+
 def test_state_round_trip_continues_exactly() -> None:
     sync = DiLoCo(sync_every=3, density=0.2)
     model, ctx = _one_replica(sync, 7)  # finish() ran: one more synchronization
@@ -125,6 +172,7 @@ def test_fragments_are_balanced_and_staggered() -> None:
     ({"outer_optimizer": lambda params: "SGD"}, "returned str"),
     ({"outer_optimizer": 0.7}, "expected a callable"),
     ({"sync_every": 10, "fragments": 5}, "4 trainable parameter tensors"),
+    ({"exchange": "ring"}, "exchange='ring'"),
 ])
 def test_bad_options_are_refused_before_any_worker_starts(options: dict[str, Any],
                                                           message: str) -> None:

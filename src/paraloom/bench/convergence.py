@@ -1,13 +1,16 @@
-"""Convergence: accuracy, bytes per step and wall time of every synchronization mode.
+"""Convergence: accuracy (or validation loss), bytes per step and wall time of every
+synchronization mode.
 
 Every contender trains the same model from the same seed on the same data order with the same
-dense recipe (SGD with momentum 0.9 at the task's learning rate, batch 64 per worker, 2
-workers): the recipe a user takes from DDP and keeps when switching modes. Two tasks: LeNet on
-16x16 images holding scikit-learn's 8x8 digits at random offsets, and an MLP on a 10-class
-synthetic problem (scikit-learn's ``make_classification``). The report gives, per task and
-contender, the median test accuracy over the seeds, its gap to dense all-reduce, the bytes each
-worker sends per step as a fraction of all-reduce's, and the runs that diverged; the plot shows
-accuracy against bytes per step.
+dense recipe (the task's optimizer at its learning rate, batch 64 per worker, 2 workers): the
+recipe a user takes from DDP and keeps when switching modes. Three tasks: LeNet on 16x16 images
+holding scikit-learn's 8x8 digits at random offsets and an MLP on a 10-class synthetic problem
+(scikit-learn's ``make_classification``), both with SGD and momentum 0.9; and a character-level
+transformer language model on the Python standard library's source (``char_lm``), with AdamW,
+ranked by validation loss. The report gives, per task and contender, the median test accuracy
+and loss over the seeds, their gaps to dense all-reduce, the bytes each worker sends per step as
+a fraction of all-reduce's, and the runs that diverged; the plot shows accuracy (or loss)
+against bytes per step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -43,6 +47,7 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "diloco_dense": {"training_mode": "diloco", "density": 1.0},
     "diloco_h25": {"training_mode": "diloco", "sync_every": 25},
     "diloco_nesterov": {"training_mode": "diloco", "outer_optimizer": "nesterov"},
+    "diloco_sharded": {"training_mode": "diloco", "exchange": "sharded"},
     "powersgd": {"training_mode": "allreduce", "comm_hook": "powersgd"},
     "sharing_dl4j": {"training_mode": "shared_gradients", "recipe": "dl4j"},
     "sharing_threshold": {"training_mode": "shared_gradients", "encoding": "threshold",
@@ -64,9 +69,15 @@ class RunResult(TypedDict):
     seed: int
     accuracy: float | None
     """Test accuracy; None when the run diverged."""
+    loss: float | None
+    """Mean cross-entropy on the test (validation) data; None when the run diverged."""
     diverged: str | None
     """The first line of the worker's error when a NaN loss stopped the run."""
     bytes_per_step: float | None
+    received_per_step: float | None
+    """Bytes a worker receives per step: the synchronizer's count where it keeps one
+    (diloco), else the bytes sent (a ring all-reduce, or an all-gather of equal messages,
+    takes in what it sends)."""
     seconds: float
 
 
@@ -76,9 +87,14 @@ class Summary(TypedDict):
     median_accuracy: float
     min_accuracy: float
     diverged: int
+    median_loss: float
+    """Median test (validation) cross-entropy."""
     gap_points: float | None
     """Percentage points below dense all-reduce's median accuracy."""
+    loss_gap_percent: float | None
+    """Percent above dense all-reduce's median loss."""
     median_bytes_per_step: float
+    median_received_per_step: float
     bytes_fraction_of_allreduce: float | None
     median_seconds: float
 
@@ -111,17 +127,31 @@ def shifted_digits(split: str, copies: int = 4, seed: int = 0, size: int = 16) -
     return TensorDataset(images, y.repeat(copies))
 
 
-_Task = tuple[TensorDataset, TensorDataset, Callable[[], nn.Module]]
+_Data = tuple[TensorDataset, TensorDataset, Callable[[], nn.Module]]
 
 
-def _digits_task() -> _Task:
+@dataclass(frozen=True)
+class Task:
+    """One convergence task: its data and model, and its dense recipe."""
+
+    make: Callable[[], _Data]
+    lr: float
+    """The dense learning rate (the best of a few for allreduce)."""
+    optimizer: str = "sgd"
+    """"sgd" (with ``--momentum``) or "adamw" (weight decay 0.01)."""
+    metric: str = "accuracy"
+    """What the report ranks by: "accuracy" (higher is better) or "loss" (the validation
+    loss, lower is better)."""
+
+
+def _digits_task() -> _Data:
     from paraloom.models import LeNet
 
     return (shifted_digits("train", seed=1), shifted_digits("test", seed=2),
             lambda: LeNet(image_size=16))
 
 
-def _synthetic_task() -> _Task:
+def _synthetic_task() -> _Data:
     from sklearn.datasets import make_classification
 
     from paraloom.models import MLP
@@ -135,10 +165,20 @@ def _synthetic_task() -> _Task:
             lambda: MLP(in_features=64, hidden=(256, 256), num_classes=10))
 
 
-TASKS: dict[str, tuple[Callable[[], _Task], float]] = {
-    "digits16": (_digits_task, 0.1), "synthetic": (_synthetic_task, 0.02)}
-"""Task name -> (data and model, its dense learning rate: the best of 0.005/0.02/0.1 for
-allreduce; the issue's 0.1 for digits16)."""
+def _char_lm_task() -> _Data:
+    from paraloom.bench.char_lm import CharTransformer, char_datasets
+
+    train, validation = char_datasets()
+    return train, validation, CharTransformer
+
+
+TASKS: dict[str, Task] = {
+    "digits16": Task(_digits_task, 0.1),
+    "synthetic": Task(_synthetic_task, 0.02),
+    "charlm": Task(_char_lm_task, 3e-3, optimizer="adamw", metric="loss"),
+}
+"""Task name -> Task (learning rates: the best of 0.005/0.02/0.1 for allreduce; the issue's
+0.1 for digits16; for the language model AdamW's usual 3e-3 at this size)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,54 +195,76 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="benchmarks/results/convergence.json")
 
 
-def _accuracy(model: nn.Module, data: TensorDataset) -> float:
-    x, y = data.tensors
+def _evaluate(model: nn.Module, data: TensorDataset) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) on ``data``, in slices of 1,024 examples."""
     model.eval()
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    right = lost = 0.0
+    x, y = data.tensors
     with torch.no_grad():
-        return float((model(x).argmax(dim=1) == y).float().mean())
+        for start in range(0, len(y), 1024):
+            logits = model(x[start:start + 1024])
+            target = y[start:start + 1024]
+            right += float((logits.argmax(dim=1) == target).float().sum())
+            lost += float(loss_fn(logits, target))
+    return right / y.numel(), lost / y.numel()
 
 
 def _train(args: argparse.Namespace, task: str, contender: str, seed: int) -> RunResult:
     from paraloom import ParallelWrapper
     from paraloom.errors import WorkerError
 
-    make, task_lr = TASKS[task]
-    train, test, build = make()
+    spec = TASKS[task]
+    train, test, build = spec.make()
     torch.manual_seed(seed)
     model = build()
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(seed))
-    lr, momentum = args.lr or task_lr, args.momentum
+    lr, momentum = args.lr or spec.lr, args.momentum
+    optimizer: Callable[[Any], torch.optim.Optimizer] = (
+        (lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.01)) if spec.optimizer == "adamw"
+        else (lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum)))
     options = with_threshold(CONTENDERS[contender])
     if options.get("comm_hook") == "powersgd":  # dense for the first 10% of steps, as torch advises
         options.setdefault("powersgd_warmup", max(1, len(loader) * args.epochs // 10))
     start = time.perf_counter()
     try:
         with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
-                             optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
+                             optimizer=optimizer,
                              workers=args.workers, progress=False, timeout=600,
                              **options) as wrapper:
             stats = wrapper.fit(loader, epochs=args.epochs)
     except WorkerError as e:  # a NaN loss in a worker: the run diverged
-        return {"seed": seed, "accuracy": None, "diverged": str(e).splitlines()[0],
-                "bytes_per_step": None, "seconds": time.perf_counter() - start}
+        return {"seed": seed, "accuracy": None, "loss": None,
+                "diverged": str(e).splitlines()[0], "bytes_per_step": None,
+                "received_per_step": None, "seconds": time.perf_counter() - start}
     per_step = stats["bytes_sent_per_step"]
-    return {"seed": seed, "accuracy": _accuracy(model, test), "diverged": None,
+    accuracy, loss = _evaluate(model, test)
+    received = [w.get("bytes_received_per_step", sent)
+                for w, sent in zip(stats["per_worker"], per_step, strict=True)]
+    return {"seed": seed, "accuracy": accuracy, "loss": loss, "diverged": None,
             "bytes_per_step": sum(per_step) / len(per_step),
+            "received_per_step": sum(received) / len(received),
             "seconds": time.perf_counter() - start}
 
 
-def _summary(runs: list[RunResult], dense_bytes: float | None,
-             dense_accuracy: float | None) -> Summary:
-    # (accuracy, bytes per step) of the runs that did not diverge: they have both.
-    done = [(a, b) for r in runs
-            if (a := r["accuracy"]) is not None and (b := r["bytes_per_step"]) is not None]
-    accuracy = statistics.median(a for a, _ in done) if done else math.nan
-    steps = statistics.median(b for _, b in done) if done else math.nan
+def _summary(runs: list[RunResult], dense: Summary | None) -> Summary:
+    # (accuracy, loss, bytes per step) of the runs that did not diverge: they have all three.
+    done = [(a, loss, b) for r in runs if (a := r["accuracy"]) is not None
+            and (loss := r["loss"]) is not None and (b := r["bytes_per_step"]) is not None]
+    accuracy = statistics.median(a for a, _, _ in done) if done else math.nan
+    loss = statistics.median(x for _, x, _ in done) if done else math.nan
+    steps = statistics.median(b for _, _, b in done) if done else math.nan
+    dense_bytes = None if dense is None else dense["median_bytes_per_step"]
+    received = [r["received_per_step"] for r in runs if r["received_per_step"] is not None]
     return {"median_accuracy": accuracy,
-            "min_accuracy": min((a for a, _ in done), default=math.nan),
+            "median_received_per_step": statistics.median(received) if received else math.nan,
+            "min_accuracy": min((a for a, _, _ in done), default=math.nan),
+            "median_loss": loss,
             "diverged": len(runs) - len(done),
-            "gap_points": None if dense_accuracy is None else 100 * (dense_accuracy - accuracy),
+            "gap_points": None if dense is None else 100 * (dense["median_accuracy"] - accuracy),
+            "loss_gap_percent": None if dense is None else
+            100 * (loss / dense["median_loss"] - 1),
             "median_bytes_per_step": steps,
             "bytes_fraction_of_allreduce": None if not dense_bytes else steps / dense_bytes,
             "median_seconds": statistics.median(r["seconds"] for r in runs)}
@@ -210,10 +272,8 @@ def _summary(runs: list[RunResult], dense_bytes: float | None,
 
 def _summaries(runs: dict[str, list[RunResult]]) -> dict[str, Summary]:
     """Each contender's summary, against dense all-reduce's when it ran."""
-    dense = _summary(runs["allreduce"], None, None) if "allreduce" in runs else None
-    dense_bytes = None if dense is None else dense["median_bytes_per_step"]
-    dense_accuracy = None if dense is None else dense["median_accuracy"]
-    return {c: _summary(r, dense_bytes, dense_accuracy) for c, r in runs.items()}
+    dense = _summary(runs["allreduce"], None) if "allreduce" in runs else None
+    return {c: _summary(r, dense) for c, r in runs.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,7 +295,9 @@ def run(args: argparse.Namespace) -> int:
                 results["runs"][task][contender].append(r)
                 print(f"{task:<10} {contender:<13} seed {seed}: "
                       + ("diverged" if r["accuracy"] is None else
-                         f"accuracy {r['accuracy']:.4f}, {r['bytes_per_step']:.0f} B/step")
+                         f"accuracy {r['accuracy']:.4f}, loss {r['loss']:.4f}, "
+                         f"{r['bytes_per_step']:.0f} B/step out, "
+                         f"{r['received_per_step']:.0f} in")
                       + f", {r['seconds']:.1f} s", flush=True)
         results["summary"][task] = _summaries(results["runs"][task])
     path = write_results(args.out, results)
@@ -245,15 +307,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(results: ConvergenceResults, path: Path) -> None:
-    print(f"{'task':<11}{'contender':<14}{'accuracy':>9}{'gap':>7}{'min':>8}{'diverged':>9}"
-          f"{'B/step':>10}{'of dense':>10}{'s/run':>7}")
+    print(f"{'task':<11}{'contender':<18}{'accuracy':>9}{'gap':>7}{'min':>8}{'loss':>8}"
+          f"{'loss gap':>9}{'diverged':>9}{'B/step':>10}{'of dense':>10}{'in B/step':>10}"
+          f"{'s/run':>7}")
     for task, rows in results["summary"].items():
         for c, s in rows.items():
             gap = "" if s["gap_points"] is None else f"{s['gap_points']:+.1f}"
+            loss_gap = "" if s["loss_gap_percent"] is None else f"{s['loss_gap_percent']:+.1f}%"
             frac = s["bytes_fraction_of_allreduce"]
-            print(f"{task:<11}{c:<14}{s['median_accuracy']:>9.4f}{gap:>7}"
-                  f"{s['min_accuracy']:>8.4f}{s['diverged']:>9}{s['median_bytes_per_step']:>10.0f}"
-                  f"{'' if frac is None else f'1/{1 / frac:.0f}':>10}{s['median_seconds']:>7.1f}")
+            print(f"{task:<11}{c:<18}{s['median_accuracy']:>9.4f}{gap:>7}"
+                  f"{s['min_accuracy']:>8.4f}{s['median_loss']:>8.4f}{loss_gap:>9}"
+                  f"{s['diverged']:>9}{s['median_bytes_per_step']:>10.0f}"
+                  f"{'' if frac is None else f'1/{1 / frac:.0f}':>10}"
+                  f"{s['median_received_per_step']:>10.0f}{s['median_seconds']:>7.1f}")
     print(f"results written to {path}")
 
 
@@ -265,16 +331,19 @@ def _plot(results: ConvergenceResults, path: Path) -> None:
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         for contender, runs in results["runs"][task].items():
-            done = [r for r in runs if r["accuracy"] is not None]
-            points = ax.scatter([r["bytes_per_step"] for r in done],
-                                [r["accuracy"] for r in done], alpha=0.5)
+            by_loss = TASKS[task].metric == "loss"
+            done = [(r["bytes_per_step"], r["loss"] if by_loss else r["accuracy"])
+                    for r in runs if r["accuracy"] is not None]
+            points = ax.scatter([b for b, _ in done], [y for _, y in done], alpha=0.5)
             s = results["summary"][task][contender]
-            ax.scatter([s["median_bytes_per_step"]], [s["median_accuracy"]], marker="*", s=160,
+            ax.scatter([s["median_bytes_per_step"]],
+                       [s["median_loss"] if by_loss else s["median_accuracy"]],
+                       marker="*", s=160,
                        color=points.get_facecolor()[0], label=f"{contender} "
                        f"({s['diverged']} diverged)" if s["diverged"] else contender)
         ax.set_xscale("log")
         ax.set_xlabel("bytes sent per worker per step (log)")
-        ax.set_ylabel("test accuracy")
+        ax.set_ylabel("validation loss" if TASKS[task].metric == "loss" else "test accuracy")
         ax.set_title(task)
         ax.legend(fontsize=8)
     save_figure(fig, path)

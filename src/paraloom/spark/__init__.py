@@ -37,6 +37,7 @@ from paraloom.spark.training import (
     SparkTrainingError,
     TrainingMaster,
 )
+from paraloom.sync.pseudo_gradients import TopK
 from paraloom.sync.thresholds import (
     AdaptiveThreshold,
     FixedThreshold,
@@ -58,6 +59,7 @@ __all__ = [
     "SparkModel",
     "SparkTrainingError",
     "TargetSparsityThreshold",
+    "TopK",
     "TrainingMaster",
     "TrainingStats",
 ]

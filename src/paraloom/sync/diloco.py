@@ -26,16 +26,21 @@ import torch.distributed as dist
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 from paraloom.sync.collectives import average_tensors_
 from paraloom.sync.pseudo_gradients import (
-    VALUE_FORMATS,
     Selection,
+    check_encoding,
     decoded,
     entries,
     message_bytes,
     select,
     sum_selections,
 )
+from paraloom.sync.sharded_exchange import sharded_average
 
-__all__ = ["DiLoCo", "OuterOptimizer", "averaging_outer_optimizer", "nesterov_outer_optimizer",
+EXCHANGES = ("gather", "sharded")
+"""DiLoCo's ways for compressed messages to meet (see ``DiLoCo``)."""
+
+__all__ = ["DiLoCo", "EXCHANGES", "OuterOptimizer", "averaging_outer_optimizer", "check_outer",
+           "describe_factory", "nesterov_outer_optimizer",
            "split_fragments"]
 
 OuterOptimizer = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
@@ -62,7 +67,7 @@ def describe_factory(factory: object) -> str:
     return f"{getattr(factory, '__module__', '')}.{name}"
 
 
-def _check_outer(factory: OuterOptimizer) -> None:
+def check_outer(factory: OuterOptimizer) -> None:
     if not callable(factory):
         raise ValueError(f"outer_optimizer={factory!r}; expected a callable taking the "
                          "parameters, e.g. lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, "
@@ -77,12 +82,7 @@ def _check_options(sync_every: int, density: float, values: str, fragments: int)
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every={sync_every!r}; expected an int >= 1 (rounds each "
                          "replica trains alone between synchronizations)")
-    if isinstance(density, bool) or not isinstance(density, float | int) or \
-            not 0 < density <= 1:
-        raise ValueError(f"density={density!r}; expected a fraction in (0, 1] of each "
-                         "pseudo-gradient to send (1.0: all of it, as one all-reduce)")
-    if values not in VALUE_FORMATS:
-        raise ValueError(f"values={values!r}; expected one of {sorted(VALUE_FORMATS)}")
+    check_encoding(density, values)
     if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
         raise ValueError(f"fragments={fragments!r}; expected an int >= 1")
     if fragments > sync_every:
@@ -128,6 +128,11 @@ class DiLoCo(Synchronizer):
       message). Not used with ``density=1.0``.
     - ``fragments`` (1): synchronize the model in this many parts, one part every
       ``sync_every // fragments`` rounds (staggered: the peak of traffic is divided).
+    - ``exchange`` ("gather"): how compressed messages meet. "gather": one all-gather, every
+      worker receives every other's message (received bytes grow with the workers);
+      "sharded": each worker averages one shard of the vector and sends back its top entries
+      (``sharded_exchange``): about two messages in and out per worker at any worker count,
+      the average itself compressed (with its own error feedback).
 
     Raises ``ValueError`` for an option out of range or an outer optimizer factory that does
     not return a ``torch.optim.Optimizer``; ``fragments`` above the model's number of
@@ -137,12 +142,17 @@ class DiLoCo(Synchronizer):
     name = "diloco"
 
     def __init__(self, sync_every: int = 50, outer_optimizer: OuterOptimizer | None = None,
-                 density: float = 0.05, values: str = "int8", fragments: int = 1
-                 ) -> None:
+                 density: float = 0.05, values: str = "int8", fragments: int = 1,
+                 exchange: str = "gather") -> None:
         super().__init__()
         _check_options(sync_every, density, values, fragments)
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange={exchange!r}; expected one of {EXCHANGES}")
+        self.exchange = exchange
+        self.bytes_received = 0
+        self._aggregates: dict[tuple[int, ...], torch.Tensor] = {}
         self.outer_factory = outer_optimizer or averaging_outer_optimizer
-        _check_outer(self.outer_factory)
+        check_outer(self.outer_factory)
         self.sync_every, self.density, self.values = sync_every, density, values
         self.fragments = fragments
         self.synchronizations = 0
@@ -160,7 +170,8 @@ class DiLoCo(Synchronizer):
         split_fragments([p.numel() for p in params], self.fragments)
 
     def setup(self, ctx: StepContext) -> None:
-        self.sync_steps = self.bytes_sent = self.synchronizations = 0
+        self.sync_steps = self.bytes_sent = self.synchronizations = self.bytes_received = 0
+        self._aggregates = {}
         params = self._params(ctx)
         self._groups = split_fragments([p.numel() for p in params], self.fragments)
         with torch.no_grad():
@@ -238,16 +249,33 @@ class DiLoCo(Synchronizer):
         world = ctx.world_size if is_distributed(ctx) else 1
         if self.density >= 1:
             if world > 1:
-                self.bytes_sent += average_tensors_([flat], ctx.group, world, ctx.device)
+                sent = average_tensors_([flat], ctx.group, world, ctx.device)
+                self.bytes_sent += sent
+                self.bytes_received += sent  # a ring all-reduce takes in what it sends
             return flat
+        if world > 1 and self.exchange == "sharded":
+            return self._sharded(flat, indices, ctx, world)
         mine = select(flat, entries(flat.numel(), self.density), self.values)
         residual = flat.clone()
         residual.index_add_(0, mine.index, -decoded(mine).to(residual.dtype))
         self._store_residual(residual, indices)
         selections = [mine] if world == 1 else self._gather(mine, ctx)
-        self.bytes_sent += (world - 1) * message_bytes(mine.values.numel(), self.values,
-                                                       flat.numel())
+        size = message_bytes(mine.values.numel(), self.values, flat.numel())
+        self.bytes_sent += (world - 1) * size
+        self.bytes_received += (world - 1) * size
         return sum_selections(selections, flat.numel(), flat.device) / world
+
+    def _sharded(self, flat: torch.Tensor, indices: list[int], ctx: StepContext, world: int
+                 ) -> torch.Tensor:
+        key = tuple(indices)
+        average, residual, kept, sent, received = sharded_average(
+            flat, self._aggregates.get(key), self.density, self.values, ctx.group, ctx.rank,
+            world)
+        self._store_residual(residual, indices)
+        self._aggregates[key] = kept
+        self.bytes_sent += sent
+        self.bytes_received += received
+        return average
 
     def _gather(self, mine: Selection, ctx: StepContext) -> list[Selection]:
         parts = []
@@ -290,22 +318,28 @@ class DiLoCo(Synchronizer):
     # -- reporting and state -----------------------------------------------------------------
     def config(self) -> dict[str, Any]:
         return {"sync_every": self.sync_every, "density": self.density, "values": self.values,
-                "fragments": self.fragments,
+                "fragments": self.fragments, "exchange": self.exchange,
                 "outer_optimizer": describe_factory(self.outer_factory)}
 
     def stats(self) -> dict[str, float]:
-        return {**super().stats(), "synchronizations": float(self.synchronizations)}
+        return {**super().stats(), "synchronizations": float(self.synchronizations),
+                "bytes_received": float(self.bytes_received),
+                "bytes_received_per_step": self.bytes_received / max(1, self.sync_steps)}
 
     def state_dict(self) -> dict[str, Any]:
         assert self._outer is not None, "setup() was not called"
         return {**super().state_dict(), "synchronizations": self.synchronizations,
                 "anchors": [a.detach().clone() for a in self._anchors],
                 "residuals": [None if r is None else r.clone() for r in self._residuals],
+                "aggregates": [[list(k), v.clone()] for k, v in self._aggregates.items()],
+                "bytes_received": self.bytes_received,
                 "outer": self._outer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.synchronizations = int(state.get("synchronizations", 0))
+        self.bytes_received = int(state.get("bytes_received", 0))
+        self._aggregates = {tuple(k): v.clone() for k, v in state.get("aggregates", [])}
         if "anchors" not in state:
             return
         with torch.no_grad():

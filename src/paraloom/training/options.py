@@ -188,6 +188,7 @@ class WrapperKeywords(TypedDict, total=False):
     density: float
     values: str
     fragments: int
+    exchange: str
     # "allreduce" (paraloom.sync.AllReduce, then DistributedDataParallel's own keywords as of
     # torch 2.13: AllReduce refuses those this torch's DDP does not take)
     comm_hook: str | None

@@ -25,11 +25,15 @@ from paraloom.spark.training.averaging_task import (
     weighted,
 )
 from paraloom.spark.training.base import TrainingMaster, positive_int
-from paraloom.spark.training.jobs import FitJob, FitResult, run_job
+from paraloom.spark.training.diloco import OuterStep, resolve_diloco
+from paraloom.spark.training.diloco_task import remove_local, trainable_names
+from paraloom.spark.training.jobs import FitJob, FitResult, SparkTrainingError, run_job
 from paraloom.spark.training.messages import AveragingSums
 from paraloom.spark.training.summary import AveragingRoundTotals, averaging_summary
 from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import NoSync
+from paraloom.sync.diloco import OuterOptimizer, describe_factory
+from paraloom.sync.pseudo_gradients import TopK
 
 if TYPE_CHECKING:
     from pyspark import RDD, Broadcast, StorageLevel
@@ -44,25 +48,41 @@ def _rows(chunks: Iterable[Chunk]) -> list[int]:
 class ParameterAveragingTrainingMaster(TrainingMaster):
     """Synchronous parameter averaging through the driver, one Spark job per averaging round.
 
-    ``save_updater=True`` (the default) averages and re-broadcasts the optimizer state too;
-    False restarts every averaging round from the optimizer's initial state, as DL4J's real
+    ``averaging_frequency``: minibatches each worker trains per round (default 5; 50 with
+    DiLoCo). ``save_updater=True`` (the default) averages and re-broadcasts the optimizer state
+    too; False restarts every averaging round from the optimizer's initial state, as DL4J's real
     default does (which resets momentum and Adam's moments every averaging round).
     ``aggregation_depth`` is the ``treeAggregate`` depth. ``job_timeout`` bounds each averaging
     round's job. ``prefetch_batches``: minibatches a task reads ahead, shuffles and holds at
     once (its memory bound).
+
+    DiLoCo on the cluster (``training_mode="diloco"``'s algorithm) with ``outer_optimizer``
+    or ``encoding``: each task sends its pseudo-gradient (round start minus trained
+    parameters) encoded with ``encoding`` (a ``TopK``; ``"topk"``, the default, keeps 5% of the
+    entries in int8, the rest in the task's residual; ``"dense"`` sends everything), and the
+    driver steps the shared parameters with ``outer_optimizer`` (a factory taking the
+    parameters, or ``"averaging"``, the default: SGD at lr 1; ``"nesterov"``: the paper's).
+    The inner optimizer's state then stays with each partition (``save_updater=True``) or
+    restarts every round (False), and is not merged into your optimizer. Raises ``ValueError``
+    for an unknown encoding or an outer factory that does not return an optimizer.
     """
 
     name = "averaging"
 
-    def __init__(self, batch_size_per_worker: int = 32, averaging_frequency: int = 5,
+    def __init__(self, batch_size_per_worker: int = 32, averaging_frequency: int | None = None,
                  workers: int | None = None, *, save_updater: bool = True,
                  aggregation_depth: int = 2,
                  storage_level: StorageLevel | str | None = "MEMORY_ONLY",
                  repartition: str = "always", job_timeout: float | None = None,
-                 prefetch_batches: int = 16) -> None:
+                 prefetch_batches: int = 16,
+                 outer_optimizer: OuterOptimizer | str | None = None,
+                 encoding: TopK | str | None = None) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout,
                          prefetch_batches=prefetch_batches)
+        self.outer_optimizer, self.encoding = resolve_diloco(outer_optimizer, encoding)
+        if averaging_frequency is None:
+            averaging_frequency = 5 if self.encoding is None else 50
         self.averaging_frequency = positive_int("averaging_frequency", averaging_frequency)
         self.aggregation_depth = positive_int("aggregation_depth", aggregation_depth)
         if not isinstance(save_updater, bool):
@@ -88,23 +108,39 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                                   batch_size=self.batch_size_per_worker,
                                   frequency=self.averaging_frequency, seed=seed, origin=origin,
                                   features=job.features, save_updater=self.save_updater,
-                                  collect_stats=collect_stats, window_rows=self.window_rows())
+                                  collect_stats=collect_stats, window_rows=self.window_rows(),
+                                  encoding=self.encoding)
             driver = _Driver(self, job, data, spec_bc, base)
             for epoch in range(epochs):
                 for index in range(per_epoch):
-                    attempts = max(attempts, driver.run(epoch, index))
+                    attempts = max(attempts, driver.run(epoch, index, epoch * per_epoch + index))
         finally:
+            if self.encoding is not None:
+                _forget_local(job, data)
             spec_bc.unpersist()
             data.unpersist()
         seconds = time.perf_counter() - start
         summary = averaging_summary(driver.totals, job.spec.model, driver.base, workers, epochs,
-                                    seconds, attempts, sizes)
+                                    seconds, attempts, sizes,
+                                    None if self.outer_optimizer is None
+                                    else describe_factory(self.outer_optimizer))
         stats = None
         if collect_stats:
             stats = TrainingStats("ParameterAveragingTrainingMaster",
                                   TrainingStats.merge_rounds(driver.task_stats),
                                   driver.events, summary)
         return FitResult(driver.state, driver.optimizer_state, summary, stats)
+
+
+def _forget_local(job: FitJob, data: RDD[Chunk]) -> None:
+    """Delete DiLoCo's per-partition files where the partitions ran (best effort: a file left
+    behind is in the temporary directory, in a folder named after the fit)."""
+    fit_id = job.fit_id
+    try:
+        run_job(job.sc, lambda: data.foreachPartition(lambda _: remove_local(fit_id)),
+                "paraloom: DiLoCo's local files", 60.0)
+    except SparkTrainingError:
+        pass
 
 
 class _Driver:
@@ -116,6 +152,8 @@ class _Driver:
         self.master, self.job, self.data, self.spec_bc, self.base = master, job, data, spec_bc, base
         self.state = job.state
         self.optimizer_state = job.optimizer_state
+        self.outer = None if master.outer_optimizer is None else \
+            OuterStep(job.state, trainable_names(job.spec.model), master.outer_optimizer)
         self.totals: list[AveragingRoundTotals] = []
         self.task_stats: list[WorkerStats] = []
         self.events: list[Event] = []
@@ -124,14 +162,16 @@ class _Driver:
         self.events.append(Event(name=name, start=began - self.base.origin,
                                  duration=time.time() - began))
 
-    def run(self, epoch: int, index: int) -> int:
-        """Run averaging round ``index`` of ``epoch``; returns the stage attempts it took."""
+    def run(self, epoch: int, index: int, sequence: int) -> int:
+        """Run averaging round ``index`` of ``epoch`` (the fit's ``sequence``-th); returns the
+        stage attempts it took."""
         sc, master = self.job.sc, self.master
         began = time.time()
-        optimizer = self.optimizer_state if master.save_updater else None
+        # DiLoCo: the inner optimizer's state stays with the partitions.
+        optimizer = self.optimizer_state if master.save_updater and self.outer is None else None
         state_bc = sc.broadcast(pack(self.state, optimizer))
         self._event(f"broadcast {epoch}.{index}", began)
-        cfg = replace(self.base, epoch=epoch, index=index)
+        cfg = replace(self.base, epoch=epoch, index=index, sequence=sequence)
         job = self.data.mapPartitionsWithIndex(partial(averaging_task, self.spec_bc, state_bc, cfg))
         began = time.time()
         try:
@@ -159,6 +199,12 @@ class _Driver:
             epoch, n, total.loss_sum, total.steps, total.bytes_received, total.bytes_sent,
             total.peak_rss))
         if not n or total.model is None or total.layout is None:
+            return
+        if self.outer is not None:  # DiLoCo: the buffers averaged, the anchor stepped
+            if total.pseudo is None:
+                raise ValueError("a DiLoCo round returned no pseudo-gradient")
+            state = {**self.state, **unflatten(total.model / n, total.layout)}
+            self.state = self.outer.step(state, total.pseudo / n)
             return
         self.state = unflatten(total.model / n, total.layout)
         if total.optimizer is not None and total.optimizer_layout is not None \

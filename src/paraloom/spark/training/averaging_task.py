@@ -15,9 +15,10 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import zip_longest
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from paraloom.spark.data import Chunk, Features, Pair
 from paraloom.spark.data.stream import stream_batches
@@ -31,8 +32,16 @@ from paraloom.spark.runtime import (
 )
 from paraloom.spark.runtime.state import Layout, OptimizerState
 from paraloom.spark.stats import PhaseRecorder, WorkerStats
+from paraloom.spark.training.diloco_task import (
+    dense_delta,
+    diloco_sums,
+    load_local,
+    save_local,
+    trainable_names,
+)
 from paraloom.spark.training.messages import AveragingSums
 from paraloom.spark.training.task import batch_tensors, load_spec, make_runner
+from paraloom.sync.pseudo_gradients import TopK
 from paraloom.training.messages import Begin, Round
 from paraloom.training.runner import ReplicaRunner
 
@@ -65,6 +74,10 @@ class AveragingRound:
     collect_stats: bool = False
     window_rows: int = 512
     """Rows a task shuffles and holds at once (``prefetch_batches`` minibatches)."""
+    encoding: TopK | None = None
+    """DiLoCo (``diloco_task``): how the pseudo-gradient travels; None: plain averaging."""
+    sequence: int = 0
+    """This averaging round's number in the fit (epochs included): DiLoCo's local files."""
 
 
 def _runner(spec_bytes: bytes, cfg: AveragingRound,
@@ -124,14 +137,21 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     runner, pristine = _runner(spec, cfg, index)
     packed = unpack(state)
     runner.begin(Begin(packed.model))
-    runner.replica.optimizer.load_state_dict(packed.optimizer or copy.deepcopy(pristine))
+    local = load_local(cfg.fit_id, index, cfg.sequence) if cfg.encoding else None
+    inner = local.get("optimizer") if local and cfg.save_updater else None
+    runner.replica.optimizer.load_state_dict(inner or packed.optimizer or
+                                             copy.deepcopy(pristine))
     apply_s = time.perf_counter() - t
     loss_sum, rows_total = _train(runner, itertools.chain([head], batches), cfg, rec, begin,
                                   {"data": data_s, "communicate": communicate_s,
                                    "apply": apply_s})
     _drain(source)
     t = time.perf_counter()
-    sums = _sums(runner, rows_total, loss_sum, cfg)
+    if cfg.encoding is None:
+        sums = _sums(runner, rows_total, loss_sum, cfg)
+    else:
+        sums = _pseudo_sums(runner, packed.model, local, cfg, index)
+        sums = replace(sums, n=rows_total, loss_sum=loss_sum, steps=runner.steps)
     rec.columns["encode"][-1] += round(time.perf_counter() - t, 6)
     yield replace(sums, stats=_stats(rec, cfg), bytes_received=len(state), peak_rss=peak_rss())
 
@@ -173,6 +193,28 @@ def _sums(runner: ReplicaRunner, n: int, loss_sum: float, cfg: AveragingRound) -
                          skeleton, bytes_sent=sent)
 
 
+def _pseudo_sums(runner: ReplicaRunner, anchor: dict[str, torch.Tensor],
+                 local: dict[str, Any] | None, cfg: AveragingRound, index: int
+                 ) -> AveragingSums:
+    """DiLoCo: the trained replica's pseudo-gradient message; its residual and (with
+    ``save_updater``) its inner optimizer's state kept on this machine for the next round."""
+    assert cfg.encoding is not None
+    runner.finish(with_state=False)
+    state, optimizer_state = runner.final_state()
+    residual = local.get("residual") if local else None
+    sums, kept = diloco_sums(anchor, state, trainable_names(runner.replica.model),
+                             residual if isinstance(residual, torch.Tensor) else None,
+                             cfg.encoding)
+    record: dict[str, Any] = {}
+    if kept is not None:
+        record["residual"] = kept
+    if cfg.save_updater:
+        record["optimizer"] = optimizer_state
+    if record:
+        save_local(cfg.fit_id, index, cfg.sequence, record)
+    return sums
+
+
 def _times(vector: np.ndarray | None, n: int) -> np.ndarray | None:
     return None if vector is None else vector.astype(np.float64) * n
 
@@ -185,8 +227,10 @@ def weighted(sums: AveragingSums) -> AveragingSums:
     """
     if sums.weighted:
         return sums
+    pseudo = dense_delta(sums.delta) if sums.delta is not None else sums.pseudo
     return replace(sums, model=_times(sums.model, sums.n),
-                   optimizer=_times(sums.optimizer, sums.n), weighted=True)
+                   optimizer=_times(sums.optimizer, sums.n), pseudo=_times(pseudo, sums.n),
+                   delta=None, weighted=True)
 
 
 def _check_layouts(a: AveragingSums, b: AveragingSums) -> None:
@@ -224,5 +268,6 @@ def add_results(a: AveragingSums | None, b: AveragingSums | None) -> AveragingSu
     _check_layouts(a, b)
     return replace(a, n=a.n + b.n, loss_sum=a.loss_sum + b.loss_sum, steps=a.steps + b.steps,
                    model=_plus(a.model, b.model), optimizer=_plus(a.optimizer, b.optimizer),
+                   pseudo=_plus(a.pseudo, b.pseudo),
                    bytes_received=a.bytes_received + b.bytes_received,
                    bytes_sent=a.bytes_sent + b.bytes_sent, peak_rss=peak, stats=stats)

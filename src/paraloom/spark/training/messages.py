@@ -31,7 +31,7 @@ from paraloom.spark.runtime.state import Layout, OptimizerSkeleton
 from paraloom.spark.stats import WorkerStats
 
 __all__ = ["WorkerReport", "WorkerFinished", "WorkerFailed", "WorkerRerun", "TaskRecord",
-           "AveragingSums"]
+           "AveragingSums", "SparseDelta"]
 
 
 # -- from a SharedTrainingMaster barrier task --------------------------------------------------
@@ -106,6 +106,26 @@ TaskRecord = WorkerFinished | WorkerFailed | WorkerRerun
 
 # -- from a ParameterAveragingTrainingMaster task ----------------------------------------------
 @dataclass(frozen=True)
+class SparseDelta:
+    """A task's compressed pseudo-gradient (the master's ``encoding``): a
+    ``pseudo_gradients.Selection`` as numpy arrays, and the length of the dense vector."""
+
+    offsets: np.ndarray
+    """int16: offset - 32768 within blocks of 65,536 entries, ascending."""
+    counts: np.ndarray
+    """int32: entries per block."""
+    values: np.ndarray
+    """int8, float16 or float32 wire values."""
+    scale: float
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the message on the wire."""
+        return self.offsets.nbytes + self.counts.nbytes + self.values.nbytes + 4
+
+
+@dataclass(frozen=True)
 class AveragingSums:
     """One averaging task's result, or the sum of several (``averaging_task.add_results``).
 
@@ -137,3 +157,9 @@ class AveragingSums:
     """Phase timings of every task summed in, with ``fit(collect_stats=True)``."""
     weighted: bool = False
     """Whether the vectors are float64 sums already multiplied by ``n``."""
+    pseudo: np.ndarray | None = None
+    """DiLoCo (an ``outer_optimizer`` or ``encoding``): the pseudo-gradient of the trainable
+    parameters (start of round minus trained), dense; ``model`` then holds only the buffers."""
+    delta: SparseDelta | None = None
+    """DiLoCo with a top-k encoding: the task's message instead of ``pseudo`` (``weighted``
+    turns it into a dense ``pseudo``)."""

@@ -54,6 +54,10 @@ class AveragingSummary(TypedDict):
     batch_size_per_worker: int
     averaging_frequency: int
     save_updater: bool
+    encoding: str | None
+    """DiLoCo: how the pseudo-gradients travelled (``TopK(...)``); None: plain averaging."""
+    outer_optimizer: str | None
+    """DiLoCo: the outer optimizer factory; None: plain averaging."""
     rounds: int
     samples: int
     steps: int
@@ -62,6 +66,8 @@ class AveragingSummary(TypedDict):
     loss: float | None
     epoch_losses: list[float]
     bytes_per_step_per_worker: float
+    bytes_sent_per_step_per_worker: float
+    """What the tasks sent the driver (the broadcast they received left out)."""
     dense_bytes_per_step: float
     stage_attempts: int
     worker_peak_rss_mb: float
@@ -133,7 +139,8 @@ def shared_summary(reports: dict[int, WorkerReport], model: nn.Module, cfg: Shar
 
 def averaging_summary(totals: list[AveragingRoundTotals], model: nn.Module, cfg: AveragingRound,
                       workers: int, epochs: int, seconds: float, attempts: int,
-                      rows_per_worker: list[int]) -> AveragingSummary:
+                      rows_per_worker: list[int], outer: str | None = None
+                      ) -> AveragingSummary:
     """Summary of a ParameterAveragingTrainingMaster fit from each averaging round's totals.
 
     ``cfg`` is any of the fit's averaging rounds: its options are the master's.
@@ -151,10 +158,12 @@ def averaging_summary(totals: list[AveragingRoundTotals], model: nn.Module, cfg:
         master="averaging", workers=workers, epochs=epochs,
         batch_size_per_worker=cfg.batch_size,
         averaging_frequency=cfg.frequency, save_updater=cfg.save_updater,
+        encoding=None if cfg.encoding is None else repr(cfg.encoding), outer_optimizer=outer,
         rounds=len(totals), samples=samples, steps=steps, seconds=seconds,
         samples_per_s=samples / max(seconds, 1e-9),
         loss=losses[-1] if losses else None, epoch_losses=losses,
         bytes_per_step_per_worker=moved / max(1, steps),
+        bytes_sent_per_step_per_worker=sum(r.bytes_sent for r in totals if r.n) / max(1, steps),
         dense_bytes_per_step=dense_bytes_per_step(model, workers),
         stage_attempts=attempts,
         worker_peak_rss_mb=max((r.peak_rss for r in totals), default=0) / 2**20,

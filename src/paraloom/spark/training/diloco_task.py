@@ -1,0 +1,144 @@
+"""DiLoCo on Spark, a task's side: the pseudo-gradient it sends, and what it keeps between
+averaging rounds (its residual, and its inner optimizer's state with ``save_updater=True``).
+
+A ParameterAveragingTrainingMaster with an ``outer_optimizer`` or an ``encoding`` runs DiLoCo:
+each task trains from the broadcast shared parameters (the *anchor*), then sends the
+pseudo-gradient ``anchor - trained`` of the trainable parameters, plus its residual, encoded
+with the master's ``TopK`` (the part not sent becomes the new residual: error feedback), and its
+buffers dense. The driver averages the messages and steps the anchor with the outer optimizer.
+
+What a partition keeps between rounds lives in a file on its executor's local disk (the
+temporary directory, one folder per fit, readable by this user only), written with
+``torch.save`` and read with ``weights_only=True``, one file per round, so that a retried task
+reads the same round's input again. A partition that Spark runs on another executor than the
+round before starts with no residual and a fresh inner optimizer (nothing is lost but the
+unsent remainder); with its data cached, Spark keeps a partition where its blocks are.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from paraloom.spark.runtime import flatten
+from paraloom.spark.training.messages import AveragingSums, SparseDelta
+from paraloom.sync.pseudo_gradients import (
+    Selection,
+    TopK,
+    decoded,
+    entries,
+    select,
+    sum_selections,
+)
+
+__all__ = ["local_dir", "load_local", "save_local", "remove_local", "trainable_names",
+           "pseudo_gradient", "diloco_sums", "dense_delta"]
+
+
+def local_dir(fit_id: str) -> Path:
+    """The folder that holds this fit's per-partition files on this machine."""
+    if not re.fullmatch(r"[0-9a-f]{1,64}", fit_id):
+        raise ValueError(f"fit id {fit_id!r} is not a hex string")
+    return Path(tempfile.gettempdir()) / f"paraloom-diloco-{fit_id}"
+
+
+def _file(fit_id: str, index: int, sequence: int) -> Path:
+    return local_dir(fit_id) / f"part{index}-round{sequence}.pt"
+
+
+def load_local(fit_id: str, index: int, sequence: int) -> dict[str, Any] | None:
+    """What partition ``index`` kept after round ``sequence - 1``, or None (first round, or
+    the partition ran elsewhere)."""
+    if sequence == 0:
+        return None
+    path = _file(fit_id, index, sequence - 1)
+    try:
+        record = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def save_local(fit_id: str, index: int, sequence: int, record: dict[str, Any]) -> None:
+    """Keep ``record`` for partition ``index``'s next round; forget rounds before this one's
+    input (a retry of this round still finds it)."""
+    folder = local_dir(fit_id)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if folder.stat().st_uid != os.getuid():
+        raise PermissionError(f"{folder} belongs to another user; refusing to write there")
+    path = _file(fit_id, index, sequence)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save(record, partial)
+    os.replace(partial, path)
+    for old in folder.glob(f"part{index}-round*.pt"):
+        number = old.stem.rsplit("round", 1)[-1]
+        if number.isdigit() and int(number) < sequence - 1:
+            old.unlink(missing_ok=True)
+
+
+def remove_local(fit_id: str) -> None:
+    """Delete this fit's folder on this machine (the end of a fit)."""
+    shutil.rmtree(local_dir(fit_id), ignore_errors=True)
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    """The state-dict names of the parameters that DiLoCo's outer step moves, in order."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def pseudo_gradient(anchor: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
+                    names: list[str]) -> torch.Tensor:
+    """``anchor - trained`` over ``names``, flat, in float32 (float64 for a float64 model)."""
+    wide = any(anchor[n].dtype == torch.float64 for n in names)
+    dtype = torch.float64 if wide else torch.float32
+    if not names:
+        return torch.zeros(0, dtype=dtype)
+    return torch.cat([(anchor[n].to(dtype) - trained[n].to(dtype)).reshape(-1) for n in names])
+
+
+def _encode(flat: torch.Tensor, encoding: TopK
+            ) -> tuple[SparseDelta, torch.Tensor]:
+    """The message of ``flat``'s largest entries, and what is left of ``flat`` (the residual)."""
+    mine = select(flat, entries(flat.numel(), encoding.density), encoding.values)
+    residual = flat.clone()
+    residual.index_add_(0, mine.index, -decoded(mine).to(residual.dtype))
+    delta = SparseDelta(mine.offsets.numpy(), mine.counts.numpy(), mine.values.numpy(),
+                        float(mine.scale), flat.numel())
+    return delta, residual
+
+
+def dense_delta(delta: SparseDelta) -> np.ndarray:
+    """The dense float64 vector a ``SparseDelta`` carries (zeros where nothing was sent)."""
+    selection = Selection(torch.from_numpy(delta.offsets), torch.from_numpy(delta.counts),
+                          torch.from_numpy(delta.values), torch.tensor(delta.scale))
+    total = sum_selections([selection], delta.numel, torch.device("cpu"))
+    return total.numpy().astype(np.float64)
+
+
+def diloco_sums(anchor: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                names: list[str], residual: torch.Tensor | None, encoding: TopK,
+                ) -> tuple[AveragingSums, torch.Tensor | None]:
+    """A trained task's message (counts left to the caller) and its new residual.
+
+    ``state`` is the trained model's state dict; everything in it that is not a trainable
+    parameter (the buffers) travels dense in ``model``.
+    """
+    flat = pseudo_gradient(anchor, state, names)
+    if residual is not None and residual.shape == flat.shape:
+        flat += residual.to(flat.dtype)
+    buffers, layout = flatten({k: v for k, v in state.items() if k not in set(names)})
+    if encoding.dense:
+        sums = AveragingSums(0, model=buffers, layout=layout, pseudo=flat.numpy(),
+                             bytes_sent=buffers.nbytes + flat.numpy().nbytes)
+        return sums, None
+    delta, kept = _encode(flat, encoding)
+    sums = AveragingSums(0, model=buffers, layout=layout, delta=delta,
+                         bytes_sent=buffers.nbytes + delta.nbytes)
+    return sums, kept

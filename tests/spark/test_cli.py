@@ -39,3 +39,14 @@ def test_spark_train_rejects_a_bad_conf():
     assert _confs(["spark.executor.memory=4g"]) == {"spark.executor.memory": "4g"}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         _confs(["spark.executor.memory"])
+
+
+def test_spark_train_diloco_is_the_averaging_master_with_topk():
+    from paraloom.spark import TopK, cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    master = cli._master(parser.parse_args(["--training-master", "diloco"]))
+    assert master.encoding == TopK() and master.averaging_frequency == 50
+    plain = cli._master(parser.parse_args(["--training-master", "averaging"]))
+    assert plain.encoding is None and plain.averaging_frequency == 5

@@ -137,6 +137,64 @@ def test_sharded_diloco_ends_with_identical_replicas(pool) -> None:
     assert result[0]["stats"]["bytes_received"] == 3 * (half[0] + max(half))
 
 
+def _steps(model: torch.nn.Module, ctx: StepContext, sync: DiLoCo, first: int,
+           count: int) -> None:
+    for step in range(first, first + count):
+        ctx.optimizer.zero_grad(set_to_none=True)
+        x, y = batch(0, step)
+        F.cross_entropy(model(x), y).backward()
+        ctx.optimizer.step()
+        sync.after_step(ctx)
+
+
+def test_an_overlapped_synchronization_keeps_what_was_learned_meanwhile() -> None:
+    # One replica, dense, plain outer step: the landed anchor is the parameters as sent, and
+    # the rounds trained while it was in flight are kept on top: plain training again.
+    plain, _ = _one_replica(None, 11)
+    overlapped, _ = _one_replica(DiLoCo(sync_every=4, outer_optimizer=PLAIN, density=1.0,
+                                        overlap_rounds=2), 11)
+    assert torch.allclose(torch.tensor(flat(overlapped)), torch.tensor(flat(plain)), atol=1e-6)
+
+
+def test_a_checkpoint_taken_while_a_synchronization_is_in_flight_resumes_exactly() -> None:
+    def start() -> tuple[torch.nn.Module, StepContext, DiLoCo]:
+        model = make_model(0)
+        ctx = StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        sync = DiLoCo(sync_every=4, density=0.2, values="fp32", overlap_rounds=3)
+        sync.setup(ctx)
+        return model, ctx, sync
+
+    model, ctx, sync = start()
+    _steps(model, ctx, sync, 0, 5)  # sent after round 4, lands after round 7
+    assert sync._in_flight is not None and sync._in_flight.due == 7
+    saved_sync, saved_model = sync.state_dict(), {k: v.clone() for k, v in
+                                                  model.state_dict().items()}
+    _steps(model, ctx, sync, 5, 6)
+    again, again_ctx, again_sync = start()
+    again.load_state_dict(saved_model)
+    again_sync.load_state_dict(saved_sync)
+    _steps(again, again_ctx, again_sync, 5, 6)
+    assert flat(again) == flat(model) and sync.synchronizations == again_sync.synchronizations
+    with pytest.raises(ValueError, match="overlap_rounds=4 must be below"):
+        DiLoCo(sync_every=8, fragments=2, overlap_rounds=4)
+    with pytest.raises(ValueError, match="exchange='gather'"):
+        DiLoCo(overlap_rounds=1, exchange="sharded")
+
+
+def _ranks_overlapped(rank: int, world_size: int) -> dict[str, Any]:
+    return train(rank, world_size, DiLoCo(sync_every=4, density=0.05, overlap_rounds=2), 10, seed=0,
+                 idle={9: [1]})
+
+
+def test_overlapped_ranks_end_identical_with_the_same_bytes(pool) -> None:
+    result = pool.run(_ranks_overlapped)
+    assert result[0]["final"] == result[1]["final"]
+    numel = len(result[0]["params"])
+    per_sync = message_bytes(entries(numel, 0.05), "int8", numel)
+    assert result[0]["stats"]["bytes_sent"] == 3 * per_sync  # rounds 4, 8 and finish
+    assert result[0]["stats"]["synchronizations"] == 3
+
+
 def test_state_round_trip_continues_exactly() -> None:
     sync = DiLoCo(sync_every=3, density=0.2)
     model, ctx = _one_replica(sync, 7)  # finish() ran: one more synchronization

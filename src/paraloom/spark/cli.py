@@ -30,9 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--master", default="local[2]",
                    help="Spark master URL; local[N] runs an embedded Spark (no cluster needed)")
-    p.add_argument("--training-master", default="shared", choices=["shared", "averaging"],
+    p.add_argument("--training-master", default="shared",
+                   choices=["shared", "averaging", "diloco"],
                    help="shared: SharedTrainingMaster (update sharing); averaging: "
-                        "ParameterAveragingTrainingMaster")
+                        "ParameterAveragingTrainingMaster; diloco: the same with "
+                        "encoding='topk' (DiLoCo)")
     p.add_argument("--model", default="lenet", choices=["lenet", "mlp"])
     add_data_arguments(p)
     p.add_argument("--workers", type=int, default=None,
@@ -43,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threshold", type=float, default=5e-3,
                    help="initial threshold of AdaptiveThreshold (shared master)")
-    p.add_argument("--averaging-frequency", type=int, default=5,
-                   help="minibatches between averagings (averaging master)")
+    p.add_argument("--averaging-frequency", type=int, default=None,
+                   help="minibatches between averagings (averaging master: default 5; "
+                        "diloco: 50)")
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                    help="a Spark configuration entry; repeat for more")
     p.add_argument("--out", help="where to save the model (.safetensors)")
@@ -101,9 +104,9 @@ def _master(args: argparse.Namespace) -> TrainingMaster:
     if args.training_master == "shared":
         return SharedTrainingMaster(batch_size_per_worker=args.batch_size, workers=args.workers,
                                     threshold_algorithm=AdaptiveThreshold(args.threshold))
-    return ParameterAveragingTrainingMaster(batch_size_per_worker=args.batch_size,
-                                            averaging_frequency=args.averaging_frequency,
-                                            workers=args.workers)
+    return ParameterAveragingTrainingMaster(
+        batch_size_per_worker=args.batch_size, averaging_frequency=args.averaging_frequency,
+        workers=args.workers, encoding="topk" if args.training_master == "diloco" else None)
 
 
 def run(args: argparse.Namespace) -> int:

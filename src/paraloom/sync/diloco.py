@@ -1,7 +1,8 @@
 """DiLoCo: replicas train alone for ``sync_every`` rounds, then an outer optimizer steps the
 shared parameters with the replicas' averaged pseudo-gradients (Douillard et al., 2023),
 optionally compressed with top-k, low-bit values and error feedback (as SparseLoCo, 2025), and
-optionally one fragment of the model at a time (as Streaming DiLoCo, 2025, without its overlap).
+optionally one fragment of the model at a time, in flight while training goes on (as Streaming
+DiLoCo, 2025).
 
 Each replica keeps the shared parameters as they were at the last synchronization (the
 *anchor*). At a synchronization of a fragment, each replica computes its pseudo-gradient
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,6 +93,53 @@ def _check_options(sync_every: int, density: float, values: str, fragments: int)
                          "a time, so there can be at most sync_every of them")
 
 
+def _check_overlap(overlap: int, interval: int, exchange: str) -> None:
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+        raise ValueError(f"overlap_rounds={overlap!r}; expected an int >= 0 (rounds a "
+                         "synchronization "
+                         "stays in flight)")
+    if overlap and overlap >= interval:
+        raise ValueError(f"overlap_rounds={overlap} must be below sync_every // fragments = "
+                         f"{interval}: a synchronization lands before the next one starts")
+    if overlap and exchange != "gather":
+        raise ValueError("overlap_rounds works with exchange='gather' (the sharded exchange has "
+                         "two "
+                         "steps, the second waits for the first)")
+
+
+@dataclass
+class InFlight:
+    """A synchronization sent and not yet landed."""
+
+    indices: list[int]
+    launched: int
+    """The round (``sync_steps``) it was sent after."""
+    due: int
+    """The round after which it lands."""
+    snapshot: list[torch.Tensor] | None
+    """The parameters of ``indices`` when it was sent (with ``overlap_rounds``)."""
+    wait: Callable[[], torch.Tensor]
+    """Completes the exchange; returns the replicas' mean."""
+    average: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        if self.average is None:
+            self.average = self.wait()
+        return self.average
+
+    def state(self) -> dict[str, Any]:
+        """For a checkpoint: the exchange completed, its mean kept (landing stays due)."""
+        return {"indices": list(self.indices), "launched": self.launched, "due": self.due,
+                "snapshot": None if self.snapshot is None else
+                [t.clone() for t in self.snapshot], "average": self.result().clone()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> InFlight:
+        average = state["average"]
+        return cls(list(state["indices"]), int(state["launched"]), int(state["due"]),
+                   state["snapshot"], lambda: average, average)
+
+
 def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
     """Consecutive groups of tensor indices, ``fragments`` of them, of near-equal total size."""
     if fragments > len(sizes):
@@ -133,6 +182,10 @@ class DiLoCo(Synchronizer):
       "sharded": each worker averages one shard of the vector and sends back its top entries
       (``sharded_exchange``): about two messages in and out per worker at any worker count,
       the average itself compressed (with its own error feedback).
+    - ``overlap_rounds`` (0): rounds a synchronization stays in flight while the replicas train on
+      (Streaming DiLoCo's overlap; with ``exchange="gather"``). When it lands, each replica
+      takes the new shared parameters plus what it learned meanwhile. Fewer than
+      ``sync_every // fragments``; 0 lands each synchronization at once.
 
     Raises ``ValueError`` for an option out of range or an outer optimizer factory that does
     not return a ``torch.optim.Optimizer``; ``fragments`` above the model's number of
@@ -143,12 +196,14 @@ class DiLoCo(Synchronizer):
 
     def __init__(self, sync_every: int = 50, outer_optimizer: OuterOptimizer | None = None,
                  density: float = 0.05, values: str = "int8", fragments: int = 1,
-                 exchange: str = "gather") -> None:
+                 exchange: str = "gather", overlap_rounds: int = 0) -> None:
         super().__init__()
         _check_options(sync_every, density, values, fragments)
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange={exchange!r}; expected one of {EXCHANGES}")
-        self.exchange = exchange
+        _check_overlap(overlap_rounds, sync_every // fragments, exchange)
+        self.exchange, self.overlap_rounds = exchange, overlap_rounds
+        self._in_flight: InFlight | None = None
         self.bytes_received = 0
         self._aggregates: dict[tuple[int, ...], torch.Tensor] = {}
         self.outer_factory = outer_optimizer or averaging_outer_optimizer
@@ -172,6 +227,7 @@ class DiLoCo(Synchronizer):
     def setup(self, ctx: StepContext) -> None:
         self.sync_steps = self.bytes_sent = self.synchronizations = self.bytes_received = 0
         self._aggregates = {}
+        self._in_flight = None
         params = self._params(ctx)
         self._groups = split_fragments([p.numel() for p in params], self.fragments)
         with torch.no_grad():
@@ -192,9 +248,14 @@ class DiLoCo(Synchronizer):
 
     def _tick(self, ctx: StepContext) -> None:
         self.sync_steps += 1
+        if self._in_flight is not None and self.sync_steps >= self._in_flight.due:
+            self._land(ctx)
         due = self._due()
         if due is not None:
-            self.synchronize(ctx, self._groups[due])
+            self._land(ctx)  # one synchronization in flight at a time
+            self._launch(ctx, self._groups[due], self.overlap_rounds)
+            if not self.overlap_rounds:
+                self._land(ctx)
             if due == len(self._groups) - 1:
                 self._average_buffers(ctx)
 
@@ -206,11 +267,14 @@ class DiLoCo(Synchronizer):
         return (self.sync_steps // interval - 1) % self.fragments
 
     def synchronized(self) -> bool:
-        return self.sync_steps % self.sync_every == 0 and self.fragments == 1
+        return self.sync_steps % self.sync_every == 0 and self.fragments == 1 and \
+            (self._in_flight is None or self._in_flight.launched == self.sync_steps)
 
     def finish(self, ctx: StepContext) -> None:
         """One last synchronization of everything not synchronized since it last changed."""
-        if self.synchronized():
+        synchronized = self.synchronized()
+        self._land(ctx)
+        if synchronized:
             return
         self.synchronize(ctx, list(range(len(self._anchors))))
         self._average_buffers(ctx)
@@ -219,6 +283,12 @@ class DiLoCo(Synchronizer):
     def synchronize(self, ctx: StepContext, indices: list[int]) -> None:
         """Step the anchors of ``indices`` with the replicas' averaged pseudo-gradients and
         start every replica from them."""
+        self._land(ctx)
+        self._launch(ctx, indices, 0)
+        self._land(ctx)
+
+    def _launch(self, ctx: StepContext, indices: list[int], overlap: int) -> None:
+        """Send the pseudo-gradients of ``indices``; they land ``overlap`` rounds later."""
         params = self._params(ctx)
         with torch.no_grad():
             dtype = torch.float64 if any(self._anchors[i].dtype == torch.float64
@@ -226,10 +296,25 @@ class DiLoCo(Synchronizer):
             flat = torch.cat([(self._anchors[i] - params[i].detach()).reshape(-1).to(dtype)
                               for i in indices])
             flat += self._residual_flat(indices, flat.device)
-            average = self._exchange(flat, indices, ctx)
-            self._step_outer(average, indices)
-            for i in indices:
-                params[i].copy_(self._anchors[i].to(params[i].dtype))
+            wait = self._exchange(flat, indices, ctx)
+            snapshot = [params[i].detach().clone() for i in indices] if overlap else None
+        self._in_flight = InFlight(indices, self.sync_steps, self.sync_steps + overlap,
+                                   snapshot, wait)
+
+    def _land(self, ctx: StepContext) -> None:
+        """Finish the synchronization in flight, if any: step its anchors, and move each
+        replica to them (plus what it learned since it was sent, with ``overlap_rounds``)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        params = self._params(ctx)
+        with torch.no_grad():
+            self._step_outer(flight.result(), flight.indices)
+            for n, i in enumerate(flight.indices):
+                landed = self._anchors[i].to(params[i].dtype)
+                if flight.snapshot is not None:
+                    landed = landed + (params[i].detach() - flight.snapshot[n])
+                params[i].copy_(landed)
         self.synchronizations += 1
 
     def _residual_flat(self, indices: list[int], device: torch.device) -> torch.Tensor:
@@ -243,27 +328,35 @@ class DiLoCo(Synchronizer):
         return torch.cat(parts)
 
     def _exchange(self, flat: torch.Tensor, indices: list[int], ctx: StepContext
-                  ) -> torch.Tensor:
-        """The replicas' mean of ``flat`` (compressed when ``density`` is set); the part of
-        ``flat`` not sent becomes the residual."""
+                  ) -> Callable[[], torch.Tensor]:
+        """Start the replicas' mean of ``flat`` (compressed when ``density`` is set); returns
+        what waits for it. The part of ``flat`` not sent becomes the residual."""
         world = ctx.world_size if is_distributed(ctx) else 1
         if self.density >= 1:
-            if world > 1:
-                sent = average_tensors_([flat], ctx.group, world, ctx.device)
-                self.bytes_sent += sent
-                self.bytes_received += sent  # a ring all-reduce takes in what it sends
-            return flat
+            if world == 1:
+                return lambda: flat
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)
+            sent = self.collective_bytes(flat, world, "allreduce")
+            self.bytes_sent += sent
+            self.bytes_received += sent  # a ring all-reduce takes in what it sends
+
+            def summed() -> torch.Tensor:
+                work.wait()
+                return flat / world
+            return summed
         if world > 1 and self.exchange == "sharded":
-            return self._sharded(flat, indices, ctx, world)
+            average = self._sharded(flat, indices, ctx, world)
+            return lambda: average
         mine = select(flat, entries(flat.numel(), self.density), self.values)
         residual = flat.clone()
         residual.index_add_(0, mine.index, -decoded(mine).to(residual.dtype))
         self._store_residual(residual, indices)
-        selections = [mine] if world == 1 else self._gather(mine, ctx)
         size = message_bytes(mine.values.numel(), self.values, flat.numel())
         self.bytes_sent += (world - 1) * size
         self.bytes_received += (world - 1) * size
-        return sum_selections(selections, flat.numel(), flat.device) / world
+        gathered: Callable[[], list[Selection]] = \
+            (lambda: [mine]) if world == 1 else self._gather(mine, ctx)
+        return lambda: sum_selections(gathered(), flat.numel(), flat.device) / world
 
     def _sharded(self, flat: torch.Tensor, indices: list[int], ctx: StepContext, world: int
                  ) -> torch.Tensor:
@@ -277,16 +370,22 @@ class DiLoCo(Synchronizer):
         self.bytes_received += received
         return average
 
-    def _gather(self, mine: Selection, ctx: StepContext) -> list[Selection]:
-        parts = []
+    def _gather(self, mine: Selection, ctx: StepContext) -> Callable[[], list[Selection]]:
+        """Start the all-gather of every replica's message; returns what waits for them."""
+        parts, works = [], []
         # gloo has no int16: the offsets travel as their bytes.
         for tensor in (mine.offsets.view(torch.uint8), mine.counts, mine.values,
                        mine.scale.reshape(1)):
             out = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
-            dist.all_gather(out, tensor, group=ctx.group)
+            works.append(dist.all_gather(out, tensor, group=ctx.group, async_op=True))
             parts.append(out)
-        return [Selection(o.view(torch.int16), c, v, s.reshape(()))
-                for o, c, v, s in zip(*parts, strict=True)]
+
+        def gathered() -> list[Selection]:
+            for work in works:
+                work.wait()
+            return [Selection(o.view(torch.int16), c, v, s.reshape(()))
+                    for o, c, v, s in zip(*parts, strict=True)]
+        return gathered
 
     def _store_residual(self, residual: torch.Tensor, indices: list[int]) -> None:
         offset = 0
@@ -319,6 +418,7 @@ class DiLoCo(Synchronizer):
     def config(self) -> dict[str, Any]:
         return {"sync_every": self.sync_every, "density": self.density, "values": self.values,
                 "fragments": self.fragments, "exchange": self.exchange,
+                "overlap_rounds": self.overlap_rounds,
                 "outer_optimizer": describe_factory(self.outer_factory)}
 
     def stats(self) -> dict[str, float]:
@@ -332,6 +432,7 @@ class DiLoCo(Synchronizer):
                 "anchors": [a.detach().clone() for a in self._anchors],
                 "residuals": [None if r is None else r.clone() for r in self._residuals],
                 "aggregates": [[list(k), v.clone()] for k, v in self._aggregates.items()],
+                "in_flight": None if self._in_flight is None else self._in_flight.state(),
                 "bytes_received": self.bytes_received,
                 "outer": self._outer.state_dict()}
 
@@ -340,6 +441,8 @@ class DiLoCo(Synchronizer):
         self.synchronizations = int(state.get("synchronizations", 0))
         self.bytes_received = int(state.get("bytes_received", 0))
         self._aggregates = {tuple(k): v.clone() for k, v in state.get("aggregates", [])}
+        flight = state.get("in_flight")
+        self._in_flight = None if flight is None else InFlight.from_state(flight)
         if "anchors" not in state:
             return
         with torch.no_grad():

@@ -189,6 +189,7 @@ class WrapperKeywords(TypedDict, total=False):
     values: str
     fragments: int
     exchange: str
+    overlap_rounds: int
     # "allreduce" (paraloom.sync.AllReduce, then DistributedDataParallel's own keywords as of
     # torch 2.13: AllReduce refuses those this torch's DDP does not take)
     comm_hook: str | None

@@ -13,6 +13,7 @@ from torch import nn
 
 from paraloom.models import LeNet
 from paraloom.spark import ParameterAveragingTrainingMaster, SparkModel, TopK
+from paraloom.spark.runtime.state import state_digest
 from paraloom.spark.training.averaging_task import weighted
 from paraloom.spark.training.diloco_task import (
     diloco_sums,
@@ -76,6 +77,31 @@ def test_default_diloco_learns_digits_at_a_fraction_of_the_bytes(spark, sc, digi
     assert summary["bytes_sent_per_step_per_worker"] * 300 < summary["dense_bytes_per_step"]
     assert opt.state_dict()["state"] == {}  # the inner optimizers' states stayed on the tasks
     assert _leftovers() <= before  # every partition's files were deleted at the end
+
+
+def test_executors_apply_each_round_as_a_sparse_update_with_the_same_result(spark, sc,
+                                                                           monkeypatch):
+    from paraloom.spark.training import diloco
+
+    def fit() -> tuple[nn.Module, dict]:
+        torch.manual_seed(0)
+        model = LeNet(image_size=8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return model, _fit(spark, sc, model, opt, epochs=2, averaging_frequency=6,
+                           encoding="topk")
+
+    sparse_model, sparse = fit()
+    monkeypatch.setattr(diloco, "SPARSE_UPDATE_FRACTION", 0.0)  # every round: the full state
+    full_model, full = fit()
+    assert state_digest(sparse_model.state_dict()) == state_digest(full_model.state_dict())
+    state_bytes = sum(p.numel() * 4 for p in full_model.parameters())
+    received = {name: (s["bytes_per_step_per_worker"] - s["bytes_sent_per_step_per_worker"])
+                * s["steps"] / s["rounds"] / 2 for name, s in (("sparse", sparse), ("full", full))}
+    assert received["full"] > state_bytes  # the whole state (and its header) every round
+    # After the first round, each task reads the changed entries only: at most the two
+    # tasks' 5% each, 8 bytes apiece.
+    rounds = sparse["rounds"]
+    assert received["sparse"] * rounds < received["full"] + (rounds - 1) * state_bytes * 0.2
 
 
 def test_nesterov_outer_step_by_name(spark, sc):

@@ -75,13 +75,12 @@ class CharTransformer(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
         nn.init.normal_(self.position, std=0.02)
-        self.mask: torch.Tensor
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context),
-                             persistent=False)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         t = codes.shape[1]
         h = self.embed(codes) + self.position[:t]
-        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        # Made per call, not a buffer: a buffer would be averaged with the model's state.
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=codes.device)
+        h = self.blocks(h, mask=mask, is_causal=True)
         logits: torch.Tensor = self.head(self.norm(h))
         return logits.transpose(1, 2)

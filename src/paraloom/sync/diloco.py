@@ -412,7 +412,9 @@ class DiLoCo(Synchronizer):
     def _average_buffers(self, ctx: StepContext) -> None:
         buffers = list(ctx.model.buffers())
         if buffers and is_distributed(ctx):
-            self.bytes_sent += average_tensors_(buffers, ctx.group, ctx.world_size, ctx.device)
+            sent = average_tensors_(buffers, ctx.group, ctx.world_size, ctx.device)
+            self.bytes_sent += sent
+            self.bytes_received += sent  # a ring all-reduce takes in what it sends
 
     # -- reporting and state -----------------------------------------------------------------
     def config(self) -> dict[str, Any]:

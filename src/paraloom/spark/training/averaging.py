@@ -15,6 +15,8 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from paraloom.spark.data import Chunk, Pair, batch_count, num_rows
 from paraloom.spark.runtime import join_optimizer_state, pack, unflatten
 from paraloom.spark.stats import Event, TrainingStats, WorkerStats
@@ -25,9 +27,9 @@ from paraloom.spark.training.averaging_task import (
     weighted,
 )
 from paraloom.spark.training.base import TrainingMaster, positive_int
-from paraloom.spark.training.diloco import OuterStep, resolve_diloco
+from paraloom.spark.training.diloco import OuterStep, resolve_diloco, state_update
 from paraloom.spark.training.diloco_task import remove_local, trainable_names
-from paraloom.spark.training.jobs import FitJob, FitResult, SparkTrainingError, run_job
+from paraloom.spark.training.jobs import FitJob, FitResult, run_job
 from paraloom.spark.training.messages import AveragingSums
 from paraloom.spark.training.summary import AveragingRoundTotals, averaging_summary
 from paraloom.spark.training.task import pickle_spec
@@ -134,12 +136,13 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
 
 def _forget_local(job: FitJob, data: RDD[Chunk]) -> None:
     """Delete DiLoCo's per-partition files where the partitions ran (best effort: a file left
-    behind is in the temporary directory, in a folder named after the fit)."""
+    behind is in the temporary directory, in a folder named after the fit). It runs while a
+    failed fit's error is on its way, so it never raises (a stopped SparkContext included)."""
     fit_id = job.fit_id
     try:
         run_job(job.sc, lambda: data.foreachPartition(lambda _: remove_local(fit_id)),
                 "paraloom: DiLoCo's local files", 60.0)
-    except SparkTrainingError:
+    except Exception:  # noqa: BLE001 - cleanup must not hide the fit's own error
         pass
 
 
@@ -154,6 +157,8 @@ class _Driver:
         self.optimizer_state = job.optimizer_state
         self.outer = None if master.outer_optimizer is None else \
             OuterStep(job.state, trainable_names(job.spec.model), master.outer_optimizer)
+        self.flat: np.ndarray | None = None
+        """DiLoCo: the last round's shared state, flat (its sparse update's starting point)."""
         self.totals: list[AveragingRoundTotals] = []
         self.task_stats: list[WorkerStats] = []
         self.events: list[Event] = []
@@ -169,9 +174,14 @@ class _Driver:
         began = time.time()
         # DiLoCo: the inner optimizer's state stays with the partitions.
         optimizer = self.optimizer_state if master.save_updater and self.outer is None else None
-        state_bc = sc.broadcast(pack(self.state, optimizer))
+        full = pack(self.state, optimizer)
+        state_bc = sc.broadcast(full)
+        update_bc = None
+        if self.outer is not None:
+            update, self.flat = state_update(self.flat, self.state, len(full), sequence)
+            update_bc = None if update is None else sc.broadcast(update)
         self._event(f"broadcast {epoch}.{index}", began)
-        cfg = replace(self.base, epoch=epoch, index=index, sequence=sequence)
+        cfg = replace(self.base, epoch=epoch, index=index, sequence=sequence, update=update_bc)
         job = self.data.mapPartitionsWithIndex(partial(averaging_task, self.spec_bc, state_bc, cfg))
         began = time.time()
         try:
@@ -182,6 +192,8 @@ class _Driver:
                 master.job_timeout)
         finally:
             state_bc.unpersist()
+            if update_bc is not None:
+                update_bc.unpersist()
         self._event(f"round {epoch}.{index}", began)
         began = time.time()
         self._average(total, epoch)

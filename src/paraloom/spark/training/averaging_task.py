@@ -30,14 +30,16 @@ from paraloom.spark.runtime import (
     task_threads,
     unpack,
 )
-from paraloom.spark.runtime.state import Layout, OptimizerState
+from paraloom.spark.runtime.state import Layout, OptimizerState, Packed
 from paraloom.spark.stats import PhaseRecorder, WorkerStats
 from paraloom.spark.training.diloco_task import (
     dense_delta,
     diloco_sums,
+    keep_state,
     load_local,
     save_local,
     trainable_names,
+    updated_state,
 )
 from paraloom.spark.training.messages import AveragingSums
 from paraloom.spark.training.task import batch_tensors, load_spec, make_runner
@@ -78,6 +80,9 @@ class AveragingRound:
     """DiLoCo (``diloco_task``): how the pseudo-gradient travels; None: plain averaging."""
     sequence: int = 0
     """This averaging round's number in the fit (epochs included): DiLoCo's local files."""
+    update: Broadcast[bytes] | None = None
+    """DiLoCo: the sparse update from the last round's shared state to this one's
+    (``diloco.state_update``), read instead of the full state where this machine kept it."""
 
 
 def _runner(spec_bytes: bytes, cfg: AveragingRound,
@@ -132,10 +137,10 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
         yield AveragingSums(0, stats=_stats(rec, cfg), peak_rss=peak_rss())
         return
     t = time.perf_counter()
-    state, spec = _read(state_bytes), _read(spec_bytes)
+    packed, received = _shared_state(state_bytes, cfg)
+    spec = _read(spec_bytes)
     communicate_s, t = time.perf_counter() - t, time.perf_counter()
     runner, pristine = _runner(spec, cfg, index)
-    packed = unpack(state)
     runner.begin(Begin(packed.model))
     local = load_local(cfg.fit_id, index, cfg.sequence) if cfg.encoding else None
     inner = local.get("optimizer") if local and cfg.save_updater else None
@@ -153,7 +158,25 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
         sums = _pseudo_sums(runner, packed.model, local, cfg, index)
         sums = replace(sums, n=rows_total, loss_sum=loss_sum, steps=runner.steps)
     rec.columns["encode"][-1] += round(time.perf_counter() - t, 6)
-    yield replace(sums, stats=_stats(rec, cfg), bytes_received=len(state), peak_rss=peak_rss())
+    yield replace(sums, stats=_stats(rec, cfg), bytes_received=received, peak_rss=peak_rss())
+
+
+def _shared_state(state_bytes: bytes | Broadcast[bytes], cfg: AveragingRound
+                  ) -> tuple[Packed, int]:
+    """The round's parameters (and optimizer state), and the bytes read for them: with DiLoCo,
+    the sparse update where this machine kept the last round's state (the full broadcast is
+    then never fetched), else the full state; DiLoCo keeps it for the next round."""
+    if cfg.update is not None:
+        update = cfg.update.value
+        model = updated_state(cfg.fit_id, cfg.sequence, update)
+        if model is not None:
+            keep_state(cfg.fit_id, cfg.sequence, model)
+            return Packed(model=model), len(update)
+    state = _read(state_bytes)
+    packed = unpack(state)
+    if cfg.encoding is not None:
+        keep_state(cfg.fit_id, cfg.sequence, packed.model)
+    return packed, len(state)
 
 
 def _train(runner: ReplicaRunner, batches: Iterator[Pair], cfg: AveragingRound,

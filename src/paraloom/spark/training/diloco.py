@@ -1,5 +1,7 @@
 """DiLoCo on Spark, the driver's side: the shared parameters (the anchor) and the outer
-optimizer that steps them with the tasks' averaged pseudo-gradients (see ``diloco_task``)."""
+optimizer that steps them with the tasks' averaged pseudo-gradients (see ``diloco_task``), and
+the sparse update that takes an executor's copy of the last round's shared state to this one's.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
+from safetensors.torch import save as st_save
 
+from paraloom.spark.runtime import flatten
 from paraloom.sync.diloco import (
     OuterOptimizer,
     averaging_outer_optimizer,
@@ -17,7 +21,11 @@ from paraloom.sync.diloco import (
 from paraloom.sync.pseudo_gradients import TopK
 from paraloom.training.messages import ModelState
 
-__all__ = ["OuterStep", "resolve_diloco"]
+__all__ = ["OuterStep", "resolve_diloco", "state_update", "SPARSE_UPDATE_FRACTION"]
+
+SPARSE_UPDATE_FRACTION = 0.25
+"""A round's sparse update is broadcast when it is smaller than this fraction of the full
+state's bytes (with the plain outer step only the entries the tasks sent change)."""
 
 _NAMED: dict[str, OuterOptimizer] = {"averaging": averaging_outer_optimizer,
                                      "nesterov": nesterov_outer_optimizer}
@@ -89,3 +97,23 @@ class OuterStep:
             anchor.grad = None
             out[name] = anchor.detach().to(state[name].dtype).clone()
         return out
+
+
+def state_update(previous: np.ndarray | None, state: ModelState, full_bytes: int,
+                 sequence: int) -> tuple[bytes | None, np.ndarray]:
+    """The bytes that take ``flatten(previous state)`` to ``flatten(state)`` (the positions
+    that changed and their new values, exactly), or None when that is not much smaller than
+    the full state; and ``flatten(state)`` for the next round's comparison."""
+    flat, _ = flatten(dict(sorted(state.items())))  # the executors' order (see keep_state)
+    if previous is None or previous.shape != flat.shape or previous.dtype != flat.dtype:
+        return None, flat
+    changed = np.flatnonzero(previous != flat)
+    wide = flat.size >= 2**31
+    size = changed.size * ((8 if wide else 4) + flat.itemsize)
+    if size >= SPARSE_UPDATE_FRACTION * full_bytes:
+        return None, flat
+    positions = torch.from_numpy(changed.astype(np.int64 if wide else np.int32))
+    values = torch.from_numpy(flat[changed])
+    data = st_save({"positions": positions, "values": values},
+                   metadata={"sequence": str(sequence), "numel": str(flat.size)})
+    return data, flat

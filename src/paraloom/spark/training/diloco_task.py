@@ -17,6 +17,7 @@ unsent remainder); with its data cached, Spark keeps a partition where its block
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,8 +27,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load as st_load
 
-from paraloom.spark.runtime import flatten
+from paraloom.spark.runtime import flatten, unflatten
+from paraloom.spark.runtime.state import Layout
 from paraloom.spark.training.messages import AveragingSums, SparseDelta
 from paraloom.sync.pseudo_gradients import (
     Selection,
@@ -39,7 +42,7 @@ from paraloom.sync.pseudo_gradients import (
 )
 
 __all__ = ["local_dir", "load_local", "save_local", "remove_local", "trainable_names",
-           "pseudo_gradient", "diloco_sums", "dense_delta"]
+           "pseudo_gradient", "diloco_sums", "dense_delta", "updated_state", "keep_state"]
 
 
 def local_dir(fit_id: str) -> Path:
@@ -51,6 +54,10 @@ def local_dir(fit_id: str) -> Path:
 
 def _file(fit_id: str, index: int, sequence: int) -> Path:
     return local_dir(fit_id) / f"part{index}-round{sequence}.pt"
+
+
+def _shared_file(fit_id: str, sequence: int) -> Path:
+    return local_dir(fit_id) / f"shared-round{sequence}.pt"
 
 
 def load_local(fit_id: str, index: int, sequence: int) -> dict[str, Any] | None:
@@ -66,21 +73,69 @@ def load_local(fit_id: str, index: int, sequence: int) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def save_local(fit_id: str, index: int, sequence: int, record: dict[str, Any]) -> None:
-    """Keep ``record`` for partition ``index``'s next round; forget rounds before this one's
-    input (a retry of this round still finds it)."""
-    folder = local_dir(fit_id)
+def _write(path: Path, record: dict[str, Any], prefix: str, sequence: int) -> None:
+    """``record`` into ``path`` atomically; files of ``prefix`` older than the round before
+    ``sequence`` deleted (a retry of this round still finds its input)."""
+    folder = path.parent
     folder.mkdir(mode=0o700, exist_ok=True)
     if folder.stat().st_uid != os.getuid():
         raise PermissionError(f"{folder} belongs to another user; refusing to write there")
-    path = _file(fit_id, index, sequence)
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     torch.save(record, partial)
     os.replace(partial, path)
-    for old in folder.glob(f"part{index}-round*.pt"):
+    for old in folder.glob(f"{prefix}-round*.pt"):
         number = old.stem.rsplit("round", 1)[-1]
         if number.isdigit() and int(number) < sequence - 1:
             old.unlink(missing_ok=True)
+
+
+def save_local(fit_id: str, index: int, sequence: int, record: dict[str, Any]) -> None:
+    """Keep ``record`` for partition ``index``'s next round."""
+    _write(_file(fit_id, index, sequence), record, f"part{index}", sequence)
+
+
+def keep_state(fit_id: str, sequence: int, state: dict[str, torch.Tensor]) -> None:
+    """Keep round ``sequence``'s shared state on this machine (flat, with its layout), for the
+    next round's sparse update. Every task of the round writes the same bytes. The tensors go
+    in name order, the order ``diloco.state_update`` numbers positions in (a state read from
+    safetensors comes in that order, the driver's in the model's)."""
+    if _shared_file(fit_id, sequence).exists():  # another task of this round wrote it
+        return
+    flat, layout = flatten(dict(sorted(state.items())))
+    _write(_shared_file(fit_id, sequence), {"flat": torch.from_numpy(flat),
+                                            "layout": [list(e) for e in layout]},
+           "shared", sequence)
+
+
+def _update_meta(update: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of an update's safetensors header."""
+    length = int.from_bytes(update[:8], "little")
+    header = json.loads(update[8:8 + length])
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def updated_state(fit_id: str, sequence: int, update: bytes
+                  ) -> dict[str, torch.Tensor] | None:
+    """This round's shared state: the last round's, kept on this machine, with ``update``
+    (``diloco.state_update``) applied; None when this machine does not hold the last round's."""
+    if sequence == 0:
+        return None
+    try:
+        kept = torch.load(_shared_file(fit_id, sequence - 1), weights_only=True)
+    except FileNotFoundError:
+        return None
+    meta = _update_meta(update)
+    if meta.get("sequence") != str(sequence) or meta.get("numel") != str(kept["flat"].numel()):
+        return None
+    tensors = st_load(update)
+    flat = kept["flat"].clone()
+    positions, values = tensors["positions"].long(), tensors["values"]
+    if values.dtype != flat.dtype or (positions.numel() and int(positions.max()) >= flat.numel()):
+        return None
+    flat[positions] = values
+    layout: Layout = [(str(n), list(shape), str(d)) for n, shape, d in kept["layout"]]
+    return unflatten(flat.numpy(), layout)
 
 
 def remove_local(fit_id: str) -> None:

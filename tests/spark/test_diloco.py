@@ -95,8 +95,9 @@ def test_executors_apply_each_round_as_a_sparse_update_with_the_same_result(spar
     full_model, full = fit()
     assert state_digest(sparse_model.state_dict()) == state_digest(full_model.state_dict())
     state_bytes = sum(p.numel() * 4 for p in full_model.parameters())
-    received = {name: (s["bytes_per_step_per_worker"] - s["bytes_sent_per_step_per_worker"])
-                * s["steps"] / s["rounds"] / 2 for name, s in (("sparse", sparse), ("full", full))}
+    # Per task and round (2 tasks).
+    received = {name: s["bytes_received_per_step_per_worker"] * s["steps"] / s["rounds"] / 2
+                for name, s in (("sparse", sparse), ("full", full))}
     assert received["full"] > state_bytes  # the whole state (and its header) every round
     # After the first round, each task reads the changed entries only: at most the two
     # tasks' 5% each, 8 bytes apiece.

@@ -73,7 +73,7 @@ def _select_shards(flat: torch.Tensor, bounds: list[tuple[int, int]], density: f
     packed = []
     for start, stop in bounds:
         if stop == start:
-            packed.append(torch.zeros(0, dtype=torch.uint8))
+            packed.append(torch.zeros(0, dtype=torch.uint8, device=flat.device))
             continue
         mine = select(flat[start:stop], entries(stop - start, density), values)
         residual[start:stop].index_add_(0, mine.index, -decoded(mine).to(residual.dtype))
@@ -93,32 +93,33 @@ def sharded_average(flat: torch.Tensor, aggregate_residual: torch.Tensor | None,
     bounds = shard_bounds(numel, world)
     sizes = [packed_size(stop - start, density, values) for start, stop in bounds]
     outgoing, residual = _select_shards(flat, bounds, density, values)
-    incoming = torch.empty(world * sizes[rank], dtype=torch.uint8)
+    device = flat.device  # the group's device (NCCL: CUDA)
+    incoming = torch.empty(world * sizes[rank], dtype=torch.uint8, device=device)
     dist.all_to_all_single(incoming, torch.cat(outgoing), [sizes[rank]] * world, sizes,
                            group=group)
     start, stop = bounds[rank]
     shard = stop - start
-    mean = torch.zeros(shard, dtype=flat.dtype)
+    mean = torch.zeros(shard, dtype=flat.dtype, device=device)
     if shard:
         messages = [unpack(incoming[i * sizes[rank]:(i + 1) * sizes[rank]], shard, density,
                            values) for i in range(world)]
-        mean = sum_selections(messages, shard, flat.device).to(flat.dtype) / world
+        mean = sum_selections(messages, shard, device).to(flat.dtype) / world
     if aggregate_residual is not None and aggregate_residual.numel() == shard:
         mean += aggregate_residual.to(flat.dtype)
     widest = max(sizes)
-    mine = torch.zeros(widest, dtype=torch.uint8)
+    mine = torch.zeros(widest, dtype=torch.uint8, device=device)
     kept = mean.clone()
     if shard:
         chosen = select(mean, entries(shard, density), values)
         kept.index_add_(0, chosen.index, -decoded(chosen).to(kept.dtype))
         mine[:sizes[rank]] = pack(chosen)
-    gathered = [torch.empty(widest, dtype=torch.uint8) for _ in range(world)]
+    gathered = [torch.empty(widest, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    average = torch.zeros(numel, dtype=flat.dtype)
+    average = torch.zeros(numel, dtype=flat.dtype, device=device)
     for (lo, hi), data, size in zip(bounds, gathered, sizes, strict=True):
         if hi > lo:
             part = unpack(data[:size], hi - lo, density, values)
-            average[lo:hi] = sum_selections([part], hi - lo, flat.device).to(flat.dtype)
+            average[lo:hi] = sum_selections([part], hi - lo, device).to(flat.dtype)
     sent = sum(sizes) - sizes[rank] + (world - 1) * widest
     received = (world - 1) * sizes[rank] + (world - 1) * widest
     return average, residual, kept, sent, received

@@ -68,6 +68,9 @@ class AveragingSummary(TypedDict):
     bytes_per_step_per_worker: float
     bytes_sent_per_step_per_worker: float
     """What the tasks sent the driver (the broadcast they received left out)."""
+    bytes_received_per_step_per_worker: float
+    """What the tasks read of the driver's broadcasts (DiLoCo: a sparse update where their
+    executor kept the last round's state)."""
     dense_bytes_per_step: float
     stage_attempts: int
     worker_peak_rss_mb: float
@@ -164,6 +167,8 @@ def averaging_summary(totals: list[AveragingRoundTotals], model: nn.Module, cfg:
         loss=losses[-1] if losses else None, epoch_losses=losses,
         bytes_per_step_per_worker=moved / max(1, steps),
         bytes_sent_per_step_per_worker=sum(r.bytes_sent for r in totals if r.n) / max(1, steps),
+        bytes_received_per_step_per_worker=sum(r.bytes_received for r in totals if r.n)
+        / max(1, steps),
         dense_bytes_per_step=dense_bytes_per_step(model, workers),
         stage_attempts=attempts,
         worker_peak_rss_mb=max((r.peak_rss for r in totals), default=0) / 2**20,

@@ -32,6 +32,7 @@ from paraloom.sync.pseudo_gradients import (
     check_encoding,
     decoded,
     entries,
+    flat_difference,
     message_bytes,
     select,
     sum_selections,
@@ -291,10 +292,8 @@ class DiLoCo(Synchronizer):
         """Send the pseudo-gradients of ``indices``; they land ``overlap`` rounds later."""
         params = self._params(ctx)
         with torch.no_grad():
-            dtype = torch.float64 if any(self._anchors[i].dtype == torch.float64
-                                         for i in indices) else torch.float32
-            flat = torch.cat([(self._anchors[i] - params[i].detach()).reshape(-1).to(dtype)
-                              for i in indices])
+            flat = flat_difference([self._anchors[i] for i in indices],
+                                   [params[i].detach() for i in indices])
             flat += self._residual_flat(indices, flat.device)
             wait = self._exchange(flat, indices, ctx)
             snapshot = [params[i].detach().clone() for i in indices] if overlap else None

@@ -11,13 +11,14 @@ moves them: ``k * (2 + value bytes) + 4 * blocks + 4`` bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = ["BLOCK", "VALUE_FORMATS", "Selection", "TopK", "check_encoding", "decoded", "entries",
-           "message_bytes", "select", "sum_selections"]
+           "flat_difference", "message_bytes", "select", "sum_selections"]
 
 BLOCK = 1 << 16
 """Entries per block: an offset within one fits in 16 bits."""
@@ -77,6 +78,18 @@ class Selection:
             torch.arange(self.counts.numel(), device=self.counts.device) * BLOCK,
             self.counts.long())
         return blocks + self.offsets.long() + 32768
+
+
+def flat_difference(start: Sequence[Tensor], now: Sequence[Tensor]) -> Tensor:
+    """The pseudo-gradient ``start - now`` of each pair, flat, in float32 (float64 when any
+    ``start`` tensor is float64); both sides are cast to that dtype before subtracting, so a
+    half-precision model loses nothing to the difference."""
+    wide = any(t.dtype == torch.float64 for t in start)
+    dtype = torch.float64 if wide else torch.float32
+    if not start:
+        return torch.zeros(0, dtype=dtype)
+    return torch.cat([(a.to(dtype) - b.to(dtype)).reshape(-1)
+                      for a, b in zip(start, now, strict=True)])
 
 
 def entries(numel: int, density: float) -> int:

@@ -24,6 +24,7 @@ from paraloom.sync.pseudo_gradients import (
     blocks,
     decoded,
     entries,
+    message_bytes,
     select,
     sum_selections,
 )
@@ -41,10 +42,7 @@ def shard_bounds(numel: int, world: int) -> list[tuple[int, int]]:
 
 def packed_size(numel: int, density: float, values: str) -> int:
     """Bytes of a packed message for a shard of ``numel`` entries."""
-    if numel == 0:
-        return 0
-    k = entries(numel, density)
-    return 2 * k + 4 * blocks(numel) + VALUE_FORMATS[values] * k + 4
+    return message_bytes(entries(numel, density), values, numel) if numel else 0
 
 
 def pack(selection: Selection) -> torch.Tensor:

@@ -170,7 +170,6 @@ def _shared_state(state_bytes: bytes | Broadcast[bytes], cfg: AveragingRound
         update = cfg.update.value
         model = updated_state(cfg.fit_id, cfg.sequence, update)
         if model is not None:
-            keep_state(cfg.fit_id, cfg.sequence, model)
             return Packed(model=model), len(update)
     state = _read(state_bytes)
     packed = unpack(state)

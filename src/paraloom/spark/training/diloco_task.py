@@ -37,12 +37,13 @@ from paraloom.sync.pseudo_gradients import (
     TopK,
     decoded,
     entries,
+    flat_difference,
     select,
     sum_selections,
 )
 
 __all__ = ["local_dir", "load_local", "save_local", "remove_local", "trainable_names",
-           "pseudo_gradient", "diloco_sums", "dense_delta", "updated_state", "keep_state"]
+           "diloco_sums", "dense_delta", "updated_state", "keep_state"]
 
 
 def local_dir(fit_id: str) -> Path:
@@ -102,9 +103,13 @@ def keep_state(fit_id: str, sequence: int, state: dict[str, torch.Tensor]) -> No
     if _shared_file(fit_id, sequence).exists():  # another task of this round wrote it
         return
     flat, layout = flatten(dict(sorted(state.items())))
-    _write(_shared_file(fit_id, sequence), {"flat": torch.from_numpy(flat),
-                                            "layout": [list(e) for e in layout]},
-           "shared", sequence)
+    _keep_flat(fit_id, sequence, torch.from_numpy(flat), [list(e) for e in layout])
+
+
+def _keep_flat(fit_id: str, sequence: int, flat: torch.Tensor, layout: list[list[Any]]) -> None:
+    if not _shared_file(fit_id, sequence).exists():
+        _write(_shared_file(fit_id, sequence), {"flat": flat, "layout": layout}, "shared",
+               sequence)
 
 
 def _update_meta(update: bytes) -> dict[str, str]:
@@ -118,7 +123,8 @@ def _update_meta(update: bytes) -> dict[str, str]:
 def updated_state(fit_id: str, sequence: int, update: bytes
                   ) -> dict[str, torch.Tensor] | None:
     """This round's shared state: the last round's, kept on this machine, with ``update``
-    (``diloco.state_update``) applied; None when this machine does not hold the last round's."""
+    (``diloco.state_update``) applied, and kept in turn for the next round; None when this
+    machine does not hold the last round's."""
     if sequence == 0:
         return None
     try:
@@ -134,6 +140,7 @@ def updated_state(fit_id: str, sequence: int, update: bytes
     if values.dtype != flat.dtype or (positions.numel() and int(positions.max()) >= flat.numel()):
         return None
     flat[positions] = values
+    _keep_flat(fit_id, sequence, flat, kept["layout"])
     layout: Layout = [(str(n), list(shape), str(d)) for n, shape, d in kept["layout"]]
     return unflatten(flat.numpy(), layout)
 
@@ -146,16 +153,6 @@ def remove_local(fit_id: str) -> None:
 def trainable_names(model: torch.nn.Module) -> list[str]:
     """The state-dict names of the parameters that DiLoCo's outer step moves, in order."""
     return [name for name, p in model.named_parameters() if p.requires_grad]
-
-
-def pseudo_gradient(anchor: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
-                    names: list[str]) -> torch.Tensor:
-    """``anchor - trained`` over ``names``, flat, in float32 (float64 for a float64 model)."""
-    wide = any(anchor[n].dtype == torch.float64 for n in names)
-    dtype = torch.float64 if wide else torch.float32
-    if not names:
-        return torch.zeros(0, dtype=dtype)
-    return torch.cat([(anchor[n].to(dtype) - trained[n].to(dtype)).reshape(-1) for n in names])
 
 
 def _encode(flat: torch.Tensor, encoding: TopK
@@ -185,10 +182,11 @@ def diloco_sums(anchor: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
     ``state`` is the trained model's state dict; everything in it that is not a trainable
     parameter (the buffers) travels dense in ``model``.
     """
-    flat = pseudo_gradient(anchor, state, names)
+    flat = flat_difference([anchor[n] for n in names], [state[n] for n in names])
     if residual is not None and residual.shape == flat.shape:
         flat += residual.to(flat.dtype)
-    buffers, layout = flatten({k: v for k, v in state.items() if k not in set(names)})
+    moved = set(names)
+    buffers, layout = flatten({k: v for k, v in state.items() if k not in moved})
     if encoding.dense:
         sums = AveragingSums(0, model=buffers, layout=layout, pseudo=flat.numpy(),
                              bytes_sent=buffers.nbytes + flat.numpy().nbytes)

@@ -31,7 +31,7 @@ status=0
 
 echo "gpu-check: $gpus GPU(s); CUDA tests (at most 5 minutes)"
 timeout 300 "$PY" -m pytest -m cuda tests/test_cuda.py -q -rs -p no:cacheprovider \
-  --junitxml="$out/cuda-tests.xml" || status=1
+  -o junit_logging=system-err --junitxml="$out/cuda-tests.xml" || status=1
 
 echo "gpu-check: paraloom bench training --device cuda (at most 3 minutes)"
 timeout 180 "$PY" -m paraloom bench training --device cuda --model lenet --epochs 2 \

@@ -31,7 +31,9 @@ def _junit(path: Path, failed: bool) -> None:
     path.write_text(
         '<?xml version="1.0"?><testsuites><testsuite name="pytest">'
         '<testcase classname="tests.test_cuda" name="test_one_worker_trains_on_the_gpu"/>'
-        f'<testcase classname="tests.test_cuda" name="test_bf16">{failure}</testcase>'
+        f'<testcase classname="tests.test_cuda" name="test_bf16">{failure}'
+        '<system-err>noise\n{"accuracy": {"32-true": 0.97, "bf16-mixed": 0.965}}\n{not json'
+        '</system-err></testcase>'
         '<testcase classname="tests.test_cuda" name="test_nccl">'
         '<skipped message="needs 2 GPUs for NCCL"/></testcase>'
         '</testsuite></testsuites>')
@@ -54,8 +56,11 @@ def test_the_report_counts_tests_and_passes_at_the_goal(tmp_path, capsys) -> Non
     assert "gpu-check on 1 x NVIDIA H100" in printed
     assert "CUDA tests: 2 passed, 0 failed, 1 skipped" in printed
     assert "skipped test_nccl: needs 2 GPUs for NCCL" in printed
+    assert 'test_bf16: {"accuracy": {"32-true": 0.97, "bf16-mixed": 0.965}}' in printed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["problems"] == [] and summary["tests"]["passed"] == 2
+    assert summary["tests"]["measured"] == {
+        "test_bf16": {"accuracy": {"32-true": 0.97, "bf16-mixed": 0.965}}}
 
 
 def test_the_report_fails_on_a_failed_test_a_slow_allreduce_or_a_missing_file(tmp_path) -> None:

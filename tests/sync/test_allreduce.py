@@ -66,3 +66,16 @@ def test_unknown_ddp_options_are_refused_at_construction() -> None:
         AllReduce(bucket_size=10)
     sync = pickle.loads(pickle.dumps(AllReduce(gradient_as_bucket_view=True)))
     assert sync.ddp_options == {"gradient_as_bucket_view": True}
+
+
+def test_the_idle_and_step_fn_calls_survive_ddps_gpu_input_handling() -> None:
+    """With ``device_ids`` (a GPU) DDP moves a forward's inputs with ``_to_kwargs`` and takes the
+    first: a call with no arguments raised IndexError there (seen on an H200, not on the CPU)."""
+    from torch.distributed.utils import _to_kwargs
+
+    from paraloom.sync.allreduce import PLACEHOLDER_ARGS
+
+    with pytest.raises(IndexError):
+        _to_kwargs((), {}, torch.device("cpu"), False)[0][0]
+    args, kwargs = _to_kwargs(PLACEHOLDER_ARGS, {}, torch.device("cpu"), False)
+    assert (args[0], kwargs[0]) == ((None,), {})

@@ -25,13 +25,18 @@ class TestCounts(TypedDict):
     skipped: int
     failures: list[str]
     skips: list[str]
+    measured: dict[str, Any]
 
 
 def test_counts(path: Path) -> TestCounts:
     """Passed, failed and skipped tests in a pytest ``--junitxml`` file (our own output)."""
-    counts: TestCounts = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "skips": []}
+    counts: TestCounts = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "skips": [],
+                          "measured": {}}
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         name = case.get("name", "?")
+        measured = _measured(case)
+        if measured:
+            counts["measured"][name] = measured
         if case.find("failure") is not None or case.find("error") is not None:
             counts["failed"] += 1
             counts["failures"].append(name)
@@ -41,6 +46,22 @@ def test_counts(path: Path) -> TestCounts:
         else:
             counts["passed"] += 1
     return counts
+
+
+def _measured(case: ElementTree.Element) -> dict[str, Any]:
+    """What a test printed to stderr as one-line JSON objects (``-o junit_logging=system-err``
+    keeps it in the XML), merged: e.g. the accuracies of the bf16 test."""
+    out: dict[str, Any] = {}
+    for err in case.iter("system-err"):
+        for line in (err.text or "").splitlines():
+            if line.startswith("{"):
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(value, dict):
+                    out.update(value)
+    return out
 
 
 def summarize(directory: Path) -> tuple[dict[str, Any], list[str]]:
@@ -76,6 +97,8 @@ def _print(summary: dict[str, Any]) -> None:
               f"{tests['skipped']} skipped")
         for line in tests["skips"]:
             print(f"  skipped {line}")
+        for name, measured in tests.get("measured", {}).items():
+            print(f"  {name}: {json.dumps(measured)}")
     rows = summary.get("scaling", [])
     if rows:
         print(f"{'mode':<18}{'GPUs':>5}{'samples/s':>12}{'speed-up':>10}{'/DDP':>8}")

@@ -42,6 +42,12 @@ _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).par
     "self", "module", "device_ids", "output_device", "process_group"}
 
 
+# What the idle step and ``step_fn`` pass through DDP to ``_Joinable``, which ignores it: with
+# ``device_ids`` (a GPU), DDP's forward moves its inputs and indexes the first, so a call with
+# none raises IndexError there (not on the CPU).
+PLACEHOLDER_ARGS: tuple[None] = (None,)
+
+
 class _Joinable(nn.Module):
     """Runs the user's model; while ``idle`` is set, a zero loss over every trainable param;
     while ``step`` is set, ``step(module)`` (a ``step_fn`` on the user's own module)."""
@@ -53,7 +59,7 @@ class _Joinable(nn.Module):
         self.step: Callable[[nn.Module], Any] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.idle:
+        if self.idle:  # args: PLACEHOLDER_ARGS
             # Touches every trainable parameter, so DDP sees each one's (zero) gradient.
             return zero_loss(self.module)
         if self.step is not None:
@@ -154,7 +160,8 @@ class AllReduce(Synchronizer):
             return step_fn(module, batch)  # one process: the model runs unwrapped
         joinable.step = lambda model: step_fn(model, batch)
         try:
-            return self._ddp()  # the batch stays out of DDP's input handling
+            # The batch stays out of DDP's input handling (a placeholder goes in its place).
+            return self._ddp(*PLACEHOLDER_ARGS)
         finally:
             joinable.step = None
 
@@ -202,7 +209,7 @@ class AllReduce(Synchronizer):
         ctx.optimizer.zero_grad(set_to_none=True)
         self._joinable.idle = True
         try:
-            loss = self._ddp()
+            loss = self._ddp(*PLACEHOLDER_ARGS)
         finally:
             self._joinable.idle = False
         # Joins the peers' bucket all-reduces with zero gradients (scaled like theirs in fp16).

@@ -19,7 +19,7 @@ from training_helpers import pid_alive
 from paraloom import ParallelWrapper, TrainingListener, WorkerError
 from paraloom.training import recovery
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(60)  # a broken recovery fails in a minute, not 300 s
 
 
 class Failures(TrainingListener):
@@ -89,14 +89,15 @@ def test_a_failure_without_max_failures_raises_quickly_and_leaves_no_worker(tmp_
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("spares", [1, 0])
 @pytest.mark.parametrize("how", HOWS)
-def test_allreduce_recovers_to_the_uninterrupted_result(tmp_path, how, references):
+def test_allreduce_recovers_to_the_uninterrupted_result(tmp_path, how, spares, references):
     references.setdefault("allreduce", _reference("allreduce"))
     torch.manual_seed(1)
     model = FailOnce(tmp_path / "failed", how=how, at=7)
     failures = Failures()
     _, stats = _train(model, "allreduce", max_failures=1, heartbeat_timeout=1.0,
-                      listeners=[failures])
+                      listeners=[failures], spares=spares)
     assert (tmp_path / "failed").exists()  # the failure did happen
     assert failures.seen == [(1, "WorkerError", True)]
     assert stats["failures"] == 1 and stats["seconds_lost"] > 0
@@ -185,7 +186,8 @@ def test_step_timeout_names_the_hung_worker_not_the_peer_waiting_for_it(mode):
     assert failed.value.worker == 1
 
 
-@pytest.mark.parametrize("bad", [{"heartbeat_timeout": 0}, {"step_timeout": -1.0},
+@pytest.mark.parametrize("bad", [{"heartbeat_timeout": 0}, {"step_timeout": -1.0}, {"spares": -1},
+                                 {"spares": True},
                                  {"max_failures": -1}, {"max_failures": 1.5}])
 def test_bad_fault_options_are_refused(bad):
     model = nn.Linear(2, 1)
@@ -255,3 +257,60 @@ def test_native_code_that_holds_the_gil_is_not_taken_for_dead():
     with wrapper:
         stats = wrapper.fit(list(digits_loader(rows=128, batch_size=32)), epochs=1)
     assert stats["batches"] == 4 and stats["failures"] == 0
+
+
+def test_spares_take_over_and_none_is_left_behind(tmp_path):
+    """The spare's processes become the workers after a failure; after the fit, neither the
+    workers nor the spares (the used one's replacement) are alive."""
+    torch.manual_seed(1)
+    model = FailOnce(tmp_path / "failed", how="kill", at=12)
+    seen: dict[str, set[int]] = {"workers": set(), "spares": set()}
+
+    class Pids(TrainingListener):
+        def __init__(self) -> None:
+            self.wrapper: ParallelWrapper | None = None
+
+        def on_fit_start(self, w):
+            self.wrapper = w
+
+        def on_iteration(self, iteration, epoch, loss):
+            assert self.wrapper is not None
+            seen["workers"].update(self.wrapper.worker_pids)
+            seen["spares"].update(getattr(self.wrapper._pool, "spare_pids", []))
+
+    wrapper, stats = _train(model, "allreduce", epochs=3, max_failures=1, listeners=[Pids()])
+    assert stats["failures"] == 1
+    assert seen["spares"] & seen["workers"]  # a spare's processes trained after the failure
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in seen["workers"] | seen["spares"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in seen["workers"] | seen["spares"])
+
+
+class FailEverywhere(FailOnce):
+    """Every rank is SIGKILLed at the same training call: two failures at once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+        import signal
+
+        import torch.distributed as dist
+
+        if self.training and dist.is_initialized():
+            self.calls += 1
+            marker = f"{self.marker}.{dist.get_rank()}"
+            if self.calls == self.at and not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+
+
+def test_two_workers_failing_at_once_are_one_failure(tmp_path, references):
+    references.setdefault("allreduce", _reference("allreduce"))
+    torch.manual_seed(1)
+    model = FailEverywhere(tmp_path / "failed", at=7)
+    _, stats = _train(model, "allreduce", max_failures=1)
+    assert (tmp_path / "failed.0").exists() and (tmp_path / "failed.1").exists()
+    assert stats["failures"] == 1  # one recovery restarts every worker
+    assert _same(model, references["allreduce"])

@@ -100,7 +100,7 @@ def test_every_documented_keyword_is_taken() -> None:
         for f in dataclasses.fields(group)}
     defaults = {"recipe": "dgc", "encoding": "auto", "broadcast_buffers": True,
                 "averaging_frequency": 1, "average_updaters": True, "max_failures": 0,
-                "timeout": 300.0, "heartbeat_timeout": 2.0, "prefetch_buffer": 16,
+                "timeout": 300.0, "heartbeat_timeout": 2.0, "spares": 1, "prefetch_buffer": 16,
                 "progress": True, "report_score_after_averaging": False,
                 "gradient_clip_algorithm": "norm", "accumulate": 1, "compile": False,
                 "find_unused_parameters": False,

@@ -86,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=2.0)
     p.add_argument("--limit", type=float, default=900.0, help="seconds before a fit is a hang")
     p.add_argument("--out", default="benchmarks/results/faults.json")
+    p.add_argument("--chaos", action="store_true",
+                   help="a fault every --every s for --minutes into random workers (bench.chaos)")
+    p.add_argument("--every", type=float, default=10.0, help="--chaos: seconds between faults")
+    p.add_argument("--minutes", type=float, default=3.0, help="--chaos: length of the fit")
+    p.add_argument("--workers", type=int, default=2, help="--chaos: workers")
+    p.add_argument("--spares", type=int, default=1, help="--chaos: spares=")
+    p.add_argument("--seed", type=int, default=0, help="--chaos: the faults' kinds and ranks")
 
 
 class Injector(nn.Module):
@@ -184,6 +191,10 @@ def _fit(args: argparse.Namespace, kind: str, log: Path) -> FitResult:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.chaos:
+        from paraloom.bench import chaos
+
+        return chaos.run(args)
     args = plain_args(args)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(KINDS))

@@ -51,7 +51,7 @@ from paraloom.training.messages import (
 )
 from paraloom.training.mirror import ReplicaMirror, changed_settings, hyperparameters
 from paraloom.training.options import LoopOptions
-from paraloom.training.pacing import Pacing, PendingRounds
+from paraloom.training.pacing import RECOVERING_TARGET_S, TARGET_S, Pacing, PendingRounds
 from paraloom.training.pool import Pool
 from paraloom.training.resume import CheckpointCollector
 from paraloom.training.tracker import RoundTracker
@@ -86,6 +86,8 @@ class FitPlan:
     """Each batch must be an ``(inputs, targets)`` pair (no ``step_fn`` was given)."""
     accumulate: int = 1
     """Rounds per optimizer step (``StepOptions.accumulate``): an epoch's end then steps."""
+    recovering: bool = False
+    """Whether the pool survives failures (``max_failures > 0``): shorter messages then."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class FitRun:
         self._halted = False
         """Whether stop() was passed on to the workers (``_halt_if_stopped``)."""
         self._dealt = _Dealt(base=tracker.iteration)
-        self.pacing = Pacing()
+        self.pacing = Pacing(target_s=RECOVERING_TARGET_S if plan.recovering else TARGET_S)
         """Rounds per message, from the rounds' length (``training.pacing``)."""
         self._cpu_began = time.process_time()
         self.parent_cpu_s = 0.0

@@ -20,7 +20,7 @@ import time
 from paraloom.training.messages import RoundBatch, RoundMessage
 from paraloom.training.pool import Pool
 
-__all__ = ["MAX_ROUNDS_PER_MESSAGE", "TARGET_S", "Pacing", "PendingRounds"]
+__all__ = ["MAX_ROUNDS_PER_MESSAGE", "RECOVERING_TARGET_S", "TARGET_S", "Pacing", "PendingRounds"]
 
 TARGET_S = 0.5
 """Seconds of training per message to aim for. Replies then come every half second or so where
@@ -29,16 +29,22 @@ round's replies arrive together), while ``stop()`` still ends the fit after the 
 flight. Measured on 2 workers x 1 core: a message round trip costs the parent 0.5-1.5 ms of
 CPU on a loaded machine (pickling, pipes, waking its queue threads)."""
 MAX_ROUNDS_PER_MESSAGE = 16
+RECOVERING_TARGET_S = 0.1
+"""``TARGET_S`` where a fit survives failures (``max_failures > 0``): a recovery replays the
+rounds trained since the last restore point, which is taken between messages and answered
+behind the rounds in flight, so shorter messages bound that replay (at 1-1.5% of a step's
+time in messaging, against about 0.3% at ``TARGET_S``)."""
 
 
 class Pacing:
     """Rounds per message, from the time the rounds of this fit take (one until a few are
     done; at most ``limit``)."""
 
-    __slots__ = ("limit", "_first", "_completed", "_last")
+    __slots__ = ("limit", "target_s", "_first", "_completed", "_last")
 
-    def __init__(self, limit: int = MAX_ROUNDS_PER_MESSAGE) -> None:
+    def __init__(self, limit: int = MAX_ROUNDS_PER_MESSAGE, target_s: float = TARGET_S) -> None:
         self.limit = max(1, limit)
+        self.target_s = target_s
         self._first: float | None = None
         self._completed = 0
         self._last = 0.0
@@ -59,7 +65,7 @@ class Pacing:
         if self._first is None or self._completed < 2:
             return 1
         round_s = (self._last - self._first) / self._completed
-        return max(1, min(self.limit, int(TARGET_S / max(round_s, 1e-6))))
+        return max(1, min(self.limit, int(self.target_s / max(round_s, 1e-6))))
 
 
 class PendingRounds:

@@ -52,7 +52,10 @@ if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
 
 __all__ = ["ProcessPool"]
 
-_POLL_S = 0.2
+_POLL_S = 0.05
+"""How often a wait checks the workers (exits, heartbeats, progress): a failure the replies do
+not report (a kill, an exit, a stop) is seen this much later at most. A check costs a few
+syscalls per worker."""
 
 
 @contextlib.contextmanager
@@ -63,6 +66,16 @@ def _no_main_reimport() -> Iterator[None]:
     ``if __name__ == "__main__":`` guard (or a notebook) does not start training again in each
     worker: the model, loss and optimizer travel by value with cloudpickle.
     """
+    with _STARTING:  # spares start on threads of their own: one start at a time
+        with _main_hidden():
+            yield
+
+
+_STARTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
     main = sys.modules.get("__main__")
     saved: dict[str, object] = {
         k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
@@ -285,7 +298,8 @@ class ProcessPool:
         rank = (stuck or quiet)[0]
         where = "the model, the loss or the data code (it never got to this round's loss)" \
             if stuck else "a collective, or the model's backward or optimizer step"
-        waiting = [r for r in quiet if r != rank]
+        # Its peers with work queued wait for it (quiet too, perhaps a poll short of the limit).
+        waiting = [r for r in range(self.workers) if r != rank and self._outstanding[r]]
         others = f"; worker(s) {waiting} were waiting for it" if stuck and waiting else ""
         self.kill()
         raise WorkerError(
@@ -306,8 +320,8 @@ class ProcessPool:
                 if state == "running":
                     continue  # busy in native code that holds the GIL: alive; step_timeout= rules
                 # A worker that reported an error stops beating as it winds down: its report,
-                # perhaps not read yet, is the cause.
-                report = self._reported_failure(0.5)
+                # perhaps not read yet, is the cause. A stopped one reports nothing.
+                report = self._reported_failure(0.0 if state == "stopped" else 0.5)
                 if report is not None:
                     raise self._error(report, starting)
                 self.kill()
@@ -390,7 +404,8 @@ class ProcessPool:
             if not silent:
                 break
             if all(self._procs[rank].exitcode is not None for rank in silent):
-                deadline = min(deadline, now + 0.1)
+                # What an exited worker reported is in the pipe already.
+                deadline = min(deadline, now + 0.02)
             try:
                 reply = self._inbox.get(min(0.05, max(0.0, deadline - time.monotonic())))
             except queue.Empty:

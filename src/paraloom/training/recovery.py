@@ -5,9 +5,10 @@ rounds, it asks every replica for its full state right after a round has been de
 point. At the end of each fit() it takes one more, the *carry-over*: what replicas keep from
 one fit() to the next on a reused pool (residuals, a factory-built optimizer's state), which
 a restart before the next fit's first restore point begins from, before that fit's ``Begin``.
-When a worker fails (killed, stopped, hung, raised, exited), it kills every worker, starts a
-fresh pool (new processes, a new process group on a new port), begins it from the restore
-point and sends again every message sent since. Replies already delivered are not delivered
+When a worker fails (killed, stopped, hung, raised, exited), it kills every worker, takes a
+spare pool started ahead (``training.spares``; or starts a fresh one: new processes, a new
+process group on a new port), begins it from the restore point and sends again every message
+sent since. Replies already delivered are not delivered
 twice, so the caller sees each round once: no batch is lost, none is trained twice, and the
 result is the one an uninterrupted run with the same seed and data order would give.
 
@@ -41,13 +42,14 @@ from paraloom.training.messages import (
     ToReplica,
 )
 from paraloom.training.pool import Pool
+from paraloom.training.spares import Spares
 
 __all__ = ["RecoveringPool", "Recovery"]
 
 log = logging.getLogger("paraloom")
 
 _T = TypeVar("_T")
-_MIN_INTERVAL_S = 2.0
+_MIN_INTERVAL_S = 0.1
 _MAX_LOGGED_ROUNDS = 64  # batches in the log hold shared memory (and file descriptors)
 _CARRY_OVER = -1  # the round id of the restore point taken at the end of a fit
 _COST_SHARE = 0.02  # restore points may take up to this share of the training time
@@ -82,11 +84,14 @@ class RecoveringPool:
     """Wraps pools made by ``start``; survives up to ``max_failures`` failures per fit()."""
 
     def __init__(self, start: Callable[[], Pool], max_failures: int,
-                 on_recovery: Callable[[Recovery], None]) -> None:
+                 on_recovery: Callable[[Recovery], None], spares: int = 0,
+                 spare_wait_s: float = 120.0) -> None:
         self._start = start
         self.max_failures = max_failures
         self._on_recovery = on_recovery
         self._pool = start()
+        self._spares = Spares(start, spares)
+        self._spare_wait_s = spare_wait_s
         self.workers = self._pool.workers
         self.backend, self.devices, self.threads = \
             self._pool.backend, self._pool.devices, self._pool.threads
@@ -170,10 +175,17 @@ class RecoveringPool:
             self._carry = self._restore.states
 
     def close(self, timeout_s: float = 10.0) -> None:
+        self._spares.close(timeout_s)
         self._pool.close(timeout_s)
 
     def kill(self) -> None:
+        self._spares.kill()
         self._pool.kill()
+
+    @property
+    def spare_pids(self) -> list[int]:
+        """Process ids of the spare workers that are ready (``spares=``)."""
+        return self._spares.pids
 
     # -- restore points -----------------------------------------------------------------------
     def _interval(self) -> float:
@@ -259,7 +271,8 @@ class RecoveringPool:
 
     def _restart(self) -> None:
         self._pending = None
-        self._pool = self._start()
+        spare = self._spares.take(self._spare_wait_s) if self._spares.count else None
+        self._pool = spare if spare is not None else self._start()
         restore = self._restore
         if restore.round_id is None and self._carry is not None:
             # As the lost workers did: what they carried from the last fit, then this Begin.

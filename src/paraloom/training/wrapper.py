@@ -90,7 +90,7 @@ class ParallelWrapper:
 
     The options come in groups: ``steps`` (``StepOptions``: ``lr_scheduler``, gradient
     clipping, ``accumulate``, ``compile``), ``faults`` (``FaultTolerance``: ``max_failures``,
-    ``timeout``, ``heartbeat_timeout``, ``step_timeout``) and ``loop`` (``LoopOptions``:
+    ``timeout``, ``heartbeat_timeout``, ``step_timeout``, ``spares``) and ``loop`` (``LoopOptions``:
     ``prefetch_buffer``, ``progress``, ``report_score_after_averaging``). Each of their
     options is also a keyword of its own, and so is every option of the training mode
     (``averaging_frequency=3``, ``threshold_algorithm=...``, ``bucket_cap_mb=...``): see
@@ -227,7 +227,8 @@ class ParallelWrapper:
                                heartbeat_timeout_s=faults.heartbeat_timeout,
                                queue_size=queue_size, devices=self.device_plan)
 
-        self._pool = RecoveringPool(start, faults.max_failures, self._recovered) \
+        self._pool = RecoveringPool(start, faults.max_failures, self._recovered,
+                                    spares=faults.spares, spare_wait_s=faults.timeout) \
             if faults.max_failures else start()
         return self._pool
 
@@ -271,7 +272,8 @@ class ParallelWrapper:
                                report_score=self.loop.report_score_after_averaging)
         plan = FitPlan(data, epochs, start, self.workers, self.loop,
                        batches_are_pairs=self._spec.step_fn is None,
-                       accumulate=self.steps.accumulate)
+                       accumulate=self.steps.accumulate,
+                       recovering=self.faults.max_failures > 0)
         run = self._run = FitRun(plan, pool, tracker, self._checkpoints, self.listeners,
                                  self._user_optimizer)
         self._checkpoints.reset()

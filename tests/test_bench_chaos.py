@@ -1,0 +1,19 @@
+"""The chaos benchmark's arithmetic: a fault's cost read off the timeline of delivered rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from paraloom.bench.chaos import _fault_costs
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_faults_cost_is_the_gap_less_the_rounds_it_delivered():
+    # Rounds every 0.1 s, then a 1.0 s gap around a fault at t=2.05 that delivered 3 rounds.
+    timeline = [(1.0 + 0.1 * i, i) for i in range(11)] + [(3.0, 13), (3.1, 14)]
+    chaos = {"timeline": timeline, "started": 1.0}
+    costs = _fault_costs(chaos, [(2.05, "kill", 1), (5.0, "stop", 0)], round_s=0.1)
+    assert len(costs) == 1  # the second fault came after the last round: no cost to read
+    assert costs[0]["kind"] == "kill" and costs[0]["at"] == pytest.approx(1.05)
+    assert costs[0]["lost_s"] == pytest.approx((3.0 - 2.0) - 3 * 0.1)

@@ -1,0 +1,190 @@
+"""The recovery's rules on fake pools, in milliseconds: the replay re-sends exactly the
+messages since the restore point, a spare takes over, and the heartbeat check fires."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from paraloom.errors import WorkerError
+from paraloom.training import recovery
+from paraloom.training.messages import (
+    Begin,
+    IdleRound,
+    RestorePoint,
+    RestorePointRequest,
+    Round,
+    StepDone,
+)
+from paraloom.training.recovery import RecoveringPool
+from paraloom.training.spares import Spares
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakePool:
+    """Two workers that answer each round and restore point at once; ``fail_on`` makes the
+    send of that round (to rank 1) raise WorkerError, once."""
+
+    made = 0
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        FakePool.made += 1
+        self.name = FakePool.made
+        self.workers, self.backend, self.devices, self.threads = 2, "gloo", ["cpu"] * 2, 1
+        self.fail_on = fail_on
+        self.begun: list[Begin] = []
+        self.sent: list[tuple[int, Any]] = []
+        self.replies: collections.deque[Any] = collections.deque()
+        self.killed = self.closed = False
+
+    pids: list[int] = []
+    alive = True
+    warm = True
+
+    def begin(self, messages):
+        self.begun = list(messages)
+
+    def halt(self, last=None):
+        return -1
+
+    def send(self, rank, message):
+        if isinstance(message, Round) and message.round_id == self.fail_on and rank == 1:
+            self.fail_on = None
+            raise WorkerError("worker 1 was killed by SIGKILL", worker=1)
+        self.sent.append((rank, message))
+        if isinstance(message, Round | IdleRound):
+            self.replies.append(StepDone(rank, message.round_id, 0.0, 1, True))
+        elif isinstance(message, RestorePointRequest):
+            self.replies.append(RestorePoint(rank, message.round_id, f"state{rank}@"
+                                             f"{message.round_id}", 0.0))  # type: ignore[arg-type]
+
+    def recv(self, timeout_s=None):
+        return self.replies.popleft() if self.replies else None
+
+    def close(self, timeout_s=10.0):
+        self.closed = True
+
+    def kill(self):
+        self.killed = True
+
+
+def _drain(pool: RecoveringPool) -> list[Any]:
+    got = []
+    while (reply := pool.recv(0)) is not None:
+        got.append(reply)
+    return got
+
+
+def test_the_replay_resends_exactly_the_rounds_since_the_restore_point(monkeypatch):
+    monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 3600.0)  # restore points only when asked
+    pools = iter([FakePool(fail_on=6), FakePool()])
+    seen: list[recovery.Recovery] = []
+    pool = RecoveringPool(lambda: next(pools), max_failures=1, on_recovery=seen.append)
+    first = pool._pool
+    pool.begin([Begin(None), Begin(None)])
+    for round_id in range(6):
+        for rank in range(2):
+            pool.send(rank, Round(round_id, round_id))
+        if round_id == 3:
+            pool._request(3)  # a restore point after round 3
+        _drain(pool)
+    assert pool._restore.round_id == 3
+    for rank in range(2):
+        pool.send(rank, Round(6, 6))  # rank 1's send fails: the recovery replays
+    second = pool._pool
+    assert second is not first and first.killed
+    assert [b.resume for b in second.begun] == ["state0@3", "state1@3"]
+    assert [(rank, m.round_id) for rank, m in second.sent if isinstance(m, Round)] == [
+        (0, 4), (1, 4), (0, 5), (1, 5), (0, 6), (1, 6)]
+    delivered = [(r.round_id, r.rank) for r in _drain(pool) if isinstance(r, StepDone)]
+    assert delivered == [(6, 0), (6, 1)]  # rounds 4 and 5 were delivered before the failure
+    assert seen[0].replayed_rounds == 3 and seen[0].rank == 1
+
+
+def test_a_spare_takes_over_and_is_replaced(monkeypatch):
+    monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 3600.0)
+    started: list[FakePool] = []
+
+    def start() -> FakePool:
+        started.append(FakePool(fail_on=1 if not started else None))
+        return started[-1]
+
+    pool = RecoveringPool(start, max_failures=1, on_recovery=lambda r: None, spares=1)
+    pool._spares.restock_delay_s = 0.0
+    deadline = time.monotonic() + 5
+    while pool._spares.ready < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(started) == 2  # the pool and its spare
+    pool.begin([Begin(None), Begin(None)])
+    for round_id in range(2):
+        for rank in range(2):
+            pool.send(rank, Round(round_id, round_id))
+    assert pool._pool is started[1]  # the spare, not a pool started by the recovery
+    while pool._spares.ready < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(started) == 3  # its replacement
+    pool.close()
+    assert started[2].closed and not started[0].closed and started[0].killed
+
+
+def test_spares_edge_cases():
+    with pytest.raises(ValueError, match="spares=-1"):
+        Spares(FakePool, -1)
+    assert Spares(FakePool, 0).take(0.1) is None  # no spare: the recovery starts its own
+
+    gate = threading.Event()
+
+    def slow() -> FakePool:
+        gate.wait(5)
+        return FakePool()
+
+    spares = Spares(slow, 1)
+    threading.Timer(0.2, gate.set).start()
+    taken = spares.take(5.0)  # a failure while the spare is still starting waits for it
+    assert isinstance(taken, FakePool)
+    spares.close(1.0)
+
+    dead = FakePool()
+    dead.alive = False  # type: ignore[misc]
+    spares = Spares(lambda: dead, 1, restock_delay_s=60)
+    while spares.ready < 1:
+        time.sleep(0.01)
+    assert spares.take(1.0) is None and dead.killed  # its workers died while it waited
+    spares.close(1.0)
+
+    def broken() -> FakePool:
+        raise WorkerError("workers [0] did not start within 1 s")
+
+    assert Spares(broken, 1).take(1.0) is None  # logged; the recovery starts its own
+
+
+def test_the_heartbeat_check_names_a_stopped_worker_and_spares_a_busy_one(monkeypatch):
+    from paraloom.training import process_pool
+
+    pool = process_pool.ProcessPool.__new__(process_pool.ProcessPool)
+
+    class Proc:
+        pid = 4242
+
+    pool._procs = [Proc(), Proc()]  # type: ignore[list-item]
+    pool.heartbeat_timeout_s = 1.0
+    pool._pending = collections.deque()
+    pool.workers = 2
+    killed: list[bool] = []
+    monkeypatch.setattr(pool, "kill", lambda: killed.append(True), raising=False)
+    now = time.monotonic()
+    pool._beats = [now, now - 1.5]  # rank 1 silent for 1.5 s
+    states = iter(["running", "stopped"])
+    monkeypatch.setattr(process_pool, "process_state", lambda pid: next(states))
+    pool._check_heartbeats()  # running (native code holding the GIL): not a failure
+    assert not killed
+    with pytest.raises(WorkerError, match=r"worker 1 .* no heartbeat for 1\.5 s") as failed:
+        pool._check_heartbeats()
+    assert failed.value.worker == 1 and killed
+    pool._beats = [now, now - 0.5]
+    pool._check_heartbeats()  # within heartbeat_timeout

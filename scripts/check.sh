@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh "test,serve,spark,dev"
-.venv/bin/ruff check src tests
+.venv/bin/ruff check src tests examples
 .venv/bin/mypy --strict

@@ -1,4 +1,5 @@
-"""The README is the manual: its sections exist, its commands exist, its Python parses."""
+"""The README is the quickstart and docs/ the manual: their sections and links exist, their
+commands exist, their Python parses, and the blocks that need nothing else run."""
 
 from __future__ import annotations
 
@@ -9,16 +10,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
+MANUAL = re.sub(r"```python\n--8<--[^`]*```", "", README + "".join(p.read_text() for p in PAGES))
+"""The README and every docs page: where the code examples are (less the blocks that include a
+file of examples/, which tests/test_examples.py runs)."""
 
-SECTIONS = ["Quickstart", "ParallelWrapper", "Training modes", "Early stopping", "Listeners",
-            "Checkpoints and exact resume", "Precision", "ParallelInference",
-            "Serving over HTTP", "Training on Apache Spark", "Data sets and models",
-            "Saving and loading", "Command line", "Benchmarks"]
+SECTIONS = ["Quickstart", "Training on every core or GPU", "Inference", "Serving", "Spark",
+            "GPU", "Benchmarks", "Development"]
 
 
 @pytest.mark.parametrize("section", SECTIONS)
 def test_every_section_is_there(section):
     assert re.search(rf"^## {re.escape(section)}", README, flags=re.M), section
+
+
+def test_the_readme_is_a_quickstart_whose_links_lead_somewhere():
+    assert len(README.splitlines()) <= 300
+    links = re.findall(r"\]\(((?:docs/)[^)#]+)", README)
+    assert len(links) >= 20
+    for link in links:
+        assert (ROOT / link).exists(), link
 
 
 def test_the_quickstart_commands_exist_and_ci_runs_the_test_command():
@@ -28,10 +39,10 @@ def test_the_quickstart_commands_exist_and_ci_runs_the_test_command():
 
 
 def test_every_python_example_parses():
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", MANUAL, flags=re.S)
     assert len(blocks) >= 15
     for block in blocks:
-        compile(block, "README.md", "exec")
+        compile(block, "README.md or docs/", "exec")
 
 
 def _free_names(code: str) -> set[str]:
@@ -62,12 +73,12 @@ _EXTERNAL = ("tritonclient", "SparkSession", "serve(app")
 
 
 def _standalone_blocks() -> list[str]:
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", MANUAL, flags=re.S)
     return [b for b in blocks if not _free_names(b) and not any(x in b for x in _EXTERNAL)]
 
 
 def test_the_complete_examples_import_what_they_use():
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", MANUAL, flags=re.S)
     for needle in ("EarlyStoppingConfig(", "ParallelInference(model, inference_mode",
                    "paraloom.save(model"):
         block = next(b for b in blocks if needle in b)
@@ -81,4 +92,4 @@ def test_the_standalone_examples_run(index, tmp_path, monkeypatch):
     left out."""
     monkeypatch.chdir(tmp_path)
     code = _standalone_blocks()[index]
-    exec(compile(code, f"README.md block {index}", "exec"), {"__name__": "readme_example"})
+    exec(compile(code, f"README.md/docs block {index}", "exec"), {"__name__": "readme_example"})

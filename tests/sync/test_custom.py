@@ -1,4 +1,4 @@
-"""A custom synchronizer end to end: the shipped fp16 example and the one in the README."""
+"""A custom synchronizer end to end: the shipped fp16 example and the one in the docs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from paraloom.sync.compressed import Fp16AllReduce
 from .replicas import reference_sgd, train
 
 STEPS = 8
-DOCS = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "custom-synchronizer.md"
 
 
 def _fp16_run(rank: int, world_size: int, dtype: torch.dtype) -> dict[str, Any]:

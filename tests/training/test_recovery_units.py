@@ -188,3 +188,33 @@ def test_the_heartbeat_check_names_a_stopped_worker_and_spares_a_busy_one(monkey
     assert failed.value.worker == 1 and killed
     pool._beats = [now, now - 0.5]
     pool._check_heartbeats()  # within heartbeat_timeout
+
+
+def test_a_process_whose_main_thread_sleeps_while_another_runs_is_running():
+    """What the heartbeat check reads: not the main thread's state alone (a worker that just
+    left a GIL-holding call sleeps in a collective while its heartbeat thread waits for a
+    CPU), but whether any thread runs; a stopped process is stopped whatever its threads."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from paraloom.training.failures import process_state
+
+    busy = "import threading, time\n" \
+           "threading.Thread(target=lambda: sum(range(10**11)), daemon=True).start()\n" \
+           "time.sleep(60)\n"
+    p = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        deadline = time.monotonic() + 10
+        while process_state(p.pid) != "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_state(p.pid) == "running"
+        os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while process_state(p.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_state(p.pid) == "stopped"
+    finally:
+        p.kill()
+        p.wait(10)

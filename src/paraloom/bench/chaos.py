@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
-from paraloom.bench.faults import KINDS, inject_failure
+from paraloom.bench.failure_kinds import KINDS, inject_failure
 from paraloom.datasets import digits
 from paraloom.evaluation import evaluate
 from paraloom.listeners import TrainingListener

@@ -34,6 +34,7 @@ from paraloom.bench.common import (
     save_figure,
     write_results,
 )
+from paraloom.bench.failure_kinds import KINDS, inject_failure
 from paraloom.datasets import digits
 from paraloom.evaluation import evaluate
 from paraloom.models import LeNet
@@ -43,9 +44,8 @@ if TYPE_CHECKING:
 
     from paraloom import ParallelWrapper
 
-__all__ = ["add_arguments", "run", "Injector", "inject_failure"]
+__all__ = ["KINDS", "add_arguments", "run", "Injector", "inject_failure"]
 
-KINDS = ("raise", "exit", "kill", "stop")
 
 
 class FitResult(TypedDict):
@@ -118,15 +118,6 @@ class Injector(nn.Module):
     def _injected(self) -> int:
         path = Path(self.log)
         return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def inject_failure(kind: str) -> None:
-    """Fail this process as ``kind`` says: raise, exit with code 0, SIGKILL or SIGSTOP itself."""
-    if kind == "raise":
-        raise RuntimeError("injected failure")
-    if kind == "exit":
-        os._exit(0)
-    os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
 def _setup(args: argparse.Namespace, kind: str, log: Path

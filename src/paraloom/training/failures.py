@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 
 from paraloom.errors import WorkerError
@@ -37,13 +38,30 @@ _STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped
 
 
 def process_state(pid: int | None) -> str:
-    """What the OS says a process is doing ("stopped", "running", ...), from /proc if there."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            code = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    """What the OS says a process is doing ("stopped", "running", ...), from /proc if there.
+
+    "running" when any of its threads runs or waits for a CPU: a worker whose main thread
+    just left native code that held the GIL sleeps in a collective while its heartbeat thread
+    waits for a CPU to beat again (seen on a loaded 2-core machine); it is alive."""
+    main = _thread_state(f"/proc/{pid}/stat")
+    if main is None:
         return "unknown"
-    return _STATES.get(code, code)
+    if main not in ("T", "t", "Z", "X"):  # a stop or an exit holds for every thread
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            tasks = []
+        if any(_thread_state(f"/proc/{pid}/task/{tid}/stat") == "R" for tid in tasks):
+            main = "R"
+    return _STATES.get(main, main)
+
+
+def _thread_state(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def death_message(rank: int, pid: int | None, code: int | None, starting: bool) -> str:

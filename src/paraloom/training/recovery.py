@@ -1,6 +1,6 @@
 """RecoveringPool: a Pool that survives worker failures by restarting from a restore point.
 
-Every few seconds (at most ~2% of the time: see ``_interval``) or every ``_MAX_LOGGED_ROUNDS``
+Every 0.1 s or more (at most ~2% of the time: see ``_interval``) or every ``_MAX_LOGGED_ROUNDS``
 rounds, it asks every replica for its full state right after a round has been dealt: a restore
 point. At the end of each fit() it takes one more, the *carry-over*: what replicas keep from
 one fit() to the next on a reused pool (residuals, a factory-built optimizer's state), which
@@ -8,9 +8,9 @@ a restart before the next fit's first restore point begins from, before that fit
 When a worker fails (killed, stopped, hung, raised, exited), it kills every worker, takes a
 spare pool started ahead (``training.spares``; or starts a fresh one: new processes, a new
 process group on a new port), begins it from the restore point and sends again every message
-sent since. Replies already delivered are not delivered
-twice, so the caller sees each round once: no batch is lost, none is trained twice, and the
-result is the one an uninterrupted run with the same seed and data order would give.
+sent since. Replies already delivered are not delivered twice, so the caller sees each round
+once: no batch is lost, none is trained twice, and the result is the one an uninterrupted run
+with the same seed and data order would give.
 
 Why not restart from the survivors' state: a survivor is usually blocked inside a collective
 with the failed peer, part way through a round; on one machine the parent can hold a

@@ -259,12 +259,25 @@ def test_native_code_that_holds_the_gil_is_not_taken_for_dead():
     assert stats["batches"] == 4 and stats["failures"] == 0
 
 
-def test_spares_take_over_and_none_is_left_behind(tmp_path):
+def test_spares_take_over_and_none_is_left_behind(tmp_path, monkeypatch):
     """The spare's processes become the workers after a failure; after the fit, neither the
     workers nor the spares (the used one's replacement) are alive."""
+    from paraloom.training import spares
+
     torch.manual_seed(1)
     model = FailOnce(tmp_path / "failed", how="kill", at=12)
     seen: dict[str, set[int]] = {"workers": set(), "spares": set()}
+    original = spares.Spares.__init__
+
+    def recording(self, start, count, restock_delay_s=1.0):
+        def start_and_record():
+            pool = start()
+            seen["spares"].update(pool.pids)
+            return pool
+
+        original(self, start_and_record, count, restock_delay_s)
+
+    monkeypatch.setattr(spares.Spares, "__init__", recording)
 
     class Pids(TrainingListener):
         def __init__(self) -> None:
@@ -276,7 +289,6 @@ def test_spares_take_over_and_none_is_left_behind(tmp_path):
         def on_iteration(self, iteration, epoch, loss):
             assert self.wrapper is not None
             seen["workers"].update(self.wrapper.worker_pids)
-            seen["spares"].update(getattr(self.wrapper._pool, "spare_pids", []))
 
     wrapper, stats = _train(model, "allreduce", epochs=3, max_failures=1, listeners=[Pids()])
     assert stats["failures"] == 1

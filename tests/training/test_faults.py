@@ -8,10 +8,13 @@ replica and replays the rounds since).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from fault_helpers import HOWS, FailOnce, FailWhenArmed, digits_loader
 from torch import nn
 from training_helpers import pid_alive
@@ -304,11 +307,6 @@ class FailEverywhere(FailOnce):
     """Every rank is SIGKILLed at the same training call: two failures at once."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import os
-        import signal
-
-        import torch.distributed as dist
-
         if self.training and dist.is_initialized():
             self.calls += 1
             marker = f"{self.marker}.{dist.get_rank()}"

@@ -157,6 +157,15 @@ def test_spares_edge_cases():
     assert spares.take(1.0) is None and dead.killed  # its workers died while it waited
     spares.close(1.0)
 
+    spares = Spares(FakePool, 1, restock_delay_s=60)
+    while spares.ready < 1:
+        time.sleep(0.01)
+    assert isinstance(spares.take(5.0), FakePool)
+    started = time.monotonic()
+    assert spares.take(5.0) is None  # the replacement waits out its delay: not waited for
+    assert time.monotonic() - started < 1.0
+    spares.close(1.0)
+
     def broken() -> FakePool:
         raise WorkerError("workers [0] did not start within 1 s")
 

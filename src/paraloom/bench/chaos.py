@@ -109,7 +109,7 @@ def _fit(args: argparse.Namespace, epochs: int, armed: Path | None,
     seconds = time.monotonic() - started
     done.set()
     watcher.join()
-    time.sleep(0.5)
+    time.sleep(0.5)  # the workers' exits are reaped before the orphan check below
     accuracy = evaluate(model.net, DataLoader(digits("test"), batch_size=256)).accuracy
     return {"seconds": seconds, "started": started, "timeline": timeline.points,
             "accuracy": accuracy, "recoveries": [

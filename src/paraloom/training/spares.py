@@ -46,8 +46,10 @@ class Spares:
         self._ready: list[Pool] = []
         self._starting: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._closed = False
+        self._delayed: set[threading.Thread] = set()
+        """Starts still waiting out ``restock_delay_s``: a failure does not wait for them."""
         self._stopping = threading.Event()
+        """Set by ``close()`` and ``kill()`` (under the lock): no spare is kept after."""
         for _ in range(count):
             self._launch()
 
@@ -72,7 +74,8 @@ class Spares:
                 if self._ready:
                     pool = self._ready.pop(0)
                     break
-                starting = [t for t in self._starting if t.is_alive()]
+                starting = [t for t in self._starting
+                            if t.is_alive() and t not in self._delayed]
             if not starting or time.monotonic() >= deadline:
                 break
             starting[0].join(min(_JOIN_S, max(0.0, deadline - time.monotonic())))
@@ -80,7 +83,7 @@ class Spares:
             log.warning("paraloom: a spare's workers died while it waited; starting new ones")
             pool.kill()
             pool = None
-        if not self._closed:
+        if not self._stopping.is_set():
             self._launch(self.restock_delay_s)
         return pool
 
@@ -88,10 +91,9 @@ class Spares:
         """Stop every spare; wait up to ``timeout_s`` for starts in flight (each kills its
         pool when done)."""
         with self._lock:
-            self._closed = True
+            self._stopping.set()
             ready, self._ready = self._ready, []
             starting = list(self._starting)
-        self._stopping.set()
         for pool in ready:
             pool.close(timeout_s)
         deadline = time.monotonic() + timeout_s
@@ -101,9 +103,8 @@ class Spares:
     def kill(self) -> None:
         """Stop every spare now; a start in flight kills its pool when done."""
         with self._lock:
-            self._closed = True
+            self._stopping.set()
             ready, self._ready = self._ready, []
-        self._stopping.set()
         for pool in ready:
             pool.kill()
 
@@ -115,13 +116,16 @@ class Spares:
             thread = threading.Thread(target=self._run, args=(delay_s,), name="paraloom-spare",
                                       daemon=True)
             self._starting.append(thread)
+            if delay_s > 0:
+                self._delayed.add(thread)
         thread.start()
 
     def _run(self, delay_s: float) -> None:
         if delay_s > 0:
             self._stopping.wait(delay_s)
         with self._lock:
-            if self._closed:
+            self._delayed.discard(threading.current_thread())
+            if self._stopping.is_set():
                 return
         try:
             pool = self._start()
@@ -130,7 +134,7 @@ class Spares:
                         "will start its own", str(e).splitlines()[0] if str(e) else repr(e))
             return
         with self._lock:
-            if not self._closed:
+            if not self._stopping.is_set():
                 self._ready.append(pool)
                 return
         pool.kill()

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paraloom.spark import ParameterAveragingTrainingMaster, SparkModel
+from paraloom.spark.runtime.state import state_digest
 
 cloudpickle.register_pickle_by_value(h)  # the executors do not see the tests folder
 
@@ -57,7 +58,7 @@ def main(url: str, work: str) -> None:
              .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
              .config("spark.pyspark.python", sys.executable)
              .config("spark.sql.shuffle.partitions", "2")
-             .config("spark.stage.maxConsecutiveAttempts", "1")
+             .config("spark.stage.maxConsecutiveAttempts", "2")
              .getOrCreate())
     marks = {"session": time.monotonic()}
     try:
@@ -73,13 +74,22 @@ def main(url: str, work: str) -> None:
         marks["parquet"] = time.monotonic()
         torch.manual_seed(0)
         model = h.TwoTowers()
-        net = SparkModel(spark, model,
-                         ParameterAveragingTrainingMaster(32, averaging_frequency=25, workers=2,
-                                                          job_timeout=60),
-                         loss_fn=[nn.CrossEntropyLoss(), nn.MSELoss()],
+        master = ParameterAveragingTrainingMaster(32, averaging_frequency=25, workers=2,
+                                                  job_timeout=60, checkpoint_dir=work)
+        net = SparkModel(spark, model, master, loss_fn=[nn.CrossEntropyLoss(), nn.MSELoss()],
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
         summary = net.fit_paths(path, epochs=3, inputs=INPUTS, label=("label", "brightness"))
         marks["fit"] = time.monotonic()
+        # The same fit again, rank 1's Python worker killed at its 40th step: the stage re-runs
+        # and resumes from the checkpoint at step 25, to the same parameters.
+        torch.manual_seed(0)
+        again = h.TwoTowers()
+        marker = os.path.join(work, "killed")
+        crashed = SparkModel(spark, again, master,
+                             loss_fn=[h.Crash(at=40, marker=marker), nn.MSELoss()],
+                             optimizer=torch.optim.SGD(again.parameters(), lr=0.05, momentum=0.9))
+        rerun = crashed.fit_paths(path, epochs=3, inputs=INPUTS, label=("label", "brightness"))
+        marks["killed fit"] = time.monotonic()
         test = h.two_tower_dataframe(spark, "test")
         evaluation = net.evaluate(test, inputs=INPUTS, label=("label", "brightness"), output=0)
         scored = net.predict(test, inputs=INPUTS, output=("digit", "shade"), argmax=False)
@@ -93,6 +103,10 @@ def main(url: str, work: str) -> None:
         print(json.dumps({
             "executors": _executors(sc), "default_parallelism": sc.defaultParallelism,
             "rows_per_worker": summary["rows_per_worker"],
+            "killed": os.path.exists(marker), "rerun_attempts": rerun["stage_attempts"],
+            "rerun_samples": rerun["samples"],
+            "rerun_same_parameters": state_digest(again.state_dict()) == state_digest(
+                model.state_dict()),
             "samples": summary["samples"],
             "accuracy": evaluation.accuracy,
             "local_accuracy": float((digit.argmax(1).numpy() == labels).mean()),

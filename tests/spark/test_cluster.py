@@ -109,7 +109,9 @@ def test_a_standalone_cluster_trains_from_parquet_evaluates_and_predicts(cluster
     result = json.loads(lines[-1])
     print("cluster test phases (s from session start):", result["seconds"])
     assert result["executors"] == 2 and result["default_parallelism"] == 2
-    assert sum(result["rows_per_worker"]) == 1438  # each worker read its Parquet share
+    assert result["rows_per_worker"] == [719, 719]  # each worker read its Parquet share
+    assert result["killed"] and result["rerun_attempts"] == 2  # a worker died, the stage re-ran
+    assert result["rerun_samples"] < 3 * 1438 and result["rerun_same_parameters"]
     assert result["samples"] == 3 * 1438
     assert result["accuracy"] >= 0.8
     assert result["accuracy"] == pytest.approx(result["local_accuracy"], abs=1e-9)

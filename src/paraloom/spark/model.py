@@ -6,6 +6,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
@@ -16,11 +17,13 @@ from paraloom.data import cpu_copy
 from paraloom.errors import WorkerError
 from paraloom.evaluation import Evaluation
 from paraloom.forward import LossFn
+from paraloom.precision import resolve_precision
 from paraloom.spark.data import (
     Columns,
     Features,
     Inputs,
     Label,
+    Pair,
     Spec,
     is_dataframe,
     is_rdd,
@@ -28,6 +31,7 @@ from paraloom.spark.data import (
 )
 from paraloom.spark.data.arrow import data_chunks
 from paraloom.spark.data.features import normalize_shapes
+from paraloom.spark.data.parquet import ParquetSet
 from paraloom.spark.data.targets import column_loss
 from paraloom.spark.evaluation import (
     RegressionEvaluation,
@@ -116,7 +120,10 @@ class SparkModel:
     loss). A scalar label column against a one-unit output, with one of PyTorch's elementwise
     losses (MSE, L1, Huber, BCE), gets targets shaped like the output, (n, 1), as in Keras.
     ``gradient_clip_val`` / ``gradient_clip_algorithm`` clip each task's gradients before its
-    optimizer steps, as ``ParallelWrapper``'s do.
+    optimizer steps, as ``ParallelWrapper``'s do. ``precision`` is ``ParallelWrapper``'s
+    (Lightning's names): "32-true" (the default), "bf16-mixed" / "16-mixed" (autocast in
+    every task; DL4J's HALF on the cluster), "bf16-true" / "16-true" (the model itself in
+    that dtype); a name it does not know raises ``ValueError``.
     """
 
     def __init__(self, spark: SparkSession | SparkContext, model: nn.Module,
@@ -127,7 +134,7 @@ class SparkModel:
                  | dict[str, Sequence[int] | None] | None = None,
                  label_dtype: torch.dtype | None = None,
                  gradient_clip_val: float | None = None,
-                 gradient_clip_algorithm: str = "norm") -> None:
+                 gradient_clip_algorithm: str = "norm", precision: str = "32-true") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         if not isinstance(master, TrainingMaster):
@@ -141,6 +148,7 @@ class SparkModel:
         self.loss_fn = loss_fn
         self.step_fn = step_fn
         self.clipping = GradientClipping.of(gradient_clip_val, gradient_clip_algorithm)
+        self.precision = resolve_precision(precision).name  # a wrong name fails here
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self._optimizer_spec = OptimizerSpec.from_user(optimizer, model) \
             if optimizer is not None else None
@@ -183,10 +191,15 @@ class SparkModel:
         job = self._fit_job(epochs)
         columns = self._columns(data, features, label, inputs)
         if is_dataframe(data) or prebatched:  # DataFrames: decoded from Arrow batches
-            job.chunked = True
+            job = replace(job, chunked=True, columns=columns if is_dataframe(data) else None)
             rows = data_chunks(data, columns, prebatched=prebatched)
         else:
             rows = rows_of(data, columns)
+        return self._run_fit(job, rows, epochs, seed, collect_stats)
+
+    def _run_fit(self, job: FitJob, rows: RDD[Pair] | ParquetSet, epochs: int, seed: int,
+                 collect_stats: bool) -> dict[str, Any]:
+        """Hand the rows to the master; adopt the state it returns."""
         try:
             result = self.master.fit(job, rows, epochs=epochs, seed=seed,
                                      collect_stats=collect_stats)
@@ -214,7 +227,8 @@ class SparkModel:
         if self._user_optimizer is not None:  # its param groups as they are now
             self._optimizer_spec = OptimizerSpec.from_user(self._user_optimizer, self.model)
         spec = WorkerSpec(model=self.model, optimizer=self._optimizer_spec, loss_fn=self._loss,
-                          step_fn=self.step_fn, synchronizer=NoSync(), clipping=self.clipping)
+                          step_fn=self.step_fn, synchronizer=NoSync(), clipping=self.clipping,
+                          precision=self.precision)
         state = cpu_copy(self.model.state_dict())
         return FitJob(self.sc, spec, state, self._optimizer_state_now(), self.features)
 
@@ -222,26 +236,48 @@ class SparkModel:
                   features: Spec | None = None, label: Label = "label",
                   inputs: Inputs | None = None, collect_stats: bool = False,
                   seed: int = 0, prebatched: bool = False) -> dict[str, Any]:
-        """Train on Parquet file(s) or directories (DL4J's fitPaths): any path Spark reads.
+        """Train on Parquet file(s) or directories (DL4J's fitPaths): local paths or URIs that
+        pyarrow opens (``hdfs://``, ``s3://``, ...), read by the executors.
 
-        The executors read their own partitions (``spark.read.parquet``) and decode them from
-        Arrow batches; the driver never holds the data. Same columns, ``prebatched`` and
-        summary as ``fit``.
+        Each training task streams its own share of the row groups straight into training
+        (no Spark shuffle, persist or count; the share and its order follow from ``seed``, the
+        epoch and the task's rank). Before any training the driver reads the files' footers
+        and a few rows: a path with no Parquet files, a missing column, files whose column
+        types differ, or a column of the wrong type or shape raise ``ValueError`` or
+        ``TypeError`` naming the file and the column. With ``prebatched=True``, or a master
+        that runs one Spark job per round (DiLoCo, ``one_stage=False``), the files are read as
+        a DataFrame (``fit``'s path). Same columns and summary as ``fit``.
         """
-        from pyspark.sql import SparkSession
+        from paraloom.spark.data.parquet import scan_parquet
+        from paraloom.spark.training.task import batch_tensors
 
         paths = [path] if isinstance(path, str) else list(path)
         if not paths or not all(isinstance(p, str) for p in paths):
             raise TypeError(f"path={path!r}; expected a Parquet file or directory path (or a "
                             f"list of them)")
+        columns = Columns.of(features, label, inputs)
+        self.features.shapes_for(columns.features)
+        found = scan_parquet(paths, columns,
+                             check=lambda pair: batch_tensors(pair, self.features))
+        if prebatched or not self.master.takes_parquet(self.sc):
+            return self._fit_parquet_frame(paths, epochs, columns, collect_stats, seed,
+                                           prebatched)
+        job = replace(self._fit_job(epochs), chunked=True, columns=columns)
+        return self._run_fit(job, found, epochs, seed, collect_stats)
+
+    def _fit_parquet_frame(self, paths: list[str], epochs: int, columns: Columns,
+                           collect_stats: bool, seed: int, prebatched: bool) -> dict[str, Any]:
+        from pyspark.sql import SparkSession
+
         session = self._session or SparkSession.getActiveSession() or SparkSession(self.sc)
         try:
             df = session.read.parquet(*paths)
         except Exception as e:
             raise ValueError(f"fit_paths could not read Parquet from {paths}: "
                              f"{str(e).splitlines()[0]}") from e
-        return self.fit(df, epochs, features=features, label=label, inputs=inputs,
-                        collect_stats=collect_stats, seed=seed, prebatched=prebatched)
+        job = replace(self._fit_job(epochs), chunked=True, columns=columns)
+        rows = data_chunks(df, columns, prebatched=prebatched)
+        return self._run_fit(job, rows, epochs, seed, collect_stats)
 
     def _adopt_optimizer(self, state: OptimizerState | None) -> None:
         if state is None:

@@ -48,14 +48,46 @@ def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
         return inner.reshape(len(arr), -1, *inner.shape[1:]) if len(arr) else \
             inner.reshape(0, *([int(lengths[0])] if len(lengths) else [0]), *inner.shape[1:])
     if pa.types.is_struct(kind):
-        raise TypeError(f"column {name!r} is a struct (a Spark ML vector?); store arrays: "
-                        f"df.withColumn({name!r}, pyspark.ml.functions.vector_to_array("
-                        f"{name!r}))")
+        if is_ml_vector(kind):
+            return ml_vectors(arr, name)
+        raise TypeError(f"column {name!r} is a struct ({kind}); expected numbers or arrays of "
+                        f"numbers (or Spark ML vectors)")
     if pa.types.is_boolean(kind):
         return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise TypeError(f"column {name!r} has type {kind}; expected numbers or arrays of numbers")
     return np.asarray(arr.to_numpy(zero_copy_only=False))
+
+
+_VECTOR_FIELDS = ("type", "size", "indices", "values")
+
+
+def is_ml_vector(kind: pa.DataType) -> bool:
+    """Whether an Arrow type is how Spark stores an ML vector (``VectorUDT``) in Parquet."""
+    return [kind.field(i).name for i in range(kind.num_fields)] == list(_VECTOR_FIELDS)
+
+
+def ml_vectors(arr: pa.StructArray, name: str) -> np.ndarray:
+    """Spark ML vectors (dense or sparse, Spark's Parquet struct) as a dense (n, size) array
+    of doubles."""
+    kinds, sizes, indices, values = arr.flatten()  # the children, the slice's rows only
+    kind = np.asarray(kinds.to_numpy(zero_copy_only=False))
+    if (kind == 1).all():  # all dense: the values are the rows
+        return arrow_column(values, name).astype(np.float64, copy=False)
+    width = max(int(np.asarray(sizes.fill_null(0).to_numpy(zero_copy_only=False)).max()),
+                int(np.asarray(values.value_lengths().fill_null(0)).max()))
+    out = np.zeros((len(arr), width), np.float64)
+    lengths = np.asarray(values.value_lengths().fill_null(0).to_numpy(zero_copy_only=False))
+    flat = np.asarray(values.flatten().to_numpy(zero_copy_only=False))
+    rows = np.repeat(np.arange(len(arr)), lengths)
+    dense = np.repeat(kind == 1, lengths)
+    at = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out[rows[dense], at[dense]] = flat[dense]
+    sparse = ~dense
+    if sparse.any():
+        columns = np.asarray(indices.flatten().to_numpy(zero_copy_only=False))
+        out[rows[sparse], columns] = flat[sparse]
+    return out
 
 
 def _spec(get: Callable[[str], pa.Array], rows: int, spec: Spec) -> np.ndarray:

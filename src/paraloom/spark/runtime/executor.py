@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from pyspark import TaskContext
 
-__all__ = ["cached", "task_threads", "clear_cache", "gpu_addresses", "peak_rss"]
+__all__ = ["cached", "task_threads", "clear_cache", "gpu_addresses", "peak_rss", "reset_peak_rss"]
 
 T = TypeVar("T")
 _CAPACITY = 4
@@ -75,9 +75,29 @@ def gpu_addresses() -> list[str]:
     return list(info.addresses) if info is not None else []
 
 
+def reset_peak_rss() -> bool:
+    """Start this process's peak-memory count afresh (Linux: ``/proc/self/clear_refs``), so
+    that a reused Python process reports one task's peak, not its earlier tasks'. Returns
+    whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_rss() -> int:
-    """This process's peak resident memory in bytes since it started (a reused Python process
-    counts its earlier tasks too: ``spark.python.worker.reuse=false`` measures one fit)."""
+    """This process's peak resident memory in bytes: since the last ``reset_peak_rss`` on
+    Linux (``VmHWM``), else since the process started (a reused Python process then counts its
+    earlier tasks too)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
     import sys
 

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paraloom.spark.data import Chunk, Pair, batch_count, num_rows
+from paraloom.spark.data.parquet import ParquetSet
 from paraloom.spark.runtime import join_optimizer_state, pack, unflatten
 from paraloom.spark.stats import Event, TrainingStats, WorkerStats
+from paraloom.spark.training.averaging_stage import fit_in_one_stage
 from paraloom.spark.training.averaging_task import (
     AveragingRound,
     add_results,
@@ -31,6 +33,7 @@ from paraloom.spark.training.diloco import OuterStep, resolve_diloco, state_upda
 from paraloom.spark.training.diloco_task import remove_local, trainable_names
 from paraloom.spark.training.jobs import FitJob, FitResult, run_job
 from paraloom.spark.training.messages import AveragingSums
+from paraloom.spark.training.shared_task import SharedConfig
 from paraloom.spark.training.summary import AveragingRoundTotals, averaging_summary
 from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import NoSync
@@ -38,7 +41,7 @@ from paraloom.sync.diloco import OuterOptimizer, describe_factory
 from paraloom.sync.pseudo_gradients import TopK
 
 if TYPE_CHECKING:
-    from pyspark import RDD, Broadcast, StorageLevel
+    from pyspark import RDD, Broadcast, SparkContext, StorageLevel
 
 __all__ = ["ParameterAveragingTrainingMaster"]
 
@@ -67,6 +70,15 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     The inner optimizer's state then stays with each partition (``save_updater=True``) or
     restarts every round (False), and is not merged into your optimizer. Raises ``ValueError``
     for an unknown encoding or an outer factory that does not return an optimizer.
+
+    ``one_stage``: where the rounds run. True: every round inside one barrier stage, the tasks
+    averaging among themselves with one all-reduce per round (no Spark job per round, no
+    driver in the loop; needs ``workers`` task slots at once); False: one Spark job per round
+    through the driver (DL4J's design; what DiLoCo uses); None (the default): one stage for
+    DataFrames and Parquet paths when the cluster has the slots, per round otherwise (RDDs,
+    DiLoCo). A one-stage fit checkpoints right after an averaging to ``checkpoint_dir``
+    (default: a temporary folder; give a shared one on a cluster), where a re-run stage
+    resumes.
     """
 
     name = "averaging"
@@ -78,7 +90,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                  repartition: str = "always", job_timeout: float | None = None,
                  prefetch_batches: int = 16,
                  outer_optimizer: OuterOptimizer | str | None = None,
-                 encoding: TopK | str | None = None) -> None:
+                 encoding: TopK | str | None = None, one_stage: bool | None = None,
+                 checkpoint_dir: str | None = None) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout,
                          prefetch_batches=prefetch_batches)
@@ -90,12 +103,47 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         if not isinstance(save_updater, bool):
             raise TypeError(f"save_updater={save_updater!r}; expected True or False")
         self.save_updater = save_updater
+        if one_stage not in (None, True, False):
+            raise TypeError(f"one_stage={one_stage!r}; expected None, True or False")
+        if one_stage and self.encoding is not None:
+            raise ValueError("one_stage=True does not run DiLoCo (outer_optimizer= or "
+                             "encoding=): its rounds go through the driver; leave one_stage "
+                             "unset")
+        self.one_stage = one_stage
+        self.checkpoint_dir = checkpoint_dir
 
-    def fit(self, job: FitJob, rows: RDD[Pair], *, epochs: int, seed: int,
+    def takes_parquet(self, sc: SparkContext) -> bool:
+        return self.encoding is None and self.one_stage is not False and \
+            self.resolve_workers(sc) <= self.slots(sc)
+
+    def _in_one_stage(self, job: FitJob, rows: RDD[Pair] | ParquetSet, workers: int) -> bool:
+        if isinstance(rows, ParquetSet) or self.one_stage:
+            return True
+        return self.one_stage is None and self.encoding is None and job.columns is not None \
+            and workers <= self.slots(job.sc)
+
+    def _fit_in_one_stage(self, job: FitJob, rows: RDD[Pair] | ParquetSet, workers: int,
+                          epochs: int, seed: int, collect_stats: bool) -> FitResult:
+        self.check_slots(job.sc, workers)
+        directory = self.checkpoint_dir or self._local_checkpoint_dir(job.sc.master or "local")
+        cfg = SharedConfig(fit_id=job.fit_id, world_size=workers, epochs=epochs,
+                           batch_size=self.batch_size_per_worker, seed=seed, origin=time.time(),
+                           features=job.features, window_rows=self.window_rows(),
+                           checkpoint_dir=directory, collect_stats=collect_stats)
+        data = rows if isinstance(rows, ParquetSet) else \
+            self.prepare(rows, workers, job.chunked, persist=False)
+        return fit_in_one_stage(job, data, cfg, self.averaging_frequency, self.save_updater,
+                                self.job_timeout)
+
+    def fit(self, job: FitJob, rows: RDD[Pair] | ParquetSet, *, epochs: int, seed: int,
             collect_stats: bool) -> FitResult:
         """Train ``epochs`` passes in averaging rounds; returns the averaged parameters."""
         sc, origin = job.sc, time.time()
         workers = self.resolve_workers(sc)
+        if self._in_one_stage(job, rows, workers):
+            return self._fit_in_one_stage(job, rows, workers, epochs, seed, collect_stats)
+        if isinstance(rows, ParquetSet):
+            raise TypeError("a Parquet set trains in one stage only")
         data = self.prepare(rows, workers, job.chunked)
         spec_bc = sc.broadcast(pickle_spec(replace(job.spec, synchronizer=NoSync())))
         start = time.perf_counter()

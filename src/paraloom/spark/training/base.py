@@ -3,9 +3,13 @@ construction, and how they lay the training rows out over the workers."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+import warnings
 from typing import TYPE_CHECKING, Literal, overload
 
 from paraloom.spark.data import Chunk, Pair, partition_chunks
+from paraloom.spark.data.parquet import ParquetSet
 from paraloom.spark.data.partitions import spread_chunks
 from paraloom.spark.training.jobs import FitJob, FitResult
 
@@ -80,6 +84,7 @@ class TrainingMaster:
             raise ValueError(f"repartition={repartition!r}; expected one of {REPARTITION}")
         self.repartition = repartition
         self.job_timeout = positive_seconds("job_timeout", job_timeout, allow_none=True)
+        self._warned_local_checkpoints = False
 
     def window_rows(self) -> int:
         """Rows a worker reads ahead, shuffles and holds at once: ``prefetch_batches``
@@ -88,22 +93,53 @@ class TrainingMaster:
 
     def resolve_workers(self, sc: SparkContext) -> int:
         """``workers``, or every task slot of the cluster (default parallelism / task CPUs)."""
-        cpus = int(sc.getConf().get("spark.task.cpus", "1"))
-        slots = max(1, sc.defaultParallelism // max(1, cpus))
-        return self.workers or slots
+        return self.workers or self.slots(sc)
 
-    def prepare(self, rows: RDD[Pair], workers: int, chunked: bool = False) -> RDD[Chunk]:
+    def slots(self, sc: SparkContext) -> int:
+        """Tasks the cluster runs at once: default parallelism over ``spark.task.cpus``."""
+        cpus = int(sc.getConf().get("spark.task.cpus", "1"))
+        return max(1, sc.defaultParallelism // max(1, cpus))
+
+    def check_slots(self, sc: SparkContext, workers: int) -> None:
+        """A barrier stage runs all its tasks at once: ``workers`` must fit the cluster."""
+        slots = self.slots(sc)
+        if workers > slots:
+            raise ValueError(f"workers={workers} but the cluster has {slots} task slot(s): a "
+                             f"barrier stage runs all its tasks at once. Use workers <= "
+                             f"{slots} or add executors (dynamic allocation must be off)")
+
+    def _local_checkpoint_dir(self, master_url: str) -> str:
+        """The default checkpoint_dir: this machine's temp folder; warns (once) when the
+        executors may run on other machines, where a re-run stage could not resume from it."""
+        if not master_url.startswith("local") and not self._warned_local_checkpoints:
+            self._warned_local_checkpoints = True
+            warnings.warn(
+                f"{type(self).__name__}: checkpoint_dir is not set, so checkpoints go to each "
+                f"executor's temp folder, but the master is {master_url!r}: a barrier stage "
+                "that Spark re-runs resumes only if every executor can read the checkpoint. "
+                "Set checkpoint_dir= to shared storage (NFS, HDFS mounted, ...)", stacklevel=4)
+        return os.path.join(tempfile.gettempdir(), "paraloom-spark")
+
+    def prepare(self, rows: RDD[Pair], workers: int, chunked: bool = False,
+                persist: bool = True) -> RDD[Chunk]:
         """The training rows (or chunks) as ``workers`` sorted partitions of chunks, persisted
-        if asked."""
+        at ``storage_level`` when ``persist`` (a stage that reads them once needs no copy)."""
         data = (spread_chunks(rows, workers, self.repartition) if chunked
                 else partition_chunks(rows, workers, self.repartition))
         level = storage_level_of(self.storage_level)
-        if level is not None:
+        if level is not None and persist:
             data.persist(level)
         return data
 
-    def fit(self, job: FitJob, rows: RDD[Pair], *, epochs: int, seed: int,
+    def takes_parquet(self, sc: SparkContext) -> bool:
+        """Whether ``fit`` reads a ``ParquetSet`` straight from the files (else
+        ``SparkModel.fit_paths`` hands it a DataFrame of them)."""
+        return True
+
+    def fit(self, job: FitJob, rows: RDD[Pair] | ParquetSet, *, epochs: int, seed: int,
             collect_stats: bool) -> FitResult:
+        """Train ``epochs`` passes over ``rows`` (an RDD of rows or chunks, or a Parquet
+        set); returns the final state, the summary and the stats."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

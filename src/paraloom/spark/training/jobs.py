@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from paraloom.errors import WorkerError
-from paraloom.spark.data import Features
+from paraloom.spark.data import Columns, Features
 from paraloom.spark.runtime.interpreter import missing_paraloom_hint
 from paraloom.spark.runtime.state import OptimizerState
 from paraloom.spark.stats import TrainingStats
@@ -53,6 +53,8 @@ class FitJob:
     fit_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     chunked: bool = False
     """The rows come as stacked chunks (Arrow-decoded DataFrames, Parquet paths)."""
+    columns: Columns | None = None
+    """The columns read (DataFrames and Parquet paths)."""
 
 
 @dataclass

@@ -64,6 +64,8 @@ class WorkerReport:
     """Where rank 0's store listened: ``"host:port"``."""
     stats: WorkerStats | None = None
     """Phase timings, with ``fit(collect_stats=True)``."""
+    first_step_s: float | None = None
+    """Seconds from the fit's start on the driver to this worker's first step."""
 
 
 @dataclass(frozen=True)

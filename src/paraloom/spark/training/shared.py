@@ -1,47 +1,34 @@
 """SharedTrainingMaster: threshold-encoded update sharing inside one Spark barrier stage.
 
-One barrier task per worker runs ``shared_task``: the tasks meet once through
-``BarrierTaskContext.allGather``, form a torch.distributed group (gloo on CPU, NCCL on GPU) and
-train with the same ``SharedGradients`` synchronizer as ParallelWrapper, every step, for every
-epoch of the ``fit()``. A shuffle after the stage makes it a ShuffleMapStage, which Spark
-re-runs as a whole when a task dies (a barrier ResultStage is never retried); the re-run
-resumes from rank 0's last checkpoint.
+The tasks of one barrier stage (``barrier.py``) form a torch.distributed group (gloo on CPU,
+NCCL on GPU) and train with the same ``SharedGradients`` synchronizer as ParallelWrapper, every
+step, for every epoch of the ``fit()``.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 import time
-import warnings
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from paraloom.spark.data import Chunk, Pair
-from paraloom.spark.runtime import pack, unpack
+from paraloom.spark.data import Pair
+from paraloom.spark.data.parquet import ParquetSet
+from paraloom.spark.runtime import unpack
 from paraloom.spark.stats import Event, TrainingStats
+from paraloom.spark.training.barrier import StageOutcome, StageRun, run_barrier_stage, stage_outcome
 from paraloom.spark.training.base import TrainingMaster, positive_int, positive_seconds
-from paraloom.spark.training.jobs import FitJob, FitResult, SparkTrainingError, run_job
-from paraloom.spark.training.messages import (
-    TaskRecord,
-    WorkerFailed,
-    WorkerFinished,
-    WorkerReport,
-    WorkerRerun,
-)
+from paraloom.spark.training.jobs import FitJob, FitResult
 from paraloom.spark.training.rendezvous import NetworkSettings
-from paraloom.spark.training.shared_task import SharedConfig, checkpoint_path, shared_task
+from paraloom.spark.training.shared_task import SharedConfig
 from paraloom.spark.training.summary import shared_summary
-from paraloom.spark.training.task import pickle_spec
 from paraloom.sync.base import Synchronizer
 from paraloom.sync.sharing import SharedGradients, SharingRecipe
 from paraloom.sync.thresholds import ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm
 
 if TYPE_CHECKING:
-    from pyspark import RDD, SparkContext, StorageLevel
+    from pyspark import RDD, StorageLevel
 
 __all__ = ["SharedTrainingMaster", "StageOutcome", "stage_outcome"]
 
@@ -142,14 +129,6 @@ class SharedTrainingMaster(TrainingMaster):
                             f"host=, interface=)")
         self.network = network
 
-    def _check_slots(self, sc: SparkContext, workers: int) -> None:
-        cpus = int(sc.getConf().get("spark.task.cpus", "1"))
-        slots = max(1, sc.defaultParallelism // max(1, cpus))
-        if workers > slots:
-            raise ValueError(f"workers={workers} but the cluster has {slots} task slot(s): a "
-                             f"barrier stage runs all its tasks at once. Use workers <= "
-                             f"{slots} or add executors (dynamic allocation must be off)")
-
     def _config(self, job: FitJob, workers: int, epochs: int, seed: int,
                 collect_stats: bool) -> SharedConfig:
         directory = self.checkpoint_dir or self._local_checkpoint_dir(job.sc.master or "local")
@@ -162,106 +141,26 @@ class SharedTrainingMaster(TrainingMaster):
             checkpoint_every=self.checkpoint_every, collect_stats=collect_stats,
             network=self.network)
 
-    def _local_checkpoint_dir(self, master_url: str) -> str:
-        """The default checkpoint_dir: this machine's temp folder; warns (once) when the
-        executors may run on other machines, where a re-run stage could not resume from it."""
-        if not master_url.startswith("local") and not self._warned_local_checkpoints:
-            self._warned_local_checkpoints = True
-            warnings.warn(
-                f"SharedTrainingMaster: checkpoint_dir is not set, so checkpoints go to each "
-                f"executor's temp folder, but the master is {master_url!r}: a barrier stage "
-                "that Spark re-runs resumes only if every executor can read the checkpoint. "
-                "Set checkpoint_dir= to shared storage (NFS, HDFS mounted, ...)", stacklevel=4)
-        return os.path.join(tempfile.gettempdir(), "paraloom-spark")
-
-    def fit(self, job: FitJob, rows: RDD[Pair], *, epochs: int, seed: int,
+    def fit(self, job: FitJob, rows: RDD[Pair] | ParquetSet, *, epochs: int, seed: int,
             collect_stats: bool) -> FitResult:
         """Train in one barrier stage; returns rank 0's final parameters and optimizer state."""
-        from pyspark import BarrierTaskContext
-
-        sc = job.sc
-        workers = self.resolve_workers(sc)
-        self._check_slots(sc, workers)
+        workers = self.resolve_workers(job.sc)
+        self.check_slots(job.sc, workers)
         cfg = self._config(job, workers, epochs, seed, collect_stats)
-        spec = replace(job.spec, synchronizer=copy.deepcopy(self.synchronizer))
-        spec_bc = sc.broadcast(pickle_spec(spec))
-        state_bc = sc.broadcast(pack(job.state, job.optimizer_state))
-        data = self.prepare(rows, workers, job.chunked)
+        job = replace(job, spec=replace(job.spec, synchronizer=copy.deepcopy(self.synchronizer)))
+        data = rows if isinstance(rows, ParquetSet) else \
+            self.prepare(rows, workers, job.chunked, persist=False)
+        run = run_barrier_stage(job, data, cfg, "SharedTrainingMaster", self.job_timeout)
+        return self._result(job, run, cfg)
 
-        def run(chunks: Iterable[Chunk]) -> Iterator[TaskRecord]:
-            return shared_task(spec_bc.value, state_bc.value, cfg, BarrierTaskContext.get(),
-                               chunks)
-
-        # The shuffle after the barrier stage is what lets Spark re-run it when a task dies.
-        stage = data.barrier().mapPartitions(run).map(lambda r: (r.rank, r)).partitionBy(1)
-        start, launched = time.perf_counter(), time.time() - cfg.origin
-        try:
-            records, attempts = run_job(sc, stage.values().collect,
-                                        f"paraloom SharedTrainingMaster.fit ({workers} workers, "
-                                        f"{epochs} epochs)", self.job_timeout)
-        finally:
-            for handle in (spec_bc, state_bc):
-                handle.unpersist()
-            data.unpersist()
-            checkpoint_path(cfg.checkpoint_dir or "", job.fit_id).unlink(missing_ok=True)
-        return self._result(job, records, attempts, (launched, time.perf_counter() - start), cfg)
-
-    def _result(self, job: FitJob, records: list[TaskRecord], attempts: int,
-                timing: tuple[float, float], cfg: SharedConfig) -> FitResult:
-        launched, seconds = timing
-        outcome = stage_outcome(records, cfg.world_size, attempts)
-        packed = unpack(outcome.state)
-        reports = outcome.reports
-        summary = shared_summary(reports, job.spec.model, cfg, seconds, attempts)
+    def _result(self, job: FitJob, run: StageRun, cfg: SharedConfig) -> FitResult:
+        packed = unpack(run.outcome.state)
+        reports = run.outcome.reports
+        summary = shared_summary(reports, job.spec.model, cfg, run.seconds, run.attempts)
         stats = None
         if cfg.collect_stats:
             per_worker = [timings for r in sorted(reports) if (timings := reports[r].stats)]
             stats = TrainingStats("SharedTrainingMaster", per_worker,
-                                  [Event(name="barrier stage", start=launched,
-                                         duration=seconds)], summary)
+                                  [Event(name="barrier stage", start=run.launched,
+                                         duration=run.seconds)], summary)
         return FitResult(packed.model, packed.optimizer, summary, stats)
-
-
-@dataclass(frozen=True)
-class StageOutcome:
-    """What a barrier stage that trained to the end produced."""
-
-    reports: dict[int, WorkerReport]
-    """Every worker's report by rank (a worker re-run alone after the fit sends none)."""
-    state: bytes
-    """Rank 0's final parameters and optimizer state, ``pack``ed."""
-
-
-def stage_outcome(records: Iterable[TaskRecord], world_size: int,
-                  attempts: int) -> StageOutcome:
-    """The driver's dispatcher: a barrier stage's records as its outcome, or the
-    SparkTrainingError to raise (a worker's error; or reports missing, the stage lost them)."""
-    reports: dict[int, WorkerReport] = {}
-    failures: list[WorkerFailed] = []
-    reran: list[int] = []
-    state = b""
-    for record in records:
-        match record:
-            case WorkerFailed():
-                failures.append(record)
-            case WorkerRerun():  # re-run alone after the others had finished the fit
-                reran.append(record.rank)
-            case WorkerFinished():
-                reports[record.rank] = record.report
-                state = record.state if record.rank == 0 else state
-    if failures:
-        raise _training_error(failures, attempts)
-    if sorted([*reports, *reran]) != list(range(world_size)) or not state:
-        raise SparkTrainingError(f"SharedTrainingMaster: expected reports from workers "
-                                 f"0..{world_size - 1}, got {sorted(reports)}; the "
-                                 f"stage lost results, run fit() again", attempts=attempts)
-    return StageOutcome(reports, state)
-
-
-def _training_error(failures: list[WorkerFailed], attempts: int) -> SparkTrainingError:
-    """The error to raise: a rank's own failure first, else one that a peer relayed."""
-    first = min(failures, key=lambda f: (f.symptom, f.cause_rank is None, f.rank))
-    worker = first.rank if first.cause_rank is None else first.cause_rank
-    return SparkTrainingError(f"SharedTrainingMaster: worker {worker} failed: {first.message}",
-                              worker=worker, remote_traceback=first.traceback,
-                              attempts=attempts)

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +31,8 @@ from torch._C._distributed_c10d import TCPStore
 from paraloom.checkpoint import atomic_write
 from paraloom.devices import task_device
 from paraloom.spark.data import Chunk, Features, batch_count
-from paraloom.spark.data.stream import Spill, stream_batches
+from paraloom.spark.data.sources import SpilledPartition, TaskData
+from paraloom.spark.data.stream import stream_batches
 from paraloom.spark.runtime import (
     Packed,
     gpu_addresses,
@@ -41,6 +42,7 @@ from paraloom.spark.runtime import (
     task_threads,
     unpack,
 )
+from paraloom.spark.runtime.executor import reset_peak_rss
 from paraloom.spark.stats import PhaseRecorder, split_round, timed_collectives
 from paraloom.spark.training.board import ErrorBoard, leave_group, settle
 from paraloom.spark.training.messages import (
@@ -109,40 +111,47 @@ def checkpoint_path(directory: str, fit_id: str) -> Path:
 class _Prepared:
     runner: ReplicaRunner
     start: Packed
-    data: Spill
-    """This rank's partition on local disk, read once per epoch."""
+    data: TaskData
+    """This rank's rows, read once per epoch."""
     device: str
     backend: str
 
 
 def _prepare(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig, context: BarrierContext,
-             chunks: Iterable[Chunk], rec: PhaseRecorder) -> _Prepared:
+             load: Callable[[], TaskData], rec: PhaseRecorder) -> _Prepared:
     rank = context.partitionId()
     threads = cfg.threads
     if threads is None and cfg.workers_per_node:
         threads = max(1, (os.cpu_count() or 1) // cfg.workers_per_node)
     task_threads(threads)
     begin, t = rec.now(), time.perf_counter()
-    spill = Spill()
-    try:
-        spill.store(chunks)
-    except BaseException:
-        spill.close()
-        raise
+    data = load()
     rec.event("load data", begin, time.perf_counter() - t)
-    _debug(rank, f"{spill.rows} rows stored in {spill.path}")
+    _debug(rank, f"{data.rows} rows ({type(data).__name__})")
     local, per_host = local_rank([info.address for info in context.getTaskInfos()], rank)
     device, backend = task_device(local, per_host, gpu_addresses(), cfg.backend)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     runner = make_runner(load_spec(spec_bytes), rank=rank, world_size=cfg.world_size,
                          device=device, recorder=rec if cfg.collect_stats else None)
-    return _Prepared(runner, unpack(state_bytes), spill, device, backend)
+    return _Prepared(runner, unpack(state_bytes), data, device, backend)
 
 
 def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
-                context: BarrierContext, chunks: Iterable[Chunk]) -> Iterator[TaskRecord]:
-    """Train this rank's replica on its partition for every epoch; yield its one record."""
+                context: BarrierContext, chunks: Iterable[Chunk],
+                source: Callable[[], TaskData] | None = None) -> Iterator[TaskRecord]:
+    """Train this rank's replica on its rows for every epoch; yield its one record.
+
+    The rows are ``chunks`` (the task's partition, stored on local disk first), or what
+    ``source`` returns (then ``chunks`` is read through and dropped).
+    """
+    if source is None:
+        def source() -> TaskData:
+            return SpilledPartition(chunks)
+    else:
+        for _ in chunks:
+            pass
+    reset_peak_rss()  # a reused Python process: this task's peak, not its earlier tasks'
     rank = context.partitionId()
     tasks = len(context.getTaskInfos())
     _debug(rank, f"task started (fit {cfg.fit_id}, {tasks} task(s))")
@@ -153,7 +162,7 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
     rec = PhaseRecorder(rank, cfg.origin)
     prepared, setup_error, setup_tb = None, None, None
     try:
-        prepared = _prepare(spec_bytes, state_bytes, cfg, context, chunks, rec)
+        prepared = _prepare(spec_bytes, state_bytes, cfg, context, source, rec)
     except Exception as e:  # announced at the rendezvous so that no peer waits for us
         setup_error, setup_tb = f"{type(e).__name__}: {e}", traceback.format_exc()
     _debug(rank, f"set up ({setup_error or 'ok'}); rendezvous")
@@ -281,7 +290,7 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
     timing = timed_collectives(rec) if cfg.collect_stats else contextlib.nullcontext()
     with timing:
         t = time.perf_counter()
-        losses, samples = _loop(p, cfg, rank, rec, rounds, position)
+        losses, samples, first_step = _loop(p, cfg, rank, rec, rounds, position)
         loop_s = time.perf_counter() - t
         begin, t = rec.now(), time.perf_counter()
         p.runner.finish(with_state=False)
@@ -297,17 +306,18 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
         digest=state_digest(p.runner.replica.model_state()), device=p.device,
         resumed_from_step=position[2] if resume is not None else None,
         peak_rss=peak_rss(), rendezvous=rendezvous,
-        stats=rec.to_dict() if cfg.collect_stats else None)
+        stats=rec.to_dict() if cfg.collect_stats else None, first_step_s=first_step)
     return WorkerFinished(rank, report, state)
 
 
 def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds: int,
-          position: tuple[int, int, int]) -> tuple[EpochLoss, int]:
+          position: tuple[int, int, int]) -> tuple[EpochLoss, int, float | None]:
     first_epoch, first_round, step = position
-    losses, samples = EpochLoss.empty(), 0
+    losses, samples, saved, epoch_ended = EpochLoss.empty(), 0, step, False
+    first_step: float | None = None
     for epoch in range(first_epoch, cfg.epochs):
         skip = first_round if epoch == first_epoch else 0
-        batches = stream_batches(p.data.chunks(), cfg.batch_size, seed=cfg.seed, epoch=epoch,
+        batches = stream_batches(p.data.chunks(epoch), cfg.batch_size, seed=cfg.seed, epoch=epoch,
                                  rank=rank, window_rows=cfg.window_rows, first=skip)
         for r in range(skip, rounds):
             begin, t = rec.now(), time.perf_counter()
@@ -315,6 +325,8 @@ def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds
             message = Round(step, batch_tensors(arrays, cfg.features)) if arrays is not None \
                 else IdleRound(step)
             data_s, t = time.perf_counter() - t, time.perf_counter()
+            if first_step is None:
+                first_step = time.time() - cfg.origin
             done = p.runner.train(message)
             phases = split_round(time.perf_counter() - t, rec.take(),
                                  isinstance(message, IdleRound))
@@ -325,7 +337,13 @@ def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds
             last = r == rounds - 1
             if epoch == cfg.epochs - 1 and last:
                 continue  # the fit's end: checkpointed after finish, which completes the sync
-            if rank == 0 and cfg.checkpoint_dir and (last or step % cfg.checkpoint_every == 0):
+            # Only where the replicas agree (a periodic scheme's synchronization points):
+            # rank 0's state is then everyone's, and a re-run resumes exactly. An epoch's end
+            # is checkpointed there, or at the first such point after it.
+            epoch_ended = epoch_ended or last
+            if rank == 0 and cfg.checkpoint_dir and p.runner.replica.sync.synchronized() \
+                    and (epoch_ended or step - saved >= cfg.checkpoint_every):
                 nxt = (epoch + 1, 0) if last else (epoch, r + 1)
                 _checkpoint(p, cfg, {"epoch": nxt[0], "round": nxt[1], "step": step})
-    return losses, samples
+                saved, epoch_ended = step, False
+    return losses, samples, first_step

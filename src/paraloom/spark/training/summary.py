@@ -43,6 +43,10 @@ class SharedSummary(TypedDict):
     device: str
     rendezvous: str
     worker_peak_rss_mb: list[float]
+    stages: str
+    """How the fit ran: "one" (every epoch in one barrier stage)."""
+    seconds_to_first_step: float | None
+    """From the fit's start to the last worker's first step."""
 
 
 class AveragingSummary(TypedDict):
@@ -75,6 +79,11 @@ class AveragingSummary(TypedDict):
     stage_attempts: int
     worker_peak_rss_mb: float
     rows_per_worker: list[int]
+    stages: str
+    """How the fit ran: "one" (every averaging round in one barrier stage, the tasks
+    averaging among themselves) or "per_round" (one Spark job per round, through the driver)."""
+    seconds_to_first_step: float | None
+    """From the fit's start to the last worker's first step (one stage only)."""
 
 
 Summary = SharedSummary | AveragingSummary
@@ -137,7 +146,9 @@ def shared_summary(reports: dict[int, WorkerReport], model: nn.Module, cfg: Shar
         replicas_identical=len(set(digests)) == 1, stage_attempts=attempts,
         resumed_from_step=first.resumed_from_step, device=first.device,
         rendezvous=first.rendezvous,
-        worker_peak_rss_mb=[reports[r].peak_rss / 2**20 for r in ranks])
+        worker_peak_rss_mb=[reports[r].peak_rss / 2**20 for r in ranks], stages="one",
+        seconds_to_first_step=max(starts) if (starts := [
+            s for r in ranks if (s := reports[r].first_step_s) is not None]) else None)
 
 
 def averaging_summary(totals: list[AveragingRoundTotals], model: nn.Module, cfg: AveragingRound,
@@ -172,4 +183,4 @@ def averaging_summary(totals: list[AveragingRoundTotals], model: nn.Module, cfg:
         dense_bytes_per_step=dense_bytes_per_step(model, workers),
         stage_attempts=attempts,
         worker_peak_rss_mb=max((r.peak_rss for r in totals), default=0) / 2**20,
-        rows_per_worker=rows_per_worker)
+        rows_per_worker=rows_per_worker, stages="per_round", seconds_to_first_step=None)

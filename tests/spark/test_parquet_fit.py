@@ -1,0 +1,109 @@
+"""fit_paths on local[2]: each task streams its share of the Parquet row groups into training,
+both masters in one barrier stage; a killed task's stage re-runs and resumes exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import spark_helpers as h
+import torch
+from spark_helpers import accuracy
+from torch import nn
+
+from paraloom.datasets import digits
+from paraloom.models import LeNet
+from paraloom.spark import (
+    ParameterAveragingTrainingMaster,
+    SharedTrainingMaster,
+    SparkModel,
+)
+from paraloom.spark.runtime.state import state_digest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def digits_parquet(tmp_path_factory) -> str:
+    """The digits' 1,438 training rows in three files of 100-row row groups."""
+    path = tmp_path_factory.mktemp("digits") / "train"
+    path.mkdir()
+    x, y = digits("train").tensors
+    flat = x.reshape(len(x), -1).numpy()
+    for i, rows in enumerate(np.array_split(np.arange(len(y)), 3)):
+        offsets = pa.array(np.arange(0, 64 * len(rows) + 1, 64, dtype=np.int32))
+        table = pa.table({"features": pa.ListArray.from_arrays(
+            offsets, pa.array(flat[rows].ravel())), "label": pa.array(y[rows].numpy())})
+        pq.write_table(table, path / f"part-{i}.parquet", row_group_size=100)
+    return str(path)
+
+
+def _net(spark, master, **options) -> SparkModel:
+    torch.manual_seed(0)
+    model = LeNet(image_size=8)
+    options = {"loss_fn": nn.CrossEntropyLoss(), "feature_shape": (1, 8, 8), **options}
+    return SparkModel(spark, model, master,
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                      **options)
+
+
+@pytest.mark.parametrize("name", ["averaging", "shared"])
+def test_both_masters_learn_from_parquet_in_one_stage(spark, digits_parquet, digits_test, name):
+    master = (ParameterAveragingTrainingMaster(32, 5, 2) if name == "averaging"
+              else SharedTrainingMaster(32, 2, timeout=60))
+    net = _net(spark, master)
+    summary = net.fit_paths(digits_parquet, epochs=4)
+    assert summary["stages"] == "one" and summary["stage_attempts"] == 1
+    assert summary["rows_per_worker"] == [719, 719]  # the rows split to one row
+    assert summary["samples"] == 4 * 1438
+    assert summary["seconds_to_first_step"] > 0
+    assert accuracy(net.model, digits_test) >= 0.9
+    if name == "averaging":
+        assert summary["rounds"] == 4 * 23 // 5 + 1  # every 5 steps, and once at the end
+        assert summary["bytes_sent_per_step_per_worker"] > 0
+
+
+def test_a_killed_task_reruns_and_resumes_to_the_same_parameters(spark, digits_parquet,
+                                                                 tmp_path):
+    master = ParameterAveragingTrainingMaster(32, 4, 2, checkpoint_dir=str(tmp_path / "ck"))
+    clean = _net(spark, master)
+    clean.fit_paths(digits_parquet, epochs=2, seed=3)
+    marker = tmp_path / "killed"
+    crashed = _net(spark, master, loss_fn=h.Crash(at=30, marker=str(marker)))
+    summary = crashed.fit_paths(digits_parquet, epochs=2, seed=3)
+    assert marker.exists()  # rank 1's Python worker really died in the first attempt
+    assert summary["stage_attempts"] == 2
+    assert summary["samples"] < 2 * 1438  # the re-run resumed; it did not start over
+    # The same rows in the same order, from the checkpoint taken at an averaging:
+    assert state_digest(crashed.model.state_dict()) == state_digest(clean.model.state_dict())
+
+
+def test_bad_input_fails_on_the_driver_before_any_job(spark, digits_parquet, tmp_path,
+                                                      monkeypatch):
+    import paraloom.spark.training.averaging_stage as stage
+
+    def no_stage(*args, **kwargs):
+        raise AssertionError("a training stage started")
+
+    monkeypatch.setattr(stage, "run_barrier_stage", no_stage)
+    net = _net(spark, ParameterAveragingTrainingMaster(32, 5, 2))
+    before = state_digest(net.model.state_dict())
+    with pytest.raises(ValueError, match=r"column 'pixels' is not in .*part-0\.parquet"):
+        net.fit_paths(digits_parquet, features="pixels")
+    with pytest.raises(ValueError, match="no Parquet files"):
+        net.fit_paths(str(tmp_path))
+    with pytest.raises(ValueError, match=r"reshape|shape"):
+        _net(spark, ParameterAveragingTrainingMaster(32, 5, 2),
+             feature_shape=(1, 7, 7)).fit_paths(digits_parquet)
+    assert state_digest(net.model.state_dict()) == before
+
+
+def test_precision_runs_every_task_in_bf16_autocast(spark, digits_parquet, digits_test):
+    with pytest.raises(ValueError, match="precision='half' is not known"):
+        _net(spark, ParameterAveragingTrainingMaster(32, 5, 2), precision="half")
+    net = _net(spark, ParameterAveragingTrainingMaster(32, 5, 2), precision="bf16-mixed")
+    summary = net.fit_paths(digits_parquet, epochs=4)
+    assert summary["samples"] == 4 * 1438
+    assert next(net.model.parameters()).dtype == torch.float32  # mixed: fp32 weights
+    assert accuracy(net.model, digits_test) >= 0.85

@@ -96,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--mode data: minibatches per averaging round")
     p.add_argument("--data-contenders", default=",".join(CONTENDERS))
     p.add_argument("--keep-data", default=None, help="a folder to keep the Parquet in")
+    p.add_argument("--driver-memory", default="4g", help="spark.driver.memory (local mode: "
+                   "the executors' heap too)")
 
 
 def _spark_model(spark: SparkSession, args: argparse.Namespace, master_name: str) -> SparkModel:
@@ -192,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
 
     args = plain_args(args)
     sizes = _sizes(args.sizes)
-    spark, created = session(args.master, {"spark.sql.shuffle.partitions": str(args.workers)})
+    # A cached 10M-row DataFrame and its shuffle do not fit local mode's default 1 GB heap.
+    spark, created = session(args.master, {"spark.sql.shuffle.partitions": str(args.workers),
+                                           "spark.driver.memory": args.driver_memory})
     spark.sparkContext.setLogLevel("ERROR")
     base = args.keep_data or tempfile.mkdtemp(prefix="paraloom-bench-spark-")
     results: dict[str, Any] = {"machine": machine(), "config": vars(args).copy(),
@@ -208,10 +212,11 @@ def run(args: argparse.Namespace) -> int:
         for rows in sizes:
             path = os.path.join(base, f"rows-{rows}")
             size: dict[str, Any] = {"write_seconds": write_parquet(spark, path, rows, args.files)}
-            for name in names:
-                size[name] = runners[name](path)
-                print(f"{rows:>9} rows  {name:<20} {_brief(size[name])}", flush=True)
             results["sizes"][str(rows)] = size
+            for name in names:
+                size[name] = _measure(runners[name], path)
+                print(f"{rows:>9} rows  {name:<20} {_brief(size[name])}", flush=True)
+                write_results(args.out, results)  # kept if a later contender brings Spark down
             if not args.keep_data:
                 shutil.rmtree(path, ignore_errors=True)
     finally:
@@ -229,7 +234,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measure(runner: Callable[[str], dict[str, Any]], path: str) -> dict[str, Any]:
+    """One contender's figures, or its error (the others still run)."""
+    try:
+        return runner(path)
+    except Exception as e:  # noqa: BLE001 - recorded in the results, the run goes on
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+
+
 def _brief(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"failed: {r['error']}"
     worker = r.get("worker_peak_rss_mb")
     first = r.get("seconds_to_first_step")
     return (f"{r['samples_per_s']:>9.0f}/s  {r['seconds']:6.1f} s  acc {r['accuracy']:.4f}  "
@@ -239,6 +254,8 @@ def _brief(r: dict[str, Any]) -> str:
 
 
 def _goals(sizes: dict[str, Any]) -> dict[str, Any]:
+    sizes = {k: {n: r for n, r in v.items() if not (isinstance(r, dict) and "error" in r)}
+             for k, v in sizes.items()}
     keys = sorted(sizes, key=int)
     out: dict[str, Any] = {}
     large = sizes[keys[-1]]
@@ -248,13 +265,13 @@ def _goals(sizes: dict[str, Any]) -> dict[str, Any]:
             continue
         if base in large:
             ratios = {k: round(sizes[k][name]["samples_per_s"] / sizes[k][base]["samples_per_s"],
-                               3) for k in keys if base in sizes[k]}
+                               3) for k in keys if base in sizes[k] and name in sizes[k]}
             out[f"{name}_over_torch_distributor"] = ratios
             big = [r for k, r in ratios.items() if int(k) >= 1_000_000]
             out[f"{name}_at_least_1.0_from_1M"] = all(r >= 1.0 for r in big) if big else None
             out[f"{name}_accuracy_minus_torch_distributor"] = round(
                 large[name]["accuracy"] - large[base]["accuracy"], 4)
-        if len(keys) > 1 and name.startswith("fit_paths"):
+        if len(keys) > 1 and name.startswith("fit_paths") and name in sizes[keys[-2]]:
             prev = sizes[keys[-2]][name]
             growth = (large[name]["worker_peak_rss_mb"] or 0) - (prev["worker_peak_rss_mb"] or 0)
             out[f"{name}_worker_peak_growth_mb"] = round(growth, 1)
@@ -262,7 +279,7 @@ def _goals(sizes: dict[str, Any]) -> dict[str, Any]:
             speed = large[name]["samples_per_s"] / prev["samples_per_s"]
             out[f"{name}_largest_over_previous_speed"] = round(speed, 3)
             out[f"{name}_speed_within_10pct"] = speed >= 0.9
-    phases = [n for n in CONTENDERS if n in large]
+    phases = [n for n in CONTENDERS if n in large and n in sizes[keys[0]]]
     if len(keys) > 1 and phases:
         growth = max(large[n]["driver_peak_rss_mb"] for n in phases) - \
             max(sizes[keys[0]][n]["driver_peak_rss_mb"] for n in phases)

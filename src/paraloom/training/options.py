@@ -107,12 +107,13 @@ class FaultTolerance:
     restarting the workers from the last restore point, with results exactly as without the
     failure. 0: the first failure raises ``WorkerError``."""
     timeout: float = 300.0
-    """Seconds any single wait may take (a queue, a join, starting the workers)."""
+    """Seconds any single wait may take: a queue, a join, a collective, the rendezvous store,
+    a spare still starting (the workers' own start is bounded separately, at 120 s)."""
     heartbeat_timeout: float | None = 2.0
     """Seconds without a heartbeat from a worker process before it counts as hung (its
     heartbeat runs on its own thread, so a slow step is not a hang). None: no watch."""
     step_timeout: float | None = None
-    """Seconds one round may take on a worker before it counts as hung. None: no limit."""
+    """Seconds one round may take on a worker before it counts as hung. None: ``timeout``."""
     spares: int = 1
     """With ``max_failures > 0``: sets of workers started ahead, in the background, each a
     whole pool (``workers`` processes past their imports, in a process group of their own)

@@ -87,7 +87,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                  workers: int | None = None, *, save_updater: bool = True,
                  aggregation_depth: int = 2,
                  storage_level: StorageLevel | str | None = "MEMORY_ONLY",
-                 repartition: str = "always", job_timeout: float | None = None,
+                 repartition: str | None = None, job_timeout: float | None = None,
                  prefetch_batches: int = 16,
                  outer_optimizer: OuterOptimizer | str | None = None,
                  encoding: TopK | str | None = None, one_stage: bool | None = None,
@@ -131,7 +131,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                            features=job.features, window_rows=self.window_rows(),
                            checkpoint_dir=directory, collect_stats=collect_stats)
         data = rows if isinstance(rows, ParquetSet) else \
-            self.prepare(rows, workers, job.chunked, persist=False)
+            self.prepare(rows, workers, job.chunked, persist=False,
+                         dataframe=job.columns is not None)
         return fit_in_one_stage(job, data, cfg, self.averaging_frequency, self.save_updater,
                                 self.job_timeout)
 
@@ -144,7 +145,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
             return self._fit_in_one_stage(job, rows, workers, epochs, seed, collect_stats)
         if isinstance(rows, ParquetSet):
             raise TypeError("a Parquet set trains in one stage only")
-        data = self.prepare(rows, workers, job.chunked)
+        data = self.prepare(rows, workers, job.chunked, dataframe=job.columns is not None)
         spec_bc = sc.broadcast(pickle_spec(replace(job.spec, synchronizer=NoSync())))
         start = time.perf_counter()
         try:

@@ -73,15 +73,16 @@ class TrainingMaster:
 
     def __init__(self, batch_size_per_worker: int, workers: int | None, *,
                  storage_level: StorageLevel | str | None = "MEMORY_ONLY",
-                 repartition: str = "always",
+                 repartition: str | None = None,
                  job_timeout: float | None = None, prefetch_batches: int = 16) -> None:
         self.batch_size_per_worker = positive_int("batch_size_per_worker", batch_size_per_worker)
         self.prefetch_batches = positive_int("prefetch_batches", prefetch_batches)
         self.workers = positive_int("workers", workers, allow_none=True)
         storage_level_of(storage_level)  # a wrong name fails here, not at the first fit()
         self.storage_level = storage_level
-        if repartition not in REPARTITION:
-            raise ValueError(f"repartition={repartition!r}; expected one of {REPARTITION}")
+        if repartition is not None and repartition not in REPARTITION:
+            raise ValueError(f"repartition={repartition!r}; expected None or one of "
+                             f"{REPARTITION}")
         self.repartition = repartition
         self.job_timeout = positive_seconds("job_timeout", job_timeout, allow_none=True)
         self._warned_local_checkpoints = False
@@ -121,11 +122,16 @@ class TrainingMaster:
         return os.path.join(tempfile.gettempdir(), "paraloom-spark")
 
     def prepare(self, rows: RDD[Pair], workers: int, chunked: bool = False,
-                persist: bool = True) -> RDD[Chunk]:
+                persist: bool = True, dataframe: bool = False) -> RDD[Chunk]:
         """The training rows (or chunks) as ``workers`` sorted partitions of chunks, persisted
-        at ``storage_level`` when ``persist`` (a stage that reads them once needs no copy)."""
-        data = (spread_chunks(rows, workers, self.repartition) if chunked
-                else partition_chunks(rows, workers, self.repartition))
+        at ``storage_level`` when ``persist`` (a stage that reads them once needs no copy).
+
+        ``repartition=None`` (the default) keeps a DataFrame's partitions when there are
+        ``workers`` of them (no shuffle: Spark's barrier stages cannot merge partitions without
+        one) and spreads everything else."""
+        mode = self.repartition or ("if_needed" if dataframe else "always")
+        data = (spread_chunks(rows, workers, mode) if chunked
+                else partition_chunks(rows, workers, mode))
         level = storage_level_of(self.storage_level)
         if level is not None and persist:
             data.persist(level)

@@ -97,7 +97,7 @@ class SharedTrainingMaster(TrainingMaster):
                  residual_post_processor: ResidualPostProcessor | None | _Default = _DEFAULT,
                  *, workers_per_node: int | None = None,
                  storage_level: StorageLevel | str | None = "MEMORY_ONLY",
-                 repartition: str = "always", timeout: float = 300.0,
+                 repartition: str | None = None, timeout: float = 300.0,
                  rendezvous_timeout: float = 300.0, job_timeout: float | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 50,
                  backend: str | None = None, synchronizer: Synchronizer | None = None,
@@ -149,7 +149,8 @@ class SharedTrainingMaster(TrainingMaster):
         cfg = self._config(job, workers, epochs, seed, collect_stats)
         job = replace(job, spec=replace(job.spec, synchronizer=copy.deepcopy(self.synchronizer)))
         data = rows if isinstance(rows, ParquetSet) else \
-            self.prepare(rows, workers, job.chunked, persist=False)
+            self.prepare(rows, workers, job.chunked, persist=False,
+                         dataframe=job.columns is not None)
         run = run_barrier_stage(job, data, cfg, "SharedTrainingMaster", self.job_timeout)
         return self._result(job, run, cfg)
 

@@ -6,7 +6,8 @@ __all__ = ["ParaloomError", "WorkerError", "NotPicklableError"]
 
 
 class ParaloomError(RuntimeError):
-    """Base class of paraloom's own errors."""
+    """Base class of paraloom's own errors (a ``RuntimeError``): ``except ParaloomError``
+    catches a worker's failure (``WorkerError``) and the others paraloom raises itself."""
 
 
 class WorkerError(ParaloomError):

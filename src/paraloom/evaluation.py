@@ -118,6 +118,7 @@ class Evaluation:
 
     @property
     def accuracy(self) -> float:
+        """The share of rows classified right (0.0 with no rows)."""
         return float(self.confusion.diag().sum()) / max(1, int(self.confusion.sum()))
 
     def _per_class(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

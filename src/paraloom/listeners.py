@@ -22,7 +22,10 @@ log = logging.getLogger("paraloom")
 
 
 class TrainingListener:
-    """Override the hooks you need."""
+    """A base class for ``ParallelWrapper(listeners=[...])``: override the hooks you need
+    (each does nothing by default). The hooks run in the calling process, in order: fit
+    start, epoch start, every iteration (with its mean loss), epoch end, checkpoints, worker
+    failures, fit end. A hook that raises stops the fit with its error."""
 
     def on_fit_start(self, wrapper: ParallelWrapper) -> None:
         """Before the first round of a fit(); ``wrapper.stop()`` ends the fit early."""

@@ -107,3 +107,21 @@ def test_precision_runs_every_task_in_bf16_autocast(spark, digits_parquet, digit
     assert summary["samples"] == 4 * 1438
     assert next(net.model.parameters()).dtype == torch.float32  # mixed: fp32 weights
     assert accuracy(net.model, digits_test) >= 0.85
+
+
+def test_prebatched_parquet_rows_train_through_a_dataframe(spark, tmp_path):
+    """Rows that each hold a minibatch (DL4J's examplesPerDataSetObject) are read as a
+    DataFrame, their shapes checked where they are read, not on one sample row."""
+    x, y = digits("train").tensors
+    flat = x.reshape(len(x), -1).numpy()
+    cuts = list(range(0, len(y), 100)) + [len(y)]
+    rows = [(flat[a:b], y[a:b].numpy()) for a, b in zip(cuts, cuts[1:], strict=False)]
+    features = pa.array([[list(map(float, r)) for r in f] for f, _ in rows],
+                        pa.list_(pa.list_(pa.float32())))
+    labels = pa.array([lab.tolist() for _, lab in rows], pa.list_(pa.int64()))
+    path = tmp_path / "batches"
+    path.mkdir()
+    pq.write_table(pa.table({"features": features, "label": labels}), path / "part-0.parquet")
+    net = _net(spark, ParameterAveragingTrainingMaster(32, 5, 2))
+    summary = net.fit_paths(str(path), epochs=1, prebatched=True)
+    assert summary["samples"] == 1438

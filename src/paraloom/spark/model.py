@@ -257,8 +257,9 @@ class SparkModel:
                             f"list of them)")
         columns = Columns.of(features, label, inputs)
         self.features.shapes_for(columns.features)
-        found = scan_parquet(paths, columns,
-                             check=lambda pair: batch_tensors(pair, self.features))
+        # A pre-batched row is a whole minibatch: its shape is checked where it is read.
+        found = scan_parquet(paths, columns, check=None if prebatched else
+                             lambda pair: batch_tensors(pair, self.features))
         if prebatched or not self.master.takes_parquet(self.sc):
             return self._fit_parquet_frame(paths, epochs, columns, collect_stats, seed,
                                            prebatched)

@@ -252,6 +252,8 @@ class AllReduce(Synchronizer):
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters, and PowerSGD's state when this synchronizer uses PowerSGD
+        (it applies once the hook is registered at setup)."""
         super().load_state_dict(state)
         saved = state.get("powersgd")
         if saved is None or self.comm_hook != "powersgd":

@@ -106,11 +106,15 @@ class Averaging(Synchronizer):
         return {**super().stats(), "averagings": float(self.averagings)}
 
     def config(self) -> dict[str, Any]:
+        """The settings: ``frequency`` and ``average_updaters``."""
         return {"frequency": self.frequency, "average_updaters": self.average_updaters}
 
     def state_dict(self) -> dict[str, Any]:
+        """The counters, with the number of averagings so far."""
         return {**super().state_dict(), "averagings": self.averagings}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s counters (the next averaging falls where it would
+        have)."""
         super().load_state_dict(state)
         self.averagings = int(state.get("averagings", 0))

@@ -169,6 +169,8 @@ class Synchronizer:
         return {"bytes_sent": self.bytes_sent, "sync_steps": self.sync_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this replica's ``state_dict()`` output (on the rank that saved it);
+        missing counters start from 0."""
         self.bytes_sent = int(state.get("bytes_sent", 0))
         self.sync_steps = int(state.get("sync_steps", 0))
 

@@ -438,6 +438,8 @@ class DiLoCo(Synchronizer):
                 "outer": self._outer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output on the rank that saved it: the anchors, the
+        residuals, the outer optimizer and a synchronization in flight."""
         super().load_state_dict(state)
         self.synchronizations = int(state.get("synchronizations", 0))
         self.bytes_received = int(state.get("bytes_received", 0))

@@ -114,9 +114,11 @@ class ThresholdAlgorithm:
                 **{name: getattr(self, name) for name in self._settings()}}
 
     def state_dict(self) -> dict[str, Any]:
+        """The evolving state for a checkpoint: the current tau."""
         return {"tau": self.tau}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output; a tau that is not > 0 raises ``ValueError``."""
         self.tau = _positive("tau", state["tau"])
 
     def __repr__(self) -> str:
@@ -129,7 +131,10 @@ class ThresholdAlgorithm:
 
 
 class FixedThreshold(ThresholdAlgorithm):
-    """Always the same tau."""
+    """Always the same tau: every message moves each residual element of magnitude
+    ``initial`` or more by one tau, whatever fraction of the elements that is (DL4J's
+    ``FixedThresholdAlgorithm``). ``initial`` (default 1e-3) must be > 0 and finite, else
+    ``ValueError``."""
 
     __slots__ = ()
 
@@ -226,9 +231,12 @@ class QuantileThreshold(ThresholdAlgorithm):
         return self.tau
 
     def state_dict(self) -> dict[str, Any]:
+        """The current tau and the sample offset's call count (the sample turns with it)."""
         return {"tau": self.tau, "calls": self.calls}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output, so that a resumed run samples as the saved
+        one would have."""
         super().load_state_dict(state)
         self.calls = int(state.get("calls", 0))
 

@@ -8,7 +8,9 @@ __all__ = ["TrainingMode"]
 
 
 class TrainingMode(str, Enum):
-    """How the replicas stay consistent."""
+    """How the replicas stay consistent: ``ParallelWrapper(training_mode=...)`` takes a member
+    or its value ("averaging", "shared_gradients", "allreduce", "diloco"; "custom" is set by
+    passing a ``Synchronizer``). An unknown name raises ``ValueError``."""
 
     AVERAGING = "averaging"
     """Average parameters (and optimizer state) every ``averaging_frequency`` rounds."""

@@ -38,6 +38,7 @@ class TrainingStats:
                 "workers": self.workers, "driver": self.driver}
 
     def to_json(self) -> str:
+        """``to_dict()`` as a JSON string."""
         return json.dumps(self.to_dict())
 
     def export_json(self, path: str | Path) -> Path:

@@ -124,30 +124,37 @@ class SharedGradients(Synchronizer):
 
     @property
     def residual_post_processor(self) -> ResidualPostProcessor | None:
+        """The recipe's residual post-processor (e.g. ``ResidualClipping``), or None."""
         return self.recipe.residual_post_processor
 
     @property
     def combine(self) -> str:
+        """The recipe's ``combine``: "mean" (each update counts 1/workers) or "sum"."""
         return str(self.recipe.combine)
 
     @property
     def momentum_masking(self) -> bool:
+        """Whether the optimizer's momentum is zeroed where a message moved an element."""
         return self.recipe.momentum_masking
 
     @property
     def gradients_at(self) -> str:
+        """The recipe's ``gradients_at``: "local" (at the local view) or "shared"."""
         return str(self.recipe.gradients_at)
 
     @property
     def encoding(self) -> str:
+        """The recipe's message encoding: "auto", "threshold", "gap16" or "bitmap"."""
         return self.recipe.encoding
 
     @property
     def broadcast_buffers(self) -> bool:
+        """Whether buffers a forward wrote (BatchNorm statistics) are broadcast from rank 0."""
         return self.recipe.broadcast_buffers
 
     @property
     def overlap(self) -> bool:
+        """Whether each step's exchange runs while the next step computes."""
         return bool(self.recipe.overlap)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -465,6 +472,9 @@ class SharedGradients(Synchronizer):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output on the rank that saved it; the residual, the
+        local view and the exchange in flight are adopted at setup when the replica is not
+        set up yet."""
         super().load_state_dict(state)
         self._encoder.load_state_dict(state)
         in_flight = state.get("in_flight")

@@ -29,6 +29,28 @@ EXPECTED = {
 }
 
 
+def _shown_output(script: str) -> list[str]:
+    """The output docs/examples.md shows for ``script``."""
+    page = (ROOT / "docs" / "examples.md").read_text()
+    assert f"`examples/{script}`" in page, f"docs/examples.md does not show {script}"
+    section = page.split(f"`examples/{script}`", 1)[1]
+    block = re.search(r"Output \(`--quick`\):\s*```text\n(.*?)```", section, re.S)
+    assert block, f"docs/examples.md shows no output for {script}"
+    return block.group(1).strip().splitlines()
+
+
+def _shape(lines: list[str]) -> list[str]:
+    """Lines with their numbers masked: what stays the same from run to run."""
+    masked = [re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", line.strip()) for line in lines
+              if line.strip()]
+    return [re.sub(r"N(: N)?(, N(: N)?)+", "N, ...", line) for line in masked]  # any length
+
+
+def _in_order(wanted: list[str], got: list[str]) -> bool:
+    rest = iter(got)
+    return all(any(line == have for have in rest) for line in wanted)
+
+
 def test_every_example_is_checked():
     assert sorted(p.name for p in (ROOT / "examples").glob("[!_]*.py")) == sorted(EXPECTED)
 
@@ -45,5 +67,7 @@ def test_the_example_runs_and_says_what_it_promises(script, monkeypatch, capsys)
     out = capsys.readouterr().out
     found = re.search(EXPECTED[script], out)
     assert found, out
+    # The page shows what the script prints (numbers aside): update it when this fails.
+    assert _in_order(_shape(_shown_output(script)), _shape(out.splitlines())), out
     if "ratio" in found.groupdict():
         assert int(found["ratio"]) >= 50  # at least 50 times fewer bytes than all-reduce

@@ -260,25 +260,22 @@ class SparkModel:
         # A pre-batched row is a whole minibatch: its shape is checked where it is read.
         found = scan_parquet(paths, columns, check=None if prebatched else
                              lambda pair: batch_tensors(pair, self.features))
-        if prebatched or not self.master.takes_parquet(self.sc):
-            return self._fit_parquet_frame(paths, epochs, columns, collect_stats, seed,
-                                           prebatched)
+        if prebatched or not self.master.takes_parquet(self.sc):  # fit()'s DataFrame path
+            return self.fit(self._read_parquet(paths), epochs, features=features, label=label,
+                            inputs=inputs, collect_stats=collect_stats, seed=seed,
+                            prebatched=prebatched)
         job = replace(self._fit_job(epochs), chunked=True, columns=columns)
         return self._run_fit(job, found, epochs, seed, collect_stats)
 
-    def _fit_parquet_frame(self, paths: list[str], epochs: int, columns: Columns,
-                           collect_stats: bool, seed: int, prebatched: bool) -> dict[str, Any]:
+    def _read_parquet(self, paths: list[str]) -> DataFrame:
         from pyspark.sql import SparkSession
 
         session = self._session or SparkSession.getActiveSession() or SparkSession(self.sc)
         try:
-            df = session.read.parquet(*paths)
+            return session.read.parquet(*paths)
         except Exception as e:
             raise ValueError(f"fit_paths could not read Parquet from {paths}: "
                              f"{str(e).splitlines()[0]}") from e
-        job = replace(self._fit_job(epochs), chunked=True, columns=columns)
-        rows = data_chunks(df, columns, prebatched=prebatched)
-        return self._run_fit(job, rows, epochs, seed, collect_stats)
 
     def _adopt_optimizer(self, state: OptimizerState | None) -> None:
         if state is None:

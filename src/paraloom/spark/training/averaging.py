@@ -116,11 +116,9 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         return self.encoding is None and self.one_stage is not False and \
             self.resolve_workers(sc) <= self.slots(sc)
 
-    def _in_one_stage(self, job: FitJob, rows: RDD[Pair] | ParquetSet, workers: int) -> bool:
-        if isinstance(rows, ParquetSet) or self.one_stage:
-            return True
-        return self.one_stage is None and self.encoding is None and job.columns is not None \
-            and workers <= self.slots(job.sc)
+    def _in_one_stage(self, job: FitJob, rows: RDD[Pair] | ParquetSet) -> bool:
+        return isinstance(rows, ParquetSet) or bool(self.one_stage) or \
+            (job.columns is not None and self.takes_parquet(job.sc))
 
     def _fit_in_one_stage(self, job: FitJob, rows: RDD[Pair] | ParquetSet, workers: int,
                           epochs: int, seed: int, collect_stats: bool) -> FitResult:
@@ -131,8 +129,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                            features=job.features, window_rows=self.window_rows(),
                            checkpoint_dir=directory, collect_stats=collect_stats)
         data = rows if isinstance(rows, ParquetSet) else \
-            self.prepare(rows, workers, job.chunked, persist=False,
-                         dataframe=job.columns is not None)
+            self.prepare(rows, workers, job, persist=False)
         return fit_in_one_stage(job, data, cfg, self.averaging_frequency, self.save_updater,
                                 self.job_timeout)
 
@@ -141,11 +138,11 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         """Train ``epochs`` passes in averaging rounds; returns the averaged parameters."""
         sc, origin = job.sc, time.time()
         workers = self.resolve_workers(sc)
-        if self._in_one_stage(job, rows, workers):
+        if self._in_one_stage(job, rows):
             return self._fit_in_one_stage(job, rows, workers, epochs, seed, collect_stats)
         if isinstance(rows, ParquetSet):
             raise TypeError("a Parquet set trains in one stage only")
-        data = self.prepare(rows, workers, job.chunked, dataframe=job.columns is not None)
+        data = self.prepare(rows, workers, job)
         spec_bc = sc.broadcast(pickle_spec(replace(job.spec, synchronizer=NoSync())))
         start = time.perf_counter()
         try:

@@ -15,12 +15,16 @@ from typing import TYPE_CHECKING
 
 from paraloom.spark.data.parquet import ParquetSet
 from paraloom.spark.runtime import unpack
-from paraloom.spark.stats import Event, TrainingStats
 from paraloom.spark.training.barrier import StageRun, run_barrier_stage
 from paraloom.spark.training.jobs import FitJob, FitResult
 from paraloom.spark.training.messages import WorkerReport
 from paraloom.spark.training.shared_task import SharedConfig
-from paraloom.spark.training.summary import AveragingSummary, dense_bytes_per_step, epoch_losses
+from paraloom.spark.training.summary import (
+    AveragingSummary,
+    dense_bytes_per_step,
+    epoch_losses,
+    last_first_step,
+)
 from paraloom.sync.averaging import Averaging
 from paraloom.sync.base import StepContext
 
@@ -54,13 +58,8 @@ def fit_in_one_stage(job: FitJob, data: RDD[Chunk] | ParquetSet, cfg: SharedConf
     run = run_barrier_stage(job, data, cfg, "ParameterAveragingTrainingMaster", job_timeout)
     packed = unpack(run.outcome.state)
     summary = stage_summary(run, job, cfg, frequency, save_updater)
-    stats = None
-    if cfg.collect_stats:
-        reports = run.outcome.reports
-        per_worker = [timings for r in sorted(reports) if (timings := reports[r].stats)]
-        stats = TrainingStats("ParameterAveragingTrainingMaster", per_worker,
-                              [Event(name="barrier stage", start=run.launched,
-                                     duration=run.seconds)], summary)
+    stats = run.stats("ParameterAveragingTrainingMaster", summary) if cfg.collect_stats \
+        else None
     return FitResult(packed.model, packed.optimizer if save_updater else None, summary, stats)
 
 
@@ -76,7 +75,6 @@ def stage_summary(run: StageRun, job: FitJob, cfg: SharedConfig, frequency: int,
     steps = sum(r.steps for r in reports)
     losses = epoch_losses([r.losses for r in reports])
     per_step = _mean(reports, "bytes_sent_per_step")
-    first = [s for r in reports if (s := r.first_step_s) is not None]
     return AveragingSummary(
         master="averaging", workers=cfg.world_size, epochs=cfg.epochs,
         batch_size_per_worker=cfg.batch_size, averaging_frequency=frequency,
@@ -90,4 +88,4 @@ def stage_summary(run: StageRun, job: FitJob, cfg: SharedConfig, frequency: int,
         stage_attempts=run.attempts,
         worker_peak_rss_mb=max(r.peak_rss for r in reports) / 2**20,
         rows_per_worker=[r.rows for r in reports],
-        stages="one", seconds_to_first_step=max(first) if first else None)
+        stages="one", seconds_to_first_step=last_first_step(reports))

@@ -30,6 +30,7 @@ from paraloom.spark.runtime import (
     task_threads,
     unpack,
 )
+from paraloom.spark.runtime.executor import reset_peak_rss
 from paraloom.spark.runtime.state import Layout, OptimizerState, Packed
 from paraloom.spark.stats import PhaseRecorder, WorkerStats
 from paraloom.spark.training.diloco_task import (
@@ -124,6 +125,7 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     ``spec_bytes`` / ``state_bytes`` may be broadcast variables (read on first use here).
     """
     task_threads(cfg.threads)
+    reset_peak_rss()  # a reused Python process: this task's peak, not its earlier tasks'
     rec = PhaseRecorder(index, cfg.origin)
     begin, t = rec.now(), time.perf_counter()
     source = iter(chunks)

@@ -16,7 +16,7 @@ checkpoint, taken where the replicas agreed.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ from paraloom.spark.data import Chunk, Columns
 from paraloom.spark.data.parquet import ParquetSet
 from paraloom.spark.data.sources import ParquetShare, TaskData
 from paraloom.spark.runtime import pack
+from paraloom.spark.stats import Event, TrainingStats
 from paraloom.spark.training.jobs import FitJob, SparkTrainingError, run_job
 from paraloom.spark.training.messages import (
     TaskRecord,
@@ -62,6 +63,15 @@ class StageRun:
     """Seconds from the fit's start to the stage's launch."""
     seconds: float
     """Seconds the stage ran, from launch to the last record."""
+
+    def stats(self, master: str, summary: Mapping[str, object]) -> TrainingStats:
+        """The stage's ``TrainingStats``: every worker's phase timings and the stage as one
+        event (``fit(collect_stats=True)``)."""
+        reports = self.outcome.reports
+        per_worker = [timings for r in sorted(reports) if (timings := reports[r].stats)]
+        return TrainingStats(master, per_worker,
+                             [Event(name="barrier stage", start=self.launched,
+                                    duration=self.seconds)], summary)
 
 
 def _parquet_source(data: ParquetSet, columns: Columns, cfg: SharedConfig,

@@ -121,16 +121,18 @@ class TrainingMaster:
                 "Set checkpoint_dir= to shared storage (NFS, HDFS mounted, ...)", stacklevel=4)
         return os.path.join(tempfile.gettempdir(), "paraloom-spark")
 
-    def prepare(self, rows: RDD[Pair], workers: int, chunked: bool = False,
-                persist: bool = True, dataframe: bool = False) -> RDD[Chunk]:
-        """The training rows (or chunks) as ``workers`` sorted partitions of chunks, persisted
-        at ``storage_level`` when ``persist`` (a stage that reads them once needs no copy).
+    def prepare(self, rows: RDD[Pair], workers: int, job: FitJob,
+                persist: bool = True) -> RDD[Chunk]:
+        """``job``'s training rows (or chunks) as ``workers`` sorted partitions of chunks,
+        persisted at ``storage_level`` when ``persist`` (a stage that reads them once needs no
+        copy).
 
         ``repartition=None`` (the default) keeps a DataFrame's partitions when there are
         ``workers`` of them (no shuffle: Spark's barrier stages cannot merge partitions without
         one) and spreads everything else."""
+        dataframe = job.columns is not None
         mode = self.repartition or ("if_needed" if dataframe else "always")
-        data = (spread_chunks(rows, workers, mode) if chunked
+        data = (spread_chunks(rows, workers, mode) if job.chunked
                 else partition_chunks(rows, workers, mode))
         level = storage_level_of(self.storage_level)
         if level is not None and persist:

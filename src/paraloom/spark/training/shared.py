@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from paraloom.spark.data import Pair
 from paraloom.spark.data.parquet import ParquetSet
 from paraloom.spark.runtime import unpack
-from paraloom.spark.stats import Event, TrainingStats
 from paraloom.spark.training.barrier import StageOutcome, StageRun, run_barrier_stage, stage_outcome
 from paraloom.spark.training.base import TrainingMaster, positive_int, positive_seconds
 from paraloom.spark.training.jobs import FitJob, FitResult
@@ -149,8 +148,7 @@ class SharedTrainingMaster(TrainingMaster):
         cfg = self._config(job, workers, epochs, seed, collect_stats)
         job = replace(job, spec=replace(job.spec, synchronizer=copy.deepcopy(self.synchronizer)))
         data = rows if isinstance(rows, ParquetSet) else \
-            self.prepare(rows, workers, job.chunked, persist=False,
-                         dataframe=job.columns is not None)
+            self.prepare(rows, workers, job, persist=False)
         run = run_barrier_stage(job, data, cfg, "SharedTrainingMaster", self.job_timeout)
         return self._result(job, run, cfg)
 
@@ -158,10 +156,5 @@ class SharedTrainingMaster(TrainingMaster):
         packed = unpack(run.outcome.state)
         reports = run.outcome.reports
         summary = shared_summary(reports, job.spec.model, cfg, run.seconds, run.attempts)
-        stats = None
-        if cfg.collect_stats:
-            per_worker = [timings for r in sorted(reports) if (timings := reports[r].stats)]
-            stats = TrainingStats("SharedTrainingMaster", per_worker,
-                                  [Event(name="barrier stage", start=run.launched,
-                                         duration=run.seconds)], summary)
+        stats = run.stats("SharedTrainingMaster", summary) if cfg.collect_stats else None
         return FitResult(packed.model, packed.optimizer, summary, stats)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -12,7 +13,8 @@ from paraloom.spark.training.messages import WorkerReport
 from paraloom.spark.training.shared_task import SharedConfig
 
 __all__ = ["SharedSummary", "AveragingSummary", "Summary", "AveragingRoundTotals",
-           "dense_bytes_per_step", "epoch_losses", "shared_summary", "averaging_summary"]
+           "dense_bytes_per_step", "epoch_losses", "last_first_step", "shared_summary",
+           "averaging_summary"]
 
 
 class SharedSummary(TypedDict):
@@ -120,6 +122,11 @@ def epoch_losses(per_worker: list[dict[int, tuple[float, int]]]) -> list[float]:
     return [sums[e][0] / sums[e][1] for e in sorted(sums) if sums[e][1]]
 
 
+def last_first_step(reports: Iterable[WorkerReport]) -> float | None:
+    """Seconds from the fit's start to the last worker's first step (None: none stepped)."""
+    return max((s for r in reports if (s := r.first_step_s) is not None), default=None)
+
+
 def shared_summary(reports: dict[int, WorkerReport], model: nn.Module, cfg: SharedConfig,
                    seconds: float, attempts: int) -> SharedSummary:
     """Summary of a SharedTrainingMaster fit from every worker's report."""
@@ -147,8 +154,7 @@ def shared_summary(reports: dict[int, WorkerReport], model: nn.Module, cfg: Shar
         resumed_from_step=first.resumed_from_step, device=first.device,
         rendezvous=first.rendezvous,
         worker_peak_rss_mb=[reports[r].peak_rss / 2**20 for r in ranks], stages="one",
-        seconds_to_first_step=max(starts) if (starts := [
-            s for r in ranks if (s := reports[r].first_step_s) is not None]) else None)
+        seconds_to_first_step=last_first_step(reports.values()))
 
 
 def averaging_summary(totals: list[AveragingRoundTotals], model: nn.Module, cfg: AveragingRound,

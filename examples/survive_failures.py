@@ -50,7 +50,8 @@ if __name__ == "__main__":
         model = DiesOnce(os.path.join(tmp, "died"))
         wrapper = train(model, max_failures=2, heartbeat_timeout=1.0)
         for r in wrapper.recoveries:
-            print(f"worker {r.rank} failed ({str(r.error).splitlines()[0][:60]}...); "
+            cause = str(r.error).split(";")[0]  # "worker 1 (pid N) was killed by SIGKILL"
+            print(f"worker {r.rank} failed ({cause}); "
                   f"restarted in {r.restart_seconds:.3f} s, {r.replayed_rounds} rounds replayed")
         torch.manual_seed(0)
         clean = DiesOnce("")

@@ -27,6 +27,7 @@ from paraloom.sync.encoding import (
     quantize_threshold,
     scan,
     threshold_encode,
+    top_count,
 )
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -151,6 +152,37 @@ def test_keep_largest_keeps_the_count_largest_exactly(case, count) -> None:
         for before, d, after in zip(_exact(v), _exact(decoded), _exact(residual), strict=True):
             if isinstance(before, Fraction):
                 assert d + after == before  # exact with the raised tau too
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.integers(1, 40))
+def test_top_count_keeps_what_a_scan_and_keep_largest_keep(case, count) -> None:
+    v, _ = case
+    count = min(count, v.numel())
+    flat = v.reshape(-1)
+    top = top_count(v, count)
+    magnitudes = flat.abs()
+    ranked = magnitudes.topk(count).values.double()
+    if not (float(ranked.min()) > 0 and math.isfinite(float(ranked.max()))):
+        assert top is None  # a zero, NaN or infinity among the largest: the caller scans
+        return
+    if top is None:  # tau out of range, or an element past the exact bound: left to the scan
+        return
+    assert top.indices.numel() == count and torch.all(top.indices[1:] > top.indices[:-1])
+    assert torch.equal(top.values, flat[top.indices])
+    assert float(top.peaks.double().max()) == float(magnitudes.double().max())
+    # The same as the general path: a scan at a tau that finds at least `count`, then the
+    # largest `count` of what it found (the same set, and the same tau, up to ties).
+    on_grid = math.ldexp(*quantize_threshold(float(ranked.min()), v.dtype, round_down=True))
+    found = keep_largest(scan(v, on_grid), count)
+    assert (top.mantissa, top.exponent) == (found.mantissa, found.exponent)
+    assert sorted(flat[top.indices].abs().tolist()) == sorted(flat[found.indices].abs().tolist())
+
+
+def test_top_count_refuses_a_count_it_cannot_keep() -> None:
+    for count in (0, 5, -1, True):
+        with pytest.raises(ValueError, match="count="):
+            top_count(torch.ones(4), count)
 
 
 def test_quantize_threshold_rounds_down_when_asked() -> None:

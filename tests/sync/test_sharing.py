@@ -323,13 +323,14 @@ def test_the_saved_copy_is_skipped_when_only_messages_moved_the_parameters() -> 
     sync = SharedGradients(FixedThreshold(2.0 ** -3), encoding="threshold")
     sync.setup(ctx)
     copies = []
-    original = sync._replica.old[0].copy_
+    target = sync._replica.old_parts[0]  # old_flat: the parameters are laid end to end
+    original = target.copy_
 
     def counting_copy(src, *args, **kwargs):
         copies.append(1)
         return original(src, *args, **kwargs)
 
-    sync._replica.old[0].copy_ = counting_copy  # type: ignore[method-assign]
+    target.copy_ = counting_copy  # type: ignore[method-assign]
     for _ in range(3):
         _step(sync, ctx, [[-0.3, 0.05, 0.2, -0.1]])
     assert len(copies) == 1  # the first step only
@@ -783,3 +784,59 @@ def test_what_clipping_takes_from_the_residual_leaves_the_local_view_in_any_layo
     the elements it took: the same view either way."""
     dense, strided = _clipped_view_run("contiguous"), _clipped_view_run("channels_last")
     assert all(torch.equal(a, b) for a, b in zip(dense, strided, strict=True))
+
+
+def _fit_steps(sync: SharedGradients, model: nn.Module, steps: int = 3) -> StepContext:
+    """``steps`` steps of a fit on random data, left open (no ``finish``)."""
+    ctx = _ctx(model, lr=0.1)
+    sync.setup(ctx)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        sync.before_step(ctx)
+        ctx.optimizer.zero_grad()
+        model(torch.randn(8, 6, generator=g)).square().mean().backward()
+        sync.after_backward(ctx)
+        ctx.optimizer.step()
+        sync.after_step(ctx)
+    return ctx
+
+
+def test_a_fit_lays_the_parameters_end_to_end_and_gives_them_back_their_own_storage() -> None:
+    from safetensors.torch import save_file
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+    sync = SharedGradients(recipe="dl4j")  # the parameters are the shared ones between steps
+    ctx = _fit_steps(sync, model)
+    params = list(model.parameters())
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    assert len(storages) == 1 and len(sync._replica.parts) == 1  # one tensor per operation
+    during = [p.detach().clone() for p in params]
+    sync.finish(ctx)
+    assert len({p.untyped_storage().data_ptr() for p in params}) == len(params)
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in params)
+    assert all(torch.equal(p, d) for p, d in zip(params, during, strict=True))  # values kept
+    save_file(dict(model.state_dict()), "/dev/null")  # refuses tensors that share storage
+    _fit_steps(sync, model, steps=1)  # a warm fit lays them again and trains on
+    sync.finish(ctx)
+
+
+def test_parameters_that_cannot_be_laid_end_to_end_train_as_they_are() -> None:
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2).double())
+    model[1].forward = lambda x: nn.functional.linear(x.double(), model[1].weight,  # type: ignore[method-assign]
+                                                      model[1].bias)
+    sync = SharedGradients()
+    before = [p.detach().clone() for p in model.parameters()]
+    ctx = _fit_steps(sync, model)
+    assert len(sync._replica.parts) == 4 and sync._replica.params_flat is None  # two dtypes
+    sync.finish(ctx)
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_warm_fit_after_a_dtype_change_keeps_the_new_dtype() -> None:
+    model = nn.Linear(6, 2)
+    sync = SharedGradients()
+    ctx = _fit_steps(sync, model)
+    sync.finish(ctx)
+    model.double()  # the same parameter objects, with new data
+    ctx = _fit_steps(sync, model, steps=0)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    sync.finish(ctx)

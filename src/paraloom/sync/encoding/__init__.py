@@ -58,6 +58,7 @@ from paraloom.sync.encoding.encode import (
 )
 from paraloom.sync.encoding.formats import Encoded, Format, Steps, quantize_threshold
 from paraloom.sync.encoding.scan import (
+    EXACT_TOP_NUMEL,
     SCAN_CHUNK,
     Scan,
     full_step_mask,
@@ -65,6 +66,7 @@ from paraloom.sync.encoding.scan import (
     message_steps,
     scan,
     scan_chunk,
+    top_count,
 )
 
 __all__ = [
@@ -72,5 +74,5 @@ __all__ = [
     "scan", "scan_chunk", "choose_format", "threshold_encode", "bitmap_encode", "encode",
     "encode_scan", "decode", "empty_message", "moved_index", "decode_into", "per_tensor",
     "add_at_", "add_at_flat_", "fill_at_flat_", "gap16_encode", "Steps", "message_steps",
-    "keep_largest",
+    "keep_largest", "top_count", "EXACT_TOP_NUMEL",
 ]

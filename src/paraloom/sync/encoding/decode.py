@@ -151,6 +151,9 @@ def per_tensor(index: Tensor, tensors: Sequence[Tensor], bounds: Tensor,
 def add_at_(outs: Sequence[Tensor], bounds: Tensor, index: Tensor, values: Tensor) -> None:
     """Add ``values`` at the ascending flat ``index``es of tensors laid end to end
     (``bounds``: their cumulative element counts), each in its tensor's dtype."""
+    if len(outs) == 1:  # one tensor: no split (and no host synchronization to find one)
+        add_at_flat_(outs[0], index.to(outs[0].device), values.to(outs[0].dtype))
+        return
     for out, part, flat in per_tensor(index, outs, bounds):
         add_at_flat_(out, flat, values[part].to(out.dtype))
 

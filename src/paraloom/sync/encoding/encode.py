@@ -57,20 +57,29 @@ def _bitmap_payload(flat: Tensor, full: Tensor, tau: float, half_sign: int) -> T
     return words.to(torch.int32)
 
 
-def _gap16_payload(index: Tensor, positive: Tensor) -> Tensor:
+def _gap16_payload(index: Tensor, positive: Tensor, numel: int) -> Tensor:
     gaps = torch.diff(index, prepend=index.new_full((1,), -1))
+    if numel <= GAP_MAX:  # no gap can need an escape: no pass (and no host sync) to find one
+        entries = torch.where(positive, gaps, -gaps)
+    else:
+        entries = _escaped(gaps, positive)
+    if entries.numel() % 2:
+        entries = torch.cat([entries, entries.new_zeros(1)])  # the padding entry
+    return entries.to(torch.int16).view(torch.int32)
+
+
+def _escaped(gaps: Tensor, positive: Tensor) -> Tensor:
+    """Signed gap entries with escape entries before each gap over ``GAP_MAX``."""
     escapes = (gaps - 1) // GAP_MAX  # before each entry, so that what is left fits int16
     last = gaps - escapes * GAP_MAX
     entries = torch.where(positive, last, -last)
     if bool((escapes > 0).any()):
         ends = (escapes + 1).cumsum(0)
         spread = torch.full((int(ends[-1]),), GAP_ESCAPE, dtype=torch.int64,
-                            device=index.device)
+                            device=gaps.device)
         spread[ends - 1] = entries
         entries = spread
-    if entries.numel() % 2:
-        entries = torch.cat([entries, entries.new_zeros(1)])  # the padding entry
-    return entries.to(torch.int16).view(torch.int32)
+    return entries
 
 
 def _check_indexable(numel: int) -> None:
@@ -118,7 +127,7 @@ def encode_scan(v: Tensor, found: Scan, *, previous: Format = Format.THRESHOLD,
                        count, payload)
     if format == Format.GAP16:
         return Encoded(Format.GAP16, found.mantissa, found.exponent, 1, flat.numel(), count,
-                       _gap16_payload(found.indices, found.positive))
+                       _gap16_payload(found.indices, found.positive, flat.numel()))
     _check_indexable(flat.numel())
     return Encoded(Format.THRESHOLD, found.mantissa, found.exponent, 1, flat.numel(), count,
                    _threshold_payload(found.indices, found.positive))

@@ -9,12 +9,14 @@ side, and the counters that ``SharedGradients.stats()`` reports.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from paraloom.sync.encoding import (
+    EXACT_TOP_NUMEL,
     Encoded,
     Format,
     Scan,
@@ -24,6 +26,7 @@ from paraloom.sync.encoding import (
     keep_largest,
     message_steps,
     scan,
+    top_count,
 )
 from paraloom.sync.sharing.recipe import SharingRecipe
 from paraloom.sync.sharing.view import add_range_
@@ -55,12 +58,17 @@ class MessageEncoder:
     def encode(self, residual: Tensor) -> tuple[Encoded, Scan, Steps | None]:
         """The message for ``residual`` (which it does not change), the scan it carries, and
         its steps when the scan gives them (a sparse message: no need to parse it back)."""
-        tau = self.threshold_algorithm.choose(residual)
-        found = scan(residual, tau)
         forced = self.recipe.forced_format()
         # A bitmap moves every element >= tau: the count applies to sparse messages only.
         count = None if forced == Format.BITMAP else \
             self.threshold_algorithm.message_count(residual.numel())
+        # A small residual: its exact top-k, what the scan and keep_largest would keep.
+        found = top_count(residual, count) \
+            if count is not None and residual.numel() <= EXACT_TOP_NUMEL else None
+        if found is None:
+            found = scan(residual, self.threshold_algorithm.choose(residual))
+        else:
+            count = None  # kept already (a capacity overrun below sets it again)
         capacity = self.recipe.capacity(residual.numel())
         while True:
             if count is not None:
@@ -70,13 +78,13 @@ class MessageEncoder:
             if capacity is None or msg.payload.numel() <= capacity:
                 break
             # Gap16's escape entries (for gaps over 32,767) took room: keep fewer elements.
-            assert count is not None  # a capacity without a count is a bitmap's, never passed
-            count = max(0, count - 2 * (msg.payload.numel() - capacity))
+            count = max(0, (found.indices.numel() if count is None else count)
+                        - 2 * (msg.payload.numel() - capacity))
         steps = None if msg.format == Format.BITMAP else message_steps(found)
         return msg, found, steps
 
     def post_process(self, residual: Tensor, found: Scan, tau: float, step: int,
-                     bounds: Tensor, view: list[nn.Parameter] | None = None,
+                     bounds: Tensor, view: list[Tensor] | None = None,
                      reach: float = 1.0) -> None:
         """Let the post-processor act at sync step ``step``, on the chunks it can change only
         where it says which: the message only lowered magnitudes, so a chunk whose peak is
@@ -86,6 +94,8 @@ class MessageEncoder:
         if post is None:
             return
         bound = post.bound(tau, step)
+        if bound == math.inf:  # nothing to clip (a non-finite update fails the step anyway)
+            return
         chunks = [(0, residual.numel())] if bound is None else \
             [(i * found.chunk, min((i + 1) * found.chunk, residual.numel()))
              for i in torch.nonzero(~(found.peaks <= bound)).reshape(-1).tolist()]  # NaN too

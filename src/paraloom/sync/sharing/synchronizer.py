@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 from paraloom.sync.collectives import broadcast_tensors_
@@ -173,6 +173,7 @@ class SharedGradients(Synchronizer):
                              f"{sorted(map(str, devices))}; expected one device per replica")
         buffers = list(ctx.model.buffers())
         self._replica = ReplicaTensors.for_model(params, buffers, self._replica)
+        self._replica.lay()
         numel = self._replica.residual.numel()
         if self.overlap and self.recipe.capacity(numel) is None:
             raise ValueError(f"shared_gradients: overlap=True with "
@@ -215,11 +216,11 @@ class SharedGradients(Synchronizer):
                 for p, saved in zip(replica.params, view, strict=True):
                     p.copy_(saved)
             else:
-                set_local_view_(replica.params, replica.old, replica.residual_views,
+                set_local_view_(replica.parts, replica.old_parts, replica.residual_parts,
                                 self._reach(ctx))
                 if self._started is not None:  # the own message in flight: whole in the view
                     msg, steps = self._own_in_flight(ctx)
-                    decode_into(msg, replica.params, replica.bounds, steps=steps,
+                    decode_into(msg, replica.parts, replica.part_bounds, steps=steps,
                                 factor=self._reach(ctx))
         replica.stamps = replica.current_stamps()
         self._holding = True
@@ -241,19 +242,20 @@ class SharedGradients(Synchronizer):
         flags = self._changed_flags(ctx)  # before the collected exchange broadcasts buffers
         self._collect(ctx)
         started = time.perf_counter()
-        view = replica.params if self._holding else None
+        view = replica.parts if self._holding else None
         with torch.no_grad():
             scale = self.recipe.update_scale(ctx.world_size)
             if view is not None:  # the optimizer moved the local view: the residual follows
-                residual_from_view_(view, replica.old, replica.residual_views, scale)
+                residual_from_view_(view, replica.old_parts, replica.residual_parts, scale)
             else:
-                accumulate_update_(replica.params, replica.old, replica.residual_views, scale)
+                accumulate_update_(replica.parts, replica.old_parts, replica.residual_parts,
+                                   scale)
             msg, nonfinite, steps = self._encode(ctx, view)
             self._seconds["encoding"] += time.perf_counter() - started
             self._exchange(msg, nonfinite, flags, ctx, steps)
         self.threshold_algorithm.update(msg.moved / msg.numel)
 
-    def _encode(self, ctx: StepContext, view: list[nn.Parameter] | None
+    def _encode(self, ctx: StepContext, view: list[Tensor] | None
                 ) -> tuple[Encoded, int, Steps | None]:
         """This step's message, taken out of the residual (and, without overlap, out of the
         local ``view``); with the count of non-finite residual elements and its steps."""
@@ -262,7 +264,7 @@ class SharedGradients(Synchronizer):
         # Exact: see encoding's module docstring.
         decode(msg, replica.residual, sign=-1, steps=steps)
         if view is not None and not self.overlap:  # the local view loses it whole
-            decode_into(msg, view, replica.bounds, steps=steps, factor=-self._reach(ctx))
+            decode_into(msg, view, replica.part_bounds, steps=steps, factor=-self._reach(ctx))
         if self.momentum_masking:
             self._masked += mask_momentum_(ctx.optimizer, replica.params, replica.bounds,
                                            moved_index(msg, steps=steps))
@@ -270,7 +272,7 @@ class SharedGradients(Synchronizer):
         nonfinite = 0 if bool(torch.isfinite(found.peaks).all()) else \
             int((~torch.isfinite(replica.residual)).sum())
         self._encoder.post_process(replica.residual, found, msg.tau, self.sync_steps,
-                                   replica.bounds, view, self._reach(ctx))
+                                   replica.part_bounds, view, self._reach(ctx))
         self._encoder.record(msg)
         return msg, nonfinite, steps
 
@@ -290,10 +292,12 @@ class SharedGradients(Synchronizer):
         # that died would make waiting for it hang.
         self._started = self._own = None
         self._settle()
+        self._unlay()
 
     def finish(self, ctx: StepContext) -> None:
         self._collect(ctx)
         self._settle()
+        self._unlay()
 
     def shared_parameters(self, ctx: StepContext) -> dict[int, Tensor]:
         """While the parameters hold the local view: ``old``, by ``id`` of its parameter."""
@@ -352,7 +356,7 @@ class SharedGradients(Synchronizer):
         replica = self._require_setup()
         if self._holding:
             msg, steps = self._own_in_flight(ctx)
-            decode_into(msg, replica.params, replica.bounds, steps=steps,
+            decode_into(msg, replica.parts, replica.part_bounds, steps=steps,
                         factor=-self._reach(ctx))
         own_steps = self._own[1] if self._own is not None else None
         self._started = self._own = None
@@ -377,11 +381,11 @@ class SharedGradients(Synchronizer):
         for rank, message in enumerate(got.messages):
             own = steps if rank == me else None
             if replica.old_flat is not None:
-                decode_into(message, replica.params, replica.bounds, mirror=replica.old_flat,
-                            steps=own)
+                decode_into(message, replica.parts, replica.part_bounds,
+                            mirror=replica.old_flat, steps=own)
             else:
-                decode_into(message, replica.params, replica.bounds, steps=own)
-                decode_into(message, replica.old, replica.bounds, steps=own)
+                decode_into(message, replica.parts, replica.part_bounds, steps=own)
+                decode_into(message, replica.old_parts, replica.part_bounds, steps=own)
         replica.stamps = replica.current_stamps()
         # Only the buffers some replica wrote (BatchNorm statistics, not a constant mask): the
         # flags came with the headers, so every replica broadcasts the same ones.
@@ -419,6 +423,11 @@ class SharedGradients(Synchronizer):
         with torch.no_grad():
             self._replica.put_back_shared()
         self._holding = False
+
+    def _unlay(self) -> None:
+        """The end of a fit: each parameter gets its own storage back."""
+        if self._replica is not None:
+            self._replica.unlay()
 
     def _require_setup(self) -> ReplicaTensors:
         if self._replica is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from paraloom.sync.encoding import scan_chunk
 
@@ -49,7 +49,7 @@ def add_range_(tensors: Sequence[Tensor], begin: int, values: Tensor, alpha: flo
             return
 
 
-def set_local_view_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
+def set_local_view_(params: Sequence[Tensor], old: Sequence[Tensor], residual: Sequence[Tensor],
                     reach: float, chunk: int | None = None) -> None:
     """``p = old + reach * residual`` for each parameter: the shared parameters plus this
     replica's own unsent updates."""
@@ -57,8 +57,8 @@ def set_local_view_(params: list[nn.Parameter], old: list[Tensor], residual: lis
         torch.add(o_part, r_part, alpha=reach, out=p_part)
 
 
-def residual_from_view_(params: list[nn.Parameter], old: list[Tensor],
-                        residual: list[Tensor], scale: float, chunk: int | None = None) -> None:
+def residual_from_view_(params: Sequence[Tensor], old: Sequence[Tensor],
+                        residual: Sequence[Tensor], scale: float, chunk: int | None = None) -> None:
     """``residual = scale * (p - old)``: what the local view, moved by the optimizer's step,
     holds beyond the shared parameters (one pass that writes only the residual)."""
     for p_part, o_part, r_part in chunks(params, old, residual, chunk):
@@ -67,7 +67,7 @@ def residual_from_view_(params: list[nn.Parameter], old: list[Tensor],
             r_part.mul_(scale)
 
 
-def accumulate_update_(params: list[nn.Parameter], old: list[Tensor], residual: list[Tensor],
+def accumulate_update_(params: Sequence[Tensor], old: Sequence[Tensor], residual: Sequence[Tensor],
                        scale: float, chunk: int | None = None) -> None:
     """``residual += scale * (p - old)``, then ``p = old``, for each parameter (gradients at
     the shared parameters), chunk by chunk so that the three tensors' chunks stay in cache

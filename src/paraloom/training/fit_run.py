@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from paraloom.data import IndexedDataset, cpu_copy, indexed_view, split_batch
-from paraloom.errors import NotPicklableError
+from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.listeners import TrainingListener
 from paraloom.training.dealing import (
     Source,
@@ -346,6 +346,23 @@ class FitRun:
             case CheckpointReply():
                 self.checkpoints.receive(reply)
         self._halt_if_stopped()
+
+    def salvage(self) -> None:
+        """After a failure: hand the checkpoint replies that came in before it to the
+        collector, so that a checkpoint every replica had answered is still written."""
+        while True:
+            try:
+                reply = self.pool.recv(0)
+            except WorkerError:  # nothing more to read: the workers are gone
+                return
+            if reply is None or isinstance(reply, Finished):
+                return
+            if isinstance(reply, CheckpointReply):
+                try:
+                    self.checkpoints.receive(reply)
+                except Exception:  # the fit's own error is the one to raise
+                    log.exception("paraloom: a checkpoint from before the failure was not "
+                                  "written")
 
     def _halt_if_stopped(self) -> None:
         """After ``stop()``: every worker skips the queued rounds after the one in flight, also

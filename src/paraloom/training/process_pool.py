@@ -373,7 +373,14 @@ class ProcessPool:
                 continue
             if isinstance(reply, Failed):
                 return reply
+            self._salvage(reply)
         return None
+
+    def _salvage(self, reply: object) -> None:
+        """Keep a checkpoint reply that came in while a failure is handled, for ``recv`` to
+        hand on (its checkpoint may be complete: nothing the workers saved is lost)."""
+        if isinstance(reply, CheckpointReply):
+            self._pending.append(reply)
 
     def _error(self, first: Failed, starting: bool) -> WorkerError:
         """The error to raise for a failure report: its cause, not a peer's symptom of it."""
@@ -412,6 +419,8 @@ class ProcessPool:
                 continue
             if isinstance(reply, Failed):
                 errors.append(reply)
+            else:
+                self._salvage(reply)
         return errors
 
     def _silently_dead(self, reported: set[int]) -> int | None:

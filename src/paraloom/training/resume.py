@@ -200,9 +200,9 @@ class CheckpointCollector:
 
     def receive(self, reply: CheckpointReply) -> None:
         """One replica's state; hands the checkpoint to its listeners once all are in."""
-        if self.last is not None and reply.tag > self.last:
-            return
-        pending = self.pending[reply.tag]
+        pending = self.pending.get(reply.tag)
+        if pending is None or (self.last is not None and reply.tag > self.last):
+            return  # superseded by a newer checkpoint, or past a stop()
         pending.checkpoint.replicas[reply.rank] = reply.state
         if any(r is None for r in pending.checkpoint.replicas):
             return

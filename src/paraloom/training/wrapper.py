@@ -286,6 +286,8 @@ class ParallelWrapper:
             result = self._finish(run)
             completed = True
         except BaseException as e:
+            if isinstance(e, WorkerError):
+                run.salvage()
             self._failed(e, tracker)
             raise
         finally:

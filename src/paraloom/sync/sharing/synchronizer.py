@@ -82,6 +82,11 @@ class SharedGradients(Synchronizer):
     trainable parameter, parameters on several devices, or ``overlap=True`` with messages of
     varying size. Checkpoints and restore points save the exchange in flight, so resume stays
     exact.
+
+    During a fit the trainable parameters' data are views of one flat tensor, when they share
+    a dtype and a plain (contiguous) layout, so that each step's work on them is one operation;
+    at the fit's end each parameter gets storage of its own again. A ``p.data`` taken before
+    ``fit()`` is then no longer the parameter's (take ``p`` itself, or read it afterwards).
     """
 
     name = "shared_gradients"

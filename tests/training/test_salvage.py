@@ -1,0 +1,57 @@
+"""A checkpoint every replica answered before a failure is still written (the replies that
+came in while the failure was handled are not dropped with the fit)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from paraloom.errors import WorkerError
+from paraloom.listeners import TrainingListener
+from paraloom.training.fit_run import FitRun
+from paraloom.training.messages import CheckpointReply
+from paraloom.training.resume import CheckpointCollector
+
+
+class _Every4(TrainingListener):
+    def __init__(self) -> None:
+        self.written: list[int] = []
+
+    def wants_checkpoint(self, iteration, epoch, epoch_end) -> bool:
+        return (iteration + 1) % 4 == 0
+
+    def on_checkpoint(self, checkpoint) -> None:
+        self.written.append(checkpoint.iteration)
+
+
+class _FailedPool:
+    """A pool whose workers failed: it still holds the replies ``held``, then raises."""
+
+    def __init__(self, held) -> None:
+        self.held, self.sent = list(held), []
+
+    def send(self, rank, message) -> None:
+        self.sent.append((rank, message))
+
+    def recv(self, timeout_s=None):
+        if self.held:
+            return self.held.pop(0)
+        raise WorkerError("worker 1 failed: boom", worker=1)
+
+
+@pytest.mark.timeout(30)
+def test_checkpoint_replies_that_came_in_before_a_failure_are_written() -> None:
+    listener = _Every4()
+    collector = CheckpointCollector([listener], dict, workers=2)
+    held = [CheckpointReply(1, 3, {"step": 4}), CheckpointReply(0, 3, {"step": 4}),
+            CheckpointReply(1, 7, {"step": 8})]  # round 8: rank 0 never answered
+    pool = _FailedPool(held)
+    run = FitRun(SimpleNamespace(recovering=False), pool, SimpleNamespace(iteration=0),
+                 collector, [listener], None)
+    for iteration in (3, 7):
+        collector.request(pool, iteration, 0, iteration + 1, [], False)
+    assert len(pool.sent) == 4  # both replicas asked, twice
+    run.salvage()
+    assert listener.written == [4]  # the complete one; the half-answered one is not claimed
+    assert not pool.held

@@ -21,7 +21,7 @@ on a 37.8M-element residual 2^18 to 2^20 ran within 10% of each other, 2^16 25% 
 EXACT_TOP_NUMEL = 1 << 16
 """Up to this many elements, ``top_count`` takes the exact top-k of a residual in one pass: a
 sampled quantile would read every element anyway, and the scan and the top-k of what it found
-cost about 20 small operations more (a quarter of a 9.6k-parameter MLP's step)."""
+cost about 20 small operations more."""
 
 
 def full_step_mask(v: Tensor, mantissa: int, exponent: int,

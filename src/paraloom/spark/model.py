@@ -255,8 +255,7 @@ class SparkModel:
         if not paths or not all(isinstance(p, str) for p in paths):
             raise TypeError(f"path={path!r}; expected a Parquet file or directory path (or a "
                             f"list of them)")
-        columns = Columns.of(features, label, inputs)
-        self.features.shapes_for(columns.features)
+        columns = self._columns(None, features, label, inputs)
         # A pre-batched row is a whole minibatch: its shape is checked where it is read.
         found = scan_parquet(paths, columns, check=None if prebatched else
                              lambda pair: batch_tensors(pair, self.features))
@@ -289,11 +288,11 @@ class SparkModel:
 
     def _columns(self, data: object, features: Spec | None, label: Label,
                  inputs: Inputs | None) -> Columns:
-        """The columns chosen, and for a DataFrame ``feature_shape`` checked against the
-        inputs they make: a mismatch fails on the driver, before any Spark job (the rows' own
-        sizes are checked where they are read)."""
+        """The columns chosen, and for a DataFrame or Parquet files (``data`` a DataFrame or
+        None) ``feature_shape`` checked against the inputs they make: a mismatch fails on the
+        driver, before any Spark job (the rows' own sizes are checked where they are read)."""
         columns = Columns.of(features, label, inputs)
-        if is_dataframe(data):
+        if data is None or is_dataframe(data):
             self.features.shapes_for(columns.features)
         return columns
 

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import Column, DataFrame
 
-__all__ = ["arrow_column", "arrow_field", "batch_pair", "encode_chunk", "decode_chunk",
-           "arrow_chunks", "arrow_columns", "check_prebatched", "data_chunks", "unbatch"]
+__all__ = ["arrow_column", "arrow_field", "batch_pair", "decodable", "encode_chunk",
+           "decode_chunk", "arrow_chunks", "arrow_columns", "check_prebatched", "data_chunks",
+           "is_list_type", "is_ml_vector", "unbatch"]
 
 CHUNK_ROWS = 256
 
@@ -38,8 +39,7 @@ def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
         raise ValueError(f"column {name!r} has {arr.null_count} null value(s); drop or fill them "
                          f"first (df.na.drop() / df.na.fill())")
     kind = arr.type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or \
-            pa.types.is_fixed_size_list(kind):
+    if is_list_type(kind):
         lengths = np.unique(np.asarray(arr.value_lengths()))
         if len(lengths) > 1:
             raise ValueError(f"column {name!r} holds arrays of different lengths "
@@ -60,6 +60,27 @@ def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
 
 
 _VECTOR_FIELDS = ("type", "size", "indices", "values")
+
+
+def is_list_type(kind: pa.DataType) -> bool:
+    """Whether an Arrow type is a list (of any length kind: list, large list, fixed size)."""
+    import pyarrow as pa
+
+    return bool(pa.types.is_list(kind) or pa.types.is_large_list(kind)
+                or pa.types.is_fixed_size_list(kind))
+
+
+def decodable(kind: pa.DataType) -> bool:
+    """Whether ``arrow_column`` decodes a column of this type: numbers, booleans, (nested)
+    lists of them, or Spark ML vectors."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(kind):
+        return is_ml_vector(kind)
+    while is_list_type(kind):
+        kind = kind.value_type
+    return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind)
+                or pa.types.is_boolean(kind))
 
 
 def is_ml_vector(kind: pa.DataType) -> bool:
@@ -160,15 +181,13 @@ def unbatch(cols: dict[str, pa.Array]) -> tuple[dict[str, pa.Array], np.ndarray]
     """Pre-batched columns (each cell a list with one entry per example) flattened to one
     entry per example, and the examples per row; every column of a row must hold the same
     count."""
-    import pyarrow as pa
 
     flat: dict[str, pa.Array] = {}
     counts = None
     first = next(iter(cols), "")
     for name, arr in cols.items():
         kind = arr.type
-        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)
-                or pa.types.is_fixed_size_list(kind)):
+        if not is_list_type(kind):
             raise TypeError(f"prebatched=True but column {name!r} holds {kind}, no list per "
                             f"row; a pre-batched row holds one entry per example in every "
                             f"column (features [n, ...], label [n])")

@@ -144,18 +144,9 @@ def _footer(path: str) -> tuple[pa.Schema, list[int]]:
 
 
 def _check_type(kind: pa.DataType, name: str, path: str) -> None:
-    import pyarrow as pa
+    from paraloom.spark.data.arrow import decodable
 
-    from paraloom.spark.data.arrow import is_ml_vector
-
-    if pa.types.is_struct(kind) and is_ml_vector(kind):
-        return
-    inner = kind
-    while pa.types.is_list(inner) or pa.types.is_large_list(inner) or \
-            pa.types.is_fixed_size_list(inner):
-        inner = inner.value_type
-    if not (pa.types.is_integer(inner) or pa.types.is_floating(inner)
-            or pa.types.is_boolean(inner)):
+    if not decodable(kind):
         raise TypeError(f"fit_paths: column {name!r} in {path} has type {kind}; expected "
                         f"numbers, (nested) lists of numbers or Spark ML vectors")
 

@@ -62,7 +62,9 @@ class Features:
     """None: integer labels become int64, floating ones ``dtype``."""
 
     def _input(self, x: np.ndarray, shape: Shape | None, name: str) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(x)).to(getattr(torch, self.dtype))
+        # Arrow's zero-copy arrays are read-only: torch would warn on each (a copy is cheap).
+        x = np.require(x, requirements=("C_CONTIGUOUS", "WRITEABLE"))
+        t = torch.from_numpy(x).to(getattr(torch, self.dtype))
         if shape is not None:
             per_row = int(np.prod(shape))
             if len(t) and t[0].numel() != per_row:

@@ -51,7 +51,10 @@ def _rows(chunks: Iterable[Chunk]) -> list[int]:
 
 
 class ParameterAveragingTrainingMaster(TrainingMaster):
-    """Synchronous parameter averaging through the driver, one Spark job per averaging round.
+    """Synchronous parameter averaging (DL4J's ParameterAveragingTrainingMaster): the workers
+    train ``averaging_frequency`` minibatches each, then their parameters are averaged; all
+    rounds in one Spark stage for DataFrames and Parquet, one Spark job per round otherwise
+    (``one_stage``, below).
 
     ``averaging_frequency``: minibatches each worker trains per round (default 5; 50 with
     DiLoCo). ``save_updater=True`` (the default) averages and re-broadcasts the optimizer state

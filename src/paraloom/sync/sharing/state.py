@@ -30,8 +30,8 @@ class ReplicaTensors:
     """
 
     __slots__ = ("params", "old", "old_flat", "params_flat", "residual", "residual_views",
-                 "old_saved", "bounds", "parts", "old_parts", "residual_parts", "part_bounds",
-                 "stamps", "buffers", "broadcast_values", "specs")
+                 "old_saved", "bounds", "in_flat", "stamps", "buffers", "broadcast_values",
+                 "specs")
 
     def __init__(self, params: list[nn.Parameter], residual: Tensor,
                  buffers: list[Tensor]) -> None:
@@ -61,13 +61,8 @@ class ReplicaTensors:
         self.residual_views = views(residual, params)
         self.old_saved = False
         self.bounds = torch.tensor([p.numel() for p in params], dtype=torch.int64).cumsum(0)
-        self.parts: list[Tensor] = list(params)
-        """The parameters as the step's operations take them: ``[params_flat]`` while laid,
-        else the parameters themselves; ``old_parts``, ``residual_parts`` and
-        ``part_bounds`` (cumulative element counts) match them."""
-        self.old_parts: list[Tensor] = self.old
-        self.residual_parts: list[Tensor] = self.residual_views
-        self.part_bounds = self.bounds
+        self.in_flat = False
+        """Whether ``lay`` laid the parameters in ``params_flat`` (until ``unlay``)."""
         self.stamps: list[tuple[int, int]] | None = None
 
     def lay(self) -> None:
@@ -81,9 +76,7 @@ class ReplicaTensors:
             for p, part in zip(self.params, views(flat, self.params), strict=True):
                 part.copy_(p)
                 p.data = part
-        self.parts, self.part_bounds = [flat], self.bounds[-1:]
-        assert self.old_flat is not None  # params_flat exists only beside it
-        self.old_parts, self.residual_parts = [self.old_flat], [self.residual]
+        self.in_flat = True
         self._moved(untouched)
 
     def unlay(self) -> None:
@@ -95,9 +88,32 @@ class ReplicaTensors:
         with torch.no_grad():
             for p in self.params:
                 p.data = p.data.clone()
-        self.parts, self.part_bounds = list(self.params), self.bounds
-        self.old_parts, self.residual_parts = self.old, self.residual_views
+        self.in_flat = False
         self._moved(untouched)
+
+    # The parameters as the step's operations take them: the flat tensor while laid, else the
+    # parameters themselves; old, the residual and the bounds (cumulative element counts) cut
+    # alike.
+    @property
+    def parts(self) -> list[Tensor]:
+        """``[params_flat]`` while laid, else the parameters."""
+        return [self.params_flat] if self.in_flat and self.params_flat is not None \
+            else list(self.params)
+
+    @property
+    def old_parts(self) -> list[Tensor]:
+        """``old`` cut as ``parts``."""
+        return [self.old_flat] if self.in_flat and self.old_flat is not None else self.old
+
+    @property
+    def residual_parts(self) -> list[Tensor]:
+        """The residual cut as ``parts``."""
+        return [self.residual] if self.in_flat else self.residual_views
+
+    @property
+    def part_bounds(self) -> Tensor:
+        """The cumulative element counts of ``parts``."""
+        return self.bounds[-1:] if self.in_flat else self.bounds
 
     def _moved(self, untouched: bool) -> None:
         """The parameters' data moved to new storage with the same values: stamps that

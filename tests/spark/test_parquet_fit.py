@@ -125,3 +125,43 @@ def test_prebatched_parquet_rows_train_through_a_dataframe(spark, tmp_path):
     net = _net(spark, ParameterAveragingTrainingMaster(32, 5, 2))
     summary = net.fit_paths(str(path), epochs=1, prebatched=True)
     assert summary["samples"] == 1438
+
+
+def test_which_dataframes_are_parquet_files_as_they_are(spark, digits_parquet, tmp_path):
+    from pyspark.sql import functions as F
+
+    from paraloom.spark.data.plans import parquet_files
+
+    df = spark.read.parquet(digits_parquet)
+    names = ["features", "label"]
+    for kept in (df, df.select("features", "label"), df.alias("d"), df.hint("broadcast")):
+        files = parquet_files(kept, names)
+        assert files is not None and sorted(f.rsplit("/", 1)[1] for f in files) == \
+            ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
+    for changed in (df.where("label > 0"), df.withColumnRenamed("label", "y"), df.limit(5),
+                    df.withColumn("label", F.col("label") + 1), df.sample(0.5, seed=1),
+                    spark.createDataFrame([([0.0] * 64, 1)], names)):
+        assert parquet_files(changed, ["features"]) is None
+    assert parquet_files(df, ["features", "nosuch"]) is None
+    # a partition directory's column is not in the files: only the files' own columns qualify
+    df.write.partitionBy("label").parquet(str(tmp_path / "by-label"))
+    by_label = spark.read.parquet(str(tmp_path / "by-label"))
+    assert parquet_files(by_label, names) is None
+    assert parquet_files(by_label, ["features"])
+
+
+def test_a_dataframe_read_from_parquet_trains_as_fit_paths_on_its_files(spark, digits_parquet):
+    master = ParameterAveragingTrainingMaster(32, 5, 2)
+    paths = _net(spark, master)
+    paths.fit_paths(digits_parquet, epochs=2, seed=1)
+    frame = _net(spark, master)
+    df = spark.read.parquet(digits_parquet).select("features", "label").cache()
+    summary = frame.fit(df, epochs=2, seed=1)
+    assert summary["rows_per_worker"] == [719, 719]  # the files' shares, not partitions
+    assert state_digest(frame.model.state_dict()) == state_digest(paths.model.state_dict())
+    df.unpersist()
+    # a filtered DataFrame's rows are not the files': its partitions go through Spark
+    filtered = _net(spark, master)
+    summary = filtered.fit(spark.read.parquet(digits_parquet).where("label >= 0"), epochs=2,
+                           seed=1)
+    assert summary["samples"] == 2 * 1438 and summary["rows_per_worker"] != [719, 719]

@@ -31,7 +31,8 @@ from paraloom.spark.data import (
 )
 from paraloom.spark.data.arrow import data_chunks
 from paraloom.spark.data.features import normalize_shapes
-from paraloom.spark.data.parquet import ParquetSet
+from paraloom.spark.data.parquet import ParquetSet, scan_parquet
+from paraloom.spark.data.plans import parquet_files
 from paraloom.spark.data.targets import column_loss
 from paraloom.spark.evaluation import (
     RegressionEvaluation,
@@ -185,11 +186,21 @@ class SparkModel:
         (DL4J's examplesPerDataSetObject), features ``[n, ...]`` and labels ``[n]``; the
         workers re-cut the examples into ``batch_size_per_worker`` minibatches.
 
+        A DataFrame read straight from Parquet files (``spark.read.parquet(...)``, at most with
+        a choice of its columns, an alias or ``cache()``) trains as ``fit_paths`` on those
+        files does, where the master takes Parquet: each task streams its share of the row
+        groups, with no shuffle. Any other DataFrame's partitions go to the tasks through
+        Spark, spread over the workers first unless there are exactly ``workers`` of them.
+
         With ``collect_stats=True`` per-worker, per-phase timings are kept: see
         ``training_stats()``.
         """
-        job = self._fit_job(epochs)
         columns = self._columns(data, features, label, inputs)
+        if is_dataframe(data) and not prebatched and self.master.takes_parquet(self.sc):
+            files = parquet_files(data, columns.names())
+            if files is not None:  # Parquet rows as they are: each task reads its share
+                return self._fit_parquet(files, epochs, columns, collect_stats, seed)
+        job = self._fit_job(epochs)
         if is_dataframe(data) or prebatched:  # DataFrames: decoded from Arrow batches
             job = replace(job, chunked=True, columns=columns if is_dataframe(data) else None)
             rows = data_chunks(data, columns, prebatched=prebatched)
@@ -248,21 +259,27 @@ class SparkModel:
         that runs one Spark job per round (DiLoCo, ``one_stage=False``), the files are read as
         a DataFrame (``fit``'s path). Same columns and summary as ``fit``.
         """
-        from paraloom.spark.data.parquet import scan_parquet
-        from paraloom.spark.training.task import batch_tensors
-
         paths = [path] if isinstance(path, str) else list(path)
         if not paths or not all(isinstance(p, str) for p in paths):
             raise TypeError(f"path={path!r}; expected a Parquet file or directory path (or a "
                             f"list of them)")
         columns = self._columns(None, features, label, inputs)
-        # A pre-batched row is a whole minibatch: its shape is checked where it is read.
-        found = scan_parquet(paths, columns, check=None if prebatched else
-                             lambda pair: batch_tensors(pair, self.features))
         if prebatched or not self.master.takes_parquet(self.sc):  # fit()'s DataFrame path
+            # A pre-batched row is a whole minibatch: its shape is checked where it is read.
+            scan_parquet(paths, columns, check=None)
             return self.fit(self._read_parquet(paths), epochs, features=features, label=label,
                             inputs=inputs, collect_stats=collect_stats, seed=seed,
                             prebatched=prebatched)
+        return self._fit_parquet(paths, epochs, columns, collect_stats, seed)
+
+    def _fit_parquet(self, paths: list[str], epochs: int, columns: Columns, collect_stats: bool,
+                     seed: int) -> dict[str, Any]:
+        """Train on Parquet files, each task streaming its share of the row groups; the
+        files' footers and a few rows checked first."""
+        from paraloom.spark.training.task import batch_tensors
+
+        found = scan_parquet(paths, columns,
+                             check=lambda pair: batch_tensors(pair, self.features))
         job = replace(self._fit_job(epochs), chunked=True, columns=columns)
         return self._run_fit(job, found, epochs, seed, collect_stats)
 

@@ -1,8 +1,9 @@
 """Where a barrier task's training rows come from, epoch after epoch (``TaskData``).
 
-``SpilledPartition``: the task's partition of an RDD or DataFrame, stored on the executor's
-local disk as it streams in, then read back once per epoch. ``ParquetShare``: the task's share
-of a Parquet set (``ParquetSet.share``), read from the files every epoch with nothing stored.
+``StreamedPartition``: the task's partition of an RDD or DataFrame, trained on as it arrives
+from Spark in the first epoch and stored on the executor's local disk on the way, then read
+back from there in every later epoch. ``ParquetShare``: the task's share of a Parquet set
+(``ParquetSet.share``), read from the files every epoch with nothing stored.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from paraloom.spark.data.parquet import ParquetSet, prefetched, read_share
 from paraloom.spark.data.rows import Columns, Pair
 from paraloom.spark.data.stream import Spill
 
-__all__ = ["TaskData", "SpilledPartition", "ParquetShare"]
+__all__ = ["TaskData", "StreamedPartition", "ParquetShare"]
 
 
 class TaskData(Protocol):
-    """A task's training rows: the same count every epoch, read as chunks in a fixed order."""
+    """A task's training rows: the same rows every epoch, read as chunks in a fixed order."""
 
     @property
-    def rows(self) -> int: ...
+    def rows(self) -> int | None:
+        """How many rows; None while that is not known yet (a partition still streaming in)."""
+        ...
 
     def chunks(self, epoch: int) -> Iterable[Pair]:
         """This epoch's rows as ``(features, label)`` chunks, in the epoch's order."""
@@ -30,23 +33,35 @@ class TaskData(Protocol):
     def close(self) -> None: ...
 
 
-class SpilledPartition:
-    """A partition's chunks on local disk (written once, on creation), in arrival order."""
+class StreamedPartition:
+    """A partition's chunks, in arrival order: read from ``source`` the first time (each chunk
+    written to local disk as it passes on), from the disk after that.
 
-    def __init__(self, chunks: Iterable[Pair], directory: str | None = None) -> None:
+    ``rows`` is None until the source has been read to its end. Nothing is read on creation,
+    so the first epoch's first minibatch trains as soon as its rows arrive.
+    """
+
+    def __init__(self, source: Iterable[Pair], directory: str | None = None) -> None:
+        self._source: Iterator[Pair] = iter(source)
         self._spill = Spill(directory)
-        try:
-            self._spill.store(chunks)
-        except BaseException:
-            self._spill.close()
-            raise
+        self._state = "unread"  # -> "reading" -> "stored"
 
     @property
-    def rows(self) -> int:
-        return self._spill.rows
+    def rows(self) -> int | None:
+        return self._spill.rows if self._state == "stored" else None
 
     def chunks(self, epoch: int) -> Iterator[Pair]:
+        if self._state == "unread":
+            self._state = "reading"
+            return self._read_through()
+        if self._state == "reading":  # an earlier pass stopped early: store what it left
+            self._spill.store(self._source)
+            self._state = "stored"
         return self._spill.chunks()
+
+    def _read_through(self) -> Iterator[Pair]:
+        yield from self._spill.write(self._source)
+        self._state = "stored"
 
     def close(self) -> None:
         self._spill.close()

@@ -31,7 +31,7 @@ from torch._C._distributed_c10d import TCPStore
 from paraloom.checkpoint import atomic_write
 from paraloom.devices import task_device
 from paraloom.spark.data import Chunk, Features, batch_count
-from paraloom.spark.data.sources import SpilledPartition, TaskData
+from paraloom.spark.data.sources import StreamedPartition, TaskData
 from paraloom.spark.data.stream import stream_batches
 from paraloom.spark.runtime import (
     Packed,
@@ -61,6 +61,7 @@ from paraloom.spark.training.rendezvous import (
     local_rank,
     meet,
 )
+from paraloom.spark.training.rounds import agree_rounds, epoch_rounds
 from paraloom.spark.training.task import EpochLoss, batch_tensors, failure, load_spec, make_runner
 from paraloom.training.messages import Begin, IdleRound, Round
 from paraloom.training.runner import ReplicaRunner
@@ -142,12 +143,13 @@ def shared_task(spec_bytes: bytes, state_bytes: bytes, cfg: SharedConfig,
                 source: Callable[[], TaskData] | None = None) -> Iterator[TaskRecord]:
     """Train this rank's replica on its rows for every epoch; yield its one record.
 
-    The rows are ``chunks`` (the task's partition, stored on local disk first), or what
-    ``source`` returns (then ``chunks`` is read through and dropped).
+    The rows are ``chunks`` (the task's partition: trained on as it arrives, and stored on
+    local disk on the way for the later epochs), or what ``source`` returns (then ``chunks`` is
+    read through and dropped).
     """
     if source is None:
         def source() -> TaskData:
-            return SpilledPartition(chunks)
+            return StreamedPartition(chunks)
     else:
         for _ in chunks:
             pass
@@ -216,13 +218,6 @@ def _setup_failure(rank: int, error: str | None, tb: str | None,
     return failure(rank, message, cause_rank=cause)
 
 
-def _agree_rounds(local_batches: int, device: str) -> int:
-    """Rounds per epoch: the most minibatches any rank holds (the others idle meanwhile)."""
-    count = torch.tensor([local_batches], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count.item())
-
-
 def _resume(cfg: SharedConfig, rank: int, device: str) -> Packed | None:
     """Rank 0's latest checkpoint of this fit, broadcast to every rank (None: start afresh)."""
     data = b""
@@ -275,7 +270,9 @@ def _jsonable(state: Mapping[str, object]) -> dict[str, object]:
 
 def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
            rendezvous: str) -> WorkerFinished:
-    rounds = _agree_rounds(batch_count(p.data.rows, cfg.batch_size), p.device)
+    known = p.data.rows
+    rounds = None if known is None else agree_rounds(batch_count(known, cfg.batch_size),
+                                                     p.device)
     if rounds == 0:
         raise ValueError("no worker has any training rows: the data is empty")
     resume = _resume(cfg, rank, p.device)
@@ -290,7 +287,7 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
     timing = timed_collectives(rec) if cfg.collect_stats else contextlib.nullcontext()
     with timing:
         t = time.perf_counter()
-        losses, samples, first_step = _loop(p, cfg, rank, rec, rounds, position)
+        losses, samples, first_step, rounds = _loop(p, cfg, rank, rec, rounds, position)
         loop_s = time.perf_counter() - t
         begin, t = rec.now(), time.perf_counter()
         p.runner.finish(with_state=False)
@@ -301,7 +298,7 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
         rec.event("finish", begin, time.perf_counter() - t)
     report = WorkerReport(
         rank=rank, rounds_per_epoch=rounds, steps=p.runner.steps, samples=samples,
-        loop_seconds=loop_s, rows=p.data.rows, losses=losses.by_epoch(),
+        loop_seconds=loop_s, rows=p.data.rows or 0, losses=losses.by_epoch(),
         sync=p.runner.replica.sync.stats(),
         digest=state_digest(p.runner.replica.model_state()), device=p.device,
         resumed_from_step=position[2] if resume is not None else None,
@@ -310,18 +307,24 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
     return WorkerFinished(rank, report, state)
 
 
-def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds: int,
-          position: tuple[int, int, int]) -> tuple[EpochLoss, int, float | None]:
+def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds: int | None,
+          position: tuple[int, int, int]) -> tuple[EpochLoss, int, float | None, int]:
+    """Train from ``position`` (epoch, round, step) to the fit's end; the losses, the samples
+    trained, when the first step began, and the rounds of an epoch.
+
+    ``rounds``: an epoch's rounds where the ranks agreed them beforehand, else None (they agree
+    as the rows stream in: ``epoch_rounds``).
+    """
     first_epoch, first_round, step = position
     losses, samples, saved, epoch_ended = EpochLoss.empty(), 0, step, False
     first_step: float | None = None
+    ahead = max(1, cfg.window_rows // cfg.batch_size)
     for epoch in range(first_epoch, cfg.epochs):
         skip = first_round if epoch == first_epoch else 0
         batches = stream_batches(p.data.chunks(epoch), cfg.batch_size, seed=cfg.seed, epoch=epoch,
                                  rank=rank, window_rows=cfg.window_rows, first=skip)
-        for r in range(skip, rounds):
-            begin, t = rec.now(), time.perf_counter()
-            arrays = next(batches, None)
+        begin, t = rec.now(), time.perf_counter()
+        for r, arrays, last in epoch_rounds(batches, skip, rounds, ahead=ahead, device=p.device):
             message = Round(step, batch_tensors(arrays, cfg.features)) if arrays is not None \
                 else IdleRound(step)
             data_s, t = time.perf_counter() - t, time.perf_counter()
@@ -334,7 +337,8 @@ def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds
             losses.add(epoch, done.loss, done.rows)
             samples += done.rows
             step += 1
-            last = r == rounds - 1
+            if last:
+                rounds = r + 1
             if epoch == cfg.epochs - 1 and last:
                 continue  # the fit's end: checkpointed after finish, which completes the sync
             # Only where the replicas agree (a periodic scheme's synchronization points):
@@ -346,4 +350,7 @@ def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds
                 nxt = (epoch + 1, 0) if last else (epoch, r + 1)
                 _checkpoint(p, cfg, {"epoch": nxt[0], "round": nxt[1], "step": step})
                 saved, epoch_ended = step, False
-    return losses, samples, first_step
+            begin, t = rec.now(), time.perf_counter()
+    if rounds is None and first_round == 0 and first_epoch < cfg.epochs:  # not one round
+        raise ValueError("no worker has any training rows: the data is empty")
+    return losses, samples, first_step, rounds or 0

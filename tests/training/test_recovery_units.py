@@ -4,8 +4,10 @@ messages since the restore point, a spare takes over, and the heartbeat check fi
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 import time
+import types
 from typing import Any
 
 import pytest
@@ -14,12 +16,14 @@ from paraloom.errors import WorkerError
 from paraloom.training import recovery
 from paraloom.training.messages import (
     Begin,
+    Failed,
     IdleRound,
     RestorePoint,
     RestorePointRequest,
     Round,
     StepDone,
 )
+from paraloom.training.process_pool import ProcessPool
 from paraloom.training.recovery import RecoveringPool
 from paraloom.training.spares import Spares
 
@@ -227,3 +231,33 @@ def test_a_process_whose_main_thread_sleeps_while_another_runs_is_running():
     finally:
         p.kill()
         p.wait(10)
+
+
+class _DeadSenderInbox:
+    """Replies as the reader thread hands them on once a worker has exited: one whose tensors
+    lived in that worker (unreadable), then the peer's own report."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = collections.deque(items)
+
+    def get(self, timeout_s: float) -> Any:
+        if not self.items:
+            raise queue.Empty
+        item = self.items.popleft()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+def test_collecting_errors_drops_a_reply_from_a_worker_that_has_exited() -> None:
+    # The fault CI met: a worker raised and exited while its last step's tensors were queued;
+    # reading them raised FileNotFoundError, which hid the worker's own error.
+    pool = object.__new__(ProcessPool)
+    pool.workers = 2
+    pool._procs = [types.SimpleNamespace(exitcode=1), types.SimpleNamespace(exitcode=None)]
+    pool._pending = collections.deque()
+    first = Failed(0, 11, "boom", "", "RuntimeError")
+    peer = Failed(1, 11, "connection closed by peer", "", "RuntimeError")
+    pool._inbox = _DeadSenderInbox([FileNotFoundError(2, "listener"),
+                                    ConnectionResetError(104, "reset"), peer])
+    assert pool._collect_errors(first) == [first, peer]

@@ -417,6 +417,8 @@ class ProcessPool:
                 reply = self._inbox.get(min(0.05, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 continue
+            except (OSError, EOFError):
+                continue  # a reply whose tensors lived in a worker that has exited: dropped
             if isinstance(reply, Failed):
                 errors.append(reply)
             else:

@@ -387,3 +387,26 @@ def test_scan_across_chunk_boundaries_matches_the_whole_tensor_mask() -> None:
         assert found.peaks.numel() == -(-10_007 // chunk)
     with pytest.raises(ValueError, match="chunk=0"):
         scan(v, 1.5, chunk=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 3000), st.sampled_from([1e-3, 0.02, 0.6]),
+       st.sampled_from([None, 64, 100, 1 << 19]), st.booleans())
+def test_a_sparse_scan_by_rows_finds_what_the_mask_of_every_element_finds(
+        seed: int, numel: int, density: float, chunk: int | None, specials: bool) -> None:
+    # The scan compares rows of 32 first where few rows reach tau: rows with a NaN, an
+    # infinity, a tail shorter than a row, and dense residuals (every element compared) too.
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(numel, generator=g)
+    v[torch.rand(numel, generator=g) < density] *= 100
+    if specials:
+        where = torch.randint(0, numel, (3,), generator=g)
+        v[where] = torch.tensor([float("nan"), float("inf"), -300.0])
+        v[where[0] ^ 1 if where[0] ^ 1 < numel else where[0]] = 300.0  # a NaN's row-mate
+    found = scan(v, 50.0, chunk=chunk)
+    mask = full_step_mask(v, found.mantissa, found.exponent)
+    assert torch.equal(found.indices, torch.nonzero(mask).reshape(-1))
+    size = chunk or numel
+    expected = [v[i: i + size].abs().max().item() for i in range(0, numel, size)]
+    assert all(g == e or (math.isnan(g) and math.isnan(e))
+               for g, e in zip(found.peaks.tolist(), expected, strict=True))

@@ -100,9 +100,7 @@ def scan(v: Tensor, tau: float, *, chunk: int | None = None) -> Scan:
         part = flat[begin: begin + chunk]
         size = part.numel()
         torch.abs(part, out=magnitude[:size])
-        torch.amax(magnitude[:size], dim=0, out=peaks[i])
-        torch.ge(magnitude[:size], step, out=full[:size])
-        index = torch.nonzero(full[:size]).reshape(-1)
+        index = _reaching(magnitude[:size], step, full[:size], peaks[i])
         if index.numel():
             found.append(index.add_(begin))
     index = torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=flat.device)
@@ -112,6 +110,47 @@ def scan(v: Tensor, tau: float, *, chunk: int | None = None) -> Scan:
         exact = values.abs() < upper
         index, values = index[exact], values[exact]
     return Scan(mantissa, exponent, index, values, peaks, chunk)
+
+
+_ROW = 32
+"""Elements per row of ``_reaching``'s first level: each row's peak is one vectorised reduction,
+and only rows whose peak reaches the step are compared element by element."""
+
+
+def _reaching(magnitude: Tensor, step: float, full: Tensor, peak: Tensor) -> Tensor:
+    """Ascending indices of ``magnitude``'s elements that reach ``step`` (NaN never does), its
+    largest element written into ``peak`` (NaN where it holds one); ``full`` is scratch.
+
+    On a CPU the comparison to a bool mask and ``nonzero`` cost ten times the reduction per
+    element, so a sparse message's scan compares rows of ``_ROW`` first: for 335k elements at
+    0.4% density 0.3-0.45 ms against 0.75-0.95 ms for the mask of every element. Where more
+    than a quarter of the rows reach the step (a dense message), or on an accelerator (each
+    ``nonzero`` is a host synchronization), every element is compared at once.
+    """
+    whole = magnitude.numel() - magnitude.numel() % _ROW
+    if magnitude.device.type != "cpu" or whole == 0:
+        return _reaching_each(magnitude, step, full, peak)
+    rows = magnitude[:whole].view(-1, _ROW).amax(1)
+    torch.amax(rows, dim=0, out=peak)
+    tail = magnitude[whole:]
+    if tail.numel():
+        torch.maximum(peak, tail.amax(), out=peak)
+    hit = torch.nonzero(~(rows < step)).reshape(-1)  # a NaN row may hold elements that reach
+    if 4 * hit.numel() > rows.numel():
+        torch.ge(magnitude, step, out=full)
+        return torch.nonzero(full).reshape(-1)
+    inner = torch.nonzero(magnitude[:whole].view(-1, _ROW).index_select(0, hit) >= step)
+    index = hit.index_select(0, inner[:, 0]).mul_(_ROW).add_(inner[:, 1])
+    if tail.numel():
+        index = torch.cat([index, torch.nonzero(tail >= step).reshape(-1).add_(whole)])
+    return index
+
+
+def _reaching_each(magnitude: Tensor, step: float, full: Tensor, peak: Tensor) -> Tensor:
+    """``_reaching`` by one mask over every element."""
+    torch.amax(magnitude, dim=0, out=peak)
+    torch.ge(magnitude, step, out=full)
+    return torch.nonzero(full).reshape(-1)
 
 
 def keep_largest(found: Scan, count: int) -> Scan:

@@ -413,16 +413,10 @@ class ProcessPool:
             if all(self._procs[rank].exitcode is not None for rank in silent):
                 # What an exited worker reported is in the pipe already.
                 deadline = min(deadline, now + 0.02)
-            try:
-                reply = self._inbox.get(min(0.05, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                continue
-            except (OSError, EOFError):
-                continue  # a reply whose tensors lived in a worker that has exited: dropped
-            if isinstance(reply, Failed):
-                errors.append(reply)
-            else:
-                self._salvage(reply)
+            # Other replies are salvaged or, unreadable once their worker exited, dropped.
+            report = self._next_failure(min(0.05, deadline - time.monotonic()))
+            if report is not None:
+                errors.append(report)
         return errors
 
     def _silently_dead(self, reported: set[int]) -> int | None:

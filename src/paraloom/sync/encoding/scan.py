@@ -130,16 +130,16 @@ def _reaching(magnitude: Tensor, step: float, full: Tensor, peak: Tensor) -> Ten
     whole = magnitude.numel() - magnitude.numel() % _ROW
     if magnitude.device.type != "cpu" or whole == 0:
         return _reaching_each(magnitude, step, full, peak)
-    rows = magnitude[:whole].view(-1, _ROW).amax(1)
+    grid = magnitude[:whole].view(-1, _ROW)
+    rows = grid.amax(1)
     torch.amax(rows, dim=0, out=peak)
     tail = magnitude[whole:]
     if tail.numel():
         torch.maximum(peak, tail.amax(), out=peak)
     hit = torch.nonzero(~(rows < step)).reshape(-1)  # a NaN row may hold elements that reach
     if 4 * hit.numel() > rows.numel():
-        torch.ge(magnitude, step, out=full)
-        return torch.nonzero(full).reshape(-1)
-    inner = torch.nonzero(magnitude[:whole].view(-1, _ROW).index_select(0, hit) >= step)
+        return _masked(magnitude, step, full)
+    inner = torch.nonzero(grid.index_select(0, hit) >= step)
     index = hit.index_select(0, inner[:, 0]).mul_(_ROW).add_(inner[:, 1])
     if tail.numel():
         index = torch.cat([index, torch.nonzero(tail >= step).reshape(-1).add_(whole)])
@@ -149,6 +149,11 @@ def _reaching(magnitude: Tensor, step: float, full: Tensor, peak: Tensor) -> Ten
 def _reaching_each(magnitude: Tensor, step: float, full: Tensor, peak: Tensor) -> Tensor:
     """``_reaching`` by one mask over every element."""
     torch.amax(magnitude, dim=0, out=peak)
+    return _masked(magnitude, step, full)
+
+
+def _masked(magnitude: Tensor, step: float, full: Tensor) -> Tensor:
+    """Ascending indices of the elements that reach ``step``, from a mask of them in ``full``."""
     torch.ge(magnitude, step, out=full)
     return torch.nonzero(full).reshape(-1)
 

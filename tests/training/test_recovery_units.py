@@ -110,6 +110,28 @@ def test_the_replay_resends_exactly_the_rounds_since_the_restore_point(monkeypat
     assert seen[0].replayed_rounds == 3 and seen[0].rank == 1
 
 
+def test_restore_points_are_spaced_by_their_typical_cost_not_their_worst():
+    pool = RecoveringPool(FakePool, max_failures=1, on_recovery=lambda r: None)
+    pool.begin([Begin(None), Begin(None)])
+    assert pool._interval() == recovery._MIN_INTERVAL_S  # nothing measured yet
+
+    def take(round_id: int, *seconds: float) -> None:
+        pool._request(round_id)
+        for rank, s in enumerate(seconds):
+            pool._keep(RestorePoint(rank, round_id, {}, s))  # type: ignore[arg-type]
+        assert pool._restore.round_id == round_id
+
+    take(0, 0.002, 0.008)  # the first copy, into fresh pages: its slowest replica counts
+    assert pool._interval() == pytest.approx(0.008 / recovery._COST_SHARE)
+    take(1, 0.0012, 0.0010)
+    take(2, 0.0009, 0.0011)
+    assert pool._interval() == recovery._MIN_INTERVAL_S  # the median: 1.2 ms, 2% of 0.06 s
+    for round_id in range(3, 3 + recovery._COSTS_KEPT):
+        take(round_id, 0.010, 0.009)  # a bigger state from now on: 2% of the time again
+    assert pool._interval() == pytest.approx(0.010 / recovery._COST_SHARE)
+    pool.close()
+
+
 def test_a_spare_takes_over_and_is_replaced(monkeypatch):
     monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 3600.0)
     started: list[FakePool] = []

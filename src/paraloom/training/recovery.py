@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -53,6 +55,10 @@ _MIN_INTERVAL_S = 0.1
 _MAX_LOGGED_ROUNDS = 64  # batches in the log hold shared memory (and file descriptors)
 _CARRY_OVER = -1  # the round id of the restore point taken at the end of a fit
 _COST_SHARE = 0.02  # restore points may take up to this share of the training time
+_COSTS_KEPT = 9
+"""The interval follows the median of the last few restore points' costs: one slow copy (the
+first, into fresh pages, or one taken while the machine was busy) does not space all the
+later ones out."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,8 @@ class _Restore:
     states: list[ReplicaState | None]
     log_index: int
     """Where in the message log the restore point was asked for."""
+    seconds: float = 0.0
+    """The longest any replica took to copy its state so far."""
 
 
 class RecoveringPool:
@@ -101,7 +109,7 @@ class RecoveringPool:
         self._restore = _Restore(None, [], 0)
         self._pending: _Restore | None = None
         self._last_request = time.monotonic()
-        self._cost_s = 0.0
+        self._costs: deque[float] = deque(maxlen=_COSTS_KEPT)
         self._delivered: set[tuple[str, int, int]] = set()
         self._begun_at: float | None = None
         self._carry: list[ReplicaState | None] | None = None
@@ -190,7 +198,8 @@ class RecoveringPool:
     # -- restore points -----------------------------------------------------------------------
     def _interval(self) -> float:
         """Seconds between restore points: taking one costs ``_COST_SHARE`` of the time."""
-        return max(_MIN_INTERVAL_S, self._cost_s / _COST_SHARE)
+        cost = statistics.median(self._costs) if self._costs else 0.0
+        return max(_MIN_INTERVAL_S, cost / _COST_SHARE)
 
     def _maybe_request(self, round_id: int) -> None:
         if self._pending is not None:
@@ -215,9 +224,10 @@ class RecoveringPool:
         if pending is None or pending.round_id != reply.round_id:
             return  # asked for before a recovery: that pool is gone
         pending.states[reply.rank] = reply.state
-        self._cost_s = max(self._cost_s, reply.seconds)
         if any(s is None for s in pending.states):
+            pending.seconds = max(pending.seconds, reply.seconds)
             return
+        self._costs.append(max(pending.seconds, reply.seconds))  # the slowest replica's copy
         self._restore, self._pending = pending, None
         # A worker's LoaderEpoch stays: the rounds after the restore point load from its plan.
         epochs = {rank: (rank, m) for rank, m in self._log[:pending.log_index]

@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 import types
+import weakref
 from typing import Any
 
 import pytest
@@ -283,3 +284,25 @@ def test_collecting_errors_drops_a_reply_from_a_worker_that_has_exited() -> None
     pool._inbox = _DeadSenderInbox([FileNotFoundError(2, "listener"),
                                     ConnectionResetError(104, "reset"), peer])
     assert pool._collect_errors(first) == [first, peer]
+
+
+def test_closing_the_inbox_waits_for_its_thread_to_let_go_of_the_last_reply() -> None:
+    # The exit abort (status 134, "terminate called without an active exception", about one
+    # script in ten): the reply thread still held the last reply when the script ended, and
+    # freed its tensors while the interpreter shut down.
+    from paraloom.training.process_pool import _Inbox
+
+    class Reply:
+        pass
+
+    freed_by: list[str] = []
+    results: queue.Queue[Any] = queue.Queue()
+    inbox = _Inbox(results)  # type: ignore[arg-type]
+    reply = Reply()
+    weakref.finalize(reply, lambda: freed_by.append(threading.current_thread().name))
+    results.put(reply)
+    assert inbox.get(timeout_s=5.0) is reply
+    del reply  # the thread's own reference (its last item) is what is left
+    inbox.close()
+    assert not inbox._thread.is_alive()
+    assert freed_by == ["paraloom-replies"]  # freed before close() returned, not at exit

@@ -467,7 +467,8 @@ class _Inbox:
         self._results = results
         self._items: queue.Queue[Reply | Exception] = queue.Queue()
         self._closed = threading.Event()
-        threading.Thread(target=self._read, name="paraloom-replies", daemon=True).start()
+        self._thread = threading.Thread(target=self._read, name="paraloom-replies", daemon=True)
+        self._thread.start()
 
     def _read(self) -> None:
         while not self._closed.is_set():
@@ -490,4 +491,13 @@ class _Inbox:
         return item
 
     def close(self) -> None:
+        """Stop the reading thread and wait for it (at most a few polls).
+
+        Waiting matters at exit: a reply the thread still held would otherwise be freed by it
+        while the interpreter shuts down, and a daemon thread that frees a tensor then (which
+        takes the GIL again) aborts the process ("terminate called without an active
+        exception", exit status 134) after a fit that succeeded.
+        """
         self._closed.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10 * _POLL_S)

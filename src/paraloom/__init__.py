@@ -19,7 +19,7 @@ if TYPE_CHECKING:
         EarlyStoppingParallelTrainer,
         EarlyStoppingResult,
     )
-    from paraloom.errors import NotPicklableError, ParaloomError, WorkerError
+    from paraloom.errors import FitInterrupted, NotPicklableError, ParaloomError, WorkerError
     from paraloom.inference import (
         InferenceClosedError,
         InferenceError,
@@ -52,7 +52,8 @@ _WHERE = {
     "EarlyStoppingConfig": "paraloom.early_stopping",
     "EarlyStoppingParallelTrainer": "paraloom.early_stopping",
     "EarlyStoppingResult": "paraloom.early_stopping",
-    "NotPicklableError": "paraloom.errors", "ParaloomError": "paraloom.errors",
+    "FitInterrupted": "paraloom.errors", "NotPicklableError": "paraloom.errors",
+    "ParaloomError": "paraloom.errors",
     "WorkerError": "paraloom.errors",
     "InferenceClosedError": "paraloom.inference", "InferenceError": "paraloom.inference",
     "InferenceMode": "paraloom.inference", "InvalidRequestError": "paraloom.inference",
@@ -78,6 +79,7 @@ __all__ = [
     "EarlyStoppingParallelTrainer",
     "EarlyStoppingResult",
     "FaultTolerance",
+    "FitInterrupted",
     "FixedThreshold",
     "InferenceClosedError",
     "InferenceError",

@@ -59,10 +59,14 @@ def _train(args: argparse.Namespace) -> int:
     mode_options = {"averaging_frequency": args.averaging_frequency} \
         if args.mode == "averaging" else {}
     loss_fn = nn.CrossEntropyLoss() if args.loss == "cross_entropy" else nn.MSELoss()
+    interrupted = None
     with paraloom.ParallelWrapper(model, loss_fn=loss_fn, optimizer=optimizer,
                                   workers=args.workers, devices=parse_devices(args.devices),
                                   training_mode=args.mode, **mode_options) as wrapper:
-        stats = wrapper.fit(loader, epochs=args.epochs)
+        try:
+            stats = wrapper.fit(loader, epochs=args.epochs)
+        except paraloom.FitInterrupted as e:  # Ctrl-C: report and save what was trained
+            interrupted, stats = e, wrapper.stats()
     speed = (f"{stats['samples_per_s']:.0f} samples/s, {wrapper.workers} workers, "
              f"{args.mode}")
     if test is None:
@@ -77,6 +81,9 @@ def _train(args: argparse.Namespace) -> int:
         metadata = {"dataset": args.dataset} if args.data is None else {"data": args.data}
         paraloom.save(model, args.out, metadata=metadata)
         print(f"saved {args.out}")
+    if interrupted is not None:
+        print(f"interrupted: {interrupted}", file=sys.stderr)
+        return 130  # what a shell reports for a program ended by Ctrl-C
     return 0
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ParaloomError", "WorkerError", "NotPicklableError"]
+__all__ = ["ParaloomError", "WorkerError", "NotPicklableError", "FitInterrupted"]
 
 
 class ParaloomError(RuntimeError):
@@ -32,3 +32,15 @@ class WorkerError(ParaloomError):
 
 class NotPicklableError(ParaloomError, TypeError):
     """Something that must be sent to worker processes cannot be pickled."""
+
+
+class FitInterrupted(KeyboardInterrupt):
+    """``fit()`` was stopped by Ctrl-C after the round in flight; the model (and your
+    optimizer) hold what was trained until then. A ``KeyboardInterrupt``, so a program stops
+    as it would have; catch it to keep going (save the model, evaluate it). ``iterations``: the
+    wrapper's iteration count when it stopped."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+        super().__init__(f"fit() was interrupted after {iterations} iterations; the model "
+                         "holds the parameters trained so far")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import time
 
 import pytest
 import torch
 from training_helpers import Scalar, linear_loss
 
-from paraloom import ParallelWrapper, TrainingListener
+from paraloom import FitInterrupted, ParallelWrapper, TrainingListener
 from paraloom.training.gate import RoundGate
+from paraloom.training.interrupts import graceful_interrupt
 
 
 def slow_step(model, batch):
@@ -118,3 +121,65 @@ def test_fit_or_close_from_a_listener_is_refused_and_the_wrapper_trains_on(worke
         before = model.w.item()
         stats = wrapper.fit(batches[:4])
         assert stats["rounds"] == 4 // workers and model.w.item() == before - 4 // workers
+
+
+def _interrupting_wrapper(model: Scalar, times: int) -> ParallelWrapper:
+    """A wrapper whose listener presses Ctrl-C ``times`` times at iteration 1, as a terminal
+    does: to this process and to every worker."""
+    fired: list[int] = []
+
+    def listener(iteration, epoch, loss):
+        if iteration == 1 and not fired:
+            fired.append(iteration)
+            for _ in range(times):
+                for pid in wrapper._pool.pids:  # type: ignore[union-attr]
+                    os.kill(pid, signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+
+    wrapper = ParallelWrapper(model, step_fn=slow_step,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=1.0), workers=2,
+                              prefetch_buffer=40, progress=False, listeners=[listener])
+    return wrapper
+
+
+def test_ctrl_c_stops_after_the_round_in_flight_and_keeps_what_was_trained():
+    model = Scalar()
+    wrapper = _interrupting_wrapper(model, times=1)
+    batches = [(torch.ones(1, 1), torch.zeros(1))] * 80  # 40 rounds of 2 workers
+    with wrapper:
+        with pytest.raises(FitInterrupted, match="model holds the parameters trained so far"):
+            wrapper.fit(batches)
+        trained = wrapper.stats()["rounds"]
+        assert 2 <= trained <= 4
+        assert model.w.item() == -trained  # the rounds trained before the stop are kept
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        pids = wrapper._pool.pids  # type: ignore[union-attr]
+        stats = wrapper.fit(batches[:4])  # the workers ignored their Ctrl-C: same processes
+        assert wrapper._pool.pids == pids  # type: ignore[union-attr]
+        assert stats["rounds"] == 2 and model.w.item() == -trained - 2
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_leaves_the_model_as_it_was():
+    model = Scalar()
+    wrapper = _interrupting_wrapper(model, times=2)
+    batches = [(torch.ones(1, 1), torch.zeros(1))] * 80
+    with wrapper:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            wrapper.fit(batches)
+        assert not isinstance(raised.value, FitInterrupted)
+        assert model.w.item() == 0.0 and wrapper._pool is None  # aborted: workers gone
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert wrapper.fit(batches[:4])["rounds"] == 2 and model.w.item() == -2
+
+
+def test_ctrl_c_is_left_to_a_handler_the_user_installed():
+    heard: list[int] = []
+    stops: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: heard.append(signum))
+    try:
+        with graceful_interrupt(lambda: stops.append(1)) as interrupted:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # the handler runs between bytecodes of the main thread
+        assert heard == [signal.SIGINT] and stops == [] and not interrupted()
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -491,13 +491,8 @@ class _Inbox:
         return item
 
     def close(self) -> None:
-        """Stop the reading thread and wait for it (at most a few polls).
-
-        Waiting matters at exit: a reply the thread still held would otherwise be freed by it
-        while the interpreter shuts down, and a daemon thread that frees a tensor then (which
-        takes the GIL again) aborts the process ("terminate called without an active
-        exception", exit status 134) after a fit that succeeded.
-        """
+        """Stop the reading thread and wait for it: a reply it still held, freed by it while
+        the interpreter shuts down, aborts the process (status 134) after a fit that worked."""
         self._closed.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10 * _POLL_S)

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -130,6 +131,9 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
                 gate_array: object = None) -> None:
     """Entry point of a worker process (``gate_array``: the pool's RoundGate)."""
     started_ppid = os.getppid()
+    if multiprocessing.parent_process() is not None:  # a worker process (not a test's call)
+        # Ctrl-C reaches the whole process group: the parent decides when workers stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The parent still treats this process as a daemon (ended when it exits); in here the flag
     # would forbid the loader worker processes of a DataLoader the replica runs itself.
     multiprocessing.current_process().daemon = False

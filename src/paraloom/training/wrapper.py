@@ -16,7 +16,7 @@ from torch import nn
 
 from paraloom.data import as_data_source
 from paraloom.devices import DeviceSpec, training_devices
-from paraloom.errors import WorkerError
+from paraloom.errors import FitInterrupted, WorkerError
 from paraloom.forward import LossFn
 from paraloom.listeners import TrainingListener, as_listener
 from paraloom.precision import resolve_precision
@@ -24,6 +24,7 @@ from paraloom.sync.base import Synchronizer
 from paraloom.sync.registry import build_synchronizer
 from paraloom.training.dealing import total_batches
 from paraloom.training.fit_run import FitPlan, FitRun, Start
+from paraloom.training.interrupts import graceful_interrupt
 from paraloom.training.local_pool import LocalPool
 from paraloom.training.messages import ReplicaResult
 from paraloom.training.mirror import ReplicaMirror, changed_settings, hyperparameters
@@ -256,7 +257,9 @@ class ParallelWrapper:
         file or a CheckpointListener's directory) continues an interrupted run exactly: same
         total ``epochs``, same data. ``initial_epoch`` numbers the epochs from there (as in
         Keras: ``epochs`` is the index to stop before), for training driven epoch by epoch.
-        Returns ``stats()``.
+        Returns ``stats()``. Ctrl-C stops the fit after the round in flight, keeps what was
+        trained in the model, then raises ``FitInterrupted`` (a ``KeyboardInterrupt``); a
+        second Ctrl-C aborts at once, leaving the model as it was before the fit.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
@@ -279,11 +282,12 @@ class ParallelWrapper:
         self._checkpoints.reset()
         completed = False
         try:
-            source = run.begin(self.model, self._mirror)
-            for listener in self.listeners:
-                listener.on_fit_start(self)
-            run.deal(source)
-            result = self._finish(run)
+            with graceful_interrupt(run.stop) as interrupted:
+                source = run.begin(self.model, self._mirror)
+                for listener in self.listeners:
+                    listener.on_fit_start(self)
+                run.deal(source)
+                result = self._finish(run)
             completed = True
         except BaseException as e:
             if isinstance(e, WorkerError):
@@ -298,6 +302,8 @@ class ParallelWrapper:
         self._mirror = ReplicaMirror(self.model, self._user_optimizer, pool)
         for listener in self.listeners:
             listener.on_fit_end(self)
+        if interrupted():
+            raise FitInterrupted(tracker.iteration)
         return self.stats()
 
     def _failed(self, error: BaseException, tracker: RoundTracker) -> None:

@@ -1,0 +1,47 @@
+"""Ctrl-C during ``fit()``: the first one stops the fit after the round in flight and keeps
+what was trained; a second one aborts at once.
+
+The workers ignore SIGINT (a terminal sends it to the whole process group): the parent decides
+when they stop. It takes over SIGINT only on the main thread, and only while Python's own
+handler is installed, so a handler of the user's (or of a framework around it) is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+
+__all__ = ["graceful_interrupt"]
+
+
+@contextlib.contextmanager
+def graceful_interrupt(stop: Callable[[], None]) -> Iterator[Callable[[], bool]]:
+    """While inside, the first SIGINT calls ``stop()`` (which must only set a flag) instead
+    of raising, and puts the previous handler back, so a second SIGINT raises
+    ``KeyboardInterrupt`` where the program is. Yields a function that tells whether the
+    first one came."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() \
+            or previous is not signal.default_int_handler:
+        yield lambda: False
+        return
+    interrupted = False
+
+    def on_interrupt(signum: int, frame: FrameType | None) -> None:
+        nonlocal interrupted
+        interrupted = True
+        signal.signal(signal.SIGINT, previous)
+        print("\nparaloom: interrupted: stopping after the round in flight, keeping what was "
+              "trained (Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        stop()
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield lambda: interrupted
+    finally:
+        if signal.getsignal(signal.SIGINT) is on_interrupt:
+            signal.signal(signal.SIGINT, previous)

@@ -123,6 +123,15 @@ def test_fit_or_close_from_a_listener_is_refused_and_the_wrapper_trains_on(worke
         assert stats["rounds"] == 4 // workers and model.w.item() == before - 4 // workers
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test, whatever an earlier test left (a SparkContext
+    installs one of its own, which fit() leaves alone)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupting_wrapper(model: Scalar, times: int) -> ParallelWrapper:
     """A wrapper whose listener presses Ctrl-C ``times`` times at iteration 1, as a terminal
     does: to this process and to every worker."""
@@ -142,7 +151,7 @@ def _interrupting_wrapper(model: Scalar, times: int) -> ParallelWrapper:
     return wrapper
 
 
-def test_ctrl_c_stops_after_the_round_in_flight_and_keeps_what_was_trained():
+def test_ctrl_c_stops_after_the_round_in_flight_and_keeps_what_was_trained(python_sigint):
     model = Scalar()
     wrapper = _interrupting_wrapper(model, times=1)
     batches = [(torch.ones(1, 1), torch.zeros(1))] * 80  # 40 rounds of 2 workers
@@ -159,7 +168,7 @@ def test_ctrl_c_stops_after_the_round_in_flight_and_keeps_what_was_trained():
         assert stats["rounds"] == 2 and model.w.item() == -trained - 2
 
 
-def test_a_second_ctrl_c_aborts_at_once_and_leaves_the_model_as_it_was():
+def test_a_second_ctrl_c_aborts_at_once_and_leaves_the_model_as_it_was(python_sigint):
     model = Scalar()
     wrapper = _interrupting_wrapper(model, times=2)
     batches = [(torch.ones(1, 1), torch.zeros(1))] * 80

@@ -35,9 +35,11 @@ def graceful_interrupt(stop: Callable[[], None]) -> Iterator[Callable[[], bool]]
         nonlocal interrupted
         interrupted = True
         signal.signal(signal.SIGINT, previous)
-        print("\nparaloom: interrupted: stopping after the round in flight, keeping what was "
-              "trained (Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
         stop()
+        # A handler may run inside a buffered write of the main thread: never fail over it.
+        with contextlib.suppress(RuntimeError, OSError, ValueError):
+            print("\nparaloom: interrupted: stopping after the round in flight, keeping what "
+                  "was trained (Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGINT, on_interrupt)
     try:

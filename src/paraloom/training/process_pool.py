@@ -494,5 +494,4 @@ class _Inbox:
         """Stop the reading thread and wait for it: a reply it still held, freed by it while
         the interpreter shuts down, aborts the process (status 134) after a fit that worked."""
         self._closed.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10 * _POLL_S)
+        self._thread.join(timeout=10 * _POLL_S)

@@ -224,10 +224,10 @@ class RecoveringPool:
         if pending is None or pending.round_id != reply.round_id:
             return  # asked for before a recovery: that pool is gone
         pending.states[reply.rank] = reply.state
+        pending.seconds = max(pending.seconds, reply.seconds)
         if any(s is None for s in pending.states):
-            pending.seconds = max(pending.seconds, reply.seconds)
             return
-        self._costs.append(max(pending.seconds, reply.seconds))  # the slowest replica's copy
+        self._costs.append(pending.seconds)  # the slowest replica's copy
         self._restore, self._pending = pending, None
         # A worker's LoaderEpoch stays: the rounds after the restore point load from its plan.
         epochs = {rank: (rank, m) for rank, m in self._log[:pending.log_index]

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,6 +46,7 @@ from paraloom.training.messages import (
     ToReplica,
 )
 from paraloom.training.optim import OptimizerSpec
+from paraloom.training.parametrized import by_value
 from paraloom.training.replica import Replica, SchedulerFactory, StepFn
 from paraloom.training.transport import SharedOutbox
 
@@ -79,7 +79,7 @@ def pickle_spec(spec: WorkerSpec, *, destination: str = "the worker processes",
     """Pickle what the replicas need, by value for classes and lambdas defined in scripts;
     what cannot be pickled is named in a ``NotPicklableError``, with ``hint`` as the fix."""
     try:
-        data: bytes = cloudpickle.dumps(spec)
+        data = by_value(spec)
     except Exception as e:
         raise NotPicklableError(f"cannot send the {_unpicklable_part(spec)} to {destination}: "
                                 f"{type(e).__name__}: {e}. {hint}") from e
@@ -89,7 +89,7 @@ def pickle_spec(spec: WorkerSpec, *, destination: str = "the worker processes",
 def _unpicklable_part(spec: WorkerSpec) -> str:
     for name in ("model", "loss_fn", "step_fn", "optimizer", "synchronizer"):
         try:
-            cloudpickle.dumps(getattr(spec, name))
+            by_value(getattr(spec, name))
         except Exception:
             return {"optimizer": "optimizer (or optimizer factory)"}.get(name, name)
     return "training setup"

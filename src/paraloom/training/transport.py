@@ -21,12 +21,12 @@ import torch.multiprocessing  # noqa: F401  (registers torch's shared-memory red
 from paraloom.data import map_tensors
 from paraloom.errors import NotPicklableError
 from paraloom.training.messages import Begin, Pickled, Round, RoundBatch, ToReplica
+from paraloom.training.parametrized import ModulePickler
 
 __all__ = ["SharedOutbox", "carries_user_objects", "dumps", "pack", "shared_copy"]
 
 
-# cloudpickle has no type information, so its pickler class is Any to mypy.
-class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
+class _Pickler(ModulePickler):
     dispatch_table = ChainMap(ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
                               cloudpickle.CloudPickler.dispatch_table)
 

@@ -38,6 +38,7 @@ from paraloom.spark.evaluation.metrics import (
     metric_factory,
 )
 from paraloom.spark.runtime import cached, pack, task_threads, unpack
+from paraloom.training.parametrized import by_value
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
@@ -75,7 +76,7 @@ def ship(sc: SparkContext, model: nn.Module, features: Features,
          thresholds: tuple[float, ...] = ()) -> Shipment:
     """Broadcast ``model`` (structure and current parameters) for evaluation or inference."""
     state = pack({k: v for k, v in model.state_dict().items()})
-    structure = cloudpickle.dumps(model)
+    structure = by_value(model)
     # Both in the key: the same parameters in another module (an activation swapped, a plain
     # attribute changed) must not find the cached model in a reused Python process.
     key = hashlib.sha256(hashlib.sha256(structure).digest() + state).hexdigest()[:24]

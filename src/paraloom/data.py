@@ -26,13 +26,18 @@ _Key = TypeVar("_Key", bound=Hashable)
 _Value = TypeVar("_Value")
 
 
-def split_batch(batch: object) -> tuple[Any, Any]:
-    """Return ``(inputs, targets)`` of a batch, or raise a TypeError that says what a batch is."""
+_ANY_BATCH = ("; for batches of another shape, e.g. (x, y, weight), give ParallelWrapper "
+              "step_fn=lambda model, batch: <the loss>")
+
+
+def split_batch(batch: object, *, training: bool = False) -> tuple[Any, Any]:
+    """Return ``(inputs, targets)`` of a batch, or raise a TypeError that says what a batch is
+    (``training``: and that ``step_fn`` takes batches of any shape)."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     raise TypeError(f"a batch must be a pair (inputs, targets); got {describe(batch)}. Yield "
                     "(x, y) from your data, e.g. a DataLoader over TensorDataset(x, y); a "
-                    "multi-input model takes ((x1, x2), y)")
+                    "multi-input model takes ((x1, x2), y)" + (_ANY_BATCH if training else ""))
 
 
 def iter_tensors(obj: object) -> Iterator[torch.Tensor]:

@@ -239,6 +239,30 @@ def test_a_step_fn_takes_dict_batches_from_a_list():
     torch.testing.assert_close(model.weight.detach(), torch.ones(1, 3), atol=0.05, rtol=0)
 
 
+def _weighted_step(model, batch):
+    x, y, weight = batch
+    return (nn.functional.cross_entropy(model(x), y, reduction="none") * weight).mean()
+
+
+def test_weighted_triplets_need_a_step_fn_and_the_error_says_so():
+    """(x, y, weight) batches, as a DataLoader over a three-tensor dataset yields them: without
+    step_fn the error names it; with one they train."""
+    torch.manual_seed(0)
+    x = torch.randn(128, 4)
+    y = (x[:, 0] > 0).long()
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y, torch.ones(128)), batch_size=16)
+    model = nn.Linear(4, 2)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5)) as w:
+        with pytest.raises(WorkerError, match=r"must be a pair.*\(x, y, weight\).*step_fn="):
+            w.fit(loader, epochs=1)
+    model = nn.Linear(4, 2)
+    with ParallelWrapper(model, step_fn=_weighted_step, workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5)) as w:
+        w.fit(loader, epochs=10)
+    assert (model(x).argmax(1) == y).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("options", [{}, {"find_unused_parameters": True},
                                      {"static_graph": True}])
 @pytest.mark.parametrize("idle", [False, True], ids=["full-rounds", "idle-round"])

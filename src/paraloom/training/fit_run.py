@@ -391,7 +391,7 @@ class FitRun:
         """The batch, once it is known to be an (inputs, targets) pair (a TypeError that says
         what a batch must be otherwise); a ``step_fn`` takes batches of any structure."""
         if self.plan.batches_are_pairs:
-            split_batch(batch)
+            split_batch(batch, training=True)
         return batch
 
     def _check_sharded(self, source: LoaderSpec, replies: Iterable[StepDone],

@@ -373,7 +373,7 @@ class Replica:
 
     def _model_loss(self, batch: Any) -> torch.Tensor:
         assert self.loss_fn is not None  # require_loss: no step_fn means a loss_fn
-        inputs, targets = split_batch(batch)
+        inputs, targets = split_batch(batch, training=True)
         self._check_dtype(inputs)
         try:
             outputs = forward(self._module, inputs)

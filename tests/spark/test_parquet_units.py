@@ -141,6 +141,27 @@ def test_spark_ml_vectors_dense_and_sparse_read_as_dense_rows():
         arrow_column(pa.array([{"a": 1}]), "s")
 
 
+def test_decimals_read_as_doubles_and_whole_decimals_as_longs(tmp_path):
+    """A database's exact decimals (prices: decimal(10, 4); class ids: decimal(3, 0)), as
+    Spark writes them to Parquet, are numbers to train on."""
+    from decimal import Decimal
+
+    prices = pa.array([Decimal("1.2500"), Decimal("-3.0625")], pa.decimal128(10, 4))
+    ids = pa.array([Decimal("7"), Decimal("2")], pa.decimal128(3, 0))
+    huge = pa.array([Decimal("12345678901234567890")], pa.decimal128(20, 0))
+    lists = pa.array([[Decimal("0.5"), Decimal("1.5")]], pa.list_(pa.decimal128(4, 1)))
+    read = arrow_column(prices, "price")
+    assert read.dtype == np.float64 and read.tolist() == [1.25, -3.0625]
+    assert arrow_column(ids, "digit").dtype == np.int64
+    assert arrow_column(ids, "digit").tolist() == [7, 2]
+    assert arrow_column(huge, "id").dtype == np.float64  # past int64: a double
+    assert arrow_column(lists, "f").tolist() == [[0.5, 1.5]]
+    path = tmp_path / "prices.parquet"
+    pq.write_table(pa.table({"price": prices, "qty": pa.array([1.0, 2.0]), "digit": ids}), path)
+    found = scan_parquet([str(path)], Columns.of(["price", "qty"], "digit"))
+    assert found.rows == 2
+
+
 def test_prefetching_raises_the_readers_error_and_stops_when_closed():
     def failing():
         yield np.zeros(1), np.zeros(1)

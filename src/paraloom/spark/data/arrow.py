@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from paraloom.spark.data.arrays import Arrays
-from paraloom.spark.data.rows import Columns, FieldSpec, Pair, Spec, check_columns, column
+from paraloom.spark.data.rows import (
+    Columns,
+    FieldSpec,
+    Pair,
+    Spec,
+    check_columns,
+    column,
+    spark_column,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
@@ -54,6 +62,10 @@ def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
                         f"numbers (or Spark ML vectors)")
     if pa.types.is_boolean(kind):
         return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
+    if pa.types.is_decimal(kind):  # a Parquet file's exact decimals, read as Spark's are
+        whole = kind.scale == 0 and kind.precision <= 18
+        return np.asarray(arr.cast(pa.int64() if whole else pa.float64())
+                          .to_numpy(zero_copy_only=False))
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise TypeError(f"column {name!r} has type {kind}; expected numbers or arrays of numbers")
     return np.asarray(arr.to_numpy(zero_copy_only=False))
@@ -71,8 +83,8 @@ def is_list_type(kind: pa.DataType) -> bool:
 
 
 def decodable(kind: pa.DataType) -> bool:
-    """Whether ``arrow_column`` decodes a column of this type: numbers, booleans, (nested)
-    lists of them, or Spark ML vectors."""
+    """Whether ``arrow_column`` decodes a column of this type: numbers (decimals too),
+    booleans, (nested) lists of them, or Spark ML vectors."""
     import pyarrow as pa
 
     if pa.types.is_struct(kind):
@@ -80,7 +92,7 @@ def decodable(kind: pa.DataType) -> bool:
     while is_list_type(kind):
         kind = kind.value_type
     return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind)
-                or pa.types.is_boolean(kind))
+                or pa.types.is_boolean(kind) or pa.types.is_decimal(kind))
 
 
 def is_ml_vector(kind: pa.DataType) -> bool:
@@ -169,11 +181,12 @@ def decode_chunk(blob: bytes) -> Pair:
 
 
 def arrow_columns(df: DataFrame, names: list[str]) -> list[Column]:
-    """``df``'s columns ``names`` ready for Arrow: Spark ML vectors as arrays of doubles."""
+    """``df``'s columns ``names`` ready for Arrow: Spark ML vectors as arrays of doubles,
+    decimals as doubles."""
     from pyspark.ml.functions import vector_to_array
 
     return [vector_to_array(column(n)).alias(n)
-            if type(df.schema[n].dataType).__name__ == "VectorUDT" else column(n).alias(n)
+            if type(df.schema[n].dataType).__name__ == "VectorUDT" else spark_column(df, n).alias(n)
             for n in names]
 
 

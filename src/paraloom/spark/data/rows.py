@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Pair", "field", "Spec", "FieldSpec", "Inputs", "Label", "Columns", "to_array",
            "row_pair", "partition_arrays", "as_rows", "rows_of", "row_extractor", "check_columns",
+           "spark_column",
            "check_names", "column", "is_dataframe", "is_rdd"]
 
 Pair = tuple[Arrays, Arrays]
@@ -204,8 +205,8 @@ def _numeric(kind: DataType, depth: int = 0) -> bool:
 
     if isinstance(kind, ArrayType):
         return _numeric(kind.elementType, depth + 1)
-    if isinstance(kind, DecimalType):  # Arrow gives decimal objects, not numpy numbers
-        return False
+    if isinstance(kind, DecimalType):  # read as doubles (see spark_column)
+        return True
     if type(kind).__name__ == "VectorUDT":
         return depth == 0  # vector_to_array converts top-level vector columns only
     return isinstance(kind, (NumericType, BooleanType))
@@ -217,6 +218,28 @@ def column(name: str) -> Column:
     from pyspark.sql.functions import col
 
     return col("`" + name.replace("`", "``") + "`")
+
+
+def _decimals_read_as(kind: DataType) -> DataType | None:
+    """The type a decimal (or an array of decimals) is read as: long for whole numbers of at
+    most 18 digits (``decimal(p, 0)``: class labels, counts), double otherwise; None for
+    other types."""
+    from pyspark.sql.types import ArrayType, DecimalType, DoubleType, LongType
+
+    if isinstance(kind, DecimalType):
+        return LongType() if kind.scale == 0 and kind.precision <= 18 else DoubleType()
+    if isinstance(kind, ArrayType):
+        inner = _decimals_read_as(kind.elementType)
+        return None if inner is None else ArrayType(inner, kind.containsNull)
+    return None
+
+
+def spark_column(df: DataFrame, name: str) -> Column:
+    """``df``'s column ``name`` as the data is read: decimals (a database's prices, amounts
+    and ids, exact in Spark) cast to long or double (see ``_decimals_read_as``), which numpy
+    and torch hold."""
+    read_as = _decimals_read_as(df.schema[name].dataType)
+    return column(name) if read_as is None else column(name).cast(read_as)
 
 
 def check_names(df: DataFrame, names: list[str], what: str) -> list[str]:
@@ -258,7 +281,8 @@ def rows_of(data: RDD[object] | DataFrame, columns: Columns) -> RDD[Pair]:
     """``as_rows`` with the columns already chosen (ignored for an RDD of pairs)."""
     if is_dataframe(data):
         get = row_extractor(columns)
-        return data.select(*[column(c) for c in check_columns(data, columns)]).rdd.map(get)
+        return data.select(*[spark_column(data, c).alias(c)
+                             for c in check_columns(data, columns)]).rdd.map(get)
     if is_rdd(data):
         return data.map(row_pair)
     raise TypeError(f"data must be a pyspark RDD of (features, label) or a DataFrame; got "

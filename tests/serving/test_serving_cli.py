@@ -360,6 +360,8 @@ def test_allow_handlers_is_for_a_models_directory_and_reaches_it(tmp_path: Path)
     saved(tmp_path / "m.safetensors", 0)
     with pytest.raises(ValueError, match="--allow-handlers applies to a models directory"):
         cli._build_app(parse(str(tmp_path / "m.safetensors"), "--allow-handlers"))
+    with pytest.raises(ValueError, match="--allow-torchscript applies to a models directory"):
+        cli._build_app(parse(str(tmp_path / "m.safetensors"), "--allow-torchscript"))
     folder = tmp_path / "repo" / "texts" / "2"
     folder.mkdir(parents=True)
     saved(folder / "model.safetensors", 0)

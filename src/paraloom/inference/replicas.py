@@ -24,14 +24,16 @@ Example = tuple[Hashable, Hashable, tuple[torch.Tensor, ...]]  # (key, spec, ten
 def build_replica(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:
     """A private copy of the model on ``device``, in eval mode, without gradients."""
     try:
-        replica = copy.deepcopy(model)
+        with torch.no_grad():  # a TorchScript module's copy would otherwise be autograd clones
+            replica = copy.deepcopy(model)
     except Exception as exc:
         raise TypeError(f"cannot copy the model ({type(model).__name__}) to build replicas: "
                         f"{exc}. Make it deep-copyable (copy.deepcopy) or pass a plain "
                         "nn.Module") from exc
     replica = precision.convert_module(replica.to(device))
     replica.eval()
-    replica.requires_grad_(False)
+    for parameter in replica.parameters():  # not requires_grad_: TorchScript modules lack it
+        parameter.requires_grad_(False)
     return replica
 
 

@@ -138,6 +138,7 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
 
 def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 << 20,
                           retry_after: int = 1, allow_handlers: bool = False,
+                          allow_torchscript: bool = False,
                           shared_memory: bool | None = None,
                           **pool_defaults: Unpack[PoolOptions]
                           ) -> Starlette:
@@ -147,12 +148,15 @@ def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 <<
     the model's config. Models that fail to load are listed as UNAVAILABLE with the reason.
     ``allow_handlers`` imports and runs a model folder's ``handler.py`` (code from the
     repository: off by default; such a model is then UNAVAILABLE, saying how to allow it).
-    ``shared_memory``: as for ``create_app``.
+    ``allow_torchscript`` serves TorchScript ``model.pt`` files in Triton's layout (a
+    ``config.pbtxt`` beside numbered version folders; see ``paraloom.serving.repository.triton``);
+    off by default, as a TorchScript archive is a program. ``shared_memory``: as for
+    ``create_app``.
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes={max_body_bytes}; expected a positive byte count")
     source = ModelsDir(models_dir, pool_defaults=pool_defaults, retry_after=retry_after,
-                       allow_handlers=allow_handlers)
+                       allow_handlers=allow_handlers, allow_torchscript=allow_torchscript)
     repository = ModelRepository(source)
     try:
         for name, found in source.scan().items():

@@ -108,6 +108,10 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --models-dir: import and run each model folder's handler.py "
                       "(pre- and postprocessing, strings in and out); it is code from the "
                       "repository, so off by default: such models are listed UNAVAILABLE")
+    http.add_argument("--allow-torchscript", action="store_true",
+                      help="with --models-dir: serve TorchScript model.pt files (Triton's "
+                      "layout: NAME/config.pbtxt, NAME/1/model.pt); a TorchScript archive is a "
+                      "program, so off by default: such models are listed UNAVAILABLE")
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     http.add_argument("--access-log", action="store_true", help="log every request")
 
@@ -266,10 +270,12 @@ def _build_app(args: argparse.Namespace) -> tuple[Starlette, str | None]:
                              "config.json")
         return create_repository_app(args.models_dir, max_body_bytes=max_body,
                                      allow_handlers=args.allow_handlers,
+                                     allow_torchscript=args.allow_torchscript,
                                      shared_memory=shared_memory, **_pool_options(args)), None
-    if args.allow_handlers:
-        raise ValueError("--allow-handlers applies to a models directory (--models-dir DIR "
-                         "without MODEL), whose model folders hold handler.py")
+    if args.allow_handlers or args.allow_torchscript:
+        flag = "--allow-handlers" if args.allow_handlers else "--allow-torchscript"
+        raise ValueError(f"{flag} applies to a models directory (--models-dir DIR without "
+                         "MODEL), whose model folders hold handler.py or model.pt")
     model, model_file = build_model(args)
     app = create_app(model, name=args.name, model_file=model_file, model_dir=args.models_dir,
                      max_body_bytes=max_body, inputs=_input_specs(args),

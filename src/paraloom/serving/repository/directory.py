@@ -16,6 +16,10 @@ DIR (symlinks) are refused. A config is JSON: ``name``, ``version_policy`` (Trit
 ``queue_limit``, ``max_wait_ms``, ``threads_per_worker``, ``inputs`` and ``outputs``
 (``[{"name", "datatype", "shape"}]``).
 
+A model folder may instead be in Triton's layout for TorchScript models: ``config.pbtxt`` and
+``N/model.pt`` (``paraloom.serving.repository.triton``), served when the server allows
+TorchScript; a ``config.pbtxt`` also configures a ``.safetensors`` model.
+
 A model folder (or a numbered version's folder) may hold ``handler.py``: pre- and
 postprocessing around the model (``paraloom.serving.handlers``). It is code, so it runs only
 when the server allows handlers; otherwise the model is listed UNAVAILABLE with the reason.
@@ -26,11 +30,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from paraloom.serving.errors import NotFoundError
 from paraloom.serving.handlers import HANDLER_FILE, Handler, load_handler
 from paraloom.serving.repository.files import ModelFiles
+from paraloom.serving.repository.triton import (
+    PBTXT,
+    TORCHSCRIPT,
+    is_torchscript,
+    read_pbtxt,
+    torchscript_file,
+)
 from paraloom.serving.served import PoolOptions, ServedModel, build_pool
 from paraloom.serving.signature import (
     ModelSignature,
@@ -38,6 +49,9 @@ from paraloom.serving.signature import (
     infer_signature,
     spec_from_json,
 )
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["Found", "ModelConfig", "ModelsDir", "VersionPolicy", "read_config"]
 
@@ -76,6 +90,8 @@ class ModelConfig:
     pool_options: PoolOptions = field(default_factory=PoolOptions)
     inputs: tuple[TensorSpec, ...] | None = None
     outputs: tuple[TensorSpec, ...] | None = None
+    model_filename: str = TORCHSCRIPT
+    """A TorchScript model's file in each version folder (Triton's default_model_filename)."""
 
 
 @dataclass(frozen=True)
@@ -137,14 +153,21 @@ def _version_policy(raw: object, where: str) -> VersionPolicy:
     raise ValueError(f"{where}: version_policy {raw!r} is not supported; {usage}")
 
 
-def read_config(path: Path, default_name: str) -> ModelConfig:
-    """The config in ``path`` (JSON); ``ValueError`` naming the problem."""
+def _json(path: Path) -> dict[str, object]:
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path.name} is not readable JSON: {e}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"{path.name} must hold a JSON object")
+    return raw
+
+
+def read_config(path: Path, default_name: str) -> ModelConfig:
+    """The config in ``path``: JSON, or Triton's ``config.pbtxt`` (see
+    ``paraloom.serving.repository.triton``); ``ValueError`` naming the problem."""
+    raw = dict(read_pbtxt(path, default_name)) if path.name == PBTXT else _json(path)
+    model_filename = str(raw.pop("model_filename", TORCHSCRIPT))
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
         raise ValueError(f"{path.name} has unknown keys {unknown}; known: {sorted(_KEYS)}")
@@ -157,14 +180,25 @@ def read_config(path: Path, default_name: str) -> ModelConfig:
         name=name, version_policy=_version_policy(raw.get("version_policy"), path.name),
         pool_options=options,
         inputs=None if "inputs" not in raw else _specs(raw["inputs"], "inputs", path.name),
-        outputs=None if "outputs" not in raw else _specs(raw["outputs"], "outputs", path.name))
+        outputs=None if "outputs" not in raw else _specs(raw["outputs"], "outputs", path.name),
+        model_filename=model_filename)
+
+
+def config_path_of(folder: Path) -> Path:
+    """A model folder's config: ``config.json``, else Triton's ``config.pbtxt`` (the JSON path,
+    absent, when neither is there); ``ValueError`` if both are."""
+    json_path, pbtxt = folder / "config.json", folder / PBTXT
+    if json_path.is_file() and pbtxt.is_file():
+        raise ValueError(f"{folder.name}/ holds both config.json and {PBTXT}; keep one")
+    return pbtxt if pbtxt.is_file() else json_path
 
 
 class ModelsDir:
     """The models in a directory, and how to build a ``ServedModel`` of one of them."""
 
     def __init__(self, root: str | Path, *, pool_defaults: PoolOptions | None = None,
-                 retry_after: int = 1, allow_handlers: bool = False) -> None:
+                 retry_after: int = 1, allow_handlers: bool = False,
+                 allow_torchscript: bool = False) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ValueError(f"models directory {str(root)!r} is not a directory; pass the "
@@ -172,6 +206,7 @@ class ModelsDir:
         self.pool_defaults = PoolOptions() if pool_defaults is None else pool_defaults.copy()
         self.retry_after = retry_after
         self.allow_handlers = allow_handlers
+        self.allow_torchscript = allow_torchscript
 
     def _inside(self, path: Path) -> bool:
         return path.resolve().is_relative_to(self.root)
@@ -194,7 +229,10 @@ class ModelsDir:
     def _folder(self, folder: Path) -> Found:
         numbered = sorted((int(p.name), p) for p in folder.iterdir()
                           if p.is_dir() and p.name.isdigit() and int(p.name) >= 1)
-        config_path = folder / "config.json"
+        try:
+            config_path = config_path_of(folder)
+        except ValueError as e:
+            return Found(folder.name, None, error=str(e))
         if not numbered:
             return self._found(folder.name, folder / _WEIGHTS, config_path, folder=folder)
         try:
@@ -227,6 +265,13 @@ class ModelsDir:
         except ValueError as e:
             return Found(stem, None, error=str(e))
         name = config.name if config is not None else stem
+        if not weights.is_file() and folder is not None:
+            script = weights.with_name(config.model_filename if config else TORCHSCRIPT)
+            if script.is_file():
+                refused = self._refusal(script)
+                if refused:
+                    return Found(name, None, error=refused)
+                weights = script
         if not weights.is_file():
             pickles = [p.name for p in weights.parent.glob("*") if p.suffix in _PICKLES]
             hint = f" ({pickles} are pickle-based: refused)" if pickles else ""
@@ -235,6 +280,21 @@ class ModelsDir:
             return Found(name, None, error=f"{weights.name} resolves outside the models "
                          "directory: refused")
         return Found(name, weights, version, config, folder)
+
+    def _refusal(self, script: Path) -> str:
+        """Why a model folder's ``model.pt`` is not served ("" if it is)."""
+        shown = script.relative_to(self.root)
+        if not self._inside(script):
+            return f"{shown} resolves outside the models directory: refused"
+        if not is_torchscript(script):
+            return (f"{shown} is not TorchScript (a torch.save pickle?): refused, paraloom "
+                    "never unpickles; save it with torch.jit.save, or with paraloom.save as "
+                    "model.safetensors")
+        if not self.allow_torchscript:
+            return (f"{shown} is TorchScript, a program, which this server does not run: "
+                    "start it with --allow-torchscript (create_repository_app("
+                    "allow_torchscript=True)) to serve it")
+        return ""
 
     def scan(self) -> dict[str, Found]:
         """Every model the directory holds now, by served name."""
@@ -285,21 +345,33 @@ class ModelsDir:
 
     def _build_one(self, name: str, path: Path, folder: Path | None, version: int,
                    config: ModelConfig, *, numbered: bool) -> ServedModel:
-        from paraloom.checkpoint import load
-
-        try:
-            model = load(path).eval()
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cannot load {path.relative_to(self.root)}: {e}") from e
-        signature = infer_signature(model, inputs=config.inputs, outputs=config.outputs)
+        model, signature = self._model(path, config)
         handler = self._handler(folder, signature, f"{name}:{version}")
         options: PoolOptions = {**self.pool_defaults, **config.pool_options}
         pool = build_pool(model, signature, None, config.outputs is None, options)
         # A load request reads from the model's own folder: DIR itself for DIR/NAME.safetensors.
-        files = ModelFiles(model_file=path, model_dir=folder or self.root)
+        files = ModelFiles(model_file=path if path.suffix == ".safetensors" else None,
+                           model_dir=folder or self.root)
         return ServedModel(name, pool, model, signature if handler is None else handler.signature,
                            files=files, owns_pool=True, retry_after=self.retry_after,
                            first_version=version, numbered=numbered, handler=handler)
+
+    def _model(self, path: Path, config: ModelConfig) -> tuple[nn.Module, ModelSignature]:
+        """The model in ``path`` (paraloom.save's .safetensors, or TorchScript) and its
+        signature."""
+        from paraloom.checkpoint import load
+
+        shown = path.relative_to(self.root)
+        script = path.suffix != ".safetensors"
+        if script and (config.inputs is None or config.outputs is None):
+            raise ValueError(f"{shown} is TorchScript, whose inputs and outputs cannot be read "
+                             f"from it: give them in the model's {PBTXT} (input, output) or "
+                             "config.json (inputs, outputs)")
+        try:
+            model = torchscript_file(path) if script else load(path).eval()
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise ValueError(f"cannot load {shown}: {e}") from e
+        return model, infer_signature(model, inputs=config.inputs, outputs=config.outputs)
 
     def _handler(self, folder: Path | None, signature: ModelSignature, label: str
                  ) -> Handler | None:

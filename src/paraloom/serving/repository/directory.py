@@ -166,8 +166,9 @@ def _json(path: Path) -> dict[str, object]:
 def read_config(path: Path, default_name: str) -> ModelConfig:
     """The config in ``path``: JSON, or Triton's ``config.pbtxt`` (see
     ``paraloom.serving.repository.triton``); ``ValueError`` naming the problem."""
-    raw = dict(read_pbtxt(path, default_name)) if path.name == PBTXT else _json(path)
-    model_filename = str(raw.pop("model_filename", TORCHSCRIPT))
+    triton = path.name == PBTXT
+    raw = dict(read_pbtxt(path, default_name)) if triton else _json(path)
+    model_filename = str(raw.pop("model_filename")) if triton else TORCHSCRIPT
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
         raise ValueError(f"{path.name} has unknown keys {unknown}; known: {sorted(_KEYS)}")

@@ -166,6 +166,7 @@ def test_configs_that_cannot_be_served_say_why(tmp_path: Path) -> None:
         "onnx": 'platform: "onnxruntime_onnx"\nmax_batch_size: 4',
         "garbled": "input [ { name: ",
         "untyped": 'max_batch_size: 4\ninput [{ name: "x" dims: [3] }]',
+        "escaping": 'default_model_filename: "../../elsewhere.pt"',
     }
     for name, text in cases.items():
         _write_torchscript(_digits(0), root / name / "1" / "model.pt")
@@ -179,6 +180,7 @@ def test_configs_that_cannot_be_served_say_why(tmp_path: Path) -> None:
     assert "'onnxruntime_onnx' is not served here" in reasons["onnx"]
     assert "not a readable Triton model config" in reasons["garbled"]
     assert "needs a name and a data_type" in reasons["untyped"]
+    assert "must be a file name in the version folder" in reasons["escaping"]
     assert "inputs and outputs cannot be read" in reasons["noinputs"]
     assert "both config.json and config.pbtxt" in reasons["both"]
 

@@ -130,9 +130,12 @@ def read_pbtxt(path: Path, default_name: str) -> dict[str, Any]:
                          "model.pt, or a .safetensors from paraloom.save)")
     if message.max_batch_size < 0:
         raise ValueError(f"{path.name}: max_batch_size {message.max_batch_size} is negative")
+    filename = message.default_model_filename or TORCHSCRIPT
+    if Path(filename).name != filename or filename in (".", ".."):
+        raise ValueError(f"{path.name}: default_model_filename {filename!r} must be a file "
+                         "name in the version folder, without a path")
     batched = message.max_batch_size > 0
-    raw: dict[str, Any] = {"name": message.name or default_name,
-                           "model_filename": message.default_model_filename or TORCHSCRIPT}
+    raw: dict[str, Any] = {"name": message.name or default_name, "model_filename": filename}
     options: dict[str, Any] = ({"batch_limit": message.max_batch_size} if batched
                                else {"mode": "inplace"})  # no batch dimension: never merged
     workers = sum(group.count for group in message.instance_group)

@@ -1,19 +1,22 @@
 """Batch conventions, prefetching, and dealing batches to replicas.
 
 A batch is ``(inputs, targets)``; each may be a tensor, a tuple/list of tensors (multi-input or
-multi-output models) or a dict of tensors. Anything iterable that yields such batches is a data
-source. A ``DataLoader`` over a map-style dataset is dealt as *index lists*: each worker holds
-the dataset and gathers its own rows, so the data never passes through the parent process.
+multi-output models), a mapping of tensors (a dict, or a tokenizer's ``BatchEncoding``) or a
+``PackedSequence`` (one input: its sequences are the rows). Anything iterable that yields such
+batches is a data source. A ``DataLoader`` over a map-style dataset is dealt as *index lists*:
+each worker holds the dataset and gathers its own rows, so the data never passes through the
+parent process.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sized
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sized
+from typing import Any, TypeVar, cast
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
@@ -41,43 +44,72 @@ def split_batch(batch: object, *, training: bool = False) -> tuple[Any, Any]:
 
 
 def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
-    """Every tensor in a tensor / tuple / list / dict structure, in order."""
+    """Every tensor in a tensor / tuple / list / mapping structure, in order."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
         for o in obj:
             yield from iter_tensors(o)
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):
         for o in obj.values():
             yield from iter_tensors(o)
 
 
 def map_tensors(obj: object, fn: Callable[[torch.Tensor], object]) -> Any:
-    """Apply ``fn`` to every tensor in a tensor / tuple / list / dict structure."""
+    """Apply ``fn`` to every tensor in a tensor / tuple / list / mapping structure."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, PackedSequence):
+        return _map_packed(obj, fn)
     if isinstance(obj, (tuple, list)):
         items = [map_tensors(o, fn) for o in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        return _rebuild_dict(obj, {k: map_tensors(v, fn) for k, v in obj.items()})
+    if isinstance(obj, Mapping):
+        return _rebuild_mapping(obj, {k: map_tensors(v, fn) for k, v in obj.items()})
     return obj
 
 
-def _rebuild_dict(like: dict[Any, Any], items: dict[_Key, _Value]) -> dict[_Key, _Value]:
-    """``items`` in a dict of ``like``'s type (an OrderedDict stays one), or as they are."""
+def _map_packed(packed: PackedSequence, fn: Callable[[torch.Tensor], object]) -> PackedSequence:
+    """``fn`` on a PackedSequence's data, as ``PackedSequence.to`` treats it: its index
+    tensors follow the data's device, and its ``batch_sizes`` stay as they are (on the CPU, as
+    PyTorch requires)."""
+    data = cast(torch.Tensor, fn(packed.data))
+    indices = [None if i is None else i.to(data.device)
+               for i in (packed.sorted_indices, packed.unsorted_indices)]
+    return PackedSequence(data, packed.batch_sizes, *indices)
+
+
+def _rebuild_mapping(like: Mapping[Any, Any], items: dict[_Key, _Value]
+                     ) -> Mapping[_Key, _Value]:
+    """``items`` in a mapping of ``like``'s type (an OrderedDict or a tokenizer's
+    BatchEncoding stays one), or as a dict when that type cannot be built from one."""
     try:
-        rebuilt: dict[_Key, _Value] = type(like)(items)
-    except TypeError:  # a dict subclass with another constructor
+        rebuilt: Mapping[_Key, _Value] = type(like)(items)  # type: ignore[call-arg]
+    except TypeError:  # a mapping type with another constructor
         return items
     return rebuilt
 
 
 def batch_size(inputs: object) -> int:
-    """Rows in a batch's inputs: the first dimension of its first tensor."""
-    for t in iter_tensors(inputs):
-        return int(t.shape[0]) if t.dim() > 0 else 1
+    """Rows in a batch's inputs: the first dimension of its first tensor (the sequences of a
+    PackedSequence)."""
+    for found in _row_sources(inputs):
+        if isinstance(found, PackedSequence):
+            return int(found.batch_sizes[0]) if len(found.batch_sizes) else 0
+        return int(found.shape[0]) if found.dim() > 0 else 1
     raise TypeError(f"batch inputs hold no tensor: {describe(inputs)}")
+
+
+def _row_sources(obj: object) -> Iterator[torch.Tensor | PackedSequence]:
+    """The tensors and PackedSequences of a structure, in order (a PackedSequence whole)."""
+    if isinstance(obj, (torch.Tensor, PackedSequence)):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _row_sources(o)
+    elif isinstance(obj, Mapping):
+        for o in obj.values():
+            yield from _row_sources(o)
 
 
 def to_device(obj: _Structure, device: torch.device, non_blocking: bool = False
@@ -97,10 +129,12 @@ def describe(obj: object) -> str:
     """A short description of a batch structure, for error messages."""
     if isinstance(obj, torch.Tensor):
         return f"Tensor{tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+    if isinstance(obj, PackedSequence):
+        return f"PackedSequence({batch_size(obj)} sequences, {describe(obj.data)})"
     if isinstance(obj, (tuple, list)):
         inner = ", ".join(describe(o) for o in obj[:4]) + (", ..." if len(obj) > 4 else "")
         return f"{type(obj).__name__}({inner})"
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in obj.items()) + "}"
     return type(obj).__name__
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from paraloom.data import describe
 
@@ -19,10 +20,11 @@ LossFn = Callable[[Any, Any], torch.Tensor] | Sequence[Callable[[Any, Any], torc
 
 
 def forward(model: nn.Module, inputs: Any) -> Any:
-    """Call the model on a tensor, a tuple/list (positional inputs) or a dict (keyword inputs)."""
-    if isinstance(inputs, dict):
+    """Call the model on a tensor or a PackedSequence (one input), a tuple/list (positional
+    inputs) or a mapping (keyword inputs: a dict, a tokenizer's BatchEncoding)."""
+    if isinstance(inputs, Mapping):
         return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
+    if isinstance(inputs, (tuple, list)) and not isinstance(inputs, PackedSequence):
         return model(*inputs)
     return model(inputs)
 

@@ -9,14 +9,15 @@ same shape after the first dimension, dtype and device.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeGuard, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
-from paraloom.data import _rebuild_dict, map_tensors
+from paraloom.data import _rebuild_mapping, map_tensors
 from paraloom.inference.errors import InvalidRequestError
 
 __all__ = ["Parsed", "parse", "one_example", "with_keywords", "describe_key", "collate",
@@ -111,6 +112,8 @@ def parse(x: object) -> Parsed:
             raise _empty("the input", x)
         return Parsed((x,), _ONE, rows, (_ONE, x.shape[1:], x.dtype, x.device), False)
     kind: str
+    if _packed(x):
+        raise InvalidRequestError(_PACKED, received="PackedSequence")
     if isinstance(x, _Call):
         names = [*(f"input[{i}]" for i in range(len(x.args))),
                  *(f"keyword input {k!r}" for k in x.kwargs)]
@@ -134,6 +137,22 @@ def parse(x: object) -> Parsed:
         raise InvalidRequestError(f"the input is an empty {kind}; send at least one tensor",
                                   received=f"empty {kind}")
     return _parse_many(items, names, spec)
+
+
+_PACKED = ("a PackedSequence cannot be split into rows or merged with other requests; send the "
+           "padded batch (torch.nn.utils.rnn.pad_packed_sequence gives it) with its lengths, "
+           "and pack it inside the model's forward")
+
+
+def _packed(x: object) -> bool:
+    """Whether a request is, or holds, a PackedSequence."""
+    if isinstance(x, _Call):
+        return any(_packed(v) for v in (*x.args, *x.kwargs.values()))
+    if isinstance(x, dict):
+        return any(isinstance(v, PackedSequence) for v in x.values())
+    if isinstance(x, (tuple, list)):
+        return isinstance(x, PackedSequence) or any(isinstance(v, PackedSequence) for v in x)
+    return False
 
 
 def _parse_many(items: list[object], names: list[str], spec: Hashable) -> Parsed:
@@ -223,9 +242,9 @@ def _split(obj: Any, rows: list[int], total: int) -> list[Any]:
         if hasattr(obj, "_fields"):
             return [type(obj)(*items) for items in per_request]
         return [type(obj)(items) for items in per_request]
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         columns_by_key = {k: _split(v, rows, total) for k, v in obj.items()}
-        return [_rebuild_dict(obj, {k: col[i] for k, col in columns_by_key.items()})
+        return [_rebuild_mapping(obj, {k: col[i] for k, col in columns_by_key.items()})
                 for i in range(len(rows))]
     return [obj] * len(rows)  # a non-tensor leaf (None, a label list...) goes to every request
 

@@ -119,3 +119,14 @@ def test_parallel_inference_refuses_packed_sequences_with_the_way_to_send_them()
             with pytest.raises(InvalidRequestError, match="PackedSequence cannot be split.*"
                                                           "padded batch"):
                 pool.output(request)
+
+
+def test_parallel_inference_takes_a_tokenizer_style_mapping_as_keyword_inputs():
+    class Scorer(nn.Module):
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return (input_ids * attention_mask).sum(1, keepdim=True)
+
+    ids, mask = torch.arange(12.0).reshape(4, 3), torch.tensor([[1.0, 1.0, 0.0]] * 4)
+    with ParallelInference(Scorer(), workers=2) as pool:
+        out = pool.output(Encoding(input_ids=ids, attention_mask=mask))
+    torch.testing.assert_close(out, (ids * mask).sum(1, keepdim=True))

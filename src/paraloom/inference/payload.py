@@ -123,7 +123,7 @@ def parse(x: object) -> Parsed:
         kind, names = type(x).__name__, [f"input[{i}]" for i in range(len(x))]
         spec = (kind, len(x))
         items = list(x)
-    elif isinstance(x, dict):
+    elif isinstance(x, Mapping):
         kind, names = "dict", [f"input[{k!r}]" for k in x]
         spec = (kind, tuple(x))
         items = list(x.values())
@@ -148,7 +148,7 @@ def _packed(x: object) -> bool:
     """Whether a request is, or holds, a PackedSequence."""
     if isinstance(x, _Call):
         return any(_packed(v) for v in (*x.args, *x.kwargs.values()))
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):
         return any(isinstance(v, PackedSequence) for v in x.values())
     if isinstance(x, (tuple, list)):
         return isinstance(x, PackedSequence) or any(isinstance(v, PackedSequence) for v in x)

@@ -44,15 +44,25 @@ def split_batch(batch: object, *, training: bool = False) -> tuple[Any, Any]:
 
 
 def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
-    """Every tensor in a tensor / tuple / list / mapping structure, in order."""
-    if isinstance(obj, torch.Tensor):
+    """Every tensor in a tensor / tuple / list / mapping structure, in order (a
+    PackedSequence's too)."""
+    for leaf in _leaves(obj):
+        if isinstance(leaf, PackedSequence):
+            yield from (t for t in leaf if t is not None)
+        else:
+            yield leaf
+
+
+def _leaves(obj: object) -> Iterator[torch.Tensor | PackedSequence]:
+    """The tensors and PackedSequences of a structure, in order (a PackedSequence whole)."""
+    if isinstance(obj, (torch.Tensor, PackedSequence)):
         yield obj
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from iter_tensors(o)
+            yield from _leaves(o)
     elif isinstance(obj, Mapping):
         for o in obj.values():
-            yield from iter_tensors(o)
+            yield from _leaves(o)
 
 
 def map_tensors(obj: object, fn: Callable[[torch.Tensor], object]) -> Any:
@@ -93,23 +103,11 @@ def _rebuild_mapping(like: Mapping[Any, Any], items: dict[_Key, _Value]
 def batch_size(inputs: object) -> int:
     """Rows in a batch's inputs: the first dimension of its first tensor (the sequences of a
     PackedSequence)."""
-    for found in _row_sources(inputs):
+    for found in _leaves(inputs):
         if isinstance(found, PackedSequence):
             return int(found.batch_sizes[0]) if len(found.batch_sizes) else 0
         return int(found.shape[0]) if found.dim() > 0 else 1
     raise TypeError(f"batch inputs hold no tensor: {describe(inputs)}")
-
-
-def _row_sources(obj: object) -> Iterator[torch.Tensor | PackedSequence]:
-    """The tensors and PackedSequences of a structure, in order (a PackedSequence whole)."""
-    if isinstance(obj, (torch.Tensor, PackedSequence)):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _row_sources(o)
-    elif isinstance(obj, Mapping):
-        for o in obj.values():
-            yield from _row_sources(o)
 
 
 def to_device(obj: _Structure, device: torch.device, non_blocking: bool = False

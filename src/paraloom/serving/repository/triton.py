@@ -21,6 +21,7 @@ reader resolves only TorchScript's own types. A ``model.pt`` that is not TorchSc
 
 from __future__ import annotations
 
+import functools
 import warnings
 import zipfile
 from pathlib import Path
@@ -36,15 +37,12 @@ _PYTORCH = {"", "pytorch_libtorch", "pytorch"}  # platform / backend values of P
 # Triton's DataType enum, in its order (TYPE_STRING is BYTES on the wire).
 _TYPES = ("INVALID", "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
           "INT64", "FP16", "FP32", "FP64", "STRING", "BF16")
-_MESSAGE: Any = None
 
 
+@functools.cache
 def _config_class() -> Any:
     """The message class of the ModelConfig fields read here, built once (text format parses
     by field name, so the numbers are this file's own)."""
-    global _MESSAGE
-    if _MESSAGE is not None:
-        return _MESSAGE
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
     field = descriptor_pb2.FieldDescriptorProto
@@ -82,9 +80,8 @@ def _config_class() -> Any:
                 added.type_name = f".paraloom.triton.{type_name}"
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
-    _MESSAGE = message_factory.GetMessageClass(
+    return message_factory.GetMessageClass(
         pool.FindMessageTypeByName("paraloom.triton.ModelConfig"))
-    return _MESSAGE
 
 
 def _specs(tensors: Any, batched: bool, key: str, where: str) -> tuple[TensorSpec, ...] | None:

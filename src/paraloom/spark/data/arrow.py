@@ -23,6 +23,7 @@ from paraloom.spark.data.rows import (
     check_columns,
     column,
     spark_column,
+    whole_decimal,
 )
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
     if pa.types.is_boolean(kind):
         return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
     if pa.types.is_decimal(kind):  # a Parquet file's exact decimals, read as Spark's are
-        whole = kind.scale == 0 and kind.precision <= 18
+        whole = whole_decimal(kind.precision, kind.scale)
         return np.asarray(arr.cast(pa.int64() if whole else pa.float64())
                           .to_numpy(zero_copy_only=False))
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Pair", "field", "Spec", "FieldSpec", "Inputs", "Label", "Columns", "to_array",
            "row_pair", "partition_arrays", "as_rows", "rows_of", "row_extractor", "check_columns",
-           "spark_column",
+           "spark_column", "whole_decimal",
            "check_names", "column", "is_dataframe", "is_rdd"]
 
 Pair = tuple[Arrays, Arrays]
@@ -205,7 +205,7 @@ def _numeric(kind: DataType, depth: int = 0) -> bool:
 
     if isinstance(kind, ArrayType):
         return _numeric(kind.elementType, depth + 1)
-    if isinstance(kind, DecimalType):  # read as doubles (see spark_column)
+    if isinstance(kind, DecimalType):  # read as longs or doubles (see spark_column)
         return True
     if type(kind).__name__ == "VectorUDT":
         return depth == 0  # vector_to_array converts top-level vector columns only
@@ -220,6 +220,12 @@ def column(name: str) -> Column:
     return col("`" + name.replace("`", "``") + "`")
 
 
+def whole_decimal(precision: int, scale: int) -> bool:
+    """Whether a decimal type holds whole numbers that fit a long (at most 18 digits, no
+    fraction): such decimals are read as longs, the others as doubles."""
+    return scale == 0 and precision <= 18
+
+
 def _decimals_read_as(kind: DataType) -> DataType | None:
     """The type a decimal (or an array of decimals) is read as: long for whole numbers of at
     most 18 digits (``decimal(p, 0)``: class labels, counts), double otherwise; None for
@@ -227,7 +233,7 @@ def _decimals_read_as(kind: DataType) -> DataType | None:
     from pyspark.sql.types import ArrayType, DecimalType, DoubleType, LongType
 
     if isinstance(kind, DecimalType):
-        return LongType() if kind.scale == 0 and kind.precision <= 18 else DoubleType()
+        return LongType() if whole_decimal(kind.precision, kind.scale) else DoubleType()
     if isinstance(kind, ArrayType):
         inner = _decimals_read_as(kind.elementType)
         return None if inner is None else ArrayType(inner, kind.containsNull)

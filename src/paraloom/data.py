@@ -20,8 +20,8 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-__all__ = ["split_batch", "batch_size", "to_device", "describe", "map_tensors", "iter_tensors",
-           "cpu_copy", "Prefetcher", "IndexedDataset", "as_data_source"]
+__all__ = ["split_batch", "batch_size", "to_device", "describe", "map_tensors", "map_structure",
+           "iter_tensors", "cpu_copy", "Prefetcher", "IndexedDataset", "as_data_source"]
 
 # A tensor structure whose tensors a function replaces by tensors: the same structure comes back.
 _Structure = TypeVar("_Structure")
@@ -67,15 +67,22 @@ def _leaves(obj: object) -> Iterator[torch.Tensor | PackedSequence]:
 
 def map_tensors(obj: object, fn: Callable[[torch.Tensor], object]) -> Any:
     """Apply ``fn`` to every tensor in a tensor / tuple / list / mapping structure."""
-    if isinstance(obj, torch.Tensor):
+    return map_structure(
+        obj, lambda o: isinstance(o, (torch.Tensor, PackedSequence)),
+        lambda o: fn(o) if isinstance(o, torch.Tensor) else _map_packed(o, fn))
+
+
+def map_structure(obj: object, leaf: Callable[[object], bool],
+                  fn: Callable[[Any], object]) -> Any:
+    """Apply ``fn`` to every object ``leaf`` says is one in a tuple / list / mapping
+    structure; the structure comes back with the same types (a namedtuple, an OrderedDict)."""
+    if leaf(obj):
         return fn(obj)
-    if isinstance(obj, PackedSequence):
-        return _map_packed(obj, fn)
     if isinstance(obj, (tuple, list)):
-        items = [map_tensors(o, fn) for o in obj]
+        items = [map_structure(o, leaf, fn) for o in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, Mapping):
-        return _rebuild_mapping(obj, {k: map_tensors(v, fn) for k, v in obj.items()})
+        return _rebuild_mapping(obj, {k: map_structure(v, leaf, fn) for k, v in obj.items()})
     return obj
 
 

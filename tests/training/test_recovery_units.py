@@ -24,6 +24,7 @@ from paraloom.training.messages import (
     Round,
     StepDone,
 )
+from paraloom.training.packing import PackedTensors, pack_tensors, unpack_tensors
 from paraloom.training.process_pool import ProcessPool
 from paraloom.training.recovery import RecoveringPool
 from paraloom.training.spares import Spares
@@ -45,7 +46,7 @@ class FakePool:
         self.begun: list[Begin] = []
         self.sent: list[tuple[int, Any]] = []
         self.replies: collections.deque[Any] = collections.deque()
-        self.killed = self.closed = False
+        self.killed = self.closed = self.reaped = False
 
     pids: list[int] = []
     alive = True
@@ -65,8 +66,8 @@ class FakePool:
         if isinstance(message, Round | IdleRound):
             self.replies.append(StepDone(rank, message.round_id, 0.0, 1, True))
         elif isinstance(message, RestorePointRequest):
-            self.replies.append(RestorePoint(rank, message.round_id, f"state{rank}@"
-                                             f"{message.round_id}", 0.0))  # type: ignore[arg-type]
+            self.replies.append(RestorePoint(rank, message.round_id, pack_tensors(
+                f"state{rank}@{message.round_id}"), 0.0))
 
     def recv(self, timeout_s=None):
         return self.replies.popleft() if self.replies else None
@@ -74,8 +75,14 @@ class FakePool:
     def close(self, timeout_s=10.0):
         self.closed = True
 
-    def kill(self):
+    def kill(self, wait=True):
         self.killed = True
+        self.reaped = self.reaped or wait
+
+
+def _resumed(begin: Begin) -> Any:
+    assert isinstance(begin.resume, PackedTensors)
+    return unpack_tensors(begin.resume)
 
 
 def _drain(pool: RecoveringPool) -> list[Any]:
@@ -102,13 +109,44 @@ def test_the_replay_resends_exactly_the_rounds_since_the_restore_point(monkeypat
     for rank in range(2):
         pool.send(rank, Round(6, 6))  # rank 1's send fails: the recovery replays
     second = pool._pool
-    assert second is not first and first.killed
-    assert [b.resume for b in second.begun] == ["state0@3", "state1@3"]
+    # Killed at once, reaped later (a recovery does not wait for the processes to go).
+    assert second is not first and first.killed and not first.reaped
+    # The restore point replaces the fit's model and optimizer state: only it travels.
+    assert [_resumed(b) for b in second.begun] == ["state0@3", "state1@3"]
+    assert all(b.state is None and b.optimizer_state is None for b in second.begun)
     assert [(rank, m.round_id) for rank, m in second.sent if isinstance(m, Round)] == [
         (0, 4), (1, 4), (0, 5), (1, 5), (0, 6), (1, 6)]
     delivered = [(r.round_id, r.rank) for r in _drain(pool) if isinstance(r, StepDone)]
     assert delivered == [(6, 0), (6, 1)]  # rounds 4 and 5 were delivered before the failure
     assert seen[0].replayed_rounds == 3 and seen[0].rank == 1
+    pool.close()
+    assert first.reaped and second.closed
+
+
+def test_restore_points_asked_for_together_complete_in_order_and_the_replay_follows_the_last(
+        monkeypatch):
+    # A restore point is answered behind the rounds in flight: a second one is asked for
+    # before the first is answered, and each completed one shortens the log.
+    monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 3600.0)  # restore points only when asked
+    pools = iter([FakePool(fail_on=7), FakePool()])
+    pool = RecoveringPool(lambda: next(pools), max_failures=1, on_recovery=lambda r: None)
+    pool.begin([Begin(None), Begin(None)])
+    for round_id in range(7):
+        for rank in range(2):
+            pool.send(rank, Round(round_id, round_id))
+        if round_id in (3, 5):
+            pool._request(round_id)
+    assert [p.round_id for p in pool._pending] == [3, 5]
+    _drain(pool)
+    assert pool._restore.round_id == 5 and not pool._pending
+    assert [(rank, m.round_id) for rank, m in pool._log] == [(0, 6), (1, 6)]
+    for rank in range(2):
+        pool.send(rank, Round(7, 7))  # rank 1's send fails: the recovery replays
+    second = pool._pool
+    assert [_resumed(b) for b in second.begun] == ["state0@5", "state1@5"]
+    assert [(rank, m.round_id) for rank, m in second.sent if isinstance(m, Round)] == [
+        (0, 6), (1, 6), (0, 7), (1, 7)]
+    pool.close()
 
 
 def test_restore_points_are_spaced_by_their_typical_cost_not_their_worst():
@@ -119,7 +157,7 @@ def test_restore_points_are_spaced_by_their_typical_cost_not_their_worst():
     def take(round_id: int, *seconds: float) -> None:
         pool._request(round_id)
         for rank, s in enumerate(seconds):
-            pool._keep(RestorePoint(rank, round_id, {}, s))  # type: ignore[arg-type]
+            pool._keep(RestorePoint(rank, round_id, pack_tensors({}), s))
         assert pool._restore.round_id == round_id
 
     take(0, 0.002, 0.008)  # the first copy, into fresh pages: its slowest replica counts
@@ -212,7 +250,7 @@ def test_the_heartbeat_check_names_a_stopped_worker_and_spares_a_busy_one(monkey
     pool._pending = collections.deque()
     pool.workers = 2
     killed: list[bool] = []
-    monkeypatch.setattr(pool, "kill", lambda: killed.append(True), raising=False)
+    monkeypatch.setattr(pool, "kill", lambda wait=True: killed.append(True), raising=False)
     now = time.monotonic()
     pool._beats = [now, now - 1.5]  # rank 1 silent for 1.5 s
     states = iter(["running", "stopped"])
@@ -279,25 +317,39 @@ def test_collecting_errors_drops_a_reply_from_a_worker_that_has_exited() -> None
     pool.workers = 2
     pool._procs = [types.SimpleNamespace(exitcode=1), types.SimpleNamespace(exitcode=None)]
     pool._pending = collections.deque()
-    first = Failed(0, 11, "boom", "", "RuntimeError")
     peer = Failed(1, 11, "connection closed by peer", "", "RuntimeError")
+    cause = Failed(0, 11, "boom", "", "RuntimeError")
     pool._inbox = _DeadSenderInbox([FileNotFoundError(2, "listener"),
-                                    ConnectionResetError(104, "reset"), peer])
-    assert pool._collect_errors(first) == [first, peer]
+                                    ConnectionResetError(104, "reset"), cause])
+    assert pool._collect_errors(peer) == [peer, cause]
+
+
+def test_a_first_report_that_is_a_cause_is_not_waited_behind() -> None:
+    # A worker's own exception names the failure: the recovery starts without waiting up to
+    # half a second for its peers' reports (symptoms of it).
+    pool = object.__new__(ProcessPool)
+    pool.workers = 2
+    pool._procs = [types.SimpleNamespace(exitcode=None)] * 2
+    pool._pending = collections.deque()
+    peer = Failed(1, 11, "connection closed by peer", "", "RuntimeError")
+    pool._inbox = inbox = _DeadSenderInbox([peer])
+    cause = Failed(0, 11, "boom", "", "RuntimeError")
+    assert pool._collect_errors(cause) == [cause]
+    assert list(inbox.items) == [peer]  # not read: nothing was waited for
 
 
 def test_closing_the_inbox_waits_for_its_thread_to_let_go_of_the_last_reply() -> None:
     # The exit abort (status 134, "terminate called without an active exception", about one
     # script in ten): the reply thread still held the last reply when the script ended, and
     # freed its tensors while the interpreter shut down.
-    from paraloom.training.process_pool import _Inbox
+    from paraloom.training.inbox import Inbox
 
     class Reply:
         pass
 
     freed_by: list[str] = []
     results: queue.Queue[Any] = queue.Queue()
-    inbox = _Inbox(results)  # type: ignore[arg-type]
+    inbox = Inbox(results)  # type: ignore[arg-type]
     reply = Reply()
     weakref.finalize(reply, lambda: freed_by.append(threading.current_thread().name))
     results.put(reply)

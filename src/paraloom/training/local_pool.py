@@ -76,5 +76,5 @@ class LocalPool:
     def close(self, timeout_s: float = 10.0) -> None:
         pass
 
-    def kill(self) -> None:
+    def kill(self, wait: bool = True) -> None:
         pass

@@ -26,6 +26,7 @@ import torch
 
 from paraloom.data import IndexedDataset
 from paraloom.training.loaders import LoaderSpec
+from paraloom.training.packing import BufferedState, PackedTensors
 
 __all__ = [
     "Begin", "Hyperparameters", "EndAccumulation", "Round", "IndexRound", "LoaderEpoch",
@@ -52,8 +53,9 @@ class Begin:
 
     state: ModelState | None
     dataset: IndexedDataset | None = None
-    resume: ReplicaState | None = None
-    """This rank's state from a checkpoint; replaces ``state`` and ``optimizer_state``."""
+    resume: ReplicaState | PackedTensors | None = None
+    """This rank's state from a checkpoint or a restore point (packed); replaces ``state`` and
+    ``optimizer_state``."""
     optimizer_state: dict[str, Any] | None = None
     """The user's optimizer ``state_dict()`` (a learning rate changed between fits applies)."""
     seed: int | None = None
@@ -243,11 +245,12 @@ class CheckpointReply:
 
 @dataclass(frozen=True)
 class RestorePoint:
-    """One replica's full state after round ``round_id``, and the seconds taking it took."""
+    """One replica's full state after round ``round_id`` (packed: one shared-memory segment,
+    passed once and reused), and the seconds taking it took."""
 
     rank: int
     round_id: int
-    state: ReplicaState
+    state: BufferedState | PackedTensors
     seconds: float
 
 

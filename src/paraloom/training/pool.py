@@ -57,6 +57,7 @@ class Pool(Protocol):
         """Stop the workers, killing those that do not stop within ``timeout_s``."""
         ...
 
-    def kill(self) -> None:
-        """Stop every worker now; safe to call twice."""
+    def kill(self, wait: bool = True) -> None:
+        """Stop every worker now; safe to call twice. ``wait``: and reap what they leave
+        (False: a recovery follows at once; a later ``kill()`` or ``close()`` reaps)."""
         ...

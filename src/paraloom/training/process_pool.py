@@ -23,6 +23,7 @@ from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import WorkerError
 from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
 from paraloom.training.gate import RoundGate
+from paraloom.training.inbox import Inbox
 from paraloom.training.memory import worker_malloc
 from paraloom.training.messages import (
     Answer,
@@ -129,7 +130,7 @@ class ProcessPool:
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
         self._gate = RoundGate.create(ctx, workers)
         self._results: Queue[Reply] = ctx.Queue()
-        self._inbox = _Inbox(self._results)
+        self._inbox = Inbox(self._results)
         self._tasks: list[Queue[ToReplica | Pickled]] = [
             ctx.Queue(maxsize=max(1, queue_size)) for _ in range(workers)]
         # The parent hosts the rendezvous store on a port the OS picks (never a guessed port).
@@ -254,7 +255,7 @@ class ProcessPool:
                 report = self._reported_failure(0.5)
                 if report is not None:
                     raise self._error(report, starting) from e
-            self.kill()
+            self.kill(wait=False)
             if dead is not None:
                 raise self._death(dead, starting) from e
             raise WorkerError(f"could not read a worker's reply: {e}") from e
@@ -301,7 +302,7 @@ class ProcessPool:
         # Its peers with work queued wait for it (quiet too, perhaps a poll short of the limit).
         waiting = [r for r in range(self.workers) if r != rank and self._outstanding[r]]
         others = f"; worker(s) {waiting} were waiting for it" if stuck and waiting else ""
-        self.kill()
+        self.kill(wait=False)
         raise WorkerError(
             f"worker {rank} has answered nothing for {self.step_timeout_s:.0f} s "
             f"(step_timeout=, or timeout= when it is not set) with work queued: it hangs in "
@@ -324,7 +325,7 @@ class ProcessPool:
                 report = self._reported_failure(0.0 if state == "stopped" else 0.5)
                 if report is not None:
                     raise self._error(report, starting)
-                self.kill()
+                self.kill(wait=False)
                 raise WorkerError(
                     f"worker {rank} (pid {p.pid}) sent no heartbeat for {now - last:.1f} s "
                     f"(heartbeat_timeout={self.heartbeat_timeout_s:g}; process state: {state}):"
@@ -349,7 +350,7 @@ class ProcessPool:
             report = self._reported_failure(0.5)
             if report is not None:
                 raise self._error(report, starting)
-        self.kill()
+        self.kill(wait=False)
         raise self._death((killed or exited)[0], starting)
 
     def _reported_failure(self, within_s: float) -> Failed | None:
@@ -389,11 +390,11 @@ class ProcessPool:
         if is_symptom(cause.message):  # a peer's connection broke: was a worker killed outright?
             dead = self._silently_dead({f.rank for f in errors})
             if dead is not None:
-                self.kill()
+                self.kill(wait=False)
                 error = self._death(dead, starting)
                 error.batch = cause.round_id
                 return error
-        self.kill()
+        self.kill(wait=False)
         return failure_error(cause, starting)
 
     def _death(self, rank: int, starting: bool) -> WorkerError:
@@ -401,16 +402,21 @@ class ProcessPool:
         return WorkerError(death_message(rank, p.pid, p.exitcode, starting), worker=rank)
 
     def _collect_errors(self, first: Failed) -> list[Failed]:
-        """The first error and any others that follow within half a second; less once every
-        worker has reported or exited (a killed worker reports nothing, and one that exits
-        after reporting has its report queued already)."""
+        """The first error, when it is a cause itself; else it and any others that follow
+        within half a second, less once every worker has reported or exited (a killed worker
+        reports nothing, and one that exits after reporting has its report queued already)."""
         errors = [first]
+        if not is_symptom(first.message):
+            return errors  # the cause itself (the others' reports are symptoms of it)
         deadline = time.monotonic() + 0.5
         while (now := time.monotonic()) < deadline:
             silent = set(range(self.workers)) - {f.rank for f in errors}
             if not silent:
                 break
-            if all(self._procs[rank].exitcode is not None for rank in silent):
+            codes = [self._procs[rank].exitcode for rank in silent]
+            if all(code is not None and code < 0 for code in codes):
+                break  # killed by a signal: they report nothing
+            if all(code is not None for code in codes):
                 # What an exited worker reported is in the pipe already.
                 deadline = min(deadline, now + 0.02)
             # Other replies are salvaged or, unreadable once their worker exited, dropped.
@@ -440,58 +446,19 @@ class ProcessPool:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         self.kill()
 
-    def kill(self) -> None:
-        """Terminate every worker now and reap it; safe to call twice."""
+    def kill(self, wait: bool = True) -> None:
+        """Terminate every worker now; safe to call twice. ``wait``: and reap the processes
+        and the thread reading their replies (False: a failure's path, where a recovery
+        follows at once; the next ``kill()`` or ``close()`` reaps them)."""
         for p in self._procs:
             if p.is_alive() and p.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGKILL)
-        for p in self._procs:
-            p.join(timeout=5.0)
-        self._inbox.close()
+        if wait:
+            for p in self._procs:
+                p.join(timeout=5.0)
+        self._inbox.close(wait)
         queues: list[Queue[Any]] = [*self._tasks, self._results]
         for q in queues:
             q.cancel_join_thread()
             q.close()
-
-
-class _Inbox:
-    """The replies, read off the result queue by a thread of their own.
-
-    Unpickling a reply fetches its tensors from the worker that sent it, and waits while that
-    worker is stopped; with the read on this thread, the parent keeps watching the workers and
-    kills a stopped one, which ends the wait.
-    """
-
-    def __init__(self, results: Queue[Reply]) -> None:
-        self._results = results
-        self._items: queue.Queue[Reply | Exception] = queue.Queue()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="paraloom-replies", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while not self._closed.is_set():
-            try:
-                item: Reply | Exception = self._results.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            except Exception as e:  # a closed queue, or tensors of a worker that died
-                if self._closed.is_set():
-                    return
-                item = e
-                time.sleep(0.01)
-            self._items.put(item)
-
-    def get(self, timeout_s: float) -> Reply:
-        """The next reply; raises queue.Empty after ``timeout_s``, or what reading it raised."""
-        item = self._items.get(timeout=timeout_s) if timeout_s > 0 else self._items.get_nowait()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def close(self) -> None:
-        """Stop the reading thread and wait for it: a reply it still held, freed by it while
-        the interpreter shuts down, aborts the process (status 134) after a fit that worked."""
-        self._closed.set()
-        self._thread.join(timeout=10 * _POLL_S)

@@ -35,7 +35,6 @@ from paraloom.training.messages import (
     CheckpointReply,
     Finished,
     LoaderEpoch,
-    ReplicaState,
     RestorePoint,
     RestorePointRequest,
     RoundBatch,
@@ -43,6 +42,7 @@ from paraloom.training.messages import (
     StepDone,
     ToReplica,
 )
+from paraloom.training.packing import RESTORE_BUFFERS, PackedTensors, ReceivedBuffers
 from paraloom.training.pool import Pool
 from paraloom.training.spares import Spares
 
@@ -59,6 +59,10 @@ _COSTS_KEPT = 9
 """The interval follows the median of the last few restore points' costs: one slow copy (the
 first, into fresh pages, or one taken while the machine was busy) does not space all the
 later ones out."""
+_MAX_PENDING = RESTORE_BUFFERS - 2  # and the carry-over, asked for at the end of a fit
+"""Restore points asked for at once: one is answered behind the rounds in flight (about two
+messages' worth), so with one at a time they came every two messages, and a failure replayed
+up to twice as much. Fewer than the buffers a worker packs them into (see ``_keep``)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class _Restore:
     round_id: int | None
     """The last round the restore point includes; None: the start of the fit (nothing kept);
     ``_CARRY_OVER``: the end of the last fit."""
-    states: list[ReplicaState | None]
+    states: list[PackedTensors | None]
     log_index: int
     """Where in the message log the restore point was asked for."""
     seconds: float = 0.0
@@ -107,15 +111,20 @@ class RecoveringPool:
         self._begins: list[Begin] = []
         self._log: list[tuple[int, ToReplica]] = []
         self._restore = _Restore(None, [], 0)
-        self._pending: _Restore | None = None
+        self._pending: deque[_Restore] = deque()
+        """Restore points asked for and not yet complete, oldest first."""
         self._last_request = time.monotonic()
         self._costs: deque[float] = deque(maxlen=_COSTS_KEPT)
         self._delivered: set[tuple[str, int, int]] = set()
         self._begun_at: float | None = None
-        self._carry: list[ReplicaState | None] | None = None
+        self._carry: list[PackedTensors | None] | None = None
         """Each replica's state at the end of the last fit(), on this pool's workers."""
         self._finished: set[int] = set()
         self._halted: int | None = None
+        self._retired: list[Pool] = []
+        """Pools that failed, killed but not yet reaped."""
+        self._received = ReceivedBuffers()
+        """The workers' restore-point buffers, mapped here once."""
 
     @property
     def pids(self) -> list[int]:
@@ -136,7 +145,7 @@ class RecoveringPool:
         self._begins = list(messages)
         self._log = []
         self._restore = _Restore(None, [], 0)
-        self._pending = None
+        self._pending.clear()
         self._delivered = set()
         self._finished = set()
         self._halted = None
@@ -175,7 +184,7 @@ class RecoveringPool:
         """Every replica's state between this fit and the next, while all are idle and alive."""
         self._carry = None
         self._request(_CARRY_OVER)
-        while self._pending is not None and self._pending.round_id == _CARRY_OVER:
+        while any(p.round_id == _CARRY_OVER for p in self._pending):
             reply = self._guarded(lambda: self._pool.recv(None))
             if isinstance(reply, RestorePoint):
                 self._keep(reply)
@@ -185,10 +194,19 @@ class RecoveringPool:
     def close(self, timeout_s: float = 10.0) -> None:
         self._spares.close(timeout_s)
         self._pool.close(timeout_s)
+        self._reap()
 
-    def kill(self) -> None:
+    def kill(self, wait: bool = True) -> None:
         self._spares.kill()
-        self._pool.kill()
+        self._pool.kill(wait)
+        if wait:
+            self._reap()
+
+    def _reap(self) -> None:
+        """Reap the pools that failures replaced (killed without waiting, to recover sooner)."""
+        retired, self._retired = self._retired, []
+        for pool in retired:
+            pool.kill()
 
     @property
     def spare_pids(self) -> list[int]:
@@ -202,7 +220,7 @@ class RecoveringPool:
         return max(_MIN_INTERVAL_S, cost / _COST_SHARE)
 
     def _maybe_request(self, round_id: int) -> None:
-        if self._pending is not None:
+        if len(self._pending) >= _MAX_PENDING:
             return
         logged = sum(len(m.rounds) if isinstance(m, RoundBatch) else 1
                      for _, m in self._log) // self.workers
@@ -212,7 +230,7 @@ class RecoveringPool:
 
     def _request(self, round_id: int) -> None:
         self._last_request = time.monotonic()
-        self._pending = _Restore(round_id, [None] * self.workers, len(self._log))
+        self._pending.append(_Restore(round_id, [None] * self.workers, len(self._log)))
         self._sent(lambda: self._request_all(RestorePointRequest(round_id)))
 
     def _request_all(self, request: RestorePointRequest) -> None:
@@ -220,19 +238,28 @@ class RecoveringPool:
             self._pool.send(rank, request)
 
     def _keep(self, reply: RestorePoint) -> None:
-        pending = self._pending
-        if pending is None or pending.round_id != reply.round_id:
+        # Copied out at once: the worker packs its restore points into a few buffers in turn,
+        # and writes this one's again once RESTORE_BUFFERS - 1 more were asked for, which
+        # needs this one complete first (at most _MAX_PENDING at once, answered in order).
+        state = self._received.private(reply.rank, reply.state)
+        pending = next((p for p in self._pending if p.round_id == reply.round_id), None)
+        if pending is None:
             return  # asked for before a recovery: that pool is gone
-        pending.states[reply.rank] = reply.state
+        pending.states[reply.rank] = state
         pending.seconds = max(pending.seconds, reply.seconds)
         if any(s is None for s in pending.states):
             return
+        # Every worker answers in order, so an older request is complete before this one.
+        while self._pending.popleft() is not pending:
+            pass
         self._costs.append(pending.seconds)  # the slowest replica's copy
-        self._restore, self._pending = pending, None
+        self._restore = pending
         # A worker's LoaderEpoch stays: the rounds after the restore point load from its plan.
         epochs = {rank: (rank, m) for rank, m in self._log[:pending.log_index]
                   if isinstance(m, LoaderEpoch)}
         self._log[:pending.log_index] = list(epochs.values())
+        for later in self._pending:  # where the log now holds what they were asked after
+            later.log_index += len(epochs) - pending.log_index
         pending.log_index = 0
         self._delivered = {k for k in self._delivered if k[0] != "step" or k[1] > reply.round_id}
 
@@ -261,7 +288,9 @@ class RecoveringPool:
             started = time.monotonic()
             log.warning("paraloom: %s; recovering (failure %d of at most %d)",
                         str(error).splitlines()[0], self.failures, self.max_failures)
-            self._pool.kill()
+            self._reap()  # the pools of earlier failures: long dead, reaped at no wait
+            self._pool.kill(wait=False)
+            self._retired.append(self._pool)
             rounds = {r.round_id for _, m in self._log
                       for r in (m.rounds if isinstance(m, RoundBatch) else (m,))
                       if isinstance(r, RoundMessage)}
@@ -280,7 +309,8 @@ class RecoveringPool:
             error = again
 
     def _restart(self) -> None:
-        self._pending = None
+        self._pending.clear()
+        self._received.clear()
         spare = self._spares.take(self._spare_wait_s) if self._spares.count else None
         self._pool = spare if spare is not None else self._start()
         restore = self._restore
@@ -288,8 +318,10 @@ class RecoveringPool:
             # As the lost workers did: what they carried from the last fit, then this Begin.
             carry = self._carry
             self._pool.begin([Begin(None, resume=carry[rank]) for rank in range(self.workers)])
+        # The restore point holds the model and optimizer state: the fit's own are left out
+        # (each tensor of a message costs a shared-memory segment and a descriptor).
         begins = self._begins if restore.round_id in (None, _CARRY_OVER) else [
-            dataclasses.replace(b, resume=restore.states[rank])
+            dataclasses.replace(b, state=None, optimizer_state=None, resume=restore.states[rank])
             for rank, b in enumerate(self._begins)]
         self._pool.begin(begins)
         if self._halted is not None:  # replay no round that stop() cut off

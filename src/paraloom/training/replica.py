@@ -7,7 +7,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ __all__ = ["Accumulation", "Replica", "NonFiniteLossError", "BatchError", "LossF
            "SchedulerFactory", "StepFn", "require_loss", "host_to_device"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
+_S = TypeVar("_S")
 """``step_fn(model, batch) -> loss``: the user's own forward and loss."""
 
 
@@ -397,21 +398,25 @@ class Replica:
         self.end_accumulation()
         self.sync.finish(self.ctx)
 
-    def model_state(self) -> ModelState:
-        """Independent CPU copies of the parameters (the values every replica agrees on) and
-        buffers."""
+    def model_state(self, independent: bool = True) -> ModelState:
+        """CPU copies of the parameters (the values every replica agrees on) and buffers;
+        ``independent=False``: a CPU replica's own tensors, for a caller that copies them at
+        once."""
         shared = self.sync.shared_parameters(self.ctx)
         live = self.model.state_dict(keep_vars=True)
-        state: ModelState = cpu_copy({name: shared.get(id(t), t).detach()
-                                      for name, t in live.items()})
+        state: ModelState = _on_cpu({name: shared.get(id(t), t).detach()
+                                     for name, t in live.items()}, independent)
         return state
 
-    def full_state(self) -> ReplicaState:
+    def full_state(self, independent: bool = True) -> ReplicaState:
         """Everything needed to continue this replica exactly: weights, optimizer, sync, RNG;
-        as independent CPU copies (CUDA memory must not outlive its process in another)."""
+        as independent CPU copies (CUDA memory must not outlive its process in another), or
+        (``independent=False``) with a CPU replica's own tensors, for a caller that copies
+        them at once (``pack_tensors``)."""
         snap: ReplicaState = {
-            "model": self.model_state(), "optimizer": cpu_copy(self.optimizer.state_dict()),
-            "sync": cpu_copy(self.sync.state_dict()), "step": self.ctx.step,
+            "model": self.model_state(independent),
+            "optimizer": _on_cpu(self.optimizer.state_dict(), independent),
+            "sync": _on_cpu(self.sync.state_dict(), independent), "step": self.ctx.step,
             "rng": torch.get_rng_state()}
         if self.device.type == "cuda":
             snap["cuda_rng"] = torch.cuda.get_rng_state(self.device)
@@ -447,3 +452,9 @@ class Replica:
             p.grad = None if grad is None else grad.to(p.device, p.dtype).clone()
             if grad is not None:
                 self.accumulation.added()
+
+
+def _on_cpu(state: _S, independent: bool) -> _S:
+    """``state``'s tensors on the CPU: copies, or (not ``independent``) those already there
+    as they are."""
+    return cpu_copy(state) if independent else to_device(state, torch.device("cpu"))

@@ -46,6 +46,12 @@ from paraloom.training.messages import (
     ToReplica,
 )
 from paraloom.training.optim import OptimizerSpec
+from paraloom.training.packing import (
+    RESTORE_BUFFERS,
+    PackedTensors,
+    PackingBuffers,
+    unpack_tensors,
+)
 from paraloom.training.parametrized import by_value
 from paraloom.training.replica import Replica, SchedulerFactory, StepFn
 from paraloom.training.transport import SharedOutbox
@@ -112,8 +118,10 @@ class ReplicaRunner:
         self.dataset: IndexedDataset | None = None
         self.loader: ReplicaLoader | None = None
         self.steps = 0
-        # A worker process sends its final state through reused shared memory (see SharedOutbox).
+        # A worker process sends its final state through reused shared memory (see SharedOutbox),
+        # and its restore points too (PackingBuffers).
         self.outbox = SharedOutbox() if shared_outbox else None
+        self.restore_buffers = PackingBuffers(RESTORE_BUFFERS)
 
     def handle(self, message: ToReplica) -> Answer | None:
         """Act on one message; returns the reply to send back, if it has one."""
@@ -138,7 +146,7 @@ class ReplicaRunner:
                 return CheckpointReply(self.rank, message.tag, self.replica.full_state())
             case RestorePointRequest():
                 started = time.perf_counter()
-                state = self.replica.full_state()
+                state = self.restore_buffers.pack(self.replica.full_state(independent=False))
                 return RestorePoint(self.rank, message.round_id, state,
                                     time.perf_counter() - started)
             case Finish():
@@ -162,7 +170,10 @@ class ReplicaRunner:
         self.steps = 0
         seed = None if message.seed is None or message.resume is not None \
             else message.seed + self.rank
-        self.replica.begin_fit(message.state, message.resume, message.optimizer_state, seed,
+        resume = message.resume
+        if isinstance(resume, PackedTensors):
+            resume = unpack_tensors(resume)
+        self.replica.begin_fit(message.state, resume, message.optimizer_state, seed,
                                message.hyperparameters)
 
     def train(self, message: RoundMessage) -> StepDone:

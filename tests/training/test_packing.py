@@ -154,3 +154,15 @@ def test_buffers_travel_once_and_are_reused_in_turn_and_grow_when_a_state_does_n
     assert torch.equal(unpack_tensors(receiver.private(7, bigger))["w"], torch.ones(100))
     with pytest.raises(RuntimeError, match="sender 8 names its buffer 0, which never arrived"):
         receiver.private(8, sent[3])
+
+
+def test_a_state_over_the_limit_gets_a_segment_of_its_own_which_is_not_kept() -> None:
+    # Five copies of a large model's state would hold five times its size in shared memory.
+    sender, receiver = PackingBuffers(3, limit=100), ReceivedBuffers()
+    small = sender.pack({"w": torch.ones(4)})
+    large = sender.pack({"w": torch.ones(100)})
+    assert (small.index, large.index) == (0, -1) and large.buffer is not None
+    assert sender.pack({"w": torch.ones(4)}).index == 1  # the turn goes on past the large one
+    kept = receiver.private(0, large)
+    assert kept.buffer is large.buffer  # never written again: kept as it came, not copied
+    assert torch.equal(unpack_tensors(kept)["w"], torch.ones(100))

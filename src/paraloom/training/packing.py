@@ -31,9 +31,11 @@ import torch
 
 from paraloom.data import map_structure
 
-__all__ = ["RESTORE_BUFFERS", "BufferedState", "PackedTensors", "PackingBuffers",
+__all__ = ["RESTORE_BUFFERS", "REUSE_LIMIT", "BufferedState", "PackedTensors", "PackingBuffers",
            "ReceivedBuffers", "pack_tensors", "unpack_tensors"]
 
+REUSE_LIMIT = 64 * 2**20
+"""Bytes up to which a state is packed into a reused buffer (``PackingBuffers``)."""
 RESTORE_BUFFERS = 5
 """Buffers a worker packs restore points into, in turn: more than the parent asks for before
 it has copied the oldest out (``recovery._MAX_PENDING`` + the one at the end of a fit)."""
@@ -85,6 +87,7 @@ class BufferedState:
 
     skeleton: Any
     index: int
+    """Which buffer; ``-1``: a segment of its own, which the sender does not keep."""
     nbytes: int
     buffer: torch.Tensor | None
 
@@ -92,18 +95,26 @@ class BufferedState:
 class PackingBuffers:
     """Shared-memory buffers a sender packs into in turn (``count`` of them), each grown when
     a state does not fit: what one ``pack`` writes stays intact until ``count - 1`` more have
-    been packed."""
+    been packed. A state over ``limit`` bytes gets a segment of its own instead, which is not
+    kept (``count`` copies of a large model's state would hold that much shared memory)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, limit: int = REUSE_LIMIT) -> None:
         self._buffers: list[torch.Tensor | None] = [None] * count
         self._next = 0
+        self.limit = limit
 
     def pack(self, obj: Any) -> BufferedState:
-        """``pack_tensors(obj)`` into the next buffer."""
-        index, self._next = self._next, (self._next + 1) % len(self._buffers)
+        """``pack_tensors(obj)`` into the next buffer (or, over ``limit``, a new segment)."""
+        index = self._next
         fresh: list[torch.Tensor] = []
 
         def take(nbytes: int) -> torch.Tensor:
+            nonlocal index
+            if nbytes > self.limit:
+                index = -1
+                fresh.append(_shared_bytes(nbytes))
+                return fresh[0]
+            self._next = (index + 1) % len(self._buffers)
             buffer = self._buffers[index]
             if buffer is None or buffer.numel() < nbytes:
                 buffer = self._buffers[index] = _shared_bytes(nbytes)
@@ -126,6 +137,8 @@ class ReceivedBuffers:
         packs into its buffer again later)."""
         if isinstance(state, PackedTensors):
             return state.private()
+        if state.index < 0 and state.buffer is not None:  # not kept by the sender: as it is
+            return PackedTensors(state.skeleton, state.buffer)
         if state.buffer is not None:
             self._buffers[sender, state.index] = state.buffer
         buffer = self._buffers.get((sender, state.index))

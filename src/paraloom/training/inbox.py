@@ -9,9 +9,9 @@ from multiprocessing.queues import Queue
 
 from paraloom.training.messages import Reply
 
-__all__ = ["POLL_S", "Inbox"]
+__all__ = ["Inbox"]
 
-POLL_S = 0.05
+_POLL_S = 0.05
 """How long the thread waits for a reply before it looks whether it should stop."""
 
 
@@ -33,7 +33,7 @@ class Inbox:
     def _read(self) -> None:
         while not self._closed.is_set():
             try:
-                item: Reply | Exception = self._results.get(timeout=POLL_S)
+                item: Reply | Exception = self._results.get(timeout=_POLL_S)
             except queue.Empty:
                 continue
             except Exception as e:  # a closed queue, or tensors of a worker that died
@@ -51,9 +51,9 @@ class Inbox:
         return item
 
     def close(self, wait: bool = True) -> None:
-        """Stop the reading thread; ``wait``: and wait for it (it ends within ``POLL_S``): a
+        """Stop the reading thread; ``wait``: and wait for it (it ends within ``_POLL_S``): a
         reply it still held, freed by it while the interpreter shuts down, aborts the process
         (status 134) after a fit that worked."""
         self._closed.set()
         if wait:
-            self._thread.join(timeout=10 * POLL_S)
+            self._thread.join(timeout=10 * _POLL_S)

@@ -23,6 +23,7 @@ structure as they are and travel as before.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,10 +52,7 @@ class _Slot:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ __all__ = ["Accumulation", "Replica", "NonFiniteLossError", "BatchError", "LossF
            "SchedulerFactory", "StepFn", "require_loss", "host_to_device"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
-_S = TypeVar("_S")
 """``step_fn(model, batch) -> loss``: the user's own forward and loss."""
+_S = TypeVar("_S")
 
 
 class NonFiniteLossError(FloatingPointError):

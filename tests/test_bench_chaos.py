@@ -17,3 +17,13 @@ def test_a_faults_cost_is_the_gap_less_the_rounds_it_delivered():
     assert len(costs) == 1  # the second fault came after the last round: no cost to read
     assert costs[0]["kind"] == "kill" and costs[0]["at"] == pytest.approx(1.05)
     assert costs[0]["lost_s"] == pytest.approx((3.0 - 2.0) - 3 * 0.1)
+
+
+def test_the_first_reply_after_a_fault_counts_with_every_round_it_delivered():
+    # Messages of 4 rounds (0.1 s each) answered at once; a fault at t=1.45 costs 0.3 s: the
+    # reply that should have come at 1.8 comes at 2.1, with its 4 rounds (1 ms apart).
+    timeline = [(1.4 + 0.001 * i, 4 + i) for i in range(4)]
+    timeline += [(2.1 + 0.001 * i, 8 + i) for i in range(4)]
+    chaos = {"timeline": timeline, "started": 0.0}
+    costs = _fault_costs(chaos, [(1.45, "exit", 0)], round_s=0.1)
+    assert costs[0]["lost_s"] == pytest.approx((2.103 - 1.403) - 4 * 0.1)

@@ -137,23 +137,27 @@ def _storages(obj: object) -> int:
 
 def test_buffers_travel_once_and_are_reused_in_turn_and_grow_when_a_state_does_not_fit() -> None:
     sender, receiver = PackingBuffers(3), ReceivedBuffers()
-    sent, kept = [], []
-    for i in range(4):  # each copied out on arrival, as the parent does
+    sent, held = [], []
+    for i in range(4):
         sent.append(sender.pack({"w": torch.full((4,), float(i))}))
-        kept.append(receiver.private(7, pickle.loads(dumps(sent[-1]))))  # as a queue carries it
+        held.append(receiver.view(7, pickle.loads(dumps(sent[-1]))))  # as a queue carries it
     # Each buffer travels the first time only; the fourth state is in the first buffer again.
     assert [s.buffer is not None for s in sent] == [True, True, True, False]
     assert [s.index for s in sent] == [0, 1, 2, 0]
-    assert [unpack_tensors(k)["w"][0].item() for k in kept] == [0.0, 1.0, 2.0, 3.0]
-    # Copies, each in a segment of its own: the sender writes its buffers again.
-    assert len({k.buffer.untyped_storage().data_ptr() for k in kept}) == 4
+    # Views of the sender's buffers, not copies: each intact until two more were packed.
+    assert [unpack_tensors(k)["w"][0].item() for k in held] == [3.0, 1.0, 2.0, 3.0]
+    assert held[0].buffer.untyped_storage().data_ptr() == \
+        held[3].buffer.untyped_storage().data_ptr()
+    kept = held[1].private()  # a copy, for a holder that keeps it longer
     assert sender.pack({"w": torch.full((4,), 9.0)}).buffer is None  # into buffer 1, again
-    assert unpack_tensors(kept[1])["w"][0].item() == 1.0
+    assert unpack_tensors(held[1])["w"][0].item() == 9.0
+    assert unpack_tensors(kept)["w"][0].item() == 1.0
     bigger = sender.pack({"w": torch.ones(100)})  # buffer 2 is too small: a new one travels
     assert bigger.index == 2 and bigger.buffer is not None
-    assert torch.equal(unpack_tensors(receiver.private(7, bigger))["w"], torch.ones(100))
+    assert torch.equal(unpack_tensors(receiver.view(7, bigger))["w"], torch.ones(100))
+    assert unpack_tensors(held[2])["w"][0].item() == 2.0  # the old buffer 2: still mapped
     with pytest.raises(RuntimeError, match="sender 8 names its buffer 0, which never arrived"):
-        receiver.private(8, sent[3])
+        receiver.view(8, sent[3])
 
 
 def test_a_state_over_the_limit_gets_a_segment_of_its_own_which_is_not_kept() -> None:
@@ -163,6 +167,6 @@ def test_a_state_over_the_limit_gets_a_segment_of_its_own_which_is_not_kept() ->
     large = sender.pack({"w": torch.ones(100)})
     assert (small.index, large.index) == (0, -1) and large.buffer is not None
     assert sender.pack({"w": torch.ones(4)}).index == 1  # the turn goes on past the large one
-    kept = receiver.private(0, large)
-    assert kept.buffer is large.buffer  # never written again: kept as it came, not copied
+    kept = receiver.view(0, large)
+    assert kept.buffer is large.buffer  # never written again: kept as it came
     assert torch.equal(unpack_tensors(kept)["w"], torch.ones(100))

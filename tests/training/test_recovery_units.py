@@ -338,7 +338,7 @@ def test_a_first_report_that_is_a_cause_is_not_waited_behind() -> None:
     assert list(inbox.items) == [peer]  # not read: nothing was waited for
 
 
-def test_closing_the_inbox_waits_for_its_thread_to_let_go_of_the_last_reply() -> None:
+def test_the_inbox_thread_lets_go_of_each_reply_and_closing_waits_for_it() -> None:
     # The exit abort (status 134, "terminate called without an active exception", about one
     # script in ten): the reply thread still held the last reply when the script ended, and
     # freed its tensors while the interpreter shut down.
@@ -354,7 +354,66 @@ def test_closing_the_inbox_waits_for_its_thread_to_let_go_of_the_last_reply() ->
     weakref.finalize(reply, lambda: freed_by.append(threading.current_thread().name))
     results.put(reply)
     assert inbox.get(timeout_s=5.0) is reply
-    del reply  # the thread's own reference (its last item) is what is left
+    del reply  # the thread keeps no reference to a reply it handed on: freed here, at once
+    assert freed_by == ["MainThread"]
     inbox.close()
     assert not inbox._thread.is_alive()
-    assert freed_by == ["paraloom-replies"]  # freed before close() returned, not at exit
+
+
+def test_the_inbox_says_at_once_when_a_watched_process_ends() -> None:
+    # A killed worker reports nothing: the pool learns of it from the process's sentinel, not
+    # at its next look (up to 0.05 s later), and only once per process.
+    import multiprocessing
+
+    from paraloom.training.inbox import EXITED, Inbox
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=time.sleep, args=(60,), daemon=True) for _ in range(2)]
+    for p in procs:
+        p.start()
+    inbox = Inbox(queue.Queue())  # type: ignore[arg-type]
+    inbox.watch([p.sentinel for p in procs])
+    try:
+        with pytest.raises(queue.Empty):
+            inbox.get(timeout_s=0.2)  # both alive: nothing
+        procs[1].kill()
+        assert inbox.get(timeout_s=10.0) is EXITED
+        with pytest.raises(queue.Empty):
+            inbox.get(timeout_s=0.2)  # the same exit is not told twice
+        procs[0].kill()
+        assert inbox.get(timeout_s=10.0) is EXITED
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
+        inbox.close()
+    assert not inbox._thread.is_alive()
+
+
+def _report_and_exit(results: Any) -> None:
+    results.put(Failed(1, 7, "RuntimeError: boom", "", "RuntimeError"))
+    results.close()
+    results.join_thread()  # as a worker reports: flushed to the pipe before it exits
+
+
+def test_a_process_that_reported_and_exited_is_told_after_its_report() -> None:
+    # The order lets the pool take an ended worker's report as read: no wait for it.
+    import multiprocessing
+
+    from paraloom.training.inbox import EXITED, Inbox
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    inbox = Inbox(results)
+    proc = ctx.Process(target=_report_and_exit, args=(results,))
+    proc.start()
+    inbox.watch([proc.sentinel])
+    try:
+        first = inbox.get(timeout_s=30.0)
+        assert isinstance(first, Failed) and first.message == "RuntimeError: boom"
+        assert inbox.get(timeout_s=30.0) is EXITED
+    finally:
+        proc.join(10)
+        inbox.close()
+        results.close()
+    assert proc.exitcode == 0

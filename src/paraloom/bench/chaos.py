@@ -14,8 +14,9 @@ The throughput kept is given two ways: the clean fit's seconds over the chaos fi
 run minutes apart, so the machine's drift, about 5% on a shared 2-core machine, moves it), and
 one minus the faults' costs over the chaos fit's seconds, which drift does not move. A fault's
 cost is read off the timeline: the gap between the last round delivered before it and the
-first after, less the clean fit's time per round for the rounds delivered then (a recovery
-replays rounds it had delivered already, which the caller does not see again).
+first reply after (with every round that reply delivered: a message answers several rounds at
+once), less the clean fit's time per round for the rounds delivered then (a recovery replays
+rounds it had delivered already, which the caller does not see again).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from paraloom.listeners import TrainingListener
 from paraloom.models import LeNet
 
 __all__ = ["ChaosModel", "run"]
+
+_BURST_S = 0.002
+"""Rounds delivered this close one after the other came in the same reply."""
 
 
 class ChaosModel(nn.Module):
@@ -154,7 +158,13 @@ def _fault_costs(chaos: dict[str, Any], fired: list[tuple[float, str, int]],
         after = [p for p in points if p[0] > at]
         if not before or not after:
             continue
+        # Rounds arrive a message's worth at a time: the first reply after the fault counts
+        # with every round it delivered, as its time includes training them all.
         (t0, n0), (t1, n1) = before[-1], after[0]
+        for t, n in after[1:]:
+            if t - t1 > _BURST_S:
+                break
+            t1, n1 = t, n
         costs.append({"at": at - chaos["started"], "kind": kind, "rank": rank,
                       "lost_s": max(0.0, (t1 - t0) - (n1 - n0) * round_s)})
     return costs

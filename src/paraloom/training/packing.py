@@ -13,9 +13,10 @@ shared memory from the start) and keeps the structure with a slot where each ten
 A fresh segment still costs its pages (a millisecond per megabyte here) and the descriptor's
 passing, so a worker packs its restore points into ``PackingBuffers``: ``RESTORE_BUFFERS``
 segments used in turn, each sent once and then named by its index (``BufferedState``); the
-parent keeps them mapped (``ReceivedBuffers``) and copies out each state as it arrives. A
-buffer is written again only after that copy (the parent asks for fewer restore points at a
-time than there are buffers: ``training.recovery``).
+parent keeps them mapped (``ReceivedBuffers``) and holds each state as a view of its buffer,
+without a copy. A buffer is written again only after ``RESTORE_BUFFERS - 1`` more restore
+points, and the parent asks for fewer than that after the one it would recover from
+(``training.recovery``), which stays intact until a newer one replaces it.
 
 Tensors that are not plain dense CPU tensors (sparse, quantized, a subclass) stay in the
 structure as they are and travel as before.
@@ -38,8 +39,8 @@ __all__ = ["RESTORE_BUFFERS", "REUSE_LIMIT", "BufferedState", "PackedTensors", "
 REUSE_LIMIT = 64 * 2**20
 """Bytes up to which a state is packed into a reused buffer (``PackingBuffers``)."""
 RESTORE_BUFFERS = 5
-"""Buffers a worker packs restore points into, in turn: more than the parent asks for before
-it has copied the oldest out (``recovery._MAX_PENDING`` + the one at the end of a fit)."""
+"""Buffers a worker packs restore points into, in turn: more than the parent asks for after
+the restore point it holds (``recovery._MAX_PENDING`` + the one at the end of a fit)."""
 
 
 @dataclass(frozen=True)
@@ -130,11 +131,13 @@ class ReceivedBuffers:
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
 
-    def private(self, sender: int, state: BufferedState | PackedTensors) -> PackedTensors:
-        """The state ``sender`` packed, copied into this process's own memory (the sender
-        packs into its buffer again later)."""
+    def view(self, sender: int, state: BufferedState | PackedTensors) -> PackedTensors:
+        """The state ``sender`` packed, as a view of the sender's buffer: no copy, and valid
+        until the sender has packed ``count - 1`` more states into its ``PackingBuffers``
+        (a caller that keeps it longer copies it: ``PackedTensors.private``). The buffer
+        outlives the sender's process: a state stays valid if the sender dies."""
         if isinstance(state, PackedTensors):
-            return state.private()
+            return state
         if state.index < 0 and state.buffer is not None:  # not kept by the sender: as it is
             return PackedTensors(state.skeleton, state.buffer)
         if state.buffer is not None:
@@ -143,10 +146,10 @@ class ReceivedBuffers:
         if buffer is None:
             raise RuntimeError(f"a packed state from sender {sender} names its buffer "
                                f"{state.index}, which never arrived")
-        return PackedTensors(state.skeleton, buffer[:state.nbytes]).private()
+        return PackedTensors(state.skeleton, buffer[:state.nbytes])
 
     def clear(self) -> None:
-        """Forget every sender's buffers (their processes are gone)."""
+        """Forget every sender's buffers (their processes are gone; views taken stay valid)."""
         self._buffers.clear()
 
 

@@ -23,7 +23,7 @@ from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import WorkerError
 from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
 from paraloom.training.gate import RoundGate
-from paraloom.training.inbox import Inbox
+from paraloom.training.inbox import Exited, Inbox
 from paraloom.training.memory import worker_malloc
 from paraloom.training.messages import (
     Answer,
@@ -54,9 +54,10 @@ if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
 __all__ = ["ProcessPool"]
 
 _POLL_S = 0.05
-"""How often a wait checks the workers (exits, heartbeats, progress): a failure the replies do
-not report (a kill, an exit, a stop) is seen this much later at most. A check costs a few
-syscalls per worker."""
+"""How often a wait checks the workers (heartbeats, progress): a failure the replies do not
+report and the process does not end (a stop, a hang) is seen this much later at most. A
+worker that ends (killed, exited) is seen at once: the inbox watches the processes. A check
+costs a few syscalls per worker."""
 
 
 @contextlib.contextmanager
@@ -148,6 +149,7 @@ class ProcessPool:
                                       self._beats, self._gate.array))
                 p.start()
                 self._procs.append(p)
+        self._inbox.watch([p.sentinel for p in self._procs])
         self._pending: collections.deque[Answer] = collections.deque()
         # Progress watchdog: work sent to a worker and not yet answered, and since when.
         self._outstanding = [0] * workers
@@ -239,6 +241,9 @@ class ProcessPool:
     def _get(self, timeout_s: float, starting: bool = False) -> Answer | RoundsDone | Ready | None:
         try:
             reply = self._inbox.get(timeout_s)
+            if isinstance(reply, Exited):  # a worker's process ended: see how, now
+                self._check_alive(starting, drained=True)
+                return None
         except queue.Empty:
             # A look for nothing (timeout 0, between rounds) checks the workers at most every
             # _POLL_S: each check polls every process (a few syscalls each).
@@ -248,17 +253,7 @@ class ProcessPool:
                     self._check_progress()
             return None
         except (OSError, EOFError) as e:
-            # A reply whose tensors live in a process that has just died cannot be unpickled.
-            dead = self._silently_dead(set())
-            if dead is not None and (self._procs[dead].exitcode or 0) >= 0:
-                # It exited on its own: after reporting its error, which may come behind.
-                report = self._reported_failure(0.5)
-                if report is not None:
-                    raise self._error(report, starting) from e
-            self.kill(wait=False)
-            if dead is not None:
-                raise self._death(dead, starting) from e
-            raise WorkerError(f"could not read a worker's reply: {e}") from e
+            raise self._unreadable(e, starting) from e
         if isinstance(reply, Failed):
             raise self._error(reply, starting)
         if time.monotonic() - self._checked > _POLL_S:  # replies keep coming: check the rest
@@ -272,6 +267,20 @@ class ProcessPool:
         self._outstanding[rank] -= answers
         self._since[rank] = time.monotonic()
         return reply
+
+    def _unreadable(self, e: OSError | EOFError, starting: bool) -> WorkerError:
+        """The error for a reply that could not be read: its tensors lived in a process that
+        has just died, and could not be unpickled."""
+        dead = self._silently_dead(set())
+        if dead is not None and (self._procs[dead].exitcode or 0) >= 0:
+            # It exited on its own: after reporting its error, which may come behind.
+            report = self._reported_failure(0.5)
+            if report is not None:
+                return self._error(report, starting)
+        self.kill(wait=False)
+        if dead is not None:
+            return self._death(dead, starting)
+        return WorkerError(f"could not read a worker's reply: {e}")
 
     def _absorb_replies(self) -> None:
         """Move replies already waiting into the pending list, accounting for them."""
@@ -332,12 +341,14 @@ class ProcessPool:
                     " it was stopped or is frozen. It was killed with the other workers",
                     worker=rank)
 
-    def _check_alive(self, starting: bool = False) -> None:
+    def _check_alive(self, starting: bool = False, drained: bool = False) -> None:
         self._checked = time.monotonic()
-        self._check_exits(starting)
+        self._check_exits(starting, drained)
         self._check_heartbeats(starting)
 
-    def _check_exits(self, starting: bool) -> None:
+    def _check_exits(self, starting: bool, drained: bool = False) -> None:
+        """Raise if a worker's process has ended. ``drained``: the inbox said so (``EXITED``),
+        behind everything the ended processes sent, which has been read: nothing to wait for."""
         exited = [rank for rank, p in enumerate(self._procs) if p.exitcode is not None]
         if not exited:
             return
@@ -347,7 +358,7 @@ class ProcessPool:
         if not killed:
             # Workers that exited after reporting their errors: prefer those reports (a peer
             # may exit first, after reporting a symptom of the failure).
-            report = self._reported_failure(0.5)
+            report = self._reported_failure(0.0 if drained else 0.5)
             if report is not None:
                 raise self._error(report, starting)
         self.kill(wait=False)

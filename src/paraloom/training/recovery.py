@@ -188,8 +188,8 @@ class RecoveringPool:
             reply = self._guarded(lambda: self._pool.recv(None))
             if isinstance(reply, RestorePoint):
                 self._keep(reply)
-        if self._restore.round_id == _CARRY_OVER:
-            self._carry = self._restore.states
+        if self._restore.round_id == _CARRY_OVER:  # copied: kept for the whole next fit
+            self._carry = [None if s is None else s.private() for s in self._restore.states]
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._spares.close(timeout_s)
@@ -238,10 +238,11 @@ class RecoveringPool:
             self._pool.send(rank, request)
 
     def _keep(self, reply: RestorePoint) -> None:
-        # Copied out at once: the worker packs its restore points into a few buffers in turn,
-        # and writes this one's again once RESTORE_BUFFERS - 1 more were asked for, which
-        # needs this one complete first (at most _MAX_PENDING at once, answered in order).
-        state = self._received.private(reply.rank, reply.state)
+        # A view of the worker's buffer, not a copy: the worker packs its restore points into
+        # RESTORE_BUFFERS buffers in turn, and at most _MAX_PENDING + 1 (the carry-over) are
+        # asked for after the restore point held, so its buffer is not written again while
+        # it is held; a dead worker's buffers stay mapped here.
+        state = self._received.view(reply.rank, reply.state)
         pending = next((p for p in self._pending if p.round_id == reply.round_id), None)
         if pending is None:
             return  # asked for before a recovery: that pool is gone

@@ -27,3 +27,23 @@ def test_the_first_reply_after_a_fault_counts_with_every_round_it_delivered():
     chaos = {"timeline": timeline, "started": 0.0}
     costs = _fault_costs(chaos, [(1.45, "exit", 0)], round_s=0.1)
     assert costs[0]["lost_s"] == pytest.approx((2.103 - 1.403) - 4 * 0.1)
+
+
+def test_alternating_fits_join_into_one_timeline_and_faults_land_on_it(tmp_path):
+    # Two chaos fits of 10 s at clock 100 and 150 (a clean one ran between): joined, the
+    # second follows the first at 10 s, its rounds counted on; a fault at clock 155 lands at
+    # 15 s, and one outside every fit (none should be) is left out.
+    from paraloom.bench.chaos import _fired, _joined, _round_s
+
+    def fit(start: float) -> dict:
+        return {"started": start, "seconds": 10.0, "accuracy": 0.9, "orphans": [],
+                "timeline": [(start + 1.0 + i, i) for i in range(9)],
+                "recoveries": [{"rank": 0, "detected_at": 4.0}]}
+
+    joined = _joined([fit(100.0), fit(150.0)])
+    assert joined["seconds"] == 20.0 and joined["segments"] == [10.0, 10.0]
+    assert joined["timeline"][9] == (11.0, 9)  # the second fit's first round
+    assert [r["detected_at"] for r in joined["recoveries"]] == [4.0, 14.0]
+    (tmp_path / "fired.log").write_text("155.0 kill 1\n130.0 exit 0\n")
+    assert _fired(tmp_path, joined["spans"]) == [(15.0, "kill", 1)]
+    assert _round_s([fit(100.0), fit(150.0)]) == pytest.approx(1.0)

@@ -1,22 +1,25 @@
 """``paraloom bench faults --chaos``: a fault every N seconds, for M minutes, into random workers.
 
-LeNet on scikit-learn's digits, ``--workers`` workers, ``max_failures`` unbounded. A clean fit
-(same options, no faults) is timed on enough epochs for ``--minutes``, and one with
-``max_failures=0`` (what the fault tolerance costs without faults); the same fit then runs
-while a thread of this process arms a fault every ``--every`` seconds: a random kind (an
-exception in the model, an exit, SIGKILL, SIGSTOP) for a random worker, which fails at its
-next training step. Reported: the throughput kept, each fault's cost (median by kind), the
-accuracy of both fits and whether their parameters are bit-identical, and the worker and spare
-processes and shared-memory files left behind; JSON and a timeline plot (rounds delivered
-against time, each fault marked).
+LeNet on scikit-learn's digits, ``--workers`` workers, ``max_failures`` unbounded. The minutes
+are split into ``--segments`` pairs of fits (same options, same epochs, each from the same
+start): one clean, one while a thread of this process arms a fault every ``--every`` seconds
+(a random kind: an exception in the model, an exit, SIGKILL, SIGSTOP, for a random worker,
+which fails at its next training step), the pairs alternating which goes first, so that the
+machine's drift over the minutes moves both alike. One fit of all the epochs with
+``max_failures=0`` shows what the fault tolerance costs without faults (one pool start
+against the segments' several: a few tenths of a second). Reported: the throughput kept, each
+fault's cost (median by kind), the accuracy of the last pair and whether every pair's
+parameters are bit-identical, and the worker and spare processes and shared-memory files left
+behind; JSON and a timeline plot (rounds delivered against the fits' own time, each fault
+marked).
 
-The throughput kept is given two ways: the clean fit's seconds over the chaos fit's (the two
-run minutes apart, so the machine's drift, about 5% on a shared 2-core machine, moves it), and
-one minus the faults' costs over the chaos fit's seconds, which drift does not move. A fault's
-cost is read off the timeline: the gap between the last round delivered before it and the
-first reply after (with every round that reply delivered: a message answers several rounds at
-once), less the clean fit's time per round for the rounds delivered then (a recovery replays
-rounds it had delivered already, which the caller does not see again).
+The throughput kept is given two ways: the clean fits' seconds over the chaos fits' (what the
+faults cost in all, the recoveries' after-effects included), and one minus the faults' costs
+over the chaos fits' seconds. A fault's cost is read off the timeline: the gap between the last
+round delivered before it and the first reply after (with every round that reply delivered: a
+message answers several rounds at once), less the clean fits' time per round for the rounds
+delivered then (a recovery replays rounds it had delivered already, which the caller does not
+see again).
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ class _Timeline(TrainingListener):
 
 
 def _fit(args: argparse.Namespace, epochs: int, armed: Path | None,
-         tolerant: bool = True) -> dict[str, Any]:
-    """One fit; ``tolerant=False``: ``max_failures=0`` (no restore points, no spares)."""
+         tolerant: bool = True, seed: int = 0) -> dict[str, Any]:
+    """One fit; ``tolerant=False``: ``max_failures=0`` (no restore points, no spares);
+    ``seed``: the faults' kinds and ranks."""
     from paraloom import ParallelWrapper
 
     torch.manual_seed(0)
@@ -108,7 +112,7 @@ def _fit(args: argparse.Namespace, epochs: int, armed: Path | None,
     started = time.monotonic()
     with wrapper:
         if armed is not None:
-            threading.Thread(target=_arm, args=(args, armed, wrapper, done), daemon=True).start()
+            threading.Thread(target=_arm, args=(args, armed, seed, done), daemon=True).start()
         wrapper.fit(loader, epochs=epochs)
     seconds = time.monotonic() - started
     done.set()
@@ -140,8 +144,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _arm(args: argparse.Namespace, armed: Path, wrapper: Any, done: threading.Event) -> None:
-    rng = random.Random(args.seed)
+def _arm(args: argparse.Namespace, armed: Path, seed: int, done: threading.Event) -> None:
+    rng = random.Random(seed)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     while not done.wait(args.every):
         rank = rng.randrange(args.workers)
@@ -179,8 +183,65 @@ def _shm_files() -> set[str]:
         else set()
 
 
+def _alternating(args: argparse.Namespace, epochs: int, armed: Path
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``--segments`` clean fits and as many with faults, alternating (clean first, then chaos
+    first, ...), each of ``epochs`` from the same start: the machine's drift moves both alike."""
+    clean: list[dict[str, Any]] = []
+    chaos: list[dict[str, Any]] = []
+    for i in range(args.segments):
+        for faulty in ((False, True) if i % 2 == 0 else (True, False)):
+            if faulty:
+                chaos.append(_fit(args, epochs, armed, seed=args.seed + i))
+            else:
+                clean.append(_fit(args, epochs, None))
+    return clean, chaos
+
+
+def _joined(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fits as one run: each one's timeline and recoveries follow the last (seconds since the
+    first one's start, counting only the fits' own time; rounds counted on). ``spans``: each
+    fit's (start, end, shift) on the clock, to place a fault's time on the joined one."""
+    points: list[tuple[float, int]] = []
+    recoveries: list[dict[str, Any]] = []
+    spans: list[tuple[float, float, float]] = []
+    offset, rounds = 0.0, 0
+    for run_ in runs:
+        shift = run_["started"] - offset
+        spans.append((run_["started"], run_["started"] + run_["seconds"], shift))
+        points += [(t - shift, n + rounds) for t, n in run_["timeline"]]
+        recoveries += [{**r, "detected_at": r["detected_at"] + offset} for r in run_["recoveries"]]
+        offset += run_["seconds"]
+        rounds += run_["timeline"][-1][1] + 1 if run_["timeline"] else 0
+    return {"seconds": offset, "started": 0.0, "timeline": points, "recoveries": recoveries,
+            "accuracy": runs[-1]["accuracy"], "orphans": sorted(p for r in runs
+                                                                for p in r["orphans"]),
+            "segments": [round(r["seconds"], 2) for r in runs], "spans": spans}
+
+
+def _round_s(runs: list[dict[str, Any]]) -> float:
+    """The clean fits' time per round (within each fit: not its start)."""
+    span = sum(r["timeline"][-1][0] - r["timeline"][0][0] for r in runs)
+    rounds = sum(r["timeline"][-1][1] - r["timeline"][0][1] for r in runs)
+    return float(span / max(1, rounds))
+
+
+def _fired(armed: Path, spans: list[tuple[float, float, float]]) -> list[tuple[float, str, int]]:
+    """The faults that fired (time on the joined clock, kind, rank)."""
+    log = armed / "fired.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    fired = []
+    for t, kind, rank in (line.split() for line in lines):
+        shift = next((s for start, end, s in spans if start <= float(t) <= end), None)
+        if shift is not None:
+            fired.append((float(t) - shift, kind, int(rank)))
+    return fired
+
+
 def run(args: argparse.Namespace) -> int:
     args = plain_args(args)
+    if args.segments < 1:
+        raise SystemExit(f"--segments {args.segments}: expected 1 or more")
     workdir = Path(args.out).with_suffix("")
     armed = workdir / "armed"
     armed.mkdir(parents=True, exist_ok=True)
@@ -189,19 +250,14 @@ def run(args: argparse.Namespace) -> int:
     shm_before = _shm_files()
     probe = _fit(args, 2, None)  # also starts the forkserver: no timed run pays for it
     per_epoch = (probe["timeline"][-1][0] - probe["timeline"][0][0]) / 2
-    epochs = max(2, math.ceil(args.minutes * 60 / per_epoch))
-    plain = _fit(args, epochs, None, tolerant=False)
-    clean = _fit(args, epochs, None)
-    chaos = _fit(args, epochs, armed)
-    identical = all(torch.equal(clean["state"][k], v) for k, v in chaos["state"].items())
-    for run_ in (plain, clean, chaos, probe):
-        del run_["state"]
-    fired = [(float(t), kind, int(rank)) for t, kind, rank in
-             (line.split() for line in (armed / "fired.log").read_text().splitlines())] \
-        if (armed / "fired.log").exists() else []
-    rounds = clean["timeline"][-1][1] - clean["timeline"][0][1]
-    round_s = (clean["timeline"][-1][0] - clean["timeline"][0][0]) / max(1, rounds)
-    costs = _fault_costs(chaos, fired, round_s)
+    epochs = max(2, math.ceil(args.minutes * 60 / per_epoch / args.segments))
+    plain = _fit(args, epochs * args.segments, None, tolerant=False)
+    del plain["state"]
+    cleans, faulty = _alternating(args, epochs, armed)
+    identical = all(torch.equal(c["state"][k], v) for c, x in zip(cleans, faulty, strict=True)
+                    for k, v in x["state"].items())
+    clean, chaos = _joined(cleans), _joined(faulty)
+    costs = _fault_costs(chaos, _fired(armed, chaos["spans"]), _round_s(cleans))
     result = {"machine": machine(), "config": {**vars(args), "epochs": epochs},
               "clean": clean, "chaos": chaos, "faults": costs,
               "plain": plain, "throughput_kept": clean["seconds"] / chaos["seconds"],
@@ -221,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
 def _print(r: dict[str, Any], path: Path) -> None:
     c, x = r["clean"], r["chaos"]
     print(f"chaos: {len(r['faults'])} faults, one every {r['config']['every']:g} s, "
-          f"{r['config']['epochs']} epochs; clean {c['seconds']:.1f} s, "
+          f"{r['config']['segments']} x {r['config']['epochs']} epochs, clean and chaos fits "
+          f"alternating; clean {c['seconds']:.1f} s, "
           f"chaos {x['seconds']:.1f} s: "
           f"throughput kept {r['throughput_kept']:.3f} (from the faults' costs: "
           f"{r['throughput_kept_from_costs']:.3f})")

@@ -79,6 +79,12 @@ def test_handlers_run_only_when_allowed(models: Path) -> None:
         assert index["sentiment"]["state"] == "UNAVAILABLE"
         assert "--allow-handlers" in index["sentiment"]["reason"]
         assert index["plain"]["state"] == "READY"
+        # The reason, not a load that would fail the same way.
+        refused = client.post("/v2/models/sentiment/infer", json={"inputs": [
+            {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["fine"]}]})
+        assert refused.status_code == 404
+        assert "--allow-handlers" in refused.json()["error"]
+        assert "/load" not in refused.json()["error"]
     finally:
         client.close()
         closing(app)

@@ -260,6 +260,9 @@ def test_a_version_policy_serves_several_versions_each_in_its_own_pool(
         assert len({id(p) for p in app.state.repository.pools().values()}) == len(served)
         http.unload_model("cnn")  # every version goes, and comes back with a load
         assert not http.is_model_ready("cnn")
+        assert [(r["version"], r["state"], r["reason"])
+                for r in http.get_model_repository_index()] == \
+            [(v, "UNAVAILABLE", "unloaded") for v in served]
         grpc.load_model("cnn")
         assert http.get_model_metadata("cnn")["versions"] == served
         grpc.close()

@@ -19,6 +19,7 @@ import torch
 from paraloom._version import __version__
 from paraloom.serving.datatypes import Value, value_to_bytes
 from paraloom.serving.errors import ModelFailedError, NotFoundError, ProtocolError, ServingError
+from paraloom.serving.handlers import HandlerFailedError
 from paraloom.serving.metrics import ServingMetrics
 from paraloom.serving.protocol import AnswerOutput, InferRequest
 from paraloom.serving.repository.models import ModelRepository
@@ -64,15 +65,36 @@ def select_outputs(served: ServedModel, parsed: InferRequest, result: Any) -> li
     """The outputs the request asked for (all by default), named as the signature says;
     ``result`` is whatever the user's model (or its handler's postprocess) returned."""
     named: dict[str, Value] = dict(served.signature.name_outputs(result))
+    _check_outputs(served, named)
     if parsed.outputs is None:
         return [AnswerOutput(n, t, parsed.binary_output) for n, t in named.items()]
     unknown = [o.name for o in parsed.outputs if o.name not in named]
     if unknown:
         raise ProtocolError(f"request asks for outputs {unknown} that the model does not have; "
                             f"its outputs are {list(named)}")
+    asked = [o.name for o in parsed.outputs]
+    twice = sorted({n for n in asked if asked.count(n) > 1})
+    if twice:
+        raise ProtocolError(f"request asks for outputs {twice} more than once; name each output "
+                            "once")
     return [AnswerOutput(o.name, named[o.name],
                          parsed.binary_output if o.binary is None else o.binary, o.region)
             for o in parsed.outputs]
+
+
+def _check_outputs(served: ServedModel, outputs: dict[str, Value]) -> None:
+    """A 500 naming the output whose datatype or shape breaks the model's declared signature
+    (Triton fails such a request too), not data that contradicts the model's metadata."""
+    wrong = served.signature.output_misfit(outputs)
+    if wrong is None:
+        return
+    handler = served.handler
+    if handler is not None and handler.postprocess is not None:
+        raise HandlerFailedError(f"{handler.path.name} postprocess returned {wrong} in "
+                                 "OUTPUTS; return arrays of the declared datatypes and shapes")
+    raise ModelFailedError(f"the model returned {wrong}; make the model return that, or "
+                           "declare what it returns (config.pbtxt, the config's outputs, or "
+                           "outputs=)")
 
 
 def write_regions(outputs: list[AnswerOutput], regions: SharedMemoryRegistry | None

@@ -63,18 +63,39 @@ try:  # orjson parses a request's floats ~9x faster than json: it sets the serve
     import orjson
 
     def _loads(data: bytes) -> object:
-        return orjson.loads(data)
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            if b"NaN" not in data and b"Infinity" not in data:
+                raise
+        return _loads_nonfinite(data)
 
-    def _dumps(obj: object) -> bytes:
-        return orjson.dumps(obj)
+    def _dumps(obj: object, nonfinite: bool = False) -> bytes:
+        return _dumps_nonfinite(obj) if nonfinite else orjson.dumps(obj)
 
 except ImportError:  # pragma: no cover - the same results, slower
 
     def _loads(data: bytes) -> object:
-        return json.loads(data)
+        return _loads_nonfinite(data)
 
-    def _dumps(obj: object) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
+    def _dumps(obj: object, nonfinite: bool = False) -> bytes:
+        return _dumps_nonfinite(obj)
+
+
+def _loads_nonfinite(data: bytes) -> object:
+    """JSON with ``NaN``, ``Infinity`` and ``-Infinity`` as numbers, as Triton reads and writes
+    them (and tritonclient, through Python's json, sends them); orjson refuses them."""
+    try:
+        return json.loads(data)
+    except RecursionError as e:
+        raise ValueError("the JSON is nested too deeply") from e
+
+
+def _dumps_nonfinite(obj: object) -> bytes:
+    """``obj`` as JSON, with non-finite floats written as Triton does (``NaN``, ``Infinity``,
+    ``-Infinity``; orjson would write ``null``, which reads back as NaN, sign lost)."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
 
 @dataclass
 class RequestInput:
@@ -374,6 +395,7 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
     """
     entries: list[_OutputEntry] = []
     chunks: list[bytes] = []
+    nonfinite = False
     for output in outputs:
         name, value, as_binary, region = AnswerOutput(*output)
         entry: _OutputEntry = {"name": name, "datatype": value_datatype(value),
@@ -386,12 +408,14 @@ def encode_infer_response(*, model_name: str, model_version: str, request_id: st
             chunks.append(chunk)
         else:
             entry["data"] = value_to_json(value, name)
+            nonfinite = nonfinite or (isinstance(value, torch.Tensor) and value.is_floating_point()
+                                      and not bool(torch.isfinite(value).all()))
         entries.append(entry)
     response: _InferResponse = {"model_name": model_name, "model_version": model_version,
                                 "outputs": entries}
     if request_id is not None:
         response["id"] = request_id
-    head = _dumps(response)
+    head = _dumps(response, nonfinite)
     if not chunks:
         return head, None
     return b"".join([head, *chunks]), len(head)

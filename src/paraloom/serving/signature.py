@@ -9,10 +9,10 @@ from typing import Any, TypedDict
 import torch
 from torch import nn
 
-from paraloom.serving.datatypes import DATATYPES, Value, datatype_of
+from paraloom.serving.datatypes import DATATYPES, Value, datatype_of, value_datatype
 from paraloom.serving.errors import ProtocolError
 from paraloom.serving.protocol import RequestInput
-from paraloom.serving.strings import BYTES
+from paraloom.serving.strings import BYTES, is_strings
 
 __all__ = ["ModelSignature", "TensorMetadata", "TensorSpec", "infer_signature", "probe_input",
            "spec_from_json"]
@@ -48,6 +48,18 @@ class TensorSpec:
         """The v2 metadata form: ``{"name", "datatype", "shape"}``."""
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
 
+    def misfit(self, datatype: str, shape: Sequence[int], sizes: bool = True) -> str | None:
+        """How a tensor of ``datatype`` and ``shape`` breaks this spec (None if it fits):
+        another datatype, another number of dimensions, or (with ``sizes``) another size
+        where the spec fixes one."""
+        fits = datatype == self.datatype and len(shape) == len(self.shape) and (
+            not sizes or all(want in (-1, got) for want, got in zip(self.shape, shape,
+                                                                     strict=True)))
+        if fits:
+            return None
+        return (f"{datatype} {list(shape)} for {self.name!r}, declared {self.datatype} "
+                f"{list(self.shape)}")
+
 
 def spec_from_json(item: object) -> TensorSpec | None:
     """``item`` as a ``TensorSpec``: one already, or ``{"name", "datatype", "shape"}`` (exactly
@@ -65,6 +77,10 @@ class ModelSignature:
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    outputs_probed: bool = False
+    """Whether ``outputs`` were read off one run of the model (on a probe input), not declared:
+    their sizes then need not hold for every input, so ``output_misfit`` checks only their
+    datatypes and numbers of dimensions."""
 
     def check(self, request_inputs: list[RequestInput]) -> list[Value]:
         """The request's tensors in the model's input order; ``ProtocolError`` if they don't fit."""
@@ -90,6 +106,24 @@ class ModelSignature:
             raise RuntimeError(f"the model returned {len(tensors)} outputs but its signature "
                                f"declares {len(self.outputs)}: {[s.name for s in self.outputs]}")
         return [(s.name, t) for s, t in zip(self.outputs, tensors, strict=True)]
+
+    def output_misfit(self, outputs: Mapping[str, Value]) -> str | None:
+        """How the first output in ``outputs`` that breaks its spec does (None if all fit), as
+        ``TensorSpec.misfit`` says."""
+        specs = {s.name: s for s in self.outputs}
+        for name, value in outputs.items():
+            spec = specs.get(name)
+            if spec is None:
+                continue
+            if isinstance(value, torch.Tensor) or is_strings(value):
+                wrong = spec.misfit(value_datatype(value), value.shape,
+                                    sizes=not self.outputs_probed)
+            else:
+                wrong = (f"a {type(value).__name__} for {name!r}, declared {spec.datatype} "
+                         f"{list(spec.shape)}")
+            if wrong is not None:
+                return wrong
+        return None
 
 
 def _check_one(spec: TensorSpec, given: RequestInput) -> Value:
@@ -203,7 +237,7 @@ def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.T
         raise ValueError(f"cannot infer the outputs of {type(model).__name__}: inputs "
                          f"{[s.as_json() for s in in_specs]} have dimensions of unknown size; "
                          "pass sample=torch.zeros(1, ...) or outputs=[TensorSpec(...)]")
-    return ModelSignature(in_specs, _output_specs(model, probe))
+    return ModelSignature(in_specs, _output_specs(model, probe), outputs_probed=True)
 
 
 def probe_input(signature: ModelSignature, sample: torch.Tensor | Sequence[torch.Tensor] | None

@@ -28,6 +28,7 @@ __all__ = ["IndexEntry", "ModelRepository"]
 
 _log = logging.getLogger("paraloom.serving")
 _RETIRE_TIMEOUT = 30.0  # the longest an unloaded model's in-flight requests may take to finish
+_UNLOADED = "unloaded"  # the reason an unloaded model gives
 UNKNOWN = "unknown"  # the metrics label of requests for models the server does not have
 
 
@@ -47,6 +48,7 @@ class _Entry:
     rebuild: Callable[[ServedModel], ServedModel] | None
     reason: str = ""
     older: dict[str, ServedModel] = field(default_factory=dict)  # versions below ``served``
+    unloaded: list[str] = field(default_factory=list)  # the versions an unload stopped serving
 
     def every(self) -> list[ServedModel]:
         """Every version served now, oldest first."""
@@ -94,9 +96,13 @@ class ModelRepository:
         if entry is None:
             raise NotFoundError(f"unknown model {name!r}; this server serves "
                                 f"{sorted(self._entries)}")
+        if entry.served is None and entry.reason not in ("", _UNLOADED):
+            # It failed to load: loading it again fails the same way; the reason says why.
+            raise NotFoundError(f"model {name!r} is not loaded: {entry.reason}")
         if entry.served is None:
-            raise NotFoundError(f"model {name!r} is not loaded ({entry.reason or 'unloaded'}); "
-                                f"load it with POST /v2/repository/models/{name}/load")
+            raise NotFoundError(f"model {name!r} is not loaded (unloaded); load it with POST "
+                                f"/v2/repository/models/{name}/load (gRPC: "
+                                "RepositoryModelLoad)")
         if version is not None and version in entry.older:
             return entry.older[version]
         if entry.older and version is not None and version != entry.served.version:
@@ -161,9 +167,10 @@ class ModelRepository:
                                "reason": "" if s.ready else "shutting down"}
                               for s in entry.every()]
             elif entry.reason or name not in rows:
-                version = entry.last.version if entry.last is not None else ""
-                rows[name] = [{"name": name, "version": version, "state": "UNAVAILABLE",
-                               "reason": entry.reason or "unloaded"}]
+                versions = entry.unloaded or [entry.last.version if entry.last is not None
+                                              else ""]
+                rows[name] = [{"name": name, "version": v, "state": "UNAVAILABLE",
+                               "reason": entry.reason or _UNLOADED} for v in versions]
         return [row for n in sorted(rows) for row in rows[n]]
 
     def _check_open(self, trusted: bool = False) -> None:
@@ -233,7 +240,8 @@ class ModelRepository:
                 raise NotFoundError(f"unknown model {name!r}; this server serves "
                                     f"{sorted(self._entries)}")
             retired = entry.every()
-            entry.served, entry.older, entry.reason = None, {}, "unloaded"
+            entry.served, entry.older, entry.reason = None, {}, _UNLOADED
+            entry.unloaded = [s.version for s in retired]
             for served in retired:
                 await self._retire(served)
             if retired:

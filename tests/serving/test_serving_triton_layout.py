@@ -14,6 +14,7 @@ import torch
 import tritonclient.grpc as tg
 import tritonclient.http as th
 from torch import nn
+from tritonclient.utils import InferenceServerException
 
 from paraloom import ParallelInference
 from paraloom.serving import ServerThread, create_repository_app
@@ -96,6 +97,13 @@ def test_a_triton_torchscript_repository_serves_unchanged(repository) -> None:
                                    rtol=1e-5, atol=1e-6)
         pool = s.app.state.repository.get("digits", None).pool
         assert pool.stats()["workers"] == 2  # instance_group's count
+        many = np.zeros((17, 1, 8, 8), dtype=np.float32)  # max_batch_size is 16: refused
+        for client, module in ((http, th), (grpc, tg)):
+            sent_many = module.InferInput("INPUT__0", list(many.shape), "FP32")
+            sent_many.set_data_from_numpy(many)
+            with pytest.raises(InferenceServerException, match="17 rows, over the model's "
+                               "max_batch_size 16"):
+                client.infer("digits", [sent_many])
 
 
 def test_config_pbtxt_sets_the_pool_and_the_signature(repository) -> None:
@@ -106,6 +114,7 @@ def test_config_pbtxt_sets_the_pool_and_the_signature(repository) -> None:
     config = found.config
     assert config is not None
     assert config.pool_options == {"batch_limit": 16, "workers": 2, "max_wait_ms": 0.5}
+    assert config.max_batch_size == 16
     assert [s.shape for s in config.inputs or ()] == [(-1, 1, 8, 8)]
 
 

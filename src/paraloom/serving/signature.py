@@ -81,6 +81,9 @@ class ModelSignature:
     """Whether ``outputs`` were read off one run of the model (on a probe input), not declared:
     their sizes then need not hold for every input, so ``output_misfit`` checks only their
     datatypes and numbers of dimensions."""
+    max_rows: int = 0
+    """The most rows (first dimension) one request may hold, as Triton's ``max_batch_size``
+    (0: any number)."""
 
     def check(self, request_inputs: list[RequestInput]) -> list[Value]:
         """The request's tensors in the model's input order; ``ProtocolError`` if they don't fit."""
@@ -91,7 +94,12 @@ class ModelSignature:
         if unknown or missing:
             raise ProtocolError(f"request inputs {sorted(given)} do not match the model's "
                                 f"inputs {expected} (unknown: {unknown}, missing: {missing})")
-        return [_check_one(spec, given[spec.name]) for spec in self.inputs]
+        values = [_check_one(spec, given[spec.name]) for spec in self.inputs]
+        rows = given[expected[0]].shape[0] if expected and given[expected[0]].shape else 0
+        if self.max_rows and rows > self.max_rows:
+            raise ProtocolError(f"the request has {rows} rows, over the model's max_batch_size "
+                                f"{self.max_rows}; send at most {self.max_rows} per request")
+        return values
 
     def name_outputs(self, result: Any) -> list[tuple[str, torch.Tensor]]:
         """Pair what the model returned (``result``: the user's model's own output, a tensor, a

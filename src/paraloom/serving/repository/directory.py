@@ -13,7 +13,8 @@ Every file must be a ``.safetensors`` written by ``paraloom.save``; pickles (``.
 DIR (symlinks) are refused. A config is JSON: ``name``, ``version_policy`` (Triton's:
 ``{"latest": {"num_versions": N}}``, default 1; ``{"all": {}}``; ``{"specific": {"versions":
 [1, 3]}}``; each version served gets its own pool), ``mode``, ``workers``, ``batch_limit``,
-``queue_limit``, ``max_wait_ms``, ``threads_per_worker``, ``inputs`` and ``outputs``
+``queue_limit``, ``max_wait_ms``, ``threads_per_worker``, ``max_batch_size`` (the most rows
+one request may hold, as Triton's; 0, the default: any), ``inputs`` and ``outputs``
 (``[{"name", "datatype", "shape"}]``).
 
 A model folder may instead be in Triton's layout for TorchScript models: ``config.pbtxt`` and
@@ -60,7 +61,7 @@ _PICKLES = {".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".joblib", ".npy"
 _POOL_KEYS = {"mode": "inference_mode", "workers": "workers", "batch_limit": "batch_limit",
               "queue_limit": "queue_limit", "max_wait_ms": "max_wait_ms",
               "threads_per_worker": "threads_per_worker"}
-_KEYS = {"name", "version_policy", "inputs", "outputs", *_POOL_KEYS}
+_KEYS = {"name", "version_policy", "inputs", "outputs", "max_batch_size", *_POOL_KEYS}
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class ModelConfig:
     outputs: tuple[TensorSpec, ...] | None = None
     model_filename: str = TORCHSCRIPT
     """A TorchScript model's file in each version folder (Triton's default_model_filename)."""
+    max_batch_size: int = 0
+    """The most rows one request may hold (Triton's ``max_batch_size``; 0: any number)."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,15 @@ def read_config(path: Path, default_name: str) -> ModelConfig:
         pool_options=options,
         inputs=None if "inputs" not in raw else _specs(raw["inputs"], "inputs", path.name),
         outputs=None if "outputs" not in raw else _specs(raw["outputs"], "outputs", path.name),
-        model_filename=model_filename)
+        model_filename=model_filename, max_batch_size=_max_batch_size(raw, path.name))
+
+
+def _max_batch_size(raw: dict[str, object], where: str) -> int:
+    value = raw.get("max_batch_size", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: max_batch_size {value!r} must be an integer >= 0 (0: any "
+                         "number of rows per request)")
+    return value
 
 
 def config_path_of(folder: Path) -> Path:
@@ -372,7 +383,8 @@ class ModelsDir:
             model = torchscript_file(path) if script else load(path).eval()
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             raise ValueError(f"cannot load {shown}: {e}") from e
-        return model, infer_signature(model, inputs=config.inputs, outputs=config.outputs)
+        signature = infer_signature(model, inputs=config.inputs, outputs=config.outputs)
+        return model, replace(signature, max_rows=config.max_batch_size)
 
     def _handler(self, folder: Path | None, signature: ModelSignature, label: str
                  ) -> Handler | None:

@@ -133,7 +133,8 @@ def read_pbtxt(path: Path, default_name: str) -> dict[str, Any]:
                          "name in the version folder, without a path")
     batched = message.max_batch_size > 0
     raw: dict[str, Any] = {"name": message.name or default_name, "model_filename": filename}
-    options: dict[str, Any] = ({"batch_limit": message.max_batch_size} if batched
+    options: dict[str, Any] = ({"batch_limit": message.max_batch_size,
+                                "max_batch_size": message.max_batch_size} if batched
                                else {"mode": "inplace"})  # no batch dimension: never merged
     workers = sum(group.count for group in message.instance_group)
     if workers:

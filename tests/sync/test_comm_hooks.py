@@ -293,3 +293,38 @@ def _fp16_mixed_run(rank: int, world_size: int) -> str:
 def test_powersgd_refuses_fp16_loss_scaling(pool) -> None:
     for message in pool.run(_fp16_mixed_run):
         assert "16-mixed" in message
+
+
+class _Branches(nn.Module):
+    """A second head used only on batches whose first value is positive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        return self.extra(out) if bool(x[0, 0] > 0) else out
+
+
+@pytest.mark.timeout(90)
+def test_powersgd_with_parameters_used_by_one_worker_only_trains() -> None:
+    # The two workers of a round use different parameters: DDP all-reduces its map of used
+    # parameters from the training thread while PowerSGD's callbacks issue their own
+    # all-reduces, which in racing orders hung both workers until the timeout.
+    from paraloom.training.wrapper import ParallelWrapper
+
+    x, y = _blobs()
+    batches = [(x[i:i + 32].clone(), y[i:i + 32]) for i in range(0, len(x), 32)]
+    for k, (inputs, _) in enumerate(batches):
+        inputs[0, 0] = 5.0 if k % 2 == 0 else -5.0  # worker 0's batches take the extra head
+    model = _Branches()
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                         training_mode="allreduce", comm_hook="powersgd", powersgd_warmup=2,
+                         find_unused_parameters=True, timeout=20) as wrapper:
+        stats = wrapper.fit(batches, epochs=2)
+    assert stats["batches"] == 32
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

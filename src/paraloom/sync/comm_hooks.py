@@ -179,12 +179,14 @@ class PowerSGD:
         self._errors: dict[int, torch.Tensor] = {}
         self._qs: dict[int, torch.Tensor] = {}
         self._warned = False
-        # torch's hook waits for its P and Q all-reduces inside future callbacks, which gloo
-        # runs on its own worker threads: two buckets in flight can block both threads (and
-        # would issue their collectives in racy orders). On gloo, a bucket's PowerSGD waits
-        # for the previous one's; NCCL completes the futures at once, callbacks run in order.
+        # torch's hook issues its P and Q all-reduces from future callbacks, which gloo runs
+        # on its own worker threads, while the training thread goes on: two buckets in flight
+        # can block both of gloo's threads, and a collective the training thread issues
+        # meanwhile (DDP's all-reduce of the used-parameter map with find_unused_parameters,
+        # the next bucket's) can take its turn before P on one rank and after it on the other,
+        # which hangs both. On gloo each bucket's PowerSGD is therefore finished inside the
+        # hook; NCCL completes the futures at once and runs the callbacks in order.
         self._serialize = dist.get_backend(group) != "nccl"
-        self._in_flight: torch.futures.Future[torch.Tensor] | None = None
 
     # -- the hook ------------------------------------------------------------------------------
     @property
@@ -197,9 +199,6 @@ class PowerSGD:
 
     def _run(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         st = self.state
-        if self._in_flight is not None:
-            self._in_flight.wait()
-            self._in_flight = None
         index = bucket.index()
         tensors = bucket.parameters()
         params = tuple(self._index[id(p)] for p in tensors)
@@ -219,7 +218,7 @@ class PowerSGD:
         self._count(st.total_numel_after_compression - after, itemsize)
         fut = fut.then(lambda done: self._keep(index, layout, done))
         if self._serialize:
-            self._in_flight = fut
+            fut.wait()
         return fut
 
     def _install(self, index: int, layout: _Layout, buffer: torch.Tensor) -> None:

@@ -76,6 +76,9 @@ def test_stamps_sample_tensors_past_float32s_exact_integers():
     assert mirror.model_unchanged(model)
     model.weight.data[-1, -1] = 8.0  # the last element is sampled: the write is seen
     assert not mirror.model_unchanged(model)
+    mirror = ReplicaMirror(model, None, pool=None)
+    model.weight.data[5].zero_()  # a row no sample falls in: the checksum sees it
+    assert not mirror.model_unchanged(model)
 
 
 def test_a_warm_fit_of_an_unchanged_model_sends_nothing_and_trains_the_same():
@@ -148,7 +151,7 @@ class _Tempered(nn.Module):
         return self.linear(x) / self.temp
 
 
-def test_non_persistent_buffers_are_the_replicas_own_until_close():
+def test_non_persistent_buffers_travel_both_ways_as_in_a_plain_loop():
     model, reference = _Tempered(), _Tempered()
     with torch.no_grad():
         model.temp.fill_(4.0)
@@ -156,11 +159,10 @@ def test_non_persistent_buffers_are_the_replicas_own_until_close():
     with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
         w.fit(_data(32))
-        assert float(model.seen) == 0.0  # training's count stays in the replica (README)
-        with torch.no_grad():
-            model.temp.fill_(100.0)
-        w.close()  # the documented way to send a new value: new workers start from the model
-        w.fit(_data(32))
+        assert float(model.seen) == 32.0  # what training left in it comes back
+        model.temp.fill_(100.0)  # a value set between fits goes out with the next one
+        stats = w.fit(_data(32))
+        assert stats["model_sent"] and float(model.seen) == 64.0
     for temp in (4.0, 100.0):  # one epoch at each temperature, in one process
         with torch.no_grad():
             reference.temp.fill_(temp)

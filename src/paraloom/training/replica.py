@@ -19,6 +19,7 @@ from paraloom.data import cpu_copy, describe, iter_tensors, map_tensors, split_b
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.precision import Precision, resolve_precision
 from paraloom.sync.base import StepContext, Synchronizer, zero_loss
+from paraloom.training.buffers import load_model_state, load_transient, transient_buffers
 from paraloom.training.messages import ModelState, ReplicaState
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.timing import RoundTiming
@@ -183,7 +184,7 @@ class Replica:
         synchronizer."""
         self._rng = None  # a fresh fit's seed wins over an earlier fit's restored RNG
         if state is not None:
-            self.model.load_state_dict(state)
+            load_model_state(self.model, state)
         if optimizer_state is not None:
             # A private copy: what arrived from the parent lives in memory shared with the
             # other replicas, and load_state_dict keeps same-device tensors as they are.
@@ -418,6 +419,10 @@ class Replica:
             "optimizer": _on_cpu(self.optimizer.state_dict(), independent),
             "sync": _on_cpu(self.sync.state_dict(), independent), "step": self.ctx.step,
             "rng": torch.get_rng_state()}
+        transient = transient_buffers(self.model)
+        if transient:  # beside the model's state_dict, which then loads as torch's own
+            snap["buffers"] = _on_cpu({k: v.detach() for k, v in transient.items()},
+                                      independent)
         if self.device.type == "cuda":
             snap["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if self.scaler is not None:
@@ -432,6 +437,7 @@ class Replica:
 
     def _restore(self, snap: ReplicaState) -> None:
         self.model.load_state_dict(snap["model"])
+        load_transient(self.model, snap.get("buffers", {}))
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         self.ctx.step = int(snap["step"])
         self._rng = snap["rng"]

@@ -21,6 +21,7 @@ from paraloom.errors import NotPicklableError
 from paraloom.forward import LossFn
 from paraloom.sharding import ReplicaInfo, set_replica_info
 from paraloom.sync.base import Synchronizer
+from paraloom.training.buffers import with_transient
 from paraloom.training.loaders import ReplicaLoader, digest
 from paraloom.training.messages import (
     Answer,
@@ -236,7 +237,8 @@ class ReplicaRunner:
     def final_state(self) -> tuple[ModelState, dict[str, Any]]:
         """CPU copies of the parameters and buffers, and of the optimizer state (in the outbox's
         shared memory, which the next fit's state overwrites, when there is one)."""
-        state = self.replica.model.state_dict(), self.replica.optimizer.state_dict()
+        model = self.replica.model
+        state = with_transient(model, model.state_dict()), self.replica.optimizer.state_dict()
         return cpu_copy(state) if self.outbox is None else self.outbox.copy(state)
 
 

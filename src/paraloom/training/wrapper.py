@@ -22,6 +22,7 @@ from paraloom.listeners import TrainingListener, as_listener
 from paraloom.precision import resolve_precision
 from paraloom.sync.base import Synchronizer
 from paraloom.sync.registry import build_synchronizer
+from paraloom.training.buffers import load_model_state
 from paraloom.training.dealing import total_batches
 from paraloom.training.fit_run import FitPlan, FitRun, Start
 from paraloom.training.interrupts import graceful_interrupt
@@ -371,7 +372,7 @@ class ParallelWrapper:
             raise WorkerError("worker 0 finished without sending the trained parameters",
                               worker=0)
         with torch.no_grad():
-            self.model.load_state_dict(result.state)
+            load_model_state(self.model, result.state)
         user_opt = self._user_optimizer
         if user_opt is not None and result.optimizer_state is not None:
             # Settings a listener changed after the replicas last took them (a scheduler

@@ -1,0 +1,53 @@
+"""Buffers registered with ``persistent=False``: outside ``state_dict()``, yet part of what a
+replica computes with (a mask, a rotary cache, a temperature the user sets between fits).
+
+A replica's model state travels as ``state_dict()`` plus these (``with_transient``): a value the
+user set goes out with the next fit(), and what training left in them comes back, as it would
+in a training loop of the user's own. Checkpoints keep ``state_dict()`` as it is, with the
+transient buffers beside it, so a checkpoint's weights load with ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["load_model_state", "load_transient", "transient_buffers", "with_transient"]
+
+
+def transient_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers that ``state_dict()`` leaves out, by their dotted names."""
+    persistent = model.state_dict(keep_vars=True).keys()
+    return {name: buffer for name, buffer in model.named_buffers() if name not in persistent}
+
+
+def with_transient(model: nn.Module, state: Mapping[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    """``state`` (the model's ``state_dict()``) with the transient buffers added (detached)."""
+    return {**state, **{k: v.detach() for k, v in transient_buffers(model).items()}}
+
+
+def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """``model.load_state_dict`` (strict) for what ``state_dict()`` holds; the transient
+    buffers ``state`` has are loaded too (those it lacks keep their values)."""
+    transient = transient_buffers(model)
+    model.load_state_dict({k: v for k, v in state.items() if k not in transient})
+    load_transient(model, {k: v for k, v in state.items() if k in transient})
+
+
+def load_transient(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``buffers`` into the model's transient buffers of those names (in place where the
+    shape and dtype agree, else replacing the buffer on its device); other names are skipped."""
+    own = transient_buffers(model)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            target = own.get(name)
+            if target is None:
+                continue
+            if target.shape == value.shape and target.dtype == value.dtype:
+                target.copy_(value)
+            else:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, value.to(target.device).clone())

@@ -1,0 +1,48 @@
+"""Non-persistent buffers: found beside state_dict(), sent and loaded with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from paraloom.training.buffers import (
+    load_model_state,
+    load_transient,
+    transient_buffers,
+    with_transient,
+)
+
+
+class _Cached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mask", torch.ones(3), persistent=False)
+        self.inner = nn.Module()
+        self.inner.register_buffer("cache", torch.zeros(2, 2), persistent=False)
+
+
+def test_transient_buffers_are_those_state_dict_leaves_out() -> None:
+    model = _Cached()
+    assert sorted(transient_buffers(model)) == ["inner.cache", "mask"]
+    state = with_transient(model, model.state_dict())
+    assert sorted(state) == ["inner.cache", "linear.bias", "linear.weight", "mask", "steps"]
+
+
+def test_a_state_with_transient_buffers_loads_strictly_and_keeps_what_it_lacks() -> None:
+    source, target = _Cached(), _Cached()
+    with torch.no_grad():
+        source.mask.fill_(0.5)
+        source.inner.cache = torch.ones(4, 2)  # grown, as a rotary cache grows with the length
+        source.steps += 3
+    load_model_state(target, with_transient(source, source.state_dict()))
+    assert torch.equal(target.mask, source.mask) and target.inner.cache.shape == (4, 2)
+    assert int(target.steps) == 3 and torch.equal(target.linear.weight, source.linear.weight)
+    assert "cache" in target.inner._buffers  # still a buffer, not a plain attribute
+    load_model_state(target, source.state_dict())  # without them: they keep their values
+    assert torch.equal(target.mask, torch.full((3,), 0.5))
+    load_transient(target, {"unknown": torch.zeros(1)})  # names it does not have: skipped
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_model_state(target, {"mask": torch.ones(3)})  # the persistent part is strict

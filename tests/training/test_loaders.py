@@ -252,3 +252,19 @@ def test_a_worker_replaced_mid_epoch_goes_on_from_its_share_of_the_batches(tmp_p
     assert (tmp_path / "failed").exists() and stats["failures"] == 1
     assert stats["batches"] == 12
     assert digest(model) == reference
+
+
+def test_a_loaders_own_generator_gives_the_order_a_loop_over_the_loader_gives():
+    from paraloom.training.dealing import batch_rounds
+    from paraloom.training.loaders import epoch_batches
+
+    def loader():
+        return DataLoader(Rows(24), batch_size=4, shuffle=True,
+                          generator=torch.Generator().manual_seed(7))
+
+    looping, sampled, dealt = loader(), loader(), loader()
+    looped = [[y.tolist() for _, y in looping] for _ in range(2)]
+    assert [epoch_batches(sampled) for _ in range(2)] == looped  # workers' own loaders
+    by_index = [[b for r in batch_rounds(dealt, object(), 2, 0, 0, lambda b: b)  # type: ignore[arg-type]
+                 for b in r] for _ in range(2)]
+    assert by_index == looped  # indices dealt by the parent

@@ -90,6 +90,33 @@ def test_bad_groups_and_values_are_refused_with_the_option_named() -> None:
         _wrapper(no_such_option=1)
 
 
+@pytest.mark.parametrize(("options", "error", "said"), [
+    ({"timeout": "3"}, TypeError, "timeout='3'; expected seconds > 0 as a number"),
+    ({"timeout": None}, TypeError, "timeout=None"),
+    ({"step_timeout": [1]}, TypeError, r"step_timeout=\[1\].*or None"),
+    ({"prefetch_buffer": 2.5}, TypeError, "prefetch_buffer=2.5; expected an int"),
+    ({"progress": "no"}, TypeError, "progress='no'; expected True or False"),
+    ({"listeners": 3}, TypeError, "listeners=3; expected a list"),
+    ({"loss_fn": 3}, TypeError, "loss_fn=3 is not callable"),
+    ({"step_fn": lambda model, batch: model(batch).sum()}, ValueError, "not both"),
+    ({"average_updaters": "no"}, TypeError, "average_updaters='no'"),
+    ({"training_mode": "allreduce", "bucket_cap_mb": "x"}, ValueError, "bucket_cap_mb='x'"),
+    ({"compile": {"modee": "default"}}, TypeError, r"torch.compile keyword\(s\) \['modee'\]"),
+])
+def test_values_of_the_wrong_type_are_refused_with_the_option_named(options, error,
+                                                                      said) -> None:
+    model = nn.Linear(4, 2)
+    keywords = {"loss_fn": nn.MSELoss(), "workers": 2, **options}
+    with pytest.raises(error, match=said):
+        ParallelWrapper(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        **keywords)
+
+
+def test_one_listener_may_be_given_alone() -> None:
+    heard: list[int] = []
+    assert len(_wrapper(listeners=lambda i, e, loss: heard.append(i)).listeners) == 1
+
+
 def test_every_documented_keyword_is_taken() -> None:
     """Each keyword of WrapperKeywords, at its default, in a mode that takes it (DDP's own
     keywords go to "allreduce", which passes them to DistributedDataParallel at setup)."""

@@ -183,6 +183,21 @@ def test_bad_batches_give_clear_errors_and_the_wrapper_recovers():
     assert stats["batches"] == 4
 
 
+def test_a_bad_batch_found_mid_fit_stops_the_workers_quietly(capfd):
+    # The workers are well: they skip what is queued and stop. Killed while reading a batch's
+    # shared memory, they left multiprocessing's descriptor server printing tracebacks here.
+    model = MLP(in_features=64)
+    good = [(torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))) for _ in range(6)]
+    third = good[0] + (good[0][1],)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.01)) as w:
+        for _ in range(3):
+            with pytest.raises(TypeError, match=r"must be a pair"):
+                w.fit(good + [third])
+        assert w.fit(good)["batches"] == 6
+    assert "Traceback" not in capfd.readouterr().err
+
+
 class _Locked(nn.Module):
     def __init__(self):
         super().__init__()

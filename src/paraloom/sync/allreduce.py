@@ -106,6 +106,11 @@ class AllReduce(Synchronizer):
                             f"arguments of DistributedDataParallel: {sorted(_DDP_OPTIONS)} "
                             f"(module, devices and process group are set by paraloom), or "
                             f"comm_hook, powersgd_rank, powersgd_warmup, comm_hook_options")
+        cap = ddp_options.get("bucket_cap_mb")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float)
+                                or not cap > 0):
+            raise ValueError(f"bucket_cap_mb={cap!r}; expected megabytes > 0 (DDP's bucket "
+                             "size: 25 by default) or None")
         self.comm_hook, self._powersgd_options = resolve_comm_hook(
             comm_hook, powersgd_rank, powersgd_warmup, comm_hook_options)
         self.comm_hook_options = dict(comm_hook_options or {})

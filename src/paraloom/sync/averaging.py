@@ -46,6 +46,9 @@ class Averaging(Synchronizer):
         if not isinstance(frequency, int) or frequency < 1:
             raise ValueError(f"averaging_frequency={frequency!r}; expected an int >= 1 "
                              "(1 averages after every round)")
+        if not isinstance(average_updaters, bool):
+            raise TypeError(f"average_updaters={average_updaters!r}; expected True (the "
+                            "optimizer state is averaged too) or False")
         self.frequency = frequency
         self.average_updaters = average_updaters
         self.averagings = 0

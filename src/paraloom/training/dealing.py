@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from paraloom.data import IndexedDataset, Prefetcher
-from paraloom.training.loaders import LoaderSpec, epoch_batches
+from paraloom.training.loaders import LoaderSpec, draw_base_seed, epoch_batches
 from paraloom.training.messages import IndexRound, LoaderEpoch, LoaderRound, Round, RoundMessage
 from paraloom.training.pool import Pool
 from paraloom.training.transport import shared_copy
@@ -48,6 +48,7 @@ def batch_rounds(data: Any, source: Source, workers: int, skip: int, prefetch: i
     batches copied to shared memory otherwise, each passed through ``checked``) into rounds of
     ``workers`` (the last may be short). ``prefetch`` batches are read ahead on a thread."""
     if source is not None:
+        draw_base_seed(data)
         batches = itertools.islice(data.batch_sampler, skip, None)
         payloads: Iterable[Any] = (list(b) for b in batches)
         prefetcher = None

@@ -273,6 +273,15 @@ class _Singles:
         return len(self.plan)
 
 
+def draw_base_seed(data: DataLoader[Any]) -> None:
+    """Draw what iterating ``data`` draws from its own ``generator`` before its sampler runs
+    (the loader workers' base seed), so that a shuffle drawn from that generator gives the
+    order a loop over the loader would. (Without a generator the loader draws from torch's
+    RNG, which the fit's own seeds draw from too: that order is not a loop's.)"""
+    if data.generator is not None:
+        torch.empty((), dtype=torch.int64).random_(generator=data.generator)
+
+
 def digest(batch: Any) -> str:
     """A short fingerprint of a batch's tensors (to spot replicas that read the same data)."""
     h = hashlib.blake2b(digest_size=12)
@@ -286,6 +295,7 @@ def digest(batch: Any) -> str:
 def epoch_batches(data: DataLoader[Any]) -> list[list[int]]:
     """The batches of indices a map-style DataLoader loads this epoch, in order (its sampler,
     drawn from its generator or torch's RNG as iterating the loader would)."""
+    draw_base_seed(data)
     if data.batch_sampler is not None:
         return [list(b) for b in data.batch_sampler]
     return [[i] for i in data.sampler]

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -71,6 +72,12 @@ class StepOptions:
         if not isinstance(self.compile, bool | Mapping):
             raise TypeError(f"compile={self.compile!r}; expected True, False or a dict of "
                             "torch.compile keywords such as {'mode': 'max-autotune'}")
+        if isinstance(self.compile, Mapping):
+            known = set(inspect.signature(torch.compile).parameters) - {"model"}
+            unknown = sorted(map(str, set(self.compile) - known))
+            if unknown:
+                raise TypeError(f"compile= has unknown torch.compile keyword(s) {unknown}; "
+                                f"it takes {sorted(known)}")
         scheduler = self.lr_scheduler
         if scheduler is not None and (isinstance(scheduler, LRScheduler)
                                       or not callable(scheduler)):
@@ -94,12 +101,20 @@ class StepOptions:
         return {} if self.compile else None
 
 
+def _seconds(name: str, value: object, alternative: str) -> None:
+    """Refuse a time that is not a number of seconds > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}={value!r}; expected seconds > 0 as a number{alternative}")
+    if not value > 0:
+        raise ValueError(f"{name}={value!r}; expected seconds > 0{alternative}")
+
+
 @dataclass(frozen=True)
 class FaultTolerance:
     """How long a wait may take, and how many worker failures a fit survives.
 
-    Raises ``ValueError`` for a time that is not > 0 (None turns a watch off), or a
-    ``max_failures`` or ``spares`` that is not an int >= 0.
+    Raises ``TypeError`` for a time that is not a number, ``ValueError`` for one that is not
+    > 0 (None turns a watch off), or a ``max_failures`` or ``spares`` that is not an int >= 0.
     """
 
     max_failures: int = 0
@@ -122,13 +137,11 @@ class FaultTolerance:
     waits. 0: a recovery starts its workers itself (about 0.1 s more per failure)."""
 
     def __post_init__(self) -> None:
-        if not self.timeout > 0:
-            raise ValueError(f"timeout={self.timeout}; expected seconds > 0")
+        _seconds("timeout", self.timeout, "")
         for name in ("heartbeat_timeout", "step_timeout"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}={value!r}; expected seconds > 0, or None to turn "
-                                 "this watch off")
+            if value is not None:
+                _seconds(name, value, ", or None to turn this watch off")
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) \
                 or self.max_failures < 0:
             raise ValueError(f"max_failures={self.max_failures!r}; expected an int >= 0 (0 "
@@ -142,7 +155,8 @@ class FaultTolerance:
 class LoopOptions:
     """How the parent process runs a fit.
 
-    Raises ``ValueError`` for a negative ``prefetch_buffer``.
+    Raises ``TypeError`` for a ``prefetch_buffer`` that is not an int or flags that are not
+    bools, ``ValueError`` for a negative ``prefetch_buffer``.
     """
 
     prefetch_buffer: int = 16
@@ -155,8 +169,14 @@ class LoopOptions:
     an averaging (DL4J's reportScoreAfterAveraging)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.prefetch_buffer, bool) or not isinstance(self.prefetch_buffer, int):
+            raise TypeError(f"prefetch_buffer={self.prefetch_buffer!r}; expected an int >= 0 "
+                            "(batches per worker read ahead)")
         if self.prefetch_buffer < 0:
             raise ValueError(f"prefetch_buffer={self.prefetch_buffer}; expected >= 0")
+        for name in ("progress", "report_score_after_averaging"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r}; expected True or False")
 
     def queue_depth(self, workers: int) -> int:
         """Rounds a worker's queue holds: how far the parent deals ahead of the replies."""

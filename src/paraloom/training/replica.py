@@ -41,10 +41,20 @@ class BatchError(RuntimeError):
 
 
 def require_loss(loss_fn: LossFn | None, step_fn: StepFn | None) -> None:
-    """Refuse a training setup that has no way to compute a loss."""
+    """Refuse a training setup that has no way to compute a loss, or two."""
     if loss_fn is None and step_fn is None:
         raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, batch)"
                          " -> loss")
+    if loss_fn is not None and step_fn is not None:
+        raise ValueError("give loss_fn= or step_fn=, not both: step_fn(model, batch) computes "
+                         "the loss itself, so loss_fn would never be called")
+    losses = list(loss_fn) if isinstance(loss_fn, list | tuple) else [loss_fn or step_fn]
+    wrong = [f for f in losses if not callable(f)]
+    if wrong:
+        name = "loss_fn" if loss_fn is not None else "step_fn"
+        raise TypeError(f"{name}={repr(wrong[0])[:60]} is not callable; expected a function or "
+                        "module such as nn.CrossEntropyLoss() (loss_fn, or a list of them: one "
+                        "per model output) or step_fn=(model, batch) -> loss")
 
 
 def host_to_device(batch: Any, device: torch.device) -> Any:

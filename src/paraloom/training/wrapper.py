@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -55,9 +56,21 @@ if TYPE_CHECKING:
 __all__ = ["FitStats", "ParallelWrapper"]
 
 log = logging.getLogger("paraloom")
+_WELL_CLOSE_S = 5.0
+"""How long workers that are well get to stop after a fit failed in this process."""
 
 
 _Fit = TypeVar("_Fit", bound=Callable[..., Any])
+
+
+def _listeners(given: object) -> list[TrainingListener]:
+    """``listeners=``: an iterable of listeners (or callables), or one given alone."""
+    if isinstance(given, TrainingListener) or callable(given):
+        return [as_listener(given)]
+    if not isinstance(given, Iterable) or isinstance(given, str | bytes):
+        raise TypeError(f"listeners={given!r}; expected a list of TrainingListener objects or "
+                        "callables (iteration, epoch, loss)")
+    return [as_listener(x) for x in given]
 
 
 def _one_fit_at_a_time(fit: _Fit) -> _Fit:
@@ -125,7 +138,7 @@ class ParallelWrapper:
                           "runs in this process and an error is raised as it happens",
                           stacklevel=2)
         self.model = model
-        self.listeners: list[TrainingListener] = [as_listener(x) for x in listeners]
+        self.listeners: list[TrainingListener] = _listeners(listeners)
         self.synchronizer = _synchronizer(training_mode, sharing, sync_options)
         self.synchronizer.check_model(model)
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -312,6 +325,13 @@ class ParallelWrapper:
         names the batch it trained on, and the listeners hear of it."""
         self._mirror = None
         if self._pool is not None:
+            if isinstance(error, Exception) and not isinstance(error, WorkerError):
+                # The workers are well (a bad batch, a listener raised): they skip the rounds
+                # queued and stop, with the messages they are reading taken in whole (killed
+                # mid-read, they leave this process's descriptor server tracebacks).
+                with contextlib.suppress(Exception):
+                    self._pool.halt()
+                    self._pool.close(timeout_s=_WELL_CLOSE_S)
             self._pool.kill()
             self._pool = None
         if isinstance(error, WorkerError):

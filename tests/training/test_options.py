@@ -181,3 +181,11 @@ def test_the_typed_and_the_keyword_forms_train_the_same_model() -> None:
     # With one worker, where the gradients are taken is an option that changes the result.
     other = _train(training_mode="shared_gradients", recipe="dl4j", gradient_clip_val=0.5)
     assert not all(torch.equal(a, b) for a, b in zip(typed, other, strict=True))
+
+
+def test_a_model_with_nothing_to_train_is_refused_before_workers_start() -> None:
+    wrapper = _wrapper()
+    wrapper.model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        wrapper.fit([(torch.rand(2, 4), torch.rand(2, 2))])
+    assert wrapper.worker_pids == []

@@ -28,13 +28,23 @@ def _unused_names(message: str, model: nn.Module) -> list[str]:
     return [trainable[i] for i in map(int, found.group(1).split()) if i < len(trainable)]
 
 
+def _first_paragraph(message: str, limit: int = 600) -> str:
+    """The message up to its first blank line, its lines joined (DDP wraps them mid-sentence),
+    cut after the last whole sentence within ``limit`` characters."""
+    text = " ".join(message.strip().split("\n\n")[0].split())
+    if len(text) <= limit:
+        return text
+    end = text.rfind(". ", 0, limit)
+    return text[:end + 1] + " ..." if end > 0 else text[:limit - 3] + "..."
+
+
 def explain_ddp_error(error: BaseException, model: nn.Module) -> BaseException | None:
     """``error`` with its message in paraloom's terms, of the same type, when DDP raised it
     about its own API (None otherwise)."""
     message = str(error)
     if "DistributedDataParallel" not in message and "DDP" not in message:
         return None
-    head = message.strip().splitlines()[0]
+    head = _first_paragraph(message)
     if _UNUSED in message and "not used in producing loss" in message:
         names = _unused_names(message, model)
         which = f" ({', '.join(names)})" if names else ""

@@ -203,8 +203,11 @@ class ParallelWrapper:
         return list(self._pool.pids) if self._pool is not None else []
 
     def stop(self) -> None:
-        """Ask a running fit() to stop after the round in flight (e.g. from a listener); the
-        rounds queued behind it are not trained. Between fits it does nothing."""
+        """Ask a running fit() to stop after the round the workers are training now (e.g. from
+        a listener); the rounds queued behind it are not trained. Listeners hear of rounds a
+        message late (several rounds to a message), so from ``on_iteration`` the stop comes a
+        few rounds past the one heard of, how many depending on timing; from
+        ``on_epoch_end`` it is exact. Between fits it does nothing."""
         if self._run is not None and self._fit_thread is not None:
             self._run.stop()
 
@@ -280,6 +283,10 @@ class ParallelWrapper:
         if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
             raise ValueError(f"initial_epoch={initial_epoch!r}; expected 0 <= initial_epoch < "
                              f"epochs={epochs}")
+        if not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError(f"{type(self.model).__name__} has no parameter with "
+                             "requires_grad=True: there is nothing to train; unfreeze the "
+                             "parameters to train (p.requires_grad_(True))")
         data = as_data_source(data, batch_size, shuffle)
         start = self._start_position(resume_from, initial_epoch)
         pool = self._ensure_pool()

@@ -214,3 +214,64 @@ def test_cli_refuses_bad_hyperparameters_and_reports_a_mismatch_without_a_traceb
         main(["evaluate", str(out), "--dataset", "digits"])
     assert exited.value.code == 1
     assert "paraloom evaluate: error:" in capsys.readouterr().err
+
+
+class _HubConfig:
+    """A configuration object, as a Hugging Face model holds: no constructor keywords."""
+
+    hidden = 4
+
+
+class _HubStyle(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _HubConfig()
+        self.layer = torch.nn.Linear(3, 4)
+
+
+def test_a_factory_that_takes_no_arguments_rebuilds_a_saved_model(tmp_path):
+    torch.manual_seed(0)
+    model = LeNet(image_size=8)
+    paraloom.save(model, tmp_path / "lenet.safetensors")
+    loaded = paraloom.load(tmp_path / "lenet.safetensors", factory=lambda: LeNet(image_size=8))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 loaded.state_dict().values(), strict=True))
+    with pytest.raises(TypeError, match="takes neither the constructor arguments"):
+        paraloom.load(tmp_path / "lenet.safetensors", factory=lambda depth: LeNet())
+
+
+def test_a_config_object_is_not_taken_for_constructor_keywords(tmp_path):
+    model = _HubStyle()
+    paraloom.save(model, tmp_path / "hub.safetensors")
+    loaded = paraloom.load(tmp_path / "hub.safetensors")
+    assert torch.equal(loaded.layer.weight, model.layer.weight)
+
+
+def test_load_names_a_missing_class_and_a_device_the_machine_lacks(tmp_path):
+    model = _HubStyle()
+    path = tmp_path / "hub.safetensors"
+    paraloom.save(model, path)
+    header = paraloom.checkpoint.read_header(path)
+    header["class"] = f"{__name__}:NoSuchNet"
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path),
+              metadata={"paraloom": json.dumps(header)})
+    with pytest.raises(ValueError, match="'NoSuchNet' is not in module"):
+        paraloom.load(path)
+    with pytest.raises(ValueError, match="map_location='nowhere' is not a device"):
+        paraloom.load(path, map_location="nowhere")
+
+
+def test_a_training_checkpoint_that_is_a_pickle_or_truncated_is_a_clear_error(tmp_path):
+    from paraloom import TrainingCheckpoint
+
+    pickled = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.zeros(2)}, pickled)
+    with pytest.raises(ValueError, match="PyTorch pickle"):
+        TrainingCheckpoint.load(pickled)
+    good = tmp_path / "good.safetensors"
+    paraloom.save(LeNet(image_size=8), good)
+    truncated = tmp_path / "ckpt.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        TrainingCheckpoint.load(truncated)

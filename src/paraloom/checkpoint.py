@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -56,7 +56,12 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn
 
 
 def _default_kwargs(model: nn.Module, kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    return dict(getattr(model, "config", None) or {}) if kwargs is None else kwargs
+    """``kwargs``, else the model's ``config`` when it is a dict (a config object, as a
+    Hugging Face model's, is no constructor's keywords: then none)."""
+    if kwargs is not None:
+        return kwargs
+    config = getattr(model, "config", None)
+    return dict(config) if isinstance(config, Mapping) else {}
 
 
 def _registered_name(model: nn.Module, name: str | None) -> str | None:
@@ -207,17 +212,52 @@ def _corrupt(path: str | Path, error: Exception) -> ValueError:
                       "corrupt; write it again with paraloom.save")
 
 
+def _check_device(device: str | torch.device) -> None:
+    """A ValueError naming ``map_location`` when it is not a device this machine has."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, ValueError, TypeError, AssertionError) as e:
+        raise ValueError(f"map_location={str(device)!r} is not a device torch can use here "
+                         f"({type(e).__name__}: {str(e).splitlines()[0]}); pass 'cpu' or a "
+                         "device this machine has") from e
+
+
 def _build(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> nn.Module:
     kwargs = spec.get("kwargs", {})
     if factory is not None:
-        return factory(**kwargs)
+        return _call_factory(factory, kwargs)
     if "name" in spec:
         if spec["name"] not in _REGISTRY:
             raise KeyError(f"model name {spec['name']!r} is not registered (known: "
                            f"{sorted(_REGISTRY)}); call paraloom.register_model first or pass "
                            "factory=")
-        return _REGISTRY[spec["name"]](**kwargs)
-    return _imported_class(spec["class"])(**kwargs)
+        build: Callable[..., nn.Module] = _REGISTRY[spec["name"]]
+    else:
+        build = _imported_class(spec["class"])
+    try:
+        return build(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"rebuilding the model as {spec.get('name') or spec['class']}"
+                        f"(**{kwargs!r}) failed ({e}); pass factory= (a function returning "
+                        "the model), or save it with the kwargs= its constructor takes") from e
+
+
+def _call_factory(factory: Callable[..., nn.Module], kwargs: dict[str, Any]) -> nn.Module:
+    """``factory(**kwargs)`` (the constructor arguments the file was saved with), or
+    ``factory()`` for a factory that takes none of them; a TypeError naming both otherwise."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: call it as saved
+        return factory(**kwargs)
+    for given in (kwargs, {}):
+        try:
+            signature.bind(**given)
+        except TypeError:
+            continue
+        return factory(**given)
+    raise TypeError(f"factory={getattr(factory, '__name__', factory)!r} takes neither the "
+                    f"constructor arguments the file was saved with ({sorted(kwargs)}) nor "
+                    "none; pass a factory that takes those keywords, or none")
 
 
 def _imported_class(path: str) -> type[nn.Module]:
@@ -236,6 +276,12 @@ def _imported_class(path: str) -> type[nn.Module]:
     obj: object = module
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
+    if obj is None:
+        raise ValueError(f"the file's model class {qualname!r} is not in module "
+                         f"{module_name!r} of this program (a class defined in the script that "
+                         "saved it is not in another script's __main__): define or import it, "
+                         "register it with paraloom.register_model(name, cls), or pass "
+                         "factory= (--factory module:callable on the command line)")
     if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
         raise ValueError(f"the file names {path!r} as its model class, which is not an "
                          "nn.Module subclass: refusing to call it")
@@ -248,6 +294,7 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model file {str(path)!r} does not exist")
+    _check_device(map_location)
     spec = read_header(path)
     model = _build(spec, factory)
     state = read_tensors(path, map_location)

@@ -64,6 +64,9 @@ def class_labels(targets: torch.Tensor, outputs: torch.Tensor, classes: int) -> 
     labels = targets.detach().cpu()
     if labels.dim() == 2 and labels.shape[1] > 1 and labels.shape == outputs.shape:
         labels = labels.argmax(dim=1)
+    if labels.is_floating_point() and not bool((labels == labels.round()).all()):
+        raise ValueError("labels must be class indices (whole numbers) or one-hot rows; got "
+                         "fractional values (a regression target? use RegressionEvaluation)")
     labels = labels.reshape(-1).long()
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
         raise ValueError(f"labels must be class indices in [0, {classes}) (the model gives "
@@ -130,10 +133,15 @@ class Evaluation:
         return precision, recall, f1
 
     def metrics(self) -> ClassificationMetrics:
-        """Accuracy, macro precision/recall/F1, mean loss, and the confusion matrix as lists."""
+        """Accuracy, macro precision/recall/F1 (averaged over the classes that occur among the
+        labels or the predictions, as scikit-learn's ``average="macro"``; a class the data
+        never shows has no score to average), mean loss, and the confusion matrix as lists."""
         precision, recall, f1 = self._per_class()
-        return {"accuracy": self.accuracy, "precision": float(precision.mean()),
-                "recall": float(recall.mean()), "f1": float(f1.mean()),
+        seen = (self.confusion.sum(0) + self.confusion.sum(1)) > 0
+        if not bool(seen.any()):
+            seen = torch.ones_like(seen)
+        return {"accuracy": self.accuracy, "precision": float(precision[seen].mean()),
+                "recall": float(recall[seen].mean()), "f1": float(f1[seen].mean()),
                 "loss": self.loss_sum / max(1, self.count), "count": self.count,
                 "confusion_matrix": self.confusion.tolist()}
 
@@ -160,13 +168,15 @@ class RegressionEvaluation:
     loss_sum: float = 0.0
     sum_sq_error: np.ndarray = field(init=False)
     sum_abs_error: np.ndarray = field(init=False)
-    sum_target: np.ndarray = field(init=False)
-    sum_sq_target: np.ndarray = field(init=False)
+    mean_target: np.ndarray = field(init=False)
+    m2_target: np.ndarray = field(init=False)
+    """The targets' sum of squared deviations from their mean: merged as Chan et al. do, so
+    R² holds for targets far from zero (E[y²] - E[y]² loses it to rounding there)."""
 
     def __post_init__(self) -> None:
         if self.columns < 1:
             raise ValueError(f"columns={self.columns}; expected >= 1")
-        for name in ("sum_sq_error", "sum_abs_error", "sum_target", "sum_sq_target"):
+        for name in ("sum_sq_error", "sum_abs_error", "mean_target", "m2_target"):
             setattr(self, name, np.zeros(self.columns, dtype=np.float64))
 
     @staticmethod
@@ -183,19 +193,28 @@ class RegressionEvaluation:
         err = pred - true
         self.sum_sq_error += (err ** 2).sum(0)
         self.sum_abs_error += np.abs(err).sum(0)
-        self.sum_target += true.sum(0)
-        self.sum_sq_target += (true ** 2).sum(0)
-        self.count += rows
+        mean = true.mean(0) if rows else np.zeros(self.columns)
+        self._add_moments(rows, mean, ((true - mean) ** 2).sum(0))
         self.loss_sum += float(loss_sum)
+
+    def _add_moments(self, count: int, mean: np.ndarray, m2: np.ndarray) -> None:
+        """Merge another set of targets' count, mean and M2 into these (Chan et al.)."""
+        total = self.count + count
+        if count == 0:
+            return
+        delta = mean - self.mean_target
+        self.m2_target = self.m2_target + m2 + delta ** 2 * (self.count * count / total)
+        self.mean_target = self.mean_target + delta * (count / total)
+        self.count = total
 
     def merge(self, other: RegressionEvaluation) -> RegressionEvaluation:
         """The sum of two states (in place on self, returned for reduce / treeAggregate)."""
         if other.columns != self.columns:
             raise ValueError(f"cannot merge regression evaluations of {self.columns} and "
                              f"{other.columns} columns")
-        for name in ("sum_sq_error", "sum_abs_error", "sum_target", "sum_sq_target"):
-            getattr(self, name).__iadd__(getattr(other, name))
-        self.count += other.count
+        self.sum_sq_error += other.sum_sq_error
+        self.sum_abs_error += other.sum_abs_error
+        self._add_moments(other.count, other.mean_target, other.m2_target)
         self.loss_sum += other.loss_sum
         return self
 
@@ -204,9 +223,12 @@ class RegressionEvaluation:
         n = max(1, self.count)
         mse = self.sum_sq_error / n
         mae = self.sum_abs_error / n
-        variance = self.sum_sq_target / n - (self.sum_target / n) ** 2
+        variance = self.m2_target / n
         with np.errstate(divide="ignore", invalid="ignore"):
-            r2 = np.where(variance > 0, 1 - mse / np.where(variance > 0, variance, 1), np.nan)
+            # A constant target column: 1 for exact predictions, else 0 (scikit-learn's too).
+            r2 = np.where(variance > 0, 1 - mse / np.where(variance > 0, variance, 1),
+                          np.where(mse == 0, 1.0, 0.0))
+            r2 = np.where(self.count > 0, r2, np.nan)
         return {"mse": float(mse.mean()), "mae": float(mae.mean()),
                 "rmse": float(np.sqrt(mse).mean()), "r2": float(np.nanmean(r2))
                 if np.isfinite(r2).any() else float("nan"),
@@ -319,7 +341,8 @@ def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | Non
             inputs, targets = to_device(split_batch(batch), device)
             logits = forward(model, inputs)
             if ev is None:
-                ev = Evaluation(num_classes or int(logits.shape[1]))
+                scores = 1 if logits.dim() == 1 else int(logits.shape[1])
+                ev = Evaluation(num_classes or max(2, scores))  # one score: a binary logit
             loss = float(loss_fn(logits, targets)) * int(targets.shape[0]) if loss_fn else 0.0
             ev.update(logits, targets, loss)
     finally:

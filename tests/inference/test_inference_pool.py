@@ -339,13 +339,34 @@ def test_inplace_with_every_replica_busy_waits_then_raises(gate):
         caller = threading.Thread(target=pi.output, args=(torch.ones(1, 1),))
         caller.start()
         assert gate.entered.wait(WAIT)                # the only replica is in use
-        with pytest.raises(QueueFullError, match="every replica is busy"):
+        # In line past its timeout: a timeout (504 in the server), as in the other modes.
+        with pytest.raises(RequestTimeoutError, match="waited 0.05 s for a free replica"):
             pi.output(torch.ones(1, 1), timeout=0.05)
         with pytest.raises(QueueFullError, match="block=False"):
             pi.submit(torch.ones(1, 1), block=False)
         gate.open()
         caller.join(WAIT)
         assert pi.submit(torch.ones(1, 1)).result(0).item() == 2.0   # done before returning
+        rejected = pi.stats()["rejections"]
+        assert (rejected["timeout"], rejected["queue_full"]) == (1, 1)
+
+
+def test_inplace_with_the_line_full_raises_queue_full(gate):
+    with ParallelInference(GatedScale(gate), inference_mode="inplace", workers=1,
+                           queue_limit=1) as pi, gate:
+        callers = [threading.Thread(target=pi.output, args=(torch.ones(1, 1),))
+                   for _ in range(2)]
+        callers[0].start()
+        assert gate.entered.wait(WAIT)                # the only replica is in use
+        callers[1].start()                            # and the one place in line taken
+        deadline = time.monotonic() + WAIT
+        while pi._slots._waiting < 1 and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.005)
+        with pytest.raises(QueueFullError, match="every replica is busy"):
+            pi.output(torch.ones(1, 1), timeout=0.05)
+        gate.open()
+        for caller in callers:
+            caller.join(WAIT)
 
 
 def test_stats_reports_counts_histogram_percentiles_and_config():

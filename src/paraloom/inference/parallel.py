@@ -171,6 +171,9 @@ class ParallelInference:
         except QueueFullError:
             self._stats.rejected("queue_full")
             raise
+        except RequestTimeoutError:  # in place: in line for a replica past its timeout
+            self._stats.rejected("timeout")
+            raise
         except InferenceClosedError:
             self._stats.rejected("closed")
             raise

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraloom.inference.errors import InferenceClosedError, QueueFullError
+from paraloom.inference.errors import InferenceClosedError, QueueFullError, RequestTimeoutError
 from paraloom.inference.payload import call_model
 from paraloom.precision import Precision
 
@@ -114,7 +114,9 @@ class SlotPool:
         self._line_free = threading.Condition(self._lock)
 
     def acquire(self, *, block: bool = True, timeout: float | None = None) -> int:
-        """Borrow a slot, waiting up to ``timeout``; QueueFullError if none came free in time."""
+        """Borrow a slot, waiting up to ``timeout``: QueueFullError if the line stayed full
+        (``limit`` callers waiting) that long, RequestTimeoutError if, in line, no slot came
+        free in time (as a queued request that waited past its timeout)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._check_open()
@@ -125,17 +127,22 @@ class SlotPool:
             self._wait(self._line_free, lambda: self._waiting < self._limit, deadline, timeout)
             self._waiting += 1
             try:
-                self._wait(self._slot_free, lambda: bool(self._free), deadline, timeout)
+                self._wait(self._slot_free, lambda: bool(self._free), deadline, timeout,
+                           in_line=True)
             finally:
                 self._waiting -= 1
                 self._line_free.notify()
             return self._free.pop()
 
     def _wait(self, cond: threading.Condition, ready: Callable[[], bool],
-              deadline: float | None, timeout: float | None) -> None:
+              deadline: float | None, timeout: float | None, in_line: bool = False) -> None:
         while not ready():
             self._check_open()
             remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0 and in_line:
+                raise RequestTimeoutError(
+                    f"the request waited {timeout:.3g} s for a free replica, past its timeout; "
+                    "pass a longer timeout, add workers, or send fewer requests at once")
             if remaining is not None and remaining <= 0:
                 raise _busy(self._waiting, f"timeout={timeout:.3g} s")
             cond.wait(remaining)

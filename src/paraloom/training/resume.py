@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from paraloom.checkpoint import atomic_write
+from paraloom.checkpoint import atomic_write, check_safetensors
 from paraloom.listeners import TrainingListener
 from paraloom.training.messages import CheckpointReply, CheckpointRequest, ReplicaState
 from paraloom.training.pool import Pool
@@ -100,12 +100,17 @@ class TrainingCheckpoint:
             path = found
         if not path.exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if _HEADER not in meta:
-                raise ValueError(f"{path} is not a paraloom training checkpoint (a model saved "
-                                 "with paraloom.save is loaded with paraloom.load instead)")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        check_safetensors(path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except Exception as e:  # safetensors' own error type: a corrupt or truncated file
+            raise ValueError(f"{path} is not a readable checkpoint ({e}): it is truncated or "
+                             "corrupt; resume from an earlier one") from e
+        if _HEADER not in meta:
+            raise ValueError(f"{path} is not a paraloom training checkpoint (a model saved "
+                             "with paraloom.save is loaded with paraloom.load instead)")
         header = json.loads(meta[_HEADER])
         if header.get("format") != _FORMAT:
             raise ValueError(f"{path} has checkpoint format {header.get('format')}; this "

@@ -278,15 +278,7 @@ class ParallelWrapper:
         trained in the model, then raises ``FitInterrupted`` (a ``KeyboardInterrupt``); a
         second Ctrl-C aborts at once, leaving the model as it was before the fit.
         """
-        if not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
-        if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
-            raise ValueError(f"initial_epoch={initial_epoch!r}; expected 0 <= initial_epoch < "
-                             f"epochs={epochs}")
-        if not any(p.requires_grad for p in self.model.parameters()):
-            raise ValueError(f"{type(self.model).__name__} has no parameter with "
-                             "requires_grad=True: there is nothing to train; unfreeze the "
-                             "parameters to train (p.requires_grad_(True))")
+        self._check_fit(epochs, initial_epoch)
         data = as_data_source(data, batch_size, shuffle)
         start = self._start_position(resume_from, initial_epoch)
         pool = self._ensure_pool()
@@ -326,6 +318,18 @@ class ParallelWrapper:
         if interrupted():
             raise FitInterrupted(tracker.iteration)
         return self.stats()
+
+    def _check_fit(self, epochs: int, initial_epoch: int) -> None:
+        """Refuse fit()'s epochs, or a model with nothing to train, before workers start."""
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
+        if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
+            raise ValueError(f"initial_epoch={initial_epoch!r}; expected 0 <= initial_epoch < "
+                             f"epochs={epochs}")
+        if not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError(f"{type(self.model).__name__} has no parameter with "
+                             "requires_grad=True: there is nothing to train; unfreeze the "
+                             "parameters to train (p.requires_grad_(True))")
 
     def _failed(self, error: BaseException, tracker: RoundTracker) -> None:
         """A fit failed: the workers go (the next fit starts new ones); a worker's error

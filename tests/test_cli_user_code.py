@@ -40,6 +40,26 @@ USER_MODULE = textwrap.dedent("""
 
     def not_data():
         return 42
+
+    class Line(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = {"kind": "line"}  # a config its constructor does not take
+            self.fit = nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.fit(x).squeeze(1)
+
+    def line():
+        return Line()
+
+    def line_data(n=256, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, 2, generator=g)
+        return TensorDataset(x, 3 * x[:, 0] - 2 * x[:, 1] + 1e6)
+
+    def line_test():
+        return DataLoader(line_data(128, 1), batch_size=32)
 """)
 
 
@@ -62,6 +82,29 @@ def test_train_and_evaluate_the_users_model_and_data(user_module, capsys):
                  "--data", "my_project:test_loader", "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert round(metrics["accuracy"], 4) == accuracy  # the same weights, the same test set
+
+
+def test_evaluate_a_regression_with_the_factory_that_trained_it(user_module, capsys):
+    import torch
+
+    import paraloom
+
+    module = __import__("my_project")
+    model = module.line()
+    with torch.no_grad():  # the line the data follows, up to a small error
+        model.fit.weight.copy_(torch.tensor([[3.0, -2.0]]))
+        model.fit.bias.fill_(1e6 + 0.5)
+    out = user_module / "line.safetensors"
+    paraloom.save(model, out)
+    # A factory that takes no arguments, though the file holds the model's config.
+    assert main(["evaluate", str(out), "--factory", "my_project:line", "--data",
+                 "my_project:line_test", "--loss", "mse", "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert metrics["count"] == 128 and metrics["mse"] == pytest.approx(0.25, rel=1e-3)
+    assert metrics["loss"] == pytest.approx(metrics["mse"]) and metrics["r2"] > 0.98
+    with pytest.raises(SystemExit) as info:
+        main(["evaluate", str(out), "--batch-size", "0"])
+    assert info.value.code == 2 and "0 is not an int >= 1" in capsys.readouterr().err
 
 
 def test_bad_user_code_gets_a_clear_error(user_module, capsys):

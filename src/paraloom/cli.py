@@ -34,11 +34,18 @@ _BENCHES = {
 }
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not an int >= 1")
+    return value
+
+
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
     """--dataset, --data-dir and --batch-size, shared by the training commands."""
     p.add_argument("--dataset", default="digits", choices=["digits", "mnist"])
     p.add_argument("--data-dir", help="folder with MNIST's IDX files (.gz or raw)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=_positive_int, default=32)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -132,9 +139,10 @@ def _mean_loss(model: nn.Module, data: Iterable[object], loss_fn: nn.Module) -> 
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    from torch import nn
     from torch.utils.data import DataLoader
 
-    from paraloom.evaluation import evaluate
+    from paraloom.evaluation import evaluate, evaluate_regression
 
     model = _load_model(args.model_file, args.factory)
     if args.data is not None:
@@ -144,8 +152,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     else:
         from paraloom.datasets import load_dataset
 
-        test = DataLoader(load_dataset(args.dataset, "test", args.data_dir), batch_size=256)
-    result = evaluate(model, test)
+        test = DataLoader(load_dataset(args.dataset, "test", args.data_dir),
+                          batch_size=args.batch_size)
+    result = evaluate(model, test, loss_fn=nn.CrossEntropyLoss()) \
+        if args.loss == "cross_entropy" else evaluate_regression(model, test)
     print(result.report())
     if args.json:
         print(json.dumps(result.metrics()))
@@ -187,11 +197,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_train_arguments(p)
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("evaluate", help="accuracy and confusion matrix of a saved model")
+    p = sub.add_parser("evaluate", help="a saved model's metrics on test data: accuracy and "
+                       "the confusion matrix, or (--loss mse) MSE, MAE and R²")
     p.add_argument("model_file", help="a .safetensors file (paraloom.save, or plain weights "
                    "with --factory)")
     add_data_arguments(p)
     _add_user_code_arguments(p)
+    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"],
+                   help="the loss the model was trained with: a classifier's (cross_entropy) "
+                   "or a regression's (mse)")
     p.add_argument("--json", action="store_true", help="also print the metrics as JSON")
     p.set_defaults(func=_evaluate)
 
@@ -231,7 +245,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_user_code_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factory", metavar="PKG.MOD:FN",
-                   help="your model: a function returning an nn.Module (instead of --model)")
+                   help="your model: a function returning an nn.Module (instead of the "
+                   "built-in models)")
     p.add_argument("--data", metavar="PKG.MOD:FN",
                    help="your data: a function returning a Dataset (batched with --batch-size) "
                    "or a DataLoader (instead of --dataset)")

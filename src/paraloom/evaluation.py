@@ -14,7 +14,7 @@ from torch import nn
 from paraloom.data import split_batch, to_device
 from paraloom.forward import forward
 
-__all__ = ["Evaluation", "RegressionEvaluation", "ROC", "evaluate"]
+__all__ = ["Evaluation", "RegressionEvaluation", "ROC", "evaluate", "evaluate_regression"]
 
 
 class ClassificationMetrics(TypedDict):
@@ -331,7 +331,9 @@ class ROC:
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | None = None,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Evaluation:
-    """Evaluate a classifier on ``(inputs, targets)`` batches."""
+    """Evaluate a classifier on ``(inputs, targets)`` batches: a confusion matrix, and the
+    mean of ``loss_fn`` when given. ``num_classes``: from the model's output (one score per
+    row: a binary logit, 2 classes)."""
     was_training = model.training
     model.eval()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -349,4 +351,29 @@ def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | Non
         model.train(was_training)
     if ev is None:
         raise ValueError("evaluate() got no batches")
+    return ev
+
+
+@torch.no_grad()
+def evaluate_regression(model: nn.Module, data: Iterable[object]) -> RegressionEvaluation:
+    """Evaluate a regression model on ``(inputs, targets)`` batches: MSE (also the loss), MAE,
+    RMSE and R² per target column."""
+    was_training = model.training
+    model.eval()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ev: RegressionEvaluation | None = None
+    try:
+        for batch in data:
+            inputs, targets = to_device(split_batch(batch), device)
+            outputs = forward(model, inputs)
+            rows = int(targets.shape[0]) if targets.dim() else 1
+            if ev is None:
+                ev = RegressionEvaluation(max(1, targets.numel() // max(1, rows)))
+            ev.update(outputs, targets)  # checks the shapes
+            ev.loss_sum += float(torch.nn.functional.mse_loss(
+                outputs.reshape(targets.shape).double(), targets.double())) * rows
+    finally:
+        model.train(was_training)
+    if ev is None:
+        raise ValueError("evaluate_regression() got no batches")
     return ev

@@ -46,11 +46,14 @@ class LeNet(nn.Module):
 
 
 class MLP(nn.Module):
-    """A multi-layer perceptron over flattened inputs."""
+    """A multi-layer perceptron over flattened inputs: ``hidden`` gives the widths of the hidden
+    layers (one int: a single hidden layer)."""
 
-    def __init__(self, in_features: int = 64, hidden: tuple[int, ...] | list[int] = (128, 64),
+    def __init__(self, in_features: int = 64,
+                 hidden: int | tuple[int, ...] | list[int] = (128, 64),
                  num_classes: int = 10, dropout: float = 0.0) -> None:
         super().__init__()
+        hidden = [hidden] if isinstance(hidden, int) else list(hidden)
         self.config = {"in_features": in_features, "hidden": list(hidden),
                        "num_classes": num_classes, "dropout": dropout}
         layers: list[nn.Module] = [nn.Flatten()]

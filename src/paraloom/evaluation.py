@@ -3,7 +3,7 @@ and ROC (one implementation for local and Spark evaluation)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -328,52 +328,53 @@ class ROC:
                 f"{self.num_classes} classes)")
 
 
-@torch.no_grad()
+def _predictions(model: nn.Module, data: Iterable[object], caller: str
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(outputs, targets) of each ``(inputs, targets)`` batch, the model in eval mode meanwhile
+    and on its own device; ValueError naming ``caller`` for data without batches."""
+    was_training = model.training
+    model.eval()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    batches = 0
+    try:
+        with torch.no_grad():
+            for batch in data:
+                inputs, targets = to_device(split_batch(batch), device)
+                batches += 1
+                yield forward(model, inputs), targets
+    finally:
+        model.train(was_training)
+    if not batches:
+        raise ValueError(f"{caller}() got no batches")
+
+
 def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | None = None,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Evaluation:
     """Evaluate a classifier on ``(inputs, targets)`` batches: a confusion matrix, and the
     mean of ``loss_fn`` when given. ``num_classes``: from the model's output (one score per
     row: a binary logit, 2 classes)."""
-    was_training = model.training
-    model.eval()
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ev: Evaluation | None = None
-    try:
-        for batch in data:
-            inputs, targets = to_device(split_batch(batch), device)
-            logits = forward(model, inputs)
-            if ev is None:
-                scores = 1 if logits.dim() == 1 else int(logits.shape[1])
-                ev = Evaluation(num_classes or max(2, scores))  # one score: a binary logit
+    for logits, targets in _predictions(model, data, "evaluate"):
+        if ev is None:
+            scores = 1 if logits.dim() == 1 else int(logits.shape[1])
+            ev = Evaluation(num_classes or max(2, scores))  # one score: a binary logit
+        with torch.no_grad():
             loss = float(loss_fn(logits, targets)) * int(targets.shape[0]) if loss_fn else 0.0
-            ev.update(logits, targets, loss)
-    finally:
-        model.train(was_training)
-    if ev is None:
-        raise ValueError("evaluate() got no batches")
+        ev.update(logits, targets, loss)
+    assert ev is not None
     return ev
 
 
-@torch.no_grad()
 def evaluate_regression(model: nn.Module, data: Iterable[object]) -> RegressionEvaluation:
     """Evaluate a regression model on ``(inputs, targets)`` batches: MSE (also the loss), MAE,
     RMSE and R² per target column."""
-    was_training = model.training
-    model.eval()
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ev: RegressionEvaluation | None = None
-    try:
-        for batch in data:
-            inputs, targets = to_device(split_batch(batch), device)
-            outputs = forward(model, inputs)
-            rows = int(targets.shape[0]) if targets.dim() else 1
-            if ev is None:
-                ev = RegressionEvaluation(max(1, targets.numel() // max(1, rows)))
-            ev.update(outputs, targets)  # checks the shapes
-            ev.loss_sum += float(torch.nn.functional.mse_loss(
-                outputs.reshape(targets.shape).double(), targets.double())) * rows
-    finally:
-        model.train(was_training)
-    if ev is None:
-        raise ValueError("evaluate_regression() got no batches")
+    for outputs, targets in _predictions(model, data, "evaluate_regression"):
+        rows = int(targets.shape[0]) if targets.dim() else 1
+        if ev is None:
+            ev = RegressionEvaluation(max(1, targets.numel() // max(1, rows)))
+        ev.update(outputs, targets)  # checks the shapes
+        ev.loss_sum += float(torch.nn.functional.mse_loss(
+            outputs.reshape(targets.shape).double(), targets.double())) * rows
+    assert ev is not None
     return ev

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -656,3 +657,20 @@ def test_one_worker_is_plain_training_except_under_shared_gradients():
     assert 1 / 200 < stats["mean_sparsity"] < 1 / 120
     moved = sum(int((p != initial[k]).sum()) for k, p in model.state_dict().items())
     assert moved < sum(v.numel() for v in initial.values()) / 10
+
+
+@pytest.mark.parametrize(("lr", "diverges"), [(1.2, True), (0.05, False)])
+def test_a_loss_that_keeps_growing_is_warned_about(lr, diverges):
+    torch.manual_seed(0)
+    x = torch.randn(64, 5)
+    y = 3 * x[:, :1] + 1
+    model = nn.Linear(5, 1)
+    wrapper = ParallelWrapper(model, loss_fn=nn.MSELoss(), workers=1, progress=False,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapper.fit([(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)], epochs=4)
+    said = [str(w.message) for w in caught if "diverging" in str(w.message)]
+    assert len(said) == int(diverges), said
+    if diverges:
+        assert "Lower the learning rate" in said[0]

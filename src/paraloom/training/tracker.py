@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TextIO, TypedDict
 
@@ -14,6 +16,8 @@ from paraloom.listeners import TrainingListener
 from paraloom.training.recovery import Recovery
 
 log = logging.getLogger("paraloom")
+_DIVERGING = 1000.0
+"""How many times the lowest epoch mean loss an epoch's mean must reach to be called diverging."""
 score_log = logging.getLogger("paraloom.score")
 """Where ``report_score_after_averaging`` writes; shown even where no logging is configured."""
 
@@ -96,6 +100,10 @@ class RoundTracker:
         self.rows = 0
         self.started = time.perf_counter()
         self.epoch_losses: list[float] = []
+        self.epoch_means: list[float] = []
+        """Each finished epoch's mean loss, in order (for ``_watch_divergence``)."""
+        self.diverging = False
+        """Whether this fit's loss was seen to diverge (and the warning given)."""
         self.current_epoch: int | None = None
         self.recoveries: list[Recovery] = []
         """The worker failures survived in this fit(), in order."""
@@ -174,10 +182,28 @@ class RoundTracker:
             return
         losses = self.epoch_losses
         mean = sum(losses) / len(losses) if losses else float("nan")  # stopped before a round
+        self._watch_divergence(mean)
         for listener in self.listeners:
             listener.on_epoch_end(self.current_epoch, mean)
         self.epoch_losses = []
         self.current_epoch = None
+
+    def _watch_divergence(self, mean: float) -> None:
+        """Warn (once a fit) when an epoch's mean loss is ``_DIVERGING`` times the lowest of
+        the epochs before and above the last one: a finite loss that keeps growing is a
+        diverging run, which would otherwise return without a word."""
+        before = [m for m in self.epoch_means if math.isfinite(m) and m > 0]
+        last = self.epoch_means[-1] if self.epoch_means else None
+        self.epoch_means.append(mean)
+        if self.diverging or not before or not math.isfinite(mean) or last is None:
+            return
+        if mean > _DIVERGING * min(before) and mean > last:
+            self.diverging = True
+            warnings.warn(f"paraloom: the mean loss grew from {min(before):.4g} to {mean:.4g} "
+                          f"over {len(before)} epoch(s): training is diverging. Lower the "
+                          "learning rate (with shared_gradients' overlapped exchange, or the "
+                          "dgc recipe, overlap=False may be enough)", RuntimeWarning,
+                          stacklevel=2)
 
     def recovered(self, recovery: Recovery) -> None:
         """Say on the progress bar that a worker failed and training went on."""

@@ -237,28 +237,18 @@ def build_pool(model: nn.Module, signature: ModelSignature,
     from paraloom.inference.parallel import ParallelInference
 
     options = pool_options.copy()
-    if options.get("example_input") is None:
-        # An input the model is known to accept: a later failure of one request is then that
-        # request's fault (400), while a model failing on everything is the model's (500).
-        # Declared outputs: zeros shaped as declared may not be an input the model accepts
-        # (then nothing is known until a request succeeds, and no error is raised here).
-        probe = probe_input(signature, sample)
-        options["example_input"] = probe if probed or _accepts(model, probe) else None
-    return ParallelInference(model, **options)
-
-
-def _accepts(model: nn.Module, probe: torch.Tensor | tuple[torch.Tensor, ...] | None) -> bool:
-    """Whether ``model`` runs on ``probe`` (in eval mode, without gradients)."""
-    if probe is None:
-        return False
-    training = model.training
-    model.eval()
+    if options.get("example_input") is not None:
+        return ParallelInference(model, **options)
+    # An input the model is known to accept: a later failure of one request is then that
+    # request's fault (400), while a model failing on everything is the model's (500).
+    options["example_input"] = probe_input(signature, sample)
+    if probed or options["example_input"] is None:
+        return ParallelInference(model, **options)
     try:
-        with torch.no_grad():
-            model(*probe) if isinstance(probe, tuple) else model(probe)
-    except Exception:  # noqa: BLE001 - only whether it runs matters
-        return False
-    finally:
-        model.train(training)
-    return True
-
+        return ParallelInference(model, **options)
+    except ValueError:
+        # Declared outputs: zeros shaped as declared may not be an input the model accepts
+        # (the warm-up fails before any worker starts); then nothing is known until a
+        # request succeeds, and no error is raised here.
+        options["example_input"] = None
+        return ParallelInference(model, **options)

@@ -17,16 +17,18 @@ from torch import nn
 __all__ = ["load_model_state", "load_transient", "transient_buffers", "with_transient"]
 
 
-def transient_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's buffers that ``state_dict()`` leaves out, by their dotted names."""
-    persistent = model.state_dict(keep_vars=True).keys()
+def transient_buffers(model: nn.Module, state: Mapping[str, torch.Tensor] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """The model's buffers that ``state_dict()`` leaves out, by their dotted names (``state``:
+    the model's ``state_dict()`` when the caller has it already)."""
+    persistent = (model.state_dict(keep_vars=True) if state is None else state).keys()
     return {name: buffer for name, buffer in model.named_buffers() if name not in persistent}
 
 
 def with_transient(model: nn.Module, state: Mapping[str, torch.Tensor]
                    ) -> dict[str, torch.Tensor]:
     """``state`` (the model's ``state_dict()``) with the transient buffers added (detached)."""
-    return {**state, **{k: v.detach() for k, v in transient_buffers(model).items()}}
+    return {**state, **{k: v.detach() for k, v in transient_buffers(model, state).items()}}
 
 
 def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
@@ -34,13 +36,18 @@ def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Non
     buffers ``state`` has are loaded too (those it lacks keep their values)."""
     transient = transient_buffers(model)
     model.load_state_dict({k: v for k, v in state.items() if k not in transient})
-    load_transient(model, {k: v for k, v in state.items() if k in transient})
+    _copy_into(model, transient, {k: v for k, v in state.items() if k in transient})
 
 
 def load_transient(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
     """Copy ``buffers`` into the model's transient buffers of those names (in place where the
     shape and dtype agree, else replacing the buffer on its device); other names are skipped."""
-    own = transient_buffers(model)
+    _copy_into(model, transient_buffers(model), buffers)
+
+
+def _copy_into(model: nn.Module, own: Mapping[str, torch.Tensor],
+               buffers: Mapping[str, torch.Tensor]) -> None:
+    """``load_transient`` with the model's transient buffers (``own``) at hand."""
     with torch.no_grad():
         for name, value in buffers.items():
             target = own.get(name)

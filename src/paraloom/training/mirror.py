@@ -72,7 +72,8 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {**model.state_dict(keep_vars=True), **transient_buffers(model)}
+    state = model.state_dict(keep_vars=True)
+    return {**state, **transient_buffers(model, state)}
 
 
 def _optimizer_entries(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, Any]]:

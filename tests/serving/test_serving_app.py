@@ -38,7 +38,7 @@ URL = "/v2/models/lenet/infer"
 def test_server_metadata_names_the_extensions(client: Client) -> None:
     body = client.get("/v2").json()
     assert body["name"] == "paraloom"
-    assert body["extensions"] == ["binary_tensor_data", "model_repository",
+    assert body["extensions"] == ["binary_tensor_data", "classification", "model_repository",
                                   "system_shared_memory"]
 
 

@@ -56,6 +56,8 @@ def models(tmp_path: Path) -> Path:
            '"shape": [-1]}]\nOUTPUTS = [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]\n'
            'def postprocess(out):\n    return {"y": out.numpy()}\n')
     _model(tmp_path / "plain", None)
+    _model(tmp_path / "capped", _SENTIMENT)
+    (tmp_path / "capped" / "config.json").write_text('{"max_batch_size": 2}')
     return tmp_path
 
 
@@ -128,6 +130,19 @@ def test_strings_in_and_out_over_every_encoding(server: ServerThread, models: Pa
         assert [bytes(v) if not isinstance(v, str) else v.encode()
                 for v in result.as_numpy("label")] == labels
         np.testing.assert_allclose(result.as_numpy("score"), scores, rtol=1e-6)
+
+
+def test_a_handler_keeps_the_configs_max_batch_size(server: ServerThread) -> None:
+    http = th.InferenceServerClient(server.url[len("http://"):])
+    for rows, fits in ((2, True), (3, False)):
+        given = th.InferInput("text", [rows], "BYTES")
+        given.set_data_from_numpy(np.array([b"fine"] * rows, dtype=object))
+        if fits:
+            assert len(http.infer("capped", [given]).as_numpy("label")) == rows
+        else:
+            with pytest.raises(InferenceServerException, match="3 rows, over the model's "
+                               "max_batch_size 2"):
+                http.infer("capped", [given])
 
 
 def test_a_failing_handler_answers_its_request_only(server: ServerThread) -> None:

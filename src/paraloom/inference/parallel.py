@@ -149,8 +149,8 @@ class ParallelInference:
 
     def _make_request(self, x: object, timeout: float | None, with_version: bool,
                       future: FutureLike) -> Request:
-        try:
-            p = parse(x)
+        try:  # requests never merged (in place, sequential) may have inputs of any rows
+            p = parse(x, aligned=self._config.mode is InferenceMode.BATCHED)
         except Exception:
             self._stats.rejected("invalid")
             raise

@@ -104,8 +104,11 @@ class _Call(NamedTuple):
     kwargs: dict[str, object]
 
 
-def parse(x: object) -> Parsed:
-    """Take a request's input apart, or raise InvalidRequestError saying what is wrong."""
+def parse(x: object, aligned: bool = True) -> Parsed:
+    """Take a request's input apart, or raise InvalidRequestError saying what is wrong.
+
+    ``aligned``: every tensor's first dimension must be the same (the request's rows), as
+    merging requests needs; else the rows are the first tensor's."""
     if isinstance(x, torch.Tensor) and x.dim() > 0:  # the fast path: one tensor
         rows = int(x.shape[0])
         if rows == 0:
@@ -118,7 +121,7 @@ def parse(x: object) -> Parsed:
         names = [*(f"input[{i}]" for i in range(len(x.args))),
                  *(f"keyword input {k!r}" for k in x.kwargs)]
         spec: Hashable = ("call", len(x.args), tuple(x.kwargs))
-        return _parse_many([*x.args, *x.kwargs.values()], names, spec)
+        return _parse_many([*x.args, *x.kwargs.values()], names, spec, aligned)
     if isinstance(x, (tuple, list)):
         kind, names = type(x).__name__, [f"input[{i}]" for i in range(len(x))]
         spec = (kind, len(x))
@@ -136,7 +139,7 @@ def parse(x: object) -> Parsed:
     if not items:
         raise InvalidRequestError(f"the input is an empty {kind}; send at least one tensor",
                                   received=f"empty {kind}")
-    return _parse_many(items, names, spec)
+    return _parse_many(items, names, spec, aligned)
 
 
 _PACKED = ("a PackedSequence cannot be split into rows or merged with other requests; send the "
@@ -155,11 +158,12 @@ def _packed(x: object) -> bool:
     return False
 
 
-def _parse_many(items: list[object], names: list[str], spec: Hashable) -> Parsed:
+def _parse_many(items: list[object], names: list[str], spec: Hashable, aligned: bool
+                ) -> Parsed:
     converted = [_as_tensor(v, n) for v, n in zip(items, names, strict=True)]
     tensors = tuple(t for t, _ in converted)
     rows = [_rows(t, n) for t, n in zip(tensors, names, strict=True)]
-    if len(set(rows)) != 1:
+    if aligned and len(set(rows)) != 1:
         detail = ", ".join(f"{n}: {r}" for n, r in zip(names, rows, strict=True))
         raise InvalidRequestError(
             f"the inputs disagree on the number of rows ({detail}); every input's first "

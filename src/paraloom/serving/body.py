@@ -16,7 +16,8 @@ _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 def _too_large(size: int | str, limit: int, what: str = "request body") -> PayloadTooLargeError:
     return PayloadTooLargeError(f"{what} of {size} bytes is over this server's limit of {limit} "
-                                "bytes; send fewer rows per request or raise max_body_bytes")
+                                "bytes; send fewer rows per request, or raise the limit "
+                                "(paraloom serve --max-body-mb, create_app(max_body_bytes=))")
 
 
 async def _read_raw(request: Request, limit: int) -> bytes:

@@ -17,6 +17,7 @@ import anyio
 import torch
 
 from paraloom._version import __version__
+from paraloom.serving.classification import classify
 from paraloom.serving.datatypes import Value, value_to_bytes
 from paraloom.serving.errors import ModelFailedError, NotFoundError, ProtocolError, ServingError
 from paraloom.serving.handlers import HandlerFailedError
@@ -30,7 +31,7 @@ __all__ = ["EXTENSIONS", "InferAnswer", "ServerMetadata", "describe_server", "ha
            "select_outputs"]
 
 _log = logging.getLogger("paraloom.serving")
-EXTENSIONS = ["binary_tensor_data", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
 SHARED_MEMORY = "system_shared_memory"  # listed when the server has shared memory on
 _RELOOKUPS = 3  # times a handler's preprocess is redone when the model changed meanwhile
 
@@ -66,6 +67,8 @@ def select_outputs(served: ServedModel, parsed: InferRequest, result: Any) -> li
     ``result`` is whatever the user's model (or its handler's postprocess) returned."""
     named: dict[str, Value] = dict(served.signature.name_outputs(result))
     _check_outputs(served, named)
+    if served.handler is None and served.batched and parsed.inputs:
+        _check_rows(named, parsed.inputs[0].shape[0])
     if parsed.outputs is None:
         return [AnswerOutput(n, t, parsed.binary_output) for n, t in named.items()]
     unknown = [o.name for o in parsed.outputs if o.name not in named]
@@ -77,7 +80,8 @@ def select_outputs(served: ServedModel, parsed: InferRequest, result: Any) -> li
     if twice:
         raise ProtocolError(f"request asks for outputs {twice} more than once; name each output "
                             "once")
-    return [AnswerOutput(o.name, named[o.name],
+    return [AnswerOutput(o.name, named[o.name] if not o.classes else classify(
+                named[o.name], o.classes, served.batched, served.labels.get(o.name, ()), o.name),
                          parsed.binary_output if o.binary is None else o.binary, o.region)
             for o in parsed.outputs]
 
@@ -95,6 +99,18 @@ def _check_outputs(served: ServedModel, outputs: dict[str, Value]) -> None:
     raise ModelFailedError(f"the model returned {wrong}; make the model return that, or "
                            "declare what it returns (config.pbtxt, the config's outputs, or "
                            "outputs=)")
+
+
+def _check_rows(outputs: dict[str, Value], rows: int) -> None:
+    """A 500 when a batched model answers a request of ``rows`` rows with another number of
+    rows: a request never gets another's rows, or fewer than it sent."""
+    for name, value in outputs.items():
+        if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] != rows):
+            raise ModelFailedError(
+                f"the model returned {list(value.shape)} for output {name!r} on a request of "
+                f"{rows} rows; a batched model returns one row per input row (a model without "
+                "a batch dimension is served with max_batch_size: 0 in config.pbtxt, or mode "
+                "'inplace')")
 
 
 def write_regions(outputs: list[AnswerOutput], regions: SharedMemoryRegistry | None

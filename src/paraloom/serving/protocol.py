@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # typing has NotRequired from Python 3.11 on
 
 import torch
 
+from paraloom.serving.classification import classes_asked
 from paraloom.serving.datatypes import (
     DataType,
     Value,
@@ -115,6 +116,8 @@ class RequestedOutput:
     name: str
     binary: bool | None = None
     region: RegionRef | None = None
+    classes: int = 0
+    """Triton's classification extension: the top this many classes, as strings (0: off)."""
 
 
 class AnswerOutput(NamedTuple):
@@ -335,11 +338,10 @@ def _parse_outputs(raw: object) -> list[RequestedOutput] | None:
                                 f"{short_repr(obj)}")
         name = _get(obj, "name", str, f"outputs[{i}]")
         params = _get(obj, "parameters", dict, f"output {name!r}", required=False) or {}
-        if "classification" in params:
-            raise ProtocolError(f"output {name!r} asks for classification, an extension "
-                                "paraloom does not implement; request the raw output instead")
         binary = _get(params, "binary_data", bool, f"output {name!r} parameters", False)
-        outputs.append(RequestedOutput(name, binary, region_ref(params, f"output {name!r}")))
+        outputs.append(RequestedOutput(name, binary, region_ref(params, f"output {name!r}"),
+                                       classes_asked(params.get("classification"),
+                                                     f"output {name!r}")))
     return outputs
 
 

@@ -98,6 +98,8 @@ class ServedModel:
         self._inplace_now = 0  # changed on the event loop only
         self.close_timeout: float | None = None  # the server sets its graceful timeout here
         self.siblings: list[ServedModel] = [self]  # every version of this model served now
+        self.labels: dict[str, list[str]] = {}
+        """Class labels by output name, for the classification extension."""
 
     @property
     def version(self) -> str:
@@ -115,6 +117,13 @@ class ServedModel:
         if version is not None and version != self.version:
             raise NotFoundError(f"model {self.name!r} has no version {version!r}; it serves "
                                 f"version {self.version!r} (or leave the version out of the URL)")
+
+    @property
+    def batched(self) -> bool:
+        """Whether each output row answers an input row: the pool merges requests, or the
+        model declares a batch dimension (``max_batch_size``)."""
+        return not self._inplace and self.pool.inference_mode is InferenceMode.BATCHED \
+            or self.signature.max_rows > 0
 
     @property
     def ready(self) -> bool:

@@ -103,17 +103,20 @@ class ModelSignature:
 
     def name_outputs(self, result: Any) -> list[tuple[str, torch.Tensor]]:
         """Pair what the model returned (``result``: the user's model's own output, a tensor, a
-        mapping or a sequence of tensors) with the declared output names."""
+        mapping or a sequence of tensors) with the declared output names: a mapping by name,
+        a sequence in order (elements past the declared outputs are left out)."""
         if isinstance(result, torch.Tensor):
             tensors = [result]
         elif isinstance(result, Mapping):
             return [(s.name, result[s.name]) for s in self.outputs]
         else:
             tensors = list(result)
-        if len(tensors) != len(self.outputs):
+        if len(tensors) < len(self.outputs) or (self.outputs_probed
+                                                 and len(tensors) != len(self.outputs)):
             raise RuntimeError(f"the model returned {len(tensors)} outputs but its signature "
                                f"declares {len(self.outputs)}: {[s.name for s in self.outputs]}")
-        return [(s.name, t) for s, t in zip(self.outputs, tensors, strict=True)]
+        # Declared outputs are the first ones returned, as Triton's PyTorch backend takes them.
+        return [(s.name, t) for s, t in zip(self.outputs, tensors, strict=False)]
 
     def output_misfit(self, outputs: Mapping[str, Value]) -> str | None:
         """How the first output in ``outputs`` that breaks its spec does (None if all fit), as

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from paraloom.serving.classification import classes_asked
 from paraloom.serving.datatypes import Value, lookup, value_datatype, value_to_bytes
 from paraloom.serving.errors import ProtocolError
 from paraloom.serving.grpc.messages import (
@@ -140,12 +141,10 @@ def _requested_outputs(requested: Sequence[OutputRequest]) -> list[RequestedOutp
     for i, out in enumerate(requested):
         if not out.name:
             raise ProtocolError(f"outputs[{i}] has no name")
-        if "classification" in out.parameters:
-            raise ProtocolError(f"output {out.name!r} asks for classification, an "
-                                "extension paraloom does not implement; request the raw "
-                                "output instead")
-        region = region_ref(parameter_values(out.parameters), f"output {out.name!r}")
-        outputs.append(RequestedOutput(out.name, None, region))
+        params = parameter_values(out.parameters)
+        where = f"output {out.name!r}"
+        outputs.append(RequestedOutput(out.name, None, region_ref(params, where),
+                                       classes_asked(params.get("classification"), where)))
     return outputs
 
 

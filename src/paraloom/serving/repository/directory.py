@@ -15,7 +15,8 @@ DIR (symlinks) are refused. A config is JSON: ``name``, ``version_policy`` (Trit
 [1, 3]}}``; each version served gets its own pool), ``mode``, ``workers``, ``batch_limit``,
 ``queue_limit``, ``max_wait_ms``, ``threads_per_worker``, ``max_batch_size`` (the most rows
 one request may hold, as Triton's; 0, the default: any), ``inputs`` and ``outputs``
-(``[{"name", "datatype", "shape"}]``).
+(``[{"name", "datatype", "shape"}]``, bound to ``forward`` as ``binding`` says) and
+``reshape`` (``{"name": [model's shape without the rows]}``).
 
 A model folder may instead be in Triton's layout for TorchScript models: ``config.pbtxt`` and
 ``N/model.pt`` (``paraloom.serving.repository.triton``), served when the server allows
@@ -33,8 +34,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
+from paraloom.serving.classification import read_labels
 from paraloom.serving.errors import NotFoundError
 from paraloom.serving.handlers import HANDLER_FILE, Handler, load_handler
+from paraloom.serving.repository.binding import bind
 from paraloom.serving.repository.files import ModelFiles
 from paraloom.serving.repository.triton import (
     PBTXT,
@@ -57,11 +60,13 @@ if TYPE_CHECKING:
 __all__ = ["Found", "ModelConfig", "ModelsDir", "VersionPolicy", "read_config"]
 
 _WEIGHTS = "model.safetensors"
+_LABELS_MAX = 16 << 20  # the largest labels file read
 _PICKLES = {".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".joblib", ".npy"}
 _POOL_KEYS = {"mode": "inference_mode", "workers": "workers", "batch_limit": "batch_limit",
               "queue_limit": "queue_limit", "max_wait_ms": "max_wait_ms",
               "threads_per_worker": "threads_per_worker"}
-_KEYS = {"name", "version_policy", "inputs", "outputs", "max_batch_size", *_POOL_KEYS}
+_KEYS = {"name", "version_policy", "inputs", "outputs", "max_batch_size", "reshape", "labels",
+         *_POOL_KEYS}
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,13 @@ class ModelConfig:
     """A TorchScript model's file in each version folder (Triton's default_model_filename)."""
     max_batch_size: int = 0
     """The most rows one request may hold (Triton's ``max_batch_size``; 0: any number)."""
+    reshape: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """The shape the model takes or returns for a declared tensor, by name, where it differs
+    from the declared one (Triton's ``reshape``; rows left out when batched)."""
+    batched: bool = True
+    """Whether the declared shapes begin with the rows (False: Triton's ``max_batch_size: 0``)."""
+    labels: dict[str, Path] = field(default_factory=dict)
+    """An output's labels file (one label per line, beside the config), by output name."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +197,32 @@ def read_config(path: Path, default_name: str) -> ModelConfig:
         pool_options=options,
         inputs=None if "inputs" not in raw else _specs(raw["inputs"], "inputs", path.name),
         outputs=None if "outputs" not in raw else _specs(raw["outputs"], "outputs", path.name),
-        model_filename=model_filename, max_batch_size=_max_batch_size(raw, path.name))
+        model_filename=model_filename, max_batch_size=_max_batch_size(raw, path.name),
+        reshape=_reshape(raw.get("reshape"), path.name), labels=_labels(raw.get("labels"), path),
+        batched=not triton or "max_batch_size" in raw)  # Triton's 0 leaves it out
+
+
+def _labels(raw: object, path: Path) -> dict[str, Path]:
+    """Output name -> its labels file beside ``path`` (the config); a file that is not there
+    is left out (classification then answers without labels)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(v, str) and v and Path(v).name == v
+                                            for v in raw.values()):
+        raise ValueError(f"{path.name}: labels {raw!r} must map output names to file names "
+                         "in the model's folder, e.g. {\"logits\": \"labels.txt\"}")
+    return {str(k): path.parent / v for k, v in raw.items() if (path.parent / v).is_file()}
+
+
+def _reshape(raw: object, where: str) -> dict[str, tuple[int, ...]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(
+            isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool)
+                                        and d >= -1 for d in v) for v in raw.values()):
+        raise ValueError(f"{where}: reshape {raw!r} must map tensor names to shapes (lists "
+                         "of integers >= 0, or -1), e.g. {\"x\": [2, 2]}")
+    return {str(k): tuple(v) for k, v in raw.items()}
 
 
 def _max_batch_size(raw: dict[str, object], where: str) -> int:
@@ -364,9 +401,15 @@ class ModelsDir:
         # A load request reads from the model's own folder: DIR itself for DIR/NAME.safetensors.
         files = ModelFiles(model_file=path if path.suffix == ".safetensors" else None,
                            model_dir=folder or self.root)
-        return ServedModel(name, pool, model, signature if handler is None else handler.signature,
-                           files=files, owns_pool=True, retry_after=self.retry_after,
-                           first_version=version, numbered=numbered, handler=handler)
+        if handler is not None:  # the handler's tensors, the config's max_batch_size
+            signature = replace(handler.signature, max_rows=signature.max_rows)
+        served = ServedModel(name, pool, model, signature, files=files, owns_pool=True,
+                             retry_after=self.retry_after, first_version=version,
+                             numbered=numbered, handler=handler)
+        served.labels = {n: read_labels(p.read_text(errors="replace"))
+                         for n, p in config.labels.items() if self._inside(p)
+                         and p.stat().st_size <= _LABELS_MAX}
+        return served
 
     def _model(self, path: Path, config: ModelConfig) -> tuple[nn.Module, ModelSignature]:
         """The model in ``path`` (paraloom.save's .safetensors, or TorchScript) and its
@@ -383,6 +426,12 @@ class ModelsDir:
             model = torchscript_file(path) if script else load(path).eval()
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             raise ValueError(f"cannot load {shown}: {e}") from e
+        if config.inputs is not None:  # declared: called as Triton's PyTorch backend calls it
+            model = bind(model, config.inputs, config.outputs or (), reshape=config.reshape,
+                         batched=config.batched)
+        elif config.reshape:
+            raise ValueError(f"{shown}: reshape needs the inputs declared (input in "
+                             f"{PBTXT}, inputs in config.json)")
         signature = infer_signature(model, inputs=config.inputs, outputs=config.outputs)
         return model, replace(signature, max_rows=config.max_batch_size)
 

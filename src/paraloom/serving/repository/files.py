@@ -17,6 +17,7 @@ from torch import nn
 
 from paraloom.checkpoint import read_header, read_tensors
 from paraloom.serving.errors import ForbiddenError, ProtocolError, short_repr
+from paraloom.serving.repository.binding import BoundModel
 
 __all__ = ["ModelFiles", "check_load_parameters"]
 
@@ -89,6 +90,8 @@ class ModelFiles:
 
     def build(self, path: Path, served: nn.Module) -> nn.Module:
         """A copy of ``served`` with the weights in ``path``; ``ProtocolError`` if they differ."""
+        if isinstance(served, BoundModel):  # the weights are the wrapped model's
+            return BoundModel(self.build(path, served.model), served.binding)
         try:
             header = read_header(path)
             state = read_tensors(path)

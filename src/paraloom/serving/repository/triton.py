@@ -9,6 +9,8 @@ A Triton user's PyTorch model folder serves as it is::
 ``platform``/``backend``, ``max_batch_size`` (the pool's ``batch_limit``; 0: requests run one by
 one, not merged, as Triton does for a model without a batch dimension), ``input``/``output``
 (``name``, ``data_type``, ``dims``, the batch dimension added when ``max_batch_size`` > 0),
+``reshape`` (the shape the model takes or returns, where it differs from ``dims``), an
+output's ``label_filename`` (the labels of the classification extension),
 ``version_policy``, ``instance_group`` (the counts: ``workers``), ``dynamic_batching``'s
 ``max_queue_delay_microseconds`` (``max_wait_ms``) and ``default_model_filename``. Everything
 else in the file (instance kinds, optimization, parameters, ...) is read past.
@@ -22,6 +24,7 @@ reader resolves only TorchScript's own types. A ``model.pt`` that is not TorchSc
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -56,7 +59,9 @@ def _config_class() -> Any:
         kinds.value.add(name=f"TYPE_{name}", number=number)
     messages: dict[str, list[tuple[str, int, int, str]]] = {
         "Tensor": [("name", text, one, ""), ("data_type", field.TYPE_ENUM, one, "DataType"),
-                   ("dims", int64, many, "")],
+                   ("dims", int64, many, ""), ("reshape", nested, one, "Reshape"),
+                   ("label_filename", text, one, "")],
+        "Reshape": [("shape", int64, many, "")],
         "Latest": [("num_versions", int32, one, "")],
         "All": [],
         "Specific": [("versions", int64, many, "")],
@@ -85,6 +90,7 @@ def _config_class() -> Any:
 
 
 def _specs(tensors: Any, batched: bool, key: str, where: str) -> tuple[TensorSpec, ...] | None:
+    """The declared tensors' specs as the wire sees them (``dims``, rows first if batched)."""
     if not tensors:
         return None
     specs = []
@@ -109,6 +115,18 @@ def _policy(raw: Any) -> dict[str, Any] | None:
     return None
 
 
+# A quoted string or a comment (left as they are), or a field name opening a list.
+_LIST_FIELD = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'|#[^\n]*'
+                         r"|\b([A-Za-z_]\w*)\s*\[")
+
+
+def _lists_with_colons(text: str) -> str:
+    """``text`` with a colon between a field name and its ``[``: protobuf's text format allows
+    ``field [ {...} ]`` for messages, but its parser cannot skip such a list in a field this
+    module does not read (``model_warmup [...]``, ``parameters [...]``)."""
+    return _LIST_FIELD.sub(lambda m: f"{m.group(1)}: [" if m.group(1) else m.group(0), text)
+
+
 def read_pbtxt(path: Path, default_name: str) -> dict[str, Any]:
     """``path``'s Triton config as the JSON object a ``config.json`` would hold, plus
     ``"model_filename"``; ``ValueError`` naming the problem (a model that is not PyTorch's, a
@@ -117,7 +135,8 @@ def read_pbtxt(path: Path, default_name: str) -> dict[str, Any]:
 
     message = _config_class()()
     try:
-        text_format.Parse(path.read_text(), message, allow_unknown_field=True)
+        text_format.Parse(_lists_with_colons(path.read_text()), message,
+                          allow_unknown_field=True)
     except (OSError, UnicodeDecodeError, text_format.ParseError) as e:
         raise ValueError(f"{path.name} is not a readable Triton model config: {e}") from e
     platform = message.platform or message.backend
@@ -146,6 +165,13 @@ def read_pbtxt(path: Path, default_name: str) -> dict[str, Any]:
         specs = _specs(getattr(message, key), batched, key, path.name)
         if specs is not None:
             raw[key + "s"] = [s.as_json() for s in specs]
+    reshape = {t.name: list(t.reshape.shape) for t in (*message.input, *message.output)
+               if t.HasField("reshape")}
+    if reshape:
+        raw["reshape"] = reshape
+    labels = {t.name: t.label_filename for t in message.output if t.label_filename}
+    if labels:
+        raw["labels"] = labels
     if message.HasField("version_policy"):
         raw["version_policy"] = _policy(message.version_policy)
     return raw

@@ -1,0 +1,58 @@
+"""Triton's classification extension: an output asked for with ``classification: k``
+(tritonclient's ``InferRequestedOutput(name, class_count=k)``) comes back as a ``BYTES``
+tensor of its k largest values per row, largest first, each the string ``"value:index"``, or
+``"value:index:label"`` where the output has labels (``label_filename`` in ``config.pbtxt``:
+one label per line, line i naming class i).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from paraloom.serving.errors import ProtocolError
+
+__all__ = ["classes_asked", "classify", "read_labels"]
+
+
+def classes_asked(raw: object, where: str) -> int:
+    """The ``classification`` parameter's class count (0: not asked); ``ProtocolError`` for
+    anything but a positive integer."""
+    if raw is None:
+        return 0
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise ProtocolError(f"{where} asks for classification {raw!r}; expected the number of "
+                            "classes to return, an integer >= 1")
+    return raw
+
+
+def classify(value: object, k: int, batched: bool, labels: Sequence[str], name: str
+             ) -> np.ndarray:
+    """``value``'s top ``k`` classes per row (``batched``: the first dimension is the rows; else
+    the whole tensor is one row), as ``[rows, k]`` (``[k]`` unbatched) strings."""
+    if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
+        raise ProtocolError(f"output {name!r} cannot be classified: classification takes a "
+                            "numeric tensor of scores; request the raw output")
+    t = value.detach().cpu()
+    rows = t.reshape(t.shape[0], -1) if batched and t.dim() > 0 else t.reshape(1, -1)
+    count = min(k, rows.shape[1])
+    top = torch.topk(rows.double(), count, dim=1).indices
+    picked = torch.gather(rows, 1, top)
+    floating = rows.is_floating_point()
+    out = np.empty(tuple(top.shape), dtype=object)
+    for r in range(top.shape[0]):
+        for c in range(count):
+            index = int(top[r, c])
+            number = picked[r, c].item()
+            text = f"{number:f}:{index}" if floating else f"{int(number)}:{index}"
+            if index < len(labels) and labels[index]:
+                text += f":{labels[index]}"
+            out[r, c] = text.encode()
+    return out if batched else out.reshape(count)
+
+
+def read_labels(text: str) -> list[str]:
+    """A labels file's lines (trailing whitespace dropped): line i names class i."""
+    return [line.rstrip() for line in text.splitlines()]

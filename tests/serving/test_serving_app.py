@@ -35,6 +35,15 @@ from paraloom.serving import TensorSpec, create_app
 URL = "/v2/models/lenet/infer"
 
 
+def test_model_config_is_tritons_form(client: Client) -> None:
+    config = client.get("/v2/models/lenet/config").json()
+    assert config["max_batch_size"] == 32  # no max_batch_size: the pool's batch_limit
+    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [1, 8, 8]}]
+    assert config["output"][0]["dims"] == [10] and config["platform"] == "pytorch"
+    assert client.get("/v2/models/lenet/versions/1/config").json() == config
+    assert client.get("/v2/models/nope/config").status_code == 404
+
+
 def test_server_metadata_names_the_extensions(client: Client) -> None:
     body = client.get("/v2").json()
     assert body["name"] == "paraloom"

@@ -97,6 +97,16 @@ def test_a_triton_torchscript_repository_serves_unchanged(repository) -> None:
                                    rtol=1e-5, atol=1e-6)
         pool = s.app.state.repository.get("digits", None).pool
         assert pool.stats()["workers"] == 2  # instance_group's count
+        config = http.get_model_config("digits")
+        assert meta["platform"] == config["platform"] == "pytorch_libtorch"
+        assert config["max_batch_size"] == 16
+        assert config["input"] == [{"name": "INPUT__0", "data_type": "TYPE_FP32",
+                                    "dims": [1, 8, 8]}]
+        assert config["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]
+        assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 500}
+        config_g = grpc.get_model_config("digits", as_json=True)["config"]
+        assert config_g["max_batch_size"] == 16 and config_g["output"][0]["dims"] == ["10"]
+        assert config_g["output"][0]["data_type"] == "TYPE_FP32"
         many = np.zeros((17, 1, 8, 8), dtype=np.float32)  # max_batch_size is 16: refused
         for client, module in ((http, th), (grpc, tg)):
             sent_many = module.InferInput("INPUT__0", list(many.shape), "FP32")
@@ -136,6 +146,9 @@ def test_without_a_batch_dimension_requests_run_alone_as_given(tmp_path: Path) -
                                    _expected(model, x), rtol=1e-5, atol=1e-6)
         pool = s.app.state.repository.get("single", None).pool
         assert pool.inference_mode.value == "inplace"  # never merged with another request
+        config = http.get_model_config("single")
+        assert config["max_batch_size"] == 0 and config["input"][0]["dims"] == [1, 1, 8, 8]
+        assert "dynamic_batching" not in config
 
 
 class _Evil:

@@ -321,6 +321,21 @@ class ParallelInference:
         """The most requests that wait: queued, or (in place) waiting for a free replica."""
         return self._config.queue_limit
 
+    @property
+    def batch_limit(self) -> int:
+        """The most rows merged into one forward pass (batched mode)."""
+        return self._config.batch_limit
+
+    @property
+    def max_wait_ms(self) -> float:
+        """How long a batch waits for more requests, in milliseconds (batched mode)."""
+        return self._config.max_wait * 1000
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Each replica's device."""
+        return list(self._devices)
+
     def update_model(self, model: nn.Module, *, example_input: object = None) -> int:
         """Swap in a new model without failing or losing a request; returns its version.
 

@@ -16,6 +16,7 @@ from paraloom.serving.body import read_body
 from paraloom.serving.errors import ProtocolError, ServingError
 from paraloom.serving.handling import InferAnswer, describe_server, handle_infer
 from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
+from paraloom.serving.model_config import model_config
 from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.served import ServedModel
@@ -68,6 +69,11 @@ async def ready(request: Request) -> Response:
 async def model_metadata(request: Request) -> Response:
     """GET /v2/models/{name}[/versions/{version}]."""
     return JSONResponse(_served(request).metadata())
+
+
+async def model_config_route(request: Request) -> Response:
+    """GET /v2/models/{name}[/versions/{version}]/config: Triton's model configuration."""
+    return JSONResponse(model_config(_served(request)))
 
 
 async def model_ready(request: Request) -> Response:
@@ -193,6 +199,8 @@ ROUTES = [
     Route("/v2/health/ready", ready, methods=["GET"]),
     Route(_MODEL, model_metadata, methods=["GET"]),
     Route(_VERSION, model_metadata, methods=["GET"]),
+    Route(_MODEL + "/config", model_config_route, methods=["GET"]),
+    Route(_VERSION + "/config", model_config_route, methods=["GET"]),
     Route(_MODEL + "/ready", model_ready, methods=["GET"]),
     Route(_VERSION + "/ready", model_ready, methods=["GET"]),
     Route(_MODEL + "/infer", infer, methods=["POST"]),

@@ -100,6 +100,9 @@ class ServedModel:
         self.siblings: list[ServedModel] = [self]  # every version of this model served now
         self.labels: dict[str, list[str]] = {}
         """Class labels by output name, for the classification extension."""
+        self.batch_dim = True
+        """Whether the signature's shapes begin with the rows (False: a ``config.pbtxt`` with
+        ``max_batch_size: 0``)."""
 
     @property
     def version(self) -> str:
@@ -119,11 +122,17 @@ class ServedModel:
                                 f"version {self.version!r} (or leave the version out of the URL)")
 
     @property
+    def platform(self) -> str:
+        """Triton's platform name: ``pytorch_libtorch`` for TorchScript, else ``pytorch``."""
+        inner = getattr(self.model, "model", self.model)  # a BoundModel's own
+        return "pytorch_libtorch" if isinstance(inner, torch.jit.ScriptModule) else "pytorch"
+
+    @property
     def batched(self) -> bool:
         """Whether each output row answers an input row: the pool merges requests, or the
         model declares a batch dimension (``max_batch_size``)."""
-        return not self._inplace and self.pool.inference_mode is InferenceMode.BATCHED \
-            or self.signature.max_rows > 0
+        return self.batch_dim and (self.pool.inference_mode is InferenceMode.BATCHED
+                                   or self.signature.max_rows > 0)
 
     @property
     def ready(self) -> bool:
@@ -133,7 +142,7 @@ class ServedModel:
     def metadata(self) -> ModelMetadata:
         """The v2 model metadata object."""
         return {"name": self.name, "versions": [s.version for s in self.siblings],
-                "platform": "pytorch",
+                "platform": self.platform,
                 "inputs": [s.as_json() for s in self.signature.inputs],
                 "outputs": [s.as_json() for s in self.signature.outputs]}
 

@@ -36,6 +36,7 @@ from paraloom.serving.grpc.messages import (
 from paraloom.serving.grpc.streaming import answer_stream
 from paraloom.serving.handling import describe_server, handle_infer
 from paraloom.serving.metrics import ServingMetrics
+from paraloom.serving.model_config import model_config
 from paraloom.serving.protocol import InferRequest
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.shared_memory import SharedMemoryRegistry, registry_or_refuse
@@ -93,6 +94,11 @@ class Service:
         return response(name=meta["name"], versions=meta["versions"],
                         platform=meta["platform"], inputs=meta["inputs"],
                         outputs=meta["outputs"])
+
+    async def ModelConfig(self, request: ModelRef, response: type[Message]  # noqa: N802
+                          ) -> Message:
+        served = self.repository.get(request.name, request.version or None)
+        return response(config=model_config(served))
 
     async def ModelInfer(self, request: InferRequestMessage,  # noqa: N802
                          response: type[Message]) -> Message:
@@ -164,7 +170,8 @@ class Service:
 
 
 METHODS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-           "ModelInfer", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+           "ModelConfig", "ModelInfer", "RepositoryIndex", "RepositoryModelLoad",
+           "RepositoryModelUnload",
            "SystemSharedMemoryStatus", "SystemSharedMemoryRegister",
            "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
            "CudaSharedMemoryUnregister"]

@@ -406,6 +406,7 @@ class ModelsDir:
         served = ServedModel(name, pool, model, signature, files=files, owns_pool=True,
                              retry_after=self.retry_after, first_version=version,
                              numbered=numbered, handler=handler)
+        served.batch_dim = config.batched
         served.labels = {n: read_labels(p.read_text(errors="replace"))
                          for n, p in config.labels.items() if self._inside(p)
                          and p.stat().st_size <= _LABELS_MAX}

@@ -1,0 +1,47 @@
+"""A served model's configuration in Triton's form: ``GET /v2/models/NAME/config`` and gRPC
+``ModelConfig``, what tritonclient's ``get_model_config`` returns.
+
+Clients written for Triton read it beside the metadata (Triton's image client takes
+``max_batch_size`` and the input's ``dims`` from it), so it holds what paraloom knows in
+Triton's fields: ``name``, ``platform`` and ``backend``, ``max_batch_size`` (the config's, or
+for a model with a batch dimension and no limit, the pool's ``batch_limit``; 0 for a model
+without one), ``input``/``output`` (``data_type`` ``TYPE_...``, ``dims`` without the batch
+dimension), ``instance_group`` and ``dynamic_batching`` from the pool.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from paraloom.inference.config import InferenceMode
+from paraloom.serving.signature import TensorSpec
+from paraloom.serving.strings import BYTES
+
+if TYPE_CHECKING:
+    from paraloom.serving.served import ServedModel
+
+__all__ = ["model_config"]
+
+
+def _tensor(spec: TensorSpec, batch_dim: bool) -> dict[str, Any]:
+    kind = "STRING" if spec.datatype == BYTES else spec.datatype
+    return {"name": spec.name, "data_type": f"TYPE_{kind}",
+            "dims": list(spec.shape[1:] if batch_dim else spec.shape)}
+
+
+def model_config(served: ServedModel) -> dict[str, Any]:
+    """``served``'s configuration as Triton's ``ModelConfig`` in JSON."""
+    pool = served.pool
+    batch_dim = served.batch_dim
+    max_batch = (served.signature.max_rows or pool.batch_limit) if batch_dim else 0
+    outputs = [_tensor(s, batch_dim) for s in served.signature.outputs]
+    gpu = any(d.type == "cuda" for d in pool.devices)
+    config: dict[str, Any] = {
+        "name": served.name, "platform": served.platform, "backend": "pytorch",
+        "max_batch_size": max_batch,
+        "input": [_tensor(s, batch_dim) for s in served.signature.inputs], "output": outputs,
+        "instance_group": [{"count": pool.workers, "kind": "KIND_GPU" if gpu else "KIND_CPU"}]}
+    if pool.inference_mode is InferenceMode.BATCHED:
+        config["dynamic_batching"] = {
+            "max_queue_delay_microseconds": round(pool.max_wait_ms * 1000)}
+    return config

@@ -198,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_train)
 
     p = sub.add_parser("evaluate", help="a saved model's metrics on test data: accuracy and "
-                       "the confusion matrix, or (--loss mse) MSE, MAE and R²")
+                       "the confusion matrix, or (--loss mse) MSE, MAE, RMSE and R²")
     p.add_argument("model_file", help="a .safetensors file (paraloom.save, or plain weights "
                    "with --factory)")
     add_data_arguments(p)

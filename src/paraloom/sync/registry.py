@@ -59,8 +59,10 @@ def _mode_options(name: str, given: dict[str, Any]) -> dict[str, Any]:
         if name == "averaging":
             out[argument] = value
         elif value != default:
-            raise TypeError(f"{option}={value!r} applies to training_mode='averaging' only; "
-                            f"training_mode={name!r} synchronizes every step")
+            hint = ("; its own interval is sync_every=" if name == "diloco"
+                    else f"; training_mode={name!r} synchronizes every step")
+            raise TypeError(f"{option}={value!r} applies to training_mode='averaging' only"
+                            + hint)
     return out
 
 

@@ -165,8 +165,8 @@ def json_request(**fields: object) -> bytes:
                             {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}
                 ).encode(), "more than once"),
     (json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
-                 "outputs": [{"name": "y", "parameters": {"classification": 3}}]}).encode(),
-     "classification"),
+                 "outputs": [{"name": "y", "parameters": {"classification": -1}}]}).encode(),
+     "classification -1; expected the number of classes"),
     (json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
                  "parameters": {"binary_data_output": "yes"}}).encode(), "must be a boolean"),
 ])

@@ -92,6 +92,40 @@ def test_a_failure_without_max_failures_raises_quickly_and_leaves_no_worker(tmp_
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+class _PidRecording(torch.utils.data.Dataset):
+    """Digits, each loader process writing its pid into ``folder`` when it loads a row."""
+
+    def __init__(self, folder: str) -> None:
+        self.data, self.folder = digits_loader().dataset, folder
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int):
+        open(os.path.join(self.folder, str(os.getpid())), "w").close()
+        return self.data[i]
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_a_failed_workers_dataloader_processes_go_with_it(tmp_path, how):
+    torch.manual_seed(1)
+    model = FailOnce(tmp_path / "failed", how=how, at=4)
+    wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                              workers=2, training_mode="allreduce", progress=False)
+    (tmp_path / "pids").mkdir()
+    loader = torch.utils.data.DataLoader(_PidRecording(str(tmp_path / "pids")), batch_size=32,
+                                         num_workers=1)
+    with pytest.raises(WorkerError):
+        wrapper.fit(loader, epochs=3)
+    loaders = [int(p.name) for p in (tmp_path / "pids").iterdir()]
+    assert len(loaders) == 2  # one loader process per worker
+    deadline = time.monotonic() + 1.5  # an orphan's own check of its parent takes 5 s
+    while any(pid_alive(p) for p in loaders) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in loaders)
+
+
 @pytest.mark.parametrize("spares", [1, 0])
 @pytest.mark.parametrize("how", HOWS)
 def test_allreduce_recovers_to_the_uninterrupted_result(tmp_path, how, spares, references):
@@ -183,9 +217,40 @@ def test_step_timeout_names_the_hung_worker_not_the_peer_waiting_for_it(mode):
                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2,
                               training_mode=mode, progress=False, step_timeout=2.0)
     batches = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(40)]
-    with pytest.raises(WorkerError, match=r"worker 1 has answered nothing .*never got to this "
-                                          r"round's loss.*\[0\] were waiting") as failed:
+    with pytest.raises(WorkerError, match=r"worker 1 has answered nothing .*in the model or the "
+                                          r"loss .*never got to this round's loss.*\[0\] were "
+                                          r"waiting") as failed:
         wrapper.fit(batches)
+    assert failed.value.worker == 1
+
+
+class _HangsOnRankOne(torch.utils.data.Dataset):
+    """Rows of 4 features; on rank 1, the 9th row never comes (a data call that hangs)."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int):
+        from paraloom import replica_info
+
+        info = replica_info()
+        if info is not None and info.rank == 1 and i >= 8:
+            time.sleep(3600)
+        return torch.full((4,), float(i % 7)), torch.tensor(i % 2)
+
+
+def test_step_timeout_names_a_worker_hung_in_its_data_not_the_peer_in_ddps_broadcast():
+    """With buffers, DDP's forward starts with a broadcast: rank 0 waits there, short of its
+    loss, while rank 1 never got its batch; rank 1 is named, and its data blamed."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2,
+                              training_mode="allreduce", progress=False, step_timeout=2.0)
+    loader = torch.utils.data.DataLoader(_HangsOnRankOne(), batch_size=4)
+    with pytest.raises(WorkerError, match=r"worker 1 has answered nothing .*its data.*never "
+                                          r"got this round's batch.*\[0\] were waiting"
+                       ) as failed:
+        wrapper.fit(loader)
     assert failed.value.worker == 1
 
 

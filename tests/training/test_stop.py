@@ -44,6 +44,9 @@ def test_the_gate_tells_a_worker_stuck_in_its_step_from_one_waiting():
     assert gate.stuck([0, 1]) == []
     gate.admit(0, 1)
     assert gate.stuck([0, 1]) == [0]
+    gate.fetched(0)  # its batch in hand: its model hangs, or it waits in a forward collective
+    gate.admit(1, 1)  # rank 1 has no batch yet: hung in its data, named first
+    assert gate.stuck([0, 1]) == [1, 0] and gate.without_batch([0, 1]) == [1]
 
 
 def test_stop_skips_the_queued_rounds():

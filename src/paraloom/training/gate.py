@@ -6,9 +6,11 @@ collectives the others wait in), so the parent and the workers decide under one 
 records each round it starts, and the parent, halting, allows no round past the last one any
 worker has started. Later rounds are skipped by every worker alike.
 
-Each worker also records the last round whose loss it computed (``computed``): when the
-workers hang, the one that started a round and never got to its loss hangs in its own code
-(the model, the data), while the others only wait for it in a collective (``stuck``).
+Each worker also records the last round whose batch it holds (``fetched``) and whose loss it
+computed (``computed``): when the workers hang, the one that started a round and never got
+its batch hangs in its data, one that never got to its loss in its own code (the model), and
+the others only wait for it in a collective (``stuck`` lists them in that order: a worker in
+a collective inside ``forward``, as DDP's broadcast of buffers, has its batch).
 """
 
 from __future__ import annotations
@@ -25,15 +27,15 @@ _OPEN = 2**62
 
 class RoundGate:
     """A shared array: the last round each worker started, the last round to train, then the
-    last round whose loss each worker computed."""
+    last round whose loss each worker computed, then the last round whose batch it holds."""
 
     def __init__(self, array: Any) -> None:
-        self.array = array  # a multiprocessing.Array("q", 2 * workers + 1) with its lock
-        self.workers = (len(array) - 1) // 2
+        self.array = array  # a multiprocessing.Array("q", 3 * workers + 1) with its lock
+        self.workers = (len(array) - 1) // 3
 
     @classmethod
     def create(cls, ctx: ForkServerContext | SpawnContext, workers: int) -> RoundGate:
-        gate = cls(ctx.Array("q", 2 * workers + 1))
+        gate = cls(ctx.Array("q", 3 * workers + 1))
         gate.reset()
         return gate
 
@@ -42,7 +44,13 @@ class RoundGate:
         with self.array.get_lock():
             for rank in range(self.workers):
                 self.array[rank] = self.array[self.workers + 1 + rank] = -1
+                self.array[2 * self.workers + 1 + rank] = -1
             self.array[self.workers] = _OPEN
+
+    def fetched(self, rank: int) -> None:
+        """Worker ``rank`` holds the batch of the round it started last."""
+        with self.array.get_lock():
+            self.array[2 * self.workers + 1 + rank] = self.array[rank]
 
     def computed(self, rank: int) -> None:
         """Worker ``rank`` has the loss of the round it started last (or is idle in it): its
@@ -51,9 +59,18 @@ class RoundGate:
             self.array[self.workers + 1 + rank] = self.array[rank]
 
     def stuck(self, ranks: list[int]) -> list[int]:
-        """Of ``ranks``, those that started a round and have not computed its loss."""
+        """Of ``ranks``, those that started a round and have not computed its loss: first
+        those without its batch (``without_batch`` lists them), then the others."""
+        stuck = self.without_batch(ranks)
         with self.array.get_lock():
-            return [r for r in ranks if self.array[self.workers + 1 + r] < self.array[r]]
+            return stuck + [r for r in ranks if r not in stuck
+                            and self.array[self.workers + 1 + r] < self.array[r]]
+
+    def without_batch(self, ranks: list[int]) -> list[int]:
+        """Of ``ranks``, those that started a round and do not hold its batch yet."""
+        with self.array.get_lock():
+            return [r for r in ranks if self.array[2 * self.workers + 1 + r] < self.array[r]
+                    and self.array[self.workers + 1 + r] < self.array[r]]
 
     def admit(self, rank: int, round_id: int) -> bool:
         """Whether worker ``rank`` trains ``round_id`` (recorded as started) or skips it."""

@@ -110,6 +110,16 @@ def _context() -> ForkServerContext | SpawnContext:
     return mp.get_context("spawn")
 
 
+def _kill_group(pid: int, alive: bool) -> None:
+    """SIGKILL a worker (``alive``) and its process group: the DataLoader processes it started,
+    which would otherwise run on as orphans after it (for ever, if one hangs)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # the worker made its pid its group's id
+    if alive:  # a worker still starting has no group of its own yet
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 class ProcessPool:
     """N worker processes in one torch.distributed group, fed through queues."""
 
@@ -138,6 +148,7 @@ class ProcessPool:
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._procs: list[BaseProcess] = []
+        self._groups_killed: set[int] = set()  # killed once only: a pid is reused once freed
         with _no_main_reimport():
             for rank in range(workers):
                 cfg = WorkerConfig(rank=rank, world_size=workers, store_port=self._store.port,
@@ -304,10 +315,15 @@ class ProcessPool:
             return
         # A worker that never got to its loss hangs in its own code; its peers only wait for
         # it in a collective, and are quiet too.
-        stuck = self._gate.stuck(list(range(self.workers)))
+        ranks = list(range(self.workers))
+        stuck = self._gate.stuck(ranks)
         rank = (stuck or quiet)[0]
-        where = "the model, the loss or the data code (it never got to this round's loss)" \
-            if stuck else "a collective, or the model's backward or optimizer step"
+        where = "a collective, or the model's backward or optimizer step"
+        if rank in self._gate.without_batch(ranks):
+            where = "its data: the DataLoader or the dataset's code (it never got this round's " \
+                "batch)"
+        elif stuck:
+            where = "the model or the loss (it never got to this round's loss)"
         # Its peers with work queued wait for it (quiet too, perhaps a poll short of the limit).
         waiting = [r for r in range(self.workers) if r != rank and self._outstanding[r]]
         others = f"; worker(s) {waiting} were waiting for it" if stuck and waiting else ""
@@ -462,9 +478,9 @@ class ProcessPool:
         and the thread reading their replies (False: a failure's path, where a recovery
         follows at once; the next ``kill()`` or ``close()`` reaps them)."""
         for p in self._procs:
-            if p.is_alive() and p.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)
+            if p.pid is not None and p.pid not in self._groups_killed:
+                _kill_group(p.pid, p.is_alive())
+                self._groups_killed.add(p.pid)
         if wait:
             for p in self._procs:
                 p.join(timeout=5.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +119,9 @@ class ReplicaRunner:
                                compile_options=spec.compile_options)
         self.dataset: IndexedDataset | None = None
         self.loader: ReplicaLoader | None = None
+        self.batch_taken: Callable[[], None] | None = None
+        """Called once a round's batch is in hand (the pool tells a worker hung in its data
+        from one hung in its model)."""
         self.steps = 0
         # A worker process sends its final state through reused shared memory (see SharedOutbox),
         # and its restore points too (PackingBuffers).
@@ -186,6 +190,7 @@ class ReplicaRunner:
             return self._train_loaded(message)
         began = time.perf_counter()
         batch = message.batch if isinstance(message, Round) else self._gather(message.indices)
+        self._fetched()
         self.replica.timing.data_s += time.perf_counter() - began
         loss = self.replica.step(batch)
         self.steps += 1
@@ -196,6 +201,7 @@ class ReplicaRunner:
         loader = self._own_loader()
         began = time.perf_counter()
         batch = loader.take(message.epoch, message.position)
+        self._fetched()
         self.replica.timing.data_s += time.perf_counter() - began
         loss = self.replica.step(batch)
         rows = 0
@@ -206,6 +212,10 @@ class ReplicaRunner:
             message.position < max(1, loader.spec.num_workers) else None
         return StepDone(self.rank, message.round_id, loss, rows, self._synchronized(),
                         more=loader.has_more(), digest=fingerprint)
+
+    def _fetched(self) -> None:
+        if self.batch_taken is not None:
+            self.batch_taken()
 
     def _own_loader(self) -> ReplicaLoader:
         if self.loader is None:

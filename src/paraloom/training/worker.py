@@ -7,6 +7,7 @@ thread: a slow step keeps beating, a stopped, frozen or killed process does not.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import multiprocessing
@@ -113,6 +114,7 @@ def _runner(cfg: WorkerConfig, spec: WorkerSpec, group: dist.ProcessGroup | None
                            group=group, shared_outbox=True)
     if gate is not None:
         runner.replica.loss_computed = functools.partial(gate.computed, cfg.rank)
+        runner.batch_taken = functools.partial(gate.fetched, cfg.rank)
     return runner
 
 
@@ -134,6 +136,10 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
     if multiprocessing.parent_process() is not None:  # a worker process (not a test's call)
         # Ctrl-C reaches the whole process group: the parent decides when workers stop.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # A group of its own, which its DataLoader's processes join: the pool kills the group,
+        # so none of them outlives a worker that failed (killed, hung, or ended by SIGKILL).
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
     # The parent still treats this process as a daemon (ended when it exits); in here the flag
     # would forbid the loader worker processes of a DataLoader the replica runs itself.
     multiprocessing.current_process().daemon = False

@@ -255,7 +255,8 @@ def test_step_timeout_names_a_worker_hung_in_its_data_not_the_peer_in_ddps_broad
 
 
 @pytest.mark.parametrize("bad", [{"heartbeat_timeout": 0}, {"step_timeout": -1.0}, {"spares": -1},
-                                 {"spares": True},
+                                 {"spares": True}, {"heartbeat_timeout": 0.05},
+                                 {"timeout": float("inf")}, {"timeout": 1e300},
                                  {"max_failures": -1}, {"max_failures": 1.5}])
 def test_bad_fault_options_are_refused(bad):
     model = nn.Linear(2, 1)

@@ -260,3 +260,18 @@ def test_resume_of_a_stream_from_an_epoch_end_checkpoint_is_exact(tmp_path):
     resumed, rest = _stream_run([], resume=tmp_path)
     assert rest == iterations[5:]  # epoch 1 on, numbered as before
     assert torch.equal(resumed, whole)
+
+
+def test_an_accumulate_mismatch_is_refused_either_way() -> None:
+    from paraloom import TrainingCheckpoint
+
+    base = {"model": "Net", "workers": 2}
+    written = TrainingCheckpoint(fingerprint=base, epoch=0, batch=0, iteration=4,
+                                 data_rng=None, replicas=[])
+    with pytest.raises(ValueError, match=r"accumulate: checkpoint has 1, this run has 2"):
+        written.check({**base, "accumulate": 2})
+    accumulated = TrainingCheckpoint(fingerprint={**base, "accumulate": 3}, epoch=0, batch=0,
+                                     iteration=4, data_rng=None, replicas=[])
+    with pytest.raises(ValueError, match=r"accumulate: checkpoint has 3, this run has 1"):
+        accumulated.check(base)
+    accumulated.check({**base, "accumulate": 3})

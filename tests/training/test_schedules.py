@@ -164,3 +164,7 @@ def test_a_scheduler_object_or_a_bad_factory_is_refused() -> None:
                          lr_scheduler=lambda o: 0.1) as wrapper:
         with pytest.raises(TypeError, match="lr_scheduler returned float"):
             wrapper.fit(ONES[:1])
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=1, progress=False,
+                         lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau) as wrapper:
+        with pytest.raises(TypeError, match="ReduceLROnPlateau, which steps on a metric"):
+            wrapper.fit(ONES[:1])

@@ -388,6 +388,8 @@ def test_invalid_arguments_are_rejected_with_the_fix():
         ParallelWrapper(model, optimizer=opt)
     with pytest.raises(ValueError, match="averaging_frequency=0"):
         ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, averaging_frequency=0)
+    with pytest.raises(ValueError, match="averaging_frequency=True"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, averaging_frequency=True)
     with pytest.raises(TypeError, match="optimizer"):
         ParallelWrapper(model, loss_fn=linear_loss, optimizer="sgd")
     _, wrapper = scalar_wrapper(1)

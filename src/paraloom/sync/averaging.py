@@ -43,7 +43,7 @@ class Averaging(Synchronizer):
 
     def __init__(self, frequency: int = 1, average_updaters: bool = True) -> None:
         super().__init__()
-        if not isinstance(frequency, int) or frequency < 1:
+        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
             raise ValueError(f"averaging_frequency={frequency!r}; expected an int >= 1 "
                              "(1 averages after every round)")
         if not isinstance(average_updaters, bool):

@@ -101,6 +101,10 @@ class StepOptions:
         return {} if self.compile else None
 
 
+_MIN_HEARTBEAT_S = 0.25  # 2.5 beats of the workers' heartbeat (every 0.1 s): none is missed
+_MAX_TIMEOUT_S = 1e8  # about 3 years: the most torch.distributed's timeouts convert
+
+
 def _seconds(name: str, value: object, alternative: str) -> None:
     """Refuse a time that is not a number of seconds > 0."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -123,10 +127,12 @@ class FaultTolerance:
     failure. 0: the first failure raises ``WorkerError``."""
     timeout: float = 300.0
     """Seconds any single wait may take: a queue, a join, a collective, the rendezvous store,
-    a spare still starting (the workers' own start is bounded separately, at 120 s)."""
+    a spare still starting (the workers' own start is bounded separately, at 120 s); at most
+    1e8."""
     heartbeat_timeout: float | None = 2.0
     """Seconds without a heartbeat from a worker process before it counts as hung (its
-    heartbeat runs on its own thread, so a slow step is not a hang). None: no watch."""
+    heartbeat runs on its own thread, every 0.1 s, so a slow step is not a hang; at least
+    0.25). None: no watch."""
     step_timeout: float | None = None
     """Seconds one round may take on a worker before it counts as hung. None: ``timeout``."""
     spares: int = 1
@@ -138,10 +144,19 @@ class FaultTolerance:
 
     def __post_init__(self) -> None:
         _seconds("timeout", self.timeout, "")
+        if not self.timeout <= _MAX_TIMEOUT_S:
+            raise ValueError(f"timeout={self.timeout!r}; expected at most {_MAX_TIMEOUT_S:g} "
+                             "seconds (torch.distributed's collectives take no longer ones; "
+                             "step_timeout=None and heartbeat_timeout=None turn the watches "
+                             "off)")
         for name in ("heartbeat_timeout", "step_timeout"):
             value = getattr(self, name)
             if value is not None:
                 _seconds(name, value, ", or None to turn this watch off")
+        if self.heartbeat_timeout is not None and self.heartbeat_timeout < _MIN_HEARTBEAT_S:
+            raise ValueError(f"heartbeat_timeout={self.heartbeat_timeout!r}; expected at least "
+                             f"{_MIN_HEARTBEAT_S} s: the workers beat every 0.1 s, so a shorter "
+                             "wait takes healthy workers for dead (None turns the watch off)")
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) \
                 or self.max_failures < 0:
             raise ValueError(f"max_failures={self.max_failures!r}; expected an int >= 0 (0 "

@@ -329,7 +329,7 @@ class ProcessPool:
         others = f"; worker(s) {waiting} were waiting for it" if stuck and waiting else ""
         self.kill(wait=False)
         raise WorkerError(
-            f"worker {rank} has answered nothing for {self.step_timeout_s:.0f} s "
+            f"worker {rank} has answered nothing for {self.step_timeout_s:g} s "
             f"(step_timeout=, or timeout= when it is not set) with work queued: it hangs in "
             f"{where}{others}. It was killed with the other workers; raise step_timeout= if "
             "one step really takes that long", worker=rank)

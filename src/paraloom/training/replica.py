@@ -96,6 +96,10 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 
 def _build_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer) -> LRScheduler:
     scheduler = factory(optimizer)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError("lr_scheduler returned a ReduceLROnPlateau, which steps on a metric, "
+                        "not after every round: step it in a listener's on_epoch_end with "
+                        "your validation score (see the listeners guide)")
     if not isinstance(scheduler, LRScheduler):
         raise TypeError(f"lr_scheduler returned {type(scheduler).__name__}; expected a "
                         f"torch.optim.lr_scheduler.LRScheduler built on the optimizer it is "

@@ -120,10 +120,16 @@ class TrainingCheckpoint:
                    data_rng=_unflatten(header["data_rng"], tensors),
                    replicas=_unflatten(header["replicas"], tensors))
 
+    @staticmethod
+    def _value(fingerprint: dict[str, Any], key: str) -> Any:
+        return fingerprint.get(key, _ABSENT_MEANS.get(key))
+
     def check(self, fingerprint: dict[str, Any], path: Any = "the checkpoint") -> None:
         """Refuse a checkpoint written for another model or configuration."""
-        diffs = [f"{k}: checkpoint has {self.fingerprint.get(k)!r}, this run has {v!r}"
-                 for k, v in fingerprint.items() if self.fingerprint.get(k) != v
+        keys = [*fingerprint, *(k for k in self.fingerprint if k not in fingerprint)]
+        diffs = [f"{k}: checkpoint has {self._value(self.fingerprint, k)!r}, this run has "
+                 f"{self._value(fingerprint, k)!r}" for k in keys
+                 if self._value(self.fingerprint, k) != self._value(fingerprint, k)
                  and not (k in _COMPARED_WHEN_KNOWN and k not in self.fingerprint)]
         if diffs:
             shown = "; ".join(d if len(d) < 300 else d[:300] + "..." for d in diffs)
@@ -136,6 +142,7 @@ class TrainingCheckpoint:
 
 
 _COMPARED_WHEN_KNOWN = frozenset({"optimizer", "optimizer_param_groups"})
+_ABSENT_MEANS = {"accumulate": 1}  # a fingerprint leaves a key out at its default
 """Fingerprint keys that older checkpoints (or a run whose optimizer is a factory) lack."""
 
 

@@ -81,7 +81,8 @@ def select_outputs(served: ServedModel, parsed: InferRequest, result: Any) -> li
         raise ProtocolError(f"request asks for outputs {twice} more than once; name each output "
                             "once")
     return [AnswerOutput(o.name, named[o.name] if not o.classes else classify(
-                named[o.name], o.classes, served.batched, served.labels.get(o.name, ()), o.name),
+                named[o.name], o.classes, served.batch_dim, served.labels.get(o.name, ()),
+                o.name),
                          parsed.binary_output if o.binary is None else o.binary, o.region)
             for o in parsed.outputs]
 

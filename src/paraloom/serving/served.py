@@ -27,6 +27,7 @@ from paraloom.serving.errors import (
     ServingError,
     UnavailableError,
 )
+from paraloom.serving.repository.binding import BoundModel
 from paraloom.serving.signature import ModelSignature, TensorMetadata, probe_input
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class ServedModel:
     @property
     def platform(self) -> str:
         """Triton's platform name: ``pytorch_libtorch`` for TorchScript, else ``pytorch``."""
-        inner = getattr(self.model, "model", self.model)  # a BoundModel's own
+        inner = self.model.model if isinstance(self.model, BoundModel) else self.model
         return "pytorch_libtorch" if isinstance(inner, torch.jit.ScriptModule) else "pytorch"
 
     @property

@@ -12,11 +12,12 @@ Inputs, in the backend's order of precedence:
 - otherwise the declared order is ``forward``'s order.
 
 Outputs: names that all end in ``__`` and distinct numbers pick those elements of what
-``forward`` returns;
-otherwise the i-th declared output is the i-th element returned (elements past the declared
-ones are not served). A declared ``reshape`` (Triton's ``reshape: { shape: [...] }``) is the
-shape the model takes or returns, the declared ``dims`` the shape on the wire; with a batch
-dimension, both leave the rows out.
+``forward`` returns; otherwise the i-th declared output is the i-th element returned
+(elements past the declared ones are not served).
+
+A declared ``reshape`` (Triton's ``reshape: { shape: [...] }``) is the shape the model takes
+or returns, the declared ``dims`` the shape on the wire; with a batch dimension, both leave
+the rows out.
 """
 
 from __future__ import annotations

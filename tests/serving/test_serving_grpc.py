@@ -387,6 +387,13 @@ def _fuzzed_requests(draw: st.DrawFn) -> pb.ModelInferRequest:
         output = request.outputs.add(name=draw(st.sampled_from(["output", "logits"])))
         if draw(st.booleans()):
             _fuzz_region(draw, output.parameters)
+        if draw(st.integers(0, 3)) == 0:  # the classification extension, right or wrong
+            classes = draw(st.sampled_from([-1, 0, 1, 3, 1 << 40, "3"]))
+            param = output.parameters["classification"]
+            if isinstance(classes, str):
+                param.string_param = classes
+            else:
+                param.int64_param = classes
     if draw(st.booleans()) and request.raw_input_contents:
         request.raw_input_contents.append(b"\0")
     return request
@@ -406,7 +413,8 @@ def test_fuzzed_requests_are_answered_or_refused_never_internal(
         assert error.details()
     else:
         assert response.model_name == "lenet" and len(response.outputs) == 1
-        typed = response.outputs[0].contents.fp32_contents
+        contents = response.outputs[0].contents
+        typed = contents.fp32_contents or contents.bytes_contents  # bytes: classification
         assert len(response.raw_output_contents) + bool(typed) == 1  # raw or typed, not both
 
 

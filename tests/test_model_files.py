@@ -44,3 +44,12 @@ def test_a_paraloom_file_still_loads_and_the_cli_reports_a_pickle(tmp_path, caps
         main(["evaluate", str(tmp_path / "model.pt")])
     assert info.value.code == 2
     assert "is a PyTorch pickle" in capsys.readouterr().err
+
+
+def test_a_compiled_model_is_saved_as_the_model_it_compiles(tmp_path, recwarn):
+    model = MLP(in_features=3, hidden=[4], num_classes=2)
+    paraloom.save(torch.compile(model), tmp_path / "m.safetensors")  # compiles nothing yet
+    assert not [w for w in recwarn if "factory=" in str(w.message)]
+    back = paraloom.load(tmp_path / "m.safetensors")
+    assert type(back) is MLP and all(torch.equal(a, b) for a, b in zip(
+        back.state_dict().values(), model.state_dict().values(), strict=True))

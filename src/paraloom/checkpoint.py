@@ -141,9 +141,17 @@ def save(model: nn.Module, path: str | Path, *, name: str | None = None,
     The model is rebuilt from a registered ``name`` (LeNet and MLP are built in; see
     ``register_model``) or its class's import path, called with ``kwargs`` (default: the
     model's ``config`` attribute if it has one). ``load`` rebuilds a class by path only from a
-    module the loading program has already imported.
+    module the loading program has already imported. A ``torch.compile``'d model is saved as
+    the model it compiles (its weights and class), which loads without compiling.
     """
+    model = getattr(model, "_orig_mod", model) if _compiled(model) else model
     _write(model, path, _model_spec(model, name, kwargs), metadata)
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is ``torch.compile``'s wrapper (an ``OptimizedModule``)."""
+    return type(model).__name__ == "OptimizedModule" and isinstance(
+        getattr(model, "_orig_mod", None), nn.Module)
 
 
 def _write(model: nn.Module, path: str | Path, spec: ModelSpec,

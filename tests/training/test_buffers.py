@@ -46,3 +46,35 @@ def test_a_state_with_transient_buffers_loads_strictly_and_keeps_what_it_lacks()
     load_transient(target, {"unknown": torch.zeros(1)})  # names it does not have: skipped
     with pytest.raises(RuntimeError, match="Missing key"):
         load_model_state(target, {"mask": torch.ones(3)})  # the persistent part is strict
+
+
+class _History(nn.Module):
+    """A persistent buffer that forward extends: its shape changes as it trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.register_buffer("seen", torch.zeros(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen = torch.cat([self.seen, x.detach().mean().reshape(1)])
+        return self.linear(x)
+
+
+def test_a_buffer_whose_shape_training_changed_comes_back_with_it() -> None:
+    from paraloom import ParallelWrapper
+
+    target = _History()
+    state = {**target.state_dict(), "seen": torch.arange(4.0)}
+    load_model_state(target, state)
+    assert torch.equal(target.seen, torch.arange(4.0)) and "seen" in target._buffers
+    with pytest.raises(RuntimeError, match="size mismatch for linear.weight"):
+        load_model_state(target, {**state, "linear.weight": torch.zeros(3, 3)})
+    model = _History()
+    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(6)]
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                         training_mode="allreduce",
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as wrapper:
+        wrapper.fit(batches)
+    assert model.seen.shape == (3,)  # rank 0's: one entry per round it trained

@@ -110,3 +110,25 @@ def test_an_input_dtype_mismatch_names_the_conversion_for_those_dtypes(model_dty
     named = f"the inputs are {str(input_dtype)[6:]} but the model's parameters are " \
             f"{str(model_dtype)[6:]}: convert the data "
     assert named in message and re.search(fix, message), message
+
+
+class _CastsItsInputs(nn.Module):
+    """bf16 parameters, float32 data: the model converts its inputs itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.to(torch.bfloat16)).float()
+
+
+def test_a_model_that_casts_its_own_inputs_trains() -> None:
+    model = _CastsItsInputs()
+    before = model.linear.weight.detach().clone()
+    batches = [(torch.ones(2, 4), torch.zeros(2, dtype=torch.long))] * 3
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        w.fit(batches)
+    assert model.linear.weight.dtype == torch.bfloat16
+    assert not torch.equal(model.linear.weight, before)

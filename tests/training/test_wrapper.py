@@ -676,3 +676,23 @@ def test_a_loss_that_keeps_growing_is_warned_about(lr, diverges):
     assert len(said) == int(diverges), said
     if diverges:
         assert "Lower the learning rate" in said[0]
+
+
+def test_models_paraloom_cannot_replicate_as_they_are_are_refused_with_the_fix() -> None:
+    from torch.nn.parallel import DataParallel
+
+    inner = nn.Linear(4, 2)
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"model is a DataParallel.*pass the wrapped module, "
+                                        r"model\.module"):
+        ParallelWrapper(DataParallel(inner), loss_fn=nn.MSELoss(), optimizer=opt)
+    lazy = nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.Linear(3, 1))
+    with pytest.raises(TypeError, match=r"lazy parameters .*\['0.weight', '0.bias'\].*run one "
+                                        r"forward pass"):
+        ParallelWrapper(lazy, loss_fn=nn.MSELoss(), optimizer=torch.optim.SGD(
+            lazy.parameters(), lr=0.1))
+    complex_model = nn.Linear(4, 2, dtype=torch.complex64)
+    for mode in ("shared_gradients", "diloco"):
+        with pytest.raises(ValueError, match=f"training_mode='{mode}' takes real parameters"):
+            ParallelWrapper(complex_model, loss_fn=nn.MSELoss(), training_mode=mode,
+                            optimizer=torch.optim.SGD(complex_model.parameters(), lr=0.1))

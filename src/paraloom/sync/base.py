@@ -83,9 +83,18 @@ class Synchronizer:
         """Rounds seen (stepped or idle) since setup."""
 
     # -- lifecycle ---------------------------------------------------------------------------
+    takes_complex = True
+    """Whether this synchronizer trains complex parameters (``check_model`` refuses them
+    otherwise)."""
+
     def check_model(self, model: nn.Module) -> None:
         """Raise ``ValueError`` for a model this synchronizer's options cannot train; called
-        when ``ParallelWrapper`` is built, before any worker starts. The default accepts any."""
+        when ``ParallelWrapper`` is built, before any worker starts. The default refuses
+        complex parameters unless ``takes_complex``."""
+        if not self.takes_complex and any(p.is_complex() for p in model.parameters()
+                                          if p.requires_grad):
+            raise ValueError(f"training_mode={self.name!r} takes real parameters; the model "
+                             "has complex ones (train it with 'allreduce' or 'averaging')")
 
     def setup(self, ctx: StepContext) -> None:
         """Called once per fit() before the first step, after the process group exists."""

@@ -194,6 +194,7 @@ class DiLoCo(Synchronizer):
     """
 
     name = "diloco"
+    takes_complex = False
 
     def __init__(self, sync_every: int = 50, outer_optimizer: OuterOptimizer | None = None,
                  density: float = 0.05, values: str = "int8", fragments: int = 1,
@@ -219,10 +220,8 @@ class DiLoCo(Synchronizer):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def check_model(self, model: torch.nn.Module) -> None:
+        super().check_model(model)  # real parameters only (takes_complex)
         params = [p for p in model.parameters() if p.requires_grad]
-        if any(p.is_complex() for p in params):
-            raise ValueError("training_mode='diloco' takes real parameters; the model has "
-                             "complex ones")
         split_fragments([p.numel() for p in params], self.fragments)
 
     def setup(self, ctx: StepContext) -> None:

@@ -33,8 +33,14 @@ def with_transient(model: nn.Module, state: Mapping[str, torch.Tensor]
 
 def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """``model.load_state_dict`` (strict) for what ``state_dict()`` holds; the transient
-    buffers ``state`` has are loaded too (those it lacks keep their values)."""
+    buffers ``state`` has are loaded too (those it lacks keep their values). A buffer whose
+    shape training changed (a history it extends, an observer's statistics) takes the new
+    shape, as it would in a loop of the user's own; a parameter's shape must match."""
     transient = transient_buffers(model)
+    buffers = dict(model.named_buffers())
+    resized = {k: v for k, v in state.items() if k in buffers and k not in transient
+               and v.shape != buffers[k].shape}
+    _copy_into(model, buffers, resized)
     model.load_state_dict({k: v for k, v in state.items() if k not in transient})
     _copy_into(model, transient, {k: v for k, v in state.items() if k in transient})
 

@@ -390,22 +390,27 @@ class Replica:
     def _model_loss(self, batch: Any) -> torch.Tensor:
         assert self.loss_fn is not None  # require_loss: no step_fn means a loss_fn
         inputs, targets = split_batch(batch, training=True)
-        self._check_dtype(inputs)
         try:
             outputs = forward(self._module, inputs)
             return compute_loss(self.loss_fn, outputs, targets)
         except Exception as e:
+            # A model may cast its inputs itself: a dtype that differs is named only once the
+            # forward pass failed on it.
+            self._check_dtype(inputs, e)
             raise BatchError(f"{type(e).__name__}: {e}\n(on a batch with inputs "
                              f"{describe(inputs)} and targets {describe(targets)})") from e
 
-    def _check_dtype(self, inputs: Any) -> None:
+    def _check_dtype(self, inputs: Any, failure: Exception) -> None:
+        """Raise ``TypeError`` naming the conversion when an input's float dtype differs from
+        the parameters' (the likely cause of ``failure``)."""
         want = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
         for t in iter_tensors(inputs):
             if want is not None and t.is_floating_point() and t.dtype != want:
                 raise TypeError(f"the inputs are {_dtype_name(t.dtype)} but the model's "
                                 f"parameters are {_dtype_name(want)}: convert the data "
                                 f"(x{_conversion(want)}) or the model "
-                                f"(model{_conversion(t.dtype)}){_precision_hint(t.dtype)}")
+                                f"(model{_conversion(t.dtype)}){_precision_hint(t.dtype)}"
+                                ) from failure
 
     def finish(self) -> None:
         """End of fit(): a step on what is left accumulated (a ``stop()`` in an

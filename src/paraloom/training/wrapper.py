@@ -30,6 +30,7 @@ from paraloom.training.interrupts import graceful_interrupt
 from paraloom.training.local_pool import LocalPool
 from paraloom.training.messages import ReplicaResult
 from paraloom.training.mirror import ReplicaMirror, changed_settings, hyperparameters
+from paraloom.training.model_checks import check_user_model
 from paraloom.training.modes import TrainingMode
 from paraloom.training.optim import OptimizerFactory, OptimizerSpec, load_state_copying
 from paraloom.training.options import (
@@ -126,8 +127,7 @@ class ParallelWrapper:
                  steps: StepOptions | None = None, faults: FaultTolerance | None = None,
                  loop: LoopOptions | None = None,
                  **options: Unpack[WrapperKeywords]) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        check_user_model(model)
         refuse_misplaced(dict(options), ParallelWrapper.fit)
         self.steps, self.faults, self.loop, sync_options = split_keywords(
             dict(options), steps=steps, faults=faults, loop=loop)

@@ -90,6 +90,7 @@ class SharedGradients(Synchronizer):
     """
 
     name = "shared_gradients"
+    takes_complex = False
 
     def __init__(self, threshold_algorithm: ThresholdAlgorithm | None = None,
                  residual_post_processor: ResidualPostProcessor | None = None, *,

@@ -53,3 +53,22 @@ def test_a_compiled_model_is_saved_as_the_model_it_compiles(tmp_path, recwarn):
     back = paraloom.load(tmp_path / "m.safetensors")
     assert type(back) is MLP and all(torch.equal(a, b) for a, b in zip(
         back.state_dict().values(), model.state_dict().values(), strict=True))
+
+
+class _Lazy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.ReLU(),
+                                       torch.nn.Linear(3, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_a_model_with_lazy_modules_loads_as_torch_loads_it(tmp_path):
+    model = _Lazy()
+    model(torch.ones(2, 5))  # materialized: LazyLinear(5 -> 3)
+    paraloom.save(model, tmp_path / "lazy.safetensors")
+    back = paraloom.load(tmp_path / "lazy.safetensors", factory=_Lazy)
+    x = torch.randn(4, 5)
+    assert torch.equal(back(x), model(x))

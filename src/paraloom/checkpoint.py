@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from paraloom.models import MLP, LeNet
 
@@ -307,7 +308,8 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     model = _build(spec, factory)
     state = read_tensors(path, map_location)
     mismatched = {k: (tuple(v.shape), tuple(state[k].shape)) for k, v
-                  in model.state_dict().items() if k in state and v.shape != state[k].shape}
+                  in model.state_dict().items() if k in state and not is_lazy(v)
+                  and v.shape != state[k].shape}  # a lazy one takes the file's shape
     if mismatched:
         raise ValueError(f"{path} does not match the rebuilt model: shapes (model, file) "
                          f"{mismatched}; pass the factory (and kwargs) it was saved from")

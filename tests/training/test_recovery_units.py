@@ -417,3 +417,16 @@ def test_a_process_that_reported_and_exited_is_told_after_its_report() -> None:
         inbox.close()
         results.close()
     assert proc.exitcode == 0
+
+
+def test_a_death_message_names_the_signal_and_what_a_sigabrt_most_often_is() -> None:
+    import signal
+
+    from paraloom.training.failures import death_message
+
+    killed = death_message(1, 42, -signal.SIGKILL, starting=False)
+    assert killed == "worker 1 (pid 42) was killed by SIGKILL; the other workers were stopped"
+    aborted = death_message(0, 7, -signal.SIGABRT, starting=False)
+    assert "killed by SIGABRT (a C++ check failed" in aborted
+    assert "tensors of different sizes on different workers" in aborted
+    assert "exited with code 3" in death_message(0, 7, 3, starting=True)

@@ -72,6 +72,11 @@ def death_message(rank: int, pid: int | None, code: int | None, starting: bool) 
         with contextlib.suppress(ValueError):
             how = f"was killed by {signal.Signals(-code).name}"
     msg = f"worker {rank} (pid {pid}) {how}"
+    if code == -signal.SIGABRT and not starting:
+        msg += (" (a C++ check failed; its message is in the worker's stderr above. In a "
+                "collective, that is most often tensors of different sizes on different "
+                "workers: a buffer whose shape depends on the batch, such as a cache of the "
+                "last output, must have the same shape on every replica)")
     if starting:
         msg += (" while starting; its stderr above says why (out of memory? an import that "
                 "fails in a fresh process? then define the model at module level)")

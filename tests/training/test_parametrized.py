@@ -77,3 +77,36 @@ def test_a_parametrized_model_trains_on_two_workers(mode):
     assert accuracy > 0.85  # three classes: 0.5 is the majority class
     assert parametrize.is_parametrized(model.a, "weight")  # the user's model keeps its form
     assert not torch.equal(model.a.parametrizations.weight.original1, before)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(10, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class WithScriptedChild(nn.Module):
+    """A model whose first block is TorchScript (torch.jit.script on a child)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.jit.script(_Block())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def test_a_model_with_a_scripted_child_is_refused_naming_it():
+    from paraloom import NotPicklableError
+
+    model = WithScriptedChild()
+    x, y = torch.randn(4, 10), torch.zeros(4, dtype=torch.long)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as wrapper:
+        with pytest.raises(NotPicklableError, match=r"TorchScript modules \(\['block'\].*script "
+                                                    r"them after training"):
+            wrapper.fit([(x, y)] * 2)

@@ -89,6 +89,14 @@ def pickle_spec(spec: WorkerSpec, *, destination: str = "the worker processes",
     try:
         data = by_value(spec)
     except Exception as e:
+        scripted = [name for name, m in spec.model.named_modules()
+                    if isinstance(m, torch.jit.ScriptModule)]
+        scripted = ["(the model itself)"] if "" in scripted else [
+            n for n in scripted if not any(n.startswith(f"{s}.") for s in scripted)]
+        if scripted:  # torch can neither pickle a TorchScript module nor train a copy of one
+            hint = (f"The model holds TorchScript modules ({scripted[:3]}, made by "
+                    "torch.jit.script or torch.jit.trace), which cannot travel to another "
+                    "process: train the Python modules, and script them after training")
         raise NotPicklableError(f"cannot send the {_unpicklable_part(spec)} to {destination}: "
                                 f"{type(e).__name__}: {e}. {hint}") from e
     return data

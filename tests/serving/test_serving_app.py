@@ -664,3 +664,24 @@ def test_ready_is_400_once_the_pools_last_worker_died() -> None:
     finally:
         client.close()
         closing(app)
+
+
+class _Difference(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x - y
+
+
+def test_declared_inputs_named_after_forwards_parameters_go_by_name() -> None:
+    app = create_app(_Difference(), name="diff", workers=1,
+                     inputs=[TensorSpec("y", "FP32", (-1, 2)), TensorSpec("x", "FP32", (-1, 2))])
+    client = Client(app)
+    try:
+        body = {"inputs": [
+            {"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [10, 20]},
+            {"name": "y", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+        answer = client.post("/v2/models/diff/infer", json=body)
+        assert answer.status_code == 200, answer.text
+        assert outputs_of(answer).tolist() == [[9.0, 18.0]]  # x - y, not y - x
+    finally:
+        client.close()
+        closing(app)

@@ -382,3 +382,21 @@ def test_allow_handlers_is_for_a_models_directory_and_reaches_it(tmp_path: Path)
         finally:
             for served in app.state.repository.every():
                 served.pool.close(drain=False)
+
+
+def test_a_factory_is_imported_from_the_current_folder_and_must_build_a_module(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    (tmp_path / "served_here.py").write_text(
+        "from paraloom.models import MLP\n\ndef build():\n    return MLP()\n\n"
+        "def number():\n    return 42\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".")])
+    built, _ = cli.build_model(parse("--factory", "served_here:build"))
+    assert isinstance(built, MLP)
+    with pytest.raises(TypeError, match="returned a int; expected a torch.nn.Module"):
+        cli.build_model(parse("--factory", "served_here:number"))
+    with pytest.raises(ValueError, match="cannot import 'elsewhere'.*run from the folder"):
+        cli.build_model(parse("--factory", "elsewhere:build"))
+    assert cli.run(parse("m.safetensors", "--port", "8123", "--grpc-port", "8123")) == 2
+    assert "is the HTTP --port too" in capsys.readouterr().err

@@ -103,3 +103,29 @@ def test_fitting_requests_come_back_in_the_models_input_order() -> None:
     b, a = request("input_1", shape=(5, 4)), request("input_0", shape=(5, 3))
     tensors = sig.check([b, a])
     assert [tuple(t.shape) for t in tensors] == [(5, 3), (5, 4)]
+
+
+class _Returns(nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.linear, self.what = nn.Linear(4, 2), what
+
+    def forward(self, x: torch.Tensor) -> object:
+        y = self.linear(x)
+        return {"none": (y, None), "keys": {0: y}, "scalar": y.sum()}[self.what]
+
+
+@pytest.mark.parametrize(("what", "message"), [
+    ("none", "returns a NoneType as 'output_1', which cannot be served"),
+    ("keys", "returns a dict with key 0: outputs are named by string keys"),
+    ("scalar", "returns a 0-d tensor as 'output'; a served model answers with a row per"),
+])
+def test_outputs_that_cannot_be_served_are_refused_at_start(what: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        infer_signature(_Returns(what))
+
+
+def test_an_inferred_input_takes_the_first_layers_dtype() -> None:
+    signature = infer_signature(nn.Sequential(nn.Linear(4, 2)).double())
+    assert signature.inputs == (TensorSpec("input", "FP64", (-1, 4)),)
+    assert signature.outputs[0].datatype == "FP64"

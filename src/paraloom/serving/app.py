@@ -14,6 +14,7 @@ from starlette.applications import Starlette
 from torch import nn
 
 from paraloom.serving.metrics import ServingMetrics
+from paraloom.serving.repository.binding import bind
 from paraloom.serving.repository.directory import ModelsDir
 from paraloom.serving.repository.files import ModelFiles
 from paraloom.serving.repository.models import ModelRepository
@@ -94,7 +95,9 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
     Given a model, the app builds ``ParallelInference(model, **pool_options)`` and closes it,
     draining, at shutdown; a pool passed in stays the caller's to close (pass ``model=``, the
     module it serves, to describe it and to load new weights). The signature comes from
-    ``inputs``/``outputs``, a ``sample`` input, or the model's first layer. Remote loads may read
+    ``inputs``/``outputs``, a ``sample`` input, or the model's first layer; declared ``inputs``
+    named after ``forward``'s parameters are passed by name, as in a models directory
+    (``paraloom.serving.repository.binding``). Remote loads may read
     only ``model_file`` or ``.safetensors`` files in ``model_dir`` (see ``ModelFiles``).
     ``shared_memory`` serves Triton's system shared memory extension (see
     ``paraloom.serving.shared_memory``): clients may then name segments of this host's shared
@@ -108,6 +111,8 @@ def create_app(pool_or_model: nn.Module | ParallelInference, *, name: str = "mod
     _check_pool(pool_or_model, model, pool_options)
     owns = isinstance(pool_or_model, nn.Module)
     if isinstance(pool_or_model, nn.Module):
+        if inputs is not None:  # declared inputs named after forward's parameters go by name
+            pool_or_model = bind(pool_or_model, inputs, outputs or ())
         model = pool_or_model
     signature = _signature(model, sample=sample, inputs=inputs, outputs=outputs)
     # The probe ran the model only when the outputs were read from it.

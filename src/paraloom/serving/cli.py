@@ -5,18 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import logging
 import math
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from paraloom.devices import parse_devices
+from paraloom.user_code import build_user_model, import_callable
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -116,19 +116,6 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--access-log", action="store_true", help="log every request")
 
 
-def _import_factory(spec: str) -> Callable[..., Any]:
-    """The user's ``--factory`` function; user code, so what it returns is not known here."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--factory {spec!r} must look like 'package.module:function'")
-    obj: object = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"--factory {spec!r} is a {type(obj).__name__}, not a callable")
-    return obj
-
-
 def _has_header(path: str) -> bool:
     from paraloom.checkpoint import read_header
 
@@ -150,9 +137,9 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
     if not args.factory:
         raise ValueError("nothing to serve: pass MODEL (a file from paraloom.save) or "
                          "--factory pkg.mod:fn [--weights FILE]")
-    factory = _import_factory(args.factory)
+    factory = import_callable(args.factory, "--factory")
     if args.weights is None:
-        return factory(), None
+        return build_user_model(args.factory), None
     if not Path(args.weights).is_file():
         raise FileNotFoundError(f"--weights {args.weights!r} does not exist")
     if _has_header(args.weights):
@@ -290,6 +277,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
         _check_graceful_timeout(args.graceful_timeout)
+        if args.grpc_port is not None and args.grpc_port == args.port and args.port != 0:
+            raise ValueError(f"--grpc-port {args.grpc_port} is the HTTP --port too; give gRPC "
+                             "a port of its own")
         if args.processes < 1:
             raise ValueError(f"--processes {args.processes}; expected 1 or more")
         if not shared_memory_on(args):  # "auto" resolved here, once, for every process

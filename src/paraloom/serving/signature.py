@@ -162,13 +162,30 @@ def _input_shape_from_model(model: nn.Module) -> tuple[int, ...] | None:
         return (-1, int(config["in_channels"]), size, size)
     if "in_features" in config:  # paraloom's MLP
         return (-1, int(config["in_features"]))
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            return (-1, module.in_features)
-        if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d):
-            spatial = module.weight.dim() - 2
-            return (-1, module.in_channels, *([-1] * spatial))
+    layer = _first_layer(model)
+    if isinstance(layer, nn.Linear):
+        return (-1, layer.in_features)
+    if isinstance(layer, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+        return (-1, layer.in_channels, *([-1] * (layer.weight.dim() - 2)))
     return None
+
+
+def _first_layer(model: nn.Module) -> nn.Module | None:
+    """The model's first Linear or Conv layer, whose input is the model's."""
+    return next((m for m in model.modules()
+                 if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)), None)
+
+
+def _input_datatype(model: nn.Module) -> str:
+    """The inferred input's datatype: the first layer's float dtype (FP64 for a float64
+    model), FP32 where that is not a float type v2 names."""
+    layer = _first_layer(model)
+    weight = getattr(layer, "weight", None)
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+    try:
+        return datatype_of(dtype) if dtype.is_floating_point else "FP32"
+    except TypeError:  # a float type v2 has no name for (float8)
+        return "FP32"
 
 
 def _default_names(prefix: str, count: int) -> list[str]:
@@ -190,14 +207,37 @@ def _output_specs(model: nn.Module, sample: Sequence[torch.Tensor]) -> tuple[Ten
                          "or its outputs (outputs=)") from e
     finally:
         model.train(training)
+    items = _named_results(model, result)
+    return tuple(TensorSpec(n, datatype_of(t.dtype), (-1, *t.shape[1:])) for n, t in items)
+
+
+def _named_results(model: nn.Module, result: object) -> list[tuple[str, torch.Tensor]]:
+    """What the probe run returned, named as the server will name it; ``ValueError`` for a
+    result it cannot serve (an entry that is not a tensor, a key that is not a string, a
+    tensor without rows)."""
+    items: list[tuple[object, object]]
     if isinstance(result, torch.Tensor):
         items = [("output", result)]
     elif isinstance(result, Mapping):
-        items = [(str(k), v) for k, v in result.items()]
+        items = list(result.items())
+    elif isinstance(result, tuple | list):
+        items = list(zip(_default_names("output", len(result)), result, strict=True))
     else:
-        seq = list(result)
-        items = list(zip(_default_names("output", len(seq)), seq, strict=True))
-    return tuple(TensorSpec(n, datatype_of(t.dtype), (-1, *t.shape[1:])) for n, t in items)
+        items = [("output", result)]
+    fix = ("; return tensors only (a tuple, a list or a dict with string keys), or wrap the "
+           "model in a module that does")
+    for key, value in items:
+        if not isinstance(key, str):
+            raise ValueError(f"{type(model).__name__} returns a dict with key {key!r}: outputs "
+                             f"are named by string keys{fix}")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{type(model).__name__} returns a {type(value).__name__} as "
+                             f"{key!r}, which cannot be served{fix}")
+        if value.dim() == 0:
+            raise ValueError(f"{type(model).__name__} returns a 0-d tensor as {key!r}; a served "
+                             "model answers with a row per input row (x.sum(dim=1), not "
+                             "x.sum())")
+    return [(str(k), v) for k, v in items if isinstance(v, torch.Tensor)]
 
 
 def _sample_from_specs(specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
@@ -220,9 +260,10 @@ def _infer_inputs(model: nn.Module, sample: list[torch.Tensor] | None
     shape = _input_shape_from_model(model)
     if shape is None:
         raise ValueError(f"cannot infer the input of {type(model).__name__}: it has no Linear "
-                         "or Conv layer to read it from; pass sample=torch.zeros(1, ...) or "
-                         "inputs=[TensorSpec('input', 'FP32', (-1, ...))]")
-    return (TensorSpec("input", "FP32", shape),)
+                         "or Conv layer to read it from; describe it (paraloom serve: "
+                         "--input-shape=-1,... --input-datatype ...; Python: sample=torch."
+                         "zeros(1, ...) or inputs=[TensorSpec('input', 'FP32', (-1, ...))])")
+    return (TensorSpec("input", _input_datatype(model), shape),)
 
 
 def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.Tensor] | None
@@ -247,7 +288,9 @@ def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.T
     if probe is None:
         raise ValueError(f"cannot infer the outputs of {type(model).__name__}: inputs "
                          f"{[s.as_json() for s in in_specs]} have dimensions of unknown size; "
-                         "pass sample=torch.zeros(1, ...) or outputs=[TensorSpec(...)]")
+                         "fix them for the probe (paraloom serve: --input-shape=-1,128; a "
+                         "models directory: \"outputs\" in the config), or in Python pass "
+                         "sample=torch.zeros(1, ...) or outputs=[TensorSpec(...)]")
     return ModelSignature(in_specs, _output_specs(model, probe), outputs_probed=True)
 
 

@@ -146,6 +146,31 @@ def test_input_datatype_with_input_shape_is_served_and_a_failed_probe_says_what_
     assert "failed on the probe input (FP32 [1, 4])" in err and "--input-datatype" in err
 
 
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+
+    def forward(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return (self.embed(ids) * weights.unsqueeze(-1)).sum(1)
+
+
+def test_a_model_with_two_inputs_is_described_by_repeated_input_options() -> None:
+    args = parse("--factory", f"{__name__}:TwoInputs", "--input-shape=-1,3",
+                 "--input-shape=-1,3", "--input-datatype", "INT64", "--input-datatype", "FP32",
+                 "--input-name", "ids", "--input-name", "weights")
+    app, _ = cli._build_app(args)
+    try:
+        meta = app.state.repository.get("model").metadata()
+        assert meta["inputs"] == [{"name": "ids", "datatype": "INT64", "shape": [-1, 3]},
+                                  {"name": "weights", "datatype": "FP32", "shape": [-1, 3]}]
+        assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 4]}]
+    finally:
+        app.state.served.pool.close()
+    with pytest.raises(ValueError, match="2 --input-shape but 1 --input-name"):
+        cli._input_specs(parse("--input-shape=-1,3", "--input-shape=-1,3", "--input-name", "x"))
+
+
 class Process:
     """``python -m paraloom.serving.cli`` with its log lines readable with a timeout."""
 

@@ -69,11 +69,15 @@ def _add_pool_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_signature_arguments(parser: argparse.ArgumentParser) -> None:
     sig = parser.add_argument_group("signature (default: read from the model)")
-    sig.add_argument("--input-shape", metavar="DIMS",
-                     help="e.g. --input-shape=-1,1,28,28 (-1: any size; write the =)")
-    sig.add_argument("--input-datatype", default=None, help="with --input-shape: e.g. INT64 "
-                     "(default FP32)")
-    sig.add_argument("--input-name", default=None, help="with --input-shape (default: input)")
+    sig.add_argument("--input-shape", metavar="DIMS", action="append",
+                     help="e.g. --input-shape=-1,1,28,28 (-1: any size; write the =); once per "
+                     "input of a model with several, in forward's order")
+    sig.add_argument("--input-datatype", default=None, action="append",
+                     help="with --input-shape: e.g. INT64 (default FP32); once for every "
+                     "input, or once per input")
+    sig.add_argument("--input-name", default=None, action="append",
+                     help="with --input-shape (default: input; input_0, input_1, ... for "
+                     "several); once per input")
 
 
 def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,12 +169,25 @@ def _input_specs(args: argparse.Namespace) -> list[TensorSpec] | None:
         return None
     from paraloom.serving.signature import TensorSpec
 
+    shapes = [_dims(raw) for raw in args.input_shape]
+    count = len(shapes)
+    names = args.input_name or (["input"] if count == 1 else [f"input_{i}" for i in range(count)])
+    datatypes = args.input_datatype or ["FP32"]
+    if len(datatypes) == 1:
+        datatypes = datatypes * count
+    if len(names) != count or len(datatypes) != count:
+        raise ValueError(f"{count} --input-shape but {len(names)} --input-name and "
+                         f"{len(datatypes)} --input-datatype; give one of each per input (one "
+                         "--input-datatype may stand for all)")
+    return [TensorSpec(n, d, s) for n, d, s in zip(names, datatypes, shapes, strict=True)]
+
+
+def _dims(raw: str) -> tuple[int, ...]:
     try:
-        shape = tuple(int(d) for d in args.input_shape.split(","))
+        return tuple(int(d) for d in raw.split(","))
     except ValueError as e:
-        raise ValueError(f"--input-shape {args.input_shape!r} must be integers separated by "
-                         "commas, e.g. -1,1,28,28") from e
-    return [TensorSpec(args.input_name or "input", args.input_datatype or "FP32", shape)]
+        raise ValueError(f"--input-shape {raw!r} must be integers separated by commas, e.g. "
+                         "-1,1,28,28") from e
 
 
 def _reload_on_sighup(app: Starlette) -> None:

@@ -280,8 +280,9 @@ def _imported_class(path: str) -> type[nn.Module]:
     if module is None:
         raise ValueError(f"the file's model class {path!r} is in module {module_name!r}, which "
                          "this program has not imported: import it first, register the class "
-                         "with paraloom.register_model(name, cls), or pass factory= "
-                         "(--factory module:callable on the command line)")
+                         "with paraloom.register_model(name, cls), or pass factory= (on the "
+                         "command line: paraloom serve --import MODULE, or --factory "
+                         "module:callable)")
     obj: object = module
     for part in qualname.split("."):
         obj = getattr(obj, part, None)

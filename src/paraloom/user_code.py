@@ -11,7 +11,20 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-__all__ = ["import_callable", "build_user_model", "user_data"]
+__all__ = ["import_callable", "import_module", "build_user_model", "user_data"]
+
+
+def import_module(module_name: str, option: str, spec: str | None = None) -> object:
+    """Import ``module_name`` (the current folder is importable, as with ``python -m``);
+    ValueError naming the option (and ``spec``, what it was given) when it cannot."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{option} {spec or module_name!r}: cannot import {module_name!r} "
+                         f"({e}); run from the folder that holds it, or add its folder to "
+                         "PYTHONPATH") from e
 
 
 def import_callable(spec: str, option: str) -> Callable[..., Any]:
@@ -20,13 +33,7 @@ def import_callable(spec: str, option: str) -> Callable[..., Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{option} {spec!r} must look like 'package.module:function'")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: object = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{option} {spec!r}: cannot import {module_name!r} ({e}); run from the "
-                         "folder that holds it, or add its folder to PYTHONPATH") from e
+    obj = import_module(module_name, option, spec)
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

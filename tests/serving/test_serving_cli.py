@@ -425,3 +425,32 @@ def test_a_factory_is_imported_from_the_current_folder_and_must_build_a_module(
         cli.build_model(parse("--factory", "elsewhere:build"))
     assert cli.run(parse("m.safetensors", "--port", "8123", "--grpc-port", "8123")) == 2
     assert "is the HTTP --port too" in capsys.readouterr().err
+
+
+def test_import_makes_a_models_directory_of_ones_own_classes_servable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_arch.py").write_text(
+        "import torch\nfrom torch import nn\n\nclass Tiny(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.l = nn.Linear(3, 2)\n\n"
+        "    def forward(self, x):\n        return self.l(x)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_arch  # type: ignore[import-not-found]
+
+    (tmp_path / "models").mkdir()
+    paraloom.save(my_arch.Tiny(), tmp_path / "models" / "tiny.safetensors")
+    monkeypatch.delitem(sys.modules, "my_arch")  # a fresh server has not imported it
+    refused, _ = cli._build_app(parse("--models-dir", str(tmp_path / "models")))
+    try:
+        reason = {r["name"]: r["reason"] for r in refused.state.repository.index()}["tiny"]
+        assert "has not imported" in reason and "--import MODULE" in reason
+    finally:
+        for served in refused.state.repository.every():
+            served.pool.close()
+    app, _ = cli._build_app(parse("--models-dir", str(tmp_path / "models"), "--import",
+                                  "my_arch"))
+    try:
+        assert app.state.repository.get("tiny").ready
+    finally:
+        for served in app.state.repository.every():
+            served.pool.close()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from paraloom.devices import parse_devices
-from paraloom.user_code import build_user_model, import_callable
+from paraloom.user_code import build_user_model, import_callable, import_module
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -116,6 +116,10 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --models-dir: serve TorchScript model.pt files (Triton's "
                       "layout: NAME/config.pbtxt, NAME/1/model.pt); a TorchScript archive is a "
                       "program, so off by default: such models are listed UNAVAILABLE")
+    http.add_argument("--import", dest="imports", metavar="MODULE", action="append",
+                      default=[], help="import MODULE (from the current folder or PYTHONPATH) "
+                      "before loading: the module that defines the class a saved model names "
+                      "(a models directory of your own architectures); repeat for several")
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     http.add_argument("--access-log", action="store_true", help="log every request")
 
@@ -265,6 +269,8 @@ def _build_app(args: argparse.Namespace) -> tuple[Starlette, str | None]:
     """The app to serve and the paraloom file it serves (None: a repository or no file)."""
     from paraloom.serving.app import create_app, create_repository_app
 
+    for module in args.imports:  # the operator's own code, named on the command line
+        import_module(module, "--import")
     max_body = int(args.max_body_mb * (1 << 20))
     shared_memory = shared_memory_on(args)
     if args.models_dir and not args.model and not args.factory:

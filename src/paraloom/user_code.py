@@ -25,6 +25,9 @@ def import_module(module_name: str, option: str, spec: str | None = None) -> obj
         raise ValueError(f"{option} {spec or module_name!r}: cannot import {module_name!r} "
                          f"({e}); run from the folder that holds it, or add its folder to "
                          "PYTHONPATH") from e
+    except Exception as e:  # the module itself fails as it runs (a NameError, a SyntaxError)
+        raise ValueError(f"{option} {spec or module_name!r}: importing {module_name!r} "
+                         f"failed: {type(e).__name__}: {e}") from e
 
 
 def import_callable(spec: str, option: str) -> Callable[..., Any]:

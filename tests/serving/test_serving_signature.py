@@ -129,3 +129,20 @@ def test_an_inferred_input_takes_the_first_layers_dtype() -> None:
     signature = infer_signature(nn.Sequential(nn.Linear(4, 2)).double())
     assert signature.inputs == (TensorSpec("input", "FP64", (-1, 4)),)
     assert signature.outputs[0].datatype == "FP64"
+
+
+def test_a_loaded_lazy_layer_is_read_from_its_weight() -> None:
+    model = nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.Linear(3, 1))
+    with pytest.raises(ValueError, match="cannot infer the input"):
+        infer_signature(model)  # not materialized: nothing to read
+    model(torch.ones(2, 5))
+    fresh = nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.Linear(3, 1))
+    fresh.load_state_dict(model.state_dict())  # as paraloom.load fills it: in_features stays 0
+    assert infer_signature(fresh).inputs == (TensorSpec("input", "FP32", (-1, 5)),)
+
+
+def test_classification_ranks_integers_exactly() -> None:
+    from paraloom.serving.classification import classify
+
+    big = torch.tensor([[2**53, 2**53 + 1, 5]])
+    assert classify(big, 1, True, (), "y").tolist() == [[b"9007199254740993:1"]]

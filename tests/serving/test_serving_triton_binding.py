@@ -13,6 +13,7 @@ import pytest
 import torch
 import tritonclient.grpc as tg
 import tritonclient.http as th
+from serving_helpers import Client, closing
 from torch import nn
 from tritonclient.utils import InferenceServerException
 
@@ -212,3 +213,57 @@ def test_bind_leaves_a_plainly_called_model_alone_and_refuses_unknown_reshapes()
     assert named_indices(["A__1", "B__1"]) is None and named_indices(["A__0", "b"]) is None
     with pytest.raises(ValueError, match=r"reshape names \['z'\]"):
         bind(model, [a, b], [out], reshape={"z": (2,)})
+
+
+class _KeywordOnly(nn.Module):
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        return x * mask
+
+
+class _PositionalOnly(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor, /) -> torch.Tensor:
+        return x - y
+
+
+def test_keyword_only_and_positional_only_parameters_are_passed_as_they_must_be() -> None:
+    x, m = torch.tensor([[2.0, 3.0]]), torch.tensor([[1.0, 0.0]])
+    specs = {n: TensorSpec(n, "FP32", (-1, 2)) for n in ("x", "y", "mask", "out")}
+    keyword = bind(_KeywordOnly(), [specs["x"], specs["mask"]], [specs["out"]])
+    assert torch.equal(keyword(x, m), x * m)
+    positional = bind(_PositionalOnly(), [specs["y"], specs["x"]], [specs["out"]])
+    assert torch.equal(positional(m, x), x - m)  # declared y, x: passed as forward(x, y)
+
+
+class _Scores(nn.Module):
+    """Queries against keys: a row per query, whatever the number of keys."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q @ k.T
+
+
+def test_the_rows_are_the_first_declared_inputs_whatever_order_a_request_lists(
+        tmp_path: Path) -> None:
+    import json
+
+    from paraloom import save
+
+    folder = tmp_path / "scores"
+    folder.mkdir()
+    save(_Scores(), folder / "model.safetensors")
+    spec = {"datatype": "FP32", "shape": [-1, 4]}
+    (folder / "config.json").write_text(json.dumps({
+        "mode": "sequential", "max_batch_size": 8, "workers": 1,
+        "inputs": [{"name": "q", **spec}, {"name": "k", **spec}],
+        "outputs": [{"name": "out", "datatype": "FP32", "shape": [-1, -1]}]}))
+    q = {"name": "q", "shape": [2, 4], "datatype": "FP32", "data": [1.0] * 8}
+    k = {"name": "k", "shape": [3, 4], "datatype": "FP32", "data": [1.0] * 12}
+    app = create_repository_app(tmp_path, workers=1)
+    client = Client(app)
+    try:
+        for inputs in ([q, k], [k, q]):
+            answer = client.post("/v2/models/scores/infer", json={"inputs": inputs})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["outputs"][0]["shape"] == [2, 3]
+    finally:
+        client.close()
+        closing(app)

@@ -78,3 +78,10 @@ def test_a_buffer_whose_shape_training_changed_comes_back_with_it() -> None:
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as wrapper:
         wrapper.fit(batches)
     assert model.seen.shape == (3,)  # rank 0's: one entry per round it trained
+
+
+def test_a_resized_buffer_keeps_the_models_dtype() -> None:
+    target = _History()
+    load_model_state(target, {**target.state_dict(),
+                              "seen": torch.arange(3.0, dtype=torch.bfloat16)})
+    assert target.seen.dtype == torch.float32 and target.seen.tolist() == [0.0, 1.0, 2.0]

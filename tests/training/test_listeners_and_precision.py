@@ -132,3 +132,17 @@ def test_a_model_that_casts_its_own_inputs_trains() -> None:
         w.fit(batches)
     assert model.linear.weight.dtype == torch.bfloat16
     assert not torch.equal(model.linear.weight, before)
+
+
+def test_a_loss_error_on_a_self_casting_model_is_not_taken_for_a_dtype_error() -> None:
+    from paraloom import WorkerError
+
+    model = _CastsItsInputs()
+    batches = [(torch.ones(2, 4, dtype=torch.float64), torch.zeros(2, 5))]  # targets too wide
+    with ParallelWrapper(model, loss_fn=nn.MSELoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        with pytest.raises(Exception) as caught:
+            w.fit(batches)
+    message = str(caught.value)
+    assert "on a batch with inputs" in message and "the inputs are float64" not in message
+    assert not isinstance(caught.value, WorkerError) or "size" in message

@@ -275,3 +275,13 @@ def test_an_accumulate_mismatch_is_refused_either_way() -> None:
     with pytest.raises(ValueError, match=r"accumulate: checkpoint has 3, this run has 1"):
         accumulated.check(base)
     accumulated.check({**base, "accumulate": 3})
+
+
+def test_an_optimizer_known_on_one_side_only_is_not_compared() -> None:
+    from paraloom import TrainingCheckpoint
+
+    base = {"model": "Net", "workers": 2}
+    written = TrainingCheckpoint(fingerprint={**base, "optimizer": "SGD",
+                                              "optimizer_param_groups": [2]},
+                                 epoch=0, batch=0, iteration=4, data_rng=None, replicas=[])
+    written.check(base)  # a factory's optimizer is not known before it is built

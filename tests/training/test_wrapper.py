@@ -687,10 +687,14 @@ def test_models_paraloom_cannot_replicate_as_they_are_are_refused_with_the_fix()
                                         r"model\.module"):
         ParallelWrapper(DataParallel(inner), loss_fn=nn.MSELoss(), optimizer=opt)
     lazy = nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.Linear(3, 1))
-    with pytest.raises(TypeError, match=r"lazy parameters .*\['0.weight', '0.bias'\].*run one "
+    with pytest.raises(TypeError, match=r"lazy tensors .*\['0.weight', '0.bias'\].*run one "
                                         r"forward pass"):
         ParallelWrapper(lazy, loss_fn=nn.MSELoss(), optimizer=torch.optim.SGD(
             lazy.parameters(), lr=0.1))
+    norm = nn.Sequential(nn.Linear(4, 3), nn.LazyBatchNorm1d(affine=False))  # lazy buffers
+    with pytest.raises(TypeError, match=r"lazy tensors .*running_mean"):
+        ParallelWrapper(norm, loss_fn=nn.MSELoss(), optimizer=torch.optim.SGD(
+            norm.parameters(), lr=0.1))
     complex_model = nn.Linear(4, 2, dtype=torch.complex64)
     for mode in ("shared_gradients", "diloco"):
         with pytest.raises(ValueError, match=f"training_mode='{mode}' takes real parameters"):

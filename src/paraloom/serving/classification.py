@@ -38,7 +38,10 @@ def classify(value: object, k: int, batched: bool, labels: Sequence[str], name: 
     t = value.detach().cpu()
     rows = t.reshape(t.shape[0], -1) if batched and t.dim() > 0 else t.reshape(1, -1)
     count = min(k, rows.shape[1])
-    top = torch.topk(rows.double(), count, dim=1).indices
+    try:
+        top = torch.topk(rows, count, dim=1).indices  # in the output's own type: exact
+    except RuntimeError:  # a type topk does not take on this device
+        top = torch.topk(rows.double(), count, dim=1).indices
     picked = torch.gather(rows, 1, top)
     floating = rows.is_floating_point()
     out = np.empty(tuple(top.shape), dtype=object)

@@ -67,8 +67,11 @@ def select_outputs(served: ServedModel, parsed: InferRequest, result: Any) -> li
     ``result`` is whatever the user's model (or its handler's postprocess) returned."""
     named: dict[str, Value] = dict(served.signature.name_outputs(result))
     _check_outputs(served, named)
-    if served.handler is None and served.batched and parsed.inputs:
-        _check_rows(named, parsed.inputs[0].shape[0])
+    if served.handler is None and served.batched and served.signature.inputs:
+        first = served.signature.inputs[0].name  # the rows: the first declared input's
+        given = next((t for t in parsed.inputs if t.name == first), None)
+        if given is not None and given.shape:
+            _check_rows(named, given.shape[0])
     if parsed.outputs is None:
         return [AnswerOutput(n, t, parsed.binary_output) for n, t in named.items()]
     unknown = [o.name for o in parsed.outputs if o.name not in named]

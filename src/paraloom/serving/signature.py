@@ -8,6 +8,7 @@ from typing import Any, TypedDict
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from paraloom.serving.datatypes import DATATYPES, Value, datatype_of, value_datatype
 from paraloom.serving.errors import ProtocolError
@@ -163,14 +164,18 @@ def _input_shape_from_model(model: nn.Module) -> tuple[int, ...] | None:
     if "in_features" in config:  # paraloom's MLP
         return (-1, int(config["in_features"]))
     layer = _first_layer(model)
+    if layer is None or is_lazy(layer.weight):
+        return None
+    # From the weight's shape: a lazy layer's in_features stays 0 after its weight is loaded.
     if isinstance(layer, nn.Linear):
-        return (-1, layer.in_features)
+        return (-1, layer.weight.shape[1])
     if isinstance(layer, nn.Conv1d | nn.Conv2d | nn.Conv3d):
-        return (-1, layer.in_channels, *([-1] * (layer.weight.dim() - 2)))
+        channels = layer.weight.shape[1] * layer.groups
+        return (-1, channels, *([-1] * (layer.weight.dim() - 2)))
     return None
 
 
-def _first_layer(model: nn.Module) -> nn.Module | None:
+def _first_layer(model: nn.Module) -> nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d | None:
     """The model's first Linear or Conv layer, whose input is the model's."""
     return next((m for m in model.modules()
                  if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)), None)

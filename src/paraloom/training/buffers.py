@@ -38,8 +38,8 @@ def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Non
     shape, as it would in a loop of the user's own; a parameter's shape must match."""
     transient = transient_buffers(model)
     buffers = dict(model.named_buffers())
-    resized = {k: v for k, v in state.items() if k in buffers and k not in transient
-               and v.shape != buffers[k].shape}
+    resized = {k: v.to(buffers[k].dtype) for k, v in state.items()  # dtypes as they are
+               if k in buffers and k not in transient and v.shape != buffers[k].shape}
     _copy_into(model, buffers, resized)
     model.load_state_dict({k: v for k, v in state.items() if k not in transient})
     _copy_into(model, transient, {k: v for k, v in state.items() if k in transient})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.nn.parameter import is_lazy
 
 __all__ = ["check_user_model"]
 
@@ -18,9 +19,9 @@ def check_user_model(model: object) -> None:
         raise TypeError(f"model is a {type(model).__name__}: paraloom replicates the model "
                         "itself (training_mode='allreduce' runs DDP inside each worker); pass "
                         "the wrapped module, model.module")
-    lazy = [name for name, p in model.named_parameters()
-            if isinstance(p, nn.parameter.UninitializedParameter)]
+    lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if is_lazy(t)]
     if lazy:
-        raise TypeError(f"{type(model).__name__} has lazy parameters whose shapes are not known "
+        raise TypeError(f"{type(model).__name__} has lazy tensors whose shapes are not known "
                         f"yet ({lazy[:4]}): run one forward pass on an example batch first "
                         "(model(x)), then hand it to ParallelWrapper")

@@ -148,7 +148,9 @@ class ProcessPool:
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._procs: list[BaseProcess] = []
-        self._groups_killed: set[int] = set()  # killed once only: a pid is reused once freed
+        # Killed once only, on a failure's path (right after the worker's end was seen): a
+        # pid is free for reuse once reaped, but not while its group has members left.
+        self._groups_killed: set[int] = set()
         with _no_main_reimport():
             for rank in range(workers):
                 cfg = WorkerConfig(rank=rank, world_size=workers, store_port=self._store.port,
@@ -471,6 +473,10 @@ class ProcessPool:
         deadline = time.monotonic() + timeout_s
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.exitcode == 0 and p.pid is not None:
+                # Stopped as asked: its loader processes ended with it, and its pid, reaped
+                # now, may be another process's soon: its group is not killed.
+                self._groups_killed.add(p.pid)
         self.kill()
 
     def kill(self, wait: bool = True) -> None:

@@ -392,13 +392,20 @@ class Replica:
         inputs, targets = split_batch(batch, training=True)
         try:
             outputs = forward(self._module, inputs)
-            return compute_loss(self.loss_fn, outputs, targets)
         except Exception as e:
             # A model may cast its inputs itself: a dtype that differs is named only once the
             # forward pass failed on it.
             self._check_dtype(inputs, e)
-            raise BatchError(f"{type(e).__name__}: {e}\n(on a batch with inputs "
-                             f"{describe(inputs)} and targets {describe(targets)})") from e
+            raise self._batch_error(e, inputs, targets) from e
+        try:
+            return compute_loss(self.loss_fn, outputs, targets)
+        except Exception as e:
+            raise self._batch_error(e, inputs, targets) from e
+
+    @staticmethod
+    def _batch_error(e: Exception, inputs: Any, targets: Any) -> BatchError:
+        return BatchError(f"{type(e).__name__}: {e}\n(on a batch with inputs "
+                          f"{describe(inputs)} and targets {describe(targets)})")
 
     def _check_dtype(self, inputs: Any, failure: Exception) -> None:
         """Raise ``TypeError`` naming the conversion when an input's float dtype differs from

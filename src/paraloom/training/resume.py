@@ -130,7 +130,8 @@ class TrainingCheckpoint:
         diffs = [f"{k}: checkpoint has {self._value(self.fingerprint, k)!r}, this run has "
                  f"{self._value(fingerprint, k)!r}" for k in keys
                  if self._value(self.fingerprint, k) != self._value(fingerprint, k)
-                 and not (k in _COMPARED_WHEN_KNOWN and k not in self.fingerprint)]
+                 and not (k in _COMPARED_WHEN_KNOWN
+                          and (k not in self.fingerprint or k not in fingerprint))]
         if diffs:
             shown = "; ".join(d if len(d) < 300 else d[:300] + "..." for d in diffs)
             raise ValueError(
@@ -142,8 +143,8 @@ class TrainingCheckpoint:
 
 
 _COMPARED_WHEN_KNOWN = frozenset({"optimizer", "optimizer_param_groups"})
-_ABSENT_MEANS = {"accumulate": 1}  # a fingerprint leaves a key out at its default
 """Fingerprint keys that older checkpoints (or a run whose optimizer is a factory) lack."""
+_ABSENT_MEANS = {"accumulate": 1}  # a fingerprint leaves a key out at its default
 
 
 @dataclass

@@ -51,21 +51,36 @@ def named_indices(names: Sequence[str], complete: bool = True) -> list[int] | No
     return indices if len(set(indices)) == len(indices) else None
 
 
-def _parameters(model: nn.Module) -> tuple[list[str], bool]:
-    """``forward``'s parameter names (``self`` left out) and whether it takes one
-    ``Dict[str, Tensor]``: from a TorchScript schema, else from Python's signature."""
+@dataclass(frozen=True)
+class _Parameters:
+    """``forward``'s parameters (``self`` left out): names, which of them may be passed by
+    position and which by name, and whether it takes one ``Dict[str, Tensor]``."""
+
+    names: list[str]
+    positional: set[str]
+    keyword: set[str]
+    takes_dict: bool = False
+
+
+def _parameters(model: nn.Module) -> _Parameters:
+    """``forward``'s parameters: from a TorchScript schema, else from Python's signature."""
     schema = getattr(getattr(model, "forward", None), "schema", None)
     if schema is not None:
         arguments = list(schema.arguments)[1:]
         names = [a.name for a in arguments]
-        return names, len(arguments) == 1 and str(arguments[0].type).startswith("Dict[str,")
+        return _Parameters(names, {a.name for a in arguments if not a.kwarg_only}, set(names),
+                           len(arguments) == 1 and str(arguments[0].type).startswith("Dict[str,"))
     try:
-        params = inspect.signature(model.forward).parameters.values()
+        params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
-        return [], False
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-             inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in params if p.kind in kinds], False
+        return _Parameters([], set(), set())
+    kind = inspect.Parameter
+    positional = {p.name for p in params if p.kind in (kind.POSITIONAL_ONLY,
+                                                       kind.POSITIONAL_OR_KEYWORD)}
+    keyword = {p.name for p in params if p.kind in (kind.POSITIONAL_OR_KEYWORD,
+                                                    kind.KEYWORD_ONLY)}
+    return _Parameters([p.name for p in params if p.name in positional | keyword], positional,
+                       keyword)
 
 
 @dataclass(frozen=True)
@@ -151,18 +166,27 @@ def bind(model: nn.Module, inputs: Sequence[TensorSpec], outputs: Sequence[Tenso
         output_shapes=tuple(w if s.name in reshape else None for s, w in zip(
             outputs, wire, strict=True)) if any(n in reshape for n in out_names) else (),
         picks=_picks(out_names), batched=batched)
-    params, takes_dict = _parameters(model)
-    if names and set(names) <= set(params) and list(names) != params[:len(names)]:
-        binding = replace(binding, keywords=True)
-    elif takes_dict and not set(names) <= set(params):
-        binding = replace(binding, as_dict=True)
-    else:
-        positions = named_indices(names)
-        if positions is not None and positions != list(range(len(names))):
-            binding = replace(binding, positions=tuple(positions))
+    binding = _by_name(binding, names, _parameters(model))
     if binding == Binding(names, input_shapes=(None,) * len(names), batched=batched):
         return model
     return BoundModel(model, binding)
+
+
+def _by_name(binding: Binding, names: tuple[str, ...], params: _Parameters) -> Binding:
+    """``binding`` with the inputs placed as the backend places them (the module's doc)."""
+    leading = params.names[:len(names)]
+    if names and set(names) <= set(params.names):  # forward's own names
+        if set(names) == set(leading) and set(names) <= params.positional:
+            order = tuple(leading.index(n) for n in names)  # by position: any kind of them
+            return binding if order == tuple(range(len(names))) else replace(
+                binding, positions=order)
+        return replace(binding, keywords=True)  # keyword-only ones, or a subset with defaults
+    if params.takes_dict:
+        return replace(binding, as_dict=True)
+    positions = named_indices(names)
+    if positions is not None and positions != list(range(len(names))):
+        return replace(binding, positions=tuple(positions))
+    return binding
 
 
 def _picks(outputs: Sequence[str]) -> tuple[int, ...] | None:

@@ -145,9 +145,9 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
     if not args.factory:
         raise ValueError("nothing to serve: pass MODEL (a file from paraloom.save) or "
                          "--factory pkg.mod:fn [--weights FILE]")
-    factory = import_callable(args.factory, "--factory")
     if args.weights is None:
         return build_user_model(args.factory), None
+    factory = import_callable(args.factory, "--factory")
     if not Path(args.weights).is_file():
         raise FileNotFoundError(f"--weights {args.weights!r} does not exist")
     if _has_header(args.weights):

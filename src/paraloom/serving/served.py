@@ -78,7 +78,8 @@ class ServedModel:
     def __init__(self, name: str, pool: ParallelInference, model: nn.Module | None,
                  signature: ModelSignature, *, files: ModelFiles, owns_pool: bool,
                  retry_after: int = 1, first_version: int = 1, numbered: bool = False,
-                 handler: Handler | None = None) -> None:
+                 handler: Handler | None = None, batch_dim: bool = True,
+                 labels: dict[str, list[str]] | None = None) -> None:
         self.name = name
         self.handler = handler
         """The model's ``handler.py`` (then ``signature`` is the handler's), or None."""
@@ -99,9 +100,9 @@ class ServedModel:
         self._inplace_now = 0  # changed on the event loop only
         self.close_timeout: float | None = None  # the server sets its graceful timeout here
         self.siblings: list[ServedModel] = [self]  # every version of this model served now
-        self.labels: dict[str, list[str]] = {}
+        self.labels = labels or {}
         """Class labels by output name, for the classification extension."""
-        self.batch_dim = True
+        self.batch_dim = batch_dim
         """Whether the signature's shapes begin with the rows (False: a ``config.pbtxt`` with
         ``max_batch_size: 0``)."""
 

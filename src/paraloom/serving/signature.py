@@ -185,8 +185,7 @@ def _input_datatype(model: nn.Module) -> str:
     """The inferred input's datatype: the first layer's float dtype (FP64 for a float64
     model), FP32 where that is not a float type v2 names."""
     layer = _first_layer(model)
-    weight = getattr(layer, "weight", None)
-    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+    dtype = layer.weight.dtype if layer is not None else torch.float32
     try:
         return datatype_of(dtype) if dtype.is_floating_point else "FP32"
     except TypeError:  # a float type v2 has no name for (float8)

@@ -53,12 +53,11 @@ def named_indices(names: Sequence[str], complete: bool = True) -> list[int] | No
 
 @dataclass(frozen=True)
 class _Parameters:
-    """``forward``'s parameters (``self`` left out): names, which of them may be passed by
-    position and which by name, and whether it takes one ``Dict[str, Tensor]``."""
+    """``forward``'s parameters (``self``, ``*args`` and ``**kwargs`` left out): names, which
+    of them may be passed by position, and whether it takes one ``Dict[str, Tensor]``."""
 
     names: list[str]
     positional: set[str]
-    keyword: set[str]
     takes_dict: bool = False
 
 
@@ -68,19 +67,16 @@ def _parameters(model: nn.Module) -> _Parameters:
     if schema is not None:
         arguments = list(schema.arguments)[1:]
         names = [a.name for a in arguments]
-        return _Parameters(names, {a.name for a in arguments if not a.kwarg_only}, set(names),
+        return _Parameters(names, {a.name for a in arguments if not a.kwarg_only},
                            len(arguments) == 1 and str(arguments[0].type).startswith("Dict[str,"))
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
-        return _Parameters([], set(), set())
+        return _Parameters([], set())
     kind = inspect.Parameter
-    positional = {p.name for p in params if p.kind in (kind.POSITIONAL_ONLY,
-                                                       kind.POSITIONAL_OR_KEYWORD)}
-    keyword = {p.name for p in params if p.kind in (kind.POSITIONAL_OR_KEYWORD,
-                                                    kind.KEYWORD_ONLY)}
-    return _Parameters([p.name for p in params if p.name in positional | keyword], positional,
-                       keyword)
+    named = [p for p in params if p.kind not in (kind.VAR_POSITIONAL, kind.VAR_KEYWORD)]
+    return _Parameters([p.name for p in named], {
+        p.name for p in named if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)})
 
 
 @dataclass(frozen=True)

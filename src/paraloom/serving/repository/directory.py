@@ -403,14 +403,13 @@ class ModelsDir:
                            model_dir=folder or self.root)
         if handler is not None:  # the handler's tensors, the config's max_batch_size
             signature = replace(handler.signature, max_rows=signature.max_rows)
-        served = ServedModel(name, pool, model, signature, files=files, owns_pool=True,
-                             retry_after=self.retry_after, first_version=version,
-                             numbered=numbered, handler=handler)
-        served.batch_dim = config.batched
-        served.labels = {n: read_labels(p.read_text(errors="replace"))
-                         for n, p in config.labels.items() if self._inside(p)
-                         and p.stat().st_size <= _LABELS_MAX}
-        return served
+        labels = {n: read_labels(p.read_text(errors="replace"))
+                  for n, p in config.labels.items() if self._inside(p)
+                  and p.stat().st_size <= _LABELS_MAX}
+        return ServedModel(name, pool, model, signature, files=files, owns_pool=True,
+                           retry_after=self.retry_after, first_version=version,
+                           numbered=numbered, handler=handler, batch_dim=config.batched,
+                           labels=labels)
 
     def _model(self, path: Path, config: ModelConfig) -> tuple[nn.Module, ModelSignature]:
         """The model in ``path`` (paraloom.save's .safetensors, or TorchScript) and its

@@ -33,14 +33,37 @@ class Failures(TrainingListener):
         self.seen.append((rank, type(error).__name__, recovered))
 
 
-def _train(model: nn.Module, mode: str, epochs: int = 2, resume_from=None,
+class Pids(TrainingListener):
+    """The worker (and spare) process ids at each iteration."""
+
+    def __init__(self) -> None:
+        self.wrapper: ParallelWrapper | None = None
+        self.workers: list[list[int]] = []
+        self.spares: set[int] = set()
+
+    def on_fit_start(self, w):
+        self.wrapper = w
+
+    def on_iteration(self, iteration, epoch, loss):
+        assert self.wrapper is not None
+        self.workers.append(self.wrapper.worker_pids)
+        self.spares.update(self.wrapper._pool.spare_pids)  # type: ignore[union-attr]
+
+    def kept_and_replaced(self) -> tuple[set[int], set[int]]:
+        """Ranks whose process stayed the whole fit, and ranks whose process changed."""
+        first, last = self.workers[0], self.workers[-1]
+        return ({r for r in range(len(first)) if first[r] == last[r]},
+                {r for r in range(len(first)) if first[r] != last[r]})
+
+
+def _train(model: nn.Module, mode: str, epochs: int = 2, resume_from=None, workers: int = 2,
            **options) -> tuple[ParallelWrapper, dict]:
     torch.manual_seed(0)
     options = {**{"averaging": {"averaging_frequency": 3},
                   "diloco": {"sync_every": 4, "density": 0.1}}.get(mode, {}), **options}
     wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                              workers=2, training_mode=mode, progress=False, **options)
+                              workers=workers, training_mode=mode, progress=False, **options)
     with wrapper:
         stats = wrapper.fit(digits_loader(), epochs=epochs, resume_from=resume_from)
     return wrapper, stats
@@ -132,11 +155,12 @@ def test_allreduce_recovers_to_the_uninterrupted_result(tmp_path, how, spares, r
     references.setdefault("allreduce", _reference("allreduce"))
     torch.manual_seed(1)
     model = FailOnce(tmp_path / "failed", how=how, at=7)
-    failures = Failures()
+    failures, pids = Failures(), Pids()
     _, stats = _train(model, "allreduce", max_failures=1, heartbeat_timeout=1.0,
-                      listeners=[failures], spares=spares)
+                      listeners=[failures, pids], spares=spares)
     assert (tmp_path / "failed").exists()  # the failure did happen
     assert failures.seen == [(1, "WorkerError", True)]
+    assert pids.kept_and_replaced() == ({0}, {1})  # the survivor kept its process
     assert stats["failures"] == 1 and stats["seconds_lost"] > 0
     assert stats["batches"] == 2 * len(digits_loader())  # every batch once in the caller's count
     assert _same(model, references["allreduce"])
@@ -151,9 +175,28 @@ def test_other_modes_recover_from_a_restore_point(tmp_path, mode, monkeypatch, r
     monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 0.0)  # a restore point every round
     torch.manual_seed(1)
     model = FailOnce(tmp_path / "failed", how="kill", at=20)
-    _, stats = _train(model, name, max_failures=1, **extra)
+    pids = Pids()
+    _, stats = _train(model, name, max_failures=1, listeners=[pids], **extra)
     assert stats["failures"] == 1
+    assert pids.kept_and_replaced() == ({0}, {1})
     assert _same(model, references[mode])
+
+
+@pytest.mark.parametrize("how", ["raise", "stop"])
+def test_three_workers_keep_both_survivors(tmp_path, how):
+    # The survivors' collectives end in errors once the failed worker dies, a survivor waiting
+    # on another survivor's part included; the group forms again with a spare as worker 1.
+    torch.manual_seed(1)
+    reference = FailOnce()
+    _train(reference, "allreduce", workers=3)
+    torch.manual_seed(1)
+    model = FailOnce(tmp_path / "failed", how=how, at=6)
+    pids = Pids()
+    _, stats = _train(model, "allreduce", workers=3, max_failures=1, heartbeat_timeout=1.0,
+                      listeners=[pids])
+    assert stats["failures"] == 1
+    assert pids.kept_and_replaced() == ({0, 2}, {1})
+    assert _same(model, reference)
 
 
 def test_failures_beyond_max_failures_raise(tmp_path):
@@ -328,45 +371,21 @@ def test_native_code_that_holds_the_gil_is_not_taken_for_dead():
     assert stats["batches"] == 4 and stats["failures"] == 0
 
 
-def test_spares_take_over_and_none_is_left_behind(tmp_path, monkeypatch):
-    """The spare's processes become the workers after a failure; after the fit, neither the
-    workers nor the spares (the used one's replacement) are alive."""
-    from paraloom.training import spares
-
+def test_a_spare_takes_the_failed_workers_place_and_none_is_left_behind(tmp_path):
+    """The spare process started ahead becomes worker 1 after its failure; after the fit,
+    neither the workers nor the spares (the used one's replacement) are alive."""
     torch.manual_seed(1)
     model = FailOnce(tmp_path / "failed", how="kill", at=12)
-    seen: dict[str, set[int]] = {"workers": set(), "spares": set()}
-    original = spares.Spares.__init__
-
-    def recording(self, start, count, restock_delay_s=1.0):
-        def start_and_record():
-            pool = start()
-            seen["spares"].update(pool.pids)
-            return pool
-
-        original(self, start_and_record, count, restock_delay_s)
-
-    monkeypatch.setattr(spares.Spares, "__init__", recording)
-
-    class Pids(TrainingListener):
-        def __init__(self) -> None:
-            self.wrapper: ParallelWrapper | None = None
-
-        def on_fit_start(self, w):
-            self.wrapper = w
-
-        def on_iteration(self, iteration, epoch, loss):
-            assert self.wrapper is not None
-            seen["workers"].update(self.wrapper.worker_pids)
-
-    wrapper, stats = _train(model, "allreduce", epochs=3, max_failures=1, listeners=[Pids()])
+    pids = Pids()
+    wrapper, stats = _train(model, "allreduce", epochs=3, max_failures=1, listeners=[pids])
     assert stats["failures"] == 1
-    assert seen["spares"] & seen["workers"]  # a spare's processes trained after the failure
+    before, after = pids.workers[0], pids.workers[-1]
+    assert after[0] == before[0] and after[1] in pids.spares
+    seen = {pid for row in pids.workers for pid in row} | pids.spares
     deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in seen["workers"] | seen["spares"]) \
-            and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in seen) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(pid_alive(p) for p in seen["workers"] | seen["spares"])
+    assert not any(pid_alive(p) for p in seen)
 
 
 class FailEverywhere(FailOnce):

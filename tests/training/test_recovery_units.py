@@ -249,6 +249,7 @@ def test_the_heartbeat_check_names_a_stopped_worker_and_spares_a_busy_one(monkey
     pool.heartbeat_timeout_s = 1.0
     pool._pending = collections.deque()
     pool.workers = 2
+    pool.survive = False
     killed: list[bool] = []
     monkeypatch.setattr(pool, "kill", lambda wait=True: killed.append(True), raising=False)
     now = time.monotonic()
@@ -430,3 +431,152 @@ def test_a_death_message_names_the_signal_and_what_a_sigabrt_most_often_is() -> 
     assert "killed by SIGABRT (a C++ check failed" in aborted
     assert "tensors of different sizes on different workers" in aborted
     assert "exited with code 3" in death_message(0, 7, 3, starting=True)
+
+
+class RegroupingPool(FakePool):
+    """A FakePool that replaces a failed worker in place (``regroup``), or cannot."""
+
+    survive = True
+    spare_pids: list[int] = []
+
+    def __init__(self, fail_on: int | None = None, regroups: bool = True) -> None:
+        super().__init__(fail_on)
+        self.regroups = regroups
+        self.regrouped: list[int] = []
+
+    def regroup(self, failed: int) -> None:
+        if not self.regroups:
+            raise WorkerError("the process group could not be formed again: worker 0 ended")
+        self.regrouped.append(failed)
+        self.replies.clear()  # what the old group answered is dropped
+
+
+def _fail_on_round_two(pool: RecoveringPool) -> None:
+    pool.begin([Begin(None), Begin(None)])
+    for round_id in range(3):
+        for rank in range(2):
+            pool.send(rank, Round(round_id, round_id))
+        if round_id == 0:
+            pool._request(0)
+        _drain(pool)
+
+
+def test_a_pool_that_regroups_keeps_its_workers_and_replays_from_the_restore_point(
+        monkeypatch):
+    monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 3600.0)
+    started: list[FakePool] = []
+
+    def start() -> FakePool:
+        started.append(RegroupingPool(fail_on=2 if not started else None))
+        return started[-1]
+
+    pool = RecoveringPool(start, max_failures=1, on_recovery=lambda r: None, spares=1)
+    assert pool._spares.count == 0  # it keeps spare workers of its own: no spare pool
+    _fail_on_round_two(pool)
+    first = started[0]
+    assert pool._pool is first and started == [first] and not first.killed
+    assert first.regrouped == [1]
+    assert [_resumed(b) for b in first.begun] == ["state0@0", "state1@0"]
+    replayed = [(rank, m.round_id) for rank, m in first.sent if isinstance(m, Round)]
+    assert replayed[-4:] == [(0, 1), (1, 1), (0, 2), (1, 2)]  # every round since round 0
+    pool.close()
+
+
+def test_a_regroup_that_fails_starts_new_workers(monkeypatch):
+    monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 3600.0)
+    started: list[FakePool] = []
+
+    def start() -> FakePool:
+        started.append(RegroupingPool(fail_on=2 if not started else None, regroups=False))
+        return started[-1]
+
+    pool = RecoveringPool(start, max_failures=1, on_recovery=lambda r: None)
+    _fail_on_round_two(pool)
+    assert len(started) == 2 and pool._pool is started[1] and started[0].killed
+    assert [_resumed(b) for b in started[1].begun] == ["state0@0", "state1@0"]
+    pool.close()
+
+
+def test_the_inbox_reads_every_workers_queue_and_drops_a_replaced_ones_replies() -> None:
+    # One result queue per worker: a worker killed while it writes leaves its queue's lock
+    # held, which would stop the others' replies on a shared queue.
+    from paraloom.training.inbox import Inbox
+
+    first: queue.Queue[Any] = queue.Queue()
+    second: queue.Queue[Any] = queue.Queue()
+    inbox = Inbox(first, second)  # type: ignore[arg-type]
+    try:
+        second.put("from 1")
+        first.put("from 0")
+        assert {inbox.get(5.0), inbox.get(5.0)} == {"from 0", "from 1"}
+        replacement: queue.Queue[Any] = queue.Queue()
+        inbox.watch([], [first, replacement])  # worker 1 replaced
+        time.sleep(0.2)  # the thread reads the new list
+        second.put("stale")
+        replacement.put("new 1")
+        assert inbox.get(5.0) == "new 1"
+        with pytest.raises(queue.Empty):
+            inbox.get(0.3)  # the stale reply is not handed on
+    finally:
+        inbox.close()
+
+
+def test_halting_the_gate_gives_up_on_a_lock_a_dead_worker_holds() -> None:
+    import multiprocessing
+
+    from paraloom.training.gate import RoundGate
+
+    gate = RoundGate.create(multiprocessing.get_context("spawn"), 2)
+    assert gate.halt(5, timeout_s=1.0) == 5
+    holder = threading.Thread(target=gate.array.get_lock().acquire)  # as a worker killed
+    holder.start()  # inside admit() leaves it (the lock is re-entrant: another thread takes it)
+    holder.join()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="round gate's lock"):
+        gate.halt(-1, timeout_s=0.2)
+    assert time.monotonic() - started < 2.0
+
+
+def test_spare_workers_are_taken_alive_and_restocked_after_a_delay() -> None:
+    import multiprocessing
+
+    from paraloom.training.launch import SpareWorkers, Worker
+
+    class Proc:
+        def __init__(self, pid: int) -> None:
+            self.pid, self.exitcode = pid, None
+
+        def join(self, timeout=None):
+            pass
+
+    class Launcher:
+        def __init__(self) -> None:
+            self.started: list[int] = []
+
+        def start(self, rank: int) -> Worker:
+            assert rank == -1  # a spare learns its rank when it is taken
+            self.started.append(rank)
+            ctx = multiprocessing.get_context("spawn")
+            return Worker(Proc(1000 + len(self.started)), ctx.Queue(), ctx.Queue())  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match="spares=-1"):
+        SpareWorkers(Launcher(), -1)  # type: ignore[arg-type]
+    launcher = Launcher()
+    spares = SpareWorkers(launcher, 1, restock_delay_s=0.2)  # type: ignore[arg-type]
+    spares.fill()
+    assert spares.pids == [1001]
+    assert spares.take().process.pid == 1001
+    assert spares.take().process.pid == 1002  # none ready: a new one, started now
+    spares.poll()
+    assert spares.pids == []  # the replacement waits out its delay (the replay runs first)
+    time.sleep(0.25)
+    spares.poll()
+    assert spares.pids == [1003]
+    spares._ready[0].process.exitcode = -9  # type: ignore[attr-defined]
+    spares.killed.add(1003)  # (a fake pid: not sent a signal)
+    assert spares.take().process.pid == 1004  # a spare that died while it waited is skipped
+    spares.kill()
+    spares.poll()
+    time.sleep(0.25)
+    spares.poll()
+    assert spares.pids == []  # none is started after kill()

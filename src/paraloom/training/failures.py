@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
 
 from paraloom.errors import WorkerError
 from paraloom.training.messages import Failed
 
-__all__ = ["failure_error", "death_message", "is_symptom", "process_state", "SYMPTOMS"]
+__all__ = ["failure_error", "death_message", "is_symptom", "process_state", "silently_dead",
+           "SYMPTOMS"]
 
 # Errors that are a symptom of a peer's failure, not a cause: report another one if any.
 SYMPTOMS = ("Connection closed by peer", "Connection reset", "Connection refused",
@@ -64,7 +68,21 @@ def _thread_state(path: str) -> str | None:
         return None
 
 
-def death_message(rank: int, pid: int | None, code: int | None, starting: bool) -> str:
+def silently_dead(procs: Sequence[BaseProcess], reported: set[int],
+                  within_s: float = 2.0) -> int | None:
+    """The rank of a worker that died without reporting an error (e.g. SIGKILL), if any
+    does within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for rank, p in enumerate(procs):
+            if rank not in reported and p.exitcode is not None:
+                return rank
+        time.sleep(0.05)
+    return None
+
+
+def death_message(rank: int, pid: int | None, code: int | None, starting: bool,
+                  others_stopped: bool = True) -> str:
     """'worker R (pid P) was killed by SIGKILL; ...' for a worker that died without a report."""
     how = f"was killed by signal {-code}" if code is not None and code < 0 else \
         f"exited with code {code}"
@@ -80,4 +98,4 @@ def death_message(rank: int, pid: int | None, code: int | None, starting: bool) 
     if starting:
         msg += (" while starting; its stderr above says why (out of memory? an import that "
                 "fails in a fresh process? then define the model at module level)")
-    return msg + "; the other workers were stopped"
+    return msg + ("; the other workers were stopped" if others_stopped else "")

@@ -80,10 +80,17 @@ class RoundGate:
             self.array[rank] = max(self.array[rank], round_id)
             return True
 
-    def halt(self, last: int | None = None) -> int:
-        """Allow no round after the last one a worker started (or ``last``); returns it."""
-        with self.array.get_lock():
+    def halt(self, last: int | None = None, timeout_s: float | None = None) -> int:
+        """Allow no round after the last one a worker started (or ``last``); returns it.
+        ``timeout_s``: wait at most this long for the lock (a worker killed while it held
+        it holds it for ever), then raise TimeoutError."""
+        lock = self.array.get_lock()
+        if not lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"the round gate's lock was not free within {timeout_s:g} s")
+        try:
             if last is None:
                 last = max(self.array[rank] for rank in range(self.workers))
             self.array[self.workers] = min(self.array[self.workers], last)
             return int(self.array[self.workers])
+        finally:
+            lock.release()

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import connection
 from multiprocessing.queues import Queue
+from typing import Any
 
 from paraloom.training.messages import Reply
 
@@ -27,60 +28,73 @@ _POLL_S = 0.05
 
 
 class Inbox:
-    """The replies, read off the result queue by a thread of their own.
+    """The replies, read off the workers' result queues by a thread of their own.
 
     Unpickling a reply fetches its tensors from the worker that sent it, and waits while that
     worker is stopped; with the read on this thread, the parent keeps watching the workers and
     kills a stopped one, which ends the wait.
 
+    Each worker has a result queue of its own: a worker killed while it writes leaves its
+    queue's lock held, which would stop every other writer of a shared one.
+
     ``watch(sentinels)``: the thread waits on the workers' process sentinels too, and puts
     ``EXITED`` in line when one ends, behind every reply that process sent (what a process
-    wrote to the pipe is there before it ends, and the thread reads the pipe empty first): a
+    wrote to its pipe is there before it ends, and the thread reads the pipes empty first): a
     worker killed, or exited without a word, is seen at once, and whatever it reported has
     been read by then.
     """
 
-    def __init__(self, results: Queue[Reply]) -> None:
-        self._results = results
+    def __init__(self, *results: Queue[Reply]) -> None:
+        self._results = list(results)
         self._live: list[int] = []
         """The sentinels of the watched processes that have not ended yet."""
+        self._watching = threading.Lock()
+        """``watch`` may replace the lists while the thread reads them."""
         self._items: queue.Queue[Reply | Exited | Exception] = queue.Queue()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._read, name="paraloom-replies", daemon=True)
         self._thread.start()
 
-    def watch(self, sentinels: Sequence[int]) -> None:
-        """Put ``EXITED`` in line once for each of these process sentinels, when it ends."""
-        self._live = list(sentinels)
+    def watch(self, sentinels: Sequence[int], results: Sequence[Queue[Reply]] | None = None
+              ) -> None:
+        """Put ``EXITED`` in line once for each of these process sentinels, when it ends (the
+        list replaces the last one); ``results``: read these queues from now on instead."""
+        with self._watching:
+            self._live = list(sentinels)
+            if results is not None:
+                self._results = list(results)
 
     def _read(self) -> None:
-        # A multiprocessing queue's pipe, waited on with the processes' sentinels, as the
-        # standard library's ProcessPoolExecutor does; a plain queue (in tests) is polled.
-        pipe = getattr(self._results, "_reader", None)
+        # Multiprocessing queues' pipes, waited on with the processes' sentinels, as the
+        # standard library's ProcessPoolExecutor does; plain queues (in tests) are polled.
         while not self._closed.is_set():
-            live = self._live
-            if pipe is None:
-                if self._take():
+            with self._watching:
+                live, results = list(self._live), list(self._results)
+            pipes: dict[Any, Queue[Reply]] = {getattr(q, "_reader", None): q for q in results}
+            if None in pipes:
+                if any([self._take(q) for q in results]):
                     continue
                 ready = connection.wait(live, timeout=0) if live else []
             else:
                 try:
-                    ready = connection.wait([pipe, *live], timeout=_POLL_S)
-                except (OSError, ValueError):  # the pool closed the queue: it is done with us
+                    ready = connection.wait([*pipes.keys(), *live], timeout=_POLL_S)
+                except (OSError, ValueError):  # a queue closed: the pool is done with it
                     if self._closed.is_set():
                         return
-                    raise
-                if pipe in ready:
-                    self._take()
-                    continue  # the pipe read empty before an end is told
+                    time.sleep(0.01)
+                    continue
+                taken = [self._take(pipes[r]) for r in ready if r in pipes]
+                if taken:
+                    continue  # the pipes read empty before an end is told
             if ready:
-                self._live = [s for s in live if s not in ready]
+                with self._watching:
+                    self._live = [s for s in self._live if s not in ready]
                 self._items.put(EXITED)
 
-    def _take(self) -> bool:
+    def _take(self, results: Queue[Reply]) -> bool:
         """Move one reply (or what reading it raised) into line; False when there was none."""
         try:
-            item: Reply | Exception = self._results.get(timeout=_POLL_S)
+            item: Reply | Exception = results.get(timeout=_POLL_S)
         except queue.Empty:
             return False
         except Exception as e:  # a closed queue, or tensors of a worker that died
@@ -88,7 +102,9 @@ class Inbox:
                 return False
             item = e
             time.sleep(0.01)
-        self._items.put(item)
+        with self._watching:  # a queue ``watch`` let go of since: its replies are dropped
+            if any(q is results for q in self._results):
+                self._items.put(item)
         return True
 
     def get(self, timeout_s: float) -> Reply | Exited:

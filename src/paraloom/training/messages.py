@@ -32,7 +32,7 @@ __all__ = [
     "Begin", "Hyperparameters", "EndAccumulation", "Round", "IndexRound", "LoaderEpoch",
     "LoaderRound", "IdleRound",
     "RoundMessage", "RoundBatch", "RoundsDone", "CheckpointRequest",
-    "RestorePointRequest", "Finish", "Stop", "Pickled", "ToReplica", "Ready", "StepDone",
+    "RestorePointRequest", "Finish", "Stop", "Regroup", "Pickled", "ToReplica", "Ready", "StepDone",
     "CheckpointReply", "RestorePoint", "ReplicaResult", "Finished", "Failed", "Answer", "Reply",
     "ModelState", "ReplicaState",
 ]
@@ -174,6 +174,17 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class Regroup:
+    """Join a new process group as ``rank`` (a spare learns its rank so) and build a new
+    replica: a peer failed, and the pool replaced it without restarting this worker. What was
+    queued before it is dropped; a ``Begin`` from the restore point follows."""
+
+    generation: int
+    """The group's number: its rendezvous keys carry it, apart from the earlier groups'."""
+    rank: int
+
+
+@dataclass(frozen=True)
 class Pickled:
     """A message pickled by ``training.transport.dumps``: user classes travel by value.
 
@@ -195,7 +206,7 @@ class Pickled:
 
 ToReplica = (Begin | Hyperparameters | EndAccumulation | Round | IndexRound | LoaderEpoch
              | LoaderRound | IdleRound | RoundBatch | CheckpointRequest | RestorePointRequest
-             | Finish | Stop)
+             | Finish | Stop | Regroup)
 
 
 # -- from a replica ----------------------------------------------------------------------------
@@ -204,6 +215,8 @@ class Ready:
     """The worker process has joined the process group and built its replica."""
 
     rank: int
+    generation: int = 0
+    """The group it joined (``Regroup``)."""
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,9 @@ class FaultTolerance:
 
     max_failures: int = 0
     """Worker failures (a crash, a hang, an exception in a replica) one ``fit()`` survives by
-    restarting the workers from the last restore point, with results exactly as without the
-    failure. 0: the first failure raises ``WorkerError``."""
+    replacing the failed worker (on CPUs the others keep their processes; on GPUs every
+    worker is replaced) and beginning every replica again from the last restore point, with
+    results exactly as without the failure. 0: the first failure raises ``WorkerError``."""
     timeout: float = 300.0
     """Seconds any single wait may take: a queue, a join, a collective, the rendezvous store,
     a spare still starting (the workers' own start is bounded separately, at 120 s); at most
@@ -136,11 +137,13 @@ class FaultTolerance:
     step_timeout: float | None = None
     """Seconds one round may take on a worker before it counts as hung. None: ``timeout``."""
     spares: int = 1
-    """With ``max_failures > 0``: sets of workers started ahead, in the background, each a
-    whole pool (``workers`` processes past their imports, in a process group of their own)
-    that takes over at a failure instead of one started then; a used spare is replaced in
-    the background. Each holds memory (and, on GPUs, a CUDA context per device) while it
-    waits. 0: a recovery starts its workers itself (about 0.1 s more per failure)."""
+    """With ``max_failures > 0``: workers started ahead, in the background, past their
+    imports, that take a failed worker's place instead of one started then; a used spare is
+    replaced 1 s later. On CPUs each spare is one process that takes the failed worker's
+    rank; on GPUs (where every worker is replaced) each is a whole pool of ``workers``
+    processes in a process group of their own. Each holds memory (and, on GPUs, a CUDA
+    context per device) while it waits. 0: a recovery starts the processes itself (about
+    0.05-0.1 s more per failure)."""
 
     def __post_init__(self) -> None:
         _seconds("timeout", self.timeout, "")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from paraloom.training.messages import Answer, Begin, ToReplica
 
-__all__ = ["Pool"]
+__all__ = ["Pool", "RegroupingPool"]
 
 
 class Pool(Protocol):
@@ -60,4 +60,23 @@ class Pool(Protocol):
     def kill(self, wait: bool = True) -> None:
         """Stop every worker now; safe to call twice. ``wait``: and reap what they leave
         (False: a recovery follows at once; a later ``kill()`` or ``close()`` reaps)."""
+        ...
+
+
+@runtime_checkable
+class RegroupingPool(Pool, Protocol):
+    """A pool that can replace a failed worker and keep the others' processes."""
+
+    survive: bool
+    """Whether it can (``regroup`` raises ``WorkerError`` otherwise)."""
+
+    @property
+    def spare_pids(self) -> list[int]:
+        """Process ids of the spare workers it keeps."""
+        ...
+
+    def regroup(self, failed: int) -> None:
+        """Replace worker ``failed`` (and any other that has died) with a spare and form the
+        process group again; every replica is then new, to be begun from a restore point.
+        Raises ``WorkerError`` when it cannot: the caller starts new workers instead."""
         ...

@@ -5,25 +5,29 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import functools
 import os
 import queue
-import signal
-import sys
-import threading
 import time
-from collections.abc import Iterator, MutableSequence, Sequence
+from collections.abc import MutableSequence, Sequence
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
 from torch._C._distributed_c10d import TCPStore
 
 from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import WorkerError
-from paraloom.training.failures import death_message, failure_error, is_symptom, process_state
+from paraloom.training.failures import (
+    death_message,
+    failure_error,
+    is_symptom,
+    process_state,
+    silently_dead,
+)
 from paraloom.training.gate import RoundGate
 from paraloom.training.inbox import Exited, Inbox
+from paraloom.training.launch import Launcher, SpareWorkers, Worker, kill_group, worker_context
 from paraloom.training.memory import worker_malloc
 from paraloom.training.messages import (
     Answer,
@@ -35,7 +39,6 @@ from paraloom.training.messages import (
     Finished,
     Pickled,
     Ready,
-    Reply,
     RestorePoint,
     RestorePointRequest,
     RoundBatch,
@@ -45,11 +48,9 @@ from paraloom.training.messages import (
     Stop,
     ToReplica,
 )
+from paraloom.training.regroup import REGROUP_S, await_joined, lost_ranks, send_regroup
 from paraloom.training.transport import carries_user_objects, pack
-from paraloom.training.worker import WorkerConfig, worker_main
-
-if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
-    from multiprocessing.context import ForkServerContext, SpawnContext
+from paraloom.training.worker import WorkerConfig
 
 __all__ = ["ProcessPool"]
 
@@ -60,73 +61,14 @@ worker that ends (killed, exited) is seen at once: the inbox watches the process
 costs a few syscalls per worker."""
 
 
-@contextlib.contextmanager
-def _no_main_reimport() -> Iterator[None]:
-    """Spawned children normally re-run the user's script; ours get all they need by pickle.
-
-    Hiding ``__main__``'s file and spec while the children start means a script without an
-    ``if __name__ == "__main__":`` guard (or a notebook) does not start training again in each
-    worker: the model, loss and optimizer travel by value with cloudpickle.
-    """
-    with _STARTING:  # spares start on threads of their own: one start at a time
-        with _main_hidden():
-            yield
-
-
-_STARTING = threading.Lock()
-
-
-@contextlib.contextmanager
-def _main_hidden() -> Iterator[None]:
-    main = sys.modules.get("__main__")
-    saved: dict[str, object] = {
-        k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
-    try:
-        if main is not None:
-            main.__dict__.pop("__file__", None)
-            main.__spec__ = None
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.update(saved)
-            if "__spec__" not in saved:
-                main.__dict__.pop("__spec__", None)
-
-
-def _context() -> ForkServerContext | SpawnContext:
-    """How workers start: forked from a server process that has imported torch and the worker
-    code once (a new worker starts in a fraction of a second instead of importing torch again,
-    2-3 s each), or spawned where there is no forkserver (Windows) or
-    ``PARALOOM_START_METHOD=spawn`` asks for it. Either way nothing of this process is
-    inherited but what is sent: the forkserver is started clean, before any CUDA or threads."""
-    method = os.environ.get("PARALOOM_START_METHOD", "forkserver")
-    if method not in ("forkserver", "spawn"):
-        raise ValueError(f"PARALOOM_START_METHOD={method!r}; expected 'forkserver' or 'spawn'")
-    if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        # torch._dynamo: torch.optim imports it on the first optimizer built (seconds).
-        ctx.set_forkserver_preload(["paraloom.training.worker", "torch._dynamo"])
-        return ctx
-    return mp.get_context("spawn")
-
-
-def _kill_group(pid: int, alive: bool) -> None:
-    """SIGKILL a worker (``alive``) and its process group: the DataLoader processes it started,
-    which would otherwise run on as orphans after it (for ever, if one hangs)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)  # the worker made its pid its group's id
-    if alive:  # a worker still starting has no group of its own yet
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 class ProcessPool:
     """N worker processes in one torch.distributed group, fed through queues."""
 
     def __init__(self, spec_bytes: bytes, workers: int, *, timeout_s: float = 300.0,
                  step_timeout_s: float | None = None, heartbeat_timeout_s: float | None = 2.0,
                  startup_timeout_s: float = 120.0, queue_size: int = 4,
-                 devices: TrainingDevices | None = None) -> None:
+                 devices: TrainingDevices | None = None, survive: bool = False,
+                 spares: int = 0) -> None:
         plan = devices or training_devices("auto", workers)
         if plan.workers != workers:
             raise ValueError(f"devices for {plan.workers} workers given to a pool of {workers}")
@@ -135,40 +77,49 @@ class ProcessPool:
         self.step_timeout_s = timeout_s if step_timeout_s is None else step_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.backend, self.devices, self.threads = plan.backend, list(plan.devices), plan.threads
-        malloc = worker_malloc()
-        ctx = _context()
+        self.survive = survive and self.backend == "gloo" and workers > 1 \
+            and all(d == "cpu" for d in self.devices)
+        """A failure kills the failed worker only, and ``regroup`` replaces it (gloo's
+        collectives end in an error when a peer's process dies; NCCL's hang)."""
+        ctx = worker_context()
         # One heartbeat slot per worker (0.0 until its first beat), written by its own thread.
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
         self._gate = RoundGate.create(ctx, workers)
-        self._results: Queue[Reply] = ctx.Queue()
-        self._inbox = Inbox(self._results)
-        self._tasks: list[Queue[ToReplica | Pickled]] = [
-            ctx.Queue(maxsize=max(1, queue_size)) for _ in range(workers)]
+        self._inbox = Inbox()
         # The parent hosts the rendezvous store on a port the OS picks (never a guessed port).
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        self._procs: list[BaseProcess] = []
+        config = WorkerConfig(rank=-1, world_size=workers, store_port=self._store.port,
+                              backend=self.backend, device="cpu", threads=self.threads,
+                              timeout_s=timeout_s, parent_pid=os.getpid(),
+                              malloc=worker_malloc(), survive=self.survive)
+        self._launcher = Launcher(ctx, spec_bytes, config, self._beats,
+                                  self._gate.array, queue_size, self.devices)
+        self._spares = SpareWorkers(self._launcher, spares if self.survive else 0)
+        self.generation = 0
+        """The process group's: ``regroup`` forms the next."""
+        self._workers = [self._launcher.start(rank) for rank in range(workers)]
+        self._procs: list[BaseProcess] = [w.process for w in self._workers]
+        self._tasks: list[Queue[ToReplica | Pickled]] = [w.tasks for w in self._workers]
+        self._replaced: list[Worker] = []
+        """Workers that ``regroup`` replaced: killed, reaped by ``kill``."""
         # Killed once only, on a failure's path (right after the worker's end was seen): a
         # pid is free for reuse once reaped, but not while its group has members left.
         self._groups_killed: set[int] = set()
-        with _no_main_reimport():
-            for rank in range(workers):
-                cfg = WorkerConfig(rank=rank, world_size=workers, store_port=self._store.port,
-                                   backend=self.backend, device=self.devices[rank],
-                                   threads=self.threads, timeout_s=timeout_s,
-                                   parent_pid=os.getpid(), malloc=malloc)
-                p = ctx.Process(target=worker_main, name=f"paraloom-worker-{rank}", daemon=True,
-                                args=(cfg, spec_bytes, self._tasks[rank], self._results,
-                                      self._beats, self._gate.array))
-                p.start()
-                self._procs.append(p)
-        self._inbox.watch([p.sentinel for p in self._procs])
+        self._killed = False
+        self._inbox.watch([p.sentinel for p in self._procs], [w.results for w in self._workers])
         self._pending: collections.deque[Answer] = collections.deque()
         # Progress watchdog: work sent to a worker and not yet answered, and since when.
         self._outstanding = [0] * workers
         self._since = [time.monotonic()] * workers
         self._checked = time.monotonic()
         self._await_ready(startup_timeout_s)
+        self._spares.fill()
+
+    @property
+    def spare_pids(self) -> list[int]:
+        """Process ids of the spare workers started (``spares=``, with ``survive``)."""
+        return self._spares.pids
 
     @property
     def pids(self) -> list[int]:
@@ -284,13 +235,13 @@ class ProcessPool:
     def _unreadable(self, e: OSError | EOFError, starting: bool) -> WorkerError:
         """The error for a reply that could not be read: its tensors lived in a process that
         has just died, and could not be unpickled."""
-        dead = self._silently_dead(set())
+        dead = silently_dead(self._procs, set())
         if dead is not None and (self._procs[dead].exitcode or 0) >= 0:
             # It exited on its own: after reporting its error, which may come behind.
             report = self._reported_failure(0.5)
             if report is not None:
                 return self._error(report, starting)
-        self.kill(wait=False)
+        self._fail(dead)
         if dead is not None:
             return self._death(dead, starting)
         return WorkerError(f"could not read a worker's reply: {e}")
@@ -329,11 +280,11 @@ class ProcessPool:
         # Its peers with work queued wait for it (quiet too, perhaps a poll short of the limit).
         waiting = [r for r in range(self.workers) if r != rank and self._outstanding[r]]
         others = f"; worker(s) {waiting} were waiting for it" if stuck and waiting else ""
-        self.kill(wait=False)
+        self._fail(rank)
         raise WorkerError(
             f"worker {rank} has answered nothing for {self.step_timeout_s:g} s "
             f"(step_timeout=, or timeout= when it is not set) with work queued: it hangs in "
-            f"{where}{others}. It was killed with the other workers; raise step_timeout= if "
+            f"{where}{others}. It was killed{self._with_others}; raise step_timeout= if "
             "one step really takes that long", worker=rank)
 
     def _check_heartbeats(self, starting: bool = False) -> None:
@@ -352,17 +303,18 @@ class ProcessPool:
                 report = self._reported_failure(0.0 if state == "stopped" else 0.5)
                 if report is not None:
                     raise self._error(report, starting)
-                self.kill(wait=False)
+                self._fail(rank)
                 raise WorkerError(
                     f"worker {rank} (pid {p.pid}) sent no heartbeat for {now - last:.1f} s "
                     f"(heartbeat_timeout={self.heartbeat_timeout_s:g}; process state: {state}):"
-                    " it was stopped or is frozen. It was killed with the other workers",
+                    f" it was stopped or is frozen. It was killed{self._with_others}",
                     worker=rank)
 
     def _check_alive(self, starting: bool = False, drained: bool = False) -> None:
         self._checked = time.monotonic()
         self._check_exits(starting, drained)
         self._check_heartbeats(starting)
+        self._spares.poll()
 
     def _check_exits(self, starting: bool, drained: bool = False) -> None:
         """Raise if a worker's process has ended. ``drained``: the inbox said so (``EXITED``),
@@ -379,7 +331,7 @@ class ProcessPool:
             report = self._reported_failure(0.0 if drained else 0.5)
             if report is not None:
                 raise self._error(report, starting)
-        self.kill(wait=False)
+        self._fail((killed or exited)[0])
         raise self._death((killed or exited)[0], starting)
 
     def _reported_failure(self, within_s: float) -> Failed | None:
@@ -417,18 +369,19 @@ class ProcessPool:
         errors = sorted(self._collect_errors(first), key=lambda f: is_symptom(f.message))
         cause = errors[0]
         if is_symptom(cause.message):  # a peer's connection broke: was a worker killed outright?
-            dead = self._silently_dead({f.rank for f in errors})
+            dead = silently_dead(self._procs, {f.rank for f in errors})
             if dead is not None:
-                self.kill(wait=False)
+                self._fail(dead)
                 error = self._death(dead, starting)
                 error.batch = cause.round_id
                 return error
-        self.kill(wait=False)
+        self._fail(cause.rank)
         return failure_error(cause, starting)
 
     def _death(self, rank: int, starting: bool) -> WorkerError:
         p = self._procs[rank]
-        return WorkerError(death_message(rank, p.pid, p.exitcode, starting), worker=rank)
+        return WorkerError(death_message(rank, p.pid, p.exitcode, starting,
+                                         others_stopped=not self.survive), worker=rank)
 
     def _collect_errors(self, first: Failed) -> list[Failed]:
         """The first error, when it is a cause itself; else it and any others that follow
@@ -454,16 +407,6 @@ class ProcessPool:
                 errors.append(report)
         return errors
 
-    def _silently_dead(self, reported: set[int]) -> int | None:
-        """A worker that died without reporting an error (e.g. SIGKILL), if any, within 2 s."""
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            for rank, p in enumerate(self._procs):
-                if rank not in reported and p.exitcode is not None:
-                    return rank
-            time.sleep(0.05)
-        return None
-
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the workers to stop; kill those that do not within ``timeout_s``."""
         for rank, p in enumerate(self._procs):
@@ -483,15 +426,73 @@ class ProcessPool:
         """Terminate every worker now; safe to call twice. ``wait``: and reap the processes
         and the thread reading their replies (False: a failure's path, where a recovery
         follows at once; the next ``kill()`` or ``close()`` reaps them)."""
-        for p in self._procs:
-            if p.pid is not None and p.pid not in self._groups_killed:
-                _kill_group(p.pid, p.is_alive())
-                self._groups_killed.add(p.pid)
+        self._killed = True
+        self._spares.kill(wait)
+        for rank in range(len(self._procs)):
+            self._kill_worker(rank)
         if wait:
-            for p in self._procs:
+            for p in [*self._procs, *(w.process for w in self._replaced)]:
                 p.join(timeout=5.0)
         self._inbox.close(wait)
-        queues: list[Queue[Any]] = [*self._tasks, self._results]
+        queues: list[Queue[Any]] = [q for w in [*self._workers, *self._replaced]
+                                     for q in (w.tasks, w.results)]
         for q in queues:
             q.cancel_join_thread()
             q.close()
+
+    # -- surviving a failure (``survive``) --------------------------------------------------
+    @property
+    def _with_others(self) -> str:
+        return "" if self.survive else " with the other workers"
+
+    def _kill_worker(self, rank: int) -> None:
+        p = self._procs[rank]
+        if p.pid is not None and p.pid not in self._groups_killed:
+            kill_group(p.pid, p.is_alive())
+            self._groups_killed.add(p.pid)
+
+    def _fail(self, rank: int | None) -> None:
+        """A failure's first act: kill every worker, or with ``survive`` only the failed one
+        (its peers' collectives with it then end in errors, and they wait for ``regroup``)."""
+        if self.survive and rank is not None:
+            self._kill_worker(rank)
+        else:
+            self.kill(wait=False)
+
+    def regroup(self, failed: int) -> None:
+        """Replace worker ``failed`` (and any other that has ended or is stopped) with a spare,
+        keep the other workers' processes, and form a new process group of them all; each
+        builds a new replica, to be begun from a restore point (``training.regroup``).
+        Raises WorkerError when that cannot be done within ``REGROUP_S`` (or without
+        ``survive``): the caller then starts new workers."""
+        if not self.survive or self._killed:
+            raise WorkerError("this pool's workers are restarted after a failure")
+        deadline = time.monotonic() + min(self.timeout_s, REGROUP_S)
+        try:  # the survivors skip the rounds queued for the old group
+            self._gate.halt(-1, timeout_s=1.0)
+        except TimeoutError as e:
+            self.kill(wait=False)
+            raise WorkerError(f"the process group could not be formed again: {e}") from e
+        for rank in lost_ranks(self._procs, failed):
+            self._kill_worker(rank)  # its queues are closed by kill(): the inbox may read one
+            self._replaced.append(self._workers[rank])
+            self._beats[rank] = 0.0  # the spare's heartbeats, from its first
+            spare = self._workers[rank] = self._spares.take()
+            self._procs[rank], self._tasks[rank] = spare.process, spare.tasks
+        self._inbox.watch([p.sentinel for p in self._procs], [w.results for w in self._workers])
+        self.generation += 1
+        check = functools.partial(self._regrouping, deadline)
+        send_regroup(self._tasks, self.generation, check)
+        await_joined(self._inbox, self.workers, self.generation, check)
+        self._pending.clear()
+        self._outstanding = [0] * self.workers
+        self._since = [time.monotonic()] * self.workers
+
+    def _regrouping(self, deadline: float) -> None:
+        """Raise WorkerError if a worker ended, or the time is up, before the group formed."""
+        ended = [rank for rank, p in enumerate(self._procs) if p.exitcode is not None]
+        if ended or time.monotonic() > deadline:
+            self.kill(wait=False)
+            why = f"worker {ended[0]} ended" if ended else \
+                f"the workers did not join within {min(self.timeout_s, REGROUP_S):g} s"
+            raise WorkerError(f"the process group could not be formed again: {why}")

@@ -5,16 +5,19 @@ rounds, it asks every replica for its full state right after a round has been de
 point. At the end of each fit() it takes one more, the *carry-over*: what replicas keep from
 one fit() to the next on a reused pool (residuals, a factory-built optimizer's state), which
 a restart before the next fit's first restore point begins from, before that fit's ``Begin``.
-When a worker fails (killed, stopped, hung, raised, exited), it kills every worker, takes a
-spare pool started ahead (``training.spares``; or starts a fresh one: new processes, a new
-process group on a new port), begins it from the restore point and sends again every message
-sent since. Replies already delivered are not delivered twice, so the caller sees each round
-once: no batch is lost, none is trained twice, and the result is the one an uninterrupted run
-with the same seed and data order would give.
+When a worker fails (killed, stopped, hung, raised, exited), a pool that can (``regroup``:
+gloo, on CPUs) kills only that worker, gives its rank to a spare process and forms the process
+group again with the survivors' processes (``training.regroup``); otherwise it kills every
+worker and takes a spare pool started ahead (``training.spares``; or starts a fresh one: new
+processes, a new process group on a new port). Either way every replica begins from the
+restore point, and every message sent since is sent again. Replies already delivered are not
+delivered twice, so the caller sees each round once: no batch is lost, none is trained twice,
+and the result is the one an uninterrupted run with the same seed and data order would give.
 
-Why not restart from the survivors' state: a survivor is usually blocked inside a collective
-with the failed peer, part way through a round; on one machine the parent can hold a
-consistent state of every replica at little cost instead.
+Why the survivors begin from the restore point too, not from their own state: a survivor is
+usually part way through a round when its peer fails (in a collective with it, its BatchNorm
+statistics and RNG moved, in ``allreduce`` its gradients half reduced); on one machine the
+parent holds a consistent state of every replica at little cost instead.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
 from paraloom.errors import WorkerError
 from paraloom.training.messages import (
@@ -43,7 +46,7 @@ from paraloom.training.messages import (
     ToReplica,
 )
 from paraloom.training.packing import RESTORE_BUFFERS, PackedTensors, ReceivedBuffers
-from paraloom.training.pool import Pool
+from paraloom.training.pool import Pool, RegroupingPool
 from paraloom.training.spares import Spares
 
 __all__ = ["RecoveringPool", "Recovery"]
@@ -102,7 +105,9 @@ class RecoveringPool:
         self.max_failures = max_failures
         self._on_recovery = on_recovery
         self._pool = start()
-        self._spares = Spares(start, spares)
+        # A pool that regroups keeps spare workers of its own; whole spare pools are for one
+        # that cannot (its workers are all replaced).
+        self._spares = Spares(start, 0 if _regroups(self._pool) else spares)
         self._spare_wait_s = spare_wait_s
         self.workers = self._pool.workers
         self.backend, self.devices, self.threads = \
@@ -211,7 +216,8 @@ class RecoveringPool:
     @property
     def spare_pids(self) -> list[int]:
         """Process ids of the spare workers that are ready (``spares=``)."""
-        return self._spares.pids
+        own = self._pool.spare_pids if isinstance(self._pool, RegroupingPool) else []
+        return self._spares.pids + own
 
     # -- restore points -----------------------------------------------------------------------
     def _interval(self) -> float:
@@ -290,15 +296,13 @@ class RecoveringPool:
             log.warning("paraloom: %s; recovering (failure %d of at most %d)",
                         str(error).splitlines()[0], self.failures, self.max_failures)
             self._reap()  # the pools of earlier failures: long dead, reaped at no wait
-            self._pool.kill(wait=False)
-            self._retired.append(self._pool)
             rounds = {r.round_id for _, m in self._log
                       for r in (m.rounds if isinstance(m, RoundBatch) else (m,))
                       if isinstance(r, RoundMessage)}
             again = None
             self._begun_at = None
             try:
-                self._restart()
+                self._restart(error)
             except WorkerError as e:  # the new workers failed too: that is another failure
                 again = e
             begun = self._begun_at or time.monotonic()
@@ -309,11 +313,14 @@ class RecoveringPool:
                 return
             error = again
 
-    def _restart(self) -> None:
+    def _restart(self, error: WorkerError) -> None:
         self._pending.clear()
         self._received.clear()
-        spare = self._spares.take(self._spare_wait_s) if self._spares.count else None
-        self._pool = spare if spare is not None else self._start()
+        if not self._regrouped(error):
+            self._pool.kill(wait=False)
+            self._retired.append(self._pool)
+            spare = self._spares.take(self._spare_wait_s) if self._spares.count else None
+            self._pool = spare if spare is not None else self._start()
         restore = self._restore
         if restore.round_id is None and self._carry is not None:
             # As the lost workers did: what they carried from the last fit, then this Begin.
@@ -330,6 +337,21 @@ class RecoveringPool:
         self._begun_at = time.monotonic()
         for rank, message in self._log:
             self._pool.send(rank, message)
+
+    def _regrouped(self, error: WorkerError) -> bool:
+        """Whether the pool replaced the failed worker and kept the others (``regroup``)."""
+        if not _regroups(self._pool) or error.worker is None:
+            return False
+        try:
+            self._pool.regroup(error.worker)
+        except WorkerError as e:
+            log.warning("paraloom: %s; starting new workers", e)
+            return False
+        return True
+
+
+def _regroups(pool: Pool) -> TypeGuard[RegroupingPool]:
+    return isinstance(pool, RegroupingPool) and pool.survive
 
 
 def _key(reply: StepDone | CheckpointReply | Finished) -> tuple[str, int, int]:

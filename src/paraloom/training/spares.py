@@ -1,6 +1,8 @@
 """Spare pools: whole sets of workers started ahead, so a recovery need not start its own.
 
-A ``RecoveringPool`` replaces every worker at a failure (see ``training.recovery``). Starting
+A ``RecoveringPool`` whose pool cannot regroup (NCCL: a collective with a dead peer hangs
+instead of failing) replaces every worker at a failure (see ``training.recovery``); a pool
+that can keeps spare workers of its own (``training.launch.SpareWorkers``). Starting
 them costs about a tenth of a second from the forkserver (new processes, a rendezvous, a
 process group); a spare has paid that already and waits, idle, in a group of its own. The
 recovery takes one, and a replacement starts on a background thread.

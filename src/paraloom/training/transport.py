@@ -1,6 +1,6 @@
 """How objects travel to worker processes: cloudpickle, with tensors in shared memory.
 
-Workers do not import the user's ``__main__`` (see ``pool._no_main_reimport``), so anything
+Workers do not import the user's ``__main__`` (see ``launch.no_main_reimport``), so anything
 defined in a script (a Dataset, a collate function, a namedtuple batch) must travel by value:
 cloudpickle does that, and torch's reducers put tensor storage in shared memory instead of the
 pickle.

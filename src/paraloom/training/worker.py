@@ -8,8 +8,10 @@ thread: a slow step keeps beating, a stopped, frozen or killed process does not.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
+import gc
 import multiprocessing
 import os
 import pickle
@@ -24,7 +26,7 @@ from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from paraloom.training.gate import RoundGate
 from paraloom.training.memory import keep_freed_memory
@@ -33,6 +35,7 @@ from paraloom.training.messages import (
     Finish,
     Pickled,
     Ready,
+    Regroup,
     Reply,
     RoundBatch,
     RoundMessage,
@@ -63,6 +66,9 @@ class WorkerConfig:
     parent_pid: int
     malloc: str = "keep"
     """``training.memory``: ``keep`` (freed blocks reused by the next step) or ``system``."""
+    survive: bool = False
+    """After a failed round, wait for a ``Regroup`` instead of exiting (the pool keeps the
+    workers that did not fail)."""
 
 
 def _next_message(tasks: Queue[ToReplica | Pickled], parent_pid: int,
@@ -88,23 +94,45 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def _start_heartbeat(beats: MutableSequence[float], rank: int) -> None:
-    def beat() -> None:
+class _Heartbeat:
+    """A daemon thread writing ``time.monotonic()`` into slot ``rank`` of the shared array
+    every ``HEARTBEAT_PERIOD_S``; a spare (rank -1) beats once a ``Regroup`` gives it a rank."""
+
+    def __init__(self, beats: MutableSequence[float], rank: int) -> None:
+        self.beats, self.rank = beats, rank
+        threading.Thread(target=self._beat, name="paraloom-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
         while True:
-            beats[rank] = time.monotonic()
+            if (rank := self.rank) >= 0:
+                self.beats[rank] = time.monotonic()
             time.sleep(HEARTBEAT_PERIOD_S)
 
-    threading.Thread(target=beat, name="paraloom-heartbeat", daemon=True).start()
 
-
-def _init_group(cfg: WorkerConfig) -> dist.ProcessGroup | None:
+def _store(cfg: WorkerConfig) -> TCPStore | None:
     if cfg.world_size == 1:
         return None
+    return TCPStore("127.0.0.1", cfg.store_port, is_master=False,
+                    timeout=datetime.timedelta(seconds=cfg.timeout_s))
+
+
+def _init_group(cfg: WorkerConfig, store: TCPStore | None,
+                generation: int = 0) -> dist.ProcessGroup | None:
+    """Join the process group; a regrouped one (``generation`` > 0) under keys of its own."""
+    if store is None:
+        return None
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    store = TCPStore("127.0.0.1", cfg.store_port, is_master=False, timeout=timeout)
-    dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size,
+    keys = store if generation == 0 else PrefixStore(f"regroup-{generation}/", store)
+    dist.init_process_group(cfg.backend, store=keys, rank=cfg.rank, world_size=cfg.world_size,
                             timeout=timeout)
     return dist.group.WORLD
+
+
+def _leave_group() -> None:
+    """Tear down the process group (a peer's sockets close: a peer waiting in a collective
+    with this worker gets an error, not a wait)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _runner(cfg: WorkerConfig, spec: WorkerSpec, group: dist.ProcessGroup | None,
@@ -128,10 +156,16 @@ def _report(results: Queue[Reply], failure: Failed) -> None:
         results.join_thread()
 
 
+def _failure(rank: int, loop: _Loop | None, e: BaseException) -> Failed:
+    return Failed(rank, None if loop is None else loop.round_id, f"{type(e).__name__}: {e}",
+                  traceback.format_exc(), type(e).__name__)
+
+
 def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | Pickled],
                 results: Queue[Reply], beats: MutableSequence[float],
                 gate_array: object = None) -> None:
-    """Entry point of a worker process (``gate_array``: the pool's RoundGate)."""
+    """Entry point of a worker process (``gate_array``: the pool's RoundGate). A spare
+    (``cfg.rank`` -1) prepares its replica's setup and waits for a ``Regroup``."""
     started_ppid = os.getppid()
     if multiprocessing.parent_process() is not None:  # a worker process (not a test's call)
         # Ctrl-C reaches the whole process group: the parent decides when workers stop.
@@ -143,28 +177,83 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
     # The parent still treats this process as a daemon (ended when it exits); in here the flag
     # would forbid the loader worker processes of a DataLoader the replica runs itself.
     multiprocessing.current_process().daemon = False
+    # What the forkserver imported lives as long as the process: out of the collector's
+    # sight, a full collection (when a replica is replaced, see ``_Member.join``) takes
+    # milliseconds instead of the 0.3 s it takes to walk torch's objects.
+    gc.freeze()
     gate = RoundGate(gate_array) if gate_array is not None else None
-    _start_heartbeat(beats, cfg.rank)
-    loop: _Loop | None = None
+    heartbeat = _Heartbeat(beats, cfg.rank)
+    member = _Member(cfg, spec_bytes, gate, heartbeat)
     try:
         if cfg.malloc == "keep":
             keep_freed_memory()
         torch.set_num_threads(cfg.threads)
         if cfg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(cfg.device))
-        group = _init_group(cfg)
-        loop = _Loop(cfg.rank, _runner(cfg, pickle.loads(spec_bytes), group, gate), gate)
-        results.put(Ready(cfg.rank))
+        member.prepare()
+        if cfg.rank >= 0:
+            results.put(member.join(Regroup(0, cfg.rank)))
         while not isinstance(message := _next_message(tasks, cfg.parent_pid, started_ppid),
                                                 Stop):
-            loop.serve(message, results)
+            member.serve(message, results)
     except BaseException as e:  # reported to the parent, which raises WorkerError
-        _report(results, Failed(cfg.rank, None if loop is None else loop.round_id,
-                                f"{type(e).__name__}: {e}", traceback.format_exc(),
-                                type(e).__name__))
+        if member.cfg.rank >= 0:  # a spare that ends is seen ended when it is wanted
+            _report(results, _failure(member.cfg.rank, member.loop, e))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group()
+
+
+class _Member:
+    """A worker's place in the group: its replica, and (``cfg.survive``) what it does when a
+    peer fails: report, leave the group, drop what is queued, and rejoin at ``Regroup``."""
+
+    def __init__(self, cfg: WorkerConfig, spec_bytes: bytes, gate: RoundGate | None,
+                 heartbeat: _Heartbeat) -> None:
+        self.cfg, self.spec_bytes, self.gate, self.heartbeat = cfg, spec_bytes, gate, heartbeat
+        self.store: TCPStore | None = None
+        self.spec: WorkerSpec | None = None
+        """Unpickled ahead (a spare's, or none yet): the next replica is built from it."""
+        self.loop: _Loop | None = None
+        self.failed = False
+        """A round failed here: what is queued until the next ``Regroup`` is dropped."""
+
+    def prepare(self) -> None:
+        """Connect to the rendezvous and unpickle the setup (a spare does it ahead)."""
+        self.store = _store(self.cfg)
+        self.spec = pickle.loads(self.spec_bytes)
+
+    def join(self, regroup: Regroup) -> Ready:
+        """Join group ``regroup.generation`` as ``regroup.rank`` with a new replica."""
+        _leave_group()
+        if self.loop is not None:
+            self.loop = None
+            gc.collect()  # the old replica's memory (cycles), before a new one is built
+        self.cfg = dataclasses.replace(self.cfg, rank=regroup.rank)
+        self.heartbeat.rank = regroup.rank
+        spec = self.spec if self.spec is not None else pickle.loads(self.spec_bytes)
+        self.spec = None
+        group = _init_group(self.cfg, self.store, regroup.generation)
+        self.loop = _Loop(regroup.rank, _runner(self.cfg, spec, group, self.gate), self.gate)
+        self.failed = False
+        return Ready(regroup.rank, regroup.generation)
+
+    def serve(self, message: ToReplica | Pickled, results: Queue[Reply]) -> None:
+        if isinstance(message, Regroup):
+            results.put(self.join(message))
+        elif self.failed or self.loop is None:
+            if isinstance(message, Pickled):  # its shared memory, taken and let go
+                with contextlib.suppress(Exception):
+                    message.unpack()
+        elif not self.cfg.survive:
+            self.loop.serve(message, results)
+        else:
+            try:
+                self.loop.serve(message, results)
+            except Exception as e:  # the pool replaces the failed worker; this one waits
+                results.put(_failure(self.cfg.rank, self.loop, e))
+                self.failed = True
+                e.__traceback__ = None  # its frames hold the replica
+                _leave_group()
 
 
 class _Loop:

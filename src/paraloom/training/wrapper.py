@@ -243,7 +243,8 @@ class ParallelWrapper:
             return ProcessPool(spec_bytes, self.workers, timeout_s=faults.timeout,
                                step_timeout_s=faults.step_timeout,
                                heartbeat_timeout_s=faults.heartbeat_timeout,
-                               queue_size=queue_size, devices=self.device_plan)
+                               queue_size=queue_size, devices=self.device_plan,
+                               survive=faults.max_failures > 0, spares=faults.spares)
 
         self._pool = RecoveringPool(start, faults.max_failures, self._recovered,
                                     spares=faults.spares, spare_wait_s=faults.timeout) \

@@ -8,9 +8,11 @@ replica and replays the rounds since).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -409,3 +411,40 @@ def test_two_workers_failing_at_once_are_one_failure(tmp_path, references):
     assert (tmp_path / "failed.0").exists() and (tmp_path / "failed.1").exists()
     assert stats["failures"] == 1  # one recovery restarts every worker
     assert _same(model, references["allreduce"])
+
+
+class DiesWhileStarting(nn.Module):
+    """The third worker process to unpickle it is killed; every one records its pid."""
+
+    def __init__(self, pids: str) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+        self.pids = pids
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if multiprocessing.parent_process() is not None:  # in a worker, not the test
+            Path(self.pids, str(os.getpid())).touch()
+            if len(os.listdir(self.pids)) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def forward(self, x):
+        return self.net(x.flatten(1))
+
+
+def test_a_worker_that_dies_while_the_pool_starts_takes_no_other_with_it(tmp_path):
+    # With max_failures the pool kills only a failed worker once it runs; while it starts, a
+    # failure kills every worker (nothing would hold the others: they would idle until exit).
+    (tmp_path / "pids").mkdir()
+    model = DiesWhileStarting(str(tmp_path / "pids"))
+    with pytest.raises(WorkerError, match="while starting") as failed:
+        _train(model, "allreduce", max_failures=1, workers=3)
+    # Its traceback holds the pool that failed to start, as a user's handler would: the
+    # workers must be gone without waiting for the pool to be collected.
+    assert failed.value.__traceback__ is not None
+    started = [int(p.name) for p in (tmp_path / "pids").iterdir()]
+    assert len(started) == 3  # two that started well, and the one killed
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in started)

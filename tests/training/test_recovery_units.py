@@ -80,6 +80,18 @@ class FakePool:
         self.reaped = self.reaped or wait
 
 
+def _starter(make: Any) -> tuple[Any, list[FakePool]]:
+    """A ``start`` for RecoveringPool that makes pools with ``make(first)``, and the list of
+    those it made."""
+    started: list[FakePool] = []
+
+    def start() -> FakePool:
+        started.append(make(not started))
+        return started[-1]
+
+    return start, started
+
+
 def _resumed(begin: Begin) -> Any:
     assert isinstance(begin.resume, PackedTensors)
     return unpack_tensors(begin.resume)
@@ -173,12 +185,7 @@ def test_restore_points_are_spaced_by_their_typical_cost_not_their_worst():
 
 def test_a_spare_takes_over_and_is_replaced(monkeypatch):
     monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 3600.0)
-    started: list[FakePool] = []
-
-    def start() -> FakePool:
-        started.append(FakePool(fail_on=1 if not started else None))
-        return started[-1]
-
+    start, started = _starter(lambda first: FakePool(fail_on=1 if first else None))
     pool = RecoveringPool(start, max_failures=1, on_recovery=lambda r: None, spares=1)
     pool._spares.restock_delay_s = 0.0
     deadline = time.monotonic() + 5
@@ -250,6 +257,7 @@ def test_the_heartbeat_check_names_a_stopped_worker_and_spares_a_busy_one(monkey
     pool._pending = collections.deque()
     pool.workers = 2
     pool.survive = False
+    pool._inbox = _DeadSenderInbox([])  # nothing reported
     killed: list[bool] = []
     monkeypatch.setattr(pool, "kill", lambda wait=True: killed.append(True), raising=False)
     now = time.monotonic()
@@ -464,12 +472,7 @@ def _fail_on_round_two(pool: RecoveringPool) -> None:
 def test_a_pool_that_regroups_keeps_its_workers_and_replays_from_the_restore_point(
         monkeypatch):
     monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 3600.0)
-    started: list[FakePool] = []
-
-    def start() -> FakePool:
-        started.append(RegroupingPool(fail_on=2 if not started else None))
-        return started[-1]
-
+    start, started = _starter(lambda first: RegroupingPool(fail_on=2 if first else None))
     pool = RecoveringPool(start, max_failures=1, on_recovery=lambda r: None, spares=1)
     assert pool._spares.count == 0  # it keeps spare workers of its own: no spare pool
     _fail_on_round_two(pool)
@@ -484,12 +487,8 @@ def test_a_pool_that_regroups_keeps_its_workers_and_replays_from_the_restore_poi
 
 def test_a_regroup_that_fails_starts_new_workers(monkeypatch):
     monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 3600.0)
-    started: list[FakePool] = []
-
-    def start() -> FakePool:
-        started.append(RegroupingPool(fail_on=2 if not started else None, regroups=False))
-        return started[-1]
-
+    start, started = _starter(
+        lambda first: RegroupingPool(fail_on=2 if first else None, regroups=False))
     pool = RecoveringPool(start, max_failures=1, on_recovery=lambda r: None)
     _fail_on_round_two(pool)
     assert len(started) == 2 and pool._pool is started[1] and started[0].killed
@@ -570,7 +569,9 @@ def test_spare_workers_are_taken_alive_and_restocked_after_a_delay() -> None:
     spares.poll()
     assert spares.pids == []  # the replacement waits out its delay (the replay runs first)
     time.sleep(0.25)
-    spares.poll()
+    spares.poll()  # on a thread of its own
+    assert spares._restocking is not None
+    spares._restocking.join(5.0)
     assert spares.pids == [1003]
     spares._ready[0].process.exitcode = -9  # type: ignore[attr-defined]
     spares.killed.add(1003)  # (a fake pid: not sent a signal)

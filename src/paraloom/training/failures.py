@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
 
 from paraloom.errors import WorkerError
+from paraloom.training.inbox import Inbox
 from paraloom.training.messages import Failed
 
-__all__ = ["failure_error", "death_message", "is_symptom", "process_state", "silently_dead",
-           "SYMPTOMS"]
+__all__ = ["collect_errors", "failure_error", "death_message", "is_symptom", "next_failure",
+           "process_state", "silently_dead", "SYMPTOMS"]
 
 # Errors that are a symptom of a peer's failure, not a cause: report another one if any.
 SYMPTOMS = ("Connection closed by peer", "Connection reset", "Connection refused",
@@ -99,3 +101,50 @@ def death_message(rank: int, pid: int | None, code: int | None, starting: bool,
         msg += (" while starting; its stderr above says why (out of memory? an import that "
                 "fails in a fresh process? then define the model at module level)")
     return msg + ("; the other workers were stopped" if others_stopped else "")
+
+
+def next_failure(inbox: Inbox, within_s: float,
+                 salvage: Callable[[object], None]) -> Failed | None:
+    """The first failure report among the replies of the next ``within_s`` seconds (the fit
+    is ending in an error: the other replies go to ``salvage``, which keeps what it wants)."""
+    deadline = time.monotonic() + within_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            reply = inbox.get(left)
+        except queue.Empty:
+            return None
+        except (OSError, EOFError):
+            # A reply whose tensors lived in the worker that has exited: dropped, as the
+            # others are; the report may come behind it.
+            continue
+        if isinstance(reply, Failed):
+            return reply
+        salvage(reply)
+    return None
+
+
+def collect_errors(first: Failed, procs: Sequence[BaseProcess],
+                   next_report: Callable[[float], Failed | None]) -> list[Failed]:
+    """The first error, when it is a cause itself; else it and any others that follow within
+    half a second (``next_report(seconds)``), less once every worker has reported or exited (a
+    killed worker reports nothing, and one that exits after reporting has its report queued
+    already)."""
+    errors = [first]
+    if not is_symptom(first.message):
+        return errors  # the cause itself (the others' reports are symptoms of it)
+    deadline = time.monotonic() + 0.5
+    while (now := time.monotonic()) < deadline:
+        silent = set(range(len(procs))) - {f.rank for f in errors}
+        if not silent:
+            break
+        codes = [procs[rank].exitcode for rank in silent]
+        if all(code is not None and code < 0 for code in codes):
+            break  # killed by a signal: they report nothing
+        if all(code is not None for code in codes):
+            # What an exited worker reported is in the pipe already.
+            deadline = min(deadline, now + 0.02)
+        # Other replies are salvaged or, unreadable once their worker exited, dropped.
+        report = next_report(min(0.05, deadline - time.monotonic()))
+        if report is not None:
+            errors.append(report)
+    return errors

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
     from multiprocessing.context import ForkServerContext, SpawnContext
 
 __all__ = ["Launcher", "SpareWorkers", "Worker", "kill_group", "no_main_reimport", "worker_context"]
+
+log = logging.getLogger("paraloom")
 
 @dataclass(frozen=True)
 class Worker:
@@ -154,30 +157,59 @@ class SpareWorkers:
         self.launcher, self.count, self.restock_delay_s = launcher, count, restock_delay_s
         self._ready: list[Worker] = []
         self._restock_at: float | None = None
+        self._restocking: threading.Thread | None = None
+        self._lock = threading.Lock()
+        """``_ready`` is appended to by the restocking thread."""
         self.killed: set[int] = set()
+        self._retired: list[Worker] = []
+        """Spares ``kill(wait=False)`` let go of: reaped by the next ``kill()``."""
 
     @property
     def pids(self) -> list[int]:
         """The process ids of the spares started and alive."""
-        return [w.process.pid for w in self._ready
-                if w.process.pid is not None and w.process.exitcode is None]
+        with self._lock:
+            return [w.process.pid for w in self._ready
+                    if w.process.pid is not None and w.process.exitcode is None]
 
     def fill(self) -> None:
-        """Start spares up to ``count``."""
+        """Start spares up to ``count`` (on this thread)."""
         self._restock_at = None
-        while len(self._ready) < self.count:
-            self._ready.append(self.launcher.start(-1))
+        while True:
+            with self._lock:
+                if len(self._ready) >= self.count:
+                    return
+            worker = self.launcher.start(-1)
+            with self._lock:
+                if self.count == 0:  # killed meanwhile
+                    worker.discard(self.killed)
+                    return
+                self._ready.append(worker)
 
     def poll(self) -> None:
-        """Restock, once the delay after a spare was taken has passed."""
-        if self._restock_at is not None and time.monotonic() >= self._restock_at:
+        """Restock on a thread of its own (a start sends your setup to the forkserver), once
+        the delay after a spare was taken has passed."""
+        if self._restock_at is None or time.monotonic() < self._restock_at \
+                or (self._restocking is not None and self._restocking.is_alive()):
+            return
+        self._restock_at = None
+        self._restocking = threading.Thread(target=self._restock_now, name="paraloom-spare",
+                                            daemon=True)
+        self._restocking.start()
+
+    def _restock_now(self) -> None:
+        try:
             self.fill()
+        except Exception as e:  # logged: a failure then starts a process of its own
+            log.warning("paraloom: a spare worker could not start (%s)", e)
 
     def take(self) -> Worker:
         """A spare whose process is alive, or a new worker (to be told its rank the same way,
         ``Regroup``) when there is none."""
-        while self._ready:
-            worker = self._ready.pop(0)
+        while True:
+            with self._lock:
+                worker = self._ready.pop(0) if self._ready else None
+            if worker is None:
+                break
             if worker.process.exitcode is None:
                 self._restock()
                 return worker
@@ -191,10 +223,14 @@ class SpareWorkers:
 
     def kill(self, wait: bool = True) -> None:
         """Kill every spare (``wait``: and reap it); none is started after."""
-        self.count, self._restock_at = 0, None
-        ready, self._ready = self._ready, []
+        with self._lock:
+            self.count, self._restock_at = 0, None
+            ready, self._ready = self._ready, []
         for worker in ready:
             worker.discard(self.killed)
         if wait:
-            for worker in ready:
+            retired, self._retired = [*self._retired, *ready], []
+            for worker in retired:
                 worker.process.join(timeout=5.0)
+        else:
+            self._retired.extend(ready)

@@ -19,9 +19,11 @@ from torch._C._distributed_c10d import TCPStore
 from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import WorkerError
 from paraloom.training.failures import (
+    collect_errors,
     death_message,
     failure_error,
     is_symptom,
+    next_failure,
     process_state,
     silently_dead,
 )
@@ -113,7 +115,11 @@ class ProcessPool:
         self._outstanding = [0] * workers
         self._since = [time.monotonic()] * workers
         self._checked = time.monotonic()
-        self._await_ready(startup_timeout_s)
+        try:
+            self._await_ready(startup_timeout_s)
+        except BaseException:  # a failure while starting kills every worker, survive or not
+            self.kill()
+            raise
         self._spares.fill()
 
     @property
@@ -341,22 +347,7 @@ class ProcessPool:
         return taken if taken is not None else self._next_failure(within_s)
 
     def _next_failure(self, within_s: float) -> Failed | None:
-        """The first failure report among the replies of the next ``within_s`` seconds (the
-        fit is ending in an error: the other replies are dropped)."""
-        deadline = time.monotonic() + within_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                reply = self._inbox.get(left)
-            except queue.Empty:
-                return None
-            except (OSError, EOFError):
-                # A reply whose tensors lived in the worker that has exited: dropped, as the
-                # others are; the report may come behind it.
-                continue
-            if isinstance(reply, Failed):
-                return reply
-            self._salvage(reply)
-        return None
+        return next_failure(self._inbox, within_s, self._salvage)
 
     def _salvage(self, reply: object) -> None:
         """Keep a checkpoint reply that came in while a failure is handled, for ``recv`` to
@@ -384,28 +375,7 @@ class ProcessPool:
                                          others_stopped=not self.survive), worker=rank)
 
     def _collect_errors(self, first: Failed) -> list[Failed]:
-        """The first error, when it is a cause itself; else it and any others that follow
-        within half a second, less once every worker has reported or exited (a killed worker
-        reports nothing, and one that exits after reporting has its report queued already)."""
-        errors = [first]
-        if not is_symptom(first.message):
-            return errors  # the cause itself (the others' reports are symptoms of it)
-        deadline = time.monotonic() + 0.5
-        while (now := time.monotonic()) < deadline:
-            silent = set(range(self.workers)) - {f.rank for f in errors}
-            if not silent:
-                break
-            codes = [self._procs[rank].exitcode for rank in silent]
-            if all(code is not None and code < 0 for code in codes):
-                break  # killed by a signal: they report nothing
-            if all(code is not None for code in codes):
-                # What an exited worker reported is in the pipe already.
-                deadline = min(deadline, now + 0.02)
-            # Other replies are salvaged or, unreadable once their worker exited, dropped.
-            report = self._next_failure(min(0.05, deadline - time.monotonic()))
-            if report is not None:
-                errors.append(report)
-        return errors
+        return collect_errors(first, self._procs, self._next_failure)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the workers to stop; kill those that do not within ``timeout_s``."""
@@ -466,7 +436,24 @@ class ProcessPool:
         Raises WorkerError when that cannot be done within ``REGROUP_S`` (or without
         ``survive``): the caller then starts new workers."""
         if not self.survive or self._killed:
-            raise WorkerError("this pool's workers are restarted after a failure")
+            raise WorkerError("this pool cannot regroup (its workers were killed, or its "
+                              "collectives are not gloo's)")
+        try:
+            self._regroup(failed)
+        except WorkerError:
+            raise
+        except Exception as e:  # a spare that cannot start, a reply that cannot be read
+            self.kill(wait=False)
+            raise WorkerError(f"the process group could not be formed again: "
+                              f"{type(e).__name__}: {e}") from e
+        replaced, self._replaced = self._replaced, []
+        for worker in replaced:  # dead by now: reaped, their queues closed
+            worker.process.join(timeout=1.0)
+            for q in (worker.tasks, worker.results):
+                q.cancel_join_thread()
+                q.close()
+
+    def _regroup(self, failed: int) -> None:
         deadline = time.monotonic() + min(self.timeout_s, REGROUP_S)
         try:  # the survivors skip the rounds queued for the old group
             self._gate.halt(-1, timeout_s=1.0)
@@ -474,7 +461,7 @@ class ProcessPool:
             self.kill(wait=False)
             raise WorkerError(f"the process group could not be formed again: {e}") from e
         for rank in lost_ranks(self._procs, failed):
-            self._kill_worker(rank)  # its queues are closed by kill(): the inbox may read one
+            self._kill_worker(rank)  # its queues are closed once the group has formed again
             self._replaced.append(self._workers[rank])
             self._beats[rank] = 0.0  # the spare's heartbeats, from its first
             spare = self._workers[rank] = self._spares.take()

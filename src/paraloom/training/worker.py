@@ -174,13 +174,13 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
         # so none of them outlives a worker that failed (killed, hung, or ended by SIGKILL).
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)
+        # What the forkserver imported lives as long as the process: out of the collector's
+        # sight, a full collection (when a replica is replaced, see ``_Member.join``) takes
+        # milliseconds instead of the 0.3 s it takes to walk torch's objects.
+        gc.freeze()
     # The parent still treats this process as a daemon (ended when it exits); in here the flag
     # would forbid the loader worker processes of a DataLoader the replica runs itself.
     multiprocessing.current_process().daemon = False
-    # What the forkserver imported lives as long as the process: out of the collector's
-    # sight, a full collection (when a replica is replaced, see ``_Member.join``) takes
-    # milliseconds instead of the 0.3 s it takes to walk torch's objects.
-    gc.freeze()
     gate = RoundGate(gate_array) if gate_array is not None else None
     heartbeat = _Heartbeat(beats, cfg.rank)
     member = _Member(cfg, spec_bytes, gate, heartbeat)

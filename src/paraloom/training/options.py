@@ -143,7 +143,7 @@ class FaultTolerance:
     rank; on GPUs (where every worker is replaced) each is a whole pool of ``workers``
     processes in a process group of their own. Each holds memory (and, on GPUs, a CUDA
     context per device) while it waits. 0: a recovery starts the processes itself (about
-    0.05-0.1 s more per failure)."""
+    0.1 s more per failure)."""
 
     def __post_init__(self) -> None:
         _seconds("timeout", self.timeout, "")

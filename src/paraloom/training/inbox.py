@@ -46,10 +46,11 @@ class Inbox:
 
     def __init__(self, *results: Queue[Reply]) -> None:
         self._results = list(results)
+        self._pipes = _pipes(self._results)
         self._live: list[int] = []
         """The sentinels of the watched processes that have not ended yet."""
         self._watching = threading.Lock()
-        """``watch`` may replace the lists while the thread reads them."""
+        """``watch`` replaces the lists (never changes one) while the thread reads them."""
         self._items: queue.Queue[Reply | Exited | Exception] = queue.Queue()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._read, name="paraloom-replies", daemon=True)
@@ -63,15 +64,15 @@ class Inbox:
             self._live = list(sentinels)
             if results is not None:
                 self._results = list(results)
+                self._pipes = _pipes(self._results)
 
     def _read(self) -> None:
         # Multiprocessing queues' pipes, waited on with the processes' sentinels, as the
         # standard library's ProcessPoolExecutor does; plain queues (in tests) are polled.
         while not self._closed.is_set():
             with self._watching:
-                live, results = list(self._live), list(self._results)
-            pipes: dict[Any, Queue[Reply]] = {getattr(q, "_reader", None): q for q in results}
-            if None in pipes:
+                live, results, pipes = self._live, self._results, self._pipes
+            if pipes is None:
                 if any([self._take(q) for q in results]):
                     continue
                 ready = connection.wait(live, timeout=0) if live else []
@@ -122,3 +123,10 @@ class Inbox:
         self._closed.set()
         if wait:
             self._thread.join(timeout=10 * _POLL_S)
+
+
+def _pipes(results: list[Queue[Reply]]) -> dict[Any, Queue[Reply]] | None:
+    """Each multiprocessing queue by the pipe it is read from; None where a queue has none (a
+    plain queue, in tests: polled)."""
+    pipes = {getattr(q, "_reader", None): q for q in results}
+    return None if None in pipes else pipes

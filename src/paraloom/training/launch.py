@@ -42,16 +42,24 @@ class Worker:
     tasks: Queue[ToReplica | Pickled]
     results: Queue[Reply]
 
-    def discard(self, killed: set[int]) -> None:
-        """Kill the process and its group (once: ``killed`` holds the pids killed) and close
-        its queues."""
+    def kill(self, killed: set[int]) -> None:
+        """SIGKILL the process and its group, once: ``killed`` holds the pids killed (a pid
+        is free for reuse once reaped, but not while its group has members left)."""
         p = self.process
         if p.pid is not None and p.pid not in killed:
             kill_group(p.pid, p.exitcode is None)
             killed.add(p.pid)
+
+    def close(self) -> None:
+        """Close its queues, without waiting for what they still hold."""
         for q in (self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
+
+    def discard(self, killed: set[int]) -> None:
+        """``kill`` and ``close``."""
+        self.kill(killed)
+        self.close()
 
 
 @contextlib.contextmanager
@@ -151,7 +159,8 @@ class SpareWorkers:
     its start does not take CPU from the replay that follows a recovery (``poll`` starts it).
     """
 
-    def __init__(self, launcher: Launcher, count: int, restock_delay_s: float = 1.0) -> None:
+    def __init__(self, launcher: Launcher, count: int, restock_delay_s: float = 1.0,
+                 killed: set[int] | None = None) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"spares={count!r}; expected an int >= 0")
         self.launcher, self.count, self.restock_delay_s = launcher, count, restock_delay_s
@@ -160,7 +169,8 @@ class SpareWorkers:
         self._restocking: threading.Thread | None = None
         self._lock = threading.Lock()
         """``_ready`` is appended to by the restocking thread."""
-        self.killed: set[int] = set()
+        self.killed: set[int] = set() if killed is None else killed
+        """The pids killed (``Worker.kill``): the pool's own set, shared."""
         self._retired: list[Worker] = []
         """Spares ``kill(wait=False)`` let go of: reaped by the next ``kill()``."""
 

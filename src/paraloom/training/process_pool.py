@@ -12,7 +12,6 @@ import time
 from collections.abc import MutableSequence, Sequence
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
-from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
@@ -29,7 +28,7 @@ from paraloom.training.failures import (
 )
 from paraloom.training.gate import RoundGate
 from paraloom.training.inbox import Exited, Inbox
-from paraloom.training.launch import Launcher, SpareWorkers, Worker, kill_group, worker_context
+from paraloom.training.launch import Launcher, SpareWorkers, Worker, worker_context
 from paraloom.training.memory import worker_malloc
 from paraloom.training.messages import (
     Answer,
@@ -97,7 +96,11 @@ class ProcessPool:
                               malloc=worker_malloc(), survive=self.survive)
         self._launcher = Launcher(ctx, spec_bytes, config, self._beats,
                                   self._gate.array, queue_size, self.devices)
-        self._spares = SpareWorkers(self._launcher, spares if self.survive else 0)
+        # Killed once only, on a failure's path (right after the worker's end was seen): a
+        # pid is free for reuse once reaped, but not while its group has members left.
+        self._groups_killed: set[int] = set()
+        self._spares = SpareWorkers(self._launcher, spares if self.survive else 0,
+                                    killed=self._groups_killed)
         self.generation = 0
         """The process group's: ``regroup`` forms the next."""
         self._workers = [self._launcher.start(rank) for rank in range(workers)]
@@ -105,9 +108,6 @@ class ProcessPool:
         self._tasks: list[Queue[ToReplica | Pickled]] = [w.tasks for w in self._workers]
         self._replaced: list[Worker] = []
         """Workers that ``regroup`` replaced: killed, reaped by ``kill``."""
-        # Killed once only, on a failure's path (right after the worker's end was seen): a
-        # pid is free for reuse once reaped, but not while its group has members left.
-        self._groups_killed: set[int] = set()
         self._killed = False
         self._inbox.watch([p.sentinel for p in self._procs], [w.results for w in self._workers])
         self._pending: collections.deque[Answer] = collections.deque()
@@ -398,34 +398,25 @@ class ProcessPool:
         follows at once; the next ``kill()`` or ``close()`` reaps them)."""
         self._killed = True
         self._spares.kill(wait)
-        for rank in range(len(self._procs)):
-            self._kill_worker(rank)
+        for worker in self._workers:
+            worker.kill(self._groups_killed)
         if wait:
             for p in [*self._procs, *(w.process for w in self._replaced)]:
                 p.join(timeout=5.0)
         self._inbox.close(wait)
-        queues: list[Queue[Any]] = [q for w in [*self._workers, *self._replaced]
-                                     for q in (w.tasks, w.results)]
-        for q in queues:
-            q.cancel_join_thread()
-            q.close()
+        for worker in [*self._workers, *self._replaced]:
+            worker.close()
 
     # -- surviving a failure (``survive``) --------------------------------------------------
     @property
     def _with_others(self) -> str:
         return "" if self.survive else " with the other workers"
 
-    def _kill_worker(self, rank: int) -> None:
-        p = self._procs[rank]
-        if p.pid is not None and p.pid not in self._groups_killed:
-            kill_group(p.pid, p.is_alive())
-            self._groups_killed.add(p.pid)
-
     def _fail(self, rank: int | None) -> None:
         """A failure's first act: kill every worker, or with ``survive`` only the failed one
         (its peers' collectives with it then end in errors, and they wait for ``regroup``)."""
         if self.survive and rank is not None:
-            self._kill_worker(rank)
+            self._workers[rank].kill(self._groups_killed)
         else:
             self.kill(wait=False)
 
@@ -440,28 +431,27 @@ class ProcessPool:
                               "collectives are not gloo's)")
         try:
             self._regroup(failed)
-        except WorkerError:
-            raise
-        except Exception as e:  # a spare that cannot start, a reply that cannot be read
+        except Exception as e:  # the caller starts new workers
             self.kill(wait=False)
+            if isinstance(e, WorkerError):
+                raise
+            # A spare that cannot start, a reply that cannot be read.
             raise WorkerError(f"the process group could not be formed again: "
                               f"{type(e).__name__}: {e}") from e
         replaced, self._replaced = self._replaced, []
         for worker in replaced:  # dead by now: reaped, their queues closed
             worker.process.join(timeout=1.0)
-            for q in (worker.tasks, worker.results):
-                q.cancel_join_thread()
-                q.close()
+            worker.close()
 
     def _regroup(self, failed: int) -> None:
         deadline = time.monotonic() + min(self.timeout_s, REGROUP_S)
         try:  # the survivors skip the rounds queued for the old group
             self._gate.halt(-1, timeout_s=1.0)
         except TimeoutError as e:
-            self.kill(wait=False)
             raise WorkerError(f"the process group could not be formed again: {e}") from e
         for rank in lost_ranks(self._procs, failed):
-            self._kill_worker(rank)  # its queues are closed once the group has formed again
+            # Its queues are closed once the group has formed again (the inbox may read one).
+            self._workers[rank].kill(self._groups_killed)
             self._replaced.append(self._workers[rank])
             self._beats[rank] = 0.0  # the spare's heartbeats, from its first
             spare = self._workers[rank] = self._spares.take()
@@ -479,7 +469,6 @@ class ProcessPool:
         """Raise WorkerError if a worker ended, or the time is up, before the group formed."""
         ended = [rank for rank, p in enumerate(self._procs) if p.exitcode is not None]
         if ended or time.monotonic() > deadline:
-            self.kill(wait=False)
             why = f"worker {ended[0]} ended" if ended else \
                 f"the workers did not join within {min(self.timeout_s, REGROUP_S):g} s"
             raise WorkerError(f"the process group could not be formed again: {why}")

@@ -214,8 +214,8 @@ class _Member:
         self.spec: WorkerSpec | None = None
         """Unpickled ahead (a spare's, or none yet): the next replica is built from it."""
         self.loop: _Loop | None = None
-        self.failed = False
-        """A round failed here: what is queued until the next ``Regroup`` is dropped."""
+        """The replica's loop; None before the first ``Regroup`` (a spare) and after a round
+        failed here: what is queued until the next ``Regroup`` is dropped."""
 
     def prepare(self) -> None:
         """Connect to the rendezvous and unpickle the setup (a spare does it ahead)."""
@@ -224,23 +224,19 @@ class _Member:
 
     def join(self, regroup: Regroup) -> Ready:
         """Join group ``regroup.generation`` as ``regroup.rank`` with a new replica."""
-        _leave_group()
-        if self.loop is not None:
-            self.loop = None
-            gc.collect()  # the old replica's memory (cycles), before a new one is built
+        self._drop_replica()
         self.cfg = dataclasses.replace(self.cfg, rank=regroup.rank)
         self.heartbeat.rank = regroup.rank
         spec = self.spec if self.spec is not None else pickle.loads(self.spec_bytes)
         self.spec = None
         group = _init_group(self.cfg, self.store, regroup.generation)
         self.loop = _Loop(regroup.rank, _runner(self.cfg, spec, group, self.gate), self.gate)
-        self.failed = False
         return Ready(regroup.rank, regroup.generation)
 
     def serve(self, message: ToReplica | Pickled, results: Queue[Reply]) -> None:
         if isinstance(message, Regroup):
             results.put(self.join(message))
-        elif self.failed or self.loop is None:
+        elif self.loop is None:
             if isinstance(message, Pickled):  # its shared memory, taken and let go
                 with contextlib.suppress(Exception):
                     message.unpack()
@@ -251,9 +247,15 @@ class _Member:
                 self.loop.serve(message, results)
             except Exception as e:  # the pool replaces the failed worker; this one waits
                 results.put(_failure(self.cfg.rank, self.loop, e))
-                self.failed = True
                 e.__traceback__ = None  # its frames hold the replica
-                _leave_group()
+                self._drop_replica()
+
+    def _drop_replica(self) -> None:
+        """Leave the group and let the replica go (its memory, before a new one is built)."""
+        _leave_group()
+        if self.loop is not None:
+            self.loop = None
+            gc.collect()  # the replica's cycles
 
 
 class _Loop:

@@ -47,3 +47,14 @@ def test_alternating_fits_join_into_one_timeline_and_faults_land_on_it(tmp_path)
     (tmp_path / "fired.log").write_text("155.0 kill 1\n130.0 exit 0\n")
     assert _fired(tmp_path, joined["spans"]) == [(15.0, "kill", 1)]
     assert _round_s([fit(100.0), fit(150.0)]) == pytest.approx(1.0)
+
+
+def test_the_faults_keep_their_pace_across_the_chaos_fits():
+    # Faults every 10 s: after fits of 19 s in all, the next is due 1 s into the next fit;
+    # after exactly 20 s, a whole period in.
+    from paraloom.bench.chaos import next_fault_s
+
+    assert next_fault_s(0.0, 10.0) == pytest.approx(10.0)
+    assert next_fault_s(19.0, 10.0) == pytest.approx(1.0)
+    assert next_fault_s(20.0, 10.0) == pytest.approx(10.0)
+    assert next_fault_s(23.5, 10.0) == pytest.approx(6.5)

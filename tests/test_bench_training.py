@@ -12,6 +12,7 @@ from paraloom.cli import main
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow  # a real (small) benchmark run: DDP and paraloom twice each
 def test_a_width_with_repeats_reports_bracketed_ratios_and_the_fixed_cost(tmp_path, capsys):
     out = tmp_path / "training.json"
     assert main(["bench", "training", "--model", "mlp", "--width", "16", "--samples", "512",

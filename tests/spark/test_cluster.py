@@ -1,7 +1,8 @@
 """A real standalone cluster on 127.0.0.1: a master and two worker JVMs, started with
 ``spark-class`` from the pyspark install, a fit from Parquet, evaluate and predict.
 
-Deselect with ``-m "not cluster"``; it runs in the default suite (and CI).
+Slow (a minute or more on 2 cores): left out of the default run, which ``scripts/test.sh -m slow``
+(and CI, after the suite) adds.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(240)]
 
 HERE = Path(__file__).parent
 

@@ -4,8 +4,9 @@ LeNet on scikit-learn's digits, ``--workers`` workers, ``max_failures`` unbounde
 are split into ``--segments`` pairs of fits (same options, same epochs, each from the same
 start): one clean, one while a thread of this process arms a fault every ``--every`` seconds
 (a random kind: an exception in the model, an exit, SIGKILL, SIGSTOP, for a random worker,
-which fails at its next training step), the pairs alternating which goes first, so that the
-machine's drift over the minutes moves both alike. One fit of all the epochs with
+which fails at its next training step; the faults keep their pace from one such fit to the
+next), the pairs alternating which goes first, so that the machine's drift over the minutes
+moves both alike. One fit of all the epochs with
 ``max_failures=0`` shows what the fault tolerance costs without faults (one pool start
 against the segments' several: a few tenths of a second). Reported: the throughput kept, each
 fault's cost (median by kind), the accuracy of the last pair and whether every pair's
@@ -46,7 +47,7 @@ from paraloom.evaluation import evaluate
 from paraloom.listeners import TrainingListener
 from paraloom.models import LeNet
 
-__all__ = ["ChaosModel", "run"]
+__all__ = ["ChaosModel", "next_fault_s", "run"]
 
 _BURST_S = 0.002
 """Rounds delivered this close one after the other came in the same reply."""
@@ -88,9 +89,10 @@ class _Timeline(TrainingListener):
 
 
 def _fit(args: argparse.Namespace, epochs: int, armed: Path | None,
-         tolerant: bool = True, seed: int = 0) -> dict[str, Any]:
+         tolerant: bool = True, seed: int = 0, first_s: float | None = None) -> dict[str, Any]:
     """One fit; ``tolerant=False``: ``max_failures=0`` (no restore points, no spares);
-    ``seed``: the faults' kinds and ranks."""
+    ``seed``: the faults' kinds and ranks; ``first_s``: when the first fault fires (default
+    ``--every``), the rest every ``--every`` s after it."""
     from paraloom import ParallelWrapper
 
     torch.manual_seed(0)
@@ -112,7 +114,9 @@ def _fit(args: argparse.Namespace, epochs: int, armed: Path | None,
     started = time.monotonic()
     with wrapper:
         if armed is not None:
-            threading.Thread(target=_arm, args=(args, armed, seed, done), daemon=True).start()
+            first = args.every if first_s is None else first_s
+            threading.Thread(target=_arm, args=(args, armed, seed, done, first),
+                             daemon=True).start()
         wrapper.fit(loader, epochs=epochs)
     seconds = time.monotonic() - started
     done.set()
@@ -144,10 +148,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _arm(args: argparse.Namespace, armed: Path, seed: int, done: threading.Event) -> None:
+def _arm(args: argparse.Namespace, armed: Path, seed: int, done: threading.Event,
+         first_s: float) -> None:
     rng = random.Random(seed)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    while not done.wait(args.every):
+    wait = first_s
+    while not done.wait(wait):
+        wait = args.every
         rank = rng.randrange(args.workers)
         (armed / f"{rank}.tmp").write_text(rng.choice(kinds))
         os.replace(armed / f"{rank}.tmp", armed / str(rank))
@@ -186,16 +193,25 @@ def _shm_files() -> set[str]:
 def _alternating(args: argparse.Namespace, epochs: int, armed: Path
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``--segments`` clean fits and as many with faults, alternating (clean first, then chaos
-    first, ...), each of ``epochs`` from the same start: the machine's drift moves both alike."""
+    first, ...), each of ``epochs`` from the same start: the machine's drift moves both alike.
+    The faults keep their pace across the chaos fits: one every ``--every`` s of their time
+    joined (a fit shorter than that still gets its share)."""
     clean: list[dict[str, Any]] = []
     chaos: list[dict[str, Any]] = []
     for i in range(args.segments):
         for faulty in ((False, True) if i % 2 == 0 else (True, False)):
             if faulty:
-                chaos.append(_fit(args, epochs, armed, seed=args.seed + i))
+                first = next_fault_s(sum(c["seconds"] for c in chaos), args.every)
+                chaos.append(_fit(args, epochs, armed, seed=args.seed + i, first_s=first))
             else:
                 clean.append(_fit(args, epochs, None))
     return clean, chaos
+
+
+def next_fault_s(elapsed_s: float, every_s: float) -> float:
+    """When the next fit's first fault is due, the chaos fits before it having taken
+    ``elapsed_s`` in all and faults coming every ``every_s`` of their joined time."""
+    return every_s - math.fmod(elapsed_s, every_s)
 
 
 def _joined(runs: list[dict[str, Any]]) -> dict[str, Any]:

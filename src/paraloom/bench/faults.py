@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2, help="--chaos: workers")
     p.add_argument("--spares", type=int, default=1, help="--chaos: spares=")
     p.add_argument("--seed", type=int, default=0, help="--chaos: the faults' kinds and ranks")
-    p.add_argument("--segments", type=int, default=3,
+    p.add_argument("--segments", type=int, default=9,
                    help="--chaos: clean and chaos fits, alternating, each --minutes / segments")
 
 

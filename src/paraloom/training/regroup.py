@@ -1,14 +1,14 @@
 """Forming a pool's process group again after a failure, keeping the survivors' processes.
 
 With gloo, a collective whose peer's process dies ends in an error at once (its sockets
-close), and a worker that leaves its group closes its sockets too: so once the failed worker
-is killed, every survivor's collective ends, a survivor waiting on another survivor's part
-included. Each survivor reports the error, leaves its group and drops what is queued for it;
-the pool gives the failed rank to a spare process (started ahead, its setup unpickled), sends
-every worker a ``Regroup`` behind what it had queued, and waits for each to join group
-``generation`` (rendezvous keys of its own) and build a new replica. What a survivor sent
-before its ``Ready`` answers the old group's messages and is dropped; the recovery then
-begins every replica from the restore point, as it would new workers.
+close), and a worker that leaves its group shuts its connections down (``training.group``):
+so once the failed worker is killed, every survivor's collective ends, a survivor waiting on
+another survivor's part included. Each survivor reports the error, leaves its group and drops
+what is queued for it; the pool gives the failed rank to a spare process (started ahead, its
+setup unpickled), sends every worker a ``Regroup`` behind what it had queued, and waits for
+each to join group ``generation`` (rendezvous keys of its own) and build a new replica. What a
+survivor sent before its ``Ready`` answers the old group's messages and is dropped; the
+recovery then begins every replica from the restore point, as it would new workers.
 
 Whatever keeps that from working in time (a survivor also dead, a lock a killed worker held,
 a survivor in a long step) raises ``WorkerError``, and the recovery starts new workers.

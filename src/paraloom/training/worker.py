@@ -26,9 +26,10 @@ from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch._C._distributed_c10d import TCPStore
 
 from paraloom.training.gate import RoundGate
+from paraloom.training.group import Membership
 from paraloom.training.memory import keep_freed_memory
 from paraloom.training.messages import (
     Failed,
@@ -116,25 +117,6 @@ def _store(cfg: WorkerConfig) -> TCPStore | None:
                     timeout=datetime.timedelta(seconds=cfg.timeout_s))
 
 
-def _init_group(cfg: WorkerConfig, store: TCPStore | None,
-                generation: int = 0) -> dist.ProcessGroup | None:
-    """Join the process group; a regrouped one (``generation`` > 0) under keys of its own."""
-    if store is None:
-        return None
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    keys = store if generation == 0 else PrefixStore(f"regroup-{generation}/", store)
-    dist.init_process_group(cfg.backend, store=keys, rank=cfg.rank, world_size=cfg.world_size,
-                            timeout=timeout)
-    return dist.group.WORLD
-
-
-def _leave_group() -> None:
-    """Tear down the process group (a peer's sockets close: a peer waiting in a collective
-    with this worker gets an error, not a wait)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _runner(cfg: WorkerConfig, spec: WorkerSpec, group: dist.ProcessGroup | None,
             gate: RoundGate | None) -> ReplicaRunner:
     """This worker's replica, telling the gate when each step's own work is done."""
@@ -200,7 +182,7 @@ def worker_main(cfg: WorkerConfig, spec_bytes: bytes, tasks: Queue[ToReplica | P
         if member.cfg.rank >= 0:  # a spare that ends is seen ended when it is wanted
             _report(results, _failure(member.cfg.rank, member.loop, e))
     finally:
-        _leave_group()
+        member.membership.leave()
 
 
 class _Member:
@@ -216,6 +198,7 @@ class _Member:
         self.loop: _Loop | None = None
         """The replica's loop; None before the first ``Regroup`` (a spare) and after a round
         failed here: what is queued until the next ``Regroup`` is dropped."""
+        self.membership = Membership()
 
     def prepare(self) -> None:
         """Connect to the rendezvous and unpickle the setup (a spare does it ahead)."""
@@ -229,7 +212,9 @@ class _Member:
         self.heartbeat.rank = regroup.rank
         spec = self.spec if self.spec is not None else pickle.loads(self.spec_bytes)
         self.spec = None
-        group = _init_group(self.cfg, self.store, regroup.generation)
+        group = None if self.store is None else self.membership.join(
+            self.store, regroup.rank, self.cfg.world_size, self.cfg.backend, self.cfg.timeout_s,
+            regroup.generation)
         self.loop = _Loop(regroup.rank, _runner(self.cfg, spec, group, self.gate), self.gate)
         return Ready(regroup.rank, regroup.generation)
 
@@ -252,7 +237,7 @@ class _Member:
 
     def _drop_replica(self) -> None:
         """Leave the group and let the replica go (its memory, before a new one is built)."""
-        _leave_group()
+        self.membership.leave()
         if self.loop is not None:
             self.loop = None
             gc.collect()  # the replica's cycles

@@ -44,6 +44,37 @@ def test_model_config_is_tritons_form(client: Client) -> None:
     assert client.get("/v2/models/nope/config").status_code == 404
 
 
+class _ClassAndScore(nn.Module):
+    """One value per row for each output: the top class and its score."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        score, index = self.linear(x).max(dim=1)
+        return {"index": index, "score": score}
+
+
+def test_one_value_per_row_is_dims_1_reshaped_to_none_as_triton_writes_it() -> None:
+    import tritonclient.grpc as tg
+
+    from paraloom.serving import ServerThread
+
+    torch.manual_seed(0)
+    app = create_app(_ClassAndScore().eval(), name="top", workers=1)
+    with ServerThread(app, grpc_port=0, grpc_backend="grpcio") as server:
+        config = th.InferenceServerClient(server.url[len("http://"):]).get_model_config("top")
+        assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [4]}]
+        assert config["output"] == [
+            {"name": n, "data_type": t, "dims": [1], "reshape": {"shape": []}}
+            for n, t in (("index", "TYPE_INT64"), ("score", "TYPE_FP32"))]
+        grpc = tg.InferenceServerClient(server.grpc_url).get_model_config("top").config
+        assert [(o.name, list(o.dims), list(o.reshape.shape), o.HasField("reshape"))
+                for o in grpc.output] == [("index", [1], [], True), ("score", [1], [], True)]
+        assert grpc.max_batch_size == 32 and not grpc.input[0].HasField("reshape")
+
+
 def test_server_metadata_names_the_extensions(client: Client) -> None:
     body = client.get("/v2").json()
     assert body["name"] == "paraloom"

@@ -56,6 +56,11 @@ def models(tmp_path: Path) -> Path:
            '"shape": [-1]}]\nOUTPUTS = [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]\n'
            'def postprocess(out):\n    return {"y": out.numpy()}\n')
     _model(tmp_path / "plain", None)
+    _model(tmp_path / "misfit", 'import torch\nINPUTS = [{"name": "text", "datatype": "BYTES", '
+           '"shape": [-1]}]\nOUTPUTS = [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]\n'
+           'def preprocess(inputs):\n'
+           '    return torch.zeros(len(inputs["text"]), 16, dtype=torch.float64)\n'
+           'def postprocess(out):\n    return {"y": out.numpy()}\n')
     _model(tmp_path / "capped", _SENTIMENT)
     (tmp_path / "capped" / "config.json").write_text('{"max_batch_size": 2}')
     return tmp_path
@@ -174,6 +179,12 @@ def test_a_failing_handler_answers_its_request_only(server: ServerThread) -> Non
         http.infer("plain", [words])
     ok = th.InferInput("text", [1], "BYTES")
     ok.set_data_from_numpy(np.array([b"fine"], dtype=object))
+    # A request that matches the handler's INPUTS, whose preprocess gives float64 to a float32
+    # model: the handler's fault (500), not the client's (400).
+    with pytest.raises(InferenceServerException, match="handler.py preprocess returned.*"
+                       "preprocess gave Tensor.*float64.*make preprocess return") as misfit:
+        http.infer("misfit", [ok])
+    assert misfit.value.status() == "500"
     assert http.infer("sentiment", [ok]).as_numpy("label").shape == (1,)
     assert http.is_server_ready()
 

@@ -326,3 +326,23 @@ def test_a_top_level_model_swaps_weights_from_the_models_dir(models_dir: dict) -
         x = np.random.default_rng(0).random((1, 1, 8, 8), dtype=np.float32)
         np.testing.assert_allclose(_infer(http, th, "lenet", x), _run(_lenet(7), x),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_whose_declared_shapes_have_no_batch_dimension_says_so_in_its_config(
+        tmp_path: Path) -> None:
+    # mode "inplace": each request runs alone, its shapes as declared (here 3 x 6, no rows).
+    folder = tmp_path / "fixed"
+    folder.mkdir()
+    paraloom.save(_mlp(0), folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({
+        "mode": "inplace",
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 6]}],
+        "outputs": [{"name": "output", "datatype": "FP32", "shape": [3, 3]}]}))
+    app = create_repository_app(tmp_path, workers=1)
+    with ServerThread(app) as server:
+        config = _http(server).get_model_config("fixed")
+        assert config["max_batch_size"] == 0
+        assert [t["dims"] for t in (*config["input"], *config["output"])] == [[3, 6], [3, 3]]
+        x = np.random.default_rng(0).random((3, 6), dtype=np.float32)
+        np.testing.assert_allclose(_infer(_http(server), th, "fixed", x), _run(_mlp(0), x),
+                                   rtol=1e-5, atol=1e-6)

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -408,3 +409,30 @@ def test_a_grpc_region_parameter_without_a_value_is_invalid_argument(
             service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "shared memory" in error.value.details()
+
+
+def test_an_input_in_shared_memory_that_also_carries_data_is_refused(
+        lenet: torch.nn.Module) -> None:
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    region = {"shared_memory_region": "r", "shared_memory_byte_size": 256}
+    app = create_app(lenet, name="lenet", workers=1, shared_memory=True)
+    with ServerThread(app, grpc_port=0, grpc_backend="grpcio") as server, \
+            grpc.insecure_channel(server.grpc_url) as channel:
+        for extra in ({"data": [0.0] * 64}, {"parameters": {**region, "binary_data_size": 256}}):
+            given = {"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32",
+                     "parameters": region, **extra}
+            r = httpx.post(f"{server.url}/v2/models/lenet/infer", json={"inputs": [given]},
+                           timeout=30)
+            assert r.status_code == 400 and "send it one way" in r.json()["error"]
+        request = pb.ModelInferRequest(model_name="lenet")
+        tensor = request.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
+        tensor.parameters["shared_memory_region"].string_param = "r"
+        tensor.parameters["shared_memory_byte_size"].int64_param = 256
+        tensor.contents.fp32_contents.extend([0.0] * 64)
+        with pytest.raises(grpc.RpcError) as error:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "send it one way" in error.value.details()

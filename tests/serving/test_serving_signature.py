@@ -125,6 +125,29 @@ def test_outputs_that_cannot_be_served_are_refused_at_start(what: str, message: 
         infer_signature(_Returns(what))
 
 
+class _SumsRows(nn.Module):
+    """An output without a batch dimension: the rows summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).sum(0)
+
+
+def test_a_model_without_a_row_per_input_row_is_refused_where_requests_are_batched() -> None:
+    from paraloom.serving import create_app
+
+    assert infer_signature(_SumsRows()).rowless == ("output",)
+    assert infer_signature(LeNet(image_size=8)).rowless == ()
+    with pytest.raises(ValueError, match=r"outputs \['output'\] without a row per input row.*"
+                                         "--mode sequential"):
+        create_app(_SumsRows().eval(), name="sums", workers=1)
+    app = create_app(_SumsRows().eval(), name="sums", workers=1, inference_mode="sequential")
+    app.state.served.pool.close()  # one request at a time: served as it is
+
+
 def test_an_inferred_input_takes_the_first_layers_dtype() -> None:
     signature = infer_signature(nn.Sequential(nn.Linear(4, 2)).double())
     assert signature.inputs == (TensorSpec("input", "FP64", (-1, 4)),)

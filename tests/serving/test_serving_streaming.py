@@ -58,7 +58,9 @@ def test_a_stream_answers_every_request_with_its_own_rows_and_id(
                 client.async_stream_infer("lenet", [_input(np.zeros((1, 2, 8, 8),
                                                                      np.float32))],
                                           request_id="bad")
-            client.async_stream_infer("lenet", [_input(xs[i])], request_id=str(i))
+            # As clients that wait for each request's last answer ask (Triton marks it).
+            client.async_stream_infer("lenet", [_input(xs[i])], request_id=str(i),
+                                      enable_empty_final_response=i % 2 == 0)
         got = [answers.get(timeout=WAIT_S) for _ in range(301)]
     finally:
         client.stop_stream()
@@ -67,6 +69,8 @@ def test_a_stream_answers_every_request_with_its_own_rows_and_id(
     assert len(errors) == 1 and "request 'bad'" in errors[0] and "[-1, 1, 8, 8]" in errors[0]
     ids = sorted(int(r.get_response().id) for r, e in got if e is None)
     assert ids == list(range(300))
+    assert all(r.get_response().parameters["triton_final_response"].bool_param
+               for r, e in got if e is None)  # one answer per request: each is the last
     for result, _ in got:
         if result is not None:
             i = int(result.get_response().id)

@@ -5,8 +5,10 @@ Clients written for Triton read it beside the metadata (Triton's image client ta
 ``max_batch_size`` and the input's ``dims`` from it), so it holds what paraloom knows in
 Triton's fields: ``name``, ``platform`` and ``backend``, ``max_batch_size`` (the config's, or
 for a model with a batch dimension and no limit, the pool's ``batch_limit``; 0 for a model
-without one), ``input``/``output`` (``data_type`` ``TYPE_...``, ``dims`` without the batch
-dimension), ``instance_group`` and ``dynamic_batching`` from the pool.
+without one, or whose declared shapes do not begin with the rows), ``input``/``output``
+(``data_type`` ``TYPE_...``, ``dims`` without the batch dimension; a tensor of one value per
+row is ``dims: [1]`` with ``reshape: {shape: []}``, as Triton writes it), ``instance_group``
+and ``dynamic_batching`` from the pool.
 """
 
 from __future__ import annotations
@@ -25,14 +27,19 @@ __all__ = ["model_config"]
 
 def _tensor(spec: TensorSpec, batch_dim: bool) -> dict[str, Any]:
     kind = "STRING" if spec.datatype == BYTES else spec.datatype
-    return {"name": spec.name, "data_type": f"TYPE_{kind}",
-            "dims": list(spec.shape[1:] if batch_dim else spec.shape)}
+    dims = list(spec.shape[1:] if batch_dim else spec.shape)
+    out: dict[str, Any] = {"name": spec.name, "data_type": f"TYPE_{kind}", "dims": dims or [1]}
+    if not dims:  # one value per row: Triton's form is dims [1], reshaped to none
+        out["reshape"] = {"shape": []}
+    return out
 
 
 def model_config(served: ServedModel) -> dict[str, Any]:
     """``served``'s configuration as Triton's ``ModelConfig`` in JSON."""
     pool = served.pool
-    batch_dim = served.batch_dim
+    specs = (*served.signature.inputs, *served.signature.outputs)
+    # Declared shapes that do not begin with the rows (-1) have no batch dimension.
+    batch_dim = served.batch_dim and all(s.shape and s.shape[0] == -1 for s in specs)
     max_batch = (served.signature.max_rows or pool.batch_limit) if batch_dim else 0
     outputs = [_tensor(s, batch_dim) for s in served.signature.outputs]
     gpu = any(d.type == "cuda" for d in pool.devices)

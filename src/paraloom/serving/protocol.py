@@ -255,6 +255,9 @@ def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int
     params = _get(obj, "parameters", dict, where, required=False) or {}
     ref = region_ref(params, where)
     if ref is not None:
+        if "data" in obj or "binary_data_size" in params:
+            raise ProtocolError(f"{where} names shared memory region {ref.region!r} and also "
+                                "carries its data ('data' or binary_data_size); send it one way")
         return RequestInput(name, datatype, shape,
                             read_region(regions, ref, name, datatype, shape)), 0
     size = params.get("binary_data_size")

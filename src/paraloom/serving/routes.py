@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from paraloom.serving.body import read_body
-from paraloom.serving.errors import ProtocolError, ServingError
+from paraloom.serving.errors import NotFoundError, ProtocolError, ServingError
 from paraloom.serving.handling import InferAnswer, describe_server, handle_infer
 from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from paraloom.serving.model_config import model_config
@@ -21,6 +21,7 @@ from paraloom.serving.protocol import InferRequest, encode_infer_response, parse
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.served import ServedModel
 from paraloom.serving.shared_memory_routes import SHARED_MEMORY_ROUTES, regions_of
+from paraloom.serving.unserved import unserved_path
 
 __all__ = ["EXCEPTION_HANDLERS", "ROUTES", "error_response"]
 
@@ -67,8 +68,15 @@ async def ready(request: Request) -> Response:
 
 
 async def model_metadata(request: Request) -> Response:
-    """GET /v2/models/{name}[/versions/{version}]."""
-    return JSONResponse(_served(request).metadata())
+    """GET /v2/models/{name}[/versions/{version}]; ``GET /v2/models/stats`` (Triton's
+    statistics of every model) when no model is called ``stats``."""
+    try:
+        return JSONResponse(_served(request).metadata())
+    except NotFoundError:
+        unserved = unserved_path(request.url.path)
+        if unserved is None:
+            raise
+        raise NotFoundError(f"GET {request.url.path}: {unserved}") from None
 
 
 async def model_config_route(request: Request) -> Response:
@@ -181,6 +189,10 @@ async def _on_serving_error(request: Request, exc: Exception) -> Response:
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    unserved = unserved_path(request.url.path) if exc.status_code in (404, 405) else None
+    if unserved is not None:
+        message = f"{request.method} {request.url.path}: {unserved}"
+        return error_response(404, message)
     if exc.status_code == 404:
         message = (f"no endpoint {request.method} {request.url.path}; the v2 endpoints are "
                    "under /v2 (GET /v2/models/NAME, POST /v2/models/NAME/infer)")

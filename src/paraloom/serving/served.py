@@ -27,6 +27,7 @@ from paraloom.serving.errors import (
     ServingError,
     UnavailableError,
 )
+from paraloom.serving.handlers import HandlerFailedError
 from paraloom.serving.repository.binding import BoundModel
 from paraloom.serving.signature import ModelSignature, TensorMetadata, probe_input
 
@@ -105,6 +106,16 @@ class ServedModel:
         self.batch_dim = batch_dim
         """Whether the signature's shapes begin with the rows (False: a ``config.pbtxt`` with
         ``max_batch_size: 0``)."""
+        if self.batched and signature.rowless:
+            if owns_pool:
+                pool.close()
+            raise ValueError(
+                f"the model returned outputs {list(signature.rowless)} without a row per input "
+                "row on its probe input (a model whose output has no batch dimension, e.g. "
+                "x.sum(0)): batching requests would answer each with other requests' results; "
+                "return a row per input row, or serve it unbatched (max_batch_size: 0 in "
+                "config.pbtxt; paraloom serve --mode sequential or inplace, "
+                "inference_mode= in Python)")
 
     @property
     def version(self) -> str:
@@ -170,6 +181,8 @@ class ServedModel:
             raise UnavailableError(f"the model is not serving: {e}", reason="shutting_down",
                                    retry_after=self.retry_after) from e
         except InvalidRequestError as e:
+            if self.handler is not None:  # the model got what the handler made of the request
+                raise _preprocess_misfit(self.handler.path.name, e) from e
             raise ProtocolError(str(e)) from e
         except RequestTimeoutError as e:
             raise _GatewayTimeoutError(str(e)) from e
@@ -272,3 +285,14 @@ def build_pool(model: nn.Module, signature: ModelSignature,
         # request succeeds, and no error is raised here.
         options["example_input"] = None
         return ParallelInference(model, **options)
+
+
+def _preprocess_misfit(handler: str, error: InvalidRequestError) -> ServingError:
+    """A 500 for a model that failed on what a handler's preprocess returned: the request
+    matched the handler's INPUTS, so the handler (or the model) is at fault, not the client."""
+    cause = error.__cause__
+    failed = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
+    expected = error.expected or "an input it accepts (none has run on this version yet)"
+    return HandlerFailedError(f"the model failed on what {handler} preprocess returned for this "
+                              f"request ({failed}): preprocess gave {error.received}, the model "
+                              f"takes {expected}; make preprocess return that")

@@ -85,6 +85,9 @@ class ModelSignature:
     max_rows: int = 0
     """The most rows (first dimension) one request may hold, as Triton's ``max_batch_size``
     (0: any number)."""
+    rowless: tuple[str, ...] = ()
+    """Probed outputs whose first dimension was not the probe's number of rows (a model
+    without a batch dimension): a server that batches refuses the model (``ServedModel``)."""
 
     def check(self, request_inputs: list[RequestInput]) -> list[Value]:
         """The request's tensors in the model's input order; ``ProtocolError`` if they don't fit."""
@@ -196,7 +199,9 @@ def _default_names(prefix: str, count: int) -> list[str]:
     return [prefix] if count == 1 else [f"{prefix}_{i}" for i in range(count)]
 
 
-def _output_specs(model: nn.Module, sample: Sequence[torch.Tensor]) -> tuple[TensorSpec, ...]:
+def _output_specs(model: nn.Module, sample: Sequence[torch.Tensor]
+                  ) -> tuple[tuple[TensorSpec, ...], tuple[str, ...]]:
+    """The outputs the model returns on ``sample``, and those without a row per sample row."""
     training = model.training
     model.eval()  # BatchNorm and dropout must not change state or results while we probe
     try:
@@ -212,7 +217,9 @@ def _output_specs(model: nn.Module, sample: Sequence[torch.Tensor]) -> tuple[Ten
     finally:
         model.train(training)
     items = _named_results(model, result)
-    return tuple(TensorSpec(n, datatype_of(t.dtype), (-1, *t.shape[1:])) for n, t in items)
+    rows = sample[0].shape[0] if sample and sample[0].dim() else None
+    return (tuple(TensorSpec(n, datatype_of(t.dtype), (-1, *t.shape[1:])) for n, t in items),
+            tuple(n for n, t in items if rows is not None and t.shape[0] != rows))
 
 
 def _named_results(model: nn.Module, result: object) -> list[tuple[str, torch.Tensor]]:
@@ -295,7 +302,8 @@ def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.T
                          "fix them for the probe (paraloom serve: --input-shape=-1,128; a "
                          "models directory: \"outputs\" in the config), or in Python pass "
                          "sample=torch.zeros(1, ...) or outputs=[TensorSpec(...)]")
-    return ModelSignature(in_specs, _output_specs(model, probe), outputs_probed=True)
+    specs, rowless = _output_specs(model, probe)
+    return ModelSignature(in_specs, specs, outputs_probed=True, rowless=rowless)
 
 
 def probe_input(signature: ModelSignature, sample: torch.Tensor | Sequence[torch.Tensor] | None

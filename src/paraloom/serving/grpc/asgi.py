@@ -24,7 +24,14 @@ from starlette.types import Receive, Scope, Send
 
 from paraloom.serving.errors import ServingError
 from paraloom.serving.grpc.messages import SERVICE, Message, method_types
-from paraloom.serving.grpc.service import METHODS, STREAMING, Handler, Service, status_code
+from paraloom.serving.grpc.service import (
+    METHODS,
+    STREAMING,
+    Handler,
+    Service,
+    status_code,
+    unknown_method,
+)
 
 __all__ = ["GrpcAsgiApp", "parse_timeout"]
 
@@ -200,8 +207,7 @@ class GrpcAsgiApp:
     async def _call(self, path: str, headers: dict[bytes, bytes], body: bytes) -> bytes:
         found = self._methods.get(path)
         if found is None:
-            raise _CallError(grpc.StatusCode.UNIMPLEMENTED,
-                             f"unknown method {path}; this server serves {SERVICE}")
+            raise _CallError(grpc.StatusCode.UNIMPLEMENTED, unknown_method(path))
         call, request_type, response_type = found
         if len(body) < 5:
             raise _CallError(grpc.StatusCode.INVALID_ARGUMENT, "the request carries no message")

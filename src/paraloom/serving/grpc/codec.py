@@ -97,6 +97,9 @@ def _input(tensor: InputTensor, index: int, raw: Iterator[bytes] | None,
                                                                        where).name
     ref = region_ref(parameter_values(tensor.parameters), where)
     if ref is not None:
+        if tensor.HasField("contents"):
+            raise ProtocolError(f"{where} names shared memory region {ref.region!r} and also "
+                                "carries typed contents; send it one way")
         value = read_region(regions, ref, tensor.name, datatype, shape)
         return RequestInput(tensor.name, datatype, shape, value)
     if raw is None:

@@ -41,9 +41,10 @@ from paraloom.serving.protocol import InferRequest
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.shared_memory import SharedMemoryRegistry, registry_or_refuse
 from paraloom.serving.shared_memory_routes import CUDA_REFUSAL
+from paraloom.serving.unserved import UNSERVED_METHODS
 
 __all__ = ["METHODS", "STREAMING", "GrpcEndpoint", "GrpcServer", "Handler", "Service",
-           "status_code"]
+           "status_code", "unknown_method"]
 
 Handler = Callable[[Message, type[Message]], Awaitable[Message]]
 """One RPC of ``Service``: (the request message, the response class) -> the response."""
@@ -208,12 +209,30 @@ def _stream_handler(service: Service) -> grpc.RpcMethodHandler:
         response_serializer=response_type.SerializeToString)
 
 
+def unknown_method(path: str) -> str:
+    """The ``UNIMPLEMENTED`` message for gRPC method ``path`` (``/service/Method``): for one of
+    Triton's that is not served, which extension it is and what to use instead."""
+    service, _, name = path.strip("/").partition("/")
+    if service == SERVICE and name in UNSERVED_METHODS:
+        return f"{name}: {UNSERVED_METHODS[name]}"
+    return f"unknown method {path}; this server serves {SERVICE}"
+
+
+def _unserved_handler(name: str) -> grpc.RpcMethodHandler:
+    async def handle(request: bytes, context: aio.ServicerContext) -> bytes:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, unknown_method(f"/{SERVICE}/{name}"))
+        raise AssertionError("abort() raises")  # pragma: no cover
+
+    return grpc.unary_unary_rpc_method_handler(handle)  # bytes in and out: no message types
+
+
 def _generic_handler(service: Service) -> grpc.GenericRpcHandler:
     handlers = {}
     for name in METHODS:
         request_type, response_type = method_types(name)
         handlers[name] = _handler(getattr(service, name), request_type, response_type)
     handlers[STREAMING] = _stream_handler(service)
+    handlers.update({name: _unserved_handler(name) for name in UNSERVED_METHODS})
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 

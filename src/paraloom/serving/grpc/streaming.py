@@ -5,12 +5,13 @@ Each request on the stream runs as its own task through the same path as a unary
 answer goes back as soon as it is ready, carrying the request's id. A request that fails gets a
 ``ModelStreamInferResponse`` with ``error_message`` (prefixed with its id, since tritonclient
 hands stream callbacks the error alone) and an ``infer_response`` that names the model and the
-id; the stream goes on. At most ``STREAM_IN_FLIGHT`` requests of one stream are running or
-answered but not yet sent; past that the stream is not read until an answer has gone out (gRPC's
-flow control then holds the client). An answer is sent once the transport took it: on the
-uvicorn back end, zttp buffers what the client's flow-control window does not take yet.
-Requests beyond the model pool's ``queue_limit`` get its "queue is full" error like unary calls
-do: the bound leaves room in the default queue (256) for other clients.
+id; the stream goes on. Every answer carries ``triton_final_response: true``, as Triton's do
+for a model that answers each request once. At most ``STREAM_IN_FLIGHT`` requests of one
+stream are running or answered but not yet sent; past that the stream is not read until an
+answer has gone out (gRPC's flow control then holds the client). An answer is sent once the
+transport took it: on the uvicorn back end, zttp buffers what the client's flow-control window
+does not take yet. Requests beyond the model pool's ``queue_limit`` get its "queue is full"
+error like unary calls do: the bound leaves room in the default queue (256) for other clients.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import grpc
 from paraloom.serving.errors import ServingError
 from paraloom.serving.grpc.messages import InferRequestMessage, Message, message
 
-__all__ = ["STREAM_IN_FLIGHT", "answer_stream"]
+__all__ = ["FINAL", "STREAM_IN_FLIGHT", "answer_stream"]
 
+FINAL = "triton_final_response"
+"""The parameter of a stream answer that says it is its request's last."""
 STREAM_IN_FLIGHT = 128
 """Requests of one stream running or waiting to be sent; more wait, unread, in the client's
 stream."""
@@ -38,13 +41,21 @@ Infer = Callable[[InferRequestMessage], Awaitable[Message]]
 
 def _error(request: InferRequestMessage, text: str) -> Message:
     prefix = f"request {request.id!r}: " if request.id else ""
-    return _StreamResponse(error_message=prefix + text, infer_response=_InferResponse(
-        model_name=request.model_name, model_version=request.model_version, id=request.id))
+    return _StreamResponse(error_message=prefix + text, infer_response=_final(_InferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id)))
+
+
+def _final(response: Message) -> Message:
+    """``response`` marked as its request's last, as Triton marks every stream answer
+    (``triton_final_response``; a model here answers each request once): clients that wait
+    for the mark (tritonclient's ``enable_empty_final_response=True``) then stop waiting."""
+    response.parameters[FINAL].bool_param = True
+    return response
 
 
 async def _answer(infer: Infer, request: InferRequestMessage) -> Message:
     try:
-        return _StreamResponse(infer_response=await infer(request))
+        return _StreamResponse(infer_response=_final(await infer(request)))
     except ServingError as e:
         return _error(request, e.message)
     except (ValueError, TypeError) as e:  # a message field of the wrong shape

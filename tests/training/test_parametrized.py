@@ -110,3 +110,31 @@ def test_a_model_with_a_scripted_child_is_refused_naming_it():
         with pytest.raises(NotPicklableError, match=r"TorchScript modules \(\['block'\].*script "
                                                     r"them after training"):
             wrapper.fit([(x, y)] * 2)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.weight_norm is legacy
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_hook_based_weight_norm_trains_in_process_and_on_workers_as_a_loop(workers):
+    # Its weight is a computed tensor, not a graph leaf, which copy.deepcopy refuses.
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.utils.weight_norm(nn.Linear(10, 16)), nn.Tanh(),
+                             nn.Linear(16, 3))
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 10, generator=g), torch.randint(0, 3, (32,), generator=g)
+    batches = [(x[i:i + 8 * workers], y[i:i + 8 * workers]) for i in range(0, 32, 8 * workers)]
+    plain = model()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for xb, yb in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(plain(xb), yb).backward()
+        opt.step()
+    trained = model()
+    split = [(xb[i:i + 8], yb[i:i + 8]) for xb, yb in batches for i in range(0, len(xb), 8)]
+    with ParallelWrapper(trained, loss_fn=nn.CrossEntropyLoss(), workers=workers,
+                         optimizer=torch.optim.SGD(trained.parameters(), lr=0.1),
+                         training_mode="allreduce", progress=False) as wrapper:
+        wrapper.fit(split, epochs=1)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(trained.state_dict()[key], value, rtol=1e-5, atol=1e-6)

@@ -285,3 +285,11 @@ def test_an_optimizer_known_on_one_side_only_is_not_compared() -> None:
                                               "optimizer_param_groups": [2]},
                                  epoch=0, batch=0, iteration=4, data_rng=None, replicas=[])
     written.check(base)  # a factory's optimizer is not known before it is built
+
+
+def test_resuming_a_checkpoint_past_the_epochs_asked_for_warns_that_nothing_is_trained(
+        tmp_path):
+    _run("allreduce", [CheckpointListener(tmp_path, every_n_epochs=1)], epochs=2, workers=1)
+    with pytest.warns(UserWarning, match=r"checkpoint is of 2 whole epochs, as many as "
+                                         r"fit\(epochs=2\) asks for or more: nothing is left"):
+        _run("allreduce", resume_from=tmp_path, epochs=2, workers=1)

@@ -66,6 +66,24 @@ def test_the_mirror_sees_every_kind_of_write():
     assert not m.optimizer_unchanged(opt)
 
 
+def test_the_mirror_sees_values_moved_through_data_without_being_changed():
+    # Rows of a 100-class head swapped through .data (a relabelling): the values' multiset
+    # and the sampled positions are unchanged, so only a position-aware checksum sees it.
+    torch.manual_seed(0)
+    head = nn.Linear(64, 100)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    (head(torch.randn(4, 64)) * torch.randn(4, 100)).sum().backward()  # rows of unlike grads
+    opt.step()
+    for swap in ([2, 4], [10, 50]):
+        m = ReplicaMirror(head, opt, pool=None)
+        head.weight.data[swap] = head.weight.data[swap[::-1]].clone()
+        assert not m.model_unchanged(head)
+    m = ReplicaMirror(head, opt, pool=None)
+    momentum = opt.state[head.weight]["momentum_buffer"]
+    momentum.data[[2, 4]] = momentum.data[[4, 2]].clone()
+    assert not m.optimizer_unchanged(opt) and m.model_unchanged(head)
+
+
 def test_stamps_sample_tensors_past_float32s_exact_integers():
     """BERT-base's embedding (30,522 x 768 = 23,440,896 elements): float32 sample positions
     rounded past the last element."""

@@ -700,3 +700,16 @@ def test_models_paraloom_cannot_replicate_as_they_are_are_refused_with_the_fix()
         with pytest.raises(ValueError, match=f"training_mode='{mode}' takes real parameters"):
             ParallelWrapper(complex_model, loss_fn=nn.MSELoss(), training_mode=mode,
                             optimizer=torch.optim.SGD(complex_model.parameters(), lr=0.1))
+
+
+def test_a_one_shot_generator_for_several_epochs_is_refused_before_workers_start():
+    model = nn.Linear(4, 2)
+    batches = ((torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(3))
+    wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with wrapper:
+        with pytest.raises(ValueError, match="one-shot generator.*asks for 2 epochs.*"
+                                             "re-iterable source"):
+            wrapper.fit(batches, epochs=2)
+        assert wrapper._pool is None  # refused before any worker started
+        assert wrapper.fit(batches, epochs=1)["rounds"] == 2  # one pass is what it holds

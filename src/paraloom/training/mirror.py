@@ -6,9 +6,11 @@ them; ``hyperparameters`` and ``changed_settings`` compare the optimizer's setti
 A stamp is cheap: the tensor's identity, storage address and autograd version counter, which
 every in-place write bumps (``load_state_dict``, an optimizer step, ``nn.init``, ``p.add_()``
 under ``no_grad``), and, for writes through ``p.data``, which bypass the version counter, a
-checksum of all its bytes (their wrapping sum as 64-bit words: one vectorized pass, about 9 ms
-for 37M float32 values on 2 cores) and a few sampled values, which also catch values moved
-without being changed.
+checksum of all its bytes and a few sampled values. The checksum reads the bytes as 64-bit
+words laid out in rows of ``_COLUMNS`` and keeps each column's wrapping sum, so that values
+moved without being changed (two rows of a classifier head swapped: a plain sum of the words
+would not see it) change a column's sum unless they moved by a multiple of ``_COLUMNS`` words;
+one vectorized pass, about 30 ms for 37M float32 values on 2 cores.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ __all__ = ["Stamp", "ReplicaMirror", "changed_settings", "hyperparameters"]
 
 _SAMPLES = 16
 """Values sampled per tensor: evenly spaced, first and last included."""
+_COLUMNS = 1021
+"""Words per row of the checksum's layout: a prime, so that a value moved by a whole number of
+a tensor's own rows (a power of two, often) lands in another column."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class Stamp:
     version: int
     shape: tuple[int, ...]
     sample: torch.Tensor
-    checksum: int | None
+    checksum: torch.Tensor | None
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Stamp:
@@ -46,17 +51,30 @@ class Stamp:
     def matches(self, t: torch.Tensor) -> bool:
         return (self.ident == id(t) and self.address == t.data_ptr()
                 and self.version == t._version and self.shape == tuple(t.shape)
-                and torch.equal(self.sample, _sample(t)) and self.checksum == _checksum(t))
+                and torch.equal(self.sample, _sample(t)) and _same_checksum(self.checksum, t))
 
 
-def _checksum(t: torch.Tensor) -> int | None:
-    """The wrapping sum of ``t``'s bytes read as 64-bit words (the last few bytes apart); None
+def _same_checksum(checksum: torch.Tensor | None, t: torch.Tensor) -> bool:
+    now = _checksum(t)
+    if checksum is None or now is None:
+        return checksum is None and now is None
+    return checksum.shape == now.shape and bool(torch.equal(checksum, now))
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor | None:
+    """Wrapping sums of ``t``'s bytes read as 64-bit words in rows of ``_COLUMNS``: each
+    column's, then the words past the last whole row and the last few bytes (a small tensor's
+    words are its checksum); None
     where its memory cannot be viewed so (then the samples alone are compared)."""
     try:
         raw = t.detach().reshape(-1).view(torch.uint8)
         whole = raw.numel() // 8 * 8
-        words = int(raw[:whole].view(torch.int64).sum().item()) if whole else 0
-        return words + int(raw[whole:].sum().item()) * 2**64
+        words = raw[:whole].view(torch.int64)
+        if words.numel() <= _COLUMNS:  # small: the words themselves
+            return torch.cat([words, raw[whole:].to(torch.int64)])
+        grid = words[:words.numel() // _COLUMNS * _COLUMNS].view(-1, _COLUMNS)
+        rest = words[grid.numel():]
+        return torch.cat([grid.sum(0), rest, raw[whole:].to(torch.int64)])
     except (RuntimeError, NotImplementedError):  # an offset not aligned to 8 bytes, a sparse
         return None  # or quantized tensor, ...
 

@@ -11,6 +11,7 @@ subclass and its properties on arrival: the same structure, tensors and parametr
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 from typing import Any
@@ -19,7 +20,7 @@ import cloudpickle
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["ModulePickler", "by_value", "reduce_parametrized"]
+__all__ = ["ModulePickler", "by_value", "private_copy", "reduce_parametrized"]
 
 
 def reduce_parametrized(obj: object) -> tuple[Any, ...] | None:
@@ -68,3 +69,16 @@ def by_value(obj: object) -> bytes:
     buffer = io.BytesIO()
     ModulePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buffer.getvalue()
+
+
+def private_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``; through pickle where ``copy.deepcopy`` refuses a tensor that
+    is not a graph leaf (the hook-based ``torch.nn.utils.weight_norm`` keeps its weight so),
+    as a model sent to worker processes travels anyway."""
+    try:
+        return copy.deepcopy(model)
+    except RuntimeError as e:
+        if "deepcopy" not in str(e):
+            raise
+        copied: nn.Module = pickle.loads(by_value(model))
+        return copied

@@ -22,6 +22,7 @@ from paraloom.sync.base import StepContext, Synchronizer, zero_loss
 from paraloom.training.buffers import load_model_state, load_transient, transient_buffers
 from paraloom.training.messages import ModelState, ReplicaState
 from paraloom.training.optim import OptimizerSpec
+from paraloom.training.parametrized import private_copy
 from paraloom.training.timing import RoundTiming
 
 __all__ = ["Accumulation", "Replica", "NonFiniteLossError", "BatchError", "LossFn",
@@ -164,7 +165,7 @@ class Replica:
         self.precision = resolve_precision(precision)
         self.precision.check_device(self.device)
         # A deep copy: a model that crossed a process boundary may share storage with others.
-        self.model = self.precision.convert_module(copy.deepcopy(model).to(self.device))
+        self.model = self.precision.convert_module(private_copy(model).to(self.device))
         self.model.train()
         self.optimizer = optimizer.build(self.model)
         self.scaler = _grad_scaler(self.precision, self.device)
@@ -490,3 +491,4 @@ def _on_cpu(state: _S, independent: bool) -> _S:
     """``state``'s tensors on the CPU: copies, or (not ``independent``) those already there
     as they are."""
     return cpu_copy(state) if independent else to_device(state, torch.device("cpu"))
+

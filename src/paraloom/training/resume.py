@@ -30,7 +30,17 @@ _FORMAT = 1
 
 def _flatten(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     """A JSON-able copy of ``obj`` whose tensors are moved into ``tensors``."""
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo:
+        # A sparse embedding's gradient, part way through an accumulation: its entries as
+        # they are (not coalesced: the optimizer adds duplicates as it would have).
+        sparse = obj.detach().cpu()
+        return {"__sparse__": [_flatten(sparse._indices(), f"{key}.indices", tensors),
+                               _flatten(sparse._values(), f"{key}.values", tensors),
+                               list(sparse.shape), sparse.is_coalesced()]}
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            raise TypeError(f"cannot store a {obj.layout} tensor at {key} in a checkpoint: only "
+                            "dense and sparse COO tensors are stored")
         tensors[key] = obj.detach().cpu().contiguous().clone()
         return {"__tensor__": key}
     if isinstance(obj, dict):
@@ -51,6 +61,11 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             return tensors[obj["__tensor__"]]
+        if "__sparse__" in obj:
+            indices, values, size, coalesced = obj["__sparse__"]
+            return torch.sparse_coo_tensor(_unflatten(indices, tensors),
+                                           _unflatten(values, tensors), size,
+                                           is_coalesced=coalesced)
         if "__dict__" in obj:
             return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in obj["__dict__"]}
         if "__tuple__" in obj:

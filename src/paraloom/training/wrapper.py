@@ -7,7 +7,7 @@ import functools
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -280,8 +280,15 @@ class ParallelWrapper:
         second Ctrl-C aborts at once, leaving the model as it was before the fit.
         """
         self._check_fit(epochs, initial_epoch)
+        # iter(data) is data: one pass, then empty
+        one_shot = type(data).__name__ if isinstance(data, Iterator) else None
         data = as_data_source(data, batch_size, shuffle)
         start = self._start_position(resume_from, initial_epoch)
+        _warn_if_trained(start.epoch, start.batch, epochs, total_batches(data, 1))
+        if one_shot and epochs - start.epoch > 1:
+            raise ValueError(f"data is a one-shot {one_shot}, which yields its batches "
+                             f"once, but fit() asks for {epochs - start.epoch} epochs: pass a "
+                             "re-iterable source (a DataLoader or a list), or epochs=1")
         pool = self._ensure_pool()
         tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
                                total_batches=total_batches(data, epochs - start.epoch),
@@ -473,3 +480,15 @@ def _synchronizer(training_mode: str | TrainingMode | Synchronizer | None,
         raise TypeError("recipe= and sharing= were both given; expected one: "
                         "sharing=SharingRecipe(preset=...)")
     return build_synchronizer("shared_gradients", recipe=sharing, **options)
+
+
+def _warn_if_trained(epoch: int, batch: int, epochs: int, per_epoch: int | None) -> None:
+    """Warn when a resumed checkpoint (at ``batch`` of ``epoch``) has trained every epoch that
+    fit(epochs=...) asks for: the fit then trains nothing."""
+    done = epoch + (per_epoch is not None and batch >= per_epoch)
+    if done >= epochs:
+        warnings.warn(f"resume_from's checkpoint is of {done} whole epochs, as many as "
+                      f"fit(epochs={epochs}) asks for or more: nothing is left to train, and the "
+                      "model gets the checkpoint's state; epochs counts every epoch, those "
+                      f"before the checkpoint too (fit(epochs={done + 1}) trains one more)",
+                      stacklevel=3)

@@ -1,0 +1,81 @@
+"""Sparse embeddings (``nn.Embedding(sparse=True)``): idle rounds and the end of an
+accumulation give them an empty sparse gradient (DDP refuses a dense one), and a checkpoint
+taken part way through an accumulation stores their sparse gradient and resumes exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from paraloom import ParallelWrapper
+from paraloom.listeners import CheckpointListener
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Bag(nn.Module):
+    def __init__(self, sparse: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 8, sparse=sparse)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids).mean(1))
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 40, (6, 5), generator=g), torch.randint(0, 3, (6,), generator=g))
+            for _ in range(count)]
+
+
+def _fit(model: nn.Module, batches: list, workers: int, listeners=(), resume_from=None,
+         **options) -> dict[str, torch.Tensor]:
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=workers,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         listeners=list(listeners), progress=False, **options) as wrapper:
+        wrapper.fit(batches, epochs=2, resume_from=resume_from)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_allreduce_with_an_idle_worker_trains_a_sparse_embedding_as_a_dense_one() -> None:
+    # 9 batches for 2 workers: the fifth round of each epoch leaves worker 1 idle.
+    sparse = _fit(_Bag(), _batches(9), 2, training_mode="allreduce")
+    dense = _fit(_Bag(sparse=False), _batches(9), 2, training_mode="allreduce")
+    for key, value in dense.items():
+        torch.testing.assert_close(sparse[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_the_end_of_an_accumulation_keeps_a_sparse_gradient_as_a_loop_does() -> None:
+    model, batches, ce = _Bag(), _batches(9), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):  # accumulate 2, the odd last batch stepping alone, loss / 2
+        for i, (x, y) in enumerate(batches):
+            (ce(model(x), y) / 2).backward()
+            if i % 2 == 1 or i == len(batches) - 1:
+                opt.step()
+                opt.zero_grad()
+    got = _fit(_Bag(), batches, 1, accumulate=2)
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_checkpoint_inside_an_accumulation_of_sparse_gradients_resumes_exactly(
+        tmp_path, workers) -> None:
+    class Stop(Exception):
+        pass
+
+    class StopAfter(CheckpointListener):
+        def on_checkpoint(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            super().on_checkpoint(*args, **kwargs)
+            raise Stop  # the fit ends right after its first checkpoint
+
+    batches = _batches(12)
+    reference = _fit(_Bag(), batches, workers, accumulate=2)
+    with pytest.raises(Stop):  # every 3 rounds: in the middle of the second accumulation
+        _fit(_Bag(), batches, workers, [StopAfter(tmp_path, every_n_iterations=3,
+                                                  every_n_epochs=None)], accumulate=2)
+    resumed = _fit(_Bag(), batches, workers, resume_from=tmp_path, accumulate=2)
+    assert all(torch.equal(resumed[k], v) for k, v in reference.items())

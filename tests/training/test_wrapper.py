@@ -393,8 +393,19 @@ def test_invalid_arguments_are_rejected_with_the_fix():
     with pytest.raises(TypeError, match="optimizer"):
         ParallelWrapper(model, loss_fn=linear_loss, optimizer="sgd")
     _, wrapper = scalar_wrapper(1)
+
+    class OncePerObject:
+        """Re-iterable in form, but its second pass is empty (a dataset over a consumed stream)."""
+
+        def __init__(self) -> None:
+            self.passes = 0
+
+        def __iter__(self):
+            self.passes += 1
+            return iter(scalar_batches([1, 2]) if self.passes == 1 else [])
+
     with pytest.raises(ValueError, match="no batches in epoch 1"):
-        wrapper.fit((b for b in scalar_batches([1, 2])), epochs=2)
+        wrapper.fit(OncePerObject(), epochs=2)
 
 
 @pytest.mark.parametrize("mode", ["averaging", "allreduce", "shared_gradients"])

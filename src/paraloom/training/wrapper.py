@@ -280,15 +280,13 @@ class ParallelWrapper:
         second Ctrl-C aborts at once, leaving the model as it was before the fit.
         """
         self._check_fit(epochs, initial_epoch)
-        # iter(data) is data: one pass, then empty
-        one_shot = type(data).__name__ if isinstance(data, Iterator) else None
+        one_shot = isinstance(data, Iterator)  # iter(data) is data: one pass, then empty
+        kind = type(data).__name__
         data = as_data_source(data, batch_size, shuffle)
         start = self._start_position(resume_from, initial_epoch)
         _warn_if_trained(start.epoch, start.batch, epochs, total_batches(data, 1))
-        if one_shot and epochs - start.epoch > 1:
-            raise ValueError(f"data is a one-shot {one_shot}, which yields its batches "
-                             f"once, but fit() asks for {epochs - start.epoch} epochs: pass a "
-                             "re-iterable source (a DataLoader or a list), or epochs=1")
+        if one_shot:
+            _refuse_one_shot(kind, epochs - start.epoch)
         pool = self._ensure_pool()
         tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
                                total_batches=total_batches(data, epochs - start.epoch),
@@ -480,6 +478,14 @@ def _synchronizer(training_mode: str | TrainingMode | Synchronizer | None,
         raise TypeError("recipe= and sharing= were both given; expected one: "
                         "sharing=SharingRecipe(preset=...)")
     return build_synchronizer("shared_gradients", recipe=sharing, **options)
+
+
+def _refuse_one_shot(kind: str, epochs: int) -> None:
+    """A one-shot iterator (a generator) gives one epoch: refuse more before workers start."""
+    if epochs > 1:
+        raise ValueError(f"data is a one-shot {kind}, which yields its batches once, but "
+                         f"fit() asks for {epochs} epochs: pass a re-iterable source (a "
+                         "DataLoader or a list), or epochs=1")
 
 
 def _warn_if_trained(epoch: int, batch: int, epochs: int, per_epoch: int | None) -> None:

@@ -201,6 +201,38 @@ def test_three_workers_keep_both_survivors(tmp_path, how):
     assert _same(model, reference)
 
 
+@pytest.mark.parametrize("second_fit", [False, True])
+def test_three_workers_restored_mid_fit_sum_as_the_lost_ones_did(tmp_path, monkeypatch,
+                                                                 second_fit):
+    # With three workers DDP's bucket layout sets the order in which each gradient's parts
+    # are added: the new group's DDPs must start with the layout the lost ones had settled on
+    # (from the restore point, or from what the replicas carried over from the first fit).
+    monkeypatch.setattr(recovery, "_MIN_INTERVAL_S", 0.0)  # a restore point every round
+
+    def two_fits(model: nn.Module, **options) -> list:
+        torch.manual_seed(0)
+        failures = Failures()
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             workers=3, training_mode="allreduce", progress=False,
+                             listeners=[failures], **options) as wrapper:
+            wrapper.fit(digits_loader(), epochs=2)
+            (tmp_path / "armed").touch()
+            wrapper.fit(digits_loader(batch_size=16), epochs=1)
+        return failures.seen
+
+    torch.manual_seed(1)
+    reference = FailOnce()
+    two_fits(reference)
+    (tmp_path / "armed").unlink()
+    torch.manual_seed(1)
+    # 8 rounds an epoch: round 12 of the first fit, or round 3 of the second
+    model = FailWhenArmed(tmp_path / "failed", tmp_path / "armed", at=3) if second_fit \
+        else FailOnce(tmp_path / "failed", how="kill", at=12)
+    assert two_fits(model, max_failures=1, heartbeat_timeout=1.0) == [(1, "WorkerError", True)]
+    assert _same(model, reference)
+
+
 def test_failures_beyond_max_failures_raise(tmp_path):
     class FailTwice(FailOnce):
         def forward(self, x):

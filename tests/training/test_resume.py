@@ -56,12 +56,15 @@ def _run(mode, listeners=(), resume_from=None, epochs=3, workers=2, dropout=Fals
 
 
 @pytest.mark.parametrize("mode", ["averaging", "shared_gradients", "shared_gradients+blocking",
-                                  "diloco", "diloco+overlap"])
+                                  "diloco", "diloco+overlap", "allreduce+three"])
 def test_resume_after_a_kill_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, mode):
     mode, _, variant = mode.partition("+")
     # By default shared_gradients' checkpoints save an exchange; with overlap_rounds=2 each
     # checkpoint (every 4 rounds) holds a DiLoCo synchronization in flight (sent every 4).
-    extra = {"blocking": {"overlap": False}, "overlap": {"overlap_rounds": 2}}.get(variant, {})
+    # Three workers sum each gradient in an order set by DDP's bucket layout: the resumed DDP
+    # must start with the layout the first had settled on.
+    extra = {"blocking": {"overlap": False}, "overlap": {"overlap_rounds": 2},
+             "three": {"workers": 3}}.get(variant, {})
     reference = _run(mode, dropout=True, **extra)
     # A "random" but reproducible batch; from 14 on, so that a checkpoint was written before it
     # (replies travel in batches of rounds: a kill loses the replies of its batch).

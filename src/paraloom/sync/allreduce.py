@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed, zero_loss
 from paraloom.sync.collectives import broadcast_tensors_
 from paraloom.sync.comm_hooks import PowerSGD, cast_hook, resolve_comm_hook
+from paraloom.sync.ddp_buckets import BucketLayout, bucket_layout, ddp_with_layout
 from paraloom.sync.ddp_errors import explain_ddp_error
 
 __all__ = ["AllReduce"]
@@ -120,6 +121,9 @@ class AllReduce(Synchronizer):
         self._joinable: _Joinable | None = None
         self._powersgd: PowerSGD | None = None
         self._powersgd_resume: dict[str, Any] | None = None
+        self._buckets: BucketLayout | None = None
+        """DDP's bucket layout: a restored one, or the live DDP's once it has settled on it."""
+        self._buckets_settled = False
         self._step_bytes = 0
 
     def wrap_model(self, model: nn.Module, ctx: StepContext) -> nn.Module:
@@ -139,8 +143,10 @@ class AllReduce(Synchronizer):
         if ctx.device.type == "cuda":
             index = ctx.device.index
             device_ids = [torch.cuda.current_device() if index is None else index]
-        self._ddp = DistributedDataParallel(self._joinable, device_ids=device_ids,
-                                            process_group=ctx.group, **self.ddp_options)
+        with ddp_with_layout(self._buckets):  # a restored replica adds as the lost one did
+            self._ddp = DistributedDataParallel(self._joinable, device_ids=device_ids,
+                                                process_group=ctx.group, **self.ddp_options)
+        self._buckets_settled = False
         grads = [p for p in model.parameters() if p.requires_grad]
         state = list(model.parameters()) + list(model.buffers())
         if self.comm_hook is None:
@@ -248,18 +254,31 @@ class AllReduce(Synchronizer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """With PowerSGD, also its state: iteration, RNG, error feedback and Q per parameter."""
+        """With PowerSGD, also its state: iteration, RNG, error feedback and Q per parameter;
+        and DDP's bucket layout once it has rebuilt its buckets, so that a replica restored
+        from it sums each gradient in the order the lost one did (with three or more workers
+        the order changes the rounding)."""
         out = super().state_dict()
         saved = self._powersgd.state_dict() if self._powersgd is not None \
             else self._powersgd_resume
         if saved is not None:
             out["powersgd"] = saved
+        if self._ddp is not None and not self._buckets_settled:  # read once per DDP
+            settled = bucket_layout(self._ddp)
+            if settled is not None:
+                self._buckets, self._buckets_settled = settled, True
+        if self._buckets is not None:
+            out["ddp_buckets"] = self._buckets
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters, and PowerSGD's state when this synchronizer uses PowerSGD
-        (it applies once the hook is registered at setup)."""
+        """Restore the counters, DDP's bucket layout (for the DDP built next), and PowerSGD's
+        state when this synchronizer uses PowerSGD (it applies once the hook is registered
+        at setup)."""
         super().load_state_dict(state)
+        buckets = state.get("ddp_buckets")
+        if self._ddp is None and buckets is not None:  # the DDP that wrap_model builds next
+            self._buckets = [[int(i) for i in bucket] for bucket in buckets]
         saved = state.get("powersgd")
         if saved is None or self.comm_hook != "powersgd":
             return

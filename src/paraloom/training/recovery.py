@@ -126,6 +126,9 @@ class RecoveringPool:
         """Each replica's state at the end of the last fit(), on this pool's workers."""
         self._finished: set[int] = set()
         self._halted: int | None = None
+        self._first_round: int | None = None
+        """The fit's first round: no restore point right after it (DDP has not yet settled
+        its buckets, see ``sync.ddp_buckets``; a replica restored there would differ)."""
         self._retired: list[Pool] = []
         """Pools that failed, killed but not yet reaped."""
         self._received = ReceivedBuffers()
@@ -154,6 +157,7 @@ class RecoveringPool:
         self._delivered = set()
         self._finished = set()
         self._halted = None
+        self._first_round = None
         self._last_request = time.monotonic()
         self._sent(lambda: self._pool.begin(self._begins))
 
@@ -161,7 +165,10 @@ class RecoveringPool:
         self._log.append((rank, message))
         self._sent(lambda: self._pool.send(rank, message))
         if rank == self.workers - 1 and isinstance(message, RoundMessage | RoundBatch):
-            self._maybe_request(message.round_id)
+            if self._first_round is None:
+                self._first_round = message.round_id
+            if message.round_id != self._first_round:
+                self._maybe_request(message.round_id)
 
     def halt(self, last: int | None = None) -> int:
         self._halted = self._guarded(lambda: self._pool.halt(last))

@@ -58,3 +58,20 @@ def test_the_faults_keep_their_pace_across_the_chaos_fits():
     assert next_fault_s(19.0, 10.0) == pytest.approx(1.0)
     assert next_fault_s(20.0, 10.0) == pytest.approx(10.0)
     assert next_fault_s(23.5, 10.0) == pytest.approx(6.5)
+
+
+@pytest.mark.parametrize("bench", ["faults", "training", "serving", "inference", "data"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys,
+                                                                        bench):
+    # The check is at parse time: a chaos run of minutes used to end in IsADirectoryError.
+    from paraloom.cli import main
+
+    flag = "--output" if bench == "serving" else "--out"
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", bench, flag, str(tmp_path)])
+    assert stopped.value.code == 2
+    assert f"{str(tmp_path)!r} is a directory" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        main(["bench", bench, flag, str(tmp_path / "file" / "results.json")])
+    assert "which is a file" in capsys.readouterr().err

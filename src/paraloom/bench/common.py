@@ -40,6 +40,21 @@ def machine() -> Machine:
             "platform": platform.platform()}
 
 
+def results_path(value: str) -> str:
+    """``--out``'s check, at parse time (not after a run of minutes): a file to write JSON to,
+    not a directory, and not below a file."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is a directory; expected the JSON file to write, e.g. "
+            f"{str(path / 'results.json')!r} (its plot goes beside it)")
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is below {str(above)!r}, which is a file; "
+                                         "expected a path in a folder")
+    return value
+
+
 def write_results(path: str | Path, results: Mapping[str, object]) -> Path:
     """Write results as indented JSON, creating the folder."""
     path = Path(path)

@@ -34,6 +34,7 @@ from paraloom.bench.common import (
     machine,
     plain_args,
     pyplot,
+    results_path,
     save_figure,
     with_threshold,
     write_results,
@@ -204,7 +205,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for every task (default: each task's own, see TASKS)")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--out", default="benchmarks/results/convergence.json")
+    p.add_argument("--out", type=results_path, default="benchmarks/results/convergence.json")
 
 
 def _evaluate(model: nn.Module, data: TensorDataset) -> tuple[float, float]:

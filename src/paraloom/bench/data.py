@@ -29,6 +29,7 @@ from paraloom.bench.common import (
     machine,
     plain_args,
     pyplot,
+    results_path,
     save_figure,
     write_results,
 )
@@ -53,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up)")
     p.add_argument("--mode", default="allreduce", help="ParallelWrapper training mode")
     p.add_argument("--configs", default="train,data_path", help="comma-separated")
-    p.add_argument("--out", default="benchmarks/results/data.json")
+    p.add_argument("--out", type=results_path, default="benchmarks/results/data.json")
 
 
 # -- the data ----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from paraloom.bench.common import (
     machine,
     plain_args,
     pyplot,
+    results_path,
     save_figure,
     write_results,
 )
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="allreduce")
     p.add_argument("--heartbeat-timeout", type=float, default=2.0)
     p.add_argument("--limit", type=float, default=900.0, help="seconds before a fit is a hang")
-    p.add_argument("--out", default="benchmarks/results/faults.json")
+    p.add_argument("--out", type=results_path, default="benchmarks/results/faults.json")
     p.add_argument("--chaos", action="store_true",
                    help="a fault every --every s for --minutes into random workers (bench.chaos)")
     p.add_argument("--every", type=float, default=10.0, help="--chaos: seconds between faults")

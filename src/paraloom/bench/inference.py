@@ -25,7 +25,14 @@ from typing import TypedDict
 
 import torch
 
-from paraloom.bench.common import Machine, bar_plot, machine, plain_args, write_results
+from paraloom.bench.common import (
+    Machine,
+    bar_plot,
+    machine,
+    plain_args,
+    results_path,
+    write_results,
+)
 from paraloom.inference import ParallelInference
 from paraloom.inference.stats import Percentiles, percentiles
 from paraloom.models import LeNet
@@ -123,7 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch size of the offline limit (128)")
     parser.add_argument("--offline-seconds", type=float, default=1.0,
                         help="length of each timed offline window (1.0; 3 per thread count)")
-    parser.add_argument("--output", "--out", dest="output", default=DEFAULT_OUTPUT,
+    parser.add_argument("--output", "--out", dest="output", type=results_path,
+                        default=DEFAULT_OUTPUT,
                         help=f"where to write the JSON ({DEFAULT_OUTPUT})")
 
 

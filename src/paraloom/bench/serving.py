@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from paraloom.bench.common import results_path
 from paraloom.bench.load import Target, run_load
 from paraloom.bench.serving_contenders import CONTENDERS, Measure
 from paraloom.bench.serving_features import run_features
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which servers to measure (paraloom,mlserver,litserve)")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "paraloom" / "bench"),
                         help="where MLServer's venv is created (~/.cache/paraloom/bench)")
-    parser.add_argument("--output", default="benchmarks/results/serving.json",
+    parser.add_argument("--output", type=results_path, default="benchmarks/results/serving.json",
                         help="where to write the results (benchmarks/results/serving.json)")
     features = parser.add_argument_group("features: shared memory and streaming")
     features.add_argument("--features", action=argparse.BooleanOptionalAction, default=True,

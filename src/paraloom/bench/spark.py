@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.common import bar_plot, machine, plain_args, write_results
+from paraloom.bench.common import bar_plot, machine, plain_args, results_path, write_results
 from paraloom.models import LeNet
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=1e-3, help="initial adaptive threshold")
     p.add_argument("--contenders", default="ddp_torch_distributor,spark_shared,"
                                            "spark_averaging,parallel_wrapper")
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", type=results_path, default=None,
                    help="default benchmarks/results/spark.json (spark_data.json for --mode data)")
     p.add_argument("--mode", choices=("training", "data"), default="training",
                    help="training: the masters against ParallelWrapper and DDP on in-memory "

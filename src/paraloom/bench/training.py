@@ -26,6 +26,7 @@ from paraloom.bench.common import (
     machine,
     plain_args,
     plain_epoch,
+    results_path,
     steady_rate,
     with_threshold,
     write_results,
@@ -102,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each contender's model (its compile time is reported "
                         "apart: the warm-up epoch takes it)")
-    p.add_argument("--out", default="benchmarks/results/training.json")
+    p.add_argument("--out", type=results_path, default="benchmarks/results/training.json")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: the 1..N GPU scaling table instead (see bench.gpu_scaling)")
 

@@ -44,8 +44,8 @@ def _parameters(ddp: DistributedDataParallel) -> list[Any]:
 
 
 def bucket_layout(ddp: DistributedDataParallel) -> BucketLayout | None:
-    """The layout ``ddp`` has rebuilt its buckets to; None before its first backward (when the
-    next DDP would start the same way) or where this torch release does not show it."""
+    """The layout ``ddp`` has rebuilt its buckets to; None until it has (DDP rebuilds in the
+    forward after its first backward) or where this torch release does not show it."""
     if not getattr(ddp, "_has_rebuilt_buckets", False):
         return None
     buckets = getattr(ddp.reducer, "_get_zeros_like_grad_buckets", None)

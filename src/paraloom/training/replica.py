@@ -491,4 +491,3 @@ def _on_cpu(state: _S, independent: bool) -> _S:
     """``state``'s tensors on the CPU: copies, or (not ``independent``) those already there
     as they are."""
     return cpu_copy(state) if independent else to_device(state, torch.device("cpu"))
-

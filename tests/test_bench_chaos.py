@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paraloom.bench.chaos import _fault_costs
+from paraloom.bench.chaos import _fault_costs, pair_ratios
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -27,6 +27,14 @@ def test_the_first_reply_after_a_fault_counts_with_every_round_it_delivered():
     chaos = {"timeline": timeline, "started": 0.0}
     costs = _fault_costs(chaos, [(1.45, "exit", 0)], round_s=0.1)
     assert costs[0]["lost_s"] == pytest.approx((2.103 - 1.403) - 4 * 0.1)
+
+
+def test_each_pairs_throughput_kept_is_its_clean_seconds_over_its_chaos_seconds():
+    pairs = pair_ratios([20.0, 18.0, 15.0], [25.0, 18.0, 14.0])
+    assert pairs == {"min": pytest.approx(0.8), "median": pytest.approx(1.0),
+                     "max": pytest.approx(15 / 14)}
+    with pytest.raises(ValueError, match="2 clean fits and 1 chaos fits"):
+        pair_ratios([1.0, 2.0], [1.0])
 
 
 def test_alternating_fits_join_into_one_timeline_and_faults_land_on_it(tmp_path):

@@ -16,11 +16,12 @@ marked).
 
 The throughput kept is given two ways: the clean fits' seconds over the chaos fits' (what the
 faults cost in all, the recoveries' after-effects included), and one minus the faults' costs
-over the chaos fits' seconds. A fault's cost is read off the timeline: the gap between the last
-round delivered before it and the first reply after (with every round that reply delivered: a
-message answers several rounds at once), less the clean fits' time per round for the rounds
-delivered then (a recovery replays rounds it had delivered already, which the caller does not
-see again).
+over the chaos fits' seconds; beside them, each pair's own ratio (lowest, median, highest),
+which shows how much the machine's drift within a pair moves the first. A fault's cost is
+read off the timeline: the gap between the last round delivered before it and the first
+reply after (with every round that reply delivered: a message answers several rounds at
+once), less the clean fits' time per round for the rounds delivered then (a recovery replays
+rounds it had delivered already, which the caller does not see again).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from paraloom.evaluation import evaluate
 from paraloom.listeners import TrainingListener
 from paraloom.models import LeNet
 
-__all__ = ["ChaosModel", "next_fault_s", "run"]
+__all__ = ["ChaosModel", "next_fault_s", "pair_ratios", "run"]
 
 _BURST_S = 0.002
 """Rounds delivered this close one after the other came in the same reply."""
@@ -214,6 +215,17 @@ def next_fault_s(elapsed_s: float, every_s: float) -> float:
     return every_s - math.fmod(elapsed_s, every_s)
 
 
+def pair_ratios(clean_s: list[float], chaos_s: list[float]) -> dict[str, float]:
+    """Each pair's clean seconds over its chaos seconds: the lowest, the median and the
+    highest. Their spread shows how far the machine's drift within a pair moves the
+    throughput kept (a pair's fits run one after the other, so drift between pairs cancels)."""
+    if len(clean_s) != len(chaos_s) or not clean_s:
+        raise ValueError(f"{len(clean_s)} clean fits and {len(chaos_s)} chaos fits; expected "
+                         "as many of each, at least one")
+    ratios = [c / x for c, x in zip(clean_s, chaos_s, strict=True)]
+    return {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
+
+
 def _joined(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Fits as one run: each one's timeline and recoveries follow the last (seconds since the
     first one's start, counting only the fits' own time; rounds counted on). ``spans``: each
@@ -278,6 +290,8 @@ def run(args: argparse.Namespace) -> int:
               "clean": clean, "chaos": chaos, "faults": costs,
               "plain": plain, "throughput_kept": clean["seconds"] / chaos["seconds"],
               "throughput_kept_from_costs": 1 - sum(c["lost_s"] for c in costs) / chaos["seconds"],
+              "throughput_kept_by_pair": pair_ratios([r["seconds"] for r in cleans],
+                                                     [r["seconds"] for r in faulty]),
               "tolerance_overhead": 1 - plain["seconds"] / clean["seconds"],
               "identical": identical,
               "lost_s_median_by_kind": {k: statistics.median(c["lost_s"] for c in costs
@@ -291,13 +305,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(r: dict[str, Any], path: Path) -> None:
-    c, x = r["clean"], r["chaos"]
+    c, x, pairs = r["clean"], r["chaos"], r["throughput_kept_by_pair"]
     print(f"chaos: {len(r['faults'])} faults, one every {r['config']['every']:g} s, "
           f"{r['config']['segments']} x {r['config']['epochs']} epochs, clean and chaos fits "
           f"alternating; clean {c['seconds']:.1f} s, "
           f"chaos {x['seconds']:.1f} s: "
           f"throughput kept {r['throughput_kept']:.3f} (from the faults' costs: "
-          f"{r['throughput_kept_from_costs']:.3f})")
+          f"{r['throughput_kept_from_costs']:.3f}); pair by pair: "
+          f"{pairs['min']:.3f} to {pairs['max']:.3f}, median {pairs['median']:.3f}")
     print(f"max_failures=0 (no restore points, no spare): {r['plain']['seconds']:.1f} s; the "
           f"fault tolerance costs {100 * r['tolerance_overhead']:.1f}% without faults")
     print(f"accuracy: clean {c['accuracy']:.4f}, chaos {x['accuracy']:.4f}, parameters "

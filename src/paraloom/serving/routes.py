@@ -206,6 +206,10 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 _MODEL = "/v2/models/{name}"
 _VERSION = "/v2/models/{name}/versions/{version}"
 ROUTES = [
+    # Starlette tries the routes in order: inference, the one that counts, is matched first
+    # (no other route's pattern matches its paths, so the order changes nothing else).
+    Route(_MODEL + "/infer", infer, methods=["POST"]),
+    Route(_VERSION + "/infer", infer, methods=["POST"]),
     Route("/v2", server_metadata, methods=["GET"]),
     Route("/v2/health/live", live, methods=["GET"]),
     Route("/v2/health/ready", ready, methods=["GET"]),
@@ -215,8 +219,6 @@ ROUTES = [
     Route(_VERSION + "/config", model_config_route, methods=["GET"]),
     Route(_MODEL + "/ready", model_ready, methods=["GET"]),
     Route(_VERSION + "/ready", model_ready, methods=["GET"]),
-    Route(_MODEL + "/infer", infer, methods=["POST"]),
-    Route(_VERSION + "/infer", infer, methods=["POST"]),
     Route("/v2/repository/index", repository_index, methods=["POST"]),
     Route("/v2/repository/models/{name}/load", load_model, methods=["POST"]),
     Route("/v2/repository/models/{name}/unload", unload_model, methods=["POST"]),

@@ -297,6 +297,33 @@ def test_concurrent_clients_share_one_batch(lenet: nn.Module) -> None:
         closing(app)
 
 
+def test_a_client_gone_before_its_body_ended_is_counted_as_gone_not_as_a_model_failure(
+        app: Starlette, client: Client, caplog: pytest.LogCaptureFixture) -> None:
+    body = json.dumps(lenet_input()).encode()
+    messages = [{"type": "http.request", "body": body[:20], "more_body": True},
+                {"type": "http.disconnect"}]
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": URL, "raw_path": URL.encode(),
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 2),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), WAIT_S))
+    assert sent[0]["status"] == 499  # sent into the void: uvicorn drops it
+    text = client.get("/metrics").text
+    assert ('paraloom_inference_failures_total{model="lenet",reason="client_disconnected"} 1.0'
+            in text)
+    assert "model_error" not in text and "inference failed" not in caplog.text
+
+
 def test_metrics_count_requests_and_failures_by_reason(client: Client) -> None:
     client.post(URL, json=lenet_input())
     client.post(URL, content=b"{")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import AsyncIterator
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive
 
-from paraloom.serving.errors import PayloadTooLargeError, ProtocolError
+from paraloom.serving.errors import ClientGoneError, PayloadTooLargeError, ProtocolError
 
-__all__ = ["read_body"]
+__all__ = ["read_asgi_body", "read_body"]
 
 # zlib's wbits: 16+ reads a gzip wrapper, a plain value reads a zlib stream ("deflate" in HTTP).
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -20,20 +22,25 @@ def _too_large(size: int | str, limit: int, what: str = "request body") -> Paylo
                                 "(paraloom serve --max-body-mb, create_app(max_body_bytes=))")
 
 
-async def _read_raw(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+def _check_declared(declared: str | None, limit: int) -> None:
     if declared is not None:
         if not declared.isdigit():
             raise ProtocolError(f"Content-Length {declared!r} is not a number of bytes")
         if int(declared) > limit:
             raise _too_large(declared, limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():  # a chunked body has no Content-Length to trust
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(f"more than {limit}", limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+
+async def _join(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    parts, size = [], 0
+    try:
+        async for chunk in chunks:  # a chunked body has no Content-Length to trust
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(f"more than {limit}", limit)
+            parts.append(chunk)
+    except ClientDisconnect:
+        raise ClientGoneError("the client disconnected before it sent the whole body") from None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
@@ -47,13 +54,37 @@ def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, decompressed if Content-Encoding says so; 413 past ``limit`` bytes either way."""
-    data = await _read_raw(request, limit)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+def _decoded(data: bytes, content_encoding: str | None, limit: int) -> bytes:
+    encoding = (content_encoding or "identity").strip().lower()
     if encoding in ("", "identity"):
         return data
     if encoding not in _WBITS:
         raise ProtocolError(f"Content-Encoding {encoding!r} is not supported; send gzip, "
                             "deflate or an uncompressed body")
     return _decompress(data, encoding, limit)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, decompressed if Content-Encoding says so; 413 past ``limit`` bytes either way."""
+    _check_declared(request.headers.get("content-length"), limit)
+    data = await _join(request.stream(), limit)
+    return _decoded(data, request.headers.get("content-encoding"), limit)
+
+
+async def _received(receive: Receive) -> AsyncIterator[bytes]:
+    """The body's chunks from an ASGI ``receive``, as Starlette's ``Request.stream`` reads them."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        if message["type"] == "http.request":
+            yield message.get("body", b"")
+            if not message.get("more_body", False):
+                return
+
+
+async def read_asgi_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
+    """``read_body`` for a plain ASGI endpoint: ``headers`` lower-cased names to values."""
+    _check_declared(headers.get("content-length"), limit)
+    data = await _join(_received(receive), limit)
+    return _decoded(data, headers.get("content-encoding"), limit)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "ClientGoneError",
     "ForbiddenError",
     "ModelFailedError",
     "NotFoundError",
@@ -58,6 +59,14 @@ class PayloadTooLargeError(ProtocolError):
 
     status = 413
     reason = "body_too_large"
+
+
+class ClientGoneError(ProtocolError):
+    """The client disconnected before its request was read: nothing is answered (logged as
+    nginx's 499, "client closed request")."""
+
+    status = 499
+    reason = "client_disconnected"
 
 
 class UnavailableError(ServingError):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 
-import anyio
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -14,10 +13,10 @@ from starlette.routing import Route
 
 from paraloom.serving.body import read_body
 from paraloom.serving.errors import NotFoundError, ProtocolError, ServingError
-from paraloom.serving.handling import InferAnswer, describe_server, handle_infer
+from paraloom.serving.handling import describe_server
+from paraloom.serving.infer_endpoint import InferEndpoint
 from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from paraloom.serving.model_config import model_config
-from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.served import ServedModel
 from paraloom.serving.shared_memory_routes import SHARED_MEMORY_ROUTES, regions_of
@@ -26,8 +25,6 @@ from paraloom.serving.unserved import unserved_path
 __all__ = ["EXCEPTION_HANDLERS", "ROUTES", "error_response"]
 
 _log = logging.getLogger("paraloom.serving")
-_HEADER = "Inference-Header-Content-Length"
-_PARSE_IN_THREAD = 1 << 20  # decode bodies this large off the event loop
 _LOAD_BODY_LIMIT = 64 << 10
 
 
@@ -89,48 +86,6 @@ async def model_ready(request: Request) -> Response:
     ready = _repository(request).is_ready(request.path_params["name"],
                                         request.path_params.get("version"))
     return Response(status_code=200 if ready else 400)
-
-
-def _header_length(request: Request) -> int | None:
-    raw = request.headers.get(_HEADER)
-    if raw is None:
-        return None
-    digits = raw.strip()
-    if not (digits.isascii() and digits.isdigit()):
-        raise ProtocolError(f"{_HEADER} is {raw!r}; expected the JSON part's length in bytes, "
-                            "as ASCII digits")
-    return int(digits)
-
-
-def _encode(answer: InferAnswer) -> Response:
-    body, header_length = encode_infer_response(
-        model_name=answer.model_name, model_version=answer.model_version,
-        request_id=answer.request_id, outputs=answer.outputs)
-    if header_length is None:
-        return Response(body, media_type="application/json")
-    return Response(body, media_type="application/octet-stream",
-                    headers={_HEADER: str(header_length)})
-
-
-async def infer(request: Request) -> Response:
-    """POST /v2/models/{name}[/versions/{version}]/infer."""
-    regions = regions_of(request)
-
-    async def decode() -> InferRequest:
-        body = await read_body(request, request.app.state.max_body_bytes)
-        header_length = _header_length(request)
-        if len(body) > _PARSE_IN_THREAD:
-            return await anyio.to_thread.run_sync(parse_infer_request, body, header_length,
-                                                  regions)
-        return parse_infer_request(body, header_length, regions)
-
-    try:
-        answer = await handle_infer(_repository(request), _metrics(request),
-                                    request.path_params["name"],
-                                    request.path_params.get("version"), decode, regions)
-    except ServingError as e:
-        return error_response(e.status, e.message, e.retry_after)
-    return _encode(answer)
 
 
 async def repository_index(request: Request) -> Response:
@@ -207,9 +162,10 @@ _MODEL = "/v2/models/{name}"
 _VERSION = "/v2/models/{name}/versions/{version}"
 ROUTES = [
     # Starlette tries the routes in order: inference, the one that counts, is matched first
-    # (no other route's pattern matches its paths, so the order changes nothing else).
-    Route(_MODEL + "/infer", infer, methods=["POST"]),
-    Route(_VERSION + "/infer", infer, methods=["POST"]),
+    # (no other route's pattern matches its paths, so the order changes nothing else), and
+    # is a plain ASGI endpoint (see infer_endpoint).
+    Route(_MODEL + "/infer", InferEndpoint(), methods=["POST"]),
+    Route(_VERSION + "/infer", InferEndpoint(), methods=["POST"]),
     Route("/v2", server_metadata, methods=["GET"]),
     Route("/v2/health/live", live, methods=["GET"]),
     Route("/v2/health/ready", ready, methods=["GET"]),

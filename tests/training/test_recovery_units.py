@@ -439,6 +439,23 @@ def test_the_inbox_thread_sleeps_until_a_reply_an_end_or_a_change_wakes_it() -> 
     assert not inbox._thread.is_alive()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads Linux's /proc")
+def test_a_spares_heartbeat_sleeps_until_it_has_a_rank_then_beats() -> None:
+    from paraloom.training.worker import _Heartbeat
+
+    beats = [0.0, 0.0]
+    heartbeat = _Heartbeat(beats, -1)
+    time.sleep(0.1)
+    before = _wake_ups(heartbeat.thread)
+    time.sleep(0.4)  # beating on its loop, it woke 4 times here
+    assert _wake_ups(heartbeat.thread) - before <= 1 and beats == [0.0, 0.0]
+    heartbeat.rank = 1
+    deadline = time.monotonic() + 5.0
+    while beats[1] == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert beats[0] == 0.0 and beats[1] > 0.0
+
+
 def test_the_pool_checks_its_workers_every_eighth_of_the_heartbeat_timeout() -> None:
     from paraloom.training.process_pool import check_interval
 

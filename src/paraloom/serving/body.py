@@ -6,11 +6,10 @@ import zlib
 from collections.abc import AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import Receive
 
 from paraloom.serving.errors import ClientGoneError, PayloadTooLargeError, ProtocolError
 
-__all__ = ["read_asgi_body", "read_body"]
+__all__ = ["read_body"]
 
 # zlib's wbits: 16+ reads a gzip wrapper, a plain value reads a zlib stream ("deflate" in HTTP).
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -69,22 +68,3 @@ async def read_body(request: Request, limit: int) -> bytes:
     _check_declared(request.headers.get("content-length"), limit)
     data = await _join(request.stream(), limit)
     return _decoded(data, request.headers.get("content-encoding"), limit)
-
-
-async def _received(receive: Receive) -> AsyncIterator[bytes]:
-    """The body's chunks from an ASGI ``receive``, as Starlette's ``Request.stream`` reads them."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        if message["type"] == "http.request":
-            yield message.get("body", b"")
-            if not message.get("more_body", False):
-                return
-
-
-async def read_asgi_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
-    """``read_body`` for a plain ASGI endpoint: ``headers`` lower-cased names to values."""
-    _check_declared(headers.get("content-length"), limit)
-    data = await _join(_received(receive), limit)
-    return _decoded(data, headers.get("content-encoding"), limit)

@@ -1,21 +1,24 @@
 """``POST /v2/models/{name}[/versions/{version}]/infer`` as a plain ASGI endpoint.
 
 The inference route is the one whose cost per request sets a small request's pace (a request
-that names its input in shared memory is answered in well under a millisecond), so it reads the
-ASGI messages and writes the answer itself, without Starlette's ``Request`` and ``Response``
-objects and their wrappers. Starlette still routes to it: a wrong method gets the routes' 405,
-and every error reaches the app's handlers, which answer it in the protocol's form.
+that names its input in shared memory is answered in well under a millisecond), so it is
+called as ASGI and writes the answer itself, without Starlette's endpoint wrapper and
+``Response`` objects (a ``Request`` reads the body and headers, as in every route).
+Starlette still routes to it: a wrong method gets the routes' 405, and every error reaches
+the app's handlers, which answer it in the protocol's form.
 """
 
 from __future__ import annotations
 
 import anyio
+from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from paraloom.serving.body import read_asgi_body
+from paraloom.serving.body import read_body
 from paraloom.serving.errors import ProtocolError
 from paraloom.serving.handling import InferAnswer, handle_infer
 from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
+from paraloom.serving.shared_memory_routes import regions_of
 
 __all__ = ["HEADER_LENGTH", "InferEndpoint", "header_length"]
 
@@ -34,14 +37,6 @@ def header_length(raw: str | None) -> int | None:
         raise ProtocolError(f"{HEADER_LENGTH} is {raw!r}; expected the JSON part's length in "
                             "bytes, as ASCII digits")
     return int(digits)
-
-
-def _headers(scope: Scope) -> dict[str, str]:
-    """The request's headers by lower-cased name; the first of repeated ones, as Starlette."""
-    out: dict[str, str] = {}
-    for name, value in scope["headers"]:
-        out.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
-    return out
 
 
 def _response_start(body: bytes, media_type: str, extra: list[tuple[bytes, bytes]]
@@ -71,14 +66,14 @@ class InferEndpoint:
     handler (``routes.EXCEPTION_HANDLERS``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = scope["app"].state
-        regions = state.regions
-        headers = _headers(scope)
-        params = scope["path_params"]
+        request = Request(scope, receive)
+        state = request.app.state
+        regions = regions_of(request)
+        params = request.path_params
 
         async def decode() -> InferRequest:
-            body = await read_asgi_body(headers, receive, state.max_body_bytes)
-            length = header_length(headers.get(_HEADER_KEY))
+            body = await read_body(request, state.max_body_bytes)
+            length = header_length(request.headers.get(HEADER_LENGTH))
             if len(body) > _PARSE_IN_THREAD:
                 return await anyio.to_thread.run_sync(parse_infer_request, body, length,
                                                       regions)

@@ -27,6 +27,7 @@ from paraloom.training.messages import (
     Stop,
 )
 from paraloom.training.optim import OptimizerSpec
+from paraloom.training.packing import PackedTensors, unpack_tensors
 from paraloom.training.runner import ReplicaRunner, WorkerSpec, pickle_spec
 from paraloom.training.transport import pack as _pack
 from paraloom.training.worker import WorkerConfig, worker_main
@@ -76,7 +77,8 @@ def test_the_worker_loop_answers_each_message_in_order():
     assert kinds == [Ready, StepDone, StepDone, CheckpointReply, Finished]
     assert replies[1].round_id == 0 and replies[1].rows == 4 and replies[1].loss is not None
     assert replies[2].loss is None and replies[2].rows == 0
-    assert replies[3].tag == 7 and set(replies[3].state) >= {"model", "optimizer", "rng"}
+    assert replies[3].tag == 7 and isinstance(replies[3].state, PackedTensors)
+    assert set(unpack_tensors(replies[3].state)) >= {"model", "optimizer", "rng"}
     assert replies[4].result.state is not None  # rank 0 sends the trained parameters
 
 

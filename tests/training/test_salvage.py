@@ -11,6 +11,7 @@ from paraloom.errors import WorkerError
 from paraloom.listeners import TrainingListener
 from paraloom.training.fit_run import FitRun
 from paraloom.training.messages import CheckpointReply
+from paraloom.training.packing import pack_tensors
 from paraloom.training.resume import CheckpointCollector
 
 
@@ -44,8 +45,9 @@ class _FailedPool:
 def test_checkpoint_replies_that_came_in_before_a_failure_are_written() -> None:
     listener = _Every4()
     collector = CheckpointCollector([listener], dict, workers=2)
-    held = [CheckpointReply(1, 3, {"step": 4}), CheckpointReply(0, 3, {"step": 4}),
-            CheckpointReply(1, 7, {"step": 8})]  # round 8: rank 0 never answered
+    held = [CheckpointReply(1, 3, pack_tensors({"step": 4})),
+            CheckpointReply(0, 3, pack_tensors({"step": 4})),
+            CheckpointReply(1, 7, pack_tensors({"step": 8}))]  # round 8: rank 0 never answered
     pool = _FailedPool(held)
     run = FitRun(SimpleNamespace(recovering=False), pool, SimpleNamespace(iteration=0),
                  collector, [listener], None)

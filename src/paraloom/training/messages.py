@@ -249,11 +249,13 @@ class RoundsDone:
 
 @dataclass(frozen=True)
 class CheckpointReply:
-    """One replica's full state after round ``tag``."""
+    """One replica's full state after round ``tag``, packed: one shared-memory segment, which
+    the parent fetches in one exchange with the worker as it reads the reply (not one per
+    tensor, while the worker trains on and may fail)."""
 
     rank: int
     tag: int
-    state: ReplicaState
+    state: PackedTensors
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from paraloom.checkpoint import atomic_write, check_safetensors
 from paraloom.listeners import TrainingListener
 from paraloom.training.messages import CheckpointReply, CheckpointRequest, ReplicaState
+from paraloom.training.packing import unpack_tensors
 from paraloom.training.pool import Pool
 
 __all__ = ["TrainingCheckpoint", "CheckpointCollector", "latest_checkpoint"]
@@ -232,7 +233,7 @@ class CheckpointCollector:
         pending = self.pending.get(reply.tag)
         if pending is None or (self.last is not None and reply.tag > self.last):
             return  # superseded by a newer checkpoint, or past a stop()
-        pending.checkpoint.replicas[reply.rank] = reply.state
+        pending.checkpoint.replicas[reply.rank] = unpack_tensors(reply.state)
         if any(r is None for r in pending.checkpoint.replicas):
             return
         pending.done = True

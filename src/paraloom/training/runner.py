@@ -52,6 +52,7 @@ from paraloom.training.packing import (
     RESTORE_BUFFERS,
     PackedTensors,
     PackingBuffers,
+    pack_tensors,
     unpack_tensors,
 )
 from paraloom.training.parametrized import by_value
@@ -156,7 +157,12 @@ class ReplicaRunner:
                 self._own_loader().start_epoch(message.epoch, message.seed, message.batches,
                                                message.first, message.stride)
             case CheckpointRequest():
-                return CheckpointReply(self.rank, message.tag, self.replica.full_state())
+                # Packed: one segment for the parent to fetch, not one per tensor (each a
+                # round trip with this process's descriptor server, which waits for the GIL
+                # while the replica trains on: a worker that failed a few rounds later took
+                # its checkpoint's unfetched tensors with it).
+                return CheckpointReply(self.rank, message.tag,
+                                       pack_tensors(self.replica.full_state(independent=False)))
             case RestorePointRequest():
                 started = time.perf_counter()
                 state = self.restore_buffers.pack(self.replica.full_state(independent=False))

@@ -10,25 +10,36 @@ import torch.distributed as dist
 from torch import nn
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
-from paraloom.sync.collectives import average_tensors_
+from paraloom.sync.collectives import average_tensors_, broadcast_tensors_
 
 __all__ = ["Averaging", "average_tensors_", "optimizer_state_tensors"]
 
 log = logging.getLogger(__name__)
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-    """Per parameter, in a fixed order: its optimizer state tensors (momentum, moments, step)."""
+_COUNTERS = frozenset({"step"})
+"""Optimizer state entries that count steps (Adam's, Adagrad's, ...): taken from rank 0,
+which trains in every round, not averaged (a replica idle in an epoch's last round has
+counted one fewer, and a mean of 5 and 6 is not a step count)."""
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer
+                            ) -> list[list[tuple[str, torch.Tensor]]]:
+    """Per parameter, in a fixed order: its optimizer state tensors (momentum, moments, step),
+    each with its key."""
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})
-            out.append([state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)])
+            out.append([(k, state[k]) for k in sorted(state)
+                        if isinstance(state[k], torch.Tensor)])
     return out
 
 
 def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
-    return [p.data for p in model.parameters()] + list(model.buffers())
+    """The parameters that train and every buffer: a frozen parameter is the same on every
+    replica (averaging it would cost its bytes and could move it by a rounding error)."""
+    return [p.data for p in model.parameters() if p.requires_grad] + list(model.buffers())
 
 
 class Averaging(Synchronizer):
@@ -84,13 +95,19 @@ class Averaging(Synchronizer):
         if not is_distributed(ctx):
             return
         self.averagings += 1
-        tensors = _model_tensors(ctx.model)
+        tensors, counters = _model_tensors(ctx.model), []
         if self.average_updaters:
-            tensors += self._common_optimizer_state(ctx)
+            state = self._common_optimizer_state(ctx)
+            tensors += [t for key, t in state if key not in _COUNTERS]
+            counters = [t for key, t in state if key in _COUNTERS]
         self.bytes_sent += average_tensors_(tensors, ctx.group, ctx.world_size, ctx.device)
+        if counters:
+            self.bytes_sent += broadcast_tensors_(counters, ctx.group, ctx.world_size,
+                                                  ctx.device)
 
-    def _common_optimizer_state(self, ctx: StepContext) -> list[torch.Tensor]:
-        """The optimizer state tensors of the parameters whose state every replica holds."""
+    def _common_optimizer_state(self, ctx: StepContext) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer state tensors (with their keys) of the parameters whose state every
+        replica holds."""
         per_param = optimizer_state_tensors(ctx.optimizer)
         # A parameter that got no gradient on some replica has no state there (a routed or
         # multi-task model): average only parameters whose state every replica holds.

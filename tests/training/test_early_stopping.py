@@ -206,6 +206,17 @@ def test_a_saver_that_cannot_give_back_the_best_model_keeps_the_result():
     assert (result.best_epoch, result.best_score, result.scores[5]) == (2, 0.0, 3.0)
 
 
+def test_a_one_shot_generator_is_refused_before_any_training():
+    model = Scalar()
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(3)],
+                                 score_calculator=lambda m: 0.0)
+    batches = ((torch.tensor([[1.0]]), torch.zeros(1)) for _ in range(4))
+    with pytest.raises(ValueError, match="one-shot generator.*re-iterable"):
+        EarlyStoppingParallelTrainer(config, model, batches, loss_fn=linear_loss, workers=1,
+                                     optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    assert float(model.w.detach()) == 0.0  # nothing trained
+
+
 def test_conditions_in_isolation():
     imp = ScoreImprovement(patience=2, min_delta=0.1)
     imp.initialize()

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,11 @@ class EarlyStoppingParallelTrainer:
 
     def __init__(self, config: EarlyStoppingConfig, model: nn.Module, train_data: Iterable[Any],
                  **wrapper_options: Any) -> None:
+        if isinstance(train_data, Iterator):  # iter(data) is data: one pass, then empty
+            raise ValueError(
+                f"train_data is a one-shot {type(train_data).__name__}, which yields its "
+                "batches once, but early stopping trains epoch after epoch until a condition "
+                "holds: pass a re-iterable source (a DataLoader or a list)")
         self.config = config
         self.model = model
         self.train_data = train_data

@@ -50,7 +50,10 @@ class OptimizerSpec:
             missing = [p for p in g["params"] if id(p) not in index]
             if missing:
                 raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not "
-                                 "parameters of the model; build it from model.parameters()")
+                                 "parameters of the model (a layer replaced since the "
+                                 "optimizer was built?); build it from model.parameters(), "
+                                 "and after replacing a layer build a new optimizer and a new "
+                                 "ParallelWrapper with it")
             hyper = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
             groups.append({"params": [index[id(p)] for p in g["params"]], **hyper})
         state = copy.deepcopy(optimizer.state_dict()) if optimizer.state else None

@@ -91,6 +91,28 @@ def _precision_hint(dtype: torch.dtype) -> str:
     return f", or train with precision=\"{name}-true\"" if name else ""
 
 
+def _check_loss(loss: object, source: str) -> None:
+    """Raise ``TypeError`` unless ``loss`` is a scalar tensor that backward can run from, saying
+    what ``source`` (``loss_fn`` or ``step_fn``) returned instead and how to fix it."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        if not loss.requires_grad and torch.is_grad_enabled():
+            raise TypeError(f"the loss {source} returned does not require grad: it was "
+                            "computed outside autograd (under torch.no_grad(), from .detach() "
+                            "or .item() values, or with every parameter frozen); return the "
+                            "loss as computed from the model's outputs")
+        return
+    if isinstance(loss, torch.Tensor):
+        fix = "reduce it with .mean() or use a reduction='mean' loss"
+    elif loss is None:
+        fix = f"{source} must return the loss tensor (did it miss a return?)"
+    elif isinstance(loss, (int, float)):
+        fix = "a Python number has no gradient: return the loss tensor itself, not loss.item()"
+    else:
+        fix = f"{source} must return one scalar tensor"
+    got = "None" if loss is None else describe(loss)
+    raise TypeError(f"the loss must be a scalar tensor; {source} returned {got}: {fix}")
+
+
 SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 """``lr_scheduler(optimizer) -> scheduler``, e.g. ``lambda opt: OneCycleLR(opt, 0.1, 1000)``."""
 
@@ -383,9 +405,7 @@ class Replica:
                 loss = self.sync.run_step_fn(self.step_fn, self._module, batch, self.ctx)
             else:
                 loss = self._model_loss(batch)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise TypeError(f"the loss must be a scalar tensor; got {describe(loss)}. "
-                            "Reduce it with .mean() or use a reduction='mean' loss")
+        _check_loss(loss, "step_fn" if self.step_fn is not None else "loss_fn")
         return loss.float()
 
     def _model_loss(self, batch: Any) -> torch.Tensor:
@@ -401,7 +421,12 @@ class Replica:
         try:
             return compute_loss(self.loss_fn, outputs, targets)
         except Exception as e:
-            raise self._batch_error(e, inputs, targets) from e
+            error = self._batch_error(e, inputs, targets)
+            if isinstance(outputs, (tuple, list)) and callable(self.loss_fn):
+                error.args = (f"{error.args[0]}\nThe model returned {describe(outputs)}: give "
+                              f"one loss per output (loss_fn=[loss_a, loss_b, ...]; their sum "
+                              f"is trained) or a step_fn that computes the loss",)
+            raise error from e
 
     @staticmethod
     def _batch_error(e: Exception, inputs: Any, targets: Any) -> BatchError:
@@ -412,13 +437,21 @@ class Replica:
         """Raise ``TypeError`` naming the conversion when an input's float dtype differs from
         the parameters' (the likely cause of ``failure``)."""
         want = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
+        # Integer inputs are an embedding's own; named only where the failure is about dtypes.
+        integers_too = "dtype" in str(failure) or "scalar type" in str(failure)
         for t in iter_tensors(inputs):
-            if want is not None and t.is_floating_point() and t.dtype != want:
+            if want is None or t.dtype == want:
+                continue
+            if t.is_floating_point():
                 raise TypeError(f"the inputs are {_dtype_name(t.dtype)} but the model's "
                                 f"parameters are {_dtype_name(want)}: convert the data "
                                 f"(x{_conversion(want)}) or the model "
                                 f"(model{_conversion(t.dtype)}){_precision_hint(t.dtype)}"
                                 ) from failure
+            if integers_too and not t.is_complex() and t.dtype != torch.bool:
+                raise TypeError(f"the inputs are {_dtype_name(t.dtype)} but the model's "
+                                f"parameters are {_dtype_name(want)}: convert the data "
+                                f"(x{_conversion(want)}, e.g. in the Dataset)") from failure
 
     def finish(self) -> None:
         """End of fit(): a step on what is left accumulated (a ``stop()`` in an

@@ -1,0 +1,80 @@
+"""A step or an optimizer that cannot train says what it got and what to change."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from paraloom import ParallelWrapper, WorkerError
+
+pytestmark = pytest.mark.timeout(60)
+
+_BATCHES = [(torch.ones(2, 4), torch.zeros(2, dtype=torch.long))] * 2
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(x), self.linear(x).sum(dim=1)
+
+
+def _fail(model: nn.Module, batches=_BATCHES, **options) -> str:
+    with ParallelWrapper(model, workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         **options) as wrapper:
+        with pytest.raises(WorkerError) as caught:
+            wrapper.fit(batches)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"step_fn": lambda model, batch: None}, r"step_fn returned None: .*did it miss a return"),
+    ({"loss_fn": lambda out, y: 0.5}, r"loss_fn returned float: a Python number has no "
+                                      r"gradient.*not loss\.item\(\)"),
+    ({"loss_fn": nn.CrossEntropyLoss(reduction="none")}, r"Tensor\(2,\).*reduction='mean'"),
+    ({"loss_fn": lambda out, y: nn.functional.cross_entropy(out, y).detach()},
+     r"does not require grad: .*under torch\.no_grad\(\), from \.detach\(\)"),
+])
+def test_a_loss_that_cannot_train_says_what_came_back_and_the_fix(options, says) -> None:
+    assert re.search(says, _fail(nn.Linear(4, 2), **options))
+
+
+def test_a_model_with_two_outputs_and_one_loss_is_told_to_give_one_per_output() -> None:
+    message = _fail(_TwoOutputs(), loss_fn=nn.CrossEntropyLoss())
+    assert "The model returned tuple" in message
+    assert "loss_fn=[loss_a, loss_b, ...]" in message
+
+
+def test_integer_inputs_to_a_float_layer_name_the_conversion() -> None:
+    batches = [(torch.ones(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.long))]
+    message = _fail(nn.Linear(4, 2), batches, loss_fn=nn.CrossEntropyLoss())
+    assert "the inputs are int64 but the model's parameters are float32: convert the data " \
+           "(x.float(), e.g. in the Dataset)" in message
+
+
+def test_integer_inputs_to_an_embedding_train() -> None:
+    model = nn.Sequential(nn.Embedding(10, 2), nn.Flatten(0))
+    batches = [(torch.tensor([1, 2]), torch.tensor([0, 1]))] * 2
+    with ParallelWrapper(model, loss_fn=lambda out, y: (out.view(2, 2)[:, 0] - y).pow(2).mean(),
+                         workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as wrapper:
+        assert wrapper.fit(batches)["batches"] == 2
+
+
+def test_an_optimizer_over_a_replaced_layer_says_to_build_both_again() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=1,
+                         progress=False) as wrapper:
+        wrapper.fit(_BATCHES)
+        model[1] = nn.Linear(4, 2)  # a new head; the optimizer still holds the old one's
+        with pytest.raises(ValueError, match=r"2 tensor\(s\) that are not parameters of the "
+                                             r"model \(a layer replaced .*a new optimizer and a "
+                                             r"new ParallelWrapper"):
+            wrapper.fit(_BATCHES)

@@ -91,16 +91,16 @@ def _precision_hint(dtype: torch.dtype) -> str:
     return f", or train with precision=\"{name}-true\"" if name else ""
 
 
-def _check_loss(loss: object, source: str) -> None:
-    """Raise ``TypeError`` unless ``loss`` is a scalar tensor that backward can run from, saying
-    what ``source`` (``loss_fn`` or ``step_fn``) returned instead and how to fix it."""
+def _checked_loss(loss: object, source: str) -> torch.Tensor:
+    """``loss``, once it is a scalar tensor that backward can run from; else ``TypeError``,
+    saying what ``source`` (``loss_fn`` or ``step_fn``) returned instead and how to fix it."""
     if isinstance(loss, torch.Tensor) and loss.dim() == 0:
         if not loss.requires_grad and torch.is_grad_enabled():
             raise TypeError(f"the loss {source} returned does not require grad: it was "
                             "computed outside autograd (under torch.no_grad(), from .detach() "
                             "or .item() values, or with every parameter frozen); return the "
                             "loss as computed from the model's outputs")
-        return
+        return loss
     if isinstance(loss, torch.Tensor):
         fix = "reduce it with .mean() or use a reduction='mean' loss"
     elif loss is None:
@@ -405,8 +405,7 @@ class Replica:
                 loss = self.sync.run_step_fn(self.step_fn, self._module, batch, self.ctx)
             else:
                 loss = self._model_loss(batch)
-        _check_loss(loss, "step_fn" if self.step_fn is not None else "loss_fn")
-        return loss.float()
+        return _checked_loss(loss, "step_fn" if self.step_fn is not None else "loss_fn").float()
 
     def _model_loss(self, batch: Any) -> torch.Tensor:
         assert self.loss_fn is not None  # require_loss: no step_fn means a loss_fn

@@ -35,6 +35,13 @@ def test_fractional_labels_are_refused() -> None:
         Evaluation(3).update(torch.randn(4, 3), torch.tensor([0.5, 1.0, 2.0, 0.0]))
 
 
+def test_a_label_outside_the_classes_names_the_range_also_with_a_loss() -> None:
+    # The loss function would fail first, with its own "Target 7 is out of bounds".
+    batches = [(torch.randn(2, 3), torch.tensor([0, 7]))]
+    with pytest.raises(ValueError, match=r"class indices in \[0, 4\)"):
+        evaluate(nn.Linear(3, 4), batches, loss_fn=nn.CrossEntropyLoss())
+
+
 @pytest.mark.parametrize("offset", [0.0, 1e7, 1e8])
 def test_r2_holds_for_targets_far_from_zero_across_merges(offset: float) -> None:
     rng = np.random.default_rng(0)

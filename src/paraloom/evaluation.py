@@ -358,8 +358,14 @@ def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | Non
         if ev is None:
             scores = 1 if logits.dim() == 1 else int(logits.shape[1])
             ev = Evaluation(num_classes or max(2, scores))  # one score: a binary logit
-        with torch.no_grad():
-            loss = float(loss_fn(logits, targets)) * int(targets.shape[0]) if loss_fn else 0.0
+        loss = 0.0
+        if loss_fn is not None:
+            try:
+                with torch.no_grad():
+                    loss = float(loss_fn(logits, targets)) * int(targets.shape[0])
+            except Exception:
+                ev.update(logits, targets)  # a label outside the classes: this names the range
+                raise
         ev.update(logits, targets, loss)
     assert ev is not None
     return ev

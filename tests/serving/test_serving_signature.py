@@ -9,7 +9,7 @@ from torch import nn
 from paraloom.models import MLP, LeNet
 from paraloom.serving.errors import ProtocolError
 from paraloom.serving.protocol import RequestInput
-from paraloom.serving.signature import TensorSpec, infer_signature
+from paraloom.serving.signature import ModelSignature, TensorSpec, infer_signature
 
 
 def test_lenet_signature_comes_from_its_config() -> None:
@@ -148,6 +148,18 @@ def test_a_model_without_a_row_per_input_row_is_refused_where_requests_are_batch
     app.state.served.pool.close()  # one request at a time: served as it is
 
 
+def test_inputs_with_different_rows_are_named_with_their_rows() -> None:
+    # Declared in the order the model takes them, which need not be the order sent.
+    sig = ModelSignature(inputs=(TensorSpec("INPUT__1", "FP32", (-1, 2)),
+                                 TensorSpec("INPUT__0", "FP32", (-1, 2))),
+                         outputs=(TensorSpec("OUTPUT__0", "FP32", (-1, 2)),))
+    given = [request("INPUT__0", shape=(2, 2)), request("INPUT__1", shape=(3, 2))]
+    with pytest.raises(ProtocolError, match=r"\('INPUT__1': 3, 'INPUT__0': 2\)"):
+        sig.check(given, batched=True)
+    assert len(sig.check(given)) == 2  # without a batch dimension, lengths may differ
+    assert len(sig.check([request("INPUT__0", shape=(3, 2)), given[1]], batched=True)) == 2
+
+
 def test_an_inferred_input_takes_the_first_layers_dtype() -> None:
     signature = infer_signature(nn.Sequential(nn.Linear(4, 2)).double())
     assert signature.inputs == (TensorSpec("input", "FP64", (-1, 4)),)
@@ -169,3 +181,15 @@ def test_classification_ranks_integers_exactly() -> None:
 
     big = torch.tensor([[2**53, 2**53 + 1, 5]])
     assert classify(big, 1, True, (), "y").tolist() == [[b"9007199254740993:1"]]
+
+
+@pytest.mark.parametrize(("dtype", "top"), [(torch.uint16, 2**16 - 1),
+                                            (torch.uint32, 2**32 - 1),
+                                            (torch.uint64, 2**64 - 1)])
+def test_classification_ranks_wide_unsigned_integers_exactly(dtype, top) -> None:
+    # torch has no topk for these types; a double would tie 2**64 - 1 with 2**64 - 2.
+    from paraloom.serving.classification import classify
+
+    scores = torch.tensor([[top - 1, 7, top, 2**15]], dtype=torch.uint64).to(dtype)
+    assert classify(scores, 3, True, (), "y").tolist() == [
+        [f"{top}:2".encode(), f"{top - 1}:0".encode(), f"{2**15}:3".encode()]]

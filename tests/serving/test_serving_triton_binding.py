@@ -267,3 +267,29 @@ def test_the_rows_are_the_first_declared_inputs_whatever_order_a_request_lists(
     finally:
         client.close()
         closing(app)
+
+
+def test_merged_requests_with_inputs_of_different_rows_name_each_input(tmp_path: Path) -> None:
+    import json
+
+    from paraloom import save
+
+    folder = tmp_path / "scores"
+    folder.mkdir()
+    save(_Scores(), folder / "model.safetensors")
+    spec = {"datatype": "FP32", "shape": [-1, 4]}
+    (folder / "config.json").write_text(json.dumps({
+        "mode": "batched", "max_batch_size": 8, "workers": 1,
+        "inputs": [{"name": "q", **spec}, {"name": "k", **spec}],
+        "outputs": [{"name": "out", "datatype": "FP32", "shape": [-1, -1]}]}))
+    q = {"name": "q", "shape": [2, 4], "datatype": "FP32", "data": [1.0] * 8}
+    k = {"name": "k", "shape": [3, 4], "datatype": "FP32", "data": [1.0] * 12}
+    app = create_repository_app(tmp_path, workers=1)
+    client = Client(app)
+    try:
+        answer = client.post("/v2/models/scores/infer", json={"inputs": [k, q]})
+        assert answer.status_code == 400
+        assert "('q': 2, 'k': 3)" in answer.json()["error"]
+    finally:
+        client.close()
+        closing(app)

@@ -179,6 +179,16 @@ def test_evaluate_a_double_class_label_says_to_set_label_dtype(spark):
         net.evaluate(frame, features="x")
 
 
+def test_evaluate_a_label_outside_the_classes_names_the_range_with_a_loss_fn(spark):
+    from paraloom.errors import WorkerError
+
+    frame = spark.createDataFrame([([1.0, 2.0, 3.0], 0), ([0.5, 0.0, 1.0], 7)], ["x", "label"])
+    net = SparkModel(spark, nn.Linear(3, 4), ParameterAveragingTrainingMaster(workers=1),
+                     loss_fn=nn.CrossEntropyLoss())  # its IndexError would come first
+    with pytest.raises(WorkerError, match=r"class indices in \[0, 4\)"):
+        net.evaluate(frame, features="x")
+
+
 def test_evaluate_one_hot_label_columns_like_class_indices(spark):
     """DL4J's and Keras's one-hot labels: CrossEntropyLoss trains on them, evaluate counts
     them as their class (the same metrics as the index column)."""

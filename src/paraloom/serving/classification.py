@@ -38,22 +38,33 @@ def classify(value: object, k: int, batched: bool, labels: Sequence[str], name: 
     t = value.detach().cpu()
     rows = t.reshape(t.shape[0], -1) if batched and t.dim() > 0 else t.reshape(1, -1)
     count = min(k, rows.shape[1])
+    keys = _ranking_keys(rows)
     try:
-        top = torch.topk(rows, count, dim=1).indices  # in the output's own type: exact
+        top = torch.topk(keys, count, dim=1).indices  # exact: the same order as the values
     except RuntimeError:  # a type topk does not take on this device
-        top = torch.topk(rows.double(), count, dim=1).indices
-    picked = torch.gather(rows, 1, top)
+        top = torch.topk(keys.double(), count, dim=1).indices
     floating = rows.is_floating_point()
     out = np.empty(tuple(top.shape), dtype=object)
     for r in range(top.shape[0]):
         for c in range(count):
             index = int(top[r, c])
-            number = picked[r, c].item()
+            number = rows[r, index].item()
             text = f"{number:f}:{index}" if floating else f"{int(number)}:{index}"
             if index < len(labels) and labels[index]:
                 text += f":{labels[index]}"
             out[r, c] = text.encode()
     return out if batched else out.reshape(count)
+
+
+def _ranking_keys(rows: torch.Tensor) -> torch.Tensor:
+    """``rows``, or values that rank as they do in a type ``topk`` takes: torch has no ``topk``
+    for unsigned integers wider than 8 bits, and a double cannot hold every uint64 apart (one
+    above 2**53 would tie with its neighbours)."""
+    if rows.dtype in (torch.uint16, torch.uint32):
+        return rows.to(torch.int64)
+    if rows.dtype == torch.uint64:  # flipping the top bit keeps the order, in int64
+        return rows.view(torch.int64) ^ torch.iinfo(torch.int64).min
+    return rows
 
 
 def read_labels(text: str) -> list[str]:

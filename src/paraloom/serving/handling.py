@@ -140,7 +140,7 @@ async def _prepared(repository: ModelRepository, name: str, version: str | None,
     """The model to run and its input tensors (its handler's preprocess run on a thread)."""
     for _ in range(_RELOOKUPS):
         served = repository.get(name, version)
-        values = served.signature.check(parsed.inputs)
+        values = served.signature.check(parsed.inputs, batched=served.merges_requests)
         handler = served.handler
         if handler is None:
             return served, values  # type: ignore[return-value]  # the signature is numeric

@@ -148,6 +148,12 @@ class ServedModel:
                                    or self.signature.max_rows > 0)
 
     @property
+    def merges_requests(self) -> bool:
+        """Whether the pool merges requests row by row (every input then gives as many rows);
+        a sequential pool runs each request as it came, rows counted off the first input."""
+        return self.batch_dim and self.pool.inference_mode is InferenceMode.BATCHED
+
+    @property
     def ready(self) -> bool:
         """Whether new requests will be accepted."""
         return not self.draining and not self.pool.closed

@@ -89,8 +89,10 @@ class ModelSignature:
     """Probed outputs whose first dimension was not the probe's number of rows (a model
     without a batch dimension): a server that batches refuses the model (``ServedModel``)."""
 
-    def check(self, request_inputs: list[RequestInput]) -> list[Value]:
-        """The request's tensors in the model's input order; ``ProtocolError`` if they don't fit."""
+    def check(self, request_inputs: list[RequestInput], batched: bool = False) -> list[Value]:
+        """The request's tensors in the model's input order; ``ProtocolError`` if they don't fit
+        (``batched``: the first dimension of every input is the batch, so each gives as many
+        rows)."""
         given = {t.name: t for t in request_inputs}
         expected = [s.name for s in self.inputs]
         unknown = sorted(set(given) - set(expected))
@@ -99,6 +101,8 @@ class ModelSignature:
             raise ProtocolError(f"request inputs {sorted(given)} do not match the model's "
                                 f"inputs {expected} (unknown: {unknown}, missing: {missing})")
         values = [_check_one(spec, given[spec.name]) for spec in self.inputs]
+        if batched:
+            _check_rows_agree([(spec.name, given[spec.name].shape) for spec in self.inputs])
         rows = given[expected[0]].shape[0] if expected and given[expected[0]].shape else 0
         if self.max_rows and rows > self.max_rows:
             raise ProtocolError(f"the request has {rows} rows, over the model's max_batch_size "
@@ -139,6 +143,16 @@ class ModelSignature:
             if wrong is not None:
                 return wrong
         return None
+
+
+def _check_rows_agree(shapes: list[tuple[str, Sequence[int]]]) -> None:
+    """``ProtocolError`` naming each input's rows when the inputs (of a model with a batch
+    dimension) give different numbers of rows."""
+    rows = [(name, shape[0]) for name, shape in shapes if len(shape) > 0]
+    if len({r for _, r in rows}) > 1:
+        detail = ", ".join(f"{name!r}: {r}" for name, r in rows)
+        raise ProtocolError(f"the inputs disagree on the number of rows ({detail}); each "
+                            "input's first dimension is the batch: send as many rows in each")
 
 
 def _check_one(spec: TensorSpec, given: RequestInput) -> Value:

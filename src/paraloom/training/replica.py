@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from paraloom.clipping import GradientClipping
-from paraloom.data import cpu_copy, describe, iter_tensors, map_tensors, split_batch, to_device
+from paraloom.data import cpu_copy, describe, map_tensors, split_batch, to_device
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.precision import Precision, resolve_precision
 from paraloom.sync.base import StepContext, Synchronizer, zero_loss
@@ -23,39 +23,21 @@ from paraloom.training.buffers import load_model_state, load_transient, transien
 from paraloom.training.messages import ModelState, ReplicaState
 from paraloom.training.optim import OptimizerSpec
 from paraloom.training.parametrized import private_copy
+from paraloom.training.step_checks import (
+    BatchError,
+    NonFiniteLossError,
+    StepFn,
+    batch_error,
+    checked_loss,
+    raise_if_dtype_differs,
+    require_loss,
+)
 from paraloom.training.timing import RoundTiming
 
 __all__ = ["Accumulation", "Replica", "NonFiniteLossError", "BatchError", "LossFn",
            "SchedulerFactory", "StepFn", "require_loss", "host_to_device"]
 
-StepFn = Callable[[nn.Module, Any], torch.Tensor]
-"""``step_fn(model, batch) -> loss``: the user's own forward and loss."""
 _S = TypeVar("_S")
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss of a batch was NaN or infinite."""
-
-
-class BatchError(RuntimeError):
-    """The model or the loss failed on a batch; the message describes the batch."""
-
-
-def require_loss(loss_fn: LossFn | None, step_fn: StepFn | None) -> None:
-    """Refuse a training setup that has no way to compute a loss, or two."""
-    if loss_fn is None and step_fn is None:
-        raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, batch)"
-                         " -> loss")
-    if loss_fn is not None and step_fn is not None:
-        raise ValueError("give loss_fn= or step_fn=, not both: step_fn(model, batch) computes "
-                         "the loss itself, so loss_fn would never be called")
-    losses = list(loss_fn) if isinstance(loss_fn, list | tuple) else [loss_fn or step_fn]
-    wrong = [f for f in losses if not callable(f)]
-    if wrong:
-        name = "loss_fn" if loss_fn is not None else "step_fn"
-        raise TypeError(f"{name}={repr(wrong[0])[:60]} is not callable; expected a function or "
-                        "module such as nn.CrossEntropyLoss() (loss_fn, or a list of them: one "
-                        "per model output) or step_fn=(model, batch) -> loss")
 
 
 def host_to_device(batch: Any, device: torch.device) -> Any:
@@ -70,47 +52,6 @@ def host_to_device(batch: Any, device: torch.device) -> Any:
         return t.to(device, non_blocking=True)
 
     return map_tensors(batch, move)
-
-
-_CONVERSIONS = {torch.float32: ".float()", torch.float64: ".double()",
-                torch.float16: ".half()", torch.bfloat16: ".bfloat16()"}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _conversion(dtype: torch.dtype) -> str:
-    """The tensor/module method that converts to ``dtype`` (e.g. ``.bfloat16()``)."""
-    return _CONVERSIONS.get(dtype, f".to(torch.{_dtype_name(dtype)})")
-
-
-def _precision_hint(dtype: torch.dtype) -> str:
-    """For half-precision inputs: the precision= that runs the model in that dtype."""
-    name = {torch.float16: "16", torch.bfloat16: "bf16"}.get(dtype)
-    return f", or train with precision=\"{name}-true\"" if name else ""
-
-
-def _checked_loss(loss: object, source: str) -> torch.Tensor:
-    """``loss``, once it is a scalar tensor that backward can run from; else ``TypeError``,
-    saying what ``source`` (``loss_fn`` or ``step_fn``) returned instead and how to fix it."""
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-        if not loss.requires_grad and torch.is_grad_enabled():
-            raise TypeError(f"the loss {source} returned does not require grad: it was "
-                            "computed outside autograd (under torch.no_grad(), from .detach() "
-                            "or .item() values, or with every parameter frozen); return the "
-                            "loss as computed from the model's outputs")
-        return loss
-    if isinstance(loss, torch.Tensor):
-        fix = "reduce it with .mean() or use a reduction='mean' loss"
-    elif loss is None:
-        fix = f"{source} must return the loss tensor (did it miss a return?)"
-    elif isinstance(loss, (int, float)):
-        fix = "a Python number has no gradient: return the loss tensor itself, not loss.item()"
-    else:
-        fix = f"{source} must return one scalar tensor"
-    got = "None" if loss is None else describe(loss)
-    raise TypeError(f"the loss must be a scalar tensor; {source} returned {got}: {fix}")
 
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
@@ -405,7 +346,7 @@ class Replica:
                 loss = self.sync.run_step_fn(self.step_fn, self._module, batch, self.ctx)
             else:
                 loss = self._model_loss(batch)
-        return _checked_loss(loss, "step_fn" if self.step_fn is not None else "loss_fn").float()
+        return checked_loss(loss, "step_fn" if self.step_fn is not None else "loss_fn").float()
 
     def _model_loss(self, batch: Any) -> torch.Tensor:
         assert self.loss_fn is not None  # require_loss: no step_fn means a loss_fn
@@ -415,42 +356,12 @@ class Replica:
         except Exception as e:
             # A model may cast its inputs itself: a dtype that differs is named only once the
             # forward pass failed on it.
-            self._check_dtype(inputs, e)
-            raise self._batch_error(e, inputs, targets) from e
+            raise_if_dtype_differs(self.model.parameters(), inputs, e)
+            raise batch_error(e, inputs, targets) from e
         try:
             return compute_loss(self.loss_fn, outputs, targets)
         except Exception as e:
-            error = self._batch_error(e, inputs, targets)
-            if isinstance(outputs, (tuple, list)) and callable(self.loss_fn):
-                error.args = (f"{error.args[0]}\nThe model returned {describe(outputs)}: give "
-                              f"one loss per output (loss_fn=[loss_a, loss_b, ...]; their sum "
-                              f"is trained) or a step_fn that computes the loss",)
-            raise error from e
-
-    @staticmethod
-    def _batch_error(e: Exception, inputs: Any, targets: Any) -> BatchError:
-        return BatchError(f"{type(e).__name__}: {e}\n(on a batch with inputs "
-                          f"{describe(inputs)} and targets {describe(targets)})")
-
-    def _check_dtype(self, inputs: Any, failure: Exception) -> None:
-        """Raise ``TypeError`` naming the conversion when an input's float dtype differs from
-        the parameters' (the likely cause of ``failure``)."""
-        want = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
-        # Integer inputs are an embedding's own; named only where the failure is about dtypes.
-        integers_too = "dtype" in str(failure) or "scalar type" in str(failure)
-        for t in iter_tensors(inputs):
-            if want is None or t.dtype == want:
-                continue
-            if t.is_floating_point():
-                raise TypeError(f"the inputs are {_dtype_name(t.dtype)} but the model's "
-                                f"parameters are {_dtype_name(want)}: convert the data "
-                                f"(x{_conversion(want)}) or the model "
-                                f"(model{_conversion(t.dtype)}){_precision_hint(t.dtype)}"
-                                ) from failure
-            if integers_too and not t.is_complex() and t.dtype != torch.bool:
-                raise TypeError(f"the inputs are {_dtype_name(t.dtype)} but the model's "
-                                f"parameters are {_dtype_name(want)}: convert the data "
-                                f"(x{_conversion(want)}, e.g. in the Dataset)") from failure
+            raise batch_error(e, inputs, targets, outputs, self.loss_fn) from e
 
     def finish(self) -> None:
         """End of fit(): a step on what is left accumulated (a ``stop()`` in an

@@ -1,0 +1,123 @@
+"""What a training step is told when it cannot train: a loss that is not a scalar tensor with
+a gradient, inputs of the wrong dtype, a model whose outputs the loss does not take, a setup
+with no loss at all. Each error says what came and what to change."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from paraloom.data import describe, iter_tensors
+from paraloom.forward import LossFn
+
+__all__ = ["BatchError", "NonFiniteLossError", "StepFn", "batch_error", "checked_loss",
+           "raise_if_dtype_differs", "require_loss"]
+
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
+"""``step_fn(model, batch) -> loss``: the user's own forward and loss."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss of a batch was NaN or infinite."""
+
+
+class BatchError(RuntimeError):
+    """The model or the loss failed on a batch; the message describes the batch."""
+
+
+def require_loss(loss_fn: LossFn | None, step_fn: StepFn | None) -> None:
+    """Refuse a training setup that has no way to compute a loss, or two."""
+    if loss_fn is None and step_fn is None:
+        raise ValueError("give loss_fn= (e.g. nn.CrossEntropyLoss()) or step_fn=(model, batch)"
+                         " -> loss")
+    if loss_fn is not None and step_fn is not None:
+        raise ValueError("give loss_fn= or step_fn=, not both: step_fn(model, batch) computes "
+                         "the loss itself, so loss_fn would never be called")
+    losses = list(loss_fn) if isinstance(loss_fn, list | tuple) else [loss_fn or step_fn]
+    wrong = [f for f in losses if not callable(f)]
+    if wrong:
+        name = "loss_fn" if loss_fn is not None else "step_fn"
+        raise TypeError(f"{name}={repr(wrong[0])[:60]} is not callable; expected a function or "
+                        "module such as nn.CrossEntropyLoss() (loss_fn, or a list of them: one "
+                        "per model output) or step_fn=(model, batch) -> loss")
+
+
+_CONVERSIONS = {torch.float32: ".float()", torch.float64: ".double()",
+                torch.float16: ".half()", torch.bfloat16: ".bfloat16()"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _conversion(dtype: torch.dtype) -> str:
+    """The tensor/module method that converts to ``dtype`` (e.g. ``.bfloat16()``)."""
+    return _CONVERSIONS.get(dtype, f".to(torch.{_dtype_name(dtype)})")
+
+
+def _precision_hint(dtype: torch.dtype) -> str:
+    """For half-precision inputs: the precision= that runs the model in that dtype."""
+    name = {torch.float16: "16", torch.bfloat16: "bf16"}.get(dtype)
+    return f", or train with precision=\"{name}-true\"" if name else ""
+
+
+def checked_loss(loss: object, source: str) -> torch.Tensor:
+    """``loss``, once it is a scalar tensor that backward can run from; else ``TypeError``,
+    saying what ``source`` (``loss_fn`` or ``step_fn``) returned instead and how to fix it."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        if not loss.requires_grad and torch.is_grad_enabled():
+            raise TypeError(f"the loss {source} returned does not require grad: it was "
+                            "computed outside autograd (under torch.no_grad(), from .detach() "
+                            "or .item() values, or with every parameter frozen); return the "
+                            "loss as computed from the model's outputs")
+        return loss
+    if isinstance(loss, torch.Tensor):
+        fix = "reduce it with .mean() or use a reduction='mean' loss"
+    elif loss is None:
+        fix = f"{source} must return the loss tensor (did it miss a return?)"
+    elif isinstance(loss, (int, float)):
+        fix = "a Python number has no gradient: return the loss tensor itself, not loss.item()"
+    else:
+        fix = f"{source} must return one scalar tensor"
+    got = "None" if loss is None else describe(loss)
+    raise TypeError(f"the loss must be a scalar tensor; {source} returned {got}: {fix}")
+
+
+
+def batch_error(e: Exception, inputs: Any, targets: Any, outputs: Any = None,
+                loss_fn: LossFn | None = None) -> BatchError:
+    """``e``, raised by the model or the loss on a batch, with the batch described; where the
+    loss failed on a model's several outputs (``outputs``) with one ``loss_fn``, how to give
+    one loss per output."""
+    message = (f"{type(e).__name__}: {e}\n(on a batch with inputs {describe(inputs)} and "
+               f"targets {describe(targets)})")
+    if isinstance(outputs, (tuple, list)) and callable(loss_fn):
+        message += (f"\nThe model returned {describe(outputs)}: give one loss per output "
+                    f"(loss_fn=[loss_a, loss_b, ...]; their sum is trained) or a step_fn that "
+                    f"computes the loss")
+    return BatchError(message)
+
+
+def raise_if_dtype_differs(parameters: Iterable[torch.Tensor], inputs: Any,
+                           failure: Exception) -> None:
+    """Raise ``TypeError`` naming the conversion when an input's dtype differs from the
+    parameters' (the likely cause of ``failure``, the forward pass's error): a float input
+    always, an integer one where ``failure`` is about dtypes (an embedding takes integers)."""
+    want = next((p.dtype for p in parameters if p.is_floating_point()), None)
+    integers_too = "dtype" in str(failure) or "scalar type" in str(failure)
+    for t in iter_tensors(inputs):
+        if want is None or t.dtype == want:
+            continue
+        if t.is_floating_point():
+            raise TypeError(f"the inputs are {_dtype_name(t.dtype)} but the model's "
+                            f"parameters are {_dtype_name(want)}: convert the data "
+                            f"(x{_conversion(want)}) or the model "
+                            f"(model{_conversion(t.dtype)}){_precision_hint(t.dtype)}"
+                            ) from failure
+        if integers_too and not t.is_complex() and t.dtype != torch.bool:
+            raise TypeError(f"the inputs are {_dtype_name(t.dtype)} but the model's "
+                            f"parameters are {_dtype_name(want)}: convert the data "
+                            f"(x{_conversion(want)}, e.g. in the Dataset)") from failure

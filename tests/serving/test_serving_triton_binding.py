@@ -241,8 +241,13 @@ class _Scores(nn.Module):
         return q @ k.T
 
 
-def test_the_rows_are_the_first_declared_inputs_whatever_order_a_request_lists(
-        tmp_path: Path) -> None:
+_Q = {"name": "q", "shape": [2, 4], "datatype": "FP32", "data": [1.0] * 8}
+_K = {"name": "k", "shape": [3, 4], "datatype": "FP32", "data": [1.0] * 12}
+
+
+def _scores_answers(tmp_path: Path, mode: str, requests: list[list[dict[str, Any]]]
+                    ) -> list[Any]:
+    """``_Scores`` served in ``mode`` (inputs q then k, rows of 4), answering each request."""
     import json
 
     from paraloom import save
@@ -252,44 +257,27 @@ def test_the_rows_are_the_first_declared_inputs_whatever_order_a_request_lists(
     save(_Scores(), folder / "model.safetensors")
     spec = {"datatype": "FP32", "shape": [-1, 4]}
     (folder / "config.json").write_text(json.dumps({
-        "mode": "sequential", "max_batch_size": 8, "workers": 1,
+        "mode": mode, "max_batch_size": 8, "workers": 1,
         "inputs": [{"name": "q", **spec}, {"name": "k", **spec}],
         "outputs": [{"name": "out", "datatype": "FP32", "shape": [-1, -1]}]}))
-    q = {"name": "q", "shape": [2, 4], "datatype": "FP32", "data": [1.0] * 8}
-    k = {"name": "k", "shape": [3, 4], "datatype": "FP32", "data": [1.0] * 12}
     app = create_repository_app(tmp_path, workers=1)
     client = Client(app)
     try:
-        for inputs in ([q, k], [k, q]):
-            answer = client.post("/v2/models/scores/infer", json={"inputs": inputs})
-            assert answer.status_code == 200, answer.text
-            assert answer.json()["outputs"][0]["shape"] == [2, 3]
+        return [client.post("/v2/models/scores/infer", json={"inputs": inputs})
+                for inputs in requests]
     finally:
         client.close()
         closing(app)
+
+
+def test_the_rows_are_the_first_declared_inputs_whatever_order_a_request_lists(
+        tmp_path: Path) -> None:
+    for answer in _scores_answers(tmp_path, "sequential", [[_Q, _K], [_K, _Q]]):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["outputs"][0]["shape"] == [2, 3]
 
 
 def test_merged_requests_with_inputs_of_different_rows_name_each_input(tmp_path: Path) -> None:
-    import json
-
-    from paraloom import save
-
-    folder = tmp_path / "scores"
-    folder.mkdir()
-    save(_Scores(), folder / "model.safetensors")
-    spec = {"datatype": "FP32", "shape": [-1, 4]}
-    (folder / "config.json").write_text(json.dumps({
-        "mode": "batched", "max_batch_size": 8, "workers": 1,
-        "inputs": [{"name": "q", **spec}, {"name": "k", **spec}],
-        "outputs": [{"name": "out", "datatype": "FP32", "shape": [-1, -1]}]}))
-    q = {"name": "q", "shape": [2, 4], "datatype": "FP32", "data": [1.0] * 8}
-    k = {"name": "k", "shape": [3, 4], "datatype": "FP32", "data": [1.0] * 12}
-    app = create_repository_app(tmp_path, workers=1)
-    client = Client(app)
-    try:
-        answer = client.post("/v2/models/scores/infer", json={"inputs": [k, q]})
-        assert answer.status_code == 400
-        assert "('q': 2, 'k': 3)" in answer.json()["error"]
-    finally:
-        client.close()
-        closing(app)
+    [answer] = _scores_answers(tmp_path, "batched", [[_K, _Q]])
+    assert answer.status_code == 400
+    assert "('q': 2, 'k': 3)" in answer.json()["error"]

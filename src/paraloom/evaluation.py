@@ -3,9 +3,10 @@ and ROC (one implementation for local and Spark evaluation)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 import torch
@@ -348,6 +349,28 @@ def _predictions(model: nn.Module, data: Iterable[object], caller: str
         raise ValueError(f"{caller}() got no batches")
 
 
+class _Counts(Protocol):
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0,
+               /) -> None: ...
+
+
+def update_with_loss(state: _Counts, outputs: torch.Tensor, targets: torch.Tensor, rows: int,
+                     loss: Callable[[], torch.Tensor] | None) -> None:
+    """``state.update`` with the batch's loss sum: ``loss()`` times its ``rows`` (0 without
+    ``loss``). Where ``loss()`` raises, ``state.update`` runs first, so that its own error is
+    the one raised where it has one: a label outside the classes is named with their range,
+    not as the loss function's IndexError (on CUDA, a device-side assert)."""
+    total = 0.0
+    if loss is not None:
+        try:
+            with torch.no_grad():
+                total = float(loss()) * rows
+        except Exception:
+            state.update(outputs, targets)
+            raise
+    state.update(outputs, targets, total)
+
+
 def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | None = None,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Evaluation:
     """Evaluate a classifier on ``(inputs, targets)`` batches: a confusion matrix, and the
@@ -358,15 +381,8 @@ def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | Non
         if ev is None:
             scores = 1 if logits.dim() == 1 else int(logits.shape[1])
             ev = Evaluation(num_classes or max(2, scores))  # one score: a binary logit
-        loss = 0.0
-        if loss_fn is not None:
-            try:
-                with torch.no_grad():
-                    loss = float(loss_fn(logits, targets)) * int(targets.shape[0])
-            except Exception:
-                ev.update(logits, targets)  # a label outside the classes: this names the range
-                raise
-        ev.update(logits, targets, loss)
+        update_with_loss(ev, logits, targets, int(targets.shape[0]),
+                         None if loss_fn is None else functools.partial(loss_fn, logits, targets))
     assert ev is not None
     return ev
 

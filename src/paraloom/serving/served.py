@@ -144,8 +144,7 @@ class ServedModel:
     def batched(self) -> bool:
         """Whether each output row answers an input row: the pool merges requests, or the
         model declares a batch dimension (``max_batch_size``)."""
-        return self.batch_dim and (self.pool.inference_mode is InferenceMode.BATCHED
-                                   or self.signature.max_rows > 0)
+        return self.merges_requests or (self.batch_dim and self.signature.max_rows > 0)
 
     @property
     def merges_requests(self) -> bool:

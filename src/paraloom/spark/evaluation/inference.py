@@ -10,6 +10,7 @@ Arrow UDF (record batches decoded column by column, as for training), RDDs by
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import warnings
@@ -24,7 +25,7 @@ from torch import nn
 
 from paraloom.data import batch_size as batch_size_of
 from paraloom.data import map_tensors
-from paraloom.evaluation import Evaluation
+from paraloom.evaluation import Evaluation, update_with_loss
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.spark.data import Arrays, Features, FieldSpec, Pair, Tensors, num_rows, take
 from paraloom.spark.data.arrays import stack
@@ -176,16 +177,8 @@ def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: 
         chosen, target = pick_output(out, targets, output)
         if state is None:
             state = new_state(chosen)
-        loss = 0.0
-        if loss_fn is not None:
-            try:
-                with torch.no_grad():
-                    loss = float(compute_loss(loss_fn, out, targets)) * len(targets)
-            except Exception:
-                # A label outside the model's classes: the metric's check names the range.
-                state.update(chosen, target)
-                raise
-        state.update(chosen, target, loss)
+        update_with_loss(state, chosen, target, len(targets), None if loss_fn is None
+                         else functools.partial(compute_loss, loss_fn, out, targets))
     yield state
 
 

@@ -103,7 +103,7 @@ def test_split_output_follows_the_models_structure():
 
 
 def test_split_output_refuses_outputs_without_a_batch_dimension():
-    with pytest.raises(ValueError, match=r"shape \(\) for a batch of 3 rows.*sequential"):
+    with pytest.raises(ValueError, match=r"shape \(\) for 3 rows merged from 2 requests.*sequ"):
         split_output(torch.tensor(1.0), [1, 2])
     assert split_output(torch.tensor(1.0), [3])[0].item() == 1.0    # alone: nothing to split
 

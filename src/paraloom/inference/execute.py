@@ -15,8 +15,15 @@ import torch
 
 from paraloom.inference.batching import Request
 from paraloom.inference.errors import InferenceError, InvalidRequestError, RequestTimeoutError
-from paraloom.inference.payload import collate, describe_key, split_output, to_device, to_numpy
-from paraloom.inference.replicas import Generation
+from paraloom.inference.payload import (
+    UnsplittableOutputError,
+    collate,
+    describe_key,
+    split_output,
+    to_device,
+    to_numpy,
+)
+from paraloom.inference.replicas import Generation, check_rows_first
 from paraloom.inference.stats import StatsRecorder
 
 __all__ = ["serve_batch", "serve_batch_guarded", "fail_requests", "fail_unfinished"]
@@ -26,24 +33,43 @@ def serve_batch(generation: Generation, slot: int, batch: Sequence[Request],
                 stats: StatsRecorder, clock: Callable[[], float] = time.monotonic) -> None:
     """Run a batch on ``slot``'s replica and resolve every request's future (KeyboardInterrupt
     and the like fail the batch and propagate; ordinary exceptions never escape)."""
+    if len(batch) > 1 and not generation.rows_checked:
+        check_rows_first(generation, slot, batch[0].spec, batch[0].tensors)
+    if len(batch) > 1 and generation.unmergeable:
+        for request in batch:  # its outputs are not batch-first: one forward pass each
+            serve_batch(generation, slot, [request], stats, clock)
+        return
     start = clock()
     live = _claim(batch, start, stats)
     if not live:
         return
     try:
+        _serve_claimed(generation, slot, live, stats, start, clock)
+    except Exception:
+        raise
+    except BaseException:  # SystemExit, KeyboardInterrupt: fail what is left, then go on up
+        failed = sum(_settle(r, InferenceError("the forward pass was interrupted"))
+                     for r in live)
+        stats.dropped("error", failed)
+        raise
+
+
+def _serve_claimed(generation: Generation, slot: int, live: Sequence[Request],
+                   stats: StatsRecorder, start: float, clock: Callable[[], float]) -> None:
+    rows, waits = sum(r.rows for r in live), [start - r.arrival for r in live]
+    try:
         outputs = _run(generation, slot, live)
     except Exception as exc:  # noqa: BLE001 - the model's errors belong to the requests
+        if isinstance(exc, UnsplittableOutputError):
+            generation.refuse_merging(str(exc))
         stats.finished(_isolate(generation, slot, live, exc, stats))
-        stats.batch(sum(r.rows for r in live), [start - r.arrival for r in live], clock() - start)
+        stats.batch(rows, waits, clock() - start)
         return
-    except BaseException:
-        for r in live:
-            r.future.set_exception(InferenceError("the forward pass was interrupted"))
-        stats.dropped("error", len(live))
-        raise
-    stats.batch(sum(r.rows for r in live), [start - r.arrival for r in live], clock() - start)
+    seconds = clock() - start
+    stats.batch(rows, waits, seconds)
     first = live[0]
     generation.accepted(first.key, first.spec, first.tensors)
+    generation.timed(first.key, rows, seconds)
     stats.finished(_deliver(generation.version, live, outputs, stats))
 
 

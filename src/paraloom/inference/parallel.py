@@ -133,12 +133,16 @@ class ParallelInference:
 
     def _warm(self, generation: Generation, example: Example, what: str) -> None:
         try:
-            warm_up(generation, example)
+            warm_up(generation, example, merges=self._merges)
         except Exception as exc:
             raise ValueError(f"the model failed on {what} with precision="
                              f"{self._precision.name!r} on {self._devices[0]}: "
                              f"{type(exc).__name__}: {exc}. Check {what}'s shape and dtype, or "
                              "the precision") from exc
+
+    @property
+    def _merges(self) -> bool:
+        return self._config.mode is InferenceMode.BATCHED
 
     # ------------------------------------------------------------------------ requests
 
@@ -190,18 +194,58 @@ class ParallelInference:
             self._slots.release(slot)
 
     def submit(self, x: object, *, block: bool = True, timeout: float | None | _Unset = _UNSET,
-               return_version: bool = False) -> Future[Any]:
+               return_version: bool = False, inline_under: float | None = None
+               ) -> Future[Any]:
         """Queue ``x`` and return a Future of its output (``(output, version)`` if asked).
 
         When the queue is full, waits up to ``timeout`` for room (``block=False``: raises
         QueueFullError at once). In 'inplace' mode the request runs before this returns.
+
+        ``inline_under`` (seconds; None: never): run the request on the calling thread, before
+        this returns, when the pool is idle (nothing queued, a CPU replica free, no
+        ``max_wait_ms`` or ``threads_per_worker``) and the last batch of its shape on this
+        model version took less than that. It saves the hand-off to a worker thread and back,
+        most of a fast model's latency; the returned future is then done.
+
+        Cancelling the future while its request is queued takes the request out of the queue.
+        The input is not copied: leave it unchanged until the future is done.
         """
         future: Future[Any] = Future()
         request = self._make_request(x, self._timeout_for(timeout), return_version, future)
+        if inline_under is not None and self._ran_idle(request, inline_under):
+            return future
         self._enqueue(request, block)
+        if self._queue is not None:  # a cancelled future gives its place in the queue back
+            future.add_done_callback(lambda done: self._cancelled(done, request))
         if request.deadline is not None and self._deadlines is not None:
             self._deadlines.watch(request)  # no caller waits in the pool: fail it on time
         return future
+
+    def _cancelled(self, future: Future[Any], request: Request) -> None:
+        assert self._queue is not None
+        if future.cancelled() and self._queue.discard(request):
+            self._stats.dropped("cancelled")  # else a worker took it: it counts the cancel
+
+    def _ran_idle(self, request: Request, under: float) -> bool:
+        """Run ``request`` on the calling thread if the pool is idle and its shape is fast."""
+        queue, workers, config = self._queue, self._workers, self._config
+        if (queue is None or workers is None or self._closed or len(queue)
+                or config.max_wait > 0 or config.threads_per_worker is not None):
+            return False
+        generation = self._generation
+        expected = generation.expected_seconds(request.key, request.rows)
+        if expected is None or expected >= under:
+            return False
+        slot = workers.borrow_idle()
+        if slot is None:
+            return False
+        try:
+            self._stats.accepted()
+            with torch.inference_mode():
+                serve_batch_guarded(generation, slot, [request], self._stats)
+        finally:
+            workers.give_back(slot)
+        return True
 
     def _expire(self, request: Request) -> None:
         """Fail a submitted request still queued at its deadline (a worker's is left to run)."""
@@ -254,17 +298,20 @@ class ParallelInference:
 
     def _timed_out(self, request: Request) -> Any:
         fut = request.future
+        budget = (request.deadline or request.arrival) - request.arrival
+        error = RequestTimeoutError(
+            f"no output within the request's timeout ({budget:.3g} s); pass a longer timeout, "
+            "add workers, or send fewer requests at once")
         if fut.cancel():
             if self._queue is not None and self._queue.discard(request):
                 self._stats.dropped("timeout")  # else a worker took it: it counts the cancel
-        elif fut.done():
+            raise error
+        try:  # running: settle it now, so the worker's output is dropped, not counted
+            fut.set_exception(error)
+        except InvalidStateError:
             return fut.result()  # it finished just in time
-        else:
-            self._stats.rejected("timeout")  # running: its output will be dropped
-        budget = (request.deadline or request.arrival) - request.arrival
-        raise RequestTimeoutError(
-            f"no output within the request's timeout ({budget:.3g} s); pass a longer timeout, "
-            "add workers, or send fewer requests at once")
+        self._stats.dropped("timeout")
+        raise error
 
     async def output_async(self, x: object, *, timeout: float | None | _Unset = _UNSET,
                            return_version: bool = False, **inputs: object) -> Any:
@@ -355,7 +402,7 @@ class ParallelInference:
             try:
                 new = build_generation(model, old.version + 1, self._devices, self._precision)
                 if example is not None:
-                    warm_up(new, example)
+                    warm_up(new, example, merges=self._merges)
             except Exception as exc:
                 raise ModelUpdateError(
                     f"could not build and warm model version {old.version + 1}: "

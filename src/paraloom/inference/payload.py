@@ -9,7 +9,7 @@ same shape after the first dimension, dtype and device.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeGuard, TypeVar
 
 import numpy as np
@@ -20,8 +20,9 @@ from torch.nn.utils.rnn import PackedSequence
 from paraloom.data import _rebuild_mapping, map_tensors
 from paraloom.inference.errors import InvalidRequestError
 
-__all__ = ["Parsed", "parse", "one_example", "with_keywords", "describe_key", "collate",
-           "call_model", "split_output", "map_tensors", "to_numpy", "to_device"]
+__all__ = ["Parsed", "UnsplittableOutputError", "parse", "one_example", "with_keywords",
+           "describe_key", "collate", "call_model", "split_output", "split_rows", "map_tensors",
+           "to_numpy", "to_device"]
 
 # spec of a request's structure: None for one tensor, ("tuple"|"list", n) or ("dict", keys).
 _ONE = None
@@ -75,15 +76,23 @@ def _numbers(x: object) -> TypeGuard[list[float] | tuple[float, ...]]:
         isinstance(v, numbers.Real) and not isinstance(v, bool) for v in x)
 
 
+def _dtype_of(values: Iterable[object]) -> torch.dtype:
+    """As ``torch.tensor`` infers it: int64 for whole numbers only (token ids), else the
+    default float dtype."""
+    if all(isinstance(v, numbers.Integral) for v in values):
+        return torch.int64
+    return torch.get_default_dtype()
+
+
 def one_example(x: object) -> object:
     """``output()``'s single example: a list of numbers or a 1-D tensor/array is one row (as
     DL4J's ``output(float[])``), a list of such lists is rows; anything else is returned as
-    it is."""
+    it is. Whole numbers only give int64 (token ids), as ``torch.tensor`` does."""
     if _numbers(x):
-        return torch.tensor([list(x)], dtype=torch.get_default_dtype())
+        return torch.tensor([list(x)], dtype=_dtype_of(x))
     if isinstance(x, list) and x and all(_numbers(row) for row in x) \
             and len({len(row) for row in x}) == 1:
-        return torch.tensor(x, dtype=torch.get_default_dtype())
+        return torch.tensor(x, dtype=_dtype_of(v for row in x for v in row))
     if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 1:
         return x[None]
     return x
@@ -229,16 +238,31 @@ def split_output(output: Any, rows: Sequence[int]) -> list[Any]:
     """Split a batch's output back into one output per request, as views over the batch."""
     if len(rows) == 1:
         return [output]
+    return split_rows(output, rows)
+
+
+def split_rows(output: Any, rows: Sequence[int]) -> list[Any]:
+    """``split_output`` that also checks a lone request's output: UnsplittableOutputError
+    unless every tensor and array in it has the rows as its first dimension."""
     return _split(output, list(rows), sum(rows))
 
 
+class UnsplittableOutputError(ValueError):
+    """A merged batch's output has a tensor or array whose first dimension is not the batch."""
+
+
 def _split(obj: Any, rows: list[int], total: int) -> list[Any]:
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0 or obj.shape[0] != total:
-            raise ValueError(
-                f"the model returned a tensor of shape {tuple(obj.shape)} for a batch of {total} "
-                "rows; batched inference needs outputs whose first dimension is the batch "
-                "(use inference_mode='sequential' for other models)")
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        if obj.ndim == 0 or obj.shape[0] != total:
+            kind = "tensor" if isinstance(obj, torch.Tensor) else "numpy array"
+            merged = f" merged from {len(rows)} requests" if len(rows) > 1 else ""
+            raise UnsplittableOutputError(
+                f"the model returned a {kind} of shape {tuple(obj.shape)} for {total} rows"
+                f"{merged}; batched inference needs "
+                "outputs whose first dimension is the batch (an LSTM's h_n is (layers, N, H): "
+                "return h_n.transpose(0, 1)), or inference_mode='sequential'")
+        if isinstance(obj, np.ndarray):
+            return np.split(obj, np.cumsum(rows)[:-1])
         return list(torch.split(obj, rows))
     if isinstance(obj, (tuple, list)):
         columns = [_split(o, rows, total) for o in obj]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -12,13 +13,14 @@ import torch
 from torch import nn
 
 from paraloom.inference.errors import InferenceClosedError, QueueFullError, RequestTimeoutError
-from paraloom.inference.payload import call_model
+from paraloom.inference.payload import UnsplittableOutputError, call_model, split_rows
 from paraloom.precision import Precision
 
 __all__ = ["build_replica", "Generation", "build_generation", "warm_up",
-           "example_of", "SlotPool"]
+           "check_rows_first", "example_of", "SlotPool"]
 
 Example = tuple[Hashable, Hashable, tuple[torch.Tensor, ...]]  # (key, spec, tensors)
+_KEYS_TIMED = 256  # batch keys whose cost a generation remembers
 
 
 def build_replica(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:
@@ -44,7 +46,8 @@ class Generation:
     touches a batch in flight; the old replicas are freed when their last batch is done.
     """
 
-    __slots__ = ("version", "replicas", "devices", "precision", "known")
+    __slots__ = ("version", "replicas", "devices", "precision", "known", "unmergeable",
+                 "rows_checked", "_costs")
 
     def __init__(self, version: int, replicas: list[nn.Module], devices: list[torch.device],
                  precision: Precision) -> None:
@@ -55,6 +58,13 @@ class Generation:
         # (key, spec, one row of tensors) of an input this version ran on; replaced as a whole,
         # so readers on other threads never see a half-updated pair.
         self.known: Example | None = None
+        self.unmergeable = False
+        """Set once a merged batch's output could not be split by rows: from then on each
+        request of this version runs alone (``refuse_merging``)."""
+        self.rows_checked = False  # whether check_rows_first ran on this version
+        # Batch key -> (seconds, rows) of its last successful batch: what a request of that
+        # key is expected to cost (``expected_seconds``).
+        self._costs: dict[Hashable, tuple[float, int]] = {}
 
     @property
     def good_key(self) -> Hashable | None:
@@ -68,6 +78,29 @@ class Generation:
         if known is None or known[0] != key:
             # A copy of one row: a view would keep the whole request's memory alive.
             self.known = (key, spec, tuple(t[:1].clone() for t in tensors))
+
+    def refuse_merging(self, why: str) -> None:
+        """Run each request of this version alone from now on, and warn once, naming ``why``."""
+        if not self.unmergeable:
+            self.unmergeable = True
+            warnings.warn(f"model version {self.version}: {why}. Requests are now run one at "
+                          "a time, as in inference_mode='sequential'", RuntimeWarning,
+                          stacklevel=2)
+
+    def timed(self, key: Hashable, rows: int, seconds: float) -> None:
+        """Record what a successful batch of ``rows`` rows of ``key`` took."""
+        if len(self._costs) >= _KEYS_TIMED and key not in self._costs:
+            self._costs.clear()  # a stream of ever new shapes: forget, do not grow
+        self._costs[key] = (seconds, rows)
+
+    def expected_seconds(self, key: Hashable, rows: int) -> float | None:
+        """What a batch of ``rows`` rows of ``key`` should take, scaled from the last one of
+        that key (never below it); None if none has run on this version."""
+        cost = self._costs.get(key)
+        if cost is None:
+            return None
+        seconds, timed_rows = cost
+        return seconds * max(1.0, rows / timed_rows)
 
     def forward(self, slot: int, spec: Hashable, tensors: Sequence[torch.Tensor]) -> Any:
         """Run slot's replica on tensors already on its device (inference mode is the caller's)."""
@@ -87,13 +120,36 @@ def build_generation(model: nn.Module, version: int, devices: list[torch.device]
                       precision)
 
 
-def warm_up(generation: Generation, example: Example) -> None:
-    """Run every replica once on ``example`` (so the first request pays no start-up cost)."""
+def warm_up(generation: Generation, example: Example, *, merges: bool = False) -> None:
+    """Run every replica once on ``example`` (so the first request pays no start-up cost);
+    ``merges`` (the pool merges requests): also ``check_rows_first`` on it."""
     key, spec, tensors = example
     with torch.inference_mode():
         for slot, device in enumerate(generation.devices):
             generation.forward(slot, spec, [t.to(device) for t in tensors])
+        if merges:
+            check_rows_first(generation, 0, spec, tensors)
     generation.accepted(key, spec, tensors)
+
+
+def check_rows_first(generation: Generation, slot: int, spec: Hashable,
+                     tensors: Sequence[torch.Tensor]) -> None:
+    """Before a version's requests are merged: run ``tensors`` and them twice over, and if an
+    output's first dimension does not follow the rows (an LSTM's h_n), run each request of
+    this version alone (``refuse_merging``). Once per version; inference mode is the caller's."""
+    generation.rows_checked = True
+    device = generation.devices[slot]
+    rows = int(tensors[0].shape[0])
+    try:
+        once = generation.forward(slot, spec, [t.to(device) for t in tensors])
+        twice = generation.forward(slot, spec, [torch.cat([t, t]).to(device) for t in tensors])
+    except Exception:  # noqa: BLE001 - a model of fixed rows: merged batches will tell
+        return
+    try:
+        split_rows(once, [rows])
+        split_rows(twice, [rows, rows])
+    except UnsplittableOutputError as exc:
+        generation.refuse_merging(f"on an input and on it twice over, {exc}")
 
 
 def example_of(generation: Generation) -> Example | None:

@@ -1,0 +1,151 @@
+"""What a user's model and calls can do that the pool must still get right: outputs that are
+not batch-first, numpy outputs, a model that exits while its batch is re-run, cancelled
+futures, token ids given as a list, a timeout while running."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from inference_helpers import WAIT, Gate, GatedScale
+from torch import nn
+
+from paraloom.inference import (
+    InferenceError,
+    ParallelInference,
+    QueueFullError,
+    RequestTimeoutError,
+)
+
+
+class GRUStates(nn.Module):
+    """A batch-first GRU that returns (outputs, h_n): h_n is (layers, N, H), not batch-first."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.GRU(3, 4, num_layers=layers, batch_first=True)
+        self.rows: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.rows.append(x.shape[0])
+        return self.rnn(x)
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_outputs_that_are_not_batch_first_are_answered_request_by_request(example) -> None:
+    # Three layers and three one-row requests: merged, h_n's first dimension equals the rows
+    # by coincidence, so only a check with another row count can tell.
+    model = GRUStates(layers=3).eval()
+    xs = [torch.randn(1, 5, 3) for _ in range(3)]
+    options = {"example_input": xs[0]} if example else {}
+    with pytest.warns(RuntimeWarning, match=r"h_n.transpose\(0, 1\).*one at a time"):
+        with ParallelInference(model, workers=1, max_wait_ms=300, **options) as pool:
+            outs = [f.result(WAIT) for f in [pool.submit(x) for x in xs]]
+            stats = pool.stats()
+            rows = pool._generation.replicas[0].rows  # the replica's, not the model's
+    for x, (seq, h_n) in zip(xs, outs, strict=True):
+        want_seq, want_h = model.rnn(x)
+        assert h_n.shape == (3, 1, 4)
+        torch.testing.assert_close(h_n, want_h)
+        torch.testing.assert_close(seq, want_seq)
+    assert stats["failed"] == 0 and stats["completed"] == 3
+    assert rows[-5:] == [1, 2, 1, 1, 1]  # the check's 1 and 2 rows, then each request alone
+
+
+def test_batch_first_outputs_are_still_merged_after_the_check() -> None:
+    model = GRUStates(layers=1).eval()
+    model.forward = lambda x: model.rnn(x)[0]  # type: ignore[method-assign]
+    xs = [torch.randn(1, 5, 3) for _ in range(4)]
+    with ParallelInference(model, workers=1, max_wait_ms=300) as pool:
+        outs = [f.result(WAIT) for f in [pool.submit(x) for x in xs]]
+        assert pool.stats()["batch_size_histogram"] == {4: 1}
+    for x, out in zip(xs, outs, strict=True):
+        torch.testing.assert_close(out, model.rnn(x)[0])
+
+
+class ArrayHead(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        return {"tensor": x * 2, "array": (x * 3).numpy(), "note": "kept"}
+
+
+def test_numpy_arrays_in_an_output_are_split_by_rows_as_tensors_are() -> None:
+    xs = [torch.full((n, 2), float(n)) for n in (1, 2, 3)]
+    with ParallelInference(ArrayHead(), workers=1, max_wait_ms=300) as pool:
+        outs = [f.result(WAIT) for f in [pool.submit(x) for x in xs]]
+        assert pool.stats()["batch_size_histogram"] == {6: 1}
+    for x, out in zip(xs, outs, strict=True):
+        assert isinstance(out["array"], np.ndarray)
+        np.testing.assert_array_equal(out["array"], (x * 3).numpy())
+        torch.testing.assert_close(out["tensor"], x * 2)
+        assert out["note"] == "kept"
+
+
+class ExitsAlone(nn.Module):
+    """Fails merged batches; alone, a negative input calls sys.exit."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            raise RuntimeError("batch too big")
+        if x[0, 0] < 0:
+            raise SystemExit("the model called sys.exit")
+        return x
+
+
+# SystemExit ends the worker thread it was raised in (the other worker serves on).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_model_that_exits_while_its_batch_is_rerun_fails_the_batch_never_hangs() -> None:
+    with ParallelInference(ExitsAlone(), workers=2, max_wait_ms=200) as pool:
+        pool.output(torch.ones(1, 1))
+        futures = [pool.submit(torch.ones(1, 1)), pool.submit(-torch.ones(1, 1))]
+        for future in futures:
+            with pytest.raises(InferenceError, match="interrupted"):
+                future.result(WAIT)
+        torch.testing.assert_close(pool.output(torch.ones(1, 1)), torch.ones(1, 1))
+
+
+def test_a_cancelled_future_gives_its_place_in_the_queue_back() -> None:
+    gate = Gate()
+    with ParallelInference(GatedScale(gate), workers=1, queue_limit=2, batch_limit=1) as pool, \
+            gate:
+        running = pool.submit(torch.ones(1, 1))
+        assert gate.entered.wait(WAIT)
+        queued = [pool.submit(torch.ones(1, 1)) for _ in range(2)]
+        with pytest.raises(QueueFullError):
+            pool.submit(torch.ones(1, 1), block=False)
+        assert all(f.cancel() for f in queued)
+        assert pool.stats()["queued"] == 0
+        after = pool.submit(torch.ones(1, 1), block=False)
+        gate.open()
+        assert after.result(WAIT).item() == 2.0 and running.result(WAIT).item() == 2.0
+        stats = pool.stats()
+    assert stats["rejections"]["cancelled"] == 2 and stats["completed"] == 2
+
+
+def test_a_list_of_token_ids_is_one_row_of_int64() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(20, 2)).eval()
+    with ParallelInference(model, workers=1) as pool:
+        out = pool.output([1, 2, 3, 4, 5])
+        torch.testing.assert_close(out, model(torch.tensor([[1, 2, 3, 4, 5]])))
+    linear = nn.Linear(2, 1)
+    with ParallelInference(linear, workers=1) as pool:  # one float makes the row floats
+        torch.testing.assert_close(pool.output([1, 2.5]), linear(torch.tensor([[1.0, 2.5]])))
+
+
+def test_a_request_that_times_out_while_running_is_counted_once() -> None:
+    class Slow(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.5)
+            return x
+
+    with ParallelInference(Slow(), workers=1) as pool:
+        with pytest.raises(RequestTimeoutError):
+            pool.output(torch.ones(1, 1), timeout=0.2)
+        deadline = time.monotonic() + WAIT
+        while pool.stats()["batches"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = pool.stats()
+    assert (stats["completed"], stats["failed"], stats["rejections"]["timeout"]) == (0, 1, 1)

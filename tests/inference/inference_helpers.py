@@ -34,11 +34,6 @@ class Gate:
     def open(self) -> None:
         self.opened.set()
 
-    def hold_next(self, holds: int = 1) -> None:
-        """Hold the next ``holds`` calls too (a gate made with ``holds=0`` lets calls pass)."""
-        with self._lock:
-            self._holds = holds
-
     # ``with pool, gate:`` opens the gate before the pool closes, even when the test fails.
     def __enter__(self) -> Gate:
         return self

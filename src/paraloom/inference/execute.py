@@ -65,11 +65,9 @@ def _serve_claimed(generation: Generation, slot: int, live: Sequence[Request],
         stats.finished(_isolate(generation, slot, live, exc, stats))
         stats.batch(rows, waits, clock() - start)
         return
-    seconds = clock() - start
-    stats.batch(rows, waits, seconds)
+    stats.batch(rows, waits, clock() - start)
     first = live[0]
     generation.accepted(first.key, first.spec, first.tensors)
-    generation.timed(first.key, rows, seconds)
     stats.finished(_deliver(generation.version, live, outputs, stats))
 
 

@@ -194,26 +194,16 @@ class ParallelInference:
             self._slots.release(slot)
 
     def submit(self, x: object, *, block: bool = True, timeout: float | None | _Unset = _UNSET,
-               return_version: bool = False, inline_under: float | None = None
-               ) -> Future[Any]:
+               return_version: bool = False) -> Future[Any]:
         """Queue ``x`` and return a Future of its output (``(output, version)`` if asked).
 
         When the queue is full, waits up to ``timeout`` for room (``block=False``: raises
         QueueFullError at once). In 'inplace' mode the request runs before this returns.
-
-        ``inline_under`` (seconds; None: never): run the request on the calling thread, before
-        this returns, when the pool is idle (nothing queued, a CPU replica free, no
-        ``max_wait_ms`` or ``threads_per_worker``) and the last batch of its shape on this
-        model version took less than that. It saves the hand-off to a worker thread and back,
-        most of a fast model's latency; the returned future is then done.
-
         Cancelling the future while its request is queued takes the request out of the queue.
         The input is not copied: leave it unchanged until the future is done.
         """
         future: Future[Any] = Future()
         request = self._make_request(x, self._timeout_for(timeout), return_version, future)
-        if inline_under is not None and self._ran_idle(request, inline_under):
-            return future
         self._enqueue(request, block)
         if self._queue is not None:  # a cancelled future gives its place in the queue back
             future.add_done_callback(lambda done: self._cancelled(done, request))
@@ -225,27 +215,6 @@ class ParallelInference:
         assert self._queue is not None
         if future.cancelled() and self._queue.discard(request):
             self._stats.dropped("cancelled")  # else a worker took it: it counts the cancel
-
-    def _ran_idle(self, request: Request, under: float) -> bool:
-        """Run ``request`` on the calling thread if the pool is idle and its shape is fast."""
-        queue, workers, config = self._queue, self._workers, self._config
-        if (queue is None or workers is None or self._closed or len(queue)
-                or config.max_wait > 0 or config.threads_per_worker is not None):
-            return False
-        generation = self._generation
-        expected = generation.expected_seconds(request.key, request.rows)
-        if expected is None or expected >= under:
-            return False
-        slot = workers.borrow_idle()
-        if slot is None:
-            return False
-        try:
-            self._stats.accepted()
-            with torch.inference_mode():
-                serve_batch_guarded(generation, slot, [request], self._stats)
-        finally:
-            workers.give_back(slot)
-        return True
 
     def _expire(self, request: Request) -> None:
         """Fail a submitted request still queued at its deadline (a worker's is left to run)."""

@@ -20,7 +20,6 @@ __all__ = ["build_replica", "Generation", "build_generation", "warm_up",
            "check_rows_first", "example_of", "SlotPool"]
 
 Example = tuple[Hashable, Hashable, tuple[torch.Tensor, ...]]  # (key, spec, tensors)
-_KEYS_TIMED = 256  # batch keys whose cost a generation remembers
 
 
 def build_replica(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:
@@ -47,7 +46,7 @@ class Generation:
     """
 
     __slots__ = ("version", "replicas", "devices", "precision", "known", "unmergeable",
-                 "rows_checked", "_costs")
+                 "rows_checked")
 
     def __init__(self, version: int, replicas: list[nn.Module], devices: list[torch.device],
                  precision: Precision) -> None:
@@ -62,9 +61,6 @@ class Generation:
         """Set once a merged batch's output could not be split by rows: from then on each
         request of this version runs alone (``refuse_merging``)."""
         self.rows_checked = False  # whether check_rows_first ran on this version
-        # Batch key -> (seconds, rows) of its last successful batch: what a request of that
-        # key is expected to cost (``expected_seconds``).
-        self._costs: dict[Hashable, tuple[float, int]] = {}
 
     @property
     def good_key(self) -> Hashable | None:
@@ -86,21 +82,6 @@ class Generation:
             warnings.warn(f"model version {self.version}: {why}. Requests are now run one at "
                           "a time, as in inference_mode='sequential'", RuntimeWarning,
                           stacklevel=2)
-
-    def timed(self, key: Hashable, rows: int, seconds: float) -> None:
-        """Record what a successful batch of ``rows`` rows of ``key`` took."""
-        if len(self._costs) >= _KEYS_TIMED and key not in self._costs:
-            self._costs.clear()  # a stream of ever new shapes: forget, do not grow
-        self._costs[key] = (seconds, rows)
-
-    def expected_seconds(self, key: Hashable, rows: int) -> float | None:
-        """What a batch of ``rows`` rows of ``key`` should take, scaled from the last one of
-        that key (never below it); None if none has run on this version."""
-        cost = self._costs.get(key)
-        if cost is None:
-            return None
-        seconds, timed_rows = cost
-        return seconds * max(1.0, rows / timed_rows)
 
     def forward(self, slot: int, spec: Hashable, tensors: Sequence[torch.Tensor]) -> Any:
         """Run slot's replica on tensors already on its device (inference mode is the caller's)."""

@@ -36,9 +36,6 @@ class WorkerThreads:
         self._stats = stats
         self._threads_per_worker = threads_per_worker
         self._threads: list[threading.Thread] = []
-        # Held while a slot's replica runs a batch: its worker's, or a caller's that borrowed
-        # the idle slot (``borrow_idle``).
-        self._busy = [threading.Lock() for _ in devices]
         self.stopping = False  # set by close(): a worker that exits then is expected to
 
     def start(self) -> None:
@@ -76,8 +73,7 @@ class WorkerThreads:
                 while True:
                     batch = self._queue.take(TICK)
                     if batch:
-                        with self._busy[slot]:
-                            serve_batch_guarded(self._current(), slot, batch, self._stats)
+                        serve_batch_guarded(self._current(), slot, batch, self._stats)
                     elif self._queue.closed and not len(self._queue):
                         return
         finally:
@@ -92,19 +88,6 @@ class WorkerThreads:
         fail_requests(self._queue.clear(), InferenceError,
                       "every inference worker thread has stopped; this ParallelInference cannot "
                       "serve requests any more", self._stats, "error")
-
-    def borrow_idle(self) -> int | None:
-        """Claim a CPU slot whose worker is not running a batch, for the calling thread to run
-        one on; None if every such slot is busy. Its worker waits for ``give_back`` before it
-        runs its next batch."""
-        for slot, busy in enumerate(self._busy):
-            if self._devices[slot].type == "cpu" and busy.acquire(blocking=False):
-                return slot
-        return None
-
-    def give_back(self, slot: int) -> None:
-        """Return a slot claimed with ``borrow_idle``."""
-        self._busy[slot].release()
 
     def alive(self) -> bool:
         """True while at least one worker thread runs."""

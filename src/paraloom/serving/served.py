@@ -41,11 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["ModelMetadata", "PoolOptions", "ServedModel", "build_pool"]
 
 _DRAIN_POLL_S = 0.01  # how often a closing in-place model checks for requests still running
-INLINE_UNDER_S = 0.0005
-"""Seconds: a request runs on the event loop, not a worker thread, when the pool is idle and
-its shape last ran in less than this (``ParallelInference.submit``'s ``inline_under``). It
-saves two thread hand-offs (most of a fast model's latency at low load) and holds the loop for
-less than parsing a JSON body, which also runs there, takes."""
 
 
 class ModelMetadata(TypedDict):
@@ -181,12 +176,8 @@ class ServedModel:
             if self._inplace:
                 result, generation = await self._infer_inplace(x)
             else:  # queued: a full queue must answer 503 now, not block the event loop
-                future = self.pool.submit(x, block=False, return_version=True,
-                                          inline_under=INLINE_UNDER_S)
-                if future.done():  # an idle pool ran a fast request on the event loop
-                    result, generation = future.result()
-                else:
-                    result, generation = await asyncio.wrap_future(future)
+                future = self.pool.submit(x, block=False, return_version=True)
+                result, generation = await asyncio.wrap_future(future)
         except QueueFullError as e:
             raise UnavailableError(f"the inference queue is full ({e}); retry after "
                                    f"{self.retry_after} s", reason="queue_full",

@@ -197,6 +197,14 @@ def test_unknown_models_versions_and_routes(client: Client, method: str, url: st
                  fragment)
 
 
+@pytest.mark.parametrize("url", ["/v2/models/resnet/infer", "/v2/models/lenet/versions/2/infer"])
+def test_an_unknown_model_is_404_before_its_body_is_read(client: Client, url: str) -> None:
+    # As Triton: the model is looked up first, so a body that is no request does not hide it
+    assert_error(client.post(url, content=b"{}"), 404, "resnet" if "resnet" in url else "'2'")
+    metrics = client.get("/metrics").text
+    assert 'reason="not_found"' in metrics and 'reason="bad_request"' not in metrics
+
+
 def test_a_request_the_model_fails_on_alone_is_400(lenet: nn.Module) -> None:
     model = nn.Linear(5, 2)
     app = create_app(model, name="m", inputs=[TensorSpec("x", "FP32", (-1, -1))],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from html.parser import HTMLParser
 
 import torch
@@ -189,3 +190,39 @@ def free_ports(n: int) -> int:
                 s.close()
         return start
     raise RuntimeError("no free port range")
+
+class BagOfIds(nn.Module):
+    """An nn.Embedding over a row of item ids, averaged, then two class logits."""
+
+    def __init__(self, items: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(items, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(ids).mean(1))
+
+
+class IdsEcho(nn.Module):
+    """Returns its int64 input as it came (a parameter so that the model has one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        assert ids.dtype == torch.int64
+        return ids
+
+
+class StuckOnMarkedRows(nn.Module):
+    """A Linear(2, 2) whose training forward hangs on a row whose first value is over 100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and bool((x[:, 0] > 100).any()):
+            time.sleep(3600)
+        return self.linear(x)

@@ -309,3 +309,86 @@ def test_a_sigmoid_output_trained_with_bce_counts_class_one_above_one_half(spark
     scored = net.predict(frame.coalesce(1), argmax=True, output="cls").collect()
     assert [r.cls for r in scored] == expected.tolist()
     assert net.predict(sc.parallelize(list(x), 2), argmax=True).collect() == expected.tolist()
+
+
+def test_integer_ids_train_evaluate_and_predict_exactly_with_feature_dtype_long(spark, sc):
+    from paraloom.errors import WorkerError
+
+    g = np.random.default_rng(0)
+    ids = g.integers(0, 30, size=(64, 3))
+    labels = (ids[:, 0] >= 15).astype(np.int64)  # the first item decides the class
+    frame = spark.createDataFrame([(r.tolist(), int(c)) for r, c in zip(ids, labels, strict=True)],
+                                  "ids array<long>, label long")
+    torch.manual_seed(0)
+    plain = SparkModel(spark, h.BagOfIds(30), ParameterAveragingTrainingMaster(workers=1),
+                       loss_fn=nn.CrossEntropyLoss())
+    with pytest.raises(WorkerError, match=r"'indices'.*feature_dtype=torch.long"):
+        plain.evaluate(frame, features="ids")
+    model = h.BagOfIds(30)
+    net = SparkModel(spark, model, ParameterAveragingTrainingMaster(16, workers=2),
+                     loss_fn=nn.CrossEntropyLoss(), feature_dtype=torch.long,
+                     optimizer=torch.optim.Adam(model.parameters(), lr=0.05))
+    net.fit(frame, epochs=15, features="ids")
+    found = net.evaluate(frame, features="ids").metrics()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ids))
+    assert found["accuracy"] == pytest.approx(float((logits.argmax(1).numpy() == labels).mean()))
+    assert found["accuracy"] >= 0.9
+    assert found["loss"] == pytest.approx(nn.CrossEntropyLoss()(logits, torch.from_numpy(labels))
+                                          .item(), rel=1e-4)
+    # ids past float32's 2**24 reach the model exactly (a float cast would round them)
+    big = np.array([[16_777_217, 123_456_789]], dtype=np.int64)
+    echo = SparkModel(spark, h.IdsEcho(), ParameterAveragingTrainingMaster(workers=1),
+                      feature_dtype=torch.long)
+    (out,) = echo.predict(sc.parallelize(list(big), 1)).collect()
+    assert np.asarray(out).tolist() == big[0].tolist()
+    with pytest.raises(ValueError, match=r"feature_dtype=.*hold 1 positional input"):
+        SparkModel(spark, h.BagOfIds(30), ParameterAveragingTrainingMaster(workers=1),
+                   feature_dtype=(torch.long, None)).evaluate(frame, features="ids",
+                                                              label="label")
+
+
+
+def test_a_null_in_a_dataframe_fails_fit_once_naming_the_column(spark):
+    """Decoded inside the barrier stage (as many partitions as workers), bad data is the
+    task's own error: one attempt, the cause first (Spark would re-run the stage 4 times)."""
+    from paraloom.spark import SharedTrainingMaster, SparkTrainingError
+
+    x = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
+    frame = spark.createDataFrame(
+        [(r.tolist(), None if i == 5 else i % 3) for i, r in enumerate(x)],
+        "features array<float>, label int").repartition(2)
+    for master in (SharedTrainingMaster(8, workers=2),
+                   ParameterAveragingTrainingMaster(8, workers=2)):
+        linear = nn.Linear(4, 3)
+        net = SparkModel(spark, linear, master, loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(linear.parameters(), lr=0.1))
+        with pytest.raises(SparkTrainingError, match=r"failed: ValueError: column 'label' has 1 "
+                                                     r"null value\(s\); drop or fill") as e:
+            net.fit(frame)
+        assert e.value.attempts == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_hung_task_of_a_one_stage_averaging_fit_fails_it_after_timeout(spark):
+    """The averaging master's ``timeout`` bounds each all-reduce (it was a fixed 300 s): a
+    task that hangs fails its peer's wait, and the fit, after Spark's stage attempts."""
+    import time
+
+    from paraloom.spark import SparkTrainingError
+
+    x = np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32)
+    x[-1, 0] = 1000.0
+    frame = spark.createDataFrame([(r.tolist(), i % 2) for i, r in enumerate(x)],
+                                  "features array<float>, label long").repartition(2)
+    model = h.StuckOnMarkedRows()
+    net = SparkModel(spark, model, ParameterAveragingTrainingMaster(8, workers=2, timeout=5),
+                     loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    started = time.monotonic()
+    with pytest.raises(SparkTrainingError):
+        net.fit(frame)
+    assert time.monotonic() - started < 200  # 4 attempts of about 5 s each, not 4 x 300 s
+    with pytest.raises(ValueError, match="timeout"):
+        ParameterAveragingTrainingMaster(8, workers=2, timeout=0)

@@ -59,6 +59,14 @@ def test_two_inputs_two_outputs_learn_both_targets(spark, fitted):
     exact = roc_auc_score(label, torch.softmax(logits, 1).numpy(), multi_class="ovr")
     assert roc["count"] == 359 and roc["auc"] == pytest.approx(exact, abs=1e-3)
     assert roc["auc"] > 0.95
+    # the loss is the model's (both heads' losses summed, as fit's), the mean over rows, at any
+    # batch size: the rows of a batch, not the number of its targets, weigh each batch
+    local_loss = (nn.CrossEntropyLoss()(logits, torch.from_numpy(label))
+                  + nn.MSELoss()(bright, torch.from_numpy(target))).item()
+    for batch_size in (8, 512):
+        found = net.evaluate(test, inputs=INPUTS, label=("label", "brightness"), output=0,
+                             batch_size=batch_size).metrics()["loss"]
+        assert found == pytest.approx(local_loss, rel=1e-3), batch_size
 
 
 def test_predict_gives_one_column_per_output_equal_to_local(spark, fitted):

@@ -177,6 +177,7 @@ async def handle_infer(repository: ModelRepository, metrics: ServingMetrics, nam
     started = time.perf_counter()
     metrics.request(label)
     try:
+        repository.get(name, version)  # an unknown model or version is a 404 before the body
         answer = await _infer(repository, name, version, await decode(), regions)
     except ServingError as e:
         metrics.failure(label, e.reason)

@@ -30,7 +30,7 @@ from paraloom.spark.data import (
     rows_of,
 )
 from paraloom.spark.data.arrow import data_chunks
-from paraloom.spark.data.features import normalize_shapes
+from paraloom.spark.data.features import normalize_dtypes, normalize_shapes
 from paraloom.spark.data.parquet import ParquetSet, scan_parquet
 from paraloom.spark.data.plans import parquet_files
 from paraloom.spark.data.targets import column_loss
@@ -76,11 +76,16 @@ def _spark_context(spark: SparkSession | SparkContext) -> SparkContext:
 
 
 _LABEL_HINT = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)"
+_IDS_HINT = ("; integer ids (an nn.Embedding's input) need SparkModel(..., "
+             "feature_dtype=torch.long), which keeps them exact")
 
 
 def _label_hint(cause: str) -> str:
-    """The fix for a classification loss given floating-point class labels, if that failed."""
-    wants_long = re.search(r"Long\b.*\b(got|found) Float", cause) is not None
+    """The fix for floating-point class labels, or for floating-point ids given to an
+    embedding, if that is what failed."""
+    if re.search(r"'indices'.*Long.*but got torch\.\w*(Float|Double|Half)", cause):
+        return _IDS_HINT
+    wants_long = re.search(r"Long\b.*\b(got|found) (Float|Double|Half)", cause) is not None
     return _LABEL_HINT if wants_long else ""
 
 
@@ -118,8 +123,11 @@ class SparkModel:
     ``feature_shape`` reshapes each row's features for the model (e.g. ``(1, 8, 8)`` for flat
     64-value rows; one shape or None per input for ``inputs=``); ``label_dtype`` forces the
     label dtype (e.g. ``torch.long`` for a DataFrame's double labels with a classification
-    loss). A scalar label column against a one-unit output, with one of PyTorch's elementwise
-    losses (MSE, L1, Huber, BCE), gets targets shaped like the output, (n, 1), as in Keras.
+    loss); ``feature_dtype`` the inputs' (default: the model's floating dtype for every input;
+    ``torch.long`` for an ``nn.Embedding``'s ids, kept exact; one or None per input, or a dict
+    by name, as ``feature_shape``). A scalar label column against a one-unit output, with one
+    of PyTorch's elementwise losses (MSE, L1, Huber, BCE), gets targets shaped like the
+    output, (n, 1), as in Keras.
     ``gradient_clip_val`` / ``gradient_clip_algorithm`` clip each task's gradients before its
     optimizer steps, as ``ParallelWrapper``'s do. ``precision`` is ``ParallelWrapper``'s
     (Lightning's names): "32-true" (the default), "bf16-mixed" / "16-mixed" (autocast in
@@ -134,6 +142,8 @@ class SparkModel:
                  feature_shape: Sequence[int] | Sequence[Sequence[int] | None]
                  | dict[str, Sequence[int] | None] | None = None,
                  label_dtype: torch.dtype | None = None,
+                 feature_dtype: torch.dtype | Sequence[torch.dtype | None]
+                 | dict[str, torch.dtype | None] | None = None,
                  gradient_clip_val: float | None = None,
                  gradient_clip_algorithm: str = "norm", precision: str = "32-true") -> None:
         if not isinstance(model, nn.Module):
@@ -156,7 +166,7 @@ class SparkModel:
         self._optimizer_state: OptimizerState | None = None
         label = None if label_dtype is None else str(label_dtype).removeprefix("torch.")
         self.features = Features(normalize_shapes(feature_shape) if feature_shape else None,
-                                 _dtype_name(model), label)
+                                 _dtype_name(model), label, normalize_dtypes(feature_dtype))
         self._stats: TrainingStats | None = None
 
     # -- training ------------------------------------------------------------------------------

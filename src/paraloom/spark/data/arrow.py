@@ -256,23 +256,38 @@ def arrow_chunks(df: DataFrame, columns: Columns, rows: int = CHUNK_ROWS,
         check_prebatched(df, names)
 
     def decode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for arrow_batch in batches:  # the columns' own names back (no copy)
-            batch = pa.RecordBatch.from_arrays(arrow_batch.columns, names=names)
-            if prebatched:  # every row a minibatch: one chunk per row
-                parts = (unbatched_pair(batch.slice(i, 1), columns, names)
-                         for i in range(batch.num_rows))
-            else:
-                parts = (batch_pair(batch.slice(start, rows), columns)
-                         for start in range(0, batch.num_rows, rows))
-            for pair in parts:
-                yield pa.RecordBatch.from_pydict(
-                    {"chunk": pa.array([encode_chunk(pair)], pa.binary())})
+        try:
+            for arrow_batch in batches:  # the columns' own names back (no copy)
+                batch = pa.RecordBatch.from_arrays(arrow_batch.columns, names=names)
+                if prebatched:  # every row a minibatch: one chunk per row
+                    parts = (unbatched_pair(batch.slice(i, 1), columns, names)
+                             for i in range(batch.num_rows))
+                else:
+                    parts = (batch_pair(batch.slice(start, rows), columns)
+                             for start in range(0, batch.num_rows, rows))
+                for pair in parts:
+                    yield pa.RecordBatch.from_pydict(
+                        {"chunk": pa.array([encode_chunk(pair)], pa.binary()),
+                         "error": pa.array([None], pa.string())})
+        except (ValueError, TypeError) as e:
+            # Bad data (nulls, ragged arrays): raised where the chunks are read, in Python, so
+            # that a barrier task reports it as its error. Raised here, it would fail the JVM
+            # side of the task, and Spark would re-run the whole stage for it.
+            yield pa.RecordBatch.from_pydict({"chunk": pa.array([b""], pa.binary()),
+                                              "error": pa.array([str(e)], pa.string())})
 
     # mapInArrow resolves every column by name, reading a dot as a struct field: the columns
     # travel as _0, _1, ... so that names like "sepal.length" work
     selected = [c.alias(f"_{i}") for i, c in enumerate(arrow_columns(df, names))]
-    encoded = df.select(*selected).mapInArrow(decode, "chunk binary")
-    return encoded.rdd.map(lambda row: decode_chunk(row[0]))
+    encoded = df.select(*selected).mapInArrow(decode, "chunk binary, error string")
+    return encoded.rdd.map(_chunk_of_row)
+
+
+def _chunk_of_row(row: Any) -> Pair:
+    """A chunk from ``arrow_chunks``' rows: its arrays, or the data's error raised again."""
+    if row[1] is not None:
+        raise ValueError(row[1])
+    return decode_chunk(row[0])
 
 
 def _stacked(size: int) -> Callable[[Iterable[Pair]], Iterator[Pair]]:

@@ -177,7 +177,8 @@ def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: 
         chosen, target = pick_output(out, targets, output)
         if state is None:
             state = new_state(chosen)
-        update_with_loss(state, chosen, target, len(targets), None if loss_fn is None
+        rows = int(target.shape[0]) if isinstance(target, torch.Tensor) else len(chosen)
+        update_with_loss(state, chosen, target, rows, None if loss_fn is None
                          else functools.partial(compute_loss, loss_fn, out, targets))
     yield state
 

@@ -28,7 +28,7 @@ from paraloom.spark.training.averaging_task import (
     averaging_task,
     weighted,
 )
-from paraloom.spark.training.base import TrainingMaster, positive_int
+from paraloom.spark.training.base import TrainingMaster, positive_int, positive_seconds
 from paraloom.spark.training.diloco import OuterStep, resolve_diloco, state_update
 from paraloom.spark.training.diloco_task import remove_local, trainable_names
 from paraloom.spark.training.jobs import FitJob, FitResult, run_job
@@ -81,7 +81,9 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     DataFrames and Parquet paths when the cluster has the slots, per round otherwise (RDDs,
     DiLoCo). A one-stage fit checkpoints right after an averaging to ``checkpoint_dir``
     (default: a temporary folder; give a shared one on a cluster), where a re-run stage
-    resumes.
+    resumes. ``timeout`` (seconds, default 300) bounds each all-reduce of a one-stage fit: a
+    task stuck that long fails its peers' wait, and the stage with them (``job_timeout``
+    bounds the whole fit).
     """
 
     name = "averaging"
@@ -94,7 +96,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                  prefetch_batches: int = 16,
                  outer_optimizer: OuterOptimizer | str | None = None,
                  encoding: TopK | str | None = None, one_stage: bool | None = None,
-                 checkpoint_dir: str | None = None) -> None:
+                 checkpoint_dir: str | None = None, timeout: float = 300.0) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout,
                          prefetch_batches=prefetch_batches)
@@ -114,6 +116,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                              "unset")
         self.one_stage = one_stage
         self.checkpoint_dir = checkpoint_dir
+        self.timeout = positive_seconds("timeout", timeout)
 
     def takes_parquet(self, sc: SparkContext) -> bool:
         return self.encoding is None and self.one_stage is not False and \
@@ -130,7 +133,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         cfg = SharedConfig(fit_id=job.fit_id, world_size=workers, epochs=epochs,
                            batch_size=self.batch_size_per_worker, seed=seed, origin=time.time(),
                            features=job.features, window_rows=self.window_rows(),
-                           checkpoint_dir=directory, collect_stats=collect_stats)
+                           checkpoint_dir=directory, collect_stats=collect_stats,
+                           timeout_s=self.timeout)
         data = rows if isinstance(rows, ParquetSet) else \
             self.prepare(rows, workers, job, persist=False)
         return fit_in_one_stage(job, data, cfg, self.averaging_frequency, self.save_updater,

@@ -399,3 +399,18 @@ def test_the_shared_master_takes_a_sharing_recipe_as_it_is():
     with pytest.raises(TypeError, match="beside recipe=SharingRecipe"):
         SharedTrainingMaster(batch_size_per_worker=8, workers=2, recipe=recipe,
                              residual_post_processor=None)
+
+
+@pytest.mark.parametrize(("cause", "fix"), [
+    ("RuntimeError: expected scalar type Long but found Float", "label_dtype=torch.long"),
+    ("RuntimeError: expected scalar type Long but found Double", "label_dtype=torch.long"),
+    ("RuntimeError: Expected tensor for argument #1 'indices' to have one of the following "
+     "scalar types: Long, Int; but got torch.FloatTensor instead (while checking arguments "
+     "for embedding)", "feature_dtype=torch.long"),
+    ("RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x3 and 4x2)", None),
+])
+def test_a_worker_error_names_the_dtype_fix_when_that_is_what_failed(cause, fix):
+    from paraloom.spark.model import _label_hint
+
+    hint = _label_hint(cause)
+    assert (fix in hint) if fix else hint == ""

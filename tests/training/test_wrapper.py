@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import threading
@@ -670,6 +671,28 @@ def test_one_worker_is_plain_training_except_under_shared_gradients():
     assert 1 / 200 < stats["mean_sparsity"] < 1 / 120
     moved = sum(int((p != initial[k]).sum()) for k, p in model.state_dict().items())
     assert moved < sum(v.numel() for v in initial.values()) / 10
+
+
+def test_one_worker_with_dropout_is_the_plain_loop_bit_for_bit():
+    """The one worker runs on the caller's RNG: fit() draws nothing from it first (a seed for
+    workers drawn there would shift every dropout mask)."""
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(8)]
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 3))
+    model = copy.deepcopy(reference)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    torch.manual_seed(11)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        opt.step()
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        torch.manual_seed(11)
+        w.fit(batches)
+    assert digest(model) == digest(reference)
 
 
 @pytest.mark.parametrize(("lr", "diverges"), [(1.2, True), (0.05, False)])

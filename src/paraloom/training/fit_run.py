@@ -165,7 +165,9 @@ class FitRun:
             # The replicas step copies of it: torch's schedulers check this flag to warn of a
             # scheduler.step() before any optimizer.step(), which a listener's step is not.
             setattr(opt, "_opt_called", True)  # noqa: B010
-        seed = int(torch.randint(0, 2**62, ()).item())
+        # One worker runs in this process on the caller's RNG: drawing a seed would move it,
+        # and a dropout model would then differ from the same PyTorch loop.
+        seed = None if self.plan.workers == 1 else int(torch.randint(0, 2**62, ()).item())
         state = cpu_copy(with_transient(model, model.state_dict())) if send_model else None
 
         def messages(dataset: IndexedDataset | None) -> list[Begin]:
@@ -285,7 +287,9 @@ class FitRun:
         take part idly) until every stream has ended. A checkpoint's ``batch`` counts
         ``workers`` per round, so a resumed worker skips ``batch // workers`` of its batches."""
         workers = self.plan.workers
-        seed = int(torch.randint(0, 2**62, ()).item())
+        # One worker runs in this process on the caller's RNG: drawing a seed would move it,
+        # and a dropout model would then differ from the same PyTorch loop.
+        seed = None if self.plan.workers == 1 else int(torch.randint(0, 2**62, ()).item())
         for rank in range(workers):
             self.pool.send(rank, LoaderEpoch(epoch, seed))
         active, position, dealt, trained = list(range(workers)), skip // workers, skip, False

@@ -137,6 +137,33 @@ def test_map_loader_with_a_batch_sampler_keeps_its_batches(wrapper):
     assert stats["batches"] == 5 and stats["samples"] == 43
 
 
+class EpochHalves(torch.utils.data.Sampler):
+    """The first half of the rows in even epochs, the second in odd ones (``set_epoch``)."""
+
+    def __init__(self, n):
+        self.n, self.epoch, self.told = n, 0, []
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        self.told.append(epoch)
+
+    def __len__(self):
+        return self.n // 2
+
+    def __iter__(self):
+        half = self.n // 2
+        return iter(range(half) if self.epoch % 2 == 0 else range(half, self.n))
+
+
+def test_a_sampler_is_told_each_epoch_as_lightning_tells_it(wrapper):
+    sampler = EpochHalves(40)
+    loader = DataLoader(Rows(40), batch_size=4, sampler=sampler)
+    counts, stats = _fit(wrapper, loader, epochs=3)
+    assert sampler.told == [0, 1, 2]
+    assert counts[:20].tolist() == [2] * 20 and counts[20:40].tolist() == [1] * 20
+    assert stats["samples"] == 60
+
+
 def _pairs(rows):
     xs, ys = zip(*rows, strict=True)
     return torch.stack(xs), torch.stack(ys)

@@ -26,7 +26,7 @@ from paraloom.training.pool import Pool
 from paraloom.training.transport import shared_copy
 
 __all__ = ["Source", "batch_rounds", "data_generators", "data_rng", "loader_rounds",
-           "round_message", "set_data_rng", "total_batches"]
+           "round_message", "set_data_rng", "set_sampler_epoch", "total_batches"]
 
 Source = LoaderSpec | IndexedDataset | None
 """What the workers load themselves: their own DataLoader, a dataset to gather rows of by index,
@@ -81,6 +81,19 @@ def loader_rounds(pool: Pool, data: DataLoader[Any], epoch: int, skip: int,
         pool.send(rank, LoaderEpoch(epoch, seed, batches[rank::workers], skip + rank, workers))
     for position in range(-(-len(batches) // workers)):
         yield [position] * min(workers, len(batches) - position * workers)
+
+
+def set_sampler_epoch(data: Any, epoch: int) -> None:
+    """Tell the data source's samplers the epoch (``set_epoch``), as Lightning does before
+    each epoch: a sampler that seeds its order with it (``DistributedSampler``'s kind) then
+    gives each epoch its own order."""
+    batch_sampler = getattr(data, "batch_sampler", None)
+    told: list[object] = []
+    for sampler in (getattr(data, "sampler", None), batch_sampler,
+                    getattr(batch_sampler, "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)) and all(sampler is not s for s in told):
+            sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            told.append(sampler)
 
 
 def data_generators(data: Any) -> list[torch.Generator]:

@@ -33,6 +33,7 @@ from paraloom.training.dealing import (
     loader_rounds,
     round_message,
     set_data_rng,
+    set_sampler_epoch,
 )
 from paraloom.training.loaders import LoaderSpec, loader_spec
 from paraloom.training.messages import (
@@ -207,6 +208,7 @@ class FitRun:
             # What the epoch's listeners changed (a scheduler's step) applies from its first
             # round on: every earlier round is done, none of this epoch's is dealt.
             self._send_settings()
+            set_sampler_epoch(self.plan.data, epoch)
             generators = data_generators(self.plan.data)
             if epoch == start.epoch and start.data_rng is not None:
                 set_data_rng(start.data_rng, generators)  # the interrupted epoch's order
@@ -287,9 +289,7 @@ class FitRun:
         take part idly) until every stream has ended. A checkpoint's ``batch`` counts
         ``workers`` per round, so a resumed worker skips ``batch // workers`` of its batches."""
         workers = self.plan.workers
-        # One worker runs in this process on the caller's RNG: drawing a seed would move it,
-        # and a dropout model would then differ from the same PyTorch loop.
-        seed = None if self.plan.workers == 1 else int(torch.randint(0, 2**62, ()).item())
+        seed = int(torch.randint(0, 2**62, ()).item())
         for rank in range(workers):
             self.pool.send(rank, LoaderEpoch(epoch, seed))
         active, position, dealt, trained = list(range(workers)), skip // workers, skip, False

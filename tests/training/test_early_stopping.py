@@ -13,6 +13,7 @@ from training_helpers import Scalar, ScalarFrom, accuracy, linear_loss
 from paraloom.early_stopping import (
     AccuracyCalculator,
     BestScore,
+    CallableCalculator,
     EarlyStoppingConfig,
     EarlyStoppingParallelTrainer,
     F1Calculator,
@@ -249,3 +250,39 @@ def test_listeners_see_the_real_epochs_under_early_stopping(tmp_path):
     assert epochs_seen == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint-epoch1-iter2.safetensors", "checkpoint-epoch3-iter4.safetensors"]
+
+
+def test_a_nan_score_is_the_worst_and_a_later_score_is_best():
+    scores = iter([math.nan, 0.5, 0.9, 0.7])  # higher is better: epoch 2
+    model = Scalar()
+    data = [(torch.tensor([[1.0]]), torch.zeros(1))]
+    config = EarlyStoppingConfig(
+        epoch_conditions=[MaxEpochs(4)],
+        score_calculator=CallableCalculator(lambda m: next(scores), higher_is_better=True))
+    result = EarlyStoppingParallelTrainer(
+        config, model, data, loss_fn=linear_loss, workers=1, progress=False,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0)).fit()
+    assert result.best_epoch == 2 and result.best_score == 0.9
+    assert float(result.best_model.w.detach()) == -3.0
+
+
+def test_a_per_step_schedule_runs_on_across_the_epochs_of_early_stopping():
+    """Early stopping runs one fit() per epoch (initial_epoch=k): the replicas' lr_scheduler
+    goes on where it stood, as in one fit, rather than starting its schedule again."""
+    data = [(torch.tensor([[1.0]]), torch.zeros(1))] * 4  # 2 rounds an epoch with 2 workers
+    lrs = []
+
+    def schedule(o):
+        return torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step))
+
+    def record(m):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        return 0.0
+
+    model = Scalar()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(3)], score_calculator=record)
+    EarlyStoppingParallelTrainer(config, model, data, loss_fn=linear_loss, workers=2,
+                                 optimizer=optimizer, lr_scheduler=schedule,
+                                 progress=False).fit()
+    assert lrs == pytest.approx([1 / 3, 1 / 5, 1 / 7])  # one schedule over 6 rounds

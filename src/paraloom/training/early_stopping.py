@@ -143,7 +143,9 @@ class EarlyStoppingParallelTrainer:
                 if (epoch + 1) % cfg.evaluate_every_n_epochs == 0:
                     score = calc.score(self.model)
                     scores[epoch] = score
-                    if best_epoch < 0 or calc.better(score, best_score):
+                    # A NaN score is the worst (as Lightning's): any real score replaces it.
+                    if best_epoch < 0 or (not math.isnan(score) and (
+                            math.isnan(best_score) or calc.better(score, best_score))):
                         best_epoch, best_score = epoch, score
                         cfg.model_saver.save_best(self.model, epoch, score)
                 if cfg.save_last_model:

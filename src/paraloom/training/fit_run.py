@@ -170,10 +170,12 @@ class FitRun:
         # and a dropout model would then differ from the same PyTorch loop.
         seed = None if self.plan.workers == 1 else int(torch.randint(0, 2**62, ()).item())
         state = cpu_copy(with_transient(model, model.state_dict())) if send_model else None
+        continue_schedule = start.epoch > 0 and start.replicas is None  # initial_epoch=
 
         def messages(dataset: IndexedDataset | None) -> list[Begin]:
             return [Begin(state, dataset, start.replicas[rank] if start.replicas else None,
-                          opt_state, seed, loader, settings) for rank in range(self.plan.workers)]
+                          opt_state, seed, loader, settings, continue_schedule)
+                    for rank in range(self.plan.workers)]
 
         try:
             self.pool.begin(messages(indexed))

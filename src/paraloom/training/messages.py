@@ -65,6 +65,9 @@ class Begin:
     hyperparameters: list[dict[str, Any]] | None = None
     """Each optimizer param group's settings, applied when ``optimizer_state`` is None (a warm
     fit() whose optimizer state the replicas already hold)."""
+    continue_schedule: bool = False
+    """Keep the ``lr_scheduler`` the replica stepped in the previous fit() (training driven
+    epoch by epoch, ``initial_epoch > 0``), rather than start a fresh schedule."""
 
 
 @dataclass(frozen=True)

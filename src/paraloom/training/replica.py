@@ -156,10 +156,11 @@ class Replica:
 
     def begin_fit(self, state: ModelState | None, resume: ReplicaState | None = None,
                   optimizer_state: dict[str, Any] | None = None, seed: int | None = None,
-                  hyperparameters: list[dict[str, Any]] | None = None) -> None:
+                  hyperparameters: list[dict[str, Any]] | None = None,
+                  continue_schedule: bool = False) -> None:
         """Load the user's parameters and optimizer state (or this replica's state from a
         checkpoint; None: keep what this replica holds), seed the replica's RNG, and set up the
-        synchronizer."""
+        synchronizer. ``continue_schedule``: keep the previous fit's ``lr_scheduler``."""
         self._rng = None  # a fresh fit's seed wins over an earlier fit's restored RNG
         if state is not None:
             load_model_state(self.model, state)
@@ -175,9 +176,11 @@ class Replica:
         self.accumulation.reset()
         self.timing.reset()
         # A fresh schedule per fit(), from the param groups' initial_lr (a scheduler keeps it),
-        # before a resumed state replaces where it stands.
-        self.scheduler = None if self.lr_scheduler is None else \
-            _build_scheduler(self.lr_scheduler, self.optimizer)
+        # before a resumed state replaces where it stands; training driven epoch by epoch
+        # goes on with the schedule it stepped so far.
+        if not (continue_schedule and self.scheduler is not None):
+            self.scheduler = None if self.lr_scheduler is None else \
+                _build_scheduler(self.lr_scheduler, self.optimizer)
         if resume is not None:
             self._restore(resume)
         self.sync.setup(self.ctx)

@@ -193,7 +193,7 @@ class ReplicaRunner:
         if isinstance(resume, PackedTensors):
             resume = unpack_tensors(resume)
         self.replica.begin_fit(message.state, resume, message.optimizer_state, seed,
-                               message.hyperparameters)
+                               message.hyperparameters, message.continue_schedule)
 
     def train(self, message: RoundMessage) -> StepDone:
         """Train on this round's batch (or take part idly); reports the loss and rows."""

@@ -41,6 +41,9 @@ USER_MODULE = textwrap.dedent("""
     def not_data():
         return 42
 
+    def bad_test():
+        return DataLoader(TensorDataset(torch.randn(8, 3), torch.zeros(8).long()), batch_size=4)
+
     class Line(nn.Module):
         def __init__(self):
             super().__init__()
@@ -123,3 +126,18 @@ def test_bad_user_code_gets_a_clear_error(user_module, capsys):
             main(argv)
         assert info.value.code == 2
         assert message in capsys.readouterr().err, argv
+
+
+def test_train_saves_before_evaluating_and_checks_out_before_training(user_module, capsys):
+    out = user_module / "kept.safetensors"
+    base = ["train", "--factory", "my_project:model", "--data", "my_project:train_set",
+            "--workers", "1", "--epochs", "1"]
+    with pytest.raises(SystemExit) as info:  # the test data does not fit the model
+        main([*base, "--test-data", "my_project:bad_test", "--out", str(out)])
+    assert info.value.code != 0 and out.is_file()  # what was trained is kept
+    assert f"saved {out}" in capsys.readouterr().out
+    for where, message in [(user_module, "is a directory"),
+                           (user_module / "missing" / "m.safetensors", "does not exist")]:
+        with pytest.raises(SystemExit) as info:
+            main([*base, "--out", str(where)])
+        assert info.value.code == 2 and message in capsys.readouterr().err

@@ -6,8 +6,10 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paraloom.errors import ParaloomError
@@ -59,6 +61,8 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(f"--lr {args.lr}; expected a finite learning rate > 0, e.g. 0.05")
     if not 0 <= args.momentum < 1:
         raise ValueError(f"--momentum {args.momentum}; expected a value in [0, 1), e.g. 0.9")
+    if args.out:
+        _check_writable(args.out)
     torch.manual_seed(args.seed)
     model, loader, test = _training_setup(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -76,6 +80,10 @@ def _train(args: argparse.Namespace) -> int:
             interrupted, stats = e, wrapper.stats()
     speed = (f"{stats['samples_per_s']:.0f} samples/s, {wrapper.workers} workers, "
              f"{args.mode}")
+    if args.out:  # first: a failing evaluation must not lose what was trained
+        metadata = {"dataset": args.dataset} if args.data is None else {"data": args.data}
+        paraloom.save(model, args.out, metadata=metadata)
+        print(f"saved {args.out}")
     if test is None:
         print(f"trained {stats['samples']} samples ({speed})")
     elif args.loss == "cross_entropy":
@@ -84,14 +92,23 @@ def _train(args: argparse.Namespace) -> int:
         print(f"test accuracy {evaluate(model, test).accuracy:.4f}  ({speed})")
     else:
         print(f"test mse {_mean_loss(model, test, nn.MSELoss()):.6g}  ({speed})")
-    if args.out:
-        metadata = {"dataset": args.dataset} if args.data is None else {"data": args.data}
-        paraloom.save(model, args.out, metadata=metadata)
-        print(f"saved {args.out}")
     if interrupted is not None:
         print(f"interrupted: {interrupted}", file=sys.stderr)
         return 130  # what a shell reports for a program ended by Ctrl-C
     return 0
+
+
+def _check_writable(out: str) -> None:
+    """Refuse an ``--out`` that cannot be written before anything trains."""
+    path = Path(out)
+    if path.is_dir():
+        raise ValueError(f"--out {out} is a directory; give a file path, e.g. "
+                         f"{path / 'model.safetensors'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: the folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {out}: the folder {parent} is not writable")
 
 
 def _training_setup(args: argparse.Namespace

@@ -296,3 +296,33 @@ def test_resuming_a_checkpoint_past_the_epochs_asked_for_warns_that_nothing_is_t
     with pytest.warns(UserWarning, match=r"checkpoint is of 2 whole epochs, as many as "
                                          r"fit\(epochs=2\) asks for or more: nothing is left"):
         _run("allreduce", resume_from=tmp_path, epochs=2, workers=1)
+
+
+class _Epochs(TrainingListener):
+    """Records the epoch hooks; ``stop_after`` stops the fit at that epoch's end."""
+
+    def __init__(self, stop_after=None):
+        self.events, self.stop_after, self.wrapper = [], stop_after, None
+
+    def on_fit_start(self, wrapper):
+        self.wrapper = wrapper
+
+    def on_epoch_start(self, epoch):
+        self.events.append(f"start {epoch}")
+
+    def on_epoch_end(self, epoch, loss):
+        self.events.append(f"end {epoch}")
+        if epoch == self.stop_after:
+            self.wrapper.stop()
+
+
+def test_resume_from_an_epoch_end_checkpoint_starts_at_the_next_epoch(tmp_path):
+    """Its epoch's hooks ran before the checkpoint: they do not run again (an epoch-level
+    scheduler stepped in on_epoch_end would step twice), and the result is still exact."""
+    reference = _run("averaging", epochs=3)
+    first = _Epochs(stop_after=0)
+    _run("averaging", [CheckpointListener(tmp_path, every_n_epochs=1), first], epochs=3)
+    assert first.events == ["start 0", "end 0"]
+    resumed = _Epochs()
+    assert _run("averaging", [resumed], resume_from=tmp_path, epochs=3) == reference
+    assert resumed.events == ["start 1", "end 1", "start 2", "end 2"]

@@ -34,6 +34,7 @@ from paraloom.training.dealing import (
     round_message,
     set_data_rng,
     set_sampler_epoch,
+    total_batches,
 )
 from paraloom.training.loaders import LoaderSpec, loader_spec
 from paraloom.training.messages import (
@@ -198,11 +199,16 @@ class FitRun:
         """Deal every epoch from the start position on, or until ``stop()``."""
         self._cpu_began = time.process_time()
         start = self.plan.start
+        per_epoch = total_batches(self.plan.data, 1)
         for epoch in range(start.epoch, self.plan.epochs):
             if epoch > start.epoch:
                 self._await_rounds()
                 self.tracker.end_epoch()
-            if not self.stop_requested:
+            skip = start.batch if epoch == start.epoch else 0
+            # A checkpoint written at an epoch's end: its listeners saw all of it already
+            # (the epoch is still gone through, dealing nothing, for the data RNG it draws).
+            finished = per_epoch is not None and 0 < per_epoch <= skip
+            if not self.stop_requested and not finished:
                 self.tracker.start_epoch(epoch)
             if self.stop_requested:
                 self._halt_if_stopped()
@@ -215,7 +221,6 @@ class FitRun:
             if epoch == start.epoch and start.data_rng is not None:
                 set_data_rng(start.data_rng, generators)  # the interrupted epoch's order
             epoch_rng = data_rng(generators)
-            skip = start.batch if epoch == start.epoch else 0
             stream = isinstance(source, LoaderSpec) and source.stream
             if isinstance(source, LoaderSpec) and source.stream:
                 dealt = self._deal_stream(source, epoch, skip, epoch_rng)

@@ -275,3 +275,22 @@ def test_a_training_checkpoint_that_is_a_pickle_or_truncated_is_a_clear_error(tm
     truncated.write_bytes(good.read_bytes()[:-100])
     with pytest.raises(ValueError, match="truncated or corrupt"):
         TrainingCheckpoint.load(truncated)
+
+
+@pytest.mark.parametrize(("header", "cause"), [
+    ("{not json", "JSONDecodeError"), ("[1, 2]", "its header is a list"),
+    ('{"format": 1}', "KeyError: 'fingerprint'"),
+])
+def test_a_checkpoint_with_a_corrupt_header_is_named_and_paraloom_load_points_to_resume(
+        tmp_path, header, cause):
+    from safetensors.torch import save_file
+
+    from paraloom import TrainingCheckpoint
+
+    path = tmp_path / "ckpt.safetensors"
+    save_file({"t": torch.zeros(2)}, str(path), metadata={"paraloom_checkpoint": header})
+    with pytest.raises(ValueError, match=f"corrupt checkpoint header .*{cause}"):
+        TrainingCheckpoint.load(path)
+    with pytest.raises(ValueError, match=r"training checkpoint, not a saved model: resume with "
+                                         r"fit\(\.\.\., resume_from=path\)"):
+        paraloom.load(path)

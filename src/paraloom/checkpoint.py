@@ -186,6 +186,9 @@ def check_safetensors(path: str | Path) -> None:
         "'model.safetensors')")
 
 
+_TRAINING_KEY = "paraloom_checkpoint"  # a TrainingCheckpoint's header (training/resume.py)
+
+
 def read_header(path: str | Path) -> dict[str, Any]:
     """The JSON header written by ``save``."""
     check_safetensors(path)
@@ -195,6 +198,11 @@ def read_header(path: str | Path) -> dict[str, Any]:
     except Exception as e:  # safetensors' own error type: a corrupt or truncated file
         raise _corrupt(path, e) from e
     if _HEADER_KEY not in meta:
+        if _TRAINING_KEY in meta:
+            raise ValueError(
+                f"{path} is a paraloom training checkpoint, not a saved model: resume with "
+                "fit(..., resume_from=path), or take its weights with model.load_state_dict("
+                "paraloom.TrainingCheckpoint.load(path).replicas[0]['model'])")
         raise ValueError(f"{path} has no paraloom header: it was not written by paraloom.save; "
                          "load its weights with safetensors.torch.load_file into your own model")
     try:

@@ -127,14 +127,21 @@ class TrainingCheckpoint:
         if _HEADER not in meta:
             raise ValueError(f"{path} is not a paraloom training checkpoint (a model saved "
                              "with paraloom.save is loaded with paraloom.load instead)")
-        header = json.loads(meta[_HEADER])
-        if header.get("format") != _FORMAT:
-            raise ValueError(f"{path} has checkpoint format {header.get('format')}; this "
-                             f"paraloom reads format {_FORMAT}")
-        return cls(fingerprint=header["fingerprint"], epoch=header["epoch"],
-                   batch=header["batch"], iteration=header["iteration"],
-                   data_rng=_unflatten(header["data_rng"], tensors),
-                   replicas=_unflatten(header["replicas"], tensors))
+        try:
+            header = json.loads(meta[_HEADER])
+            if not isinstance(header, dict):
+                raise TypeError(f"its header is a {type(header).__name__}")
+            if header.get("format") != _FORMAT:
+                raise ValueError(f"{path} has checkpoint format {header.get('format')}; this "
+                                 f"paraloom reads format {_FORMAT}")
+            return cls(fingerprint=header["fingerprint"], epoch=header["epoch"],
+                       batch=header["batch"], iteration=header["iteration"],
+                       data_rng=_unflatten(header["data_rng"], tensors),
+                       replicas=_unflatten(header["replicas"], tensors))
+        except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{path} has a corrupt checkpoint header ({type(e).__name__}: {e}):"
+                             " it was changed or not written by paraloom; resume from another "
+                             "checkpoint") from e
 
     @staticmethod
     def _value(fingerprint: dict[str, Any], key: str) -> Any:

@@ -294,8 +294,10 @@ def test_resuming_a_checkpoint_past_the_epochs_asked_for_warns_that_nothing_is_t
         tmp_path):
     _run("allreduce", [CheckpointListener(tmp_path, every_n_epochs=1)], epochs=2, workers=1)
     with pytest.warns(UserWarning, match=r"checkpoint is of 2 whole epochs, as many as "
-                                         r"fit\(epochs=2\) asks for or more: nothing is left"):
+                                         r"fit\(epochs=2\) asks for or more: nothing is left"
+                      ) as caught:
         _run("allreduce", resume_from=tmp_path, epochs=2, workers=1)
+    assert caught[0].filename == __file__  # the line that called fit(), not paraloom's
 
 
 class _Epochs(TrainingListener):

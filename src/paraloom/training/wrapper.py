@@ -497,4 +497,4 @@ def _warn_if_trained(epoch: int, batch: int, epochs: int, per_epoch: int | None)
                       f"fit(epochs={epochs}) asks for or more: nothing is left to train, and the "
                       "model gets the checkpoint's state; epochs counts every epoch, those "
                       f"before the checkpoint too (fit(epochs={done + 1}) trains one more)",
-                      stacklevel=3)
+                      stacklevel=4)  # past fit() and its one-fit-at-a-time guard

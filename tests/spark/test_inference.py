@@ -392,3 +392,16 @@ def test_a_hung_task_of_a_one_stage_averaging_fit_fails_it_after_timeout(spark):
     assert time.monotonic() - started < 200  # 4 attempts of about 5 s each, not 4 x 300 s
     with pytest.raises(ValueError, match="timeout"):
         ParameterAveragingTrainingMaster(8, workers=2, timeout=0)
+
+
+def test_fit_on_a_label_outside_the_classes_says_what_to_check(spark):
+    from paraloom.spark import SparkTrainingError
+
+    frame = spark.createDataFrame([([1.0, 2.0, 3.0], i % 7) for i in range(16)], ["x", "label"])
+    linear = nn.Linear(3, 4)  # 4 classes; labels go up to 6
+    net = SparkModel(spark, linear, ParameterAveragingTrainingMaster(8, workers=1),
+                     loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=torch.optim.SGD(linear.parameters(), lr=0.1))
+    with pytest.raises(SparkTrainingError, match=r"(?s)out of bounds.*class labels must be 0 "
+                                                 r"\.\. classes - 1"):
+        net.fit(frame, features="x")

@@ -76,15 +76,19 @@ def _spark_context(spark: SparkSession | SparkContext) -> SparkContext:
 
 
 _LABEL_HINT = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)"
+_RANGE_HINT = ("; class labels must be 0 .. classes - 1 for a model with one output per "
+               "class: check the label column's range (F.min / F.max), or the model's outputs")
 _IDS_HINT = ("; integer ids (an nn.Embedding's input) need SparkModel(..., "
              "feature_dtype=torch.long), which keeps them exact")
 
 
 def _label_hint(cause: str) -> str:
-    """The fix for floating-point class labels, or for floating-point ids given to an
-    embedding, if that is what failed."""
+    """The fix for floating-point class labels, for floating-point ids given to an embedding,
+    or for class labels outside the model's classes, if that is what failed."""
     if re.search(r"'indices'.*Long.*but got torch\.\w*(Float|Double|Half)", cause):
         return _IDS_HINT
+    if re.search(r"Target -?\d+ is out of bounds", cause):
+        return _RANGE_HINT
     wants_long = re.search(r"Long\b.*\b(got|found) (Float|Double|Half)", cause) is not None
     return _LABEL_HINT if wants_long else ""
 

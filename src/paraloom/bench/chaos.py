@@ -31,6 +31,7 @@ import math
 import os
 import random
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -270,11 +271,17 @@ def run(args: argparse.Namespace) -> int:
     args = plain_args(args)
     if args.segments < 1:
         raise SystemExit(f"--segments {args.segments}: expected 1 or more")
-    workdir = Path(args.out).with_suffix("")
-    armed = workdir / "armed"
-    armed.mkdir(parents=True, exist_ok=True)
-    for stale in armed.iterdir():
-        stale.unlink()
+    # The files that arm a fault live in a folder of their own (once beside --out: a --out
+    # without a suffix then named that folder, and the results could not be written).
+    with tempfile.TemporaryDirectory(prefix="paraloom-chaos-") as armed:
+        result = _measure(args, Path(armed))
+    path = write_results(args.out, result)
+    _print(result, path)
+    _plot(result, Path(args.out).with_suffix(".png"))
+    return 0
+
+
+def _measure(args: argparse.Namespace, armed: Path) -> dict[str, Any]:
     shm_before = _shm_files()
     probe = _fit(args, 2, None)  # also starts the forkserver: no timed run pays for it
     per_epoch = (probe["timeline"][-1][0] - probe["timeline"][0][0]) / 2
@@ -286,22 +293,18 @@ def run(args: argparse.Namespace) -> int:
                     for k, v in x["state"].items())
     clean, chaos = _joined(cleans), _joined(faulty)
     costs = _fault_costs(chaos, _fired(armed, chaos["spans"]), _round_s(cleans))
-    result = {"machine": machine(), "config": {**vars(args), "epochs": epochs},
-              "clean": clean, "chaos": chaos, "faults": costs,
-              "plain": plain, "throughput_kept": clean["seconds"] / chaos["seconds"],
-              "throughput_kept_from_costs": 1 - sum(c["lost_s"] for c in costs) / chaos["seconds"],
-              "throughput_kept_by_pair": pair_ratios([r["seconds"] for r in cleans],
-                                                     [r["seconds"] for r in faulty]),
-              "tolerance_overhead": 1 - plain["seconds"] / clean["seconds"],
-              "identical": identical,
-              "lost_s_median_by_kind": {k: statistics.median(c["lost_s"] for c in costs
-                                                             if c["kind"] == k)
-                                        for k in sorted({c["kind"] for c in costs})},
-              "shm_left": sorted(_shm_files() - shm_before)}
-    path = write_results(args.out, result)
-    _print(result, path)
-    _plot(result, Path(args.out).with_suffix(".png"))
-    return 0
+    return {"machine": machine(), "config": {**vars(args), "epochs": epochs},
+            "clean": clean, "chaos": chaos, "faults": costs,
+            "plain": plain, "throughput_kept": clean["seconds"] / chaos["seconds"],
+            "throughput_kept_from_costs": 1 - sum(c["lost_s"] for c in costs) / chaos["seconds"],
+            "throughput_kept_by_pair": pair_ratios([r["seconds"] for r in cleans],
+                                                   [r["seconds"] for r in faulty]),
+            "tolerance_overhead": 1 - plain["seconds"] / clean["seconds"],
+            "identical": identical,
+            "lost_s_median_by_kind": {k: statistics.median(c["lost_s"] for c in costs
+                                                           if c["kind"] == k)
+                                      for k in sorted({c["kind"] for c in costs})},
+            "shm_left": sorted(_shm_files() - shm_before)}
 
 
 def _print(r: dict[str, Any], path: Path) -> None:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from typing_extensions import NotRequired
 
 __all__ = ["save", "load", "register_model", "atomic_write", "check_safetensors", "read_header",
-           "read_tensors"]
+           "read_tensors", "TRAINING_HEADER_KEY"]
 
 _HEADER_KEY = "paraloom"
 
@@ -186,7 +186,8 @@ def check_safetensors(path: str | Path) -> None:
         "'model.safetensors')")
 
 
-_TRAINING_KEY = "paraloom_checkpoint"  # a TrainingCheckpoint's header (training/resume.py)
+TRAINING_HEADER_KEY = "paraloom_checkpoint"
+"""The metadata key of a ``TrainingCheckpoint``'s JSON header (``save`` writes another)."""
 
 
 def read_header(path: str | Path) -> dict[str, Any]:
@@ -198,7 +199,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
     except Exception as e:  # safetensors' own error type: a corrupt or truncated file
         raise _corrupt(path, e) from e
     if _HEADER_KEY not in meta:
-        if _TRAINING_KEY in meta:
+        if TRAINING_HEADER_KEY in meta:
             raise ValueError(
                 f"{path} is a paraloom training checkpoint, not a saved model: resume with "
                 "fit(..., resume_from=path), or take its weights with model.load_state_dict("

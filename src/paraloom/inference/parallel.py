@@ -115,9 +115,9 @@ class ParallelInference:
         if self._config.mode is InferenceMode.INPLACE:
             self._slots = SlotPool(len(self._devices), self._config.queue_limit)
         else:
-            batched = self._config.mode is InferenceMode.BATCHED
             self._queue = RequestQueue(limit=self._config.queue_limit,
-                                       batch_rows=self._config.batch_limit if batched else None,
+                                       batch_rows=self._config.batch_limit if self._merges
+                                       else None,
                                        max_wait=self._config.max_wait)
             self._workers = WorkerThreads(self._queue, self._devices, lambda: self._generation,
                                           self._stats, self._config.threads_per_worker)
@@ -154,7 +154,7 @@ class ParallelInference:
     def _make_request(self, x: object, timeout: float | None, with_version: bool,
                       future: FutureLike) -> Request:
         try:  # requests never merged (in place, sequential) may have inputs of any rows
-            p = parse(x, aligned=self._config.mode is InferenceMode.BATCHED)
+            p = parse(x, aligned=self._merges)
         except Exception:
             self._stats.rejected("invalid")
             raise

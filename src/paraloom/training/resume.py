@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from paraloom.checkpoint import atomic_write, check_safetensors
+from paraloom.checkpoint import TRAINING_HEADER_KEY, atomic_write, check_safetensors
 from paraloom.listeners import TrainingListener
 from paraloom.training.messages import CheckpointReply, CheckpointRequest, ReplicaState
 from paraloom.training.packing import unpack_tensors
@@ -25,7 +25,6 @@ from paraloom.training.pool import Pool
 
 __all__ = ["TrainingCheckpoint", "CheckpointCollector", "latest_checkpoint"]
 
-_HEADER = "paraloom_checkpoint"
 _FORMAT = 1
 
 
@@ -101,8 +100,8 @@ class TrainingCheckpoint:
                   "batch": self.batch, "iteration": self.iteration,
                   "data_rng": _flatten(self.data_rng, "data_rng", tensors),
                   "replicas": _flatten(self.replicas, "replicas", tensors)}
-        atomic_write(path, lambda tmp: save_file(tensors, tmp,
-                                                 metadata={_HEADER: json.dumps(header)}))
+        metadata = {TRAINING_HEADER_KEY: json.dumps(header)}
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
         return Path(path)
 
     @classmethod
@@ -124,11 +123,11 @@ class TrainingCheckpoint:
         except Exception as e:  # safetensors' own error type: a corrupt or truncated file
             raise ValueError(f"{path} is not a readable checkpoint ({e}): it is truncated or "
                              "corrupt; resume from an earlier one") from e
-        if _HEADER not in meta:
+        if TRAINING_HEADER_KEY not in meta:
             raise ValueError(f"{path} is not a paraloom training checkpoint (a model saved "
                              "with paraloom.save is loaded with paraloom.load instead)")
         try:
-            header = json.loads(meta[_HEADER])
+            header = json.loads(meta[TRAINING_HEADER_KEY])
             if not isinstance(header, dict):
                 raise TypeError(f"its header is a {type(header).__name__}")
             if header.get("format") != _FORMAT:

@@ -177,8 +177,7 @@ def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: 
         chosen, target = pick_output(out, targets, output)
         if state is None:
             state = new_state(chosen)
-        rows = int(target.shape[0]) if isinstance(target, torch.Tensor) else len(chosen)
-        update_with_loss(state, chosen, target, rows, None if loss_fn is None
+        update_with_loss(state, chosen, target, num_rows(y), None if loss_fn is None
                          else functools.partial(compute_loss, loss_fn, out, targets))
     yield state
 

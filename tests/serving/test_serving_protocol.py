@@ -80,11 +80,28 @@ def test_integers_at_both_ends_of_their_range_decode_exactly(datatype: str, bina
 
 
 @pytest.mark.parametrize(("datatype", "data"), [("INT64", [2**63, -1]),
-                                                ("UINT64", [-1, 2**64 - 1])])
+                                                ("UINT64", [-1, 2**64 - 1]),
+                                                ("INT64", [2**64, 1]),  # JSON reads it a float
+                                                ("UINT64", [2**70, 1]),
+                                                ("FP16", [1e6, 1.0]),  # a cast would make inf
+                                                ("FP16", [70000, 1]),
+                                                ("FP16", [float("nan"), -1e5]),
+                                                ("FP32", [float("inf"), 1e39]),
+                                                ("FP32", [1e39, 0.0])])
 def test_json_integers_past_the_datatypes_range_are_refused(datatype: str, data: list) -> None:
     body = {"inputs": [{"name": "x", "shape": [2], "datatype": datatype, "data": data}]}
     with pytest.raises(ProtocolError, match=f"outside {datatype}'s range"):
         parse_infer_request(json.dumps(body).encode())
+
+
+def test_json_floats_at_the_ends_of_fp16_and_infinities_decode() -> None:
+    body = {"inputs": [{"name": "x", "shape": [3], "datatype": "FP16",
+                        "data": [65504.0, float("-inf"), -65504]}]}
+    (got,) = parse_infer_request(json.dumps(body).encode()).inputs
+    assert got.tensor.tolist() == [65504.0, float("-inf"), -65504.0]
+    body["inputs"][0]["data"] = [float("inf"), float("nan"), float("inf")]  # no finite value
+    (got,) = parse_infer_request(json.dumps(body).encode()).inputs
+    assert got.tensor.isinf().sum() == 2 and got.tensor.isnan().sum() == 1
 
 
 @pytest.mark.parametrize("datatype", list(DATATYPES))
@@ -159,6 +176,8 @@ def json_request(**fields: object) -> bytes:
     (json_request(datatype="INT8", data=[1, 300]), "outside INT8's range"),
     (json_request(datatype="UINT8", data=[-1, 3]), "outside UINT8's range"),
     (json_request(datatype="BOOL", data=[1, 0]), "integer values"),
+    (json_request(datatype="FP32", data=[True, False]), "boolean values"),
+    (json_request(datatype="INT32", data=[True, False]), "boolean values"),
     (json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}).encode(),
      "neither 'data' nor"),
     (json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]},

@@ -39,7 +39,8 @@ class DataType:
     torch_dtype: torch.dtype
     numpy_dtype: np.dtype | None
     itemsize: int
-    kinds: str  # numpy kinds accepted in JSON data ('b' bool, 'i'/'u' integers, 'f' floats)
+    kinds: str  # numpy kinds accepted in JSON data ('b' bool, 'i'/'u' integers, 'f' floats):
+    # as Triton, JSON true/false are BOOL's alone, and a number is no BOOL
 
 
 def _dt(name: str, tdt: torch.dtype, npdt: str | None, kinds: str) -> DataType:
@@ -50,18 +51,18 @@ def _dt(name: str, tdt: torch.dtype, npdt: str | None, kinds: str) -> DataType:
 
 DATATYPES: dict[str, DataType] = {d.name: d for d in [
     _dt("BOOL", torch.bool, "|b1", "b"),
-    _dt("UINT8", torch.uint8, "|u1", "biu"),
-    _dt("UINT16", torch.uint16, "<u2", "biu"),
-    _dt("UINT32", torch.uint32, "<u4", "biu"),
-    _dt("UINT64", torch.uint64, "<u8", "biu"),
-    _dt("INT8", torch.int8, "|i1", "biu"),
-    _dt("INT16", torch.int16, "<i2", "biu"),
-    _dt("INT32", torch.int32, "<i4", "biu"),
-    _dt("INT64", torch.int64, "<i8", "biu"),
-    _dt("FP16", torch.float16, "<f2", "biuf"),
-    _dt("BF16", torch.bfloat16, None, "biuf"),
-    _dt("FP32", torch.float32, "<f4", "biuf"),
-    _dt("FP64", torch.float64, "<f8", "biuf"),
+    _dt("UINT8", torch.uint8, "|u1", "iu"),
+    _dt("UINT16", torch.uint16, "<u2", "iu"),
+    _dt("UINT32", torch.uint32, "<u4", "iu"),
+    _dt("UINT64", torch.uint64, "<u8", "iu"),
+    _dt("INT8", torch.int8, "|i1", "iu"),
+    _dt("INT16", torch.int16, "<i2", "iu"),
+    _dt("INT32", torch.int32, "<i4", "iu"),
+    _dt("INT64", torch.int64, "<i8", "iu"),
+    _dt("FP16", torch.float16, "<f2", "iuf"),
+    _dt("BF16", torch.bfloat16, None, "iuf"),
+    _dt("FP32", torch.float32, "<f4", "iuf"),
+    _dt("FP64", torch.float64, "<f8", "iuf"),
 ]}
 _BY_TORCH = {d.torch_dtype: d for d in DATATYPES.values()}
 
@@ -89,7 +90,7 @@ def tensor_from_json(data: object, dt: DataType, shape: tuple[int, ...], where: 
                      ) -> torch.Tensor:
     """A tensor from JSON ``data`` (flat or nested, row-major), checked against its datatype."""
     if dt.name == "BF16":
-        # numpy has no bfloat16: read floats, then let torch round them.
+        # numpy has no bfloat16: read floats, then let torch round them (BF16's range is FP32's).
         as_fp32 = DATATYPES["FP32"]
         return tensor_from_json(data, as_fp32, shape, where).to(torch.bfloat16)
     count = math.prod(shape)
@@ -97,22 +98,41 @@ def tensor_from_json(data: object, dt: DataType, shape: tuple[int, ...], where: 
         arr = np.asarray(data)
     except (ValueError, TypeError) as e:
         raise ProtocolError(f"{where} data is not a rectangular array of numbers: {e}") from e
-    if count and arr.dtype.kind in "fO" and dt.kinds == "biu":
+    if count and arr.dtype.kind in "fO" and dt.kinds == "iu":
         arr = _exact_integers(data, arr, dt, where)
     if arr.size != count:
         raise ProtocolError(f"{where} has {arr.size} data elements but shape {list(shape)} "
                             f"needs {count}; send shape and data that agree")
-    if count and arr.dtype.kind not in dt.kinds:
-        raise ProtocolError(f"{where} data holds {_kind_word(arr.dtype.kind)} values, which "
-                            f"datatype {dt.name} does not accept")
     assert dt.numpy_dtype is not None
-    if count and dt.numpy_dtype.kind in "iu":
-        info = np.iinfo(dt.numpy_dtype)
-        low, high = arr.min(), arr.max()
-        if low < info.min or high > info.max:
-            raise ProtocolError(f"{where} data has values in [{low}, {high}], outside "
-                                f"{dt.name}'s range [{info.min}, {info.max}]")
+    if count:
+        _check_values(arr, dt, dt.numpy_dtype, where)
     return torch.from_numpy(cast_keeping_gil(arr, dt.numpy_dtype).reshape(shape))
+
+
+def _check_values(arr: np.ndarray, dt: DataType, np_dtype: np.dtype, where: str
+                  ) -> None:
+    """``ProtocolError`` unless every value of ``arr`` is of a kind ``dt`` accepts and within
+    its range (a finite number that the cast would make infinite is out of range too)."""
+    kind = arr.dtype.kind
+    if kind == "f" and dt.kinds == "iu" and np.isfinite(arr).all() and (arr == arr // 1).all():
+        _check_range(arr, dt, np.iinfo(np_dtype), where)  # integers past 2**64, read as floats
+    if kind not in dt.kinds:
+        raise ProtocolError(f"{where} data holds {_kind_word(kind)} values, which "
+                            f"datatype {dt.name} does not accept")
+    if np_dtype.kind in "iu":
+        _check_range(arr, dt, np.iinfo(np_dtype), where)
+    elif np_dtype.kind == "f" and np_dtype.itemsize < 8:  # FP16, FP32: JSON reads float64
+        info = np.finfo(np_dtype)
+        finite = np.isfinite(arr)  # an Infinity or NaN sent is fine
+        if (finite & (np.abs(arr) > info.max)).any():
+            _check_range(arr[finite], dt, info, where)
+
+
+def _check_range(arr: np.ndarray, dt: DataType, info: np.iinfo | np.finfo, where: str) -> None:
+    low, high = arr.min(), arr.max()
+    if low < info.min or high > info.max:
+        raise ProtocolError(f"{where} data has values in [{low}, {high}], outside "
+                            f"{dt.name}'s range [{info.min}, {info.max}]")
 
 
 def _exact_integers(data: object, arr: np.ndarray, dt: DataType, where: str) -> np.ndarray:

@@ -64,8 +64,12 @@ def test_features_give_one_tensor_per_input_in_the_models_dtype_and_shapes():
         f.features((*x, x[1]))
     with pytest.raises(ValueError, match="row of input 0 has 4 values but feature_shape"):
         Features(shape=((3,), None)).features(x)
-    with pytest.raises(ValueError, match="gives several shapes but the rows hold one input"):
+    with pytest.raises(ValueError, match="gives 2 shapes but the rows hold one input"):
         f.features(x[0])
+    # one shape per input, for one input, is that input's shape; one shape is not everyone's
+    assert Features(shape=((2, 2),)).features(x[0]).shape == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"feature_shape=\(2, 2\) but the rows hold 2 positional"):
+        Features(shape=(2, 2)).features((x[0], x[0]))
     with pytest.raises(ValueError, match=r"names inputs \['nope'\]"):
         Features(shape={"nope": (4,)}).features({"img": x[0]})
 

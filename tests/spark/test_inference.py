@@ -342,7 +342,7 @@ def test_integer_ids_train_evaluate_and_predict_exactly_with_feature_dtype_long(
                       feature_dtype=torch.long)
     (out,) = echo.predict(sc.parallelize(list(big), 1)).collect()
     assert np.asarray(out).tolist() == big[0].tolist()
-    with pytest.raises(ValueError, match=r"feature_dtype=.*hold 1 positional input"):
+    with pytest.raises(ValueError, match=r"feature_dtype=.*gives 2 dtypes but the rows hold one"):
         SparkModel(spark, h.BagOfIds(30), ParameterAveragingTrainingMaster(workers=1),
                    feature_dtype=(torch.long, None)).evaluate(frame, features="ids",
                                                               label="label")

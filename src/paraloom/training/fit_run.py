@@ -74,6 +74,11 @@ class Start:
     data_rng: list[torch.Tensor] | None = None
     replicas: list[ReplicaState | None] | None = None
 
+    def epoch_done(self, per_epoch: int | None) -> bool:
+        """Whether the start epoch was trained to its end (a checkpoint written at an epoch's
+        end), given the batches an epoch has (None: unknown, a stream)."""
+        return per_epoch is not None and 0 < per_epoch <= self.batch
+
 
 @dataclass(frozen=True)
 class FitPlan:
@@ -207,7 +212,7 @@ class FitRun:
             skip = start.batch if epoch == start.epoch else 0
             # A checkpoint written at an epoch's end: its listeners saw all of it already
             # (the epoch is still gone through, dealing nothing, for the data RNG it draws).
-            finished = per_epoch is not None and 0 < per_epoch <= skip
+            finished = epoch == start.epoch and start.epoch_done(per_epoch)
             if not self.stop_requested and not finished:
                 self.tracker.start_epoch(epoch)
             if self.stop_requested:

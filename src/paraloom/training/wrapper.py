@@ -284,7 +284,7 @@ class ParallelWrapper:
         kind = type(data).__name__
         data = as_data_source(data, batch_size, shuffle)
         start = self._start_position(resume_from, initial_epoch)
-        _warn_if_trained(start.epoch, start.batch, epochs, total_batches(data, 1))
+        _warn_if_trained(start.epoch + start.epoch_done(total_batches(data, 1)), epochs)
         if one_shot:
             _refuse_one_shot(kind, epochs - start.epoch)
         pool = self._ensure_pool()
@@ -488,10 +488,9 @@ def _refuse_one_shot(kind: str, epochs: int) -> None:
                          "DataLoader or a list), or epochs=1")
 
 
-def _warn_if_trained(epoch: int, batch: int, epochs: int, per_epoch: int | None) -> None:
-    """Warn when a resumed checkpoint (at ``batch`` of ``epoch``) has trained every epoch that
+def _warn_if_trained(done: int, epochs: int) -> None:
+    """Warn when a resumed checkpoint has trained ``done`` whole epochs, every epoch that
     fit(epochs=...) asks for: the fit then trains nothing."""
-    done = epoch + (per_epoch is not None and batch >= per_epoch)
     if done >= epochs:
         warnings.warn(f"resume_from's checkpoint is of {done} whole epochs, as many as "
                       f"fit(epochs={epochs}) asks for or more: nothing is left to train, and the "

@@ -106,81 +106,34 @@ class Features:
         Only ``x``'s structure is read (its length or keys), so the driver checks
         ``Columns.features`` with it before any Spark job.
         """
-        if isinstance(x, tuple):
-            self._dtypes(len(x))
-            return self._positional_shapes(len(x))
-        if isinstance(x, dict):
-            self._dtypes([str(k) for k in x])
-            return self._keyword_shapes([str(k) for k in x])
-        self._dtypes(None)
-        return self._one_shape()
+        inputs = _inputs_of(x)
+        self._dtypes(inputs)
+        shapes = self._shapes(inputs)
+        if inputs is None:
+            return shapes[0]  # type: ignore[no-any-return]
+        return tuple(shapes) if isinstance(shapes, list) else shapes
 
-    def _positional_shapes(self, inputs: int) -> tuple[Shape | None, ...]:
-        shape = self.shape
-        if isinstance(shape, dict) or _is_shape(shape):
-            raise ValueError(f"feature_shape={shape} but the rows hold {inputs} positional "
-                             f"inputs; give a tuple with one shape (or None) per input, "
-                             f"in order")
-        if shape is not None and len(shape) != inputs:
-            raise ValueError(f"feature_shape gives {len(shape)} shapes but the rows hold "
-                             f"{inputs} inputs; give one shape (or None) per input")
-        return shape or (None,) * inputs
+    def _shapes(self, inputs: int | list[str] | None) -> Any:
+        """``shape`` laid out as the inputs: a list by position or a dict by name."""
+        return _per_input(self.shape, _is_shape(self.shape), "feature_shape", "shape", inputs,
+                          broadcast=False)
 
-    def _keyword_shapes(self, names: list[str]) -> dict[str, Shape | None]:
-        shape = self.shape
-        if shape is not None and not isinstance(shape, dict):
-            raise ValueError(f"feature_shape={shape} but the rows hold keyword inputs "
-                             f"{names}; give a dict of shapes by input name, e.g. "
-                             f"{{{names[0]!r}: (1, 8, 8)}}")
-        named = shape or {}
-        unknown = sorted(set(named) - set(names))
-        if unknown:
-            raise ValueError(f"feature_shape names inputs {unknown} that the rows do not "
-                             f"have; their inputs are {sorted(names)}")
-        return {k: named.get(k) for k in names}
-
-    def _one_shape(self) -> Shape | None:
-        shape = self.shape
-        if shape is not None and not _is_shape(shape):
-            raise ValueError(f"feature_shape={shape} gives several shapes but the rows hold one "
-                             f"input; give one shape, or pass inputs=")
-        return shape
+    def _dtypes(self, inputs: int | list[str] | None) -> Any:
+        """``input_dtypes`` laid out as the inputs: a list by position or a dict by name."""
+        return _per_input(self.input_dtypes, isinstance(self.input_dtypes, str),
+                          "feature_dtype", "dtype", inputs, broadcast=True)
 
     def features(self, x: Arrays) -> Tensors:
         """A batch of feature rows as tensor(s) of the model's dtype and input shape(s)."""
+        inputs = _inputs_of(x)
+        shapes, dtypes = self._shapes(inputs), self._dtypes(inputs)
         if isinstance(x, tuple):
-            shapes = self._positional_shapes(len(x))
-            dtypes = self._dtypes(len(x))
             return tuple(self._input(v, shapes[i], f"input {i}", dtypes[i])
                          for i, v in enumerate(x))
         if isinstance(x, dict):
-            named = self._keyword_shapes(list(x))
-            by_name = self._dtypes(list(x))
-            return {k: self._input(v, named[k], f"input {k!r}", by_name[k])
+            return {k: self._input(v, shapes[k], f"input {k!r}", dtypes[k])
                     for k, v in x.items()}
-        return self._input(x, self._one_shape(), "features", self._dtypes(None)[0])
-
-    def _dtypes(self, inputs: int | list[str] | None) -> Any:
-        """``input_dtypes`` laid out as the inputs (a count, names, or None for one input):
-        a list by position or a dict by name; a ValueError naming the fix when they differ."""
-        given = self.input_dtypes
-        count = 1 if inputs is None else inputs if isinstance(inputs, int) else len(inputs)
-        if given is None or isinstance(given, str):
-            one = [given] * count
-            return one if not isinstance(inputs, list) else dict(zip(inputs, one, strict=True))
-        if isinstance(inputs, list):
-            if not isinstance(given, dict):
-                raise ValueError(f"feature_dtype={given} but the rows hold keyword inputs "
-                                 f"{inputs}; give one dtype, or a dict of them by input name")
-            unknown = sorted(set(given) - set(inputs))
-            if unknown:
-                raise ValueError(f"feature_dtype names inputs {unknown} that the rows do not "
-                                 f"have; their inputs are {sorted(inputs)}")
-            return {k: given.get(k) for k in inputs}
-        if isinstance(given, dict) or len(given) != count:
-            raise ValueError(f"feature_dtype={given} but the rows hold {count} positional "
-                             f"input(s); give one dtype, or one (or None) per input, in order")
-        return list(given)
+        return self._input(x, shapes[0], "features", dtypes[0])
 
     def _label(self, y: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(y))
@@ -200,3 +153,47 @@ class Features:
         if isinstance(y, dict):
             return {k: self._label(v) for k, v in y.items()}
         return self._label(y)
+
+
+def _inputs_of(x: object) -> int | list[str] | None:
+    """A batch's inputs as ``_per_input`` takes them: a count for a tuple, the names of a
+    dict, None for one input."""
+    if isinstance(x, tuple):
+        return len(x)
+    if isinstance(x, dict):
+        return [str(k) for k in x]
+    return None
+
+
+def _per_input(given: Any, single: bool, option: str, what: str,
+               inputs: int | list[str] | None, broadcast: bool) -> Any:
+    """An option given once, per position or by name (``feature_shape``, ``feature_dtype``)
+    laid out as the inputs are (a count, names, or None for one input): a list by position
+    (one item for one input) or a dict by name, None where it gives nothing. One value
+    applies to every input if ``broadcast``, else only to a lone input. A ValueError naming
+    the fix when the two do not fit."""
+    count = 1 if inputs is None else inputs if isinstance(inputs, int) else len(inputs)
+    if given is None or (single and (broadcast or inputs is None)):
+        one = [given] * count
+        return dict(zip(inputs, one, strict=True)) if isinstance(inputs, list) else one
+    if inputs is None:
+        if not isinstance(given, dict) and len(given) == 1:
+            return list(given)  # one per input, for the one input
+        raise ValueError(f"{option}={given} gives {len(given)} {what}s but the rows hold one "
+                         f"input; give one {what}, or pass inputs=")
+    if isinstance(inputs, list):
+        if not isinstance(given, dict):
+            raise ValueError(f"{option}={given} but the rows hold keyword inputs {inputs}; "
+                             f"give a dict of {what}s by input name")
+        unknown = sorted(set(given) - set(inputs))
+        if unknown:
+            raise ValueError(f"{option} names inputs {unknown} that the rows do not have; "
+                             f"their inputs are {sorted(inputs)}")
+        return {k: given.get(k) for k in inputs}
+    if single or isinstance(given, dict):
+        raise ValueError(f"{option}={given} but the rows hold {count} positional inputs; give "
+                         f"a tuple with one {what} (or None) per input, in order")
+    if len(given) != count:
+        raise ValueError(f"{option} gives {len(given)} {what}s but the rows hold {count} "
+                         f"inputs; give one {what} (or None) per input, in order")
+    return list(given)

@@ -296,6 +296,20 @@ def test_models_dir_with_grpc_port_0_serves_every_model_over_both(tmp_path: Path
         client.close()
         http = th.InferenceServerClient(url=f"127.0.0.1:{port}")
         assert [m["name"] for m in http.get_model_repository_index()] == ["a", "b"]
+        # SIGHUP reloads the directory (it killed a models-dir server: no handler was set)
+        a2, c = saved(root / "a.safetensors", 3), saved(root / "c.safetensors", 4)
+        running.proc.send_signal(signal.SIGHUP)
+        running.wait_for(r"SIGHUP: model 'a' now serves version 2")  # sorted by name
+        running.wait_for(r"SIGHUP: model 'c' now serves version 1")  # a folder added since
+        assert running.proc.poll() is None
+        for name, model in (("a", a2), ("c", c)):
+            item = th.InferInput("input", list(x.shape), "FP32")
+            item.set_data_from_numpy(x)
+            with torch.no_grad():
+                want = model(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(http.infer(name, [item]).as_numpy("output"), want,
+                                       rtol=1e-5, atol=1e-6)
+        http.close()
     finally:
         assert running.stop() in (0, -signal.SIGTERM)
 

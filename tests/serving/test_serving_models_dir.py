@@ -326,6 +326,32 @@ def test_a_top_level_model_swaps_weights_from_the_models_dir(models_dir: dict) -
         x = np.random.default_rng(0).random((1, 1, 8, 8), dtype=np.float32)
         np.testing.assert_allclose(_infer(http, th, "lenet", x), _run(_lenet(7), x),
                                    rtol=1e-5, atol=1e-6)
+        # a rebuild from the folder is the next version again (it was 1 again, so a request
+        # pinned to version 1 got weights that were never version 1)
+        paraloom.save(_lenet(8), root / "lenet.safetensors")
+        http.load_model("lenet")
+        assert http.get_model_metadata("lenet")["versions"] == ["3"]
+        item = th.InferInput("input", list(x.shape), "FP32")
+        item.set_data_from_numpy(x)
+        for stale in ("1", "2"):
+            with pytest.raises(InferenceServerException, match="version"):
+                http.infer("lenet", [item], model_version=stale)
+        pinned = http.infer("lenet", [item], model_version="3").as_numpy("output")
+        np.testing.assert_allclose(pinned, _run(_lenet(8), x), rtol=1e-5, atol=1e-6)
+
+
+def test_version_folders_are_numbers_not_starting_with_0(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    for folder, seed in (("2", 2), ("007", 7), ("0", 0), ("v9", 9), ("\u00b2", 4)):
+        (root / "cnn" / folder).mkdir(parents=True)
+        paraloom.save(_lenet(seed), root / "cnn" / folder / "model.safetensors")
+    app = create_repository_app(root, workers=1)
+    with ServerThread(app) as server:
+        http = _http(server)
+        assert http.get_model_metadata("cnn")["versions"] == ["2"]  # Triton ignores the rest
+        x = np.random.default_rng(0).random((1, 1, 8, 8), dtype=np.float32)
+        np.testing.assert_allclose(_infer(http, th, "cnn", x), _run(_lenet(2), x),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_a_model_whose_declared_shapes_have_no_batch_dimension_says_so_in_its_config(

@@ -195,16 +195,17 @@ def _dims(raw: str) -> tuple[int, ...]:
 
 
 def _reload_on_sighup(app: Starlette) -> None:
-    """Make SIGHUP reload the served file, as ``POST .../load`` with no body does."""
-    repository, name = _repository(app), app.state.served.name
+    """Make SIGHUP reload the served file, or every model of the models directory, as
+    ``POST .../load`` with no body does for one."""
+    repository = _repository(app)
     inner = app.router.lifespan_context
 
     async def reload() -> None:
         try:
-            version = await repository.load(name, {}, trusted=True)
-            _log.info("SIGHUP: model %r now serves version %s", name, version)
+            for name, version in (await repository.reload()).items():
+                _log.info("SIGHUP: model %r now serves version %s", name, version)
         except Exception as e:  # a bad file must not stop the server: log it, keep serving
-            _log.error("SIGHUP reload failed, the old version keeps serving: %s", e)
+            _log.error("SIGHUP reload failed, the old versions keep serving: %s", e)
 
     @contextlib.asynccontextmanager
     async def lifespan(a: Starlette) -> AsyncIterator[None]:
@@ -315,9 +316,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError) as e:
         print(f"paraloom serve: error: {e}", file=sys.stderr)
         return 2
-    if model_file is not None and hasattr(signal, "SIGHUP"):
-        _reload_on_sighup(app)
     repository = _repository(app)
+    if (model_file is not None or repository.source is not None) and hasattr(signal, "SIGHUP"):
+        _reload_on_sighup(app)  # a model served from Python code has no file to read again
     repository.refuse_loads = getattr(args, "refuse_loads", None)
     _log_models(repository)
     try:

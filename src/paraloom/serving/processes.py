@@ -39,8 +39,9 @@ def refuse_loads_message(processes: int, parent: int) -> str:
     """Why a child of ``--processes N`` refuses loads and unloads over the API."""
     return (f"this server runs {processes} processes (paraloom serve --processes {processes}), "
             "each with its own copy of every model, and a load or unload would reach one of "
-            f"them; send SIGHUP to the parent (kill -HUP {parent}) to reload the served file in "
-            "every process, or run with --processes 1 to load and unload over the API")
+            f"them; send SIGHUP to the parent (kill -HUP {parent}) to reload the served file "
+            "(or every model of --models-dir) in every process, or run with --processes 1 to "
+            "load and unload over the API")
 
 
 def _watch_parent(parent: int) -> None:

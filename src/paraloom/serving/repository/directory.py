@@ -242,6 +242,12 @@ def config_path_of(folder: Path) -> Path:
     return pbtxt if pbtxt.is_file() else json_path
 
 
+def _is_version_folder(name: str) -> bool:
+    """Whether a model folder's subfolder is a version: a number, not starting with 0
+    (Triton's rule: ``1``, ``12``, never ``0`` or ``007``, which it ignores)."""
+    return name.isascii() and name.isdigit() and not name.startswith("0")
+
+
 class ModelsDir:
     """The models in a directory, and how to build a ``ServedModel`` of one of them."""
 
@@ -276,8 +282,8 @@ class ModelsDir:
         return self._folder(path)
 
     def _folder(self, folder: Path) -> Found:
-        numbered = sorted((int(p.name), p) for p in folder.iterdir()
-                          if p.is_dir() and p.name.isdigit() and int(p.name) >= 1)
+        numbered = sorted((int(p.name), p) for p in folder.iterdir() if p.is_dir()
+                          and _is_version_folder(p.name))
         try:
             config_path = config_path_of(folder)
         except ValueError as e:

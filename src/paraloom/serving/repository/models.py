@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, TypedDict
 
 import anyio
@@ -209,11 +209,32 @@ class ModelRepository:
                 return await new.load(parameters)
             return new.version
 
+    async def reload(self) -> dict[str, str]:
+        """Reload every model, as the operator's SIGHUP asks: the served file again, or each
+        model of the models directory that is not unloaded (new folders too); returns the
+        version each now serves. A model that fails to load is logged and keeps its old
+        version (or stays unavailable), and the others still reload."""
+        names = set(self._entries) if self.source is None else set(self.source.scan())
+        names -= {n for n, e in self._entries.items()
+                  if e.served is None and e.reason == _UNLOADED}
+        versions: dict[str, str] = {}
+        for name in sorted(names):
+            try:
+                versions[name] = await self.load(name, {}, trusted=True)
+            except (ProtocolError, NotFoundError, UnavailableError) as e:
+                _log.error("reload of model %r failed: %s", name, e)
+        return versions
+
     async def _build(self, name: str, entry: _Entry | None, parameters: Mapping[str, object]
                      ) -> list[ServedModel]:
         check_load_parameters(parameters)  # the same refusals as a weights load
         if self.source is not None:
             found = self.source.find(name)
+            last = entry.last if entry is not None else None
+            if not found.numbered and found.path is not None and last is not None:
+                # No version folders: each build is the next version, as a reload of a served
+                # file is, so a request pinned to the old one never gets the new weights.
+                found = replace(found, version=int(last.version) + 1)
             try:
                 built = await anyio.to_thread.run_sync(self.source.build_versions, found)
             except (ValueError, TypeError, RuntimeError, OSError) as e:

@@ -36,6 +36,9 @@ def postprocess(logits):
 '''
 
 
+_FP32_IN = "INPUTS = [{'name': 'input', 'datatype': 'FP32', 'shape': [-1, 16]}]\n"
+
+
 def _model(folder: Path, handler: str | None, seed: int = 0) -> torch.nn.Module:
     folder.mkdir(parents=True)
     torch.manual_seed(seed)
@@ -63,6 +66,14 @@ def models(tmp_path: Path) -> Path:
            'def postprocess(out):\n    return {"y": out.numpy()}\n')
     _model(tmp_path / "capped", _SENTIMENT)
     (tmp_path / "capped" / "config.json").write_text('{"max_batch_size": 2}')
+    _model(tmp_path / "exits", _FP32_IN + "OUTPUTS = [{'name': 'y', 'datatype': 'FP32', "
+           "'shape': [-1, 2]}]\nimport torch\ndef preprocess(inputs):\n"
+           "    if inputs['input'].sum() > 0:\n        raise SystemExit(3)\n"
+           "    return torch.from_numpy(inputs['input'])\n"
+           "def postprocess(out):\n    raise KeyboardInterrupt\n")
+    _model(tmp_path / "slow", _FP32_IN + "OUTPUTS = [{'name': 'output', 'datatype': 'FP32', "
+           "'shape': [-1, 2]}]\nimport time, torch\ndef preprocess(inputs):\n"
+           "    time.sleep(0.6)\n    return torch.from_numpy(inputs['input'])\n")
     return tmp_path
 
 
@@ -189,6 +200,51 @@ def test_a_failing_handler_answers_its_request_only(server: ServerThread) -> Non
     assert http.is_server_ready()
 
 
+def test_a_handler_raising_systemexit_fails_its_request_not_the_server(
+        server: ServerThread) -> None:
+    """SystemExit in preprocess and KeyboardInterrupt in postprocess: over grpcio they stopped
+    the server, over HTTP they were a plain-text 500 counted as no failure."""
+    grpc = tg.InferenceServerClient(server.grpc_url)
+    http = th.InferenceServerClient(server.url[len("http://"):])
+    for value, status, message in ((1.0, "400", "refused the input: SystemExit: 3"),
+                                   (0.0, "500", "postprocess failed: KeyboardInterrupt")):
+        for client, module in ((grpc, tg), (http, th)):
+            x = module.InferInput("input", [1, 16], "FP32")
+            x.set_data_from_numpy(np.full((1, 16), value, np.float32))
+            with pytest.raises(InferenceServerException, match=message):
+                client.infer("exits", [x])
+        r = httpx.post(f"{server.url}/v2/models/exits/infer", timeout=WAIT_S, json={"inputs": [
+            {"name": "input", "shape": [1, 16], "datatype": "FP32", "data": [value] * 16}]})
+        assert r.status_code == int(status) and message in r.json()["error"]
+    assert grpc.is_server_live() and http.is_server_ready()
+    metrics = httpx.get(f"{server.url}/metrics", timeout=WAIT_S).text
+    for reason in ("bad_request", "handler_error"):  # each counted, by transport: 3 a kind
+        assert f'failures_total{{model="exits",reason="{reason}"}} 3.0' in metrics
+    grpc.close()
+
+
+def test_an_unload_lets_a_request_in_preprocess_finish_on_its_model(
+        server: ServerThread) -> None:
+    """It was a 404: the request looked the model up again after its preprocess."""
+    import threading
+
+    http = th.InferenceServerClient(server.url[len("http://"):], network_timeout=WAIT_S)
+    x = np.random.default_rng(0).random((1, 16), dtype=np.float32)
+    answers: list[httpx.Response] = []
+    request = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{server.url}/v2/models/slow/infer", timeout=WAIT_S, json={"inputs": [
+            {"name": "input", "shape": [1, 16], "datatype": "FP32",
+             "data": x.ravel().tolist()}]})))
+    request.start()
+    import time
+    time.sleep(0.25)  # the request is in its 0.6 s preprocess
+    http.unload_model("slow")
+    request.join(WAIT_S)
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    assert not http.is_model_ready("slow")
+
+
 def _handler(preprocess: object = None, postprocess: object = None) -> Handler:
     model = ModelSignature((TensorSpec("a", "FP32", (-1, 2)), TensorSpec("b", "FP32", (-1, 2))),
                            (TensorSpec("output", "FP32", (-1, 2)),))
@@ -218,3 +274,7 @@ def test_postprocess_outputs_are_checked_against_outputs() -> None:
         numbers.from_model(torch.zeros(2, 2))
     with pytest.raises(HandlerFailedError, match="without outputs \\['label'\\]"):
         _handler(postprocess=lambda out: {}).from_model(torch.zeros(2, 2))
+    # an object array of other things was sent as each item's str(): ["1", "None", ...]
+    objects = _handler(postprocess=lambda out: {"label": np.array([1, None], dtype=object)})
+    with pytest.raises(HandlerFailedError, match="holding int 1.*str or bytes only"):
+        objects.from_model(torch.zeros(2, 2))

@@ -87,10 +87,13 @@ def test_integers_at_both_ends_of_their_range_decode_exactly(datatype: str, bina
                                                 ("FP16", [70000, 1]),
                                                 ("FP16", [float("nan"), -1e5]),
                                                 ("FP32", [float("inf"), 1e39]),
-                                                ("FP32", [1e39, 0.0])])
+                                                ("FP32", [1e39, 0.0]),
+                                                ("FP16", [65520, 0]),
+                                                ("BF16", [3.4e38, 0])])
 def test_json_integers_past_the_datatypes_range_are_refused(datatype: str, data: list) -> None:
     body = {"inputs": [{"name": "x", "shape": [2], "datatype": datatype, "data": data}]}
-    with pytest.raises(ProtocolError, match=f"outside {datatype}'s range"):
+    with pytest.raises(ProtocolError,
+                       match=f"(outside {datatype}.s range|that {datatype} cannot hold)"):
         parse_infer_request(json.dumps(body).encode())
 
 
@@ -99,6 +102,13 @@ def test_json_floats_at_the_ends_of_fp16_and_infinities_decode() -> None:
                         "data": [65504.0, float("-inf"), -65504]}]}
     (got,) = parse_infer_request(json.dumps(body).encode()).inputs
     assert got.tensor.tolist() == [65504.0, float("-inf"), -65504.0]
+    body["inputs"][0]["data"] = [65519.0, 3.0, -65519]  # they round to FP16's largest
+    (got,) = parse_infer_request(json.dumps(body).encode()).inputs
+    assert got.tensor.tolist() == [65504.0, 3.0, -65504.0]
+    fp32 = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                        "data": [3.4028235e38]}]}  # FLT_MAX as numpy, JS and Go print it
+    (got,) = parse_infer_request(json.dumps(fp32).encode()).inputs
+    assert got.tensor.item() == torch.finfo(torch.float32).max
     body["inputs"][0]["data"] = [float("inf"), float("nan"), float("inf")]  # no finite value
     (got,) = parse_infer_request(json.dumps(body).encode()).inputs
     assert got.tensor.isinf().sum() == 2 and got.tensor.isnan().sum() == 1

@@ -91,8 +91,10 @@ def tensor_from_json(data: object, dt: DataType, shape: tuple[int, ...], where: 
     """A tensor from JSON ``data`` (flat or nested, row-major), checked against its datatype."""
     if dt.name == "BF16":
         # numpy has no bfloat16: read floats, then let torch round them (BF16's range is FP32's).
-        as_fp32 = DATATYPES["FP32"]
-        return tensor_from_json(data, as_fp32, shape, where).to(torch.bfloat16)
+        as_fp32 = tensor_from_json(data, DATATYPES["FP32"], shape, where)
+        rounded = as_fp32.to(torch.bfloat16)
+        _check_overflow(as_fp32.numpy(), rounded.float().numpy(), dt, where)
+        return rounded
     count = math.prod(shape)
     try:
         arr = np.asarray(data)
@@ -106,13 +108,17 @@ def tensor_from_json(data: object, dt: DataType, shape: tuple[int, ...], where: 
     assert dt.numpy_dtype is not None
     if count:
         _check_values(arr, dt, dt.numpy_dtype, where)
-    return torch.from_numpy(cast_keeping_gil(arr, dt.numpy_dtype).reshape(shape))
+    with np.errstate(over="ignore"):  # an overflow is looked for below, and refused by name
+        cast = cast_keeping_gil(arr, dt.numpy_dtype)
+    if count and dt.numpy_dtype.kind == "f":
+        _check_overflow(arr, cast, dt, where)
+    return torch.from_numpy(cast.reshape(shape))
 
 
 def _check_values(arr: np.ndarray, dt: DataType, np_dtype: np.dtype, where: str
                   ) -> None:
-    """``ProtocolError`` unless every value of ``arr`` is of a kind ``dt`` accepts and within
-    its range (a finite number that the cast would make infinite is out of range too)."""
+    """``ProtocolError`` unless every value of ``arr`` is of a kind ``dt`` accepts and, for an
+    integer datatype, within its range."""
     kind = arr.dtype.kind
     if kind == "f" and dt.kinds == "iu" and np.isfinite(arr).all() and (arr == arr // 1).all():
         _check_range(arr, dt, np.iinfo(np_dtype), where)  # integers past 2**64, read as floats
@@ -121,14 +127,22 @@ def _check_values(arr: np.ndarray, dt: DataType, np_dtype: np.dtype, where: str
                             f"datatype {dt.name} does not accept")
     if np_dtype.kind in "iu":
         _check_range(arr, dt, np.iinfo(np_dtype), where)
-    elif np_dtype.kind == "f" and np_dtype.itemsize < 8:  # FP16, FP32: JSON reads float64
-        info = np.finfo(np_dtype)
-        finite = np.isfinite(arr)  # an Infinity or NaN sent is fine
-        if (finite & (np.abs(arr) > info.max)).any():
-            _check_range(arr[finite], dt, info, where)
 
 
-def _check_range(arr: np.ndarray, dt: DataType, info: np.iinfo | np.finfo, where: str) -> None:
+def _check_overflow(given: np.ndarray, cast: np.ndarray, dt: DataType, where: str) -> None:
+    """``ProtocolError`` if a finite value became infinite in ``dt`` (past FP16's 65504, or
+    FP32's 3.4028235e38, once rounded); an Infinity sent stays one."""
+    grew = np.isinf(cast)
+    if grew.any():
+        grew &= np.isfinite(given.reshape(-1))
+        if grew.any():
+            largest = float(torch.finfo(dt.torch_dtype).max)
+            raise ProtocolError(f"{where} data has values such as {given.reshape(-1)[grew][0]} "
+                                f"that {dt.name} cannot hold (its largest is {largest:.8g}); send "
+                                "smaller values, or a wider datatype")
+
+
+def _check_range(arr: np.ndarray, dt: DataType, info: np.iinfo, where: str) -> None:
     low, high = arr.min(), arr.max()
     if low < info.min or high > info.max:
         raise ProtocolError(f"{where} data has values in [{low}, {high}], outside "

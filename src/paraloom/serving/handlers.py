@@ -133,7 +133,7 @@ class Handler:
             return [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs.values()]
         try:
             out = self.preprocess(inputs)
-        except Exception as e:
+        except BaseException as e:  # on a worker thread: even SystemExit is this request's
             raise ProtocolError(f"the model's handler refused the input: "
                                 f"{type(e).__name__}: {e}") from e
         return self._tensors(out)
@@ -162,7 +162,7 @@ class Handler:
             return dict(self.model.name_outputs(result))
         try:
             out = self.postprocess(result)
-        except Exception as e:
+        except BaseException as e:  # on a worker thread: even SystemExit is this request's
             raise HandlerFailedError(f"{self.path.name} postprocess failed: "
                                      f"{type(e).__name__}: {e}") from e
         if not isinstance(out, Mapping):
@@ -182,6 +182,13 @@ class Handler:
         elif isinstance(value, np.ndarray):
             if not is_strings(value):
                 value = torch.from_numpy(np.ascontiguousarray(value))
+            elif value.dtype.kind == "O" and spec.datatype == "BYTES":
+                odd = [v for v in value.flat if not isinstance(v, str | bytes)][:1]
+                if odd:  # it would be sent as each item's str()
+                    raise HandlerFailedError(
+                        f"{self.path.name} postprocess returned an object array holding "
+                        f"{type(odd[0]).__name__} {short_repr(odd[0])} for output "
+                        f"{spec.name!r}; a BYTES output holds str or bytes only")
         else:
             raise HandlerFailedError(f"{self.path.name} postprocess returned "
                                      f"{type(value).__name__} for output {spec.name!r}; "

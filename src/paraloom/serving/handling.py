@@ -33,7 +33,6 @@ __all__ = ["EXTENSIONS", "InferAnswer", "ServerMetadata", "describe_server", "ha
 _log = logging.getLogger("paraloom.serving")
 EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
 SHARED_MEMORY = "system_shared_memory"  # listed when the server has shared memory on
-_RELOOKUPS = 3  # times a handler's preprocess is redone when the model changed meanwhile
 
 
 class ServerMetadata(TypedDict):
@@ -135,30 +134,16 @@ def write_regions(outputs: list[AnswerOutput], regions: SharedMemoryRegistry | N
     return written
 
 
-async def _prepared(repository: ModelRepository, name: str, version: str | None,
-                    parsed: InferRequest) -> tuple[ServedModel, list[torch.Tensor]]:
-    """The model to run and its input tensors (its handler's preprocess run on a thread)."""
-    for _ in range(_RELOOKUPS):
-        served = repository.get(name, version)
-        values = served.signature.check(parsed.inputs, batched=served.merges_requests)
-        handler = served.handler
-        if handler is None:
-            return served, values  # type: ignore[return-value]  # the signature is numeric
-        tensors = await anyio.to_thread.run_sync(handler.to_model, values)
-        # A model replaced or unloaded while preprocess ran must not get the request: look
-        # again, and redo the preprocess with the handler of what serves now.
-        if repository.get(name, version) is served:
-            return served, tensors
-    raise NotFoundError(f"model {name!r} changed {_RELOOKUPS} times while this request was "
-                        "preprocessed; send it again")
-
-
 async def _infer(repository: ModelRepository, name: str, version: str | None,
                  parsed: InferRequest, regions: SharedMemoryRegistry | None) -> InferAnswer:
-    # No await between the last lookup and the submit in served.infer: a model replaced or
-    # unloaded meanwhile is never handed a request after it stopped taking them.
-    served, tensors = await _prepared(repository, name, version, parsed)
-    result, used = await served.infer(tensors)
+    served = repository.get(name, version)
+    # Admitted from the lookup on: a model unloaded or replaced while its handler's
+    # preprocess runs still answers this request (its close waits), as a submitted one does.
+    with served.admitted():
+        values = served.signature.check(parsed.inputs, batched=served.merges_requests)
+        tensors = values if served.handler is None else \
+            await anyio.to_thread.run_sync(served.handler.to_model, values)
+        result, used = await served.infer(tensors, admitted=True)  # type: ignore[arg-type]
     if version is not None and used != version:
         raise NotFoundError(f"model {name!r} moved to version {used!r} while this request "
                             f"waited; version {version!r} is gone, send it again")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import anyio
@@ -99,6 +100,7 @@ class ServedModel:
         # In place, requests wait on threads for a free replica: at most this many at once.
         self._inplace_limit = pool.workers + pool.queue_limit
         self._inplace_now = 0  # changed on the event loop only
+        self._admitted = 0  # requests past their lookup, not yet answered by the pool
         self.close_timeout: float | None = None  # the server sets its graceful timeout here
         self.siblings: list[ServedModel] = [self]  # every version of this model served now
         self.labels = labels or {}
@@ -164,12 +166,31 @@ class ServedModel:
                 "inputs": [s.as_json() for s in self.signature.inputs],
                 "outputs": [s.as_json() for s in self.signature.outputs]}
 
-    async def infer(self, tensors: list[torch.Tensor]) -> tuple[Any, str]:
-        """Run one request through the pool; returns the model's result (whatever the user's
-        model returned) and the version that ran it."""
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Take a request in: from its lookup to its answer from the pool, a ``close()`` (an
+        unload, a replacement, the server's stop) waits for it (within its timeout), so a
+        request in its handler's preprocess is answered by the model it was looked up on.
+        ``UnavailableError`` once the model is closing."""
+        self._refuse_if_draining()
+        self._admitted += 1
+        try:
+            yield
+        finally:
+            self._admitted -= 1
+
+    def _refuse_if_draining(self) -> None:
         if self.draining:
             raise UnavailableError("the server is shutting down and takes no new requests",
                                    reason="shutting_down", retry_after=self.retry_after)
+
+    async def infer(self, tensors: list[torch.Tensor], *, admitted: bool = False
+                    ) -> tuple[Any, str]:
+        """Run one request through the pool; returns the model's result (whatever the user's
+        model returned) and the version that ran it. ``admitted``: the request holds an
+        ``admitted()`` ticket, so it runs even if the model began closing after its lookup."""
+        if not admitted:
+            self._refuse_if_draining()
         x: torch.Tensor | tuple[torch.Tensor, ...] = \
             tensors[0] if len(tensors) == 1 else tuple(tensors)
         try:
@@ -253,17 +274,18 @@ class ServedModel:
         ``timeout`` None: the server's ``close_timeout`` (None there too: wait for the drain).
         """
         self.draining = True
+        timeout = self.close_timeout if timeout is None else timeout
+        # Requests already admitted (in a handler's preprocess, or, in place, waiting for a
+        # replica: an in-place pool has no queue to drain, its waiting requests are callers).
+        timeout = await self._drained(timeout, lambda: self._admitted + self._inplace_now)
         if self.owns_pool:
-            timeout = self.close_timeout if timeout is None else timeout
-            if self._inplace:  # its close() fails callers still waiting for a replica
-                timeout = await self._inplace_drained(timeout)
             await anyio.to_thread.run_sync(lambda: self.pool.close(drain=True, timeout=timeout))
 
-    async def _inplace_drained(self, timeout: float | None) -> float | None:
-        """Wait (up to ``timeout``) until no request runs or waits on this in-place pool; the
-        time left. An in-place pool has no queue to drain: its waiting requests are callers."""
+    @staticmethod
+    async def _drained(timeout: float | None, busy: Callable[[], int]) -> float | None:
+        """Wait (up to ``timeout``) until ``busy()`` is 0; the time left."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._inplace_now and (deadline is None or time.monotonic() < deadline):
+        while busy() and (deadline is None or time.monotonic() < deadline):
             await asyncio.sleep(_DRAIN_POLL_S)
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 

@@ -372,3 +372,24 @@ def test_a_model_whose_declared_shapes_have_no_batch_dimension_says_so_in_its_co
         x = np.random.default_rng(0).random((3, 6), dtype=np.float32)
         np.testing.assert_allclose(_infer(_http(server), th, "fixed", x), _run(_mlp(0), x),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_labels_for_a_missing_file_or_an_unknown_output_make_the_model_unavailable(
+        tmp_path: Path) -> None:
+    """Both were taken silently: classification then answered without labels."""
+    root = tmp_path / "models"
+    for name, labels in (("typo", {"output": "lables.txt"}), ("other", {"logits": "l.txt"}),
+                         ("good", {"output": "l.txt"})):
+        (root / name).mkdir(parents=True)
+        paraloom.save(_lenet(0), root / name / "model.safetensors")
+        (root / name / "l.txt").write_text("\n".join(f"class {i}" for i in range(10)))
+        (root / name / "config.json").write_text(json.dumps({"labels": labels}))
+    app = create_repository_app(root, workers=1)
+    with ServerThread(app) as server:
+        index = {r["name"]: r for r in _http(server).get_model_repository_index()}
+        assert index["good"]["state"] == "READY"
+        assert index["typo"]["state"] == "UNAVAILABLE"
+        assert "labels names ['lables.txt'], not in the model's folder" in index["typo"]["reason"]
+        assert index["other"]["state"] == "UNAVAILABLE"
+        assert "outputs ['logits'], which 'other' does not have; its outputs are ['output']" \
+            in index["other"]["reason"]

@@ -64,6 +64,7 @@ def repository(tmp_path: Path) -> Iterator[tuple[Path, dict[int, nn.Module]]]:
     for version, model in versions.items():
         _write_torchscript(model, root / "digits" / str(version) / "model.pt")
     (root / "digits" / "config.pbtxt").write_text(PBTXT)
+    (root / "digits" / "labels.txt").write_text("\n".join(map(str, range(10))))  # it names it
     yield root, versions
 
 
@@ -176,6 +177,7 @@ def test_torchscript_only_when_allowed_and_pickles_never(repository, tmp_path: P
     (root / "pickled" / "1").mkdir(parents=True)
     torch.save({"weights": _Evil()}, root / "pickled" / "1" / "model.pt")
     (root / "pickled" / "config.pbtxt").write_text(PBTXT.replace('"digits"', '"pickled"'))
+    (root / "pickled" / "labels.txt").write_text("0\n1\n")
     reasons = _reasons(root, allow_torchscript=True)
     assert "not TorchScript" in reasons["pickled"] and "never unpickles" in reasons["pickled"]
     assert not mark.exists()

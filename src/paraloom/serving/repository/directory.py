@@ -203,15 +203,20 @@ def read_config(path: Path, default_name: str) -> ModelConfig:
 
 
 def _labels(raw: object, path: Path) -> dict[str, Path]:
-    """Output name -> its labels file beside ``path`` (the config); a file that is not there
-    is left out (classification then answers without labels)."""
+    """Output name -> its labels file beside ``path`` (the config); ``ValueError`` for a file
+    that is not there (as Triton, which fails such a model's load)."""
     if raw is None:
         return {}
     if not isinstance(raw, dict) or not all(isinstance(v, str) and v and Path(v).name == v
                                             for v in raw.values()):
         raise ValueError(f"{path.name}: labels {raw!r} must map output names to file names "
                          "in the model's folder, e.g. {\"logits\": \"labels.txt\"}")
-    return {str(k): path.parent / v for k, v in raw.items() if (path.parent / v).is_file()}
+    missing = sorted(v for v in raw.values() if not (path.parent / v).is_file())
+    if missing:
+        raise ValueError(f"{path.name}: labels names {missing}, not in the model's folder "
+                         f"{path.parent.name}/; add the file (one label per line) or remove "
+                         "the entry")
+    return {str(k): path.parent / v for k, v in raw.items()}
 
 
 def _reshape(raw: object, where: str) -> dict[str, tuple[int, ...]]:
@@ -402,6 +407,11 @@ class ModelsDir:
                    config: ModelConfig, *, numbered: bool) -> ServedModel:
         model, signature = self._model(path, config)
         handler = self._handler(folder, signature, f"{name}:{version}")
+        outputs = [o.name for o in (handler.signature if handler else signature).outputs]
+        unknown = sorted(set(config.labels) - set(outputs))
+        if unknown:
+            raise ValueError(f"labels are given for outputs {unknown}, which {name!r} does "
+                             f"not have; its outputs are {outputs}")
         options: PoolOptions = {**self.pool_defaults, **config.pool_options}
         pool = build_pool(model, signature, None, config.outputs is None, options)
         # A load request reads from the model's own folder: DIR itself for DIR/NAME.safetensors.

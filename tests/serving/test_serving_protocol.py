@@ -187,6 +187,7 @@ def json_request(**fields: object) -> bytes:
     (json_request(datatype="UINT8", data=[-1, 3]), "outside UINT8's range"),
     (json_request(datatype="BOOL", data=[1, 0]), "integer values"),
     (json_request(datatype="FP32", data=[True, False]), "boolean values"),
+    (json_request(parameters={"binary_data_size": 8}), "both 'data' and parameters.binary"),
     (json_request(datatype="INT32", data=[True, False]), "boolean values"),
     (json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}).encode(),
      "neither 'data' nor"),

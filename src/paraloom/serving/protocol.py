@@ -268,6 +268,9 @@ def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int
         value = (strings_from_json(obj["data"], shape, where) if dt is None
                  else json_input(name, dt, shape, obj["data"]))
         return RequestInput(name, datatype, shape, value), 0
+    if "data" in obj:  # Triton refuses it too: which of the two is the input?
+        raise ProtocolError(f"{where} has both 'data' and parameters.binary_data_size; send "
+                            "its values one way")
     if binary is None:
         raise ProtocolError(f"{where} declares binary_data_size but the request has no "
                             "Inference-Header-Content-Length header giving the JSON length")

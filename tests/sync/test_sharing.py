@@ -392,25 +392,37 @@ class _WithBuffers(nn.Module):
     """BatchNorm (written by every forward), a constant mask, and a counter that only the last
     rank's forward writes."""
 
-    def __init__(self, mask: bool) -> None:
+    def __init__(self, mask: bool, replace: bool = False) -> None:
         super().__init__()
         self.body = make_model(0, batchnorm=True)
         if mask:
             self.register_buffer("mask", torch.ones(4096))
         self.register_buffer("count", torch.zeros(1))
+        self.replace = replace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         if dist.get_rank() == dist.get_world_size() - 1:
-            self.count += 1
+            if self.replace:  # a new tensor each step, as `self.ema = 0.9 * self.ema + ...`
+                self.count = self.count + 1
+            else:
+                self.count += 1
         return self.body(x)
 
 
-def _buffers_run(rank: int, world_size: int, mask: bool) -> dict[str, Any]:
+def _buffers_run(rank: int, world_size: int, mask: bool, replace: bool = False
+                 ) -> dict[str, Any]:
     sync = SharedGradients(FixedThreshold(1e-3))
-    out = train(rank, world_size, sync, STEPS, model=_WithBuffers(mask), seed=0)
+    out = train(rank, world_size, sync, STEPS, model=_WithBuffers(mask, replace), seed=0)
     return {"final": out["final"], "bytes_per_step": out["bytes_per_step"]}
+
+
+def test_a_buffer_the_forward_replaces_is_broadcast_too(pool) -> None:
+    """The buffers were listed once, at setup: one the forward replaced was never sent again,
+    so the replicas' counters drifted apart for the whole fit."""
+    a, b = pool.run(_buffers_run, mask=False, replace=True)
+    assert a["final"] == b["final"]
 
 
 def test_only_written_buffers_are_broadcast_and_every_replica_ends_equal(pool) -> None:

@@ -151,6 +151,15 @@ class ReplicaTensors:
     def current_stamps(self) -> list[tuple[int, int]]:
         return stamps(self.params)
 
+    def refresh_buffers(self, model: nn.Module) -> None:
+        """Watch the model's buffers as they are now: a forward may replace one with a new
+        tensor (``self.ema = 0.9 * self.ema + ...``) rather than write it in place."""
+        buffers = list(model.buffers())
+        if len(buffers) != len(self.buffers) or any(
+                a.shape != b.shape for a, b in zip(buffers, self.buffers, strict=True)):
+            self.broadcast_values = None  # compared against nothing: all count as written
+        self.buffers = buffers
+
     def changed_buffers(self) -> list[bool]:
         """Which buffers differ from what the last broadcast left (all, before the first)."""
         if self.broadcast_values is None:

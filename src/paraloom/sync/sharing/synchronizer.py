@@ -316,8 +316,10 @@ class SharedGradients(Synchronizer):
     def _changed_flags(self, ctx: StepContext) -> list[bool]:
         """Which buffers some forward wrote since the last broadcast (none when not sent)."""
         replica = self._require_setup()
-        return replica.changed_buffers() if self.broadcast_buffers and is_distributed(ctx) \
-            else []
+        if not (self.broadcast_buffers and is_distributed(ctx)):
+            return []
+        replica.refresh_buffers(ctx.model)
+        return replica.changed_buffers()
 
     def _exchange(self, msg: Encoded, nonfinite: int, flags: list[bool], ctx: StepContext,
                   steps: Steps | None = None) -> None:

@@ -61,6 +61,9 @@ def test_explicit_options_win_and_the_recipe_reads_back_complete() -> None:
     ({"gradients_at": "global"}, ValueError, "gradients_at='global'"),
     ({"encoding": "dense"}, ValueError, "encoding='dense'"),
     ({"overlap": True, "gradients_at": "shared"}, ValueError, "overlap=True with gradients_at"),
+    ({"momentum_masking": "False"}, TypeError, "momentum_masking='False'"),  # bool() said True
+    ({"broadcast_buffers": "no"}, TypeError, "broadcast_buffers='no'"),
+    ({"overlap": "no"}, TypeError, "overlap='no'"),
 ])
 def test_bad_options_are_refused_when_the_recipe_is_built(options, error, match) -> None:
     with pytest.raises(error, match=match):

@@ -97,6 +97,8 @@ def test_bad_settings_are_refused_with_the_rule(make, match) -> None:
 def test_wrong_types_are_type_errors() -> None:
     with pytest.raises(TypeError, match="expected a number"):
         FixedThreshold("1e-3")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="exact_count='no'; expected True or False"):
+        QuantileThreshold(0.01, exact_count="no")  # type: ignore[arg-type]
 
 
 def test_target_above_one_sixteenth_warns() -> None:

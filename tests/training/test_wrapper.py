@@ -111,8 +111,14 @@ def test_uneven_last_round_trains_every_batch():
 def test_one_worker_trains_in_the_calling_process():
     model, wrapper = scalar_wrapper(1)
     with wrapper:
-        wrapper.fit(scalar_batches([1, 3, 5, 7, 9]))
+        returned = wrapper.fit(scalar_batches([1, 3, 5, 7, 9]))
         assert wrapper.worker_pids == []
+        # stats() is a copy each time: changing one changed the next (a shallow copy)
+        returned["per_worker"][0]["changed"] = True
+        returned["bytes_sent_per_step"].append(-1.0)
+        again = wrapper.stats()
+        assert "changed" not in again["per_worker"][0]
+        assert -1.0 not in again["bytes_sent_per_step"]
     assert model.w.item() == -25.0
 
 

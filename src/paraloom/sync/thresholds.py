@@ -209,7 +209,9 @@ class QuantileThreshold(ThresholdAlgorithm):
                  sample: int = 65536, *, exact_count: bool = False) -> None:
         super().__init__(initial)
         self.density = _fraction("density", density)
-        self.exact_count = bool(exact_count)
+        if not isinstance(exact_count, bool):
+            raise TypeError(f"exact_count={exact_count!r}; expected True or False")
+        self.exact_count = exact_count
         if isinstance(sample, bool) or not isinstance(sample, int) or sample < 16:
             raise ValueError(f"sample={sample!r}; expected an int >= 16 (elements sampled to "
                              f"estimate the quantile)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import threading
@@ -426,10 +427,11 @@ class ParallelWrapper:
 
     def stats(self) -> FitStats:
         """Counters of the last fit(): rounds, samples, samples/s, bytes sent per step (see
-        ``FitStats``); empty before the first fit completes."""
+        ``FitStats``); empty before the first fit completes. Each call returns a copy of its
+        own: changing it changes nothing else."""
         if self._stats is None:
             return cast(FitStats, {})  # no fit yet: no counters
-        return FitStats(**self._stats)
+        return copy.deepcopy(self._stats)
 
 
 class FitStats(RoundSummary):

@@ -134,11 +134,16 @@ class SharingRecipe:
             raise ValueError(f"gradients_at={gradients_at!r}; expected 'local' (forward and "
                              f"backward on the shared parameters plus this replica's unsent "
                              f"updates) or 'shared' (on the shared parameters, DL4J's rule)")
+        for name in ("momentum_masking", "broadcast_buffers", "overlap"):
+            value = getattr(self, name)  # bool("no") is True: a string must not turn one on
+            if not isinstance(value, bool) and value is not None:
+                raise TypeError(f"{name}={value!r}; expected True or False (or None: the "
+                                "preset's choice)")
         for name, value in (("threshold_algorithm", algorithm),
                             ("residual_post_processor", post), ("combine", combine),
                             ("gradients_at", gradients_at),
                             ("momentum_masking", bool(self.momentum_masking)),
-                            ("broadcast_buffers", bool(self.broadcast_buffers))):
+                            ("broadcast_buffers", self.broadcast_buffers is not False)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "overlap", self._resolve_overlap())
 

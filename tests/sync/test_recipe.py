@@ -31,6 +31,12 @@ def test_presets_resolve_every_option() -> None:
     assert (dgc.combine, dgc.gradients_at, dgc.overlap, dgc.momentum_masking) == \
         ("mean", "local", True, False)
     assert dgc.sparse_format() == Format.GAP16 and dgc.capacity(1600) == 5
+    # exact counts past the bitmap's size are always bitmaps: room for a bitmap, not for the
+    # gap16 message never sent (17,411 elements at density 0.9 were padded to 7x the bitmap)
+    dense = SharingRecipe(threshold_algorithm=QuantileThreshold(0.9, exact_count=True))
+    assert dense.capacity(17_411) == -(-17_411 // 16)
+    assert SharingRecipe(threshold_algorithm=QuantileThreshold(0.1, exact_count=True)
+                         ).capacity(16_000) == 1000  # either format: the bitmap is the larger
     dl4j = SharingRecipe("dl4j")
     assert isinstance(dl4j.threshold_algorithm, AdaptiveThreshold)
     assert (dl4j.residual_post_processor, dl4j.combine, dl4j.gradients_at, dl4j.overlap) == \

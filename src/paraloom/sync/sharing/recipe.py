@@ -202,9 +202,9 @@ class SharingRecipe:
         if count is None:
             return None
         words = -(-count // 2) if self.sparse_format() == Format.GAP16 else count
-        # Below half the bitmap's words a message is never a bitmap (see choose_format); a
-        # model so small that it may be gets room for either.
-        return words if 2 * words < bitmap_words else max(words, bitmap_words)
+        # Below half the bitmap's words a message is never a bitmap, and from the bitmap's
+        # words on always one (see choose_format); between, either, and the bitmap is larger.
+        return words if 2 * words < bitmap_words else bitmap_words
 
     def update_scale(self, world_size: int) -> float:
         """The factor on each update added to the residual (``1 / world_size`` when the

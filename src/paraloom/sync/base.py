@@ -51,7 +51,8 @@ class StepContext:
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step: int = 0
-    """Rounds completed in this fit() before the current one (counts idle rounds too)."""
+    """Optimizer steps completed in this fit() before the current round (idle rounds count
+    too; with gradient accumulation the rounds of one step share the value)."""
     skip_optimizer_step: bool = False
     """Set by ``after_backward`` to tell the loop not to call ``optimizer.step()``."""
     scaler: torch.amp.GradScaler | None = None

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from paraloom.sync.base import Synchronizer
+from paraloom.sync.base import StepContext, Synchronizer
 
-__all__ = ["BUCKET_BYTES", "average_tensors_", "broadcast_tensors_", "buckets"]
+__all__ = ["BUCKET_BYTES", "any_rank", "average_tensors_", "broadcast_tensors_", "buckets"]
 
 BUCKET_BYTES = 25 * 2**20
 """Bytes per collective: DDP's default bucket size."""
@@ -105,3 +105,10 @@ def broadcast_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | N
 def _first(group: dist.ProcessGroup | None) -> int:
     """The global rank of the group's rank 0."""
     return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def any_rank(flag: bool, ctx: StepContext) -> bool:
+    """Whether ``flag`` holds on any replica (every replica gets the same answer)."""
+    votes = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=ctx.group)
+    return bool(votes.item())

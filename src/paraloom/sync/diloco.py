@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
-from paraloom.sync.collectives import average_tensors_
+from paraloom.sync.collectives import any_rank, average_tensors_
 from paraloom.sync.pseudo_gradients import (
     Selection,
     check_encoding,
@@ -225,16 +225,34 @@ class DiLoCo(Synchronizer):
         split_fragments([p.numel() for p in params], self.fragments)
 
     def setup(self, ctx: StepContext) -> None:
+        """Start a fit. A fit after another, on the model as the last one left it (every
+        replica at the anchors), keeps the anchors, the residuals (what the last messages
+        left out) and the outer optimizer's state: ``fit(1)`` twice then continues as one
+        fit would. A model written since (the user's weights, a resume) starts them anew."""
         self.sync_steps = self.bytes_sent = self.synchronizations = self.bytes_received = 0
-        self._aggregates = {}
         self._in_flight = None
         params = self._params(ctx)
         self._groups = split_fragments([p.numel() for p in params], self.fragments)
+        warm = self._at_anchors(params)
+        if is_distributed(ctx):
+            warm = not any_rank(not warm, ctx)  # every replica keeps, or none does
+        if warm:
+            return
+        self._aggregates = {}
         with torch.no_grad():
             self._anchors = [p.detach().to(torch.promote_types(p.dtype, torch.float32))
                              .clone() for p in params]
         self._residuals = [None] * len(params)
         self._outer = self.outer_factory(self._anchors)
+
+    def _at_anchors(self, params: list[torch.nn.Parameter]) -> bool:
+        """Whether ``params`` are the anchors, as the last fit's finish left them."""
+        if self._outer is None or len(params) != len(self._anchors):
+            return False
+        with torch.no_grad():
+            return all(p.shape == a.shape and p.device == a.device
+                       and torch.equal(p.detach(), a.to(p.dtype))
+                       for p, a in zip(params, self._anchors, strict=True))
 
     @staticmethod
     def _params(ctx: StepContext) -> list[torch.nn.Parameter]:

@@ -183,8 +183,10 @@ class LoopOptions:
     progress: bool = True
     """Show a tqdm progress bar with the loss and samples/s."""
     report_score_after_averaging: bool = False
-    """With ``"averaging"``: listeners and the bar see the loss only of rounds that ended at
-    an averaging (DL4J's reportScoreAfterAveraging)."""
+    """Log the loss of each round that ended with every replica synchronized ("Averaged
+    score: ..." on the ``paraloom.score`` logger, as DL4J's reportScoreAfterAveraging): an
+    averaging, or a DiLoCo synchronization of the whole model (with ``fragments`` > 1 none
+    is). Listeners and the bar see every round either way."""
 
     def __post_init__(self) -> None:
         if isinstance(self.prefetch_buffer, bool) or not isinstance(self.prefetch_buffer, int):

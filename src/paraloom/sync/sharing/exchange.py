@@ -19,7 +19,7 @@ from torch import Tensor
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 from paraloom.sync.encoding import Encoded, Format
 
-__all__ = ["Exchanged", "Started", "any_rank", "exchange_messages", "peers", "start_exchange"]
+__all__ = ["Exchanged", "Started", "exchange_messages", "peers", "start_exchange"]
 
 _FLAG_BITS = 31
 """Changed-buffer flags per int32 header word (the sign bit unused)."""
@@ -168,13 +168,6 @@ def _exchanged(numel: int, rows: list[list[int]], payloads: list[Tensor], flags:
     anywhere = [any(row[_FIXED_WORDS + i // _FLAG_BITS] >> (i % _FLAG_BITS) & 1 for row in rows)
                 for i in range(flags)]
     return Exchanged(messages, [row[5] for row in rows], anywhere, sent)
-
-
-def any_rank(flag: bool, ctx: StepContext) -> bool:
-    """Whether ``flag`` holds on any replica (every replica gets the same answer)."""
-    votes = torch.tensor([int(flag)], device=ctx.device)
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=ctx.group)
-    return bool(votes.item())
 
 
 def peers(ctx: StepContext) -> tuple[dist.ProcessGroup | None, int, int]:

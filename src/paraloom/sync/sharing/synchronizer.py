@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
-from paraloom.sync.collectives import broadcast_tensors_
+from paraloom.sync.collectives import any_rank, broadcast_tensors_
 from paraloom.sync.encoding import (
     Encoded,
     Steps,
@@ -54,7 +54,6 @@ from paraloom.sync.sharing.encoder import MessageEncoder
 from paraloom.sync.sharing.exchange import (
     Exchanged,
     Started,
-    any_rank,
     exchange_messages,
     peers,
     start_exchange,
@@ -178,7 +177,12 @@ class SharedGradients(Synchronizer):
             raise ValueError(f"shared_gradients: parameters on several devices "
                              f"{sorted(map(str, devices))}; expected one device per replica")
         buffers = list(ctx.model.buffers())
-        self._replica = ReplicaTensors.for_model(params, buffers, self._replica)
+        previous = self._replica
+        self._replica = ReplicaTensors.for_model(params, buffers, previous)
+        if self._replica is previous and previous.stamps != previous.current_stamps():
+            # The weights were written since the last fit (the user's load_state_dict, sent
+            # here as a new model): the unsent updates of the old weights are not theirs.
+            previous.residual.zero_()
         self._replica.lay()
         numel = self._replica.residual.numel()
         if self.overlap and self.recipe.capacity(numel) is None:

@@ -105,6 +105,10 @@ def test_training_on_the_cpu(gpus, monkeypatch):
     assert plan.devices == ("cpu",) * 4 and plan.backend == "gloo" and plan.threads == 2
     with pytest.raises(ValueError, match="workers=0; expected an int >= 1"):
         training_devices("cpu", 0)
+    # 100,000 processes of torch filled the machine's memory; 4 per core is the most
+    assert len(training_devices("cpu", 32).devices) == 32
+    with pytest.raises(ValueError, match="workers=33 on 8 CPU cores; expected at most 32"):
+        training_devices("cpu", 33)
 
 
 def test_inference_replicas_may_share_a_gpu(gpus):

@@ -119,6 +119,12 @@ def training_devices(devices: DeviceSpec, workers: int | None, *,
         workers = len(pool) if gpus else max(cpu_workers, len(pool))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r}; expected an int >= 1")
+    most = max(8, 4 * cpu_cores())
+    if not gpus and workers > most:  # each a process with torch and a model: memory runs out
+        raise ValueError(f"workers={workers} on {cpu_cores()} CPU cores; expected at most "
+                         f"{most} (4 per core): each worker is a process with its own copy of "
+                         "torch and of the model, and past one per core they only share the "
+                         "cores")
     chosen = [pool[i % len(pool)] for i in range(workers)]
     shared = [d for d, n in Counter(d for d in chosen if d.type == "cuda").items() if n > 1]
     listed_twice = len(set(gpus)) < len(gpus)

@@ -141,3 +141,37 @@ def test_train_saves_before_evaluating_and_checks_out_before_training(user_modul
         with pytest.raises(SystemExit) as info:
             main([*base, "--out", str(where)])
         assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_user_errors_end_in_one_line_naming_the_fix(tmp_path, capsys, monkeypatch):
+    """Each of these ended in a traceback, or a message that did not name the fix."""
+    import torch
+
+    import paraloom
+    from paraloom.models import LeNet
+
+    monkeypatch.chdir(tmp_path)
+    paraloom.save(LeNet(image_size=28), "m28.safetensors", metadata={"dataset": "mnist"})
+    torch.save({"w": torch.zeros(1)}, "pickled.pt")
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "idx" / "train-images-idx3-ubyte").mkdir(parents=True)  # a folder, not a file
+    for argv, message in [
+        (["evaluate", "m28.safetensors"], "trained on --dataset mnist, and is evaluated on "
+                                          "--dataset digits: pass --dataset mnist"),
+        (["evaluate", "folder"], "folder is a folder; give the model's file"),
+        (["evaluate", "x.csv"], "x.csv is not a safetensors file (nor a PyTorch checkpoint)"),
+        (["evaluate", "pickled.pt"], "is a PyTorch pickle"),
+        (["train", "--dataset", "mnist", "--data-dir", "idx"], "is a folder, not an IDX file"),
+        (["train", "--test-data", "my_project:test_set"], "--test-data goes with --data"),
+        (["serve", "m28.safetensors", "--weights", "m28.safetensors"],
+         "--weights goes with --factory"),
+        (["serve", "m28.safetensors", "--port", "70000"], "'70000' is not a port"),
+    ]:
+        try:
+            code = main(argv)  # serve prints its own error line and returns the code
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err
+        assert code in (1, 2) and message in err, (argv, err)
+        assert "Traceback" not in err, argv

@@ -175,13 +175,13 @@ def check_safetensors(path: str | Path) -> None:
     size = path.stat().st_size
     if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= size - 8:
         return
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
-        what = "a PyTorch pickle (torch.save's format: a .pt/.pth/.bin checkpoint)"
-    else:
-        what = "not a safetensors file"
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
+        raise ValueError(f"{path} is not a safetensors file (nor a PyTorch checkpoint); "
+                         "paraloom reads models written by paraloom.save (.safetensors)")
     raise ValueError(
-        f"{path} is {what}; paraloom reads only safetensors files (loading them runs no code). "
-        "Convert it once, where you trust the file: model = YourModel(); model.load_state_dict("
+        f"{path} is a PyTorch pickle (torch.save's format: a .pt/.pth/.bin checkpoint); paraloom "
+        "reads only safetensors files (loading them runs no code). Convert it once, where you "
+        "trust the file: model = YourModel(); model.load_state_dict("
         f"torch.load({str(path)!r}, weights_only=True)); paraloom.save(model, "
         "'model.safetensors')")
 
@@ -313,6 +313,9 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model file {str(path)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give the model's file (a .safetensors written "
+                         "by paraloom.save)")
     _check_device(map_location)
     spec = read_header(path)
     model = _build(spec, factory)
@@ -325,8 +328,12 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
                          f"{mismatched}; pass the factory (and kwargs) it was saved from")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
+        hint = "" if factory is not None else (
+            "; a model saved without its own class (an nn.Sequential, a function's model) "
+            "loads with factory= the function that built it (--factory module:callable on "
+            "the command line)")
         raise ValueError(f"{path} does not match the rebuilt model: missing {missing}, "
-                         f"unexpected {unexpected}")
+                         f"unexpected {unexpected}{hint}")
     # load_state_dict converts into the rebuilt model's tensors: give back the saved dtypes
     # (a float16 or float64 model stays one) on map_location.
     model.to(map_location)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paraloom.errors import ParaloomError
+from paraloom.errors import ParaloomError, WorkerError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -45,9 +45,11 @@ def _positive_int(text: str) -> int:
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
     """--dataset, --data-dir and --batch-size, shared by the training commands."""
-    p.add_argument("--dataset", default="digits", choices=["digits", "mnist"])
+    p.add_argument("--dataset", default="digits", choices=["digits", "mnist"],
+                   help="the built-in data set (default digits: scikit-learn's 8x8 digits)")
     p.add_argument("--data-dir", help="folder with MNIST's IDX files (.gz or raw)")
-    p.add_argument("--batch-size", type=_positive_int, default=32)
+    p.add_argument("--batch-size", type=_positive_int, default=32,
+                   help="rows per batch (per worker; default 32)")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -62,7 +64,7 @@ def _train(args: argparse.Namespace) -> int:
     if not 0 <= args.momentum < 1:
         raise ValueError(f"--momentum {args.momentum}; expected a value in [0, 1), e.g. 0.9")
     if args.out:
-        _check_writable(args.out)
+        check_writable(args.out)
     torch.manual_seed(args.seed)
     model, loader, test = _training_setup(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -98,17 +100,17 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_writable(out: str) -> None:
-    """Refuse an ``--out`` that cannot be written before anything trains."""
+def check_writable(out: str, flag: str = "--out", example: str = "model.safetensors") -> None:
+    """Refuse a file to write (``--out``) that cannot be written, before anything trains."""
     path = Path(out)
     if path.is_dir():
-        raise ValueError(f"--out {out} is a directory; give a file path, e.g. "
-                         f"{path / 'model.safetensors'}")
+        raise ValueError(f"{flag} {out} is a directory; give a file path, e.g. "
+                         f"{path / example}")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise ValueError(f"--out {out}: the folder {parent} does not exist; create it first")
+        raise ValueError(f"{flag} {out}: the folder {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {out}: the folder {parent} is not writable")
+        raise ValueError(f"{flag} {out}: the folder {parent} is not writable")
 
 
 def _training_setup(args: argparse.Namespace
@@ -119,6 +121,9 @@ def _training_setup(args: argparse.Namespace
 
     from paraloom.user_code import build_user_model, user_data
 
+    if args.test_data is not None and args.data is None:
+        raise ValueError("--test-data goes with --data (your training data); without --data "
+                         "the test split of --dataset is used")
     if args.data is not None:
         loader = user_data(args.data, "--data", args.batch_size, shuffle=True)
         test = user_data(args.test_data, "--test-data", 256, shuffle=False) \
@@ -171,12 +176,31 @@ def _evaluate(args: argparse.Namespace) -> int:
 
         test = DataLoader(load_dataset(args.dataset, "test", args.data_dir),
                           batch_size=args.batch_size)
-    result = evaluate(model, test, loss_fn=nn.CrossEntropyLoss()) \
-        if args.loss == "cross_entropy" else evaluate_regression(model, test)
+    try:
+        result = evaluate(model, test, loss_fn=nn.CrossEntropyLoss()) \
+            if args.loss == "cross_entropy" else evaluate_regression(model, test)
+    except RuntimeError as e:  # e.g. a model trained on 8x8 digits given 28x28 MNIST
+        raise RuntimeError(f"{e}{_trained_on_hint(args)}") from e
     print(result.report())
     if args.json:
         print(json.dumps(result.metrics()))
     return 0
+
+
+def _trained_on_hint(args: argparse.Namespace) -> str:
+    """What the file says it was trained on, when that is not what it was given."""
+    from paraloom.checkpoint import read_header
+
+    try:
+        trained = read_header(args.model_file).get("metadata", {})
+    except (ValueError, OSError):
+        return ""
+    given = {"data": args.data} if args.data is not None else {"dataset": args.dataset}
+    for key, value in trained.items():
+        if key in given and given[key] != value:
+            return (f"; {args.model_file} was trained on --{key} {value}, and is evaluated "
+                    f"on --{key} {given[key]}: pass --{key} {value}")
+    return ""
 
 
 def _load_model(path: str, factory_spec: str | None) -> nn.Module:
@@ -186,6 +210,9 @@ def _load_model(path: str, factory_spec: str | None) -> nn.Module:
     import paraloom
     from paraloom.checkpoint import check_safetensors, read_header, read_tensors
 
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a folder; give the model's file (a .safetensors written "
+                         "by paraloom.save)")
     if not Path(path).is_file():
         raise FileNotFoundError(f"model file {path!r} does not exist")
     if factory_spec is None:
@@ -239,24 +266,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="lenet", choices=["lenet", "mlp"])
+    p.add_argument("--model", default="lenet", choices=["lenet", "mlp"],
+                   help="the built-in model (default lenet)")
     add_data_arguments(p)
     _add_user_code_arguments(p)
     p.add_argument("--test-data", metavar="PKG.MOD:FN",
                    help="with --data: a function returning the test Dataset or DataLoader")
-    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
+    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"],
+                   help="classification or regression (default cross_entropy)")
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes (default: one per GPU, else 2)")
     p.add_argument("--devices", default="auto",
                    help="auto (every GPU, else the CPU), cpu, a GPU count, or cuda:0,cuda:1")
     p.add_argument("--mode", default="averaging",
-                   choices=["averaging", "shared_gradients", "allreduce"])
+                   choices=["averaging", "shared_gradients", "allreduce"],
+                   help="the training mode (default averaging)")
     p.add_argument("--averaging-frequency", type=int, default=3,
-                   help="rounds between averaging steps (averaging mode)")
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
+                   help="rounds between averaging steps (averaging mode; default 3, where "
+                   "ParallelWrapper's default is 1)")
+    p.add_argument("--epochs", type=int, default=5, help="passes over the data (default 5)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    p.add_argument("--momentum", type=float, default=0.9,
+                   help="SGD momentum, Nesterov (default 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data's "
+                   "order (default 0)")
     p.add_argument("--out", help="where to save the model (.safetensors)")
 
 
@@ -296,10 +329,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as e:  # bad input: no traceback
-        parser.exit(2, f"paraloom {args.command}: error: {e}\n")
+    except (ValueError, TypeError, OSError) as e:  # bad input, a file: no traceback
+        parser.exit(2, f"paraloom {args.command}: error: {_os_error(e)}\n")
+    except KeyError as e:  # e.g. a file naming a model class not registered
+        parser.exit(2, f"paraloom {args.command}: error: {e.args[0] if e.args else e}\n")
     except (ParaloomError, RuntimeError) as e:  # training failed, or the model and data differ
-        parser.exit(1, f"paraloom {args.command}: error: {e}\n")
+        parser.exit(1, f"paraloom {args.command}: error: {_shown(e, args)}\n")
+
+
+def _os_error(e: BaseException) -> str:
+    """An OSError as a line (``[Errno 21] Is a directory: 'x'`` -> ``x: is a directory``)."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror.lower()}"
+    return str(e)
+
+
+def _shown(e: BaseException, args: argparse.Namespace) -> str:
+    """A failure's message; a worker's traceback only when the user's own code ran there
+    (--factory, --data): in paraloom's built-in models and datasets it is noise."""
+    if isinstance(e, WorkerError) and e.remote_traceback and not (
+            getattr(args, "factory", None) or getattr(args, "data", None)):
+        return str(e).split("\n\nTraceback in the worker:")[0]
+    return str(e)
 
 
 if __name__ == "__main__":

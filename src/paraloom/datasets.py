@@ -50,6 +50,8 @@ def read_idx(path: str | Path) -> np.ndarray:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"IDX file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{path} is a folder, not an IDX file; put MNIST's file there")
     with open(path, "rb") as f:
         data = f.read()
     if data[:2] == b"\x1f\x8b":  # gzip's magic number, whatever the file is called
@@ -98,6 +100,8 @@ def mnist(root: str | Path, split: str = "train") -> TensorDataset:
                          "(expected 1); are the image and label files swapped?")
     if images.shape[0] != labels.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels in {root}")
+    if images.shape[0] == 0:
+        raise ValueError(f"MNIST's {split} files in {root} hold no images; download them again")
     x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
     y = torch.from_numpy(labels.astype(np.int64))
     return TensorDataset(x, y)

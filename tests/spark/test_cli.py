@@ -37,8 +37,24 @@ def test_spark_train_rejects_a_bad_conf():
     from paraloom.spark.cli import _confs
 
     assert _confs(["spark.executor.memory=4g"]) == {"spark.executor.memory": "4g"}
-    with pytest.raises(SystemExit, match="KEY=VALUE"):
+    with pytest.raises(ValueError, match="KEY=VALUE"):  # the CLI's error line, exit 2
         _confs(["spark.executor.memory"])
+
+
+@pytest.mark.parametrize(("flag", "name"), [("--stats-html", "stats"), ("--out", "model"),
+                                            ("--stats-json", "nodir/stats.json")])
+def test_spark_train_checks_where_it_writes_before_training(tmp_path, flag, name, monkeypatch):
+    """--stats-html naming a folder ended a whole run with IsADirectoryError, and the model
+    (saved after the stats) was lost."""
+    from paraloom.spark import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stats").mkdir()
+    (tmp_path / "model").mkdir()
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(ValueError, match=f"{flag} {name}"):  # before any data or Spark
+        cli.run(parser.parse_args([flag, name, "--data-dir", str(tmp_path / "none")]))
 
 
 def test_spark_train_diloco_is_the_averaging_master_with_topk():

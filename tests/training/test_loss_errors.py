@@ -78,3 +78,10 @@ def test_an_optimizer_over_a_replaced_layer_says_to_build_both_again() -> None:
                                              r"model \(a layer replaced .*a new optimizer and a "
                                              r"new ParallelWrapper"):
             wrapper.fit(_BATCHES)
+
+
+def test_a_class_label_past_the_models_outputs_names_the_range() -> None:
+    batches = [(torch.ones(2, 4), torch.tensor([0, 5]))] * 2  # the model has 2 classes
+    message = _fail(nn.Linear(4, 2), batches, loss_fn=nn.CrossEntropyLoss())
+    assert "Target 5 is out of bounds" in message
+    assert "outside the model's 2 classes (0 to 1): check the labels' range" in message

@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default benchmarks/results/spark.json (spark_data.json for --mode data)")
     p.add_argument("--mode", choices=("training", "data"), default="training",
                    help="training: the masters against ParallelWrapper and DDP on in-memory "
-                        "data; data: Parquet at --small-rows and --rows (driver memory, "
+                        "data; data: Parquet of each of --sizes rows (driver memory, "
                         "fit_paths against a cached DataFrame and TorchDistributor)")
     from paraloom.bench.spark_data import add_arguments as data_arguments
 

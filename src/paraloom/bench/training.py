@@ -92,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ratio to DDP is the median of its runs")
     p.add_argument("--modes", default="averaging,allreduce,shared_gradients",
                    help="ParallelWrapper modes to measure, comma-separated; a suffix "
-                        "+blocking or +sampled (shared_gradients+blocking) sets options, see "
-                        "_VARIANTS")
+                        "+blocking (each exchange waited for in its step) or +sampled (that, "
+                        "and messages at their own lengths) sets options: "
+                        "shared_gradients+blocking")
     p.add_argument("--ddp-malloc", default="system", choices=["system", "keep"],
                    help="the DDP ranks' allocator: 'system' (glibc's defaults, as PyTorch runs) "
                         "or 'keep' (the setting ParallelWrapper's workers use, training.memory)")

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only; "
                         "0.0.0.0 exposes the model to the network)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any)")
+    parser.add_argument("--port", type=port, default=8000, help="port (default 8000; 0: any)")
     _add_pool_arguments(parser)
     _add_signature_arguments(parser)
     _add_http_arguments(parser)
@@ -86,7 +86,7 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                       "in DIR (a model repository: one sub-folder or .safetensors file per "
                       "model); with MODEL: the folder of .safetensors files that "
                       "POST /v2/repository/models/NAME/load may read (default: only MODEL)")
-    http.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
+    http.add_argument("--grpc-port", type=port, default=None, metavar="PORT",
                       help="also serve the v2 gRPC endpoint on PORT (default: off; 0: any free "
                       "port, printed)")
     http.add_argument("--grpc-backend", choices=("auto", "uvicorn", "grpcio"), default="auto",
@@ -140,6 +140,9 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
 
     if args.model and args.factory:
         raise ValueError("pass MODEL or --factory, not both")
+    if args.weights is not None and not args.factory:
+        raise ValueError("--weights goes with --factory (your model's class, given the file's "
+                         "weights); a file from paraloom.save is served as MODEL")
     if args.model:
         return load(args.model), args.model
     if not args.factory:
@@ -184,6 +187,18 @@ def _input_specs(args: argparse.Namespace) -> list[TensorSpec] | None:
                          f"{len(datatypes)} --input-datatype; give one of each per input (one "
                          "--input-datatype may stand for all)")
     return [TensorSpec(n, d, s) for n, d, s in zip(names, datatypes, shapes, strict=True)]
+
+
+def port(raw: str) -> int:
+    """A TCP port from the command line: 0 (any free one) to 65535."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a port; expected 0 (any free port) "
+                                         "to 65535")
+    return value
 
 
 def _dims(raw: str) -> tuple[int, ...]:
@@ -331,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
         close_owned_pools(app)
         print(f"paraloom serve: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it stopped on, once shut down
+        return 130
     return 0
 
 

@@ -29,22 +29,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from paraloom.cli import add_data_arguments
 
     p.add_argument("--master", default="local[2]",
-                   help="Spark master URL; local[N] runs an embedded Spark (no cluster needed)")
+                   help="Spark master URL; local[N] runs an embedded Spark (no cluster needed; "
+                        "default local[2])")
     p.add_argument("--training-master", default="shared",
                    choices=["shared", "averaging", "diloco"],
                    help="shared: SharedTrainingMaster (update sharing); averaging: "
                         "ParameterAveragingTrainingMaster; diloco: the same with "
-                        "encoding='topk' (DiLoCo)")
-    p.add_argument("--model", default="lenet", choices=["lenet", "mlp"])
+                        "encoding='topk' (DiLoCo); default shared")
+    p.add_argument("--model", default="lenet", choices=["lenet", "mlp"],
+                   help="the built-in model (default lenet)")
     add_data_arguments(p)
     p.add_argument("--workers", type=int, default=None,
                    help="Spark workers (default: the cluster's task slots)")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data's "
+                   "order (default 0)")
     p.add_argument("--threshold", type=float, default=5e-3,
-                   help="initial threshold of AdaptiveThreshold (shared master)")
+                   help="initial threshold of AdaptiveThreshold (shared master; default 5e-3)")
     p.add_argument("--averaging-frequency", type=int, default=None,
                    help="minibatches between averagings (averaging master: default 5; "
                         "diloco: 50)")
@@ -60,7 +63,7 @@ def _confs(entries: list[str]) -> dict[str, str]:
     for entry in entries:
         key, sep, value = entry.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--conf {entry!r}; expected KEY=VALUE, e.g. "
+            raise ValueError(f"--conf {entry!r}; expected KEY=VALUE, e.g. "
                              f"--conf spark.executor.memory=4g")
         out[key.strip()] = value.strip()
     return out
@@ -115,10 +118,16 @@ def run(args: argparse.Namespace) -> int:
     from torch import nn
 
     import paraloom
+    from paraloom.cli import check_writable
     from paraloom.datasets import load_dataset
     from paraloom.models import build_model
     from paraloom.spark import SparkModel
 
+    for flag, path, example in (("--out", args.out, "model.safetensors"),
+                                ("--stats-html", args.stats_html, "stats.html"),
+                                ("--stats-json", args.stats_json, "stats.json")):
+        if path:  # before the cluster trains: a bad path must not lose the model after
+            check_writable(path, flag, example)
     torch.manual_seed(args.seed)
     train = load_dataset(args.dataset, "train", args.data_dir)
     test = load_dataset(args.dataset, "test", args.data_dir)
@@ -138,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
     print(result.report())
     print(f"{summary['samples_per_s']:.0f} samples/s end to end ({summary['seconds']:.1f} s, "
           f"{summary['workers']} workers, {args.training_master} master, {args.master})")
+    if args.out:  # first: the model is what the run was for
+        paraloom.save(model, args.out, metadata={"dataset": args.dataset})
+        print(f"saved {args.out}")
     stats = net.training_stats()
     if stats is not None and args.stats_html:
         print(f"stats written to {stats.export_html(args.stats_html)}")
     if stats is not None and args.stats_json:
         print(f"stats written to {stats.export_json(args.stats_json)}")
-    if args.out:
-        paraloom.save(model, args.out, metadata={"dataset": args.dataset})
-        print(f"saved {args.out}")
     return 0

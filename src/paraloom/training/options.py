@@ -178,8 +178,10 @@ class LoopOptions:
     """
 
     prefetch_buffer: int = 16
-    """Batches per worker read ahead of the training (DL4J's prefetchBuffer): how far the
-    parent deals rounds ahead of the replicas' replies. 0: no reading ahead."""
+    """Batches per worker read ahead of the training (DL4J's prefetchBuffer): the reader
+    holds up to ``prefetch_buffer * workers`` batches, and the parent deals up to about
+    ``prefetch_buffer`` batches in all (at least two rounds) ahead of the replicas'
+    replies. 0: no reading ahead."""
     progress: bool = True
     """Show a tqdm progress bar with the loss and samples/s."""
     report_score_after_averaging: bool = False

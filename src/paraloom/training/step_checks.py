@@ -4,6 +4,7 @@ with no loss at all. Each error says what came and what to change."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -98,6 +99,11 @@ def batch_error(e: Exception, inputs: Any, targets: Any, outputs: Any = None,
         message += (f"\nThe model returned {describe(outputs)}: give one loss per output "
                     f"(loss_fn=[loss_a, loss_b, ...]; their sum is trained) or a step_fn that "
                     f"computes the loss")
+    elif re.search(r"Target -?\d+ is out of bounds", str(e)) and isinstance(outputs,
+                                                                           torch.Tensor):
+        message += (f"\nA class label is outside the model's {outputs.shape[-1]} classes "
+                    f"(0 to {outputs.shape[-1] - 1}): check the labels' range, or give the "
+                    "model as many outputs as there are classes")
     return BatchError(message)
 
 

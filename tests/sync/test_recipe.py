@@ -67,6 +67,8 @@ def test_explicit_options_win_and_the_recipe_reads_back_complete() -> None:
     ({"gradients_at": "global"}, ValueError, "gradients_at='global'"),
     ({"encoding": "dense"}, ValueError, "encoding='dense'"),
     ({"overlap": True, "gradients_at": "shared"}, ValueError, "overlap=True with gradients_at"),
+    ({"threshold_algorithm": FixedThreshold(1e-3), "overlap": True}, ValueError,
+     "expected messages of one size"),  # it was refused in the workers only
     ({"momentum_masking": "False"}, TypeError, "momentum_masking='False'"),  # bool() said True
     ({"broadcast_buffers": "no"}, TypeError, "broadcast_buffers='no'"),
     ({"overlap": "no"}, TypeError, "overlap='no'"),

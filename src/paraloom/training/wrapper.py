@@ -427,8 +427,7 @@ class ParallelWrapper:
 
     def stats(self) -> FitStats:
         """Counters of the last fit(): rounds, samples, samples/s, bytes sent per step (see
-        ``FitStats``); empty before the first fit completes. Each call returns a copy of its
-        own: changing it changes nothing else."""
+        ``FitStats``), a copy each call; empty before the first fit completes."""
         if self._stats is None:
             return cast(FitStats, {})  # no fit yet: no counters
         return copy.deepcopy(self._stats)

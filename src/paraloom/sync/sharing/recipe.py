@@ -158,6 +158,9 @@ class SharingRecipe:
                              "gradients_at='local': a replica's own message must stay in its "
                              "local view while the exchange runs (with gradients at the shared "
                              "parameters, an exchange one step behind diverged at lr 0.1)")
+        if self.overlap:
+            object.__setattr__(self, "overlap", True)
+            self.check_overlap(1 << 20)  # refused when built, not in the workers
         return bool(self.overlap)
 
     @classmethod
@@ -205,6 +208,15 @@ class SharingRecipe:
         # Below half the bitmap's words a message is never a bitmap, and from the bitmap's
         # words on always one (see choose_format); between, either, and the bitmap is larger.
         return words if 2 * words < bitmap_words else bitmap_words
+
+    def check_overlap(self, numel: int) -> None:
+        """``ValueError`` if ``overlap`` is on but messages for ``numel`` elements would not
+        have one size, which an exchange started ahead needs."""
+        if self.overlap and self.capacity(numel) is None:
+            raise ValueError(f"shared_gradients: overlap=True with {self._algorithm()!r} and "
+                             f"encoding={self.encoding!r}; expected messages of one size, "
+                             "which an exchange started ahead needs: QuantileThreshold("
+                             "density, exact_count=True), or encoding='bitmap'")
 
     def update_scale(self, world_size: int) -> float:
         """The factor on each update added to the residual (``1 / world_size`` when the

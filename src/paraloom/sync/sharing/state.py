@@ -133,14 +133,19 @@ class ReplicaTensors:
 
     @classmethod
     def for_model(cls, params: list[nn.Parameter], buffers: list[Tensor],
-                  previous: ReplicaTensors | None) -> ReplicaTensors:
+                  previous: ReplicaTensors | None, restored: bool = False) -> ReplicaTensors:
         """The tensors for a fit on ``params``: ``previous`` itself on the same model (a warm
         fit: ``old``, stamps and all), a new set that keeps its residual (the unsent
-        remainder) when that still fits, else a new set with a zero residual."""
+        remainder) when that still fits, else a new set with a zero residual. ``previous``'s
+        residual is dropped if its parameters were written since (the user's weights, sent
+        as a new model: the old weights' unsent updates are not theirs), unless ``restored``
+        (a saved state brought the residual for them)."""
         numel = sum(p.numel() for p in params)
         dtype = residual_dtype(params)
         if previous is not None and same_tensors(previous.params, params) \
                 and same_tensors(previous.buffers, buffers) and previous.specs == _specs(params):
+            if previous.stamps != previous.current_stamps() and not restored:
+                previous.residual.zero_()
             return previous
         if previous is not None and previous.residual.numel() == numel \
                 and previous.residual.dtype == dtype \
@@ -214,12 +219,12 @@ class Restored:
                              f"checkpoint of the same model")
         return started
 
-    def take_residual(self, tensors: ReplicaTensors) -> None:
+    def take_residual(self, tensors: ReplicaTensors) -> bool:
         """Copy the saved residual (once) into ``tensors``, checking it and the saved local
-        view against the model."""
+        view against the model; whether there was one."""
         residual, self.residual = self.residual, None
         if residual is None:
-            return
+            return False
         if residual.numel() != tensors.residual.numel():
             raise ValueError(f"shared_gradients: the saved residual has {residual.numel()} "
                              f"elements but the model has {tensors.residual.numel()} "
@@ -230,6 +235,7 @@ class Restored:
             raise ValueError("shared_gradients: the saved local view does not match the "
                              "model's trainable parameters; expected a checkpoint of the same "
                              "model")
+        return True
 
     def take_view(self) -> list[Tensor] | None:
         """The saved local view (once)."""

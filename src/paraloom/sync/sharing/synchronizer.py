@@ -111,6 +111,7 @@ class SharedGradients(Synchronizer):
         """Whether the parameters hold the local view (from the first step of a fit to its
         end); the shared parameters are then ``old``."""
         self._restored = Restored()
+        self._residual_restored = False
         self._started: Started | None = None
         """With ``overlap``: the exchange of the last step's messages, still running (its
         peers' messages not yet in the parameters, this replica's own whole in the view)."""
@@ -176,22 +177,12 @@ class SharedGradients(Synchronizer):
         if len(devices) > 1:
             raise ValueError(f"shared_gradients: parameters on several devices "
                              f"{sorted(map(str, devices))}; expected one device per replica")
-        buffers = list(ctx.model.buffers())
-        previous = self._replica
-        self._replica = ReplicaTensors.for_model(params, buffers, previous)
-        if self._replica is previous and previous.stamps != previous.current_stamps():
-            # The weights were written since the last fit (the user's load_state_dict, sent
-            # here as a new model): the unsent updates of the old weights are not theirs.
-            previous.residual.zero_()
+        self._replica = ReplicaTensors.for_model(params, list(ctx.model.buffers()),
+                                                 self._replica, self._residual_restored)
         self._replica.lay()
-        numel = self._replica.residual.numel()
-        if self.overlap and self.recipe.capacity(numel) is None:
-            raise ValueError(f"shared_gradients: overlap=True with "
-                             f"{self.threshold_algorithm!r} and encoding={self.encoding!r}; "
-                             f"expected messages of one size, which an exchange started ahead "
-                             f"needs: QuantileThreshold(density, exact_count=True), or "
-                             f"encoding='bitmap'")
+        self.recipe.check_overlap(self._replica.residual.numel())
         self._adopt_restored()
+        self._residual_restored = False  # the next fit's check starts clean
         if is_distributed(ctx):
             self._broadcast_start(ctx)
 
@@ -451,8 +442,8 @@ class SharedGradients(Synchronizer):
         """Take what a loaded state left for the model: the exchange in flight and the
         residual now, the local view (checked here) at the next step."""
         self._started, self._own = self._restored.take_started(self._replica), None
-        if self._replica is not None:
-            self._restored.take_residual(self._replica)
+        if self._replica is not None and self._restored.take_residual(self._replica):
+            self._residual_restored = True  # a restore's residual: setup keeps it
 
     # -- reporting ---------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -393,3 +393,17 @@ def test_labels_for_a_missing_file_or_an_unknown_output_make_the_model_unavailab
         assert index["other"]["state"] == "UNAVAILABLE"
         assert "outputs ['logits'], which 'other' does not have; its outputs are ['output']" \
             in index["other"]["reason"]
+
+
+def test_a_specific_version_policy_on_a_folder_without_versions_says_so(tmp_path: Path) -> None:
+    """It served the folder's weights as version 1, whatever versions the policy named."""
+    root = tmp_path / "models"
+    (root / "flat").mkdir(parents=True)
+    paraloom.save(_lenet(0), root / "flat" / "model.safetensors")
+    (root / "flat" / "config.json").write_text(json.dumps(
+        {"version_policy": {"specific": {"versions": [7]}}}))
+    app = create_repository_app(root, workers=1)
+    with ServerThread(app) as server:
+        (row,) = _http(server).get_model_repository_index()
+    assert row["state"] == "UNAVAILABLE"
+    assert "serves versions [7], but flat/ has no numbered version folders" in row["reason"]

@@ -294,7 +294,15 @@ class ModelsDir:
         except ValueError as e:
             return Found(folder.name, None, error=str(e))
         if not numbered:
-            return self._found(folder.name, folder / _WEIGHTS, config_path, folder=folder)
+            found = self._found(folder.name, folder / _WEIGHTS, config_path, folder=folder)
+            policy = found.config.version_policy if found.config is not None else None
+            if policy is not None and policy.kind == "specific" and policy.specific != (1,):
+                return Found(found.name, None, error=f"the version_policy serves versions "
+                             f"{list(policy.specific)}, but {folder.name}/ has no numbered "
+                             "version folders (its weights are version 1); put each version "
+                             f"in its folder ({folder.name}/{policy.specific[0]}/"
+                             f"{_WEIGHTS}) or drop the policy")
+            return found
         try:
             config = read_config(config_path, folder.name) if config_path.is_file() else None
         except ValueError as e:

@@ -407,3 +407,21 @@ def test_a_specific_version_policy_on_a_folder_without_versions_says_so(tmp_path
         (row,) = _http(server).get_model_repository_index()
     assert row["state"] == "UNAVAILABLE"
     assert "serves versions [7], but flat/ has no numbered version folders" in row["reason"]
+
+
+def test_declared_inputs_the_model_cannot_take_are_warned_about_at_load(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """It was READY in silence, and every request then failed with a 500."""
+    root = tmp_path / "models"
+    (root / "wrong").mkdir(parents=True)
+    paraloom.save(_mlp(0), root / "wrong" / "model.safetensors")  # takes 6 features
+    (root / "wrong" / "config.json").write_text(json.dumps({
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 5]}],
+        "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, 3]}]}))
+    with caplog.at_level("WARNING", logger="paraloom.serving"):
+        app = create_repository_app(root, workers=1)
+    try:
+        assert "failed on zeros shaped as its declared inputs (input [-1, 5])" in caplog.text
+    finally:
+        for served in app.state.repository.every():
+            served.pool.close(drain=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -67,6 +68,9 @@ class PoolOptions(TypedDict, total=False):
     precision: str | Precision
     example_input: object
     threads_per_worker: int | None
+
+
+_log = logging.getLogger("paraloom.serving")
 
 
 class _GatewayTimeoutError(ServingError):
@@ -306,10 +310,13 @@ def build_pool(model: nn.Module, signature: ModelSignature,
         return ParallelInference(model, **options)
     try:
         return ParallelInference(model, **options)
-    except ValueError:
+    except ValueError as e:
         # Declared outputs: zeros shaped as declared may not be an input the model accepts
         # (the warm-up fails before any worker starts); then nothing is known until a
-        # request succeeds, and no error is raised here.
+        # request succeeds, and no error is raised here, but the operator is told.
+        _log.warning("the model failed on zeros shaped as its declared inputs (%s); if the "
+                     "declared shapes are wrong every request will fail: %s",
+                     ", ".join(f"{s.name} {list(s.shape)}" for s in signature.inputs), e)
         options["example_input"] = None
         return ParallelInference(model, **options)
 

@@ -103,3 +103,24 @@ def test_each_synchronizer_steps_its_own_threshold_and_the_recipe_stays_as_built
         first.after_step(ctx)
     assert first.threshold_algorithm.tau < 1e-3
     assert recipe.threshold_algorithm.tau == second.threshold_algorithm.tau == 1e-3
+
+
+def test_a_threshold_too_small_for_the_residual_is_warned_about_once() -> None:
+    """FixedThreshold(1e-12) on updates of 1e-2: no element could be sent exactly, and the
+    fit trained nothing, silently."""
+    import warnings
+
+    from paraloom.sync.sharing.encoder import MessageEncoder
+
+    residual = torch.full((64,), 1e-2)
+    fine = MessageEncoder(SharingRecipe("dl4j", FixedThreshold(1e-3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fine.encode(residual)
+    tiny = MessageEncoder(SharingRecipe("dl4j", FixedThreshold(1e-12)))
+    with pytest.warns(RuntimeWarning, match="never sent and those parameters do not train"):
+        msg, found, _ = tiny.encode(residual)
+    assert found.indices.numel() == 0  # what the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiny.encode(residual)  # once

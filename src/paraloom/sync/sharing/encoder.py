@@ -10,6 +10,7 @@ side, and the counters that ``SharedGradients.stats()`` reports.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from paraloom.sync.encoding import (
     scan,
     top_count,
 )
+from paraloom.sync.encoding.formats import precision_bits
 from paraloom.sync.sharing.recipe import SharingRecipe
 from paraloom.sync.sharing.view import add_range_
 from paraloom.sync.thresholds import ThresholdAlgorithm
@@ -39,7 +41,8 @@ class MessageEncoder:
     """Encodes one replica's residual as its message, step after step (state in slots)."""
 
     __slots__ = ("recipe", "threshold_algorithm", "format", "half_sign", "last_tau",
-                 "last_sparsity", "sparsity_sum", "encoded_steps", "bitmap_steps")
+                 "last_sparsity", "sparsity_sum", "encoded_steps", "bitmap_steps",
+                 "warned_bound")
 
     def __init__(self, recipe: SharingRecipe) -> None:
         self.recipe = recipe
@@ -54,6 +57,7 @@ class MessageEncoder:
         self.sparsity_sum = 0.0
         self.encoded_steps = 0
         self.bitmap_steps = 0
+        self.warned_bound = False
 
     def encode(self, residual: Tensor) -> tuple[Encoded, Scan, Steps | None]:
         """The message for ``residual`` (which it does not change), the scan it carries, and
@@ -81,7 +85,24 @@ class MessageEncoder:
             count = max(0, (found.indices.numel() if count is None else count)
                         - 2 * (msg.payload.numel() - capacity))
         steps = None if msg.format == Format.BITMAP else message_steps(found)
+        self._warn_if_past_the_bound(found, residual.dtype)
         return msg, found, steps
+
+    def _warn_if_past_the_bound(self, found: Scan, dtype: torch.dtype) -> None:
+        """Warn (once) when elements reach 2**24 times tau (float32): a step of tau cannot
+        be taken from them exactly, so they are never sent and never train."""
+        if self.warned_bound or not found.peaks.numel():
+            return
+        upper = math.ldexp(1.0, found.exponent + precision_bits(dtype))
+        peak = float(found.peaks.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max())
+        if peak >= upper:
+            self.warned_bound = True
+            warnings.warn(f"shared_gradients: residual elements reach {peak:.3g}, past "
+                          f"2**{precision_bits(dtype)} times tau ({found.tau:.3g}): a step of "
+                          "tau cannot be taken from them exactly, so they are never sent and "
+                          "those parameters do not train; raise the threshold (a FixedThreshold"
+                          " near 1e-3 of the updates' size, or a QuantileThreshold)",
+                          RuntimeWarning, stacklevel=1)
 
     def post_process(self, residual: Tensor, found: Scan, tau: float, step: int,
                      bounds: Tensor, view: list[Tensor] | None = None,

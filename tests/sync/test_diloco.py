@@ -268,6 +268,18 @@ def test_a_selection_round_trips_positions_across_blocks() -> None:
     assert torch.allclose(int8, full, atol=5.0 / 127)
 
 
+def test_fp16_values_past_its_range_are_scaled_not_infinite() -> None:
+    """An fp16 message of a pseudo-gradient entry past 65504 was inf: a NaN loss next."""
+    from paraloom.sync.pseudo_gradients import decoded, select
+
+    small = torch.tensor([3.0, -0.5, 1e-3])
+    assert torch.equal(decoded(select(small, 3, "fp16")), small.half().float())  # unscaled
+    big = torch.tensor([1e6, -2e5, 7.0, 0.0])
+    got = decoded(select(big, 3, "fp16"))
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, big[:3], rtol=1e-3, atol=0.1 * 1e6 / 60000)
+
+
 def test_a_nan_in_a_message_reaches_every_replica_instead_of_being_rounded_away() -> None:
     from paraloom.sync.pseudo_gradients import decoded, select
 

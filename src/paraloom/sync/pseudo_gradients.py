@@ -108,12 +108,18 @@ def message_bytes(count: int, values: str, numel: int) -> int:
     return count * (2 + VALUE_FORMATS[values]) + 4 * blocks(numel) + 4
 
 
+_FP16_SAFE = 60000.0
+"""The largest magnitude an fp16 message holds unscaled (fp16's largest is 65504; room for
+the division's rounding)."""
+
+
 def _encode(picked: Tensor, values: str) -> tuple[Tensor, Tensor]:
     if values == "fp32":
         return picked.float(), torch.ones((), device=picked.device)
-    if values == "fp16":
-        return picked.half(), torch.ones((), device=picked.device)
-    top = picked.abs().max()
+    top = picked.abs().max() if picked.numel() else torch.zeros((), device=picked.device)
+    if values == "fp16":  # scaled down only past fp16's range, where half() gave inf
+        scale = torch.where(top > _FP16_SAFE, top / _FP16_SAFE, torch.ones_like(top)).float()
+        return (picked / scale).half(), scale
     # All zeros: scale 1. A NaN or Inf gives a NaN scale, so it reaches every replica (and the
     # next loss fails as non-finite) instead of being rounded away here.
     scale = torch.where(top == 0, torch.ones_like(top), top / 127).float()

@@ -78,3 +78,64 @@ def test_evaluate_takes_a_one_logit_binary_model(shape: tuple[int, ...]) -> None
     head = model if shape else nn.Sequential(model, nn.Flatten(0))
     ev = evaluate(head, [(x[:32], y[:32]), (x[32:], y[32:])])
     assert ev.num_classes == 2 and ev.accuracy == 1.0
+
+
+class _Scores(nn.Module):
+    """Returns its input: any scores can be evaluated."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_sigmoid_probabilities_are_class_1_above_one_half_with_bceloss() -> None:
+    """Local evaluate counted every probability above 0 as class 1 (Spark cut at 0.5)."""
+    from paraloom.early_stopping import AccuracyCalculator
+
+    probs = torch.tensor([[0.1], [0.4], [0.6], [0.9]])
+    data = [(probs, torch.tensor([0.0, 0.0, 1.0, 1.0]))]
+    assert evaluate(_Scores(), data, loss_fn=nn.BCELoss()).accuracy == 1.0
+    assert evaluate(_Scores(), data).accuracy == 0.5  # a logit: above 0
+    assert AccuracyCalculator(data, threshold=0.5).score(_Scores()) == 1.0
+
+
+def test_outputs_that_cannot_be_counted_are_refused() -> None:
+    labels = torch.tensor([0, 1, 2, 0])
+    with pytest.raises(ValueError, match="hold NaN"):  # it reported 75% accuracy
+        evaluate(_Scores(), [(torch.full((4, 3), float("nan")), labels)])
+    with pytest.raises(ValueError, match="3 class scores per row but the evaluation counts 2"):
+        evaluate(_Scores(), [(torch.eye(4, 3), labels)], num_classes=2)  # counted in other rows
+    with pytest.raises(ValueError, match="4 labels for 6 rows"):
+        evaluate(_Scores(), [(torch.randn(6, 3), labels)])
+
+
+def test_loss_and_mse_calculators_weigh_rows_not_batches() -> None:
+    from paraloom.early_stopping import LossCalculator, MSECalculator
+    from paraloom.evaluation import evaluate_regression
+
+    torch.manual_seed(0)
+    x, y = torch.randn(100, 1), torch.randn(100)  # (n,) targets for (n, 1) outputs
+    data = [(x[:90], y[:90]), (x[90:], y[90:])]
+    want = float(((x.reshape(-1) - y) ** 2).mean())
+    assert MSECalculator(data).score(_Scores()) == pytest.approx(want, rel=1e-6)
+    assert evaluate_regression(_Scores(), data).metrics()["mse"] == pytest.approx(want, rel=1e-6)
+
+    class Two(nn.Module):
+        def forward(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return v, v
+
+    pairs = [(x[:90], (x[:90] + 1, x[:90])), (x[90:], (x[90:] + 3, x[90:]))]
+    loss = LossCalculator(pairs, [nn.MSELoss(), nn.MSELoss()]).score(Two())
+    assert loss == pytest.approx((90 * 1 + 10 * 9) / 100)  # per row: 1.8, not (1 + 9) / 2
+
+
+def test_regression_r2_and_empty_batches() -> None:
+    from paraloom.evaluation import evaluate_regression
+
+    y = torch.arange(6.0).reshape(3, 2)
+    out = y.clone()
+    out[0, 1] = float("nan")
+    assert np.isnan(evaluate_regression(_Scores(), [(out, y)]).metrics()["r2"])  # like the MSE
+    empty = (torch.zeros(0, 2), torch.zeros(0, 2))
+    assert evaluate_regression(_Scores(), [empty, (y, y)]).metrics()["count"] == 3
+    with pytest.raises(ValueError, match="different numbers of rows"):
+        evaluate_regression(_Scores(), [(y.reshape(2, 3), y)])

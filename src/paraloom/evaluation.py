@@ -99,11 +99,22 @@ class Evaluation:
         ``BCEWithLogitsLoss`` and ``ROC``: class 1 where it is above ``threshold`` (0; 0.5 for
         probabilities). Labels are class indices, or one-hot rows shaped like the logits.
         """
-        if logits.dim() == 1 or logits.shape[1] == 1:
-            pred = (logits.detach().reshape(-1) > self.threshold).long().cpu()
+        scores = logits.detach()
+        if scores.is_floating_point() and bool(torch.isnan(scores).any()):
+            raise ValueError("the model's outputs hold NaN: no class can be read from them (a "
+                             "diverged model? check its training loss)")
+        if scores.dim() == 1 or scores.shape[1] == 1:
+            pred = (scores.reshape(-1) > self.threshold).long().cpu()
         else:
-            pred = logits.argmax(dim=1).cpu()
+            if scores.shape[1] > self.num_classes:
+                raise ValueError(f"the model gives {scores.shape[1]} class scores per row but "
+                                 f"the evaluation counts {self.num_classes} classes; give "
+                                 f"num_classes={scores.shape[1]} (or leave it out)")
+            pred = scores.argmax(dim=1).cpu()
         targets = class_labels(targets, logits, self.num_classes)
+        if targets.numel() != pred.numel():
+            raise ValueError(f"{targets.numel()} labels for {pred.numel()} rows of outputs; "
+                             "give one label (or one-hot row) per row")
         idx = targets * self.num_classes + pred
         self.confusion += torch.bincount(idx, minlength=self.num_classes ** 2).view(
             self.num_classes, self.num_classes)
@@ -187,6 +198,10 @@ class RegressionEvaluation:
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0) -> None:
         """Count one batch of predictions against targets (same number of values per row)."""
         rows = int(targets.shape[0]) if targets.dim() else 1
+        if outputs.dim() and int(outputs.shape[0]) != rows:
+            raise ValueError(f"outputs {tuple(outputs.shape)} and targets "
+                             f"{tuple(targets.shape)} have different numbers of rows; give "
+                             "one target row per output row")
         pred, true = self._as_2d(outputs, rows), self._as_2d(targets, rows)
         if pred.shape != true.shape or pred.shape[1] != self.columns:
             raise ValueError(f"outputs {tuple(outputs.shape)} and targets {tuple(targets.shape)} "
@@ -231,8 +246,7 @@ class RegressionEvaluation:
                           np.where(mse == 0, 1.0, 0.0))
             r2 = np.where(self.count > 0, r2, np.nan)
         return {"mse": float(mse.mean()), "mae": float(mae.mean()),
-                "rmse": float(np.sqrt(mse).mean()), "r2": float(np.nanmean(r2))
-                if np.isfinite(r2).any() else float("nan"),
+                "rmse": float(np.sqrt(mse).mean()), "r2": _mean_counted(r2, self.count),
                 "loss": self.loss_sum / n, "count": self.count,
                 "per_column": {"mse": mse.tolist(), "mae": mae.tolist(), "r2": r2.tolist()}}
 
@@ -285,7 +299,13 @@ class ROC:
         if scores.shape[1] != self.num_classes:
             raise ValueError(f"outputs give {scores.shape[1]} class scores but this ROC counts "
                              f"{self.num_classes} classes")
+        if np.isnan(scores).any():  # softmax of an inf logit is NaN too
+            raise ValueError("the model's outputs hold NaN (or inf logits): they have no rank "
+                             "for a ROC curve (a diverged model? check its training loss)")
         labels = class_labels(targets, outputs, self.num_classes).numpy()
+        if len(labels) != len(scores):
+            raise ValueError(f"{len(labels)} labels for {len(scores)} rows of outputs; give "
+                             "one label (or one-hot row) per row")
         at = np.minimum((scores * self.bins).astype(np.int64), self.bins - 1)
         for c in range(self.num_classes):
             mine = labels == c
@@ -371,18 +391,35 @@ def update_with_loss(state: _Counts, outputs: torch.Tensor, targets: torch.Tenso
     state.update(outputs, targets, total)
 
 
+def _mean_counted(values: np.ndarray, count: object) -> float:
+    """The mean over the columns that saw rows (NaN if none did); a NaN column (a NaN
+    prediction) makes it NaN, as it makes the MSE."""
+    counted = np.broadcast_to(np.asarray(count) > 0, values.shape)
+    return float(values[counted].mean()) if counted.any() else float("nan")
+
+
 def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | None = None,
-             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Evaluation:
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+             threshold: float | None = None) -> Evaluation:
     """Evaluate a classifier on ``(inputs, targets)`` batches: a confusion matrix, and the
     mean of ``loss_fn`` when given. ``num_classes``: from the model's output (one score per
-    row: a binary logit, 2 classes)."""
+    row: a binary logit, 2 classes). ``threshold``: where one score per row turns class 1
+    (default 0, a logit; 0.5, a probability, when ``loss_fn`` is an ``nn.BCELoss``).
+    ``ValueError`` for outputs holding NaN, or more class scores than ``num_classes``."""
     ev: Evaluation | None = None
+    # One score per row from a model trained with BCELoss is a probability (as Spark reads it)
+    if threshold is None:
+        threshold = 0.5 if isinstance(loss_fn, nn.BCELoss) else 0.0
     for logits, targets in _predictions(model, data, "evaluate"):
         if ev is None:
             scores = 1 if logits.dim() == 1 else int(logits.shape[1])
-            ev = Evaluation(num_classes or max(2, scores))  # one score: a binary logit
+            ev = Evaluation(num_classes or max(2, scores), threshold=threshold)
+        shaped = targets  # (n,) labels for a BCE loss on (n, 1) outputs, as Spark shapes them
+        if isinstance(loss_fn, nn.BCELoss | nn.BCEWithLogitsLoss) \
+                and targets.numel() == logits.numel() and targets.shape != logits.shape:
+            shaped = targets.reshape(logits.shape).to(logits.dtype)
         update_with_loss(ev, logits, targets, int(targets.shape[0]),
-                         None if loss_fn is None else functools.partial(loss_fn, logits, targets))
+                         None if loss_fn is None else functools.partial(loss_fn, logits, shaped))
     assert ev is not None
     return ev
 
@@ -393,10 +430,13 @@ def evaluate_regression(model: nn.Module, data: Iterable[object]) -> RegressionE
     ev: RegressionEvaluation | None = None
     for outputs, targets in _predictions(model, data, "evaluate_regression"):
         rows = int(targets.shape[0]) if targets.dim() else 1
+        if rows == 0:
+            continue  # an empty batch holds nothing to count (nor its columns' number)
         if ev is None:
             ev = RegressionEvaluation(max(1, targets.numel() // max(1, rows)))
         ev.update(outputs, targets)  # checks the shapes
         ev.loss_sum += float(torch.nn.functional.mse_loss(
             outputs.reshape(targets.shape).double(), targets.double())) * rows
-    assert ev is not None
+    if ev is None:
+        raise ValueError("evaluate_regression: every batch was empty; expected rows to evaluate")
     return ev

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraloom.data import split_batch, to_device
-from paraloom.evaluation import evaluate
+from paraloom.data import iter_tensors, split_batch, to_device
+from paraloom.evaluation import evaluate, evaluate_regression
 from paraloom.forward import LossFn, compute_loss, forward
 
 __all__ = ["ScoreCalculator", "LossCalculator", "AccuracyCalculator", "F1Calculator",
@@ -47,7 +47,7 @@ class LossCalculator(ScoreCalculator):
         try:
             for batch in self.data:
                 inputs, targets = to_device(split_batch(batch), _device(model))
-                n = int(targets.shape[0]) if isinstance(targets, torch.Tensor) else 1
+                n = _rows(targets)
                 total += float(compute_loss(self.loss_fn, forward(model, inputs), targets)) * n
                 count += n
         finally:
@@ -55,30 +55,41 @@ class LossCalculator(ScoreCalculator):
         return total / max(1, count)
 
 
+def _rows(targets: object) -> int:
+    """A batch's rows: its targets' first dimension (the first target's, for several)."""
+    first = next(iter_tensors(targets), None)
+    return int(first.shape[0]) if first is not None and first.dim() else 1
+
+
 class AccuracyCalculator(ScoreCalculator):
-    """Classification accuracy on a data set (higher is better)."""
+    """Classification accuracy on a data set (higher is better). ``threshold``: where one
+    score per row turns class 1 (0 for a logit; 0.5 for a sigmoid's probability)."""
 
     higher_is_better = True
 
-    def __init__(self, data: Iterable[Any]) -> None:
-        self.data = data
+    def __init__(self, data: Iterable[Any], threshold: float = 0.0) -> None:
+        self.data, self.threshold = data, threshold
 
     def score(self, model: nn.Module) -> float:
-        return evaluate(model, self.data).accuracy
+        return evaluate(model, self.data, threshold=self.threshold).accuracy
 
 
 class F1Calculator(AccuracyCalculator):
     """Macro-averaged F1 on a data set (higher is better)."""
 
     def score(self, model: nn.Module) -> float:
-        return float(evaluate(model, self.data).metrics()["f1"])
+        return float(evaluate(model, self.data, threshold=self.threshold).metrics()["f1"])
 
 
-class MSECalculator(LossCalculator):
-    """Regression mean squared error (lower is better)."""
+class MSECalculator(ScoreCalculator):
+    """Regression mean squared error per target value (lower is better), as
+    ``evaluate_regression`` computes it (targets shaped as the outputs)."""
 
     def __init__(self, data: Iterable[Any]) -> None:
-        super().__init__(data, nn.MSELoss())
+        self.data = data
+
+    def score(self, model: nn.Module) -> float:
+        return float(evaluate_regression(model, self.data).metrics()["mse"])
 
 
 class CallableCalculator(ScoreCalculator):

@@ -72,3 +72,29 @@ def test_a_model_with_lazy_modules_loads_as_torch_loads_it(tmp_path):
     back = paraloom.load(tmp_path / "lazy.safetensors", factory=_Lazy)
     x = torch.randn(4, 5)
     assert torch.equal(back(x), model(x))
+
+
+def test_a_file_replaced_between_its_header_and_its_tensors_is_read_again(
+        tmp_path, monkeypatch) -> None:
+    """A save renaming a new file over the one being loaded gave one version's header and the
+    other's tensors ('does not match the rebuilt model: shapes ...')."""
+    import paraloom
+    from paraloom import checkpoint
+    from paraloom.models import MLP
+
+    path = tmp_path / "m.safetensors"
+    paraloom.save(MLP(in_features=4, hidden=8), path)
+    new = MLP(in_features=4, hidden=(16, 16))
+    real, calls = checkpoint.read_tensors, []
+
+    def replaced_once(p, device="cpu"):
+        if not calls:
+            paraloom.save(new, path)  # the other program's save lands now
+        calls.append(p)
+        return real(p, device)
+
+    monkeypatch.setattr(checkpoint, "read_tensors", replaced_once)
+    loaded = paraloom.load(path)
+    assert len(calls) == 2
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
+                                                 new.state_dict().values(), strict=True))

@@ -225,6 +225,32 @@ def read_tensors(path: str | Path, device: str | torch.device = "cpu") -> dict[s
         raise _corrupt(path, e) from e
 
 
+def read_consistently(path: str | Path, device: str | torch.device = "cpu"
+                      ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The header and the tensors of one version of ``path``: a ``save`` that replaces the
+    file between the two reads (it renames a new file over it) makes them read again."""
+    for _ in range(_READ_TRIES):
+        before = _identity(path)
+        try:
+            spec, state = read_header(path), read_tensors(path, device)
+        except ValueError:
+            if _identity(path) == before:
+                raise
+            continue  # replaced while read: a truncated view of the old or the new one
+        if _identity(path) == before:
+            return spec, state
+    raise ValueError(f"{path} was replaced {_READ_TRIES} times while it was read; read it "
+                     "when no program is writing it")
+
+
+_READ_TRIES = 5
+
+
+def _identity(path: str | Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def _corrupt(path: str | Path, error: Exception) -> ValueError:
     return ValueError(f"{path} is not a readable safetensors file ({error}): it is truncated or "
                       "corrupt; write it again with paraloom.save")
@@ -317,9 +343,8 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
         raise ValueError(f"{path} is a folder; give the model's file (a .safetensors written "
                          "by paraloom.save)")
     _check_device(map_location)
-    spec = read_header(path)
+    spec, state = read_consistently(path, map_location)
     model = _build(spec, factory)
-    state = read_tensors(path, map_location)
     mismatched = {k: (tuple(v.shape), tuple(state[k].shape)) for k, v
                   in model.state_dict().items() if k in state and not is_lazy(v)
                   and v.shape != state[k].shape}  # a lazy one takes the file's shape

@@ -272,6 +272,18 @@ def test_a_taken_port_exits_2_and_stops_the_pool(tmp_path: Path,
     assert not [n for n in leaked if n.startswith("paraloom-inference")]
 
 
+def _answers_as(client: object, module: object, name: str, model: nn.Module,
+                x: np.ndarray) -> None:
+    """Model ``name`` on the server answers ``x`` as ``model`` does here (tritonclient's
+    http or grpc ``module`` and its ``client``)."""
+    item = module.InferInput("input", list(x.shape), "FP32")  # type: ignore[attr-defined]
+    item.set_data_from_numpy(x)
+    with torch.no_grad():
+        want = model(torch.from_numpy(x)).numpy()
+    got = client.infer(name, [item]).as_numpy("output")  # type: ignore[attr-defined]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_models_dir_with_grpc_port_0_serves_every_model_over_both(tmp_path: Path) -> None:
     import tritonclient.grpc as tg
 
@@ -287,12 +299,7 @@ def test_models_dir_with_grpc_port_0_serves_every_model_over_both(tmp_path: Path
         x = np.random.default_rng(0).random((2, 1, 8, 8), dtype=np.float32)
         client = tg.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         for name, model in (("a", a), ("b", b)):
-            item = tg.InferInput("input", list(x.shape), "FP32")
-            item.set_data_from_numpy(x)
-            with torch.no_grad():
-                want = model(torch.from_numpy(x)).numpy()
-            np.testing.assert_allclose(client.infer(name, [item]).as_numpy("output"), want,
-                                       rtol=1e-5, atol=1e-6)
+            _answers_as(client, tg, name, model, x)
         client.close()
         http = th.InferenceServerClient(url=f"127.0.0.1:{port}")
         assert [m["name"] for m in http.get_model_repository_index()] == ["a", "b"]
@@ -303,12 +310,7 @@ def test_models_dir_with_grpc_port_0_serves_every_model_over_both(tmp_path: Path
         running.wait_for(r"SIGHUP: model 'c' now serves version 1")  # a folder added since
         assert running.proc.poll() is None
         for name, model in (("a", a2), ("c", c)):
-            item = th.InferInput("input", list(x.shape), "FP32")
-            item.set_data_from_numpy(x)
-            with torch.no_grad():
-                want = model(torch.from_numpy(x)).numpy()
-            np.testing.assert_allclose(http.infer(name, [item]).as_numpy("output"), want,
-                                       rtol=1e-5, atol=1e-6)
+            _answers_as(http, th, name, model, x)
         http.close()
     finally:
         assert running.stop() in (0, -signal.SIGTERM)

@@ -98,3 +98,50 @@ def test_a_file_replaced_between_its_header_and_its_tensors_is_read_again(
     assert len(calls) == 2
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
                                                  new.state_dict().values(), strict=True))
+
+
+class _Wide(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+        self.register_buffer("big", torch.zeros(2))  # real here; the file's is complex
+        self.register_buffer("phase", torch.zeros(2))
+
+
+def test_float64_values_and_complex_buffers_come_back_exactly(tmp_path) -> None:
+    """They went through the rebuilt float32 model first: 0.1 came back 0.10000000149, 1e300
+    as inf, and a complex buffer without its imaginary part."""
+    import paraloom
+
+    paraloom.register_model("test-wide", _Wide)
+    model = _Wide().double()
+    with torch.no_grad():
+        model.linear.weight.copy_(torch.tensor([[0.1, 1.0 + 2**-40]], dtype=torch.float64))
+        model.big.copy_(torch.tensor([1e300, 3.0], dtype=torch.float64))
+    model.phase = torch.tensor([1 + 2j, 3 - 1j])
+    paraloom.save(model, tmp_path / "w.safetensors")
+    loaded = paraloom.load(tmp_path / "w.safetensors")
+    for name, value in model.state_dict().items():
+        got = loaded.state_dict()[name]
+        assert got.dtype == value.dtype and torch.equal(got, value), name
+
+
+def test_a_file_naming_a_lazily_imported_submodule_imports_nothing(tmp_path) -> None:
+    """getattr on torch imports what its __getattr__ is asked for (torch._dynamo, torch.onnx):
+    a file's class name made load import it."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "crafted.safetensors"
+    save_file({"w": torch.zeros(1)}, str(path),
+              metadata={"paraloom": json.dumps({"class": "torch:onnx.X", "kwargs": {}})})
+    code = ("import sys, paraloom\n"
+            f"try: paraloom.load({str(path)!r})\n"
+            "except ValueError as e: print('refused:', e)\n"
+            "print('imported' if 'torch.onnx' in sys.modules else 'not imported')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "refused:" in out and out.strip().endswith("not imported"), out

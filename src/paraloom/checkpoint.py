@@ -320,7 +320,8 @@ def _imported_class(path: str) -> type[nn.Module]:
                          "module:callable)")
     obj: object = module
     for part in qualname.split("."):
-        obj = getattr(obj, part, None)
+        # Static lookups: a module's __getattr__ (torch's) would import what the file names.
+        obj = inspect.getattr_static(obj, part, None) if obj is not None else None
     if obj is None:
         raise ValueError(f"the file's model class {qualname!r} is not in module "
                          f"{module_name!r} of this program (a class defined in the script that "
@@ -351,6 +352,11 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     if mismatched:
         raise ValueError(f"{path} does not match the rebuilt model: shapes (model, file) "
                          f"{mismatched}; pass the factory (and kwargs) it was saved from")
+    # The saved dtypes before the values: load_state_dict copies into the rebuilt model's
+    # tensors, so a float64 file read into float32 ones would lose its values (rounded, 1e300
+    # to inf), a complex buffer its imaginary part, before any cast back.
+    model.to(map_location)
+    _take_dtypes(model, state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         hint = "" if factory is not None else (
@@ -359,12 +365,14 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
             "the command line)")
         raise ValueError(f"{path} does not match the rebuilt model: missing {missing}, "
                          f"unexpected {unexpected}{hint}")
-    # load_state_dict converts into the rebuilt model's tensors: give back the saved dtypes
-    # (a float16 or float64 model stays one) on map_location.
-    model.to(map_location)
+    _take_dtypes(model, state)  # a lazy module's tensors, materialized by the load
+    return model
+
+
+def _take_dtypes(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Give each parameter and buffer its saved tensor's dtype (ties kept: in place)."""
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             saved = state.get(name)
-            if saved is not None and saved.dtype != t.dtype:
+            if saved is not None and saved.dtype != t.dtype and not is_lazy(t):
                 t.data = t.data.to(saved.dtype)
-    return model

@@ -276,8 +276,11 @@ def _build(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> nn
                            f"{sorted(_REGISTRY)}); call paraloom.register_model first or pass "
                            "factory=")
         build: Callable[..., nn.Module] = _REGISTRY[spec["name"]]
-    else:
+    elif isinstance(spec.get("class"), str):
         build = _imported_class(spec["class"])
+    else:
+        raise ValueError("the file's paraloom header names no model (neither 'name' nor "
+                         "'class'): pass factory= (the function that builds the model)")
     try:
         return build(**kwargs)
     except TypeError as e:

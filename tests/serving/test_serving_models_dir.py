@@ -425,3 +425,16 @@ def test_declared_inputs_the_model_cannot_take_are_warned_about_at_load(
     finally:
         for served in app.state.repository.every():
             served.pool.close(drain=False)
+
+
+def test_an_unknown_models_404_lists_the_served_ones_apart_from_the_unavailable(
+        tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    root.mkdir()
+    paraloom.save(_lenet(0), root / "good.safetensors")
+    torch.save({}, root / "bad.pt")  # a pickle: listed, never served
+    app = create_repository_app(root, workers=1)
+    with ServerThread(app) as server:
+        with pytest.raises(InferenceServerException) as info:
+            _http(server).get_model_metadata("nope")
+    assert "this server serves ['good'] (not serving now: ['bad'])" in str(info.value)

@@ -95,7 +95,7 @@ class ModelRepository:
         entry = self._entries.get(name)
         if entry is None:
             raise NotFoundError(f"unknown model {name!r}; this server serves "
-                                f"{sorted(self._entries)}")
+                                f"{sorted(self.models())}" + self._unavailable())
         if entry.served is None and entry.reason not in ("", _UNLOADED):
             # It failed to load: loading it again fails the same way; the reason says why.
             raise NotFoundError(f"model {name!r} is not loaded: {entry.reason}")
@@ -111,6 +111,11 @@ class ModelRepository:
                                 "out of the URL for the latest)")
         entry.served.check_version(version)
         return entry.served
+
+    def _unavailable(self) -> str:
+        """``"; not serving: [...]"`` for the models known but not loaded ("" if none)."""
+        down = sorted(n for n, e in self._entries.items() if e.served is None)
+        return f" (not serving now: {down})" if down else ""
 
     def is_ready(self, name: str, version: str | None = None) -> bool:
         """Whether ``name`` takes requests: False once unloaded; ``NotFoundError`` if unknown."""

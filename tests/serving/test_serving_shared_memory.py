@@ -101,6 +101,8 @@ def test_a_shrunk_segment_is_refused_not_a_crash(segment: shared_memory.SharedMe
     (lambda r, k: r.read(RegionRef("ok", 65), "input 'x'"), "which has 64 bytes"),
     (lambda r, k: r.read(RegionRef("missing", 4), "input 'x'"), "not registered"),
     (lambda r, k: r.write(RegionRef("ok", 4), b"12345", "output 'y'"), "at least 5"),
+    # a byte_size past the region, whatever is written (only the written bytes were checked)
+    (lambda r, k: r.write(RegionRef("ok", 999), b"12", "output 'y'"), "which has 64 bytes"),
     (lambda r, k: r.register("ok", k, 0, 8), "already registered"),
 ])
 def test_registry_refuses_what_it_cannot_serve(segment: shared_memory.SharedMemory,

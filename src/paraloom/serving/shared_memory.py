@@ -256,8 +256,8 @@ class SharedMemoryRegistry:
         if len(data) > ref.byte_size:
             raise ProtocolError(f"{where} is {len(data)} bytes but the request gave "
                                 f"{_SIZE} {ref.byte_size}; give at least {len(data)}")
-        with self._lock:
-            fd, start = self._span(ref, len(data), where)
+        with self._lock:  # the whole byte_size asked for must lie in the region (Triton)
+            fd, start = self._span(ref, ref.byte_size, where)
         try:
             if os.fstat(fd).st_size < start + len(data):
                 raise ProtocolError(f"{where} goes to bytes {start}..{start + len(data)} of its "

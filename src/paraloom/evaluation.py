@@ -69,6 +69,10 @@ def class_labels(targets: torch.Tensor, outputs: torch.Tensor, classes: int) -> 
         raise ValueError("labels must be class indices (whole numbers) or one-hot rows; got "
                          "fractional values (a regression target? use RegressionEvaluation)")
     labels = labels.reshape(-1).long()
+    rows = int(outputs.shape[0]) if outputs.dim() else 1
+    if labels.numel() != rows:
+        raise ValueError(f"{labels.numel()} labels for {rows} rows of outputs; give one label "
+                         "(or one-hot row) per row")
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
         raise ValueError(f"labels must be class indices in [0, {classes}) (the model gives "
                          f"{classes} class scores) or one-hot rows; got {int(labels.min())} .. "
@@ -112,9 +116,6 @@ class Evaluation:
                                  f"num_classes={scores.shape[1]} (or leave it out)")
             pred = scores.argmax(dim=1).cpu()
         targets = class_labels(targets, logits, self.num_classes)
-        if targets.numel() != pred.numel():
-            raise ValueError(f"{targets.numel()} labels for {pred.numel()} rows of outputs; "
-                             "give one label (or one-hot row) per row")
         idx = targets * self.num_classes + pred
         self.confusion += torch.bincount(idx, minlength=self.num_classes ** 2).view(
             self.num_classes, self.num_classes)
@@ -303,9 +304,6 @@ class ROC:
             raise ValueError("the model's outputs hold NaN (or inf logits): they have no rank "
                              "for a ROC curve (a diverged model? check its training loss)")
         labels = class_labels(targets, outputs, self.num_classes).numpy()
-        if len(labels) != len(scores):
-            raise ValueError(f"{len(labels)} labels for {len(scores)} rows of outputs; give "
-                             "one label (or one-hot row) per row")
         at = np.minimum((scores * self.bins).astype(np.int64), self.bins - 1)
         for c in range(self.num_classes):
             mine = labels == c

@@ -114,19 +114,25 @@ def test_answer_stream_bounds_requests_in_flight_and_survives_failures() -> None
                       "8": "request '8': INTERNAL: RuntimeError: eight broke"}
 
 
-def test_answer_stream_ends_with_the_error_of_a_broken_request_stream() -> None:
+def test_answer_stream_answers_what_came_before_a_broken_request_stream_then_raises() -> None:
     async def infer(request: Any) -> Any:
+        await asyncio.sleep(0.01)  # still running when the stream breaks
         return _Response(id=request.id)
 
     async def broken() -> AsyncIterator[Any]:
-        yield _Request(id="0")
+        for request in _requests(3):
+            yield request
         raise ConnectionError("the client went away")
 
-    async def collect() -> list[Any]:
-        return [a async for a in answer_stream(infer, broken())]
+    got: list[Any] = []
+
+    async def collect() -> None:
+        async for answer in answer_stream(infer, broken()):
+            got.append(answer)
 
     with pytest.raises(ConnectionError, match="went away"):
         asyncio.run(asyncio.wait_for(collect(), WAIT_S))
+    assert sorted(a.infer_response.id for a in got) == ["0", "1", "2"]
 
 
 def test_a_stream_whose_answers_are_not_read_stops_reading_requests() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "AlreadyExistsError",
     "ClientGoneError",
     "ForbiddenError",
     "ModelFailedError",
@@ -38,6 +39,13 @@ class ProtocolError(ServingError, ValueError):
 
     status = 400
     reason = "bad_request"
+
+
+class AlreadyExistsError(ProtocolError):
+    """A name already taken (a shared memory region registered twice): HTTP 400, as Triton
+    answers it, and gRPC ``ALREADY_EXISTS``."""
+
+    reason = "already_exists"
 
 
 class NotFoundError(ProtocolError):

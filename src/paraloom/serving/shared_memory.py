@@ -30,7 +30,12 @@ from typing import TypedDict
 
 import numpy as np
 
-from paraloom.serving.errors import NotFoundError, ProtocolError, short_repr
+from paraloom.serving.errors import (
+    AlreadyExistsError,
+    NotFoundError,
+    ProtocolError,
+    short_repr,
+)
 
 __all__ = ["MAX_REGIONS", "OFF", "RegionRef", "RegionStatus", "SharedMemoryRegistry",
            "on_by_default", "region_ref", "registry_or_refuse"]
@@ -156,8 +161,9 @@ class SharedMemoryRegistry:
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Register ``byte_size`` bytes at ``offset`` of segment ``key`` as region ``name``.
 
-        Raises ``ProtocolError`` for a name already registered, a key that is not a plain
-        segment name, a segment that does not exist, or a range past the segment's end.
+        Raises ``AlreadyExistsError`` (a ``ProtocolError``) for a name already registered,
+        ``ProtocolError`` for a key that is not a plain segment name, a segment that does not
+        exist, or a range past the segment's end.
         """
         if not _NAME.fullmatch(name):
             raise ProtocolError(f"region name {short_repr(name)} is not valid; use up to 200 "
@@ -171,8 +177,9 @@ class SharedMemoryRegistry:
                                 f"{byte_size}; expected offset >= 0 and byte_size > 0")
         with self._lock:
             if name in self._regions:
-                raise ProtocolError(f"shared memory region {name!r} is already registered; "
-                                    "unregister it first, or pick another name")
+                raise AlreadyExistsError(f"shared memory region {name!r} is already "
+                                         "registered; unregister it first, or pick another "
+                                         "name")
             if len(self._regions) >= self.max_regions:
                 raise ProtocolError(f"this server holds {self.max_regions} regions, its "
                                     "limit; unregister some first")

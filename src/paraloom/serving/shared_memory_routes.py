@@ -1,9 +1,11 @@
 """The HTTP endpoints of the shared memory extensions, at Triton's paths.
 
 System shared memory (``/v2/systemsharedmemory/...``): status, register and unregister, over
-the app's ``SharedMemoryRegistry``. CUDA shared memory (``/v2/cudasharedmemory/...``) holds no
-region here: its status is empty and unregistering is a no-op, so clients that clear both
-before they start work unchanged, and a register is refused with the reason.
+the app's ``SharedMemoryRegistry`` (with shared memory off, status and register are refused
+with the reason and unregistering is a no-op, so a client's clean-up works either way). CUDA
+shared memory (``/v2/cudasharedmemory/...``) holds no region here: its status is empty and
+unregistering is a no-op, so clients that clear both before they start work unchanged, and a
+register is refused with the reason.
 """
 
 from __future__ import annotations
@@ -65,9 +67,12 @@ async def register(request: Request) -> Response:
 
 
 async def unregister(request: Request) -> Response:
-    """POST /v2/systemsharedmemory[/region/{name}]/unregister."""
+    """POST /v2/systemsharedmemory[/region/{name}]/unregister (nothing to do, and no error,
+    when shared memory is off: no region can be registered then)."""
     await read_body(request, _BODY_LIMIT)
-    registry_of(request).unregister(request.path_params.get("name"))
+    regions = regions_of(request)
+    if regions is not None:
+        regions.unregister(request.path_params.get("name"))
     return Response(status_code=200)
 
 

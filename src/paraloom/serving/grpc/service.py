@@ -3,9 +3,9 @@ the grpc.aio server, over the same model repository and metrics as HTTP.
 
 The gRPC server runs on the HTTP server's event loop (it is started and stopped with it), so
 both transports share the models, their pools, the batching and the metrics. Errors map to
-gRPC status codes by their HTTP status: 400 INVALID_ARGUMENT, 403 PERMISSION_DENIED,
-404 NOT_FOUND, 413 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, and only a model
-that failed by itself 500 INTERNAL.
+gRPC status codes by their HTTP status: 400 INVALID_ARGUMENT (ALREADY_EXISTS for a name
+taken), 403 PERMISSION_DENIED, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED, 503 UNAVAILABLE,
+504 DEADLINE_EXCEEDED, and only a model that failed by itself 500 INTERNAL.
 """
 
 from __future__ import annotations
@@ -14,9 +14,15 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
-from paraloom.serving.errors import NotFoundError, ProtocolError, ServingError
+from paraloom.serving.errors import (
+    AlreadyExistsError,
+    NotFoundError,
+    ProtocolError,
+    ServingError,
+)
 from paraloom.serving.grpc.codec import (
     decode_infer_request,
     encode_infer_response,
@@ -56,7 +62,10 @@ _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION
 
 
 def status_code(error: ServingError) -> grpc.StatusCode:
-    """The gRPC status code of a serving error (by its HTTP status)."""
+    """The gRPC status code of a serving error (by its HTTP status; ALREADY_EXISTS for a
+    name already taken, which HTTP answers 400 as Triton does)."""
+    if isinstance(error, AlreadyExistsError):
+        return grpc.StatusCode.ALREADY_EXISTS
     return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 
@@ -134,7 +143,8 @@ class Service:
 
     async def SystemSharedMemoryUnregister(self, request: RegionRequest,  # noqa: N802
                                            response: type[Message]) -> Message:
-        self._regions().unregister(request.name or None)
+        if self.regions is not None:  # with shared memory off there is nothing to forget
+            self.regions.unregister(request.name or None)
         return response()
 
     async def CudaSharedMemoryStatus(self, request: RegionRequest,  # noqa: N802
@@ -181,32 +191,40 @@ STREAMING = "ModelStreamInfer"
 """The one streaming method: requests in, answers out, each as it is ready."""
 
 
+# The handlers take the request's bytes and parse them themselves: a message that does not
+# parse is then the client's INVALID_ARGUMENT, as on the uvicorn back end (grpc.aio answers a
+# failing request_deserializer with UNKNOWN, as if the server had failed).
 def _handler(call: Handler, request_type: type[Message], response_type: type[Message]
              ) -> grpc.RpcMethodHandler:
-    async def handle(request: Message, context: aio.ServicerContext) -> Message:
+    async def handle(data: bytes, context: aio.ServicerContext) -> Message:
         try:
-            return await call(request, response_type)
+            return await call(request_type.FromString(data), response_type)
         except ServingError as e:  # abort() raises: the call ends with this status
             await context.abort(status_code(e), e.message)
-        except (ValueError, TypeError) as e:  # a message field of the wrong shape
+        except (DecodeError, ValueError, TypeError) as e:  # a message of the wrong shape
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}")
 
     return grpc.unary_unary_rpc_method_handler(
-        handle, request_deserializer=request_type.FromString,
-        response_serializer=response_type.SerializeToString)
+        handle, response_serializer=response_type.SerializeToString)
 
 
 def _stream_handler(service: Service) -> grpc.RpcMethodHandler:
     request_type, response_type = method_types(STREAMING)
 
-    async def handle(requests: AsyncIterator[Message], context: aio.ServicerContext
+    async def parsed(requests: AsyncIterator[bytes]) -> AsyncIterator[Message]:
+        async for data in requests:
+            yield request_type.FromString(data)
+
+    async def handle(requests: AsyncIterator[bytes], context: aio.ServicerContext
                      ) -> AsyncIterator[Message]:
-        async for answer in service.ModelStreamInfer(requests, response_type):
-            yield answer
+        try:
+            async for answer in service.ModelStreamInfer(parsed(requests), response_type):
+                yield answer
+        except DecodeError as e:  # after the answers to the requests before it
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}")
 
     return grpc.stream_stream_rpc_method_handler(
-        handle, request_deserializer=request_type.FromString,
-        response_serializer=response_type.SerializeToString)
+        handle, response_serializer=response_type.SerializeToString)
 
 
 def unknown_method(path: str) -> str:

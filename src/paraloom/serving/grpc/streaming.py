@@ -5,8 +5,10 @@ Each request on the stream runs as its own task through the same path as a unary
 answer goes back as soon as it is ready, carrying the request's id. A request that fails gets a
 ``ModelStreamInferResponse`` with ``error_message`` (prefixed with its id, since tritonclient
 hands stream callbacks the error alone) and an ``infer_response`` that names the model and the
-id; the stream goes on. Every answer carries ``triton_final_response: true``, as Triton's do
-for a model that answers each request once. At most ``STREAM_IN_FLIGHT`` requests of one
+id; the stream goes on. A message that does not parse ends the stream (``INVALID_ARGUMENT``:
+it has no id to answer under), once the requests read before it are answered. Every answer
+carries ``triton_final_response: true``, as Triton's do for a model that answers each request
+once. At most ``STREAM_IN_FLIGHT`` requests of one
 stream are running or answered but not yet sent; past that the stream is not read until an
 answer has gone out (gRPC's flow control then holds the client). An answer is sent once the
 transport took it: on the uvicorn back end, zttp buffers what the client's flow-control window
@@ -67,7 +69,9 @@ async def _answer(infer: Infer, request: InferRequestMessage) -> Message:
 async def answer_stream(infer: Infer, requests: AsyncIterator[InferRequestMessage],
                         in_flight: int = STREAM_IN_FLIGHT) -> AsyncIterator[Message]:
     """The answers to ``requests``, each as soon as it is ready; ends when the requests have
-    ended and every one is answered. Cancelling the iteration cancels the requests running."""
+    ended and every one is answered. When reading the requests fails (a message that does not
+    parse, the client gone), the requests read before are still answered, then the iteration
+    raises that error. Cancelling the iteration cancels the requests running."""
     answers: asyncio.Queue[Message | BaseException | None] = asyncio.Queue()
     slots = asyncio.Semaphore(in_flight)
     running: set[asyncio.Task[None]] = set()
@@ -76,18 +80,18 @@ async def answer_stream(infer: Infer, requests: AsyncIterator[InferRequestMessag
         await answers.put(await _answer(infer, request))  # its slot is freed once it is sent
 
     async def read() -> None:
+        broken: Exception | None = None
         try:
             async for request in requests:
                 await slots.acquire()
                 task = asyncio.create_task(run(request))
                 running.add(task)
                 task.add_done_callback(running.discard)
-            if running:
-                await asyncio.gather(*running)
-            await answers.put(None)
-        except BaseException as e:  # noqa: BLE001 - the stream broke: end the answers with it
-            await answers.put(e)
-            raise
+        except Exception as e:  # noqa: BLE001 - the stream broke: it ends with this error,
+            broken = e          # after the answers to the requests read before it
+        if running:
+            await asyncio.gather(*running)
+        await answers.put(broken)
 
     reader = asyncio.create_task(read())
     try:

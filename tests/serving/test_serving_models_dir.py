@@ -438,3 +438,45 @@ def test_an_unknown_models_404_lists_the_served_ones_apart_from_the_unavailable(
         with pytest.raises(InferenceServerException) as info:
             _http(server).get_model_metadata("nope")
     assert "this server serves ['good'] (not serving now: ['bad'])" in str(info.value)
+
+
+def test_a_version_that_fails_to_load_leaves_the_others_serving(tmp_path: Path) -> None:
+    """As Triton: each version loads on its own; one that fails is UNAVAILABLE with its reason,
+    and a request without a version goes to the latest that loaded."""
+    root = tmp_path / "models"
+    cnn = {v: _lenet(30 + v) for v in (1, 2, 3)}
+    for v, model in cnn.items():
+        (root / "cnn" / str(v)).mkdir(parents=True)
+        paraloom.save(model, root / "cnn" / str(v) / "model.safetensors")
+    (root / "cnn" / "3" / "model.safetensors").write_bytes(b"not safetensors")
+    (root / "cnn" / "config.json").write_text(json.dumps({"version_policy": {"all": {}},
+                                                          "workers": 1}))
+    x = np.random.default_rng(4).random((2, 1, 8, 8), dtype=np.float32)
+    app = create_repository_app(root, workers=1)
+    with ServerThread(app, grpc_port=0) as server:
+        http, grpc = _http(server), tg.InferenceServerClient(server.grpc_url)
+        try:
+            rows = [(r["version"], r["state"]) for r in http.get_model_repository_index()]
+            assert rows == [("1", "READY"), ("2", "READY"), ("3", "UNAVAILABLE")]
+            reason = http.get_model_repository_index()[2]["reason"]
+            assert "safetensors" in reason, reason
+            np.testing.assert_allclose(_infer(http, th, "cnn", x), _run(cnn[2], x),
+                                       rtol=1e-5, atol=1e-6)  # the latest that loaded
+            assert http.is_model_ready("cnn") and http.is_model_ready("cnn", "1")
+            assert not http.is_model_ready("cnn", "3") and not grpc.is_model_ready("cnn", "3")
+            item = th.InferInput("input", list(x.shape), "FP32")
+            item.set_data_from_numpy(x)
+            with pytest.raises(InferenceServerException, match="version 3 is not loaded"):
+                http.infer("cnn", [item], model_version="3")
+            paraloom.save(cnn[3], root / "cnn" / "3" / "model.safetensors")  # fixed: reload
+            grpc.load_model("cnn")
+            assert http.get_model_metadata("cnn")["versions"] == ["1", "2", "3"]
+            np.testing.assert_allclose(_infer(grpc, tg, "cnn", x), _run(cnn[3], x),
+                                       rtol=1e-5, atol=1e-6)
+            for v in ("1", "2", "3"):
+                (root / "cnn" / v / "model.safetensors").write_bytes(b"broken")
+            with pytest.raises(InferenceServerException, match="no version loads: version 1"):
+                http.load_model("cnn")  # none loads: the old versions keep serving
+            assert http.get_model_metadata("cnn")["versions"] == ["1", "2", "3"]
+        finally:
+            grpc.close()

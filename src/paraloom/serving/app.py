@@ -166,8 +166,11 @@ def create_repository_app(models_dir: str | Path, *, max_body_bytes: int = 16 <<
     try:
         for name, found in source.scan().items():
             try:
-                *older, latest = source.build_versions(found)
-                repository.add(latest, older=older)
+                versions = source.build_versions(found)
+                for version, reason in versions.failed.items():
+                    _log.error("model %r version %s not loaded: %s", name, version, reason)
+                *older, latest = versions.served
+                repository.add(latest, older=older, failed=versions.failed)
             except (ValueError, TypeError, RuntimeError, OSError) as e:
                 _log.error("model %r not loaded: %s", name, e)
                 repository.fail(name, str(e))

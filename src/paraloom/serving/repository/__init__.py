@@ -3,11 +3,12 @@ come from.
 
 ``models``: ``ModelRepository``, the models served now by name (lookups, the index, load and
 unload at run time), one for both transports. ``directory``: ``ModelsDir``, a models directory
-on disk (``paraloom serve --models-dir DIR``) and the configs and version policies in it.
+on disk (``paraloom serve --models-dir DIR``); ``config``: a model's config and version policy.
 ``files``: ``ModelFiles``, the files a remote load may read, and the load parameters refused.
 """
 
-from paraloom.serving.repository.directory import Found, ModelConfig, ModelsDir, VersionPolicy
+from paraloom.serving.repository.config import ModelConfig, VersionPolicy
+from paraloom.serving.repository.directory import Found, ModelsDir, Versions
 from paraloom.serving.repository.files import ModelFiles, check_load_parameters
 from paraloom.serving.repository.models import IndexEntry, ModelRepository
 
@@ -19,5 +20,6 @@ __all__ = [
     "ModelRepository",
     "ModelsDir",
     "VersionPolicy",
+    "Versions",
     "check_load_parameters",
 ]

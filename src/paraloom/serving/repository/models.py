@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal, TypedDict
 import anyio
 
 from paraloom.serving.errors import ForbiddenError, NotFoundError, ProtocolError, UnavailableError
+from paraloom.serving.repository.directory import Versions
 from paraloom.serving.repository.files import check_load_parameters
 from paraloom.serving.served import ServedModel
 
@@ -49,6 +50,7 @@ class _Entry:
     reason: str = ""
     older: dict[str, ServedModel] = field(default_factory=dict)  # versions below ``served``
     unloaded: list[str] = field(default_factory=list)  # the versions an unload stopped serving
+    failed: dict[str, str] = field(default_factory=dict)  # versions that failed to load: why
 
     def every(self) -> list[ServedModel]:
         """Every version served now, oldest first."""
@@ -69,14 +71,16 @@ class ModelRepository:
 
     def add(self, served: ServedModel,
             rebuild: Callable[[ServedModel], ServedModel] | None = None,
-            older: list[ServedModel] | None = None) -> None:
+            older: list[ServedModel] | None = None, failed: Mapping[str, str] | None = None
+            ) -> None:
         """Serve ``served`` (and ``older`` versions of it) under its name; ``rebuild`` serves it
-        again after an unload."""
-        self._entries[served.name] = self._entry(served, rebuild, older or [])
+        again after an unload; ``failed``: the versions that did not load, and why."""
+        self._entries[served.name] = self._entry(served, rebuild, older or [], failed or {})
 
     def _entry(self, served: ServedModel, rebuild: Callable[[ServedModel], ServedModel] | None,
-               older: list[ServedModel]) -> _Entry:
-        entry = _Entry(served, served, rebuild, older={s.version: s for s in older})
+               older: list[ServedModel], failed: Mapping[str, str]) -> _Entry:
+        entry = _Entry(served, served, rebuild, older={s.version: s for s in older},
+                       failed=dict(failed))
         for one in entry.every():
             one.close_timeout = self.close_timeout
             one.siblings = entry.every()
@@ -105,6 +109,10 @@ class ModelRepository:
                                 "RepositoryModelLoad)")
         if version is not None and version in entry.older:
             return entry.older[version]
+        if version is not None and version in entry.failed:
+            raise NotFoundError(f"model {name!r} version {version} is not loaded: "
+                                f"{entry.failed[version]}; it serves versions "
+                                f"{[s.version for s in entry.every()]}")
         if entry.older and version is not None and version != entry.served.version:
             raise NotFoundError(f"model {name!r} has no version {version!r}; it serves versions "
                                 f"{[s.version for s in entry.every()]} (or leave the version "
@@ -120,7 +128,7 @@ class ModelRepository:
     def is_ready(self, name: str, version: str | None = None) -> bool:
         """Whether ``name`` takes requests: False once unloaded; ``NotFoundError`` if unknown."""
         entry = self._entries.get(name)
-        if entry is not None and entry.served is None:
+        if entry is not None and (entry.served is None or version in entry.failed):
             return False
         return self.get(name, version).ready
 
@@ -167,10 +175,13 @@ class ModelRepository:
                                "reason": found.error or "not loaded"} for v in versions]
         for name, entry in self._entries.items():
             if entry.served is not None:
-                rows[name] = [{"name": name, "version": s.version,
-                               "state": "READY" if s.ready else "UNAVAILABLE",
-                               "reason": "" if s.ready else "shutting down"}
-                              for s in entry.every()]
+                served: list[IndexEntry] = [
+                    {"name": name, "version": s.version,
+                     "state": "READY" if s.ready else "UNAVAILABLE",
+                     "reason": "" if s.ready else "shutting down"} for s in entry.every()]
+                served += [{"name": name, "version": v, "state": "UNAVAILABLE", "reason": r}
+                           for v, r in entry.failed.items()]
+                rows[name] = sorted(served, key=lambda row: int(row["version"] or 0))
             elif entry.reason or name not in rows:
                 versions = entry.unloaded or [entry.last.version if entry.last is not None
                                               else ""]
@@ -205,8 +216,10 @@ class ModelRepository:
             current = entry.served if entry is not None else None
             if current is not None and (self.source is None or "path" in parameters):
                 return await current.load(parameters)
-            *older, new = await self._build(name, entry, parameters)
-            self._entries[name] = self._entry(new, entry.rebuild if entry else None, older)
+            built = await self._build(name, entry, parameters)
+            *older, new = built.served
+            self._entries[name] = self._entry(new, entry.rebuild if entry else None, older,
+                                              built.failed)
             if entry is not None:
                 for old in entry.every():
                     await self._retire(old)
@@ -231,7 +244,7 @@ class ModelRepository:
         return versions
 
     async def _build(self, name: str, entry: _Entry | None, parameters: Mapping[str, object]
-                     ) -> list[ServedModel]:
+                     ) -> Versions:
         check_load_parameters(parameters)  # the same refusals as a weights load
         if self.source is not None:
             found = self.source.find(name)
@@ -249,12 +262,14 @@ class ModelRepository:
                 raise ProtocolError(f"model {name!r} could not be loaded: {e}"
                                     + ("; the old version keeps serving" if kept else "")) from e
         elif entry is not None and entry.rebuild is not None and entry.last is not None:
-            built = [await anyio.to_thread.run_sync(entry.rebuild, entry.last)]
+            built = Versions([await anyio.to_thread.run_sync(entry.rebuild, entry.last)])
         else:
             raise NotFoundError(f"unknown model {name!r}; this server serves "
                                 f"{sorted(self._entries)} and has no models directory to "
                                 "load others from (paraloom serve --models-dir DIR)")
-        _log.info("model %r loaded, versions %s", name, [s.version for s in built])
+        _log.info("model %r loaded, versions %s", name, [s.version for s in built.served])
+        for version, reason in built.failed.items():
+            _log.error("model %r version %s not loaded: %s", name, version, reason)
         return built
 
     async def unload(self, name: str) -> None:
@@ -266,7 +281,7 @@ class ModelRepository:
                 raise NotFoundError(f"unknown model {name!r}; this server serves "
                                     f"{sorted(self._entries)}")
             retired = entry.every()
-            entry.served, entry.older, entry.reason = None, {}, _UNLOADED
+            entry.served, entry.older, entry.reason, entry.failed = None, {}, _UNLOADED, {}
             entry.unloaded = [s.version for s in retired]
             for served in retired:
                 await self._retire(served)

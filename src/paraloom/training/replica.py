@@ -211,12 +211,19 @@ class Replica:
     def step(self, batch: Any | None) -> float | None:
         """Train on one batch (None: an idle round); returns the batch's loss. With gradient
         accumulation, a round before the last of an accumulation only adds up gradients."""
-        if self._rng is not None:  # restored lazily: with workers=1 the caller shares the RNG
-            torch.set_rng_state(self._rng)
-            self._rng = None
+        self.take_restored_rng()
         if self.accumulation.holds_back():
             return self._accumulate(batch)
         return self._synchronized_step(batch)
+
+    def take_restored_rng(self) -> None:
+        """Put a restored checkpoint's RNG state in place, once (lazily, at the first round:
+        with workers=1 the caller shares the RNG). The runner calls it before it builds the
+        round's batch, whose ``__getitem__`` may draw random numbers (augmentations), as the
+        uninterrupted run's did from that state."""
+        if self._rng is not None:
+            torch.set_rng_state(self._rng)
+            self._rng = None
 
     def end_accumulation(self) -> None:
         """Step on what the rounds since the last step accumulated (an epoch ended)."""

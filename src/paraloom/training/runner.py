@@ -197,6 +197,7 @@ class ReplicaRunner:
 
     def train(self, message: RoundMessage) -> StepDone:
         """Train on this round's batch (or take part idly); reports the loss and rows."""
+        self.replica.take_restored_rng()  # before the batch is built: augmentations draw
         if isinstance(message, IdleRound):
             self.replica.step(None)
             return StepDone(self.rank, message.round_id, None, 0, self._synchronized())

@@ -278,6 +278,11 @@ class SharedGradients(Synchronizer):
         return msg, nonfinite, steps
 
     def idle_step(self, ctx: StepContext) -> None:
+        if self._restored.view is not None:
+            # A resumed replica idle in its first round (an epoch's short last round): it
+            # holds its restored local view from here, as the uninterrupted run held it, so
+            # this round's messages move the view too.
+            self.before_step(ctx)
         replica = self._require_setup()
         replica.old_saved = False
         msg = empty_message(replica.residual.numel(), replica.residual.device)

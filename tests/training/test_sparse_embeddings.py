@@ -79,3 +79,46 @@ def test_a_checkpoint_inside_an_accumulation_of_sparse_gradients_resumes_exactly
                                                   every_n_epochs=None)], accumulate=2)
     resumed = _fit(_Bag(), batches, workers, resume_from=tmp_path, accumulate=2)
     assert all(torch.equal(resumed[k], v) for k, v in reference.items())
+
+
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_hooks_that_cannot_take_sparse_gradients_are_refused_up_front(hook: str) -> None:
+    model = _Bag()
+    with pytest.raises(ValueError, match=f"comm_hook='{hook}' does not take sparse gradients"):
+        ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        training_mode="allreduce", comm_hook=hook, progress=False)
+
+
+def test_the_bf16_hook_trains_a_sparse_embedding_as_its_dense_twin() -> None:
+    sparse = _fit(_Bag(), _batches(5), 2, training_mode="allreduce", comm_hook="bf16")
+    dense = _fit(_Bag(sparse=False), _batches(5), 2, training_mode="allreduce",
+                 comm_hook="bf16")
+    for name in dense:
+        torch.testing.assert_close(sparse[name], dense[name], rtol=0, atol=2e-4)
+
+
+class _Complex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(4, 2, dtype=torch.cfloat) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.cfloat) @ self.w).abs()
+
+
+@pytest.mark.parametrize(("mode", "accumulate"), [("allreduce", 1), ("allreduce", 2),
+                                                  ("averaging", 2)])
+def test_complex_parameters_train_through_idle_rounds(mode: str, accumulate: int) -> None:
+    """3 batches on 2 workers: the second round leaves one idle, whose zero loss must be real
+    (a complex one cannot start a backward)."""
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 4, generator=g), torch.randint(0, 2, (4,), generator=g))
+               for _ in range(3)]
+    model = _Complex()
+    before = model.w.detach().clone()
+    _fit(model, batches, 2, training_mode=mode, accumulate=accumulate)
+    assert model.w.dtype == torch.cfloat and bool(torch.isfinite(torch.view_as_real(model.w))
+                                                  .all())
+    assert (model.w.detach() - before).imag.abs().max() > 1e-4  # the imaginary parts trained

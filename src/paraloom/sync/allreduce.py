@@ -31,7 +31,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paraloom.sync.base import StepContext, Synchronizer, is_distributed, zero_loss
+from paraloom.sync.base import (
+    StepContext,
+    Synchronizer,
+    is_distributed,
+    sparse_parameters,
+    zero_loss,
+)
 from paraloom.sync.collectives import broadcast_tensors_
 from paraloom.sync.comm_hooks import PowerSGD, cast_hook, resolve_comm_hook
 from paraloom.sync.ddp_buckets import BucketLayout, bucket_layout, ddp_with_layout
@@ -125,6 +131,17 @@ class AllReduce(Synchronizer):
         """DDP's bucket layout: a restored one, or the live DDP's once it has settled on it."""
         self._buckets_settled = False
         self._step_bytes = 0
+
+    def check_model(self, model: nn.Module) -> None:
+        """Also refuses sparse gradients (``nn.Embedding(sparse=True)``) with the ``fp16`` and
+        ``powersgd`` hooks: torch's fp16 hook cannot add sparse half tensors, and
+        ``powerSGD_hook`` views every gradient as a dense matrix."""
+        super().check_model(model)
+        if self.comm_hook in ("fp16", "powersgd") and sparse_parameters(model):
+            raise ValueError(f"comm_hook={self.comm_hook!r} does not take sparse gradients, "
+                             "and the model has a sparse embedding (nn.Embedding(sparse=True)"
+                             " or nn.EmbeddingBag(sparse=True)); use comm_hook='bf16' or no "
+                             "hook, or sparse=False")
 
     def wrap_model(self, model: nn.Module, ctx: StepContext) -> nn.Module:
         if not is_distributed(ctx):

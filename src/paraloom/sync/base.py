@@ -222,20 +222,30 @@ class NoSync(Synchronizer):
         self.sync_steps += 1
 
 
+def sparse_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The weights with sparse gradients: of ``nn.Embedding(sparse=True)`` and
+    ``nn.EmbeddingBag(sparse=True)``, trainable."""
+    return [m.weight for m in model.modules()
+            if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
+            and m.weight.requires_grad]
+
+
 def zero_loss(model: nn.Module) -> torch.Tensor:
     """0 times the sum of every trainable parameter: a backward through it gives each one a
     zero gradient, so a replica without a batch takes part in collectives that run in
     backward (DDP's bucket all-reduces). The weight of a sparse embedding
     (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) gets an empty sparse
     gradient, as it would from a batch: DDP refuses a dense one there, and a dense zero added
-    to an accumulated sparse gradient would turn it dense."""
-    sparse = {id(m.weight) for m in model.modules()
-              if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse}
+    to an accumulated sparse gradient would turn it dense. The loss is real for complex
+    parameters too."""
+    sparse = {id(p) for p in sparse_parameters(model)}
     none = torch.zeros(0, dtype=torch.long)
 
     def term(p: torch.Tensor) -> torch.Tensor:
         if id(p) in sparse:  # looks up no row: an empty sparse gradient
             return nn.functional.embedding(none.to(p.device), p, sparse=True).sum()
+        if p.is_complex():  # a real loss, as backward needs: the zero gradient stays complex
+            return torch.view_as_real(p).sum()
         return p.sum()
 
     return sum((term(p) for p in model.parameters() if p.requires_grad),

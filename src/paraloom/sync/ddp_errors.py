@@ -16,6 +16,8 @@ __all__ = ["explain_ddp_error"]
 
 _UNUSED = "find_unused_parameters=True"
 _INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+_READY_TWICE = "Expected to mark a variable ready only once"
+_SET_STATIC = "_set_static_graph()"
 _DDP_KEYWORD = re.compile(r"`?(\w+)=(True|False)`?[^.]*?(?:DistributedDataParallel|DDP)")
 
 
@@ -45,7 +47,15 @@ def explain_ddp_error(error: BaseException, model: nn.Module) -> BaseException |
     if "DistributedDataParallel" not in message and "DDP" not in message:
         return None
     head = _first_paragraph(message)
-    if _UNUSED in message and "not used in producing loss" in message:
+    said = f"\n(DistributedDataParallel said: {head})"
+    if _READY_TWICE in message:
+        text = ("a parameter got its gradient twice in one backward pass, which "
+                "training_mode='allreduce' (DDP inside) cannot all-reduce: most often reentrant "
+                "activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) of "
+                "a module used more than once; use use_reentrant=False, or pass "
+                "static_graph=True to ParallelWrapper if the model's graph is the same every "
+                "step. A parameter used outside forward() does it too")
+    elif _UNUSED in message and "not used in producing loss" in message:
         names = _unused_names(message, model)
         which = f" ({', '.join(names)})" if names else ""
         text = (f"parameters of the model got no gradient in a step{which}: with "
@@ -56,12 +66,16 @@ def explain_ddp_error(error: BaseException, model: nn.Module) -> BaseException |
                 f"forward() count in the loss")
     else:
         keyword = _DDP_KEYWORD.search(message)
-        option = f" ({keyword.group(1)}=... is a ParallelWrapper keyword)" if keyword else ""
+        name = "static_graph" if _SET_STATIC in message else keyword.group(1) if keyword else ""
+        option = f" ({name}=... is a ParallelWrapper keyword)" if name else ""
         text = (f"{head}\n(training_mode='allreduce' runs DistributedDataParallel inside each "
                 f"replica: DDP's options go to ParallelWrapper as keywords{option})")
+        if _SET_STATIC in text:
+            text = text.replace(_SET_STATIC, "static_graph=True (a ParallelWrapper keyword)")
         if text == message:
             return None
+        said = ""  # the text holds DDP's message already
     try:
-        return type(error)(f"{text}\n(DistributedDataParallel said: {head})")
+        return type(error)(text + said)
     except TypeError:  # an exception type that takes other arguments
         return RuntimeError(text)

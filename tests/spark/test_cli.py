@@ -57,6 +57,18 @@ def test_spark_train_checks_where_it_writes_before_training(tmp_path, flag, name
         cli.run(parser.parse_args([flag, name, "--data-dir", str(tmp_path / "none")]))
 
 
+@pytest.mark.parametrize(("args", "message"), [(["--momentum", "1.5"], "--momentum 1.5"),
+                                             (["--lr", "nan"], "--lr nan"),
+                                             (["--lr", "0"], "--lr 0.0")])
+def test_spark_train_refuses_optimizer_settings_as_train_does(tmp_path, args, message):
+    from paraloom.spark import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(ValueError, match=message):  # before any data or Spark
+        cli.run(parser.parse_args([*args, "--data-dir", str(tmp_path / "none")]))
+
+
 def test_spark_train_diloco_is_the_averaging_master_with_topk():
     from paraloom.spark import TopK, cli
 

@@ -114,8 +114,10 @@ def test_bad_paths_and_columns_fail_before_training_naming_file_and_column(folde
         scan_parquet([str(odd)], COLUMNS)
     words = tmp_path / "words.parquet"
     _write(words, np.arange(4), 4, name=pa.array(["a", "b", "c", "d"]))
-    with pytest.raises(TypeError, match=r"column 'name' in .*words\.parquet has type string"):
+    with pytest.raises(TypeError, match=r"column 'name' in .*words\.parquet has type string"
+                                        r".*StringIndexer") as caught:
         scan_parquet([str(words)], Columns.of(["features", "name"], "label"))
+    assert "fit_paths" not in str(caught.value)  # fit(df) of a Parquet DataFrame says it too
 
 
 def test_a_shape_the_model_cannot_take_fails_on_the_driver(folder):

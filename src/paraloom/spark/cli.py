@@ -7,6 +7,7 @@ master URL (``local[4]``, ``spark://host:7077``, ``yarn``, ``k8s://...``).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -123,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
     from paraloom.models import build_model
     from paraloom.spark import SparkModel
 
+    if not 0 <= args.momentum < 1:
+        raise ValueError(f"--momentum {args.momentum}; expected a value in [0, 1), e.g. 0.9")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr {args.lr}; expected a finite learning rate > 0, e.g. 0.05")
     for flag, path, example in (("--out", args.out, "model.safetensors"),
                                 ("--stats-html", args.stats_html, "stats.html"),
                                 ("--stats-json", args.stats_json, "stats.json")):

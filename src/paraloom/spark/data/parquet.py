@@ -114,7 +114,7 @@ def _list(path: str) -> list[str]:
     fs, inner = _filesystem(path)
     info = fs.get_file_info(inner)
     if info.type == pafs.FileType.NotFound:
-        raise ValueError(f"fit_paths: {path!r} does not exist")
+        raise ValueError(f"Parquet path {path!r} does not exist")
     if info.type == pafs.FileType.File:
         return [path]
     prefix = path[:len(path) - len(inner)] if "://" in path else ""
@@ -139,7 +139,7 @@ def _footer(path: str) -> tuple[pa.Schema, list[int]]:
             meta = f.metadata
             return f.schema_arrow, [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise ValueError(f"fit_paths: {path} is not a Parquet file ({e}); keep only Parquet "
+        raise ValueError(f"{path} is not a Parquet file ({e}); keep only Parquet "
                          f"files in the folder, or name the files") from e
 
 
@@ -147,20 +147,22 @@ def _check_type(kind: pa.DataType, name: str, path: str) -> None:
     from paraloom.spark.data.arrow import decodable
 
     if not decodable(kind):
-        raise TypeError(f"fit_paths: column {name!r} in {path} has type {kind}; expected "
-                        f"numbers, (nested) lists of numbers or Spark ML vectors")
+        raise TypeError(f"column {name!r} in {path} has type {kind}; expected "
+                        f"numbers, (nested) lists of numbers or Spark ML vectors. Cast it "
+                        f"first (F.col(name).cast('double'); a string label: "
+                        f"pyspark.ml.feature.StringIndexer) and train on that DataFrame")
 
 
 def _check_schema(path: str, schema: pa.Schema, names: Sequence[str],
                   first: tuple[str, pa.Schema] | None) -> None:
     for name in names:
         if schema.get_field_index(name) < 0:
-            raise ValueError(f"fit_paths: column {name!r} is not in {path}; it has "
+            raise ValueError(f"column {name!r} is not in {path}; it has "
                              f"{schema.names}")
         kind = schema.field(name).type
         _check_type(kind, name, path)
         if first is not None and first[1].field(name).type != kind:
-            raise TypeError(f"fit_paths: column {name!r} is {first[1].field(name).type} in "
+            raise TypeError(f"column {name!r} is {first[1].field(name).type} in "
                             f"{first[0]} but {kind} in {path}; rewrite the files with one "
                             f"schema (spark.read.parquet(...).write.parquet(...))")
 
@@ -179,7 +181,7 @@ def scan_parquet(paths: Sequence[str], columns: Columns,
     for path in paths:
         files.extend(_list(path))
     if not files:
-        raise ValueError(f"fit_paths: no Parquet files under {list(paths)}")
+        raise ValueError(f"no Parquet files under {list(paths)}")
     names = tuple(columns.names())
     with ThreadPoolExecutor(min(8, len(files))) as pool:
         footers = list(pool.map(_footer, files))
@@ -191,7 +193,7 @@ def scan_parquet(paths: Sequence[str], columns: Columns,
         groups.extend(RowGroup(i, g, n) for g, n in enumerate(sizes) if n)
     found = ParquetSet(tuple(files), tuple(groups), names)
     if not found.rows:
-        raise ValueError(f"fit_paths: the Parquet files under {list(paths)} hold no rows")
+        raise ValueError(f"the Parquet files under {list(paths)} hold no rows")
     if check is not None:
         rows = min(4, groups[0].rows)
         x, y = next(_read_piece(found, Piece(groups[0], 0, rows), columns, 4, {}))

@@ -226,3 +226,16 @@ class StuckOnMarkedRows(nn.Module):
         if self.training and bool((x[:, 0] > 100).any()):
             time.sleep(3600)
         return self.linear(x)
+
+
+class Items(nn.Module):
+    """418 parameters: each step's message moves about 3 of them, so most of what a fit
+    trains is still in the residuals at its end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.e, self.o = nn.Embedding(50, 8), nn.Linear(8, 2)
+
+    def forward(self, item: torch.Tensor) -> torch.Tensor:
+        return self.o(self.e(item.view(-1)))

@@ -198,3 +198,24 @@ def test_gradient_clipping_bounds_every_step(spark, sc, master):
     steps = -(-1438 // 32)  # a worker's batches in the epoch, at most (partitions may differ)
     assert 0 < moved[1e-3] <= steps * 1e-3 * (1 + 1e-4)
     assert moved[None] > 10 * steps * 1e-3
+
+
+def test_the_shared_master_returns_every_update_it_trained(spark):
+    """The residuals end with the stage's tasks: they are applied before the model returns (it
+    came back at 0.65 accuracy and a loss of 0.665 where the workers' last epoch read 0.13)."""
+    import numpy as np
+    import pandas as pd
+
+    items = np.random.default_rng(2).integers(0, 50, size=512)
+    df = spark.createDataFrame(pd.DataFrame({"item": items, "label": (items % 2 == 0)
+                                             .astype(np.int64)}))
+    model = h.Items()
+    net = SparkModel(spark, model, shared_master(), loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=torch.optim.Adam(model.parameters(), lr=0.05),
+                     feature_dtype=torch.long)
+    summary = net.fit(df, epochs=3, features="item")
+    evaluation = net.evaluate(df, features="item")
+    assert evaluation.accuracy == 1.0
+    assert evaluation.loss_sum / evaluation.count < summary["epoch_losses"][-1]
+    digests = summary["replica_digests"]
+    assert digests[0] == digests[1] == state_digest(net.model.state_dict())

@@ -291,6 +291,11 @@ def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
         loop_s = time.perf_counter() - t
         begin, t = rec.now(), time.perf_counter()
         p.runner.finish(with_state=False)
+        # The residuals (updates the messages left unsent) end with this stage's tasks: every
+        # replica applies them all, so the model returned holds every update trained.
+        flush = getattr(p.runner.replica.sync, "flush_residuals", None)
+        if flush is not None:
+            flush(p.runner.replica.ctx)
         if rank == 0 and cfg.checkpoint_dir:  # after finish: what a retry returns as it is
             _checkpoint(p, cfg, {"epoch": cfg.epochs, "round": 0,
                                  "step": position[2] + p.runner.steps})

@@ -22,7 +22,7 @@ from paraloom.sync.thresholds import (
     ThresholdAlgorithm,
 )
 
-__all__ = ["SharingRecipe"]
+__all__ = ["RecipeOptions", "SharingRecipe"]
 
 DGC_DENSITY = 1 / 160
 """The dgc preset's fraction of elements per message. Its gap16 messages take half a word per
@@ -238,3 +238,39 @@ class SharingRecipe:
         if algorithm is None:  # never: __post_init__ resolved it
             raise RuntimeError("SharingRecipe was built without resolving its threshold")
         return algorithm
+
+
+class RecipeOptions:
+    """A synchronizer's recipe options as read-only attributes (``SharedGradients`` has them)."""
+
+    recipe: SharingRecipe
+
+    @property
+    def combine(self) -> str:
+        """The recipe's ``combine``: "mean" (each update counts 1/workers) or "sum"."""
+        return str(self.recipe.combine)
+
+    @property
+    def momentum_masking(self) -> bool:
+        """Whether the optimizer's momentum is zeroed where a message moved an element."""
+        return self.recipe.momentum_masking
+
+    @property
+    def gradients_at(self) -> str:
+        """The recipe's ``gradients_at``: "local" (at the local view) or "shared"."""
+        return str(self.recipe.gradients_at)
+
+    @property
+    def encoding(self) -> str:
+        """The recipe's message encoding: "auto", "threshold", "gap16" or "bitmap"."""
+        return self.recipe.encoding
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers a forward wrote (BatchNorm statistics) are broadcast from rank 0."""
+        return self.recipe.broadcast_buffers
+
+    @property
+    def overlap(self) -> bool:
+        """Whether each step's exchange runs while the next step computes."""
+        return bool(self.recipe.overlap)

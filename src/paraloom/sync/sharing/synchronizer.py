@@ -58,15 +58,20 @@ from paraloom.sync.sharing.exchange import (
     peers,
     start_exchange,
 )
-from paraloom.sync.sharing.recipe import SharingRecipe
+from paraloom.sync.sharing.recipe import RecipeOptions, SharingRecipe
 from paraloom.sync.sharing.state import ReplicaTensors, Restored
-from paraloom.sync.sharing.view import accumulate_update_, residual_from_view_, set_local_view_
+from paraloom.sync.sharing.view import (
+    accumulate_update_,
+    add_residuals_,
+    residual_from_view_,
+    set_local_view_,
+)
 from paraloom.sync.thresholds import ResidualPostProcessor, ThresholdAlgorithm
 
 __all__ = ["SharedGradients"]
 
 
-class SharedGradients(Synchronizer):
+class SharedGradients(RecipeOptions, Synchronizer):
     """Threshold-encoded update sharing with residuals (``training_mode="shared_gradients"``).
 
     ``recipe`` is a ``SharingRecipe`` (every option, documented there), or the name of its
@@ -132,36 +137,6 @@ class SharedGradients(Synchronizer):
     def residual_post_processor(self) -> ResidualPostProcessor | None:
         """The recipe's residual post-processor (e.g. ``ResidualClipping``), or None."""
         return self.recipe.residual_post_processor
-
-    @property
-    def combine(self) -> str:
-        """The recipe's ``combine``: "mean" (each update counts 1/workers) or "sum"."""
-        return str(self.recipe.combine)
-
-    @property
-    def momentum_masking(self) -> bool:
-        """Whether the optimizer's momentum is zeroed where a message moved an element."""
-        return self.recipe.momentum_masking
-
-    @property
-    def gradients_at(self) -> str:
-        """The recipe's ``gradients_at``: "local" (at the local view) or "shared"."""
-        return str(self.recipe.gradients_at)
-
-    @property
-    def encoding(self) -> str:
-        """The recipe's message encoding: "auto", "threshold", "gap16" or "bitmap"."""
-        return self.recipe.encoding
-
-    @property
-    def broadcast_buffers(self) -> bool:
-        """Whether buffers a forward wrote (BatchNorm statistics) are broadcast from rank 0."""
-        return self.recipe.broadcast_buffers
-
-    @property
-    def overlap(self) -> bool:
-        """Whether each step's exchange runs while the next step computes."""
-        return bool(self.recipe.overlap)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, ctx: StepContext) -> None:
@@ -278,11 +253,8 @@ class SharedGradients(Synchronizer):
         return msg, nonfinite, steps
 
     def idle_step(self, ctx: StepContext) -> None:
-        if self._restored.view is not None:
-            # A resumed replica idle in its first round (an epoch's short last round): it
-            # holds its restored local view from here, as the uninterrupted run held it, so
-            # this round's messages move the view too.
-            self.before_step(ctx)
+        if self._restored.view is not None:  # resumed, idle at once: hold the view from
+            self.before_step(ctx)               # here, as the uninterrupted run held it
         replica = self._require_setup()
         replica.old_saved = False
         msg = empty_message(replica.residual.numel(), replica.residual.device)
@@ -304,6 +276,14 @@ class SharedGradients(Synchronizer):
         self._collect(ctx)
         self._settle()
         self._unlay()
+
+    def flush_residuals(self, ctx: StepContext) -> None:
+        """After ``finish``: every replica's unsent updates applied to the parameters (one
+        dense all-reduce of the residuals, which are then empty). Spark's shared master calls
+        it where a fit's residuals would otherwise be lost with its tasks."""
+        replica = self._require_setup()
+        add_residuals_(replica.params, replica.residual, ctx.group, ctx.world_size)
+        self.bytes_sent += self.collective_bytes(replica.residual, ctx.world_size)
 
     def shared_parameters(self, ctx: StepContext) -> dict[int, Tensor]:
         """While the parameters hold the local view: ``old``, by ``id`` of its parameter."""

@@ -10,14 +10,15 @@ the CPU's cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from paraloom.sync.encoding import scan_chunk
 
-__all__ = ["accumulate_update_", "add_range_", "chunks", "residual_from_view_",
-           "set_local_view_"]
+__all__ = ["accumulate_update_", "add_range_", "add_residuals_", "chunks",
+           "residual_from_view_", "set_local_view_"]
 
 
 def chunks(params: Sequence[Tensor], old: Sequence[Tensor], residual: Sequence[Tensor],
@@ -76,3 +77,21 @@ def accumulate_update_(params: Sequence[Tensor], old: Sequence[Tensor], residual
         p_part.sub_(o_part)  # the update, in place: no temporary
         r_part.add_(p_part, alpha=scale)
         p_part.copy_(o_part)  # from here on only the decoded messages move the parameters
+
+
+def add_residuals_(params: Sequence[Tensor], residual: Tensor, group: Any,
+                   world_size: int) -> None:
+    """Add every replica's ``residual`` (flat, each already scaled as messages are) to
+    ``params`` with one dense all-reduce, and empty it: the parameters then hold every update
+    the messages left unsent, identically on every replica."""
+    import torch.distributed as dist
+
+    total = residual.clone()
+    if world_size > 1:
+        dist.all_reduce(total, group=group)
+    start = 0
+    with torch.no_grad():
+        for p in params:
+            p.add_(total[start:start + p.numel()].view_as(p).to(p.dtype))
+            start += p.numel()
+    residual.zero_()

@@ -239,3 +239,15 @@ class Items(nn.Module):
 
     def forward(self, item: torch.Tensor) -> torch.Tensor:
         return self.o(self.e(item.view(-1)))
+
+
+class Normed(nn.Module):
+    """BatchNorm on 4 features: a minibatch of one row fails in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)

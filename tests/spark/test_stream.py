@@ -46,6 +46,19 @@ def test_a_round_starts_mid_epoch_with_the_same_minibatches():
                                first=40, count=5)) == []
 
 
+def test_drop_last_leaves_out_the_short_last_minibatch_only():
+    from paraloom.spark.data import batch_count
+
+    kept = list(stream_batches(_chunks(1000, 64), 32, seed=1, epoch=0, rank=0,
+                               window_rows=200, drop_last=True))
+    every = list(stream_batches(_chunks(1000, 64), 32, seed=1, epoch=0, rank=0,
+                                window_rows=200))
+    assert [len(x) for x, _ in kept] == [32] * 31 == [len(x) for x, _ in every[:-1]]
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(kept, every, strict=False))
+    assert batch_count(1000, 32, drop_last=True) == 31 and batch_count(1000, 32) == 32
+    assert batch_count(64, 32, drop_last=True) == 2 and batch_count(31, 32, drop_last=True) == 0
+
+
 def test_windows_hold_a_bounded_number_of_rows():
     sizes = [sum(len(c[0]) for c in w) for w in windows(_chunks(1000, 64), 200)]
     assert sizes == [256, 256, 256, 232]

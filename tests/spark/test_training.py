@@ -219,3 +219,25 @@ def test_the_shared_master_returns_every_update_it_trained(spark):
     assert evaluation.loss_sum / evaluation.count < summary["epoch_losses"][-1]
     digests = summary["replica_digests"]
     assert digests[0] == digests[1] == state_digest(net.model.state_dict())
+
+
+@pytest.mark.parametrize("master", ["averaging", "shared"])
+def test_drop_last_lets_batchnorm_train_on_shares_that_leave_one_row(spark, sc, master):
+    """65 rows on 2 workers, 32 a minibatch: one share ends on a minibatch of one row."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(65, 4, generator=g)
+    rows = sc.parallelize([(x[i].numpy(), int(x[i, 0] > 0)) for i in range(65)], 2)
+
+    def fit(**options):
+        model = h.Normed()
+        make = shared_master if master == "shared" else ParameterAveragingTrainingMaster
+        extra = {} if master == "shared" else {"batch_size_per_worker": 32, "workers": 2}
+        net = SparkModel(spark, model, make(repartition="never", **extra, **options),
+                         loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        return net.fit(rows, epochs=2)
+
+    with pytest.raises(SparkTrainingError, match="drop_last=True on the Spark master"):
+        fit()
+    summary = fit(drop_last=True)
+    assert summary["samples"] == 2 * 64  # each epoch: two full minibatches, the row left out

@@ -415,3 +415,17 @@ def test_a_worker_error_names_the_dtype_fix_when_that_is_what_failed(cause, fix)
 
     hint = _label_hint(cause)
     assert (fix in hint) if fix else hint == ""
+
+
+def test_root_cause_keeps_the_python_errors_own_lines_not_the_jvms() -> None:
+    from paraloom.spark.training.jobs import root_cause
+
+    text = ("py4j.protocol.Py4JJavaError: An error occurred\n"
+            "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+            "paraloom.training.step_checks.BatchError: ValueError: bad batch\n"
+            "(on a batch with inputs float32 (1, 8))\nA minibatch of one row: drop it\n\n"
+            "\tat org.apache.spark.api.python.BasePythonRunner.read(PythonRunner.scala:1)\n"
+            "\tat java.base/java.lang.Thread.run(Thread.java:1)\n")
+    assert root_cause(text).splitlines() == [
+        "paraloom.training.step_checks.BatchError: ValueError: bad batch",
+        "(on a batch with inputs float32 (1, 8))", "A minibatch of one row: drop it"]

@@ -104,6 +104,10 @@ def batch_error(e: Exception, inputs: Any, targets: Any, outputs: Any = None,
         message += (f"\nA class label is outside the model's {outputs.shape[-1]} classes "
                     f"(0 to {outputs.shape[-1] - 1}): check the labels' range, or give the "
                     "model as many outputs as there are classes")
+    elif "Expected more than 1 value per channel when training" in str(e):
+        message += ("\nA minibatch of one row reached BatchNorm in training: the last minibatch "
+                    "of an epoch (or of a Spark partition's share) can be that short; drop it "
+                    "(DataLoader(..., drop_last=True), or drop_last=True on the Spark master)")
     return BatchError(message)
 
 

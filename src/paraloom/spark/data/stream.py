@@ -57,9 +57,11 @@ def _slice(pair: Pair, lo: int, hi: int | None = None) -> Pair:
 
 
 def stream_batches(chunks: Iterable[Pair], batch_size: int, *, seed: int, epoch: int, rank: int,
-                   window_rows: int, first: int = 0, count: int | None = None) -> Iterator[Pair]:
+                   window_rows: int, first: int = 0, count: int | None = None,
+                   drop_last: bool = False) -> Iterator[Pair]:
     """Minibatches ``first .. first+count-1`` of this epoch's row sequence (all from ``first``
-    when ``count`` is None), each a ``(features, labels)`` pair of arrays; the last may be short.
+    when ``count`` is None), each a ``(features, labels)`` pair of arrays; the last may be short
+    (``drop_last``: a short last one is left out, as a DataLoader's ``drop_last`` does).
 
     The sequence is the partition's rows window by window, each window shuffled by
     ``(seed, epoch, rank, window index)``; at most about ``window_rows + batch_size`` rows (plus
@@ -89,7 +91,7 @@ def stream_batches(chunks: Iterable[Pair], batch_size: int, *, seed: int, epoch:
         for at in range(0, full, batch_size):
             yield _slice(window, at, at + batch_size)
         pending = _slice(window, full) if full < have else None
-    if pending is not None:
+    if pending is not None and not drop_last:
         yield pending
 
 

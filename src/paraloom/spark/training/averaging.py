@@ -62,7 +62,8 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     default does (which resets momentum and Adam's moments every averaging round).
     ``aggregation_depth`` is the ``treeAggregate`` depth. ``job_timeout`` bounds each averaging
     round's job. ``prefetch_batches``: minibatches a task reads ahead, shuffles and holds at
-    once (its memory bound).
+    once (its memory bound). ``drop_last``: leave out each partition's short last minibatch
+    per epoch, as a DataLoader's ``drop_last`` does (BatchNorm refuses a minibatch of one row).
 
     DiLoCo on the cluster (``training_mode="diloco"``'s algorithm) with ``outer_optimizer``
     or ``encoding``: each task sends its pseudo-gradient (round start minus trained
@@ -96,10 +97,11 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                  prefetch_batches: int = 16,
                  outer_optimizer: OuterOptimizer | str | None = None,
                  encoding: TopK | str | None = None, one_stage: bool | None = None,
-                 checkpoint_dir: str | None = None, timeout: float = 300.0) -> None:
+                 checkpoint_dir: str | None = None, timeout: float = 300.0,
+                 drop_last: bool = False) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout,
-                         prefetch_batches=prefetch_batches)
+                         prefetch_batches=prefetch_batches, drop_last=drop_last)
         self.outer_optimizer, self.encoding = resolve_diloco(outer_optimizer, encoding)
         if averaging_frequency is None:
             averaging_frequency = 5 if self.encoding is None else 50
@@ -134,7 +136,7 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
                            batch_size=self.batch_size_per_worker, seed=seed, origin=time.time(),
                            features=job.features, window_rows=self.window_rows(),
                            checkpoint_dir=directory, collect_stats=collect_stats,
-                           timeout_s=self.timeout)
+                           timeout_s=self.timeout, drop_last=self.drop_last)
         data = rows if isinstance(rows, ParquetSet) else \
             self.prepare(rows, workers, job, persist=False)
         return fit_in_one_stage(job, data, cfg, self.averaging_frequency, self.save_updater,
@@ -155,16 +157,18 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
         try:
             sizes, attempts = run_job(sc, data.mapPartitions(_rows).collect,
                                       "paraloom: count the training rows", self.job_timeout)
-            per_epoch = -(-batch_count(max(sizes, default=0), self.batch_size_per_worker)
-                          // self.averaging_frequency)
+            per_epoch = -(-batch_count(max(sizes, default=0), self.batch_size_per_worker,
+                                       self.drop_last) // self.averaging_frequency)
             if per_epoch == 0:
-                raise ValueError("the training data is empty: no partition has any rows")
+                raise ValueError("no partition has a full minibatch of rows (drop_last=True)"
+                                 if self.drop_last else "the training data is empty: no "
+                                 "partition has any rows")
             base = AveragingRound(fit_id=job.fit_id, epoch=0, index=0,
                                   batch_size=self.batch_size_per_worker,
                                   frequency=self.averaging_frequency, seed=seed, origin=origin,
                                   features=job.features, save_updater=self.save_updater,
                                   collect_stats=collect_stats, window_rows=self.window_rows(),
-                                  encoding=self.encoding)
+                                  encoding=self.encoding, drop_last=self.drop_last)
             driver = _Driver(self, job, data, spec_bc, base)
             for epoch in range(epochs):
                 for index in range(per_epoch):

@@ -81,6 +81,8 @@ class AveragingRound:
     """DiLoCo (``diloco_task``): how the pseudo-gradient travels; None: plain averaging."""
     sequence: int = 0
     """This averaging round's number in the fit (epochs included): DiLoCo's local files."""
+    drop_last: bool = False
+    """Whether a partition's short last minibatch is left out."""
     update: Broadcast[bytes] | None = None
     """DiLoCo: the sparse update from the last round's shared state to this one's
     (``diloco.state_update``), read instead of the full state where this machine kept it."""
@@ -131,7 +133,7 @@ def averaging_task(spec_bytes: bytes | Broadcast[bytes], state_bytes: bytes | Br
     source = iter(chunks)
     batches = stream_batches(source, cfg.batch_size, seed=cfg.seed, epoch=cfg.epoch, rank=index,
                              window_rows=cfg.window_rows, first=cfg.index * cfg.frequency,
-                             count=cfg.frequency)
+                             count=cfg.frequency, drop_last=cfg.drop_last)
     head = next(batches, None)
     data_s = time.perf_counter() - t
     if head is None:  # a short partition in a late averaging round: nothing to average in

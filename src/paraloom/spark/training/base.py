@@ -74,8 +74,12 @@ class TrainingMaster:
     def __init__(self, batch_size_per_worker: int, workers: int | None, *,
                  storage_level: StorageLevel | str | None = "MEMORY_ONLY",
                  repartition: str | None = None,
-                 job_timeout: float | None = None, prefetch_batches: int = 16) -> None:
+                 job_timeout: float | None = None, prefetch_batches: int = 16,
+                 drop_last: bool = False) -> None:
         self.batch_size_per_worker = positive_int("batch_size_per_worker", batch_size_per_worker)
+        if not isinstance(drop_last, bool):
+            raise TypeError(f"drop_last={drop_last!r}; expected True or False")
+        self.drop_last = drop_last
         self.prefetch_batches = positive_int("prefetch_batches", prefetch_batches)
         self.workers = positive_int("workers", workers, allow_none=True)
         storage_level_of(storage_level)  # a wrong name fails here, not at the first fit()

@@ -81,6 +81,10 @@ def _attempts(sc: SparkContext, group: str) -> int:
     return most + 1
 
 
+_JVM_LINES = ("at ", "org.", "java.", "py4j", "Caused by", "Driver stacktrace", "...",
+              "Traceback", "File ")
+
+
 def root_cause(text: str) -> str:
     """The useful lines of a Spark job failure: the abort reason, its cause, the Python error."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -96,6 +100,12 @@ def root_cause(text: str) -> str:
               and not ln.startswith(("org.", "java.", "py4j", "Caused by"))]
     if python and python[-1] not in keep:
         keep.append(python[-1])
+        # The error's own further lines (the batch it failed on, the fix), not Java's frames.
+        after = len(lines) - 1 - lines[::-1].index(python[-1])
+        for line in lines[after + 1:after + 5]:
+            if line.startswith(_JVM_LINES):
+                break
+            keep.append(line)
     return "\n".join(keep) if keep else (lines[-1] if lines else text)
 
 

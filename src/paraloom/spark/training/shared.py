@@ -85,7 +85,9 @@ class SharedTrainingMaster(TrainingMaster):
     (rendezvous port range, announced host, interface for the collectives; DL4J's
     VoidConfiguration). ``prefetch_batches``: minibatches a task reads ahead, shuffles and
     holds at once (its memory bound; the partition itself waits on local disk between
-    epochs). ``synchronizer`` replaces
+    epochs). ``drop_last``: leave out each partition's short last minibatch per epoch, as a
+    DataLoader's ``drop_last`` does (BatchNorm refuses a minibatch of one row). ``synchronizer``
+    replaces
     SharedGradients by any Synchronizer (e.g. dense all-reduce) for comparisons.
     """
 
@@ -101,10 +103,10 @@ class SharedTrainingMaster(TrainingMaster):
                  checkpoint_dir: str | None = None, checkpoint_every: int = 50,
                  backend: str | None = None, synchronizer: Synchronizer | None = None,
                  recipe: str | SharingRecipe = "dgc", network: NetworkSettings | None = None,
-                 prefetch_batches: int = 16) -> None:
+                 prefetch_batches: int = 16, drop_last: bool = False) -> None:
         super().__init__(batch_size_per_worker, workers, storage_level=storage_level,
                          repartition=repartition, job_timeout=job_timeout,
-                         prefetch_batches=prefetch_batches)
+                         prefetch_batches=prefetch_batches, drop_last=drop_last)
         residual_post_processor = _post_processor(residual_post_processor, recipe)
         _check_synchronizer(synchronizer, threshold_algorithm)
         self.threshold_algorithm = threshold_algorithm
@@ -138,6 +140,7 @@ class SharedTrainingMaster(TrainingMaster):
             rendezvous_timeout_s=self.rendezvous_timeout, backend=self.backend,
             workers_per_node=self.workers_per_node, checkpoint_dir=directory,
             checkpoint_every=self.checkpoint_every, collect_stats=collect_stats,
+            drop_last=self.drop_last,
             network=self.network)
 
     def fit(self, job: FitJob, rows: RDD[Pair] | ParquetSet, *, epochs: int, seed: int,

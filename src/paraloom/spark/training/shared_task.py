@@ -101,6 +101,8 @@ class SharedConfig:
     network: NetworkSettings | None = None
     window_rows: int = 512
     """Rows a task shuffles and holds at once (``prefetch_batches`` minibatches)."""
+    drop_last: bool = False
+    """Whether a partition's short last minibatch is left out."""
 
 
 def checkpoint_path(directory: str, fit_id: str) -> Path:
@@ -271,10 +273,12 @@ def _jsonable(state: Mapping[str, object]) -> dict[str, object]:
 def _train(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder,
            rendezvous: str) -> WorkerFinished:
     known = p.data.rows
-    rounds = None if known is None else agree_rounds(batch_count(known, cfg.batch_size),
-                                                     p.device)
+    count = None if known is None else batch_count(known, cfg.batch_size, cfg.drop_last)
+    rounds = None if count is None else agree_rounds(count, p.device)
     if rounds == 0:
-        raise ValueError("no worker has any training rows: the data is empty")
+        raise ValueError("no worker has a full minibatch of rows (drop_last=True)"
+                         if cfg.drop_last else "no worker has any training rows: the data is "
+                         "empty")
     resume = _resume(cfg, rank, p.device)
     start = resume or p.start
     p.runner.begin(Begin(start.model))
@@ -327,7 +331,8 @@ def _loop(p: _Prepared, cfg: SharedConfig, rank: int, rec: PhaseRecorder, rounds
     for epoch in range(first_epoch, cfg.epochs):
         skip = first_round if epoch == first_epoch else 0
         batches = stream_batches(p.data.chunks(epoch), cfg.batch_size, seed=cfg.seed, epoch=epoch,
-                                 rank=rank, window_rows=cfg.window_rows, first=skip)
+                                 rank=rank, window_rows=cfg.window_rows, first=skip,
+                                 drop_last=cfg.drop_last)
         begin, t = rec.now(), time.perf_counter()
         for r, arrays, last in epoch_rounds(batches, skip, rounds, ahead=ahead, device=p.device):
             message = Round(step, batch_tensors(arrays, cfg.features)) if arrays is not None \

@@ -124,3 +124,38 @@ def test_a_threshold_too_small_for_the_residual_is_warned_about_once() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tiny.encode(residual)  # once
+
+
+@pytest.mark.parametrize("gradients_at", ["local", "shared"])
+def test_the_unsent_updates_come_back_once_the_fit_ends(gradients_at: str) -> None:
+    """fit() returns the local view (the shared parameters plus the residual, "local"), or the
+    shared parameters ("shared"); flush_residuals (Spark's shared master) writes the residual
+    into the parameters either way and empties it."""
+    model = nn.Linear(64, 1, bias=False)
+    sync = SharedGradients(recipe=SharingRecipe("dl4j", FixedThreshold(1e-2), combine="mean",
+                                                gradients_at=gradients_at))
+    ctx = StepContext(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    initial = model.weight.detach().clone()
+    sync.setup(ctx)
+    grads = torch.linspace(-2e-2, 2e-2, 64).view(1, 64)  # half reach tau in two steps
+    for _ in range(3):
+        sync.before_step(ctx)
+        model.weight.grad = grads.clone()
+        sync.after_backward(ctx)
+        ctx.optimizer.step()
+        sync.after_step(ctx)
+    sync.finish(ctx)
+    shared = model.weight.detach().clone()
+    residual = sync._replica.residual.view(1, 64).clone()  # type: ignore[union-attr]
+    assert residual.abs().max() > 0 and not torch.equal(shared, initial)
+    # Three steps of lr * grad in all: sent or unsent, nothing is lost.
+    torch.testing.assert_close(shared + residual, initial - 3 * grads)
+    returned = sync.returned_parameters()
+    if gradients_at == "local":
+        torch.testing.assert_close(returned[id(model.weight)], shared + residual)
+    else:
+        assert returned == {}
+    sync.flush_residuals(ctx)
+    torch.testing.assert_close(model.weight.detach(), shared + residual)
+    assert sync._replica.residual.abs().max() == 0  # type: ignore[union-attr]
+    assert sync.returned_parameters() == {}

@@ -651,7 +651,7 @@ def test_a_frozen_batchnorm_stays_frozen_only_through_an_overridden_train(keep_f
     assert not model.bn.training  # the user's own model's modes are left as they were
 
 
-def test_one_worker_is_plain_training_except_under_shared_gradients():
+def test_one_worker_is_plain_training_and_shared_gradients_returns_its_local_view():
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g))
                for _ in range(6)]
@@ -672,11 +672,15 @@ def test_one_worker_is_plain_training_except_under_shared_gradients():
                              training_mode=mode) as w:
             trained[mode] = (model, w.fit(batches)["per_worker"][0])
     assert digest(trained["allreduce"][0]) == digest(reference)
-    # README: one replica still threshold-encodes, about 1/160 of the elements a step.
+    # README: one replica still threshold-encodes, about 1/160 of the elements a step, and
+    # fit() returns its local view, near plain training (the residual clipping takes from
+    # it; the shared parameters alone had moved under 1/10 of the elements).
     model, stats = trained["shared_gradients"]
     assert 1 / 200 < stats["mean_sparsity"] < 1 / 120
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=0, atol=5e-3)
     moved = sum(int((p != initial[k]).sum()) for k, p in model.state_dict().items())
-    assert moved < sum(v.numel() for v in initial.values()) / 10
+    assert moved > sum(v.numel() for v in initial.values()) / 2
 
 
 def test_one_worker_with_dropout_is_the_plain_loop_bit_for_bit():

@@ -131,6 +131,12 @@ class Synchronizer:
         default does nothing."""
         return contextlib.nullcontext()
 
+    def returned_parameters(self) -> dict[int, torch.Tensor]:
+        """After ``finish``: the values ``fit()`` gives the user's model for some parameters,
+        by ``id`` of their parameter, where they are not what the replica holds (shared
+        gradients adds the updates its messages left unsent). Empty: the model's own."""
+        return {}
+
     def shared_parameters(self, ctx: StepContext) -> dict[int, torch.Tensor]:
         """The values every replica agrees on, by ``id`` of their parameter, for the
         parameters whose model value is this replica's own between steps (shared gradients'

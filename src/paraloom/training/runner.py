@@ -263,7 +263,10 @@ class ReplicaRunner:
         """CPU copies of the parameters and buffers, and of the optimizer state (in the outbox's
         shared memory, which the next fit's state overwrites, when there is one)."""
         model = self.replica.model
-        state = with_transient(model, model.state_dict()), self.replica.optimizer.state_dict()
+        returned = self.replica.sync.returned_parameters()
+        weights = {name: returned.get(id(t), t).detach()
+                   for name, t in model.state_dict(keep_vars=True).items()}
+        state = with_transient(model, weights), self.replica.optimizer.state_dict()
         return cpu_copy(state) if self.outbox is None else self.outbox.copy(state)
 
 

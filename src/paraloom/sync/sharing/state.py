@@ -180,6 +180,19 @@ class ReplicaTensors:
             if flag:
                 v.copy_(b)
 
+    def plus(self, flat: Tensor) -> dict[int, Tensor]:
+        """Each parameter plus its part of ``flat`` (laid out as the residual), by ``id``."""
+        return {id(p): (p.detach() + part.to(p.dtype)).detach()
+                for p, part in zip(self.params, views(flat, self.params), strict=True)}
+
+    def apply_residual_(self, flat: Tensor) -> None:
+        """Add ``flat`` (every replica's unsent updates) to the parameters; empty the
+        residual, which it includes."""
+        with torch.no_grad():
+            for p, part in zip(self.params, views(flat, self.params), strict=True):
+                p.add_(part.to(p.dtype))
+        self.residual.zero_()
+
     def save_old(self) -> None:
         """``old = params``, unless ``old`` already mirrors them."""
         if self.stamps != self.current_stamps():

@@ -41,14 +41,7 @@ from torch import Tensor
 
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 from paraloom.sync.collectives import any_rank, broadcast_tensors_
-from paraloom.sync.encoding import (
-    Encoded,
-    Steps,
-    decode,
-    decode_into,
-    empty_message,
-    moved_index,
-)
+from paraloom.sync.encoding import Encoded, Steps, decode, decode_into, empty_message, moved_index
 from paraloom.sync.momentum import mask_momentum_
 from paraloom.sync.sharing.encoder import MessageEncoder
 from paraloom.sync.sharing.exchange import (
@@ -62,9 +55,9 @@ from paraloom.sync.sharing.recipe import RecipeOptions, SharingRecipe
 from paraloom.sync.sharing.state import ReplicaTensors, Restored
 from paraloom.sync.sharing.view import (
     accumulate_update_,
-    add_residuals_,
     residual_from_view_,
     set_local_view_,
+    summed_residuals,
 )
 from paraloom.sync.thresholds import ResidualPostProcessor, ThresholdAlgorithm
 
@@ -110,7 +103,8 @@ class SharedGradients(RecipeOptions, Synchronizer):
                    "overlap": overlap}
         self.recipe = SharingRecipe.given(recipe, options)
         self._encoder = MessageEncoder(self.recipe)
-        self.setup_bytes_sent = 0
+        self.setup_bytes_sent = self.finish_bytes_sent = 0
+        self._unsent: Tensor | None = None  # after finish: see returned_parameters
         self._replica: ReplicaTensors | None = None
         self._holding = False
         """Whether the parameters hold the local view (from the first step of a fit to its
@@ -143,7 +137,7 @@ class SharedGradients(RecipeOptions, Synchronizer):
         # A fit that failed without abort_step or finish left the local view: whatever the
         # model holds now (it may be a state loaded since) is taken as it is.
         self._holding = False
-        self._started = self._own = None
+        self._started = self._own = self._unsent = None
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("shared_gradients: the model has no parameters that require grad; "
@@ -273,17 +267,36 @@ class SharedGradients(RecipeOptions, Synchronizer):
         self._unlay()
 
     def finish(self, ctx: StepContext) -> None:
+        """End the fit: the last exchange in, the shared parameters back in the model, and
+        (``gradients_at="local"``) ``returned_parameters`` made, with one dense all-reduce."""
         self._collect(ctx)
         self._settle()
         self._unlay()
+        if self.gradients_at == "local":
+            self._unsent = self._summed(ctx, self._reach(ctx) / ctx.world_size)
+
+    def _summed(self, ctx: StepContext, factor: float) -> Tensor:
+        """Every replica's residual summed, times ``factor`` (one dense all-reduce)."""
+        total = summed_residuals(self._require_setup().residual, ctx.group, ctx.world_size)
+        self.finish_bytes_sent += self.collective_bytes(total, ctx.world_size)
+        return total.mul_(factor)
+
+    def returned_parameters(self) -> dict[int, Tensor]:
+        """After ``finish``, with ``gradients_at="local"``: the mean of the replicas' local
+        views (where their losses ran), by ``id``, for ``fit()`` to return; the replicas keep
+        their residuals, so a warm fit goes on as one longer fit. ``"shared"``: none."""
+        if self._unsent is None or self._replica is None:
+            return {}
+        return self._replica.plus(self._unsent)
 
     def flush_residuals(self, ctx: StepContext) -> None:
-        """After ``finish``: every replica's unsent updates applied to the parameters (one
-        dense all-reduce of the residuals, which are then empty). Spark's shared master calls
-        it where a fit's residuals would otherwise be lost with its tasks."""
-        replica = self._require_setup()
-        add_residuals_(replica.params, replica.residual, ctx.group, ctx.world_size)
-        self.bytes_sent += self.collective_bytes(replica.residual, ctx.world_size)
+        """After ``finish``: every replica's unsent updates written into the parameters (the
+        local views' mean; ``"shared"``: their sum, as messages bring them), residuals emptied.
+        Spark's shared master calls it: its residuals would be lost with the stage's tasks."""
+        if self._unsent is None:
+            self._unsent = self._summed(ctx, 1.0)
+        self._require_setup().apply_residual_(self._unsent)
+        self._unsent = None
 
     def shared_parameters(self, ctx: StepContext) -> dict[int, Tensor]:
         """While the parameters hold the local view: ``old``, by ``id`` of its parameter."""
@@ -440,6 +453,7 @@ class SharedGradients(RecipeOptions, Synchronizer):
                     for phase, seconds in self._seconds.items()})
         out.update(self._encoder.stats())
         out.update(setup_bytes_sent=float(self.setup_bytes_sent),
+                   finish_bytes_sent=float(self.finish_bytes_sent),
                    momentum_masked=float(self._masked))
         if self._replica is not None:
             out["residual_norm"] = float(self._replica.residual.norm())

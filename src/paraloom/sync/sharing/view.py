@@ -17,8 +17,8 @@ from torch import Tensor
 
 from paraloom.sync.encoding import scan_chunk
 
-__all__ = ["accumulate_update_", "add_range_", "add_residuals_", "chunks",
-           "residual_from_view_", "set_local_view_"]
+__all__ = ["accumulate_update_", "add_range_", "chunks", "residual_from_view_",
+           "set_local_view_", "summed_residuals"]
 
 
 def chunks(params: Sequence[Tensor], old: Sequence[Tensor], residual: Sequence[Tensor],
@@ -79,19 +79,14 @@ def accumulate_update_(params: Sequence[Tensor], old: Sequence[Tensor], residual
         p_part.copy_(o_part)  # from here on only the decoded messages move the parameters
 
 
-def add_residuals_(params: Sequence[Tensor], residual: Tensor, group: Any,
-                   world_size: int) -> None:
-    """Add every replica's ``residual`` (flat, each already scaled as messages are) to
-    ``params`` with one dense all-reduce, and empty it: the parameters then hold every update
-    the messages left unsent, identically on every replica."""
+
+def summed_residuals(residual: Tensor, group: Any, world_size: int) -> Tensor:
+    """Every replica's ``residual`` (flat, each already scaled as messages are) summed, with
+    one dense all-reduce: the updates the messages left unsent, as every replica would apply
+    them."""
     import torch.distributed as dist
 
-    total = residual.clone()
+    total = residual.detach().clone()
     if world_size > 1:
         dist.all_reduce(total, group=group)
-    start = 0
-    with torch.no_grad():
-        for p in params:
-            p.add_(total[start:start + p.numel()].view_as(p).to(p.dtype))
-            start += p.numel()
-    residual.zero_()
+    return total

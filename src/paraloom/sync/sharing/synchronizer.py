@@ -284,7 +284,7 @@ class SharedGradients(RecipeOptions, Synchronizer):
     def returned_parameters(self) -> dict[int, Tensor]:
         """After ``finish``, with ``gradients_at="local"``: the mean of the replicas' local
         views (where their losses ran), by ``id``, for ``fit()`` to return; the replicas keep
-        their residuals, so a warm fit goes on as one longer fit. ``"shared"``: none."""
+        their residuals for the next fit. ``"shared"``: none."""
         if self._unsent is None or self._replica is None:
             return {}
         return self._replica.plus(self._unsent)

@@ -119,9 +119,25 @@ def batch_size(inputs: object) -> int:
 
 def to_device(obj: _Structure, device: torch.device, non_blocking: bool = False
               ) -> _Structure:
-    """Move every tensor in a tensor / tuple / list / dict structure to ``device``."""
-    moved: _Structure = map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
+    """Move every tensor in a tensor / tuple / list / dict structure to ``device``, and (as
+    Lightning) any other object in it with a ``to`` method: ``obj.to(device)``."""
+    def move(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return o.to(device, non_blocking=non_blocking)
+        if isinstance(o, PackedSequence):
+            return _map_packed(o, lambda t: t.to(device, non_blocking=non_blocking))
+        return o.to(device)
+
+    moved: _Structure = map_structure(obj, _transferable, move)
     return moved
+
+
+def _transferable(obj: object) -> bool:
+    """A tensor, a PackedSequence, or another object with a ``to`` method (not a structure)."""
+    if isinstance(obj, (torch.Tensor, PackedSequence)):
+        return True
+    return not isinstance(obj, (tuple, list, Mapping, str, bytes)) and \
+        callable(getattr(obj, "to", None))
 
 
 def cpu_copy(obj: _Structure) -> _Structure:

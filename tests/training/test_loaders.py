@@ -291,7 +291,7 @@ def test_a_loaders_own_generator_gives_the_order_a_loop_over_the_loader_gives():
 
     looping, sampled, dealt = loader(), loader(), loader()
     looped = [[y.tolist() for _, y in looping] for _ in range(2)]
-    assert [epoch_batches(sampled) for _ in range(2)] == looped  # workers' own loaders
+    assert [epoch_batches(sampled, 2) for _ in range(2)] == looped  # workers' own loaders
     by_index = [[b for r in batch_rounds(dealt, object(), 2, 0, 0, lambda b: b)  # type: ignore[arg-type]
                  for b in r] for _ in range(2)]
     assert by_index == looped  # indices dealt by the parent

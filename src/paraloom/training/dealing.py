@@ -48,7 +48,7 @@ def batch_rounds(data: Any, source: Source, workers: int, skip: int, prefetch: i
     batches copied to shared memory otherwise, each passed through ``checked``) into rounds of
     ``workers`` (the last may be short). ``prefetch`` batches are read ahead on a thread."""
     if source is not None:
-        draw_base_seed(data)
+        draw_base_seed(data, workers)
         batches = itertools.islice(data.batch_sampler, skip, None)
         payloads: Iterable[Any] = (list(b) for b in batches)
         prefetcher = None
@@ -75,7 +75,7 @@ def loader_rounds(pool: Pool, data: DataLoader[Any], epoch: int, skip: int,
                   workers: int) -> Iterator[list[int]]:
     """Send each worker its share of the epoch's batches (``LoaderEpoch``: batch ``skip +
     rank``, then every ``workers``-th); a round is the next position in every share."""
-    batches = epoch_batches(data)[skip:]
+    batches = epoch_batches(data, workers)[skip:]
     seed = int(torch.randint(0, 2**62, ()).item())
     for rank in range(workers):
         pool.send(rank, LoaderEpoch(epoch, seed, batches[rank::workers], skip + rank, workers))

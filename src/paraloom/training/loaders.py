@@ -239,6 +239,9 @@ class ReplicaLoader:
         if spec.num_workers == 0:
             for k in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
                 common.pop(k, None)
+        else:
+            _expose_script_classes(spec.collate_fn, spec.worker_init_fn,
+                                  *vars(type(spec.dataset)).values())
         if spec.stream:
             return DataLoader(spec.dataset, batch_size=spec.batch_size,
                               drop_last=spec.drop_last, collate_fn=spec.collate_fn, **common)
@@ -250,6 +253,27 @@ class ReplicaLoader:
 
     def _close_iter(self) -> None:
         self._iter, self._ahead = None, None
+
+
+def _expose_script_classes(*functions: object) -> None:
+    """Put the classes from the user's script that ``functions`` name in this process's
+    ``__main__``: they came by value (cloudpickle), and loader processes send their batches
+    back with plain pickle, which finds a class by module and name (a batch of a namedtuple
+    or a dataclass from the script failed to pickle there, and the fit waited on it)."""
+    main = sys.modules.get("__main__")
+    for value in (v for fn in functions for v in _names_of(fn)):
+        if main is not None and isinstance(value, type) and value.__module__ == "__main__" \
+                and "." not in value.__qualname__ and not hasattr(main, value.__qualname__):
+            setattr(main, value.__qualname__, value)
+
+
+def _names_of(fn: object) -> list[object]:
+    """What a function's globals and closure hold (nothing for another object)."""
+    found = list(getattr(fn, "__globals__", {}).values())
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            found.append(cell.cell_contents)
+    return found
 
 
 def _default_start_method() -> str | None:
@@ -273,12 +297,14 @@ class _Singles:
         return len(self.plan)
 
 
-def draw_base_seed(data: DataLoader[Any]) -> None:
-    """Draw what iterating ``data`` draws from its own ``generator`` before its sampler runs
-    (the loader workers' base seed), so that a shuffle drawn from that generator gives the
-    order a loop over the loader would. (Without a generator the loader draws from torch's
-    RNG, which the fit's own seeds draw from too: that order is not a loop's.)"""
-    if data.generator is not None:
+def draw_base_seed(data: DataLoader[Any], workers: int) -> None:
+    """Draw what iterating ``data`` draws before its sampler runs (the loader workers' base
+    seed), so that its shuffle comes out as in a loop over the loader: from its own
+    ``generator``, or without one from torch's RNG when one worker trains, on the caller's
+    RNG as a loop would (its dropout masks then match too). With more workers the fit draws
+    their seeds from torch's RNG, so the order is not a loop's anyway, and this draw is left
+    out (which keeps the orders multi-worker runs had)."""
+    if data.generator is not None or workers == 1:
         torch.empty((), dtype=torch.int64).random_(generator=data.generator)
 
 
@@ -292,10 +318,10 @@ def digest(batch: Any) -> str:
     return h.hexdigest()
 
 
-def epoch_batches(data: DataLoader[Any]) -> list[list[int]]:
+def epoch_batches(data: DataLoader[Any], workers: int) -> list[list[int]]:
     """The batches of indices a map-style DataLoader loads this epoch, in order (its sampler,
     drawn from its generator or torch's RNG as iterating the loader would)."""
-    draw_base_seed(data)
+    draw_base_seed(data, workers)
     if data.batch_sampler is not None:
         return [list(b) for b in data.batch_sampler]
     return [[i] for i in data.sampler]

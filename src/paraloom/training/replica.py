@@ -62,13 +62,14 @@ def _build_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer
     scheduler = factory(optimizer)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise TypeError("lr_scheduler returned a ReduceLROnPlateau, which steps on a metric, "
-                        "not after every round: step it in a listener's on_epoch_end with "
-                        "your validation score (see the listeners guide)")
+                        "not after every round: run one fit() per epoch (fit(data, epochs=e "
+                        "+ 1, initial_epoch=e)), score your model after each and step it "
+                        "there (see the listeners guide)")
     if not isinstance(scheduler, LRScheduler):
         raise TypeError(f"lr_scheduler returned {type(scheduler).__name__}; expected a "
                         f"torch.optim.lr_scheduler.LRScheduler built on the optimizer it is "
                         f"given (e.g. lambda opt: OneCycleLR(opt, max_lr=0.1, total_steps=N)). "
-                        f"ReduceLROnPlateau needs a metric: step it in a listener")
+                        f"ReduceLROnPlateau needs a metric: step it between one-epoch fits")
     if scheduler.optimizer is not optimizer:
         raise ValueError("lr_scheduler built its scheduler on another optimizer; expected one "
                          "on the optimizer it is given: lambda opt: StepLR(opt, ...)")
@@ -164,6 +165,7 @@ class Replica:
         self._rng = None  # a fresh fit's seed wins over an earlier fit's restored RNG
         if state is not None:
             load_model_state(self.model, state)
+        self.model.train()  # every fit, as Lightning: a step_fn may have left it in eval
         if optimizer_state is not None:
             # A private copy: what arrived from the parent lives in memory shared with the
             # other replicas, and load_state_dict keeps same-device tensors as they are.

@@ -271,8 +271,14 @@ class ReplicaRunner:
 
 
 def _rows(batch: Any) -> int:
-    try:
-        return batch_size(split_batch(batch)[0])
-    except TypeError:
-        return batch_size(batch)
+    """A batch's rows, for the samples counted and the round's loss weights: its inputs', the
+    first tensor's of a step_fn's batch of another structure, or (as Lightning) the first
+    tensor among an object's attributes, else one."""
+    for part in (lambda: split_batch(batch)[0], lambda: batch,
+                 lambda: list(getattr(batch, "__dict__", {}).values())):
+        try:
+            return batch_size(part())
+        except TypeError:
+            continue
+    return 1
 

@@ -396,8 +396,9 @@ def test_stats_reports_counts_histogram_percentiles_and_config():
     ({"example_input": torch.ones(1, 7)}, ValueError, "the model failed on example_input"),
     ({"max_wait_ms": float("inf")}, ValueError, "max_wait_ms=inf; expected a finite number"),
     ({"max_wait_ms": float("nan")}, ValueError, "max_wait_ms=nan; expected a finite number"),
-    ({"timeout": float("inf")}, ValueError, "timeout=inf; expected a finite number > 0 seconds; "
-                                            "pass None for no limit"),
+    ({"timeout": float("inf")}, ValueError, "timeout=inf; expected a finite number > 0 seconds, "
+                                            "or None for no limit"),
+    ({"max_wait_ms": float("inf")}, ValueError, "or None for no wait, as 0"),
     ({"timeout": float("nan")}, ValueError, "timeout=nan; expected a finite number"),
 ])
 def test_bad_options_are_refused_at_construction(kwargs, error, message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -91,6 +92,16 @@ class _RecordingMaxTime(MaxTime):
     def terminate(self, iteration: int, loss: float) -> bool:
         self.answers.append(super().terminate(iteration, loss))
         return self.answers[-1]
+
+
+def test_max_times_clock_starts_at_the_first_round_not_before_the_workers() -> None:
+    """The workers' start (1.7 s on this machine) used up MaxTime(1.0) before one round."""
+    condition = MaxTime(0.05)
+    condition.initialize()
+    time.sleep(0.1)  # the workers start
+    assert not condition.terminate(0, 1.0)
+    time.sleep(0.06)
+    assert condition.terminate(1, 1.0)
 
 
 def test_max_time_stops_within_a_round(digits_loader, digits_test):

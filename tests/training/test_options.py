@@ -98,9 +98,12 @@ def test_bad_groups_and_values_are_refused_with_the_option_named() -> None:
     ({"progress": "no"}, TypeError, "progress='no'; expected True or False"),
     ({"listeners": 3}, TypeError, "listeners=3; expected a list"),
     ({"loss_fn": 3}, TypeError, "loss_fn=3 is not callable"),
+    ({"loss_fn": nn.CrossEntropyLoss}, TypeError, r"a class, not a loss.*CrossEntropyLoss\(\)"),
     ({"step_fn": lambda model, batch: model(batch).sum()}, ValueError, "not both"),
     ({"average_updaters": "no"}, TypeError, "average_updaters='no'"),
     ({"training_mode": "allreduce", "bucket_cap_mb": "x"}, ValueError, "bucket_cap_mb='x'"),
+    ({"training_mode": "allreduce", "find_unused_parameters": "yes"}, TypeError,
+     "find_unused_parameters=.yes.; expected True or False"),
     ({"compile": {"modee": "default"}}, TypeError, r"torch.compile keyword\(s\) \['modee'\]"),
 ])
 def test_values_of_the_wrong_type_are_refused_with_the_option_named(options, error,
@@ -189,3 +192,30 @@ def test_a_model_with_nothing_to_train_is_refused_before_workers_start() -> None
     with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
         wrapper.fit([(torch.rand(2, 4), torch.rand(2, 2))])
     assert wrapper.worker_pids == []
+
+
+@pytest.mark.parametrize(("fit", "said"), [
+    ({"epochs": True}, "epochs=True; expected an int"),
+    ({"epochs": 3, "initial_epoch": True}, "initial_epoch=True"),
+    ({"epochs": 3, "initial_epoch": 1, "resume_from": "ckpt.safetensors"},
+     "initial_epoch=1 with resume_from=.*one or the other"),
+])
+def test_fit_refuses_bools_for_counts_and_an_initial_epoch_beside_a_checkpoint(fit,
+                                                                               said) -> None:
+    wrapper = _wrapper()
+    with pytest.raises(ValueError, match=said):
+        wrapper.fit([(torch.rand(2, 4), torch.rand(2, 2))], **fit)
+    assert wrapper.worker_pids == []
+
+
+@pytest.mark.parametrize("value", [True, 1.0])
+def test_an_averaging_option_equal_to_its_default_in_another_type_is_refused(value) -> None:
+    """True == 1 == 1.0: allreduce took averaging_frequency=True as the default and ignored
+    it, where averaging refuses it."""
+    with pytest.raises(TypeError, match="applies to training_mode='averaging' only"):
+        _wrapper(training_mode="allreduce", averaging_frequency=value)
+
+
+def test_spares_without_max_failures_are_warned_about() -> None:
+    with pytest.warns(UserWarning, match="spares=5 with max_failures=0"):
+        _wrapper(spares=5)

@@ -43,19 +43,20 @@ def _int(name: str, value: object, minimum: int) -> int:
 
 
 def check_seconds(name: str, value: object, *, allow_zero: bool,
-                  unit: str = "seconds") -> float | None:
-    """A duration or None; TypeError / ValueError name the option and the rule."""
+                  unit: str = "seconds", none_means: str = "no limit") -> float | None:
+    """A duration or None (``none_means`` says what None is, for the messages); TypeError /
+    ValueError name the option and the rule."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of {unit} or None; got "
+        raise TypeError(f"{name} must be a number of {unit} or None ({none_means}); got "
                         f"{type(value).__name__} {value!r}")
     rule = ">= 0" if allow_zero else "> 0"
     if not math.isfinite(value):
-        raise ValueError(f"{name}={value}; expected a finite number {rule} {unit}; pass None "
-                         "for no limit")
+        raise ValueError(f"{name}={value}; expected a finite number {rule} {unit}, or None "
+                         f"for {none_means}")
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}={value}; expected {rule} {unit}, or None for no limit")
+        raise ValueError(f"{name}={value}; expected {rule} {unit}, or None for {none_means}")
     # Longer than threading's longest wait is "forever" in practice; waits must not overflow.
     longest = threading.TIMEOUT_MAX * (1000.0 if unit == "milliseconds" else 1.0)
     return min(float(value), longest)
@@ -80,7 +81,7 @@ class InferenceConfig:
         """Check every option's type and value; warn on legal but pointless combinations."""
         mode = InferenceMode.resolve(inference_mode)
         max_wait = check_seconds("max_wait_ms", max_wait_ms, allow_zero=True,
-                                 unit="milliseconds")
+                                 unit="milliseconds", none_means="no wait, as 0")
         config = cls(
             mode=mode,
             workers=None if workers is None else _int("workers", workers, 1),

@@ -47,6 +47,8 @@ __all__ = ["AllReduce"]
 
 _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
     "self", "module", "device_ids", "output_device", "process_group"}
+_DDP_FLAGS = frozenset(name for name, p in inspect.signature(
+    DistributedDataParallel.__init__).parameters.items() if isinstance(p.default, bool))
 
 
 # What the idle step and ``step_fn`` pass through DDP to ``_Joinable``, which ignores it: with
@@ -113,6 +115,11 @@ class AllReduce(Synchronizer):
                             f"arguments of DistributedDataParallel: {sorted(_DDP_OPTIONS)} "
                             f"(module, devices and process group are set by paraloom), or "
                             f"comm_hook, powersgd_rank, powersgd_warmup, comm_hook_options")
+        flags = [k for k in sorted(ddp_options) if k in _DDP_FLAGS
+                 and not isinstance(ddp_options[k], bool)]
+        if flags:
+            raise TypeError(f"{flags[0]}={ddp_options[flags[0]]!r}; expected True or False "
+                            "(a DistributedDataParallel flag)")
         cap = ddp_options.get("bucket_cap_mb")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float)
                                 or not cap > 0):

@@ -58,7 +58,7 @@ def _mode_options(name: str, given: dict[str, Any]) -> dict[str, Any]:
         value = out.pop(option)
         if name == "averaging":
             out[argument] = value
-        elif value != default:
+        elif value != default or type(value) is not type(default):  # True == 1, 1.0 == 1
             hint = ("; its own interval is sync_every=" if name == "diloco"
                     else f"; training_mode={name!r} synchronizes every step")
             raise TypeError(f"{option}={value!r} applies to training_mode='averaging' only"

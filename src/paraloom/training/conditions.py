@@ -91,17 +91,22 @@ class BestScore(EpochTerminationCondition):
 
 
 class MaxTime(IterationTerminationCondition):
-    """Stop after ``seconds`` of training (monotonic clock, from the first round)."""
+    """Stop after ``seconds`` of training (monotonic clock, from the end of the first round:
+    the workers' start is not counted; scoring between epochs is)."""
 
     def __init__(self, seconds: float) -> None:
         if seconds <= 0:
             raise ValueError(f"seconds={seconds}; expected > 0")
         self.seconds = seconds
+        self.started: float | None = None
 
     def initialize(self) -> None:
-        self.started = time.monotonic()
+        self.started = None
 
     def terminate(self, iteration: int, loss: float) -> bool:
+        if self.started is None:
+            self.started = time.monotonic()
+            return False
         return time.monotonic() - self.started >= self.seconds
 
     def __repr__(self) -> str:

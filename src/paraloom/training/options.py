@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
@@ -167,6 +168,10 @@ class FaultTolerance:
         if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
             raise ValueError(f"spares={self.spares!r}; expected an int >= 0 (0: a recovery "
                              "starts its own workers)")
+        if self.spares > 1 and self.max_failures == 0:
+            warnings.warn(f"spares={self.spares} with max_failures=0: spares stand in for "
+                          "failed workers, and the first failure ends the fit; give "
+                          "max_failures= to use them", UserWarning, stacklevel=4)
 
 
 @dataclass(frozen=True)

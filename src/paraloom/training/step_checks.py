@@ -44,6 +44,11 @@ def require_loss(loss_fn: LossFn | None, step_fn: StepFn | None) -> None:
         raise TypeError(f"{name}={repr(wrong[0])[:60]} is not callable; expected a function or "
                         "module such as nn.CrossEntropyLoss() (loss_fn, or a list of them: one "
                         "per model output) or step_fn=(model, batch) -> loss")
+    classes = [f for f in losses if isinstance(f, type) and issubclass(f, torch.nn.Module)]
+    if classes:
+        name = "loss_fn" if loss_fn is not None else "step_fn"
+        raise TypeError(f"{name}={classes[0].__name__} is a class, not a loss: pass an instance, "
+                        f"{name}={classes[0].__name__}() (with its options, if any)")
 
 
 _CONVERSIONS = {torch.float32: ".float()", torch.float64: ".double()",

@@ -328,9 +328,10 @@ class ParallelWrapper:
 
     def _check_fit(self, epochs: int, initial_epoch: int) -> None:
         """Refuse fit()'s epochs, or a model with nothing to train, before workers start."""
-        if not isinstance(epochs, int) or epochs < 1:
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
-        if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
+        if not isinstance(initial_epoch, int) or isinstance(initial_epoch, bool) or \
+                not 0 <= initial_epoch < epochs:
             raise ValueError(f"initial_epoch={initial_epoch!r}; expected 0 <= initial_epoch < "
                              f"epochs={epochs}")
         if not any(p.requires_grad for p in self.model.parameters()):
@@ -361,6 +362,9 @@ class ParallelWrapper:
     def _start_position(self, resume_from: str | Path | None, initial_epoch: int) -> Start:
         if resume_from is None:
             return Start(epoch=initial_epoch)
+        if initial_epoch:
+            raise ValueError(f"initial_epoch={initial_epoch} with resume_from=: the checkpoint "
+                             "says where the run stands; give one or the other")
         ckpt = TrainingCheckpoint.load(resume_from)
         ckpt.check(self.fingerprint(), resume_from)
         self._iteration = ckpt.iteration

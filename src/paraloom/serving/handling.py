@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -77,8 +78,7 @@ def select_outputs(served: ServedModel, parsed: InferRequest, result: Any) -> li
     if unknown:
         raise ProtocolError(f"request asks for outputs {unknown} that the model does not have; "
                             f"its outputs are {list(named)}")
-    asked = [o.name for o in parsed.outputs]
-    twice = sorted({n for n in asked if asked.count(n) > 1})
+    twice = sorted(n for n, k in Counter(o.name for o in parsed.outputs).items() if k > 1)
     if twice:
         raise ProtocolError(f"request asks for outputs {twice} more than once; name each output "
                             "once")
@@ -149,8 +149,12 @@ async def _infer(repository: ModelRepository, name: str, version: str | None,
                             f"waited; version {version!r} is gone, send it again")
     if served.handler is not None:
         result = await anyio.to_thread.run_sync(served.handler.from_model, result)
-    outputs = write_regions(select_outputs(served, parsed, result), regions)
-    return InferAnswer(served.name, used, parsed.id, outputs)
+    if parsed.outputs is not None and any(o.classes for o in parsed.outputs):
+        # Classification formats a string per class kept, per row: off the event loop.
+        chosen = await anyio.to_thread.run_sync(select_outputs, served, parsed, result)
+    else:
+        chosen = select_outputs(served, parsed, result)
+    return InferAnswer(served.name, used, parsed.id, write_regions(chosen, regions))
 
 
 async def handle_infer(repository: ModelRepository, metrics: ServingMetrics, name: str,
@@ -166,6 +170,9 @@ async def handle_infer(repository: ModelRepository, metrics: ServingMetrics, nam
         answer = await _infer(repository, name, version, await decode(), regions)
     except ServingError as e:
         metrics.failure(label, e.reason)
+        raise
+    except anyio.get_cancelled_exc_class():  # the call was cancelled or its deadline passed
+        metrics.failure(label, "cancelled")
         raise
     except Exception as e:  # the model itself raised on every try: a server-side failure
         _log.exception("inference failed")

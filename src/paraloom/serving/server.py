@@ -8,6 +8,7 @@ import math
 import socket
 import sys
 import threading
+import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -120,9 +121,25 @@ class _Server(uvicorn.Server):
             self.startup_done.set()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Not ready, and new requests refused (503), on both transports at once; in-flight
+        gRPC calls, then HTTP requests, then the pools' queues finish, all within the one
+        graceful timeout (each had it whole, one after the other)."""
         self.stopping.set()
+        app = self.config.app
+        repository = repository_of(app) if isinstance(app, Starlette) else None
+        budget = self.config.timeout_graceful_shutdown
+        deadline = None if budget is None else time.monotonic() + budget
+        if repository is not None:
+            repository.draining = True
+            repository.close_deadline = deadline
+            for served in repository.every():  # admitted requests still run
+                served.draining = True
         if self.grpc is not None:  # in-flight gRPC calls finish before the pools drain
-            await self.grpc.stop(self.config.timeout_graceful_shutdown)
+            await self.grpc.stop(budget)
+        if deadline is not None:
+            # uvicorn waits with asyncio.timeout, which takes any seconds (typed as an int).
+            left = max(0.1, deadline - time.monotonic())
+            self.config.timeout_graceful_shutdown = left  # type: ignore[assignment]
         await super().shutdown(sockets=sockets)
 
 

@@ -162,6 +162,10 @@ def _check_one(spec: TensorSpec, given: RequestInput) -> Value:
         raise ProtocolError(f"input {spec.name!r} has datatype {given.datatype} but the model "
                             f"expects {spec.datatype}; send {spec.datatype} data{hint}")
     shape = given.shape
+    if spec.shape == (-1,) and len(shape) == 2 and shape[1] == 1 and shape[0] > 0:
+        # One value per row: the config says dims [1] with reshape [] (Triton's form), so a
+        # client that builds [rows] + dims sends [N, 1]; Triton reshapes it, and so does this.
+        return given.tensor.reshape(shape[0])
     fits = len(shape) == len(spec.shape) and all(
         want in (-1, got) for want, got in zip(spec.shape, shape, strict=True))
     if not fits:

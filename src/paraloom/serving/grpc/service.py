@@ -39,7 +39,7 @@ from paraloom.serving.grpc.messages import (
     RegionRequest,
     method_types,
 )
-from paraloom.serving.grpc.streaming import answer_stream
+from paraloom.serving.grpc.streaming import STREAM_IN_FLIGHT, answer_stream
 from paraloom.serving.handling import describe_server, handle_infer
 from paraloom.serving.metrics import ServingMetrics
 from paraloom.serving.model_config import model_config
@@ -123,7 +123,10 @@ class Service:
                          response: type[Message]) -> AsyncIterator[Message]:
         """The answers to a stream of requests, as they are ready (``grpc.streaming``)."""
         unary = method_types("ModelInfer")[1]
-        return answer_stream(lambda r: self.ModelInfer(r, unary), requests)
+        # Half the smallest pool queue at most: a lone stream never fills a queue by itself.
+        queues = [pool.queue_limit for pool in self.repository.pools().values()]
+        in_flight = min([STREAM_IN_FLIGHT, *(max(1, q // 2) for q in queues)])
+        return answer_stream(lambda r: self.ModelInfer(r, unary), requests, in_flight)
 
     def _regions(self) -> SharedMemoryRegistry:
         return registry_or_refuse(self.regions)

@@ -9,11 +9,12 @@ id; the stream goes on. A message that does not parse ends the stream (``INVALID
 it has no id to answer under), once the requests read before it are answered. Every answer
 carries ``triton_final_response: true``, as Triton's do for a model that answers each request
 once. At most ``STREAM_IN_FLIGHT`` requests of one
-stream are running or answered but not yet sent; past that the stream is not read until an
+stream (and at most half the smallest pool's ``queue_limit``, so that one stream never fills a
+queue by itself) are running or answered but not yet sent; past that the stream is not read until an
 answer has gone out (gRPC's flow control then holds the client). An answer is sent once the
 transport took it: on the uvicorn back end, zttp buffers what the client's flow-control window
 does not take yet. Requests beyond the model pool's ``queue_limit`` get its "queue is full"
-error like unary calls do: the bound leaves room in the default queue (256) for other clients.
+error like unary calls do (several streams, or a stream beside other clients, can fill one).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, TypedDict
@@ -65,6 +66,7 @@ class ModelRepository:
         self._entries: dict[str, _Entry] = {}
         self._lock: asyncio.Lock | None = None  # made on the event loop, at the first load
         self.draining = False
+        self.close_deadline: float | None = None
         self.close_timeout: float | None = None
         # Set in each process of ``--processes N``: API loads and unloads are refused with it.
         self.refuse_loads: str | None = None
@@ -293,9 +295,12 @@ class ModelRepository:
         await served.close(timeout=timeout)
 
     async def close(self) -> None:
-        """Stop taking requests; drain every pool the server owns."""
+        """Stop taking requests; drain every pool the server owns (until ``close_deadline``,
+        a ``time.monotonic()`` the server's shutdown set, if any)."""
         self.draining = True
         models = self.every()
         for served in models:
             served.draining = True
-        await asyncio.gather(*(s.close() for s in models))
+        left = None if self.close_deadline is None else \
+            max(0.0, self.close_deadline - time.monotonic())
+        await asyncio.gather(*(s.close(left) for s in models))

@@ -26,6 +26,22 @@ def test_binary_auc_from_one_logit_matches_sklearn_and_merges_like_one_pass():
     np.testing.assert_array_equal(merged.positive, whole.positive)
 
 
+@pytest.mark.parametrize("scale", [10.0, 20.0])
+def test_a_confident_models_auc_matches_sklearn(scale):
+    """Softmax of large logits rounds most probabilities to 0 or 1: bins equal in probability
+    counted them as ties, 0.012 (scale 10) and 0.036 (20) below the exact AUC."""
+    g = torch.Generator().manual_seed(2)
+    y = torch.randint(0, 3, (4000,), generator=g)
+    logits = scale * (torch.randn(4000, 3, generator=g)
+                      + 1.0 * torch.nn.functional.one_hot(y, 3))
+    roc = ROC(3)
+    roc.update(logits, y)
+    for c in range(3):
+        exact = roc_auc_score((y == c).numpy(), (logits[:, c] - torch.logsumexp(
+            logits[:, [k for k in range(3) if k != c]], 1)).numpy())
+        assert roc.metrics()["auc_per_class"][c] == pytest.approx(exact, abs=5e-4)
+
+
 def test_one_vs_rest_auc_per_class_and_macro_match_sklearn():
     g = torch.Generator().manual_seed(1)
     y = torch.randint(0, 4, (3000,), generator=g)

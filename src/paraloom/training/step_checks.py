@@ -14,7 +14,7 @@ from torch import nn
 from paraloom.data import describe, iter_tensors
 from paraloom.forward import LossFn
 
-__all__ = ["BatchError", "NonFiniteLossError", "StepFn", "batch_error", "checked_loss",
+__all__ = ["BatchError", "NonFiniteLossError", "StepFn", "batch_error", "check_fit", "checked_loss",
            "raise_if_dtype_differs", "require_loss"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -49,6 +49,24 @@ def require_loss(loss_fn: LossFn | None, step_fn: StepFn | None) -> None:
         name = "loss_fn" if loss_fn is not None else "step_fn"
         raise TypeError(f"{name}={classes[0].__name__} is a class, not a loss: pass an instance, "
                         f"{name}={classes[0].__name__}() (with its options, if any)")
+
+
+def check_fit(model: nn.Module, epochs: int, initial_epoch: int, resume_from: object) -> None:
+    """Refuse fit()'s epochs, an initial epoch beside a checkpoint, or a model with nothing to
+    train, before workers start (``ValueError`` naming the fix)."""
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
+    if not isinstance(initial_epoch, int) or isinstance(initial_epoch, bool) or \
+            not 0 <= initial_epoch < epochs:
+        raise ValueError(f"initial_epoch={initial_epoch!r}; expected 0 <= initial_epoch < "
+                         f"epochs={epochs}")
+    if initial_epoch and resume_from is not None:
+        raise ValueError(f"initial_epoch={initial_epoch} with resume_from=: the checkpoint "
+                         "says where the run stands; give one or the other")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no parameter with requires_grad=True: "
+                         "there is nothing to train; unfreeze the parameters to train "
+                         "(p.requires_grad_(True))")
 
 
 _CONVERSIONS = {torch.float32: ".float()", torch.float64: ".double()",

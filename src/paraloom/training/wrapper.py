@@ -48,6 +48,7 @@ from paraloom.training.recovery import RecoveringPool, Recovery
 from paraloom.training.replica import StepFn, require_loss
 from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
+from paraloom.training.step_checks import check_fit
 from paraloom.training.tracker import RoundSummary, RoundTracker
 
 if TYPE_CHECKING:
@@ -280,7 +281,7 @@ class ParallelWrapper:
         trained in the model, then raises ``FitInterrupted`` (a ``KeyboardInterrupt``); a
         second Ctrl-C aborts at once, leaving the model as it was before the fit.
         """
-        self._check_fit(epochs, initial_epoch)
+        check_fit(self.model, epochs, initial_epoch, resume_from)
         one_shot = isinstance(data, Iterator)  # iter(data) is data: one pass, then empty
         kind = type(data).__name__
         data = as_data_source(data, batch_size, shuffle)
@@ -326,19 +327,6 @@ class ParallelWrapper:
             raise FitInterrupted(tracker.iteration)
         return self.stats()
 
-    def _check_fit(self, epochs: int, initial_epoch: int) -> None:
-        """Refuse fit()'s epochs, or a model with nothing to train, before workers start."""
-        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-            raise ValueError(f"epochs={epochs!r}; expected an int >= 1")
-        if not isinstance(initial_epoch, int) or isinstance(initial_epoch, bool) or \
-                not 0 <= initial_epoch < epochs:
-            raise ValueError(f"initial_epoch={initial_epoch!r}; expected 0 <= initial_epoch < "
-                             f"epochs={epochs}")
-        if not any(p.requires_grad for p in self.model.parameters()):
-            raise ValueError(f"{type(self.model).__name__} has no parameter with "
-                             "requires_grad=True: there is nothing to train; unfreeze the "
-                             "parameters to train (p.requires_grad_(True))")
-
     def _failed(self, error: BaseException, tracker: RoundTracker) -> None:
         """A fit failed: the workers go (the next fit starts new ones); a worker's error
         names the batch it trained on, and the listeners hear of it."""
@@ -362,9 +350,6 @@ class ParallelWrapper:
     def _start_position(self, resume_from: str | Path | None, initial_epoch: int) -> Start:
         if resume_from is None:
             return Start(epoch=initial_epoch)
-        if initial_epoch:
-            raise ValueError(f"initial_epoch={initial_epoch} with resume_from=: the checkpoint "
-                             "says where the run stands; give one or the other")
         ckpt = TrainingCheckpoint.load(resume_from)
         ckpt.check(self.fingerprint(), resume_from)
         self._iteration = ckpt.iteration

@@ -140,3 +140,32 @@ def test_one_stream_never_fills_a_small_queue_by_itself() -> None:
     assert len(answers) == 600
     failed = [a for a in answers if not isinstance(a, tg.InferResult)]
     assert failed == []
+
+
+@pytest.mark.parametrize(("policy", "over_http", "over_grpc"), [
+    (None, {"latest": {"num_versions": 1}}, {"latest": {"num_versions": 1}}),
+    ({"all": {}}, {"all": {}}, {"all": {}}),
+    # protobuf's JSON mapping writes int64 as strings
+    ({"specific": {"versions": [1]}}, {"specific": {"versions": [1]}},
+     {"specific": {"versions": ["1"]}}),
+])
+def test_the_config_gives_the_version_policy(tmp_path, policy, over_http, over_grpc) -> None:
+    """Triton's config holds version_policy (tritonclient's get_model_config); ours had none."""
+    import json
+
+    import tritonclient.http as th
+
+    import paraloom
+    from paraloom.serving import create_repository_app
+
+    for version in (1, 2):
+        (tmp_path / "m" / str(version)).mkdir(parents=True)
+        paraloom.save(nn.Linear(4, 2), tmp_path / "m" / str(version) / "model.safetensors",
+                      kwargs={"in_features": 4, "out_features": 2})
+    if policy is not None:
+        (tmp_path / "m" / "config.json").write_text(json.dumps({"version_policy": policy}))
+    with ServerThread(create_repository_app(tmp_path), grpc_port=0) as server:
+        http = th.InferenceServerClient(server.url.removeprefix("http://"))
+        assert tg.InferenceServerClient(server.grpc_url).get_model_config(
+            "m", as_json=True)["config"]["version_policy"] == over_grpc
+        assert http.get_model_config("m")["version_policy"] == over_http

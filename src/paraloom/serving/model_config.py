@@ -3,7 +3,8 @@
 
 Clients written for Triton read it beside the metadata (Triton's image client takes
 ``max_batch_size`` and the input's ``dims`` from it), so it holds what paraloom knows in
-Triton's fields: ``name``, ``platform`` and ``backend``, ``max_batch_size`` (the config's, or
+Triton's fields: ``name``, ``platform`` and ``backend``, ``version_policy`` (the
+repository config's, else the latest version), ``max_batch_size`` (the config's, or
 for a model with a batch dimension and no limit, the pool's ``batch_limit``; 0 for a model
 without one, or whose declared shapes do not begin with the rows), ``input``/``output``
 (``data_type`` ``TYPE_...``, ``dims`` without the batch dimension; a tensor of one value per
@@ -45,7 +46,7 @@ def model_config(served: ServedModel) -> dict[str, Any]:
     gpu = any(d.type == "cuda" for d in pool.devices)
     config: dict[str, Any] = {
         "name": served.name, "platform": served.platform, "backend": "pytorch",
-        "max_batch_size": max_batch,
+        "version_policy": served.version_policy, "max_batch_size": max_batch,
         "input": [_tensor(s, batch_dim) for s in served.signature.inputs], "output": outputs,
         "instance_group": [{"count": pool.workers, "kind": "KIND_GPU" if gpu else "KIND_CPU"}]}
     if pool.inference_mode is InferenceMode.BATCHED:

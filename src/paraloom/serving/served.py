@@ -85,8 +85,12 @@ class ServedModel:
                  signature: ModelSignature, *, files: ModelFiles, owns_pool: bool,
                  retry_after: int = 1, first_version: int = 1, numbered: bool = False,
                  handler: Handler | None = None, batch_dim: bool = True,
-                 labels: dict[str, list[str]] | None = None) -> None:
+                 labels: dict[str, list[str]] | None = None,
+                 version_policy: dict[str, Any] | None = None) -> None:
         self.name = name
+        self.version_policy = version_policy or {"latest": {"num_versions": 1}}
+        """Triton's ``version_policy`` for ``/config``: the repository config's, else the
+        latest version."""
         self.handler = handler
         """The model's ``handler.py`` (then ``signature`` is the handler's), or None."""
         self.first_version = first_version  # the version the pool's first model is served as

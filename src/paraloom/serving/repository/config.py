@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from paraloom.serving.repository.triton import PBTXT, TORCHSCRIPT, read_pbtxt
 from paraloom.serving.served import PoolOptions
@@ -36,6 +36,15 @@ class VersionPolicy:
     kind: Literal["latest", "all", "specific"] = "latest"
     count: int = 1
     specific: tuple[int, ...] = ()
+
+    def as_triton(self) -> dict[str, Any]:
+        """Triton's ``version_policy`` in JSON: ``{"latest": {"num_versions": n}}``,
+        ``{"all": {}}`` or ``{"specific": {"versions": [...]}}``."""
+        if self.kind == "all":
+            return {"all": {}}
+        if self.kind == "specific":
+            return {"specific": {"versions": list(self.specific)}}
+        return {"latest": {"num_versions": self.count}}
 
     def select(self, available: list[int]) -> list[int]:
         """The versions to serve out of ``available`` (sorted ascending); may name missing ones."""

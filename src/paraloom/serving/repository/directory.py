@@ -292,7 +292,7 @@ class ModelsDir:
         return ServedModel(name, pool, model, signature, files=files, owns_pool=True,
                            retry_after=self.retry_after, first_version=version,
                            numbered=numbered, handler=handler, batch_dim=config.batched,
-                           labels=labels)
+                           labels=labels, version_policy=config.version_policy.as_triton())
 
     def _model(self, path: Path, config: ModelConfig) -> tuple[nn.Module, ModelSignature]:
         """The model in ``path`` (paraloom.save's .safetensors, or TorchScript) and its

@@ -169,3 +169,41 @@ def test_the_config_gives_the_version_policy(tmp_path, policy, over_http, over_g
         assert tg.InferenceServerClient(server.grpc_url).get_model_config(
             "m", as_json=True)["config"]["version_policy"] == over_grpc
         assert http.get_model_config("m")["version_policy"] == over_http
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:close\\(\\).*still running a batch")
+def test_requests_cut_off_by_the_graceful_timeout_get_the_protocols_unavailable() -> None:
+    """uvicorn answered them a bare 500 text/plain, and gRPC UNKNOWN."""
+    gate = Gate()
+    app = create_app(GatedLeNet(gate), name="lenet", workers=1, batch_limit=1,
+                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
+    server = ServerThread(app, grpc_port=0, graceful_timeout=1.0).start()
+    seen: dict[str, object] = {}
+
+    def over_http() -> None:
+        with httpx.Client(base_url=server.url, timeout=WAIT_S) as http:
+            answer = http.post("/v2/models/lenet/infer", json={"inputs": [_ROW]})
+            seen["http"] = (answer.status_code, answer.json()["error"])
+
+    def over_grpc() -> None:
+        try:
+            tg.InferenceServerClient(server.grpc_url).infer("lenet", [_grpc_input()])
+        except Exception as e:  # noqa: BLE001 - what the client raises is the answer
+            seen["grpc"] = (e.status(), e.message())  # type: ignore[attr-defined]
+
+    try:
+        gate.close()
+        calls = [threading.Thread(target=over_http), threading.Thread(target=over_grpc)]
+        for call in calls:
+            call.start()
+        assert gate.entered.wait(WAIT_S)
+        time.sleep(0.3)  # the second request is queued behind the one in the model
+        server.stop()
+        for call in calls:
+            call.join(WAIT_S)
+    finally:
+        gate.open()
+        server.stop()
+    assert seen["http"][0] == 503 and "graceful timeout ran out" in seen["http"][1]
+    assert seen["grpc"][0] == "StatusCode.UNAVAILABLE"

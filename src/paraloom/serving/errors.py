@@ -12,6 +12,7 @@ __all__ = [
     "ProtocolError",
     "ServingError",
     "UnavailableError",
+    "cut_off_by_shutdown",
     "short_repr",
 ]
 
@@ -87,6 +88,13 @@ class UnavailableError(ServingError):
                  ) -> None:
         super().__init__(message, retry_after=retry_after)
         self.reason = reason
+
+
+def cut_off_by_shutdown() -> UnavailableError:
+    """The error for a request still running when the server's graceful timeout ran out (the
+    server cancels it): 503 / ``UNAVAILABLE``, where uvicorn would answer a bare 500."""
+    return UnavailableError("the server shut down before this request was answered (its "
+                            "graceful timeout ran out); send it again", reason="shutting_down")
 
 
 class ModelFailedError(ServingError):

@@ -10,12 +10,14 @@ the app's handlers, which answer it in the protocol's form.
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from paraloom.serving.body import read_body
-from paraloom.serving.errors import ProtocolError
+from paraloom.serving.errors import ProtocolError, cut_off_by_shutdown
 from paraloom.serving.handling import InferAnswer, handle_infer
 from paraloom.serving.protocol import InferRequest, encode_infer_response, parse_infer_request
 from paraloom.serving.shared_memory_routes import regions_of
@@ -80,6 +82,12 @@ class InferEndpoint:
             return parse_infer_request(body, length, regions)
 
         # A ServingError goes on to the app's handler, which answers it in the protocol's form.
-        answer = await handle_infer(state.repository, state.metrics, params["name"],
-                                    params.get("version"), decode, regions)
+        try:
+            answer = await handle_infer(state.repository, state.metrics, params["name"],
+                                        params.get("version"), decode, regions)
+        except asyncio.CancelledError:
+            if not state.repository.draining:
+                raise  # the client went away: there is no one to answer
+            # The graceful timeout ran out with it running, and uvicorn cancelled it.
+            raise cut_off_by_shutdown() from None
         await _send_answer(answer, send)

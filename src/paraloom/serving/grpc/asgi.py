@@ -22,7 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from starlette.types import Receive, Scope, Send
 
-from paraloom.serving.errors import ServingError
+from paraloom.serving.errors import ServingError, cut_off_by_shutdown
 from paraloom.serving.grpc.messages import SERVICE, Message, method_types
 from paraloom.serving.grpc.service import (
     METHODS,
@@ -119,6 +119,11 @@ class GrpcAsgiApp:
             code, text = grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}"
         except asyncio.TimeoutError:
             code, text = grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed"
+        except asyncio.CancelledError:
+            if not self._service.repository.draining:
+                raise  # the client went away
+            cut_off = cut_off_by_shutdown()  # the graceful timeout ran out with it running
+            code, text = status_code(cut_off), cut_off.message
         await send({"type": "http.response.start", "status": 200, "headers": _HEADERS,
                     "trailers": True})
         await send({"type": "http.response.body", "body": answer})

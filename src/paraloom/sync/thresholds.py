@@ -131,10 +131,9 @@ class ThresholdAlgorithm:
 
 
 class FixedThreshold(ThresholdAlgorithm):
-    """Always the same tau: every message moves each residual element of magnitude
-    ``initial`` or more by one tau, whatever fraction of the elements that is (DL4J's
-    ``FixedThresholdAlgorithm``). ``initial`` (default 1e-3) must be > 0 and finite, else
-    ``ValueError``."""
+    """Always the same ``tau`` (required): every message moves each residual element of
+    magnitude ``tau`` or more by one tau, whatever fraction of the elements that is (DL4J's
+    ``FixedThresholdAlgorithm``). ``tau`` must be > 0 and finite, else ``ValueError``."""
 
     __slots__ = ()
 

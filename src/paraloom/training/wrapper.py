@@ -103,8 +103,8 @@ class ParallelWrapper:
     processes, started on the first ``fit()`` and kept until ``close()`` (or the end of a
     ``with`` block). Each round deals one batch to each worker; ``training_mode`` decides how
     the replicas stay consistent: ``"averaging"`` (the default), ``"shared_gradients"``,
-    ``"allreduce"``, a ``TrainingMode``, or a ``Synchronizer`` instance. ``sharing`` (a
-    ``SharingRecipe``) configures ``"shared_gradients"``, which it implies.
+    ``"allreduce"``, ``"diloco"``, a ``TrainingMode``, or a ``Synchronizer`` instance.
+    ``sharing`` (a ``SharingRecipe``) configures ``"shared_gradients"``, which it implies.
 
     The options come in groups: ``steps`` (``StepOptions``: ``lr_scheduler``, gradient
     clipping, ``accumulate``, ``compile``), ``faults`` (``FaultTolerance``: ``max_failures``,

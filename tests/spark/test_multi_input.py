@@ -121,3 +121,6 @@ def test_multi_output_evaluation_needs_an_output_index(spark, fitted):
         net.evaluate(test, inputs=("top", 3))
     with pytest.raises(ValueError, match=r"no column\(s\) \['nope'\]"):
         net.evaluate(test, inputs=("top", "nope"))
+    # Two losses and one label column: it failed in the workers ("target batch_size (0)").
+    with pytest.raises(ValueError, match=r"2 losses .* label='label' names one column"):
+        net.fit(test, inputs=INPUTS, label="label")

@@ -210,6 +210,11 @@ class SparkModel:
         ``training_stats()``.
         """
         columns = self._columns(data, features, label, inputs)
+        losses = self.loss_fn if isinstance(self.loss_fn, list | tuple) else ()
+        if len(losses) > 1 and isinstance(label, str):
+            raise ValueError(f"loss_fn holds {len(losses)} losses (one per output) but "
+                             f"label={label!r} names one column; give one per loss, e.g. "
+                             f"label=({label!r}, ...)")
         if is_dataframe(data) and not prebatched and self.master.takes_parquet(self.sc):
             files = parquet_files(data, columns.names())
             if files is not None:  # Parquet rows as they are: each task reads its share

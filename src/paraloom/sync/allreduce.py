@@ -144,6 +144,13 @@ class AllReduce(Synchronizer):
         ``powersgd`` hooks: torch's fp16 hook cannot add sparse half tensors, and
         ``powerSGD_hook`` views every gradient as a dense matrix."""
         super().check_model(model)
+        empty = [name for name, p in model.named_parameters() if p.requires_grad
+                 and p.numel() == 0]
+        if self.comm_hook == "powersgd" and empty:
+            raise ValueError(f"comm_hook='powersgd': parameter {empty[0]!r} has no elements, "
+                             "and torch's powerSGD_hook cannot view it as a matrix (it fails "
+                             "at the first compressed step); remove it, freeze it, or use "
+                             "comm_hook='fp16'")
         if self.comm_hook in ("fp16", "powersgd") and sparse_parameters(model):
             raise ValueError(f"comm_hook={self.comm_hook!r} does not take sparse gradients, "
                              "and the model has a sparse embedding (nn.Embedding(sparse=True)"

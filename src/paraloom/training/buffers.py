@@ -59,8 +59,9 @@ def _copy_into(model: nn.Module, own: Mapping[str, torch.Tensor],
             target = own.get(name)
             if target is None:
                 continue
-            if target.shape == value.shape and target.dtype == value.dtype:
-                target.copy_(value)
+            if target.shape == value.shape and (target.dtype == value.dtype or (
+                    target.is_floating_point() and value.is_floating_point())):
+                target.copy_(value)  # into the replica's dtype (bf16-true converted it)
             else:
                 owner, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(owner), attr, value.to(target.device).clone())

@@ -69,6 +69,12 @@ class OptimizerSpec:
                 raise TypeError(f"the optimizer factory returned {type(opt).__name__}; it must "
                                 "return a torch.optim.Optimizer")
             _refuse_closure_optimizer(type(opt))
+            own = {id(p) for p in model.parameters()}
+            if any(id(p) not in own for g in opt.param_groups for p in g["params"]):
+                raise ValueError("the optimizer factory built its optimizer on tensors that "
+                                 "are not the parameters it was given (each replica's own "
+                                 "copy): use them, lambda params: torch.optim.SGD(params, "
+                                 "lr=...), not model.parameters() of the model you wrap")
             return opt
         assert self.cls is not None
         params = list(model.parameters())

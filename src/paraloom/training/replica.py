@@ -181,6 +181,9 @@ class Replica:
         # before a resumed state replaces where it stands; training driven epoch by epoch
         # goes on with the schedule it stepped so far.
         if not (continue_schedule and self.scheduler is not None):
+            if self.lr_scheduler is not None:  # StepLR & co. step from the lr they find
+                for group in self.optimizer.param_groups:
+                    group["lr"] = group.get("initial_lr", group["lr"])
             self.scheduler = None if self.lr_scheduler is None else \
                 _build_scheduler(self.lr_scheduler, self.optimizer)
         if resume is not None:

@@ -1,0 +1,84 @@
+"""Schedules, buffers, optimizer factories and parameters the other tests' models do not have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from paraloom import ParallelWrapper
+
+
+def _batches(n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("schedule", [
+    lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=16),
+])
+def test_each_fit_starts_a_schedule_that_steps_from_the_current_lr_afresh(schedule):
+    """StepLR and CosineAnnealingLR step from the lr they find: the second fit started from the
+    first's end (0.025, then 0.00625 ... for StepLR)."""
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=1,
+                         training_mode="allreduce", lr_scheduler=schedule, progress=False) as w:
+        ends = []
+        for _ in range(3):
+            w.fit(_batches())
+            ends.append(opt.param_groups[0]["lr"])
+    assert ends[0] < 0.1 and ends == [ends[0]] * 3
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.register_buffer("scale", torch.ones(16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)) * self.scale)
+
+
+def test_bf16_true_keeps_a_non_persistent_buffer_in_bf16():
+    """The float32 copy sent from the parent replaced the replica's bf16 buffer, and the next
+    bf16 Linear failed on a float32 input."""
+    torch.manual_seed(0)
+    model = _Scaled()
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         precision="bf16-true") as w:
+        stats = w.fit(_batches())
+    assert stats["batches"] == 8 and model.scale.dtype == torch.float32
+
+
+def test_an_optimizer_factory_over_the_wrapped_models_parameters_is_refused():
+    """lambda p: SGD(model.parameters()) trained nothing, silently: the replica's parameters
+    are copies."""
+    model = nn.Linear(8, 3)
+    with pytest.raises(ValueError, match="not the parameters it was given"):
+        ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                        optimizer=lambda p: torch.optim.SGD(model.parameters(), lr=0.1)
+                        ).fit(_batches())
+
+
+class _Prompted(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(8, 3)
+        self.extra_tokens = nn.Parameter(torch.zeros(0, 16))  # prompt tuning with no tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.extra_tokens.sum()
+
+
+def test_powersgd_refuses_a_parameter_without_elements_before_workers_start():
+    """It trained through the warm-up and failed at the first compressed step (1,000 steps
+    in, by default)."""
+    model = _Prompted()
+    with pytest.raises(ValueError, match="'extra_tokens' has no elements"):
+        ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        training_mode="allreduce", comm_hook="powersgd").fit(_batches())

@@ -124,3 +124,5 @@ def test_multi_output_evaluation_needs_an_output_index(spark, fitted):
     # Two losses and one label column: it failed in the workers ("target batch_size (0)").
     with pytest.raises(ValueError, match=r"2 losses .* label='label' names one column"):
         net.fit(test, inputs=INPUTS, label="label")
+    with pytest.raises(ValueError, match=r"2 losses .* label='label' names one column"):
+        net.fit_paths("/no/such/path", inputs=INPUTS, label="label")

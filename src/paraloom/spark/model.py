@@ -209,12 +209,8 @@ class SparkModel:
         With ``collect_stats=True`` per-worker, per-phase timings are kept: see
         ``training_stats()``.
         """
+        self._check_labels(label)
         columns = self._columns(data, features, label, inputs)
-        losses = self.loss_fn if isinstance(self.loss_fn, list | tuple) else ()
-        if len(losses) > 1 and isinstance(label, str):
-            raise ValueError(f"loss_fn holds {len(losses)} losses (one per output) but "
-                             f"label={label!r} names one column; give one per loss, e.g. "
-                             f"label=({label!r}, ...)")
         if is_dataframe(data) and not prebatched and self.master.takes_parquet(self.sc):
             files = parquet_files(data, columns.names())
             if files is not None:  # Parquet rows as they are: each task reads its share
@@ -282,6 +278,7 @@ class SparkModel:
         if not paths or not all(isinstance(p, str) for p in paths):
             raise TypeError(f"path={path!r}; expected a Parquet file or directory path (or a "
                             f"list of them)")
+        self._check_labels(label)
         columns = self._columns(None, features, label, inputs)
         if prebatched or not self.master.takes_parquet(self.sc):  # fit()'s DataFrame path
             # A pre-batched row is a whole minibatch: its shape is checked where it is read.
@@ -331,6 +328,14 @@ class SparkModel:
         if data is None or is_dataframe(data):
             self.features.shapes_for(columns.features)
         return columns
+
+    def _check_labels(self, label: Label) -> None:
+        """Training needs a label per loss: refuse one column for several (on the driver)."""
+        losses = self.loss_fn if isinstance(self.loss_fn, list | tuple) else ()
+        if len(losses) > 1 and isinstance(label, str):
+            raise ValueError(f"loss_fn holds {len(losses)} losses (one per output) but "
+                             f"label={label!r} names one column; give one per loss, e.g. "
+                             f"label=({label!r}, ...)")
 
     def training_stats(self) -> TrainingStats | None:
         """Timings of the last ``fit(collect_stats=True)``; None if it did not collect them."""

@@ -130,10 +130,8 @@ class _Server(uvicorn.Server):
         budget = self.config.timeout_graceful_shutdown
         deadline = None if budget is None else time.monotonic() + budget
         if repository is not None:
-            repository.draining = True
+            repository.stop_taking_requests()
             repository.close_deadline = deadline
-            for served in repository.every():  # admitted requests still run
-                served.draining = True
         if self.grpc is not None:  # in-flight gRPC calls finish before the pools drain
             await self.grpc.stop(budget)
         if deadline is not None:
@@ -235,9 +233,8 @@ def close_owned_pools(app: Starlette) -> None:
     repository = repository_of(app)
     if repository is None:
         return
-    repository.draining = True
+    repository.stop_taking_requests()
     for served in repository.every():
-        served.draining = True
         if served.owns_pool:
             served.pool.close(drain=False, timeout=5.0)
 

@@ -38,15 +38,14 @@ def require_loss(loss_fn: LossFn | None, step_fn: StepFn | None) -> None:
         raise ValueError("give loss_fn= or step_fn=, not both: step_fn(model, batch) computes "
                          "the loss itself, so loss_fn would never be called")
     losses = list(loss_fn) if isinstance(loss_fn, list | tuple) else [loss_fn or step_fn]
+    name = "loss_fn" if loss_fn is not None else "step_fn"
     wrong = [f for f in losses if not callable(f)]
     if wrong:
-        name = "loss_fn" if loss_fn is not None else "step_fn"
         raise TypeError(f"{name}={repr(wrong[0])[:60]} is not callable; expected a function or "
                         "module such as nn.CrossEntropyLoss() (loss_fn, or a list of them: one "
                         "per model output) or step_fn=(model, batch) -> loss")
     classes = [f for f in losses if isinstance(f, type) and issubclass(f, torch.nn.Module)]
     if classes:
-        name = "loss_fn" if loss_fn is not None else "step_fn"
         raise TypeError(f"{name}={classes[0].__name__} is a class, not a loss: pass an instance, "
                         f"{name}={classes[0].__name__}() (with its options, if any)")
 

@@ -294,13 +294,17 @@ class ModelRepository:
         timeout = self.close_timeout if self.close_timeout is not None else _RETIRE_TIMEOUT
         await served.close(timeout=timeout)
 
+    def stop_taking_requests(self) -> None:
+        """Not ready, and every new request refused (503); those admitted still run."""
+        self.draining = True
+        for served in self.every():
+            served.draining = True
+
     async def close(self) -> None:
         """Stop taking requests; drain every pool the server owns (until ``close_deadline``,
         a ``time.monotonic()`` the server's shutdown set, if any)."""
-        self.draining = True
+        self.stop_taking_requests()
         models = self.every()
-        for served in models:
-            served.draining = True
         left = None if self.close_deadline is None else \
             max(0.0, self.close_deadline - time.monotonic())
         await asyncio.gather(*(s.close(left) for s in models))

@@ -182,7 +182,7 @@ class ReplicaTensors:
 
     def plus(self, flat: Tensor) -> dict[int, Tensor]:
         """Each parameter plus its part of ``flat`` (laid out as the residual), by ``id``."""
-        return {id(p): (p.detach() + part.to(p.dtype)).detach()
+        return {id(p): p.detach() + part.to(p.dtype)
                 for p, part in zip(self.params, views(flat, self.params), strict=True)}
 
     def apply_residual_(self, flat: Tensor) -> None:

@@ -79,7 +79,6 @@ def accumulate_update_(params: Sequence[Tensor], old: Sequence[Tensor], residual
         p_part.copy_(o_part)  # from here on only the decoded messages move the parameters
 
 
-
 def summed_residuals(residual: Tensor, group: Any, world_size: int) -> Tensor:
     """Every replica's ``residual`` (flat, each already scaled as messages are) summed, with
     one dense all-reduce: the updates the messages left unsent, as every replica would apply

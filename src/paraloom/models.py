@@ -41,6 +41,7 @@ class LeNet(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, num_classes]`` for images ``[N, in_channels, image_size, image_size]``."""
         logits: torch.Tensor = self.classifier(self.features(x))
         return logits
 
@@ -67,6 +68,7 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, num_classes]`` for inputs ``[N, ...]`` of ``in_features`` values a row."""
         logits: torch.Tensor = self.net(x)
         return logits
 

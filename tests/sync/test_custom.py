@@ -81,3 +81,33 @@ def test_the_docs_example_runs_in_one_process() -> None:
     sync.idle_step(ctx)
     sync.finish(ctx)
     assert sync.stats()["bytes_sent"] == 0 and sync.sync_steps == 4
+
+
+class _NoIdle(Synchronizer):
+    name = "no_idle"
+
+    def after_backward(self, ctx: StepContext) -> None:
+        pass
+
+
+class _WithIdle(_NoIdle):
+    def idle_step(self, ctx: StepContext) -> None:
+        pass
+
+
+def test_a_synchronizer_with_step_hooks_but_no_idle_step_is_warned_about_where_it_is_built():
+    """Without idle_step, a replica idle in a short last round hung its peers until
+    step_timeout (300 s by default), with nothing naming the cause."""
+    from paraloom import ParallelWrapper
+
+    model = nn.Linear(4, 2)
+    with pytest.warns(UserWarning, match="_NoIdle overrides after_backward but not idle_step") \
+            as caught:
+        ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), training_mode=_NoIdle(),
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2)
+    assert caught[0].filename == __file__  # points at the user's line
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), training_mode=_WithIdle(),
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2)

@@ -82,3 +82,43 @@ def test_powersgd_refuses_a_parameter_without_elements_before_workers_start():
         ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                         training_mode="allreduce", comm_hook="powersgd").fit(_batches())
+
+
+class _WithLock(nn.Module):
+    """A model holding a lock; ``drop_lock`` leaves it out of its pickled state."""
+
+    def __init__(self, drop_lock: bool = False) -> None:
+        super().__init__()
+        import threading
+        self.l = nn.Linear(8, 3)
+        self.lock = threading.Lock()
+        self.drop_lock = drop_lock
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        if self.drop_lock:
+            state.pop("lock", None)
+        return state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_model_holding_a_lock_is_refused_with_the_fix_and_the_fix_trains(workers):
+    """workers=1 copies the model too: it failed with copy's bare TypeError, and the message
+    for workers=2 advised workers=1."""
+    from paraloom import NotPicklableError
+
+    model = _WithLock()
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=workers, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        with pytest.raises(NotPicklableError, match="lock.*__getstate__") as e:
+            w.fit(_batches())
+    assert "workers=1 trains" not in str(e.value)
+    model = _WithLock(drop_lock=True)
+    before = model.l.weight.detach().clone()
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=workers, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        w.fit(_batches())
+    assert not torch.equal(model.l.weight, before)

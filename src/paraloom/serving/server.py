@@ -196,12 +196,19 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
     connections and waits up to ``graceful_timeout`` s for in-flight requests; then the pool drains.
     ``grpc_port`` (None: off; 0: a free port, printed) also serves the v2 gRPC endpoint on ``host``,
     with ``grpc_backend`` (see ``GRPC_BACKENDS``).
-    ``switch_interval`` sets ``sys.setswitchinterval`` for this process (None: leave it); see
-    ``_SWITCH_NOTE``. ``reuse_port`` shares the ports with sibling processes (``--processes``).
-    ``freeze_gc`` moves every object that exists once the server started out of the garbage
-    collector's reach (``gc.freeze``), so that full collections stay short; see ``_GC_NOTE``.
-    Large blocks are reused from the heap rather than mapped fresh for every request
-    (``reuse_heap_blocks``; see ``_MALLOC_NOTE``).
+
+    ``switch_interval`` (default 1 ms) sets ``sys.setswitchinterval`` for this process (None:
+    leave Python's 5 ms): the event loop must take the GIL back from the pool's threads on every
+    turn, and at 1 ms LeNet at 64 concurrent JSON requests served about 40% more requests/s.
+    ``reuse_port`` shares the ports with sibling processes (``--processes``). ``freeze_gc``
+    (default True) collects once after start and moves what exists out of the collector's reach
+    (``gc.freeze``), so that later full collections take under 10 ms rather than up to 0.44 s
+    with the GIL held. Large blocks (1 MiB bodies, shared-memory reads) are reused from the heap
+    rather than mapped fresh for every request (glibc only; the heap may keep up to 64 MiB more).
+    ``app_options`` are ``create_app``'s (``workers``, ``batch_limit``, ...).
+
+    Raises ``OSError`` when the port is taken (before any pool starts) and ``ValueError`` for a
+    ``switch_interval`` that is not a positive number of seconds.
     """
     if switch_interval is not None:
         if not math.isfinite(switch_interval) or switch_interval <= 0:

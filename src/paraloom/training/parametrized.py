@@ -20,6 +20,8 @@ import cloudpickle
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paraloom.errors import NotPicklableError
+
 __all__ = ["ModulePickler", "by_value", "private_copy", "reduce_parametrized"]
 
 
@@ -72,11 +74,18 @@ def by_value(obj: object) -> bytes:
 
 
 def private_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model``; through pickle where ``copy.deepcopy`` refuses a tensor that
+    """A deep copy of ``model`` (``NotPicklableError`` if it holds what cannot be copied);
+    through pickle where ``copy.deepcopy`` refuses a tensor that
     is not a graph leaf (the hook-based ``torch.nn.utils.weight_norm`` keeps its weight so),
     as a model sent to worker processes travels anyway."""
     try:
         return copy.deepcopy(model)
+    except TypeError as e:  # copy and pickle refuse locks, open files, generators, ...
+        raise NotPicklableError(
+            f"cannot copy the model for a replica: {e}. Every replica trains its own copy, "
+            "with workers=1 too (the model you pass keeps its start weights until fit() "
+            "returns): keep open files, locks, threads and generators out of the model, or "
+            "create them lazily and leave them out in __getstate__") from e
     except RuntimeError as e:
         if "deepcopy" not in str(e):
             raise

@@ -79,8 +79,8 @@ class WorkerSpec:
 
 
 _PROCESS_HINT = ("Define it at module level, keep open files, locks, threads and generators "
-                 "out of it, and guard your script with `if __name__ == \"__main__\":`; "
-                 "workers=1 trains without pickling")
+                 "out of it (or leave them out in __getstate__), and guard your script with "
+                 "`if __name__ == \"__main__\":`")
 
 
 def pickle_spec(spec: WorkerSpec, *, destination: str = "the worker processes",

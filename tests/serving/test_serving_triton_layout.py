@@ -216,3 +216,70 @@ def test_parallel_inference_runs_a_torchscript_module() -> None:
     with ParallelInference(script, workers=2) as pool:
         torch.testing.assert_close(pool.output(x), torch.from_numpy(_expected(model, x.numpy())),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_version_without_a_usable_file_is_unavailable_alone(repository) -> None:
+    """A version folder with its model.pt missing or pickled made the whole model UNAVAILABLE
+    (and named model.safetensors); Triton serves the versions that load."""
+    root, versions = repository
+    _write_torchscript(_digits(2), root / "digits" / "3" / "model.pt")
+    (root / "digits" / "2" / "model.pt").unlink()
+    (root / "digits" / "4").mkdir()
+    torch.save({"weights": torch.zeros(2)}, root / "digits" / "4" / "model.pt")  # a pickle
+    app = create_repository_app(root, allow_torchscript=True)
+    try:
+        rows = {row["version"]: row for row in app.state.repository.index()}
+        assert {v: r["state"] for v, r in rows.items()} == {
+            "1": "READY", "2": "UNAVAILABLE", "3": "READY", "4": "UNAVAILABLE"}
+        assert "no digits/2/model.safetensors or model.pt" in rows["2"]["reason"]
+        assert "not TorchScript" in rows["4"]["reason"]
+        with ServerThread(app) as s:
+            http = th.InferenceServerClient(s.url.removeprefix("http://"))
+            x = np.random.default_rng(0).random((2, 1, 8, 8), dtype=np.float32)
+            sent = th.InferInput("INPUT__0", [2, 1, 8, 8], "FP32")
+            sent.set_data_from_numpy(x)
+            got = http.infer("digits", [sent], model_version="1").as_numpy("OUTPUT__0")
+            np.testing.assert_allclose(got, _expected(versions[1], x), rtol=1e-5, atol=1e-6)
+            latest = http.infer("digits", [sent]).as_numpy("OUTPUT__0")  # the latest served
+            np.testing.assert_allclose(latest, _expected(_digits(2), x), rtol=1e-5, atol=1e-6)
+            with pytest.raises(InferenceServerException, match="4/model.pt in the model"):
+                _load_with_path(s.url, "digits")  # the hint names the next version's file
+    finally:
+        for served in app.state.repository.every():
+            served.pool.close(drain=False)
+
+
+def _load_with_path(url: str, name: str) -> None:
+    import urllib.error
+    import urllib.request
+    request = urllib.request.Request(f"{url}/v2/repository/models/{name}/load", method="POST",
+                                     data=json.dumps({"parameters": {"path": "x.pt"}}).encode())
+    try:
+        urllib.request.urlopen(request, timeout=30)
+    except urllib.error.HTTPError as e:
+        raise InferenceServerException(json.loads(e.read())["error"]) from e
+
+
+def test_every_version_unusable_gives_each_reason(repository) -> None:
+    root, _ = repository
+    for version in (1, 2):
+        (root / "digits" / str(version) / "model.pt").unlink()
+    (root / "digits" / "2" / "model.pt").write_bytes(b"not a zip")
+    reason = _reasons(root, allow_torchscript=True)["digits"]
+    assert "version 1: no digits/1/model.safetensors" in reason
+    assert "version 2: digits/2/model.pt is not TorchScript" in reason
+
+
+@pytest.mark.parametrize(("groups", "workers"), [
+    ("[{ count: 1 kind: KIND_CPU }, { kind: KIND_CPU }]", 2),
+    ("[{ kind: KIND_CPU }]", 1),
+    ("[{ count: 2 }, { count: 3 }]", 5),
+])
+def test_an_instance_group_without_a_count_is_one_instance_as_in_triton(tmp_path: Path, groups,
+                                                                        workers) -> None:
+    from paraloom.serving.repository.triton import read_pbtxt
+
+    path = tmp_path / "config.pbtxt"
+    path.write_text(PBTXT.replace("instance_group [ { count: 2 kind: KIND_CPU } ]",
+                                  f"instance_group {groups}"))
+    assert read_pbtxt(path, "digits")["workers"] == workers

@@ -86,8 +86,10 @@ class ServedModel:
                  retry_after: int = 1, first_version: int = 1, numbered: bool = False,
                  handler: Handler | None = None, batch_dim: bool = True,
                  labels: dict[str, list[str]] | None = None,
-                 version_policy: dict[str, Any] | None = None) -> None:
+                 version_policy: dict[str, Any] | None = None,
+                 weights_file: str = "model.safetensors") -> None:
         self.name = name
+        self.weights_file = weights_file  # a numbered version folder's file (model.pt, ...)
         self.version_policy = version_policy or {"latest": {"num_versions": 1}}
         """Triton's ``version_policy`` for ``/config``: the repository config's, else the
         latest version."""
@@ -249,7 +251,7 @@ class ServedModel:
             raise ProtocolError(
                 f"model {self.name!r} serves numbered versions {versions}, each its folder's "
                 f"weights, so a path cannot swap them: add the new weights as the next "
-                f"numbered folder ({int(self.version) + 1}/model.safetensors in the model's "
+                f"numbered folder ({int(self.version) + 1}/{self.weights_file} in the model's "
                 f"folder) and load {self.name!r} without a path")
         path = self.files.resolve(parameters)
         if self.model is None:

@@ -87,6 +87,8 @@ class Found:
     older: tuple[tuple[int, Path], ...] = ()
     numbered: bool = False
     """Whether the versions are numbered folders (``DIR/cnn/3/``)."""
+    refused: tuple[tuple[int, str], ...] = ()
+    """Versions the policy picks whose folder has no usable file: (version, why)."""
 
     @property
     def versions(self) -> list[int]:
@@ -162,16 +164,20 @@ class ModelsDir:
             return Found(config.name if config else folder.name, None,
                          error=f"versions {missing} are not in {folder.name}/ (found "
                          f"{sorted(folders)})")
-        older = []
-        for v in wanted[:-1]:
-            entry = self._found(folder.name, folders[v] / _WEIGHTS, config_path,
-                                folder=folders[v], version=v)
-            if entry.path is None:
-                return entry
-            older.append((v, entry.path))
-        latest = self._found(folder.name, folders[wanted[-1]] / _WEIGHTS, config_path,
-                             folder=folders[wanted[-1]], version=wanted[-1])
-        return replace(latest, older=tuple(older), numbered=True)
+        # Each version stands alone, as in Triton: one without a usable file is UNAVAILABLE
+        # with its reason, and the others serve.
+        entries = [self._found(folder.name, folders[v] / _WEIGHTS, config_path,
+                               folder=folders[v], version=v) for v in wanted]
+        usable = [e for e in entries if e.path is not None]
+        refused = tuple((v, e.error) for v, e in zip(wanted, entries, strict=True)
+                        if e.path is None)
+        if not usable:
+            reasons = {error for _, error in refused}
+            error = reasons.pop() if len(reasons) == 1 else "no version loads: " + "; ".join(
+                f"version {v}: {error}" for v, error in refused)
+            return Found(entries[-1].name, None, error=error)
+        older = tuple((e.version, e.path) for e in usable[:-1] if e.path is not None)
+        return replace(usable[-1], older=older, numbered=True, refused=refused)
 
     def _found(self, stem: str, weights: Path, config_path: Path, *, folder: Path | None,
                version: int = 1) -> Found:
@@ -188,9 +194,12 @@ class ModelsDir:
                     return Found(name, None, error=refused)
                 weights = script
         if not weights.is_file():
-            pickles = [p.name for p in weights.parent.glob("*") if p.suffix in _PICKLES]
+            script_name = (config.model_filename if config else TORCHSCRIPT)
+            also = f" or {script_name} (TorchScript)" if folder is not None else ""
+            pickles = [p.name for p in weights.parent.glob("*") if p.suffix in _PICKLES
+                       and p.name != script_name]
             hint = f" ({pickles} are pickle-based: refused)" if pickles else ""
-            return Found(name, None, error=f"no {weights.relative_to(self.root)}{hint}")
+            return Found(name, None, error=f"no {weights.relative_to(self.root)}{also}{hint}")
         if not self._inside(weights):
             return Found(name, None, error=f"{weights.name} resolves outside the models "
                          "directory: refused")
@@ -252,7 +261,7 @@ class ModelsDir:
                                                              for v, p in found.older]
         wanted.append((found.version, found.path, found.folder, found.numbered))
         built: list[ServedModel] = []
-        failed: dict[str, str] = {}
+        failed: dict[str, str] = {str(v): error for v, error in found.refused}
         try:
             for version, path, folder, numbered in wanted:
                 try:
@@ -292,7 +301,8 @@ class ModelsDir:
         return ServedModel(name, pool, model, signature, files=files, owns_pool=True,
                            retry_after=self.retry_after, first_version=version,
                            numbered=numbered, handler=handler, batch_dim=config.batched,
-                           labels=labels, version_policy=config.version_policy.as_triton())
+                           labels=labels, version_policy=config.version_policy.as_triton(),
+                           weights_file=path.name)
 
     def _model(self, path: Path, config: ModelConfig) -> tuple[nn.Module, ModelSignature]:
         """The model in ``path`` (paraloom.save's .safetensors, or TorchScript) and its

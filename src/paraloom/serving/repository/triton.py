@@ -155,7 +155,9 @@ def read_pbtxt(path: Path, default_name: str) -> dict[str, Any]:
     options: dict[str, Any] = ({"batch_limit": message.max_batch_size,
                                 "max_batch_size": message.max_batch_size} if batched
                                else {"mode": "inplace"})  # no batch dimension: never merged
-    workers = sum(group.count for group in message.instance_group)
+    if any(group.count < 0 for group in message.instance_group):
+        raise ValueError(f"{path.name}: an instance_group count is negative")
+    workers = sum(max(1, group.count) for group in message.instance_group)  # Triton's default 1
     if workers:
         options["workers"] = workers
     if message.HasField("dynamic_batching"):

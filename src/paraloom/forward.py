@@ -30,8 +30,14 @@ def forward(model: nn.Module, inputs: Any) -> Any:
 
 
 def compute_loss(loss_fn: LossFn, outputs: Any, targets: Any) -> torch.Tensor:
-    """``loss_fn(outputs, targets)``; a sequence of losses is applied per output and summed."""
+    """``loss_fn(outputs, targets)``; a sequence of losses is applied per output and summed
+    (a dict of outputs in its order, against the targets in the same order: a tuple, or a
+    dict's values)."""
     if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module):
+        if isinstance(outputs, Mapping):
+            outputs = tuple(outputs.values())
+            if isinstance(targets, Mapping):
+                targets = tuple(targets.values())
         if not isinstance(outputs, (tuple, list)) or len(outputs) != len(loss_fn):
             raise ValueError(f"{len(loss_fn)} loss functions were given but the model returned "
                              f"{describe(outputs)}; give one loss per output")

@@ -251,3 +251,23 @@ class Normed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.r = nn.Linear(4, 2), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"cls": self.c(x), "reg": self.r(x)}
+
+
+class Tagger(nn.Module):
+    """Per position scores: (rows, positions, classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x).reshape(len(x), 2, 3)

@@ -127,6 +127,14 @@ def _lists_with_colons(text: str) -> str:
     return _LIST_FIELD.sub(lambda m: f"{m.group(1)}: [" if m.group(1) else m.group(0), text)
 
 
+def _instances(message: Any, where: str) -> int:
+    """How many instances the config's ``instance_group`` asks for (0: no group); a group
+    without ``count`` is one, as in Triton."""
+    if any(group.count < 0 for group in message.instance_group):
+        raise ValueError(f"{where}: an instance_group count is negative")
+    return sum(max(1, group.count) for group in message.instance_group)
+
+
 def read_pbtxt(path: Path, default_name: str) -> dict[str, Any]:
     """``path``'s Triton config as the JSON object a ``config.json`` would hold, plus
     ``"model_filename"``; ``ValueError`` naming the problem (a model that is not PyTorch's, a
@@ -155,9 +163,7 @@ def read_pbtxt(path: Path, default_name: str) -> dict[str, Any]:
     options: dict[str, Any] = ({"batch_limit": message.max_batch_size,
                                 "max_batch_size": message.max_batch_size} if batched
                                else {"mode": "inplace"})  # no batch dimension: never merged
-    if any(group.count < 0 for group in message.instance_group):
-        raise ValueError(f"{path.name}: an instance_group count is negative")
-    workers = sum(max(1, group.count) for group in message.instance_group)  # Triton's default 1
+    workers = _instances(message, path.name)
     if workers:
         options["workers"] = workers
     if message.HasField("dynamic_batching"):

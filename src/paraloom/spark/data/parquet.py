@@ -114,7 +114,10 @@ def _list(path: str) -> list[str]:
     fs, inner = _filesystem(path)
     info = fs.get_file_info(inner)
     if info.type == pafs.FileType.NotFound:
-        raise ValueError(f"Parquet path {path!r} does not exist")
+        glob = any(c in path for c in "*?[{")
+        raise ValueError(f"Parquet path {path!r} does not exist" + (
+            "; fit_paths takes files and folders, not globs: pass the folder, or "
+            "fit(spark.read.parquet(...)), which Spark reads glob and all" if glob else ""))
     if info.type == pafs.FileType.File:
         return [path]
     prefix = path[:len(path) - len(inner)] if "://" in path else ""
@@ -157,8 +160,12 @@ def _check_schema(path: str, schema: pa.Schema, names: Sequence[str],
                   first: tuple[str, pa.Schema] | None) -> None:
     for name in names:
         if schema.get_field_index(name) < 0:
+            hive = f"/{name}=" in path  # a partition column lives in the folder names
             raise ValueError(f"column {name!r} is not in {path}; it has "
-                             f"{schema.names}")
+                             f"{schema.names}" + (
+                                 f". {name!r} is a partition column (the folders' "
+                                 f"{name}=... names), which fit_paths does not read: use "
+                                 "fit(spark.read.parquet(...)), which adds it" if hive else ""))
         kind = schema.field(name).type
         _check_type(kind, name, path)
         if first is not None and first[1].field(name).type != kind:

@@ -128,25 +128,50 @@ def pick_output(out: Any, targets: Tensors,
             return out, targets[output] if isinstance(targets, tuple) else targets
         raise ValueError(f"output={output!r} but the model returned one output; leave output "
                          f"unset")
-    try:
-        chosen = out[output]  # a name for a dict, an index otherwise
-    except (IndexError, KeyError, TypeError):
-        raise ValueError(f"output={output!r} but the model returned {len(out)} outputs") from None
-    if isinstance(targets, (tuple, dict)):
-        return chosen, _pick(targets, output)
+    position = _position(out, output)
+    if position is None:
+        names = list(out) if isinstance(out, dict) else list(range(len(out)))
+        raise ValueError(f"output={output!r} but the model returned {len(out)} outputs "
+                         f"({names}); give one of those")
+    chosen = list(out.values())[position] if isinstance(out, dict) else out[position]
+    if isinstance(targets, dict):
+        return chosen, _pick(targets, output, position)
+    if isinstance(targets, tuple):  # the label columns, in the outputs' order
+        return chosen, targets[position]
     return chosen, targets
 
 
-def _pick(targets: tuple[torch.Tensor, ...] | dict[str, torch.Tensor],
-          output: int | str) -> torch.Tensor:
-    """``targets[output]``, failing as indexing does when ``output`` does not fit them."""
-    if isinstance(targets, dict):
-        if isinstance(output, str):
-            return targets[output]
-        raise KeyError(output)
-    if isinstance(output, int):
+def _position(out: Any, output: int | str | None) -> int | None:
+    """Where output ``output`` (a dict's key, or an index, a dict's too) is among the model's
+    outputs; None if it is not one of them, or the model returned one."""
+    if not isinstance(out, (tuple, list, dict)) or output is None:
+        return None
+    if isinstance(output, str):
+        return list(out).index(output) if isinstance(out, dict) and output in out else None
+    if isinstance(output, bool) or not -len(out) <= output < len(out):
+        return None
+    return output % len(out)  # an index: a dict's in its order
+
+
+def _pick(targets: dict[str, torch.Tensor], output: int | str, position: int) -> torch.Tensor:
+    """The target of output ``output`` (at ``position`` among the outputs): by its name, else
+    at the same position."""
+    if isinstance(output, str) and output in targets:
         return targets[output]
-    raise TypeError(f"tuple indices must be integers or slices, not {type(output).__name__}")
+    return list(targets.values())[position]
+
+
+def _loss(loss_fn: LossFn | None, out: Any, targets: Tensors, chosen: Any, target: Any,
+          output: int | str | None) -> Callable[[], torch.Tensor] | None:
+    """The batch's loss: the model's (``compute_loss``), or, for one loss per output with a
+    single label column, the evaluated output's own loss against it."""
+    if loss_fn is None:
+        return None
+    position = _position(out, output)
+    if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module) \
+            and position is not None and not isinstance(targets, (tuple, dict)):
+        return functools.partial(loss_fn[position], chosen, target)
+    return functools.partial(compute_loss, loss_fn, out, targets)
 
 
 def _chunks(rows: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -177,8 +202,8 @@ def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: 
         chosen, target = pick_output(out, targets, output)
         if state is None:
             state = new_state(chosen)
-        update_with_loss(state, chosen, target, num_rows(y), None if loss_fn is None
-                         else functools.partial(compute_loss, loss_fn, out, targets))
+        update_with_loss(state, chosen, target, num_rows(y),
+                         _loss(loss_fn, out, targets, chosen, target, output))
     yield state
 
 
@@ -238,11 +263,18 @@ def _per_row(out: torch.Tensor, argmax: bool,
             # one score per row: class 1 above the threshold (0 for a logit, 0.5 for a
             # probability), as evaluate counts it (an argmax over one column is always 0)
             return (out.reshape(-1) > threshold).long().tolist()
-        if out.dim() < 2:
+        if out.dim() != 2:
             raise ValueError(f"argmax=True needs outputs of shape (rows, classes); the model "
-                             f"returned shape {tuple(out.shape)}. Leave argmax unset")
+                             f"returned shape {tuple(out.shape)}. Leave argmax unset and take "
+                             "the argmax of each row's output yourself (it comes flattened)")
         return out.argmax(dim=1).tolist()
-    return list(out.reshape(len(out), -1).cpu().numpy())
+    return list(_numpy(out.reshape(len(out), -1)))
+
+
+def _numpy(out: torch.Tensor) -> np.ndarray:
+    """``out`` as numpy on the CPU; bfloat16, which numpy lacks, as float32."""
+    out = out.detach().cpu()
+    return (out.float() if out.dtype == torch.bfloat16 else out).numpy()
 
 
 def _several(out: Any) -> list[torch.Tensor] | None:
@@ -258,7 +290,7 @@ def _whole(out: torch.Tensor, argmax: bool, threshold: float = 0.0) -> np.ndarra
     """A pre-batched element's outputs: class indices (n,), or the rows (n, ...) as numpy."""
     if argmax:
         return np.asarray(_per_row(out, argmax, threshold), dtype=np.int64)
-    return out.detach().cpu().numpy()
+    return _numpy(out)
 
 
 def predict_rdd(rdd: RDD[object], shipment: Shipment, *, batch_size: int = 256,
@@ -316,7 +348,8 @@ def _arrow_output(out: torch.Tensor, argmax: bool, dtype: str,
     if argmax:
         return pa.array(np.asarray(_per_row(out, argmax, threshold), dtype=np.int64),
                         pa.int64())
-    flat = out.detach().reshape(len(out), -1).cpu().numpy().astype(dtype, copy=False)
+    flat = _numpy(out.reshape(len(out), -1)).astype(
+        "float64" if dtype == "float64" else "float32", copy=False)  # the column's type
     width = flat.shape[1]
     offsets = np.arange(0, (len(flat) + 1) * width, width, dtype=np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.reshape(-1)))
@@ -368,6 +401,8 @@ def _output_columns(out: Any, outputs: tuple[str, ...] | None,
 
     parts = _several(out)
     if outputs is None:
+        if parts is not None and len(parts) == 1:  # a model that returns (logits,)
+            return column(parts[0], 0)
         if parts is not None:
             raise ValueError(f"the model returned {len(parts)} outputs; give predict() "
                              f"output=(name, ...) with one column name per output")
@@ -445,7 +480,7 @@ def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: FieldSpec,
     cols = arrow_columns(df, names)
     outputs = _output_names(output)
     _check_new_columns(df, outputs)
-    several = outputs if not isinstance(output, str) else None
+    several = outputs if len(outputs) > 1 else None  # one name: one column, tuple or not
     return_type, empty = _result_types(shipment.features.dtype == "float64", argmax, prebatched,
                                        several)
     # A struct return type is allowed (documented), though pyspark's overloads omit it.

@@ -203,7 +203,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
             raise ValueError(
                 f"{path} is a paraloom training checkpoint, not a saved model: resume with "
                 "fit(..., resume_from=path), or take its weights with model.load_state_dict("
-                "paraloom.TrainingCheckpoint.load(path).replicas[0]['model'])")
+                "paraloom.TrainingCheckpoint.load(path).model_state())")
         raise ValueError(f"{path} has no paraloom header: it was not written by paraloom.save; "
                          "load its weights with safetensors.torch.load_file into your own model")
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -123,7 +124,10 @@ class CheckpointListener(TrainingListener):
     """Write exact-resume checkpoints every N iterations and/or epochs, keeping the last K.
 
     Files are ``{directory}/{prefix}-epoch{E}-iter{I}.safetensors``, written atomically;
-    ``fit(..., resume_from=directory)`` continues from the newest.
+    ``fit(..., resume_from=directory)`` continues from the newest written. ``keep_last``
+    counts the directory's earlier checkpoints too (a resumed run's, an earlier fit's), so
+    crash after crash the directory holds at most ``keep_last``; checkpoints of higher
+    iterations already there (another run's) are kept, with a warning.
     """
 
     def __init__(self, directory: str | Path, *, every_n_iterations: int | None = None,
@@ -137,18 +141,45 @@ class CheckpointListener(TrainingListener):
             raise ValueError("give every_n_iterations= and/or every_n_epochs=")
         self.prefix = prefix
         self.written: list[Path] = []
+        self._adopted = False  # whether this fit looked at the directory's earlier files
 
     def wants_checkpoint(self, iteration: int, epoch: int, epoch_end: bool) -> bool:
         by_iteration = self.every_n_iterations and (iteration + 1) % self.every_n_iterations == 0
         by_epoch = epoch_end and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0
         return bool(by_iteration or by_epoch)
 
+    def on_fit_start(self, wrapper: ParallelWrapper) -> None:
+        self._adopted = False  # the directory is looked at again at the fit's first checkpoint
+
     def on_checkpoint(self, checkpoint: TrainingCheckpoint) -> None:
         name = f"{self.prefix}-epoch{checkpoint.epoch}-iter{checkpoint.iteration}.safetensors"
+        if not self._adopted:
+            self._adopt(checkpoint.iteration)
         started = time.perf_counter()
         path = checkpoint.save(self.directory / name)
+        if path in self.written:
+            self.written.remove(path)
         self.written.append(path)
         log.debug("checkpoint %s written in %.3f s", path, time.perf_counter() - started)
         for old in self.written[:-self.keep_last]:
             old.unlink(missing_ok=True)
         self.written = self.written[-self.keep_last:]
+
+    def _adopt(self, iteration: int) -> None:
+        """Count the directory's earlier checkpoints (a resumed run's, an earlier fit's) in
+        ``keep_last``, and warn about later ones: another run's, which a resume could pick."""
+        from paraloom.training.resume import iteration_of
+
+        self._adopted = True
+        found = sorted(self.directory.glob(f"{self.prefix}-epoch*-iter*.safetensors"),
+                       key=iteration_of)
+        earlier = [p for p in found if 0 <= iteration_of(p) < iteration]
+        self.written = [*earlier, *(p for p in self.written if p not in earlier)]
+        later = [p.name for p in found if iteration_of(p) >= iteration]
+        if later:
+            warnings.warn(f"CheckpointListener: {str(self.directory)!r} already holds "
+                          f"checkpoints past this one (iteration {iteration}): {later[-3:]}, "
+                          "from another run or a later point of this one. resume_from=directory "
+                          "takes the newest written, this run's from now on; give each run its "
+                          "own directory", UserWarning,
+                          stacklevel=2)

@@ -377,3 +377,70 @@ def test_shared_gradients_resume_before_a_short_last_round_is_exact(tmp_path):
         tmp_path, every_n_iterations=6, every_n_epochs=None, keep_last=10)])
     assert _small_run("shared_gradients", data, epochs=2,
                       resume=tmp_path / "checkpoint-epoch0-iter6.safetensors") == reference
+
+
+def _quick_fit(directory, epochs, resume_from=None, lr=0.05, batch_size=64, keep_last=2,
+               every=5):
+    torch.manual_seed(0)
+    model = MLP(in_features=64, hidden=[16])
+    loader = DataLoader(digits("train"), batch_size=batch_size)
+    listener = CheckpointListener(directory, every_n_iterations=every, every_n_epochs=None,
+                                  keep_last=keep_last)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                         listeners=[listener]) as w:
+        w.fit(loader, epochs=epochs, resume_from=resume_from)
+    return model
+
+
+def test_keep_last_holds_across_resumed_runs(tmp_path):
+    """Each resumed run's listener pruned only its own files: 2, then 4, then 6 at keep_last=2."""
+    _quick_fit(tmp_path, 1)
+    for epochs in (2, 3):
+        _quick_fit(tmp_path, epochs, resume_from=tmp_path)
+        assert len(list(tmp_path.glob("*.safetensors"))) == 2, epochs
+
+
+def test_resume_from_a_reused_directory_takes_the_newest_written_not_the_highest_iteration(
+        tmp_path):
+    """An old run's files (higher iterations) were taken over the fresh run's own."""
+    from paraloom.training.resume import latest_checkpoint
+
+    _quick_fit(tmp_path, 3, lr=0.01)  # an old run: up to iteration 60
+    old = {p.name for p in tmp_path.glob("*.safetensors")}
+    with pytest.warns(UserWarning, match="already holds checkpoints past this one"):
+        _quick_fit(tmp_path, 1, lr=0.05)  # a fresh run in the same directory
+    newest = latest_checkpoint(tmp_path)
+    assert newest is not None and newest.name not in old
+    assert TrainingCheckpoint.load(tmp_path).iteration == 20  # the fresh run's last
+    assert old <= {p.name for p in tmp_path.glob("*.safetensors")}  # another run's: kept
+
+
+def test_resume_with_other_data_is_refused_naming_the_batches_per_epoch(tmp_path):
+    """Another batch size moved the position: the rest of the epoch was skipped silently."""
+    _quick_fit(tmp_path, 1, every=10)
+    with pytest.raises(ValueError, match="batches_per_epoch: checkpoint has 23, this run has 12"):
+        _quick_fit(tmp_path, 2, resume_from=tmp_path, batch_size=128)
+
+
+@pytest.mark.parametrize("mode", ["averaging", "allreduce"])
+def test_a_checkpoints_model_state_is_the_model_fit_returns(tmp_path, mode):
+    """replicas[0]['model'], which the docs advised, is one replica's weights: in averaging
+    0.013 away from the model after the final averaging."""
+    torch.manual_seed(0)
+    model = MLP(in_features=64, hidden=[16])
+    loader = DataLoader(digits("train"), batch_size=64)
+    options = {"averaging_frequency": 5} if mode == "averaging" else {}  # 12 rounds
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         training_mode=mode, listeners=[CheckpointListener(tmp_path)],
+                         **options) as w:
+        w.fit(loader, epochs=1)
+    checkpoint = TrainingCheckpoint.load(tmp_path)
+    state = checkpoint.model_state()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, atol=1e-6, rtol=1e-5)
+    if mode == "averaging":  # one replica's weights are not the model
+        spread = max((checkpoint.replicas[0]["model"][k] - v).abs().max().item()
+                     for k, v in model.state_dict().items())
+        assert spread > 1e-4

@@ -23,7 +23,7 @@ from paraloom.training.messages import CheckpointReply, CheckpointRequest, Repli
 from paraloom.training.packing import unpack_tensors
 from paraloom.training.pool import Pool
 
-__all__ = ["TrainingCheckpoint", "CheckpointCollector", "latest_checkpoint"]
+__all__ = ["TrainingCheckpoint", "CheckpointCollector", "iteration_of", "latest_checkpoint"]
 
 _FORMAT = 1
 
@@ -93,6 +93,24 @@ class TrainingCheckpoint:
     replicas: list[ReplicaState | None]
     """Per rank, ``Replica.full_state()``: all of them in a saved or loaded checkpoint."""
 
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's weights at this point, a ``state_dict`` for ``load_state_dict``: each
+        floating tensor averaged over the replicas, the others (BatchNorm's
+        ``num_batches_tracked``) replica 0's.
+
+        With ``allreduce`` that is every replica's model; with ``averaging`` what the next
+        averaging gives (between averagings each replica holds its own weights, so one
+        replica's are not the model); with ``shared_gradients`` the shared parameters, without
+        the updates the replicas had not sent yet (which the model ``fit()`` returns adds);
+        with DiLoCo the mean of the replicas' inner weights, not the next outer step.
+        """
+        states = [r["model"] for r in self.replicas if r is not None]
+        if not states:
+            raise ValueError("this checkpoint holds no replica state")
+        return {key: torch.stack([s[key] for s in states]).mean(0).to(value.dtype)
+                if value.is_floating_point() else value.clone()
+                for key, value in states[0].items()}
+
     def save(self, path: str | Path) -> Path:
         """Write atomically (temporary file + rename): a crash leaves the old file intact."""
         tensors: dict[str, torch.Tensor] = {}
@@ -159,14 +177,16 @@ class TrainingCheckpoint:
             shown = "; ".join(d if len(d) < 300 else d[:300] + "..." for d in diffs)
             raise ValueError(
                 f"{path} was written for another model or configuration ({shown}). Resume with "
-                "the same model, optimizer class and param groups, workers, training mode and "
-                "precision, or train without resume_from (to change any of them, start from "
+                "the same model, optimizer class and param groups, workers, training mode, "
+                "precision and data (its batches per epoch: the same dataset and batch size), "
+                "or train without resume_from (to change any of them, start from "
                 "the checkpoint's weights: model.load_state_dict(paraloom.TrainingCheckpoint"
-                f".load({str(path)!r}).replicas[0]['model']))")
+                f".load({str(path)!r}).model_state()))")
 
 
-_COMPARED_WHEN_KNOWN = frozenset({"optimizer", "optimizer_param_groups"})
-"""Fingerprint keys that older checkpoints (or a run whose optimizer is a factory) lack."""
+_COMPARED_WHEN_KNOWN = frozenset({"optimizer", "optimizer_param_groups", "batches_per_epoch"})
+"""Fingerprint keys that older checkpoints (or a run whose optimizer is a factory, or data
+without a length) lack."""
 _ABSENT_MEANS = {"accumulate": 1}  # a fingerprint leaves a key out at its default
 
 
@@ -250,12 +270,23 @@ class CheckpointCollector:
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The checkpoint with the highest iteration in ``directory`` (as CheckpointListener names)."""
-    files = sorted(Path(directory).glob("*-iter*.safetensors"), key=_iteration_of)
+    """The newest checkpoint in ``directory`` (as CheckpointListener names them): the last
+    written, then the highest iteration among files written at the same time. A directory
+    reused by a fresh run still holds the old run's files, of higher iterations."""
+    files = sorted(Path(directory).glob("*-iter*.safetensors"),
+                   key=lambda p: (_written_at(p), iteration_of(p)))
     return files[-1] if files else None
 
 
-def _iteration_of(path: Path) -> int:
+def _written_at(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:  # removed meanwhile (another run's keep_last)
+        return -1
+
+
+def iteration_of(path: Path) -> int:
+    """The iteration in a CheckpointListener's file name; -1 for another name."""
     try:
         return int(path.stem.rsplit("-iter", 1)[1])
     except (IndexError, ValueError):

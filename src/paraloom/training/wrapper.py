@@ -157,6 +157,7 @@ class ParallelWrapper:
         self._pool_layout = self._layout()
         """``_layout()`` when the pool started: a change restarts the workers."""
         self._iteration = 0
+        self._epoch_batches: int | None = None  # the current fit's data, when it has a length
         self._run: FitRun | None = None
         """The running fit(), or the last one (its tracker answers ``recoveries``)."""
         self._stats: FitStats | None = None
@@ -285,6 +286,7 @@ class ParallelWrapper:
         one_shot = isinstance(data, Iterator)  # iter(data) is data: one pass, then empty
         kind = type(data).__name__
         data = as_data_source(data, batch_size, shuffle)
+        self._epoch_batches = total_batches(data, 1)
         start = self._start_position(resume_from, initial_epoch)
         _warn_if_trained(start.epoch + start.epoch_done(total_batches(data, 1)), epochs)
         if one_shot:
@@ -364,6 +366,8 @@ class ParallelWrapper:
             "synchronizer": self.synchronizer.config(), "precision": self.precision}
         if self.steps.accumulate > 1:  # absent at 1: older checkpoints still match
             fingerprint["accumulate"] = self.steps.accumulate
+        if self._epoch_batches is not None:  # a position in an epoch of other data is another
+            fingerprint["batches_per_epoch"] = self._epoch_batches
         spec = self._spec.optimizer
         if spec.cls is not None:  # a factory's optimizer is known only once it is built
             fingerprint["optimizer"] = spec.cls.__qualname__

@@ -4,6 +4,7 @@ the barrier task under a fake context, the averaging task, metrics and the stats
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -429,3 +430,18 @@ def test_root_cause_keeps_the_python_errors_own_lines_not_the_jvms() -> None:
     assert root_cause(text).splitlines() == [
         "paraloom.training.step_checks.BatchError: ValueError: bad batch",
         "(on a batch with inputs float32 (1, 8))", "A minibatch of one row: drop it"]
+
+
+def test_rdd_values_of_decimals_train_as_numbers_and_nulls_or_text_are_named():
+    """df.rdd of a decimal column gives Decimal objects: torch failed on numpy's object array
+    ("can't convert np.ndarray of type numpy.object_"), naming neither the cause nor the fix."""
+    from decimal import Decimal
+
+    from paraloom.spark.data.rows import to_array
+
+    got = to_array([Decimal("1.5"), Decimal("2")])
+    assert got.dtype == np.float64 and got.tolist() == [1.5, 2.0]
+    assert to_array(Decimal("3")).tolist() == 3.0
+    for bad, kinds in (([1.0, None], "['NoneType', 'float']"), (["a", "b"], "['str_']")):
+        with pytest.raises(TypeError, match=re.escape(kinds) + ".*cast or fill the column"):
+            to_array(bad)

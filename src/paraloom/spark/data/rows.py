@@ -9,6 +9,7 @@ numbers, lists, numpy arrays, tensors and Spark ML vectors.
 
 from __future__ import annotations
 
+import decimal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard, cast
@@ -43,7 +44,16 @@ def to_array(value: object) -> np.ndarray:
     to_numpy = getattr(value, "toArray", None)  # pyspark.ml.linalg DenseVector / SparseVector
     if to_numpy is not None:
         return np.asarray(to_numpy())
-    return np.asarray(value)
+    array = np.asarray(value)
+    if array.dtype.kind in "OUS":  # Decimal (a decimal column's df.rdd), str, None, ragged
+        flat = array.reshape(-1)
+        if array.dtype == object and all(isinstance(v, decimal.Decimal) for v in flat):
+            return array.astype(np.float64)
+        kinds = sorted({type(v).__name__ for v in flat[:100]})
+        raise TypeError(f"a value holds {kinds} where numbers are expected (null, text, or "
+                        "arrays of unequal lengths); cast or fill the column first "
+                        "(F.col(c).cast('double'), df.na.drop()), or map the rows to numbers")
+    return array
 
 
 def _is_scalar(value: object) -> bool:

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from paraloom import ParallelWrapper, TrainingCheckpoint, WorkerError
 
 __all__ = ["TrainingListener", "ScoreListener", "PerformanceListener", "CheckpointListener",
-           "as_listener"]
+           "ValidationListener", "as_listener"]
 
 log = logging.getLogger("paraloom")
 
@@ -183,3 +185,52 @@ class CheckpointListener(TrainingListener):
                           "takes the newest written, this run's from now on; give each run its "
                           "own directory", UserWarning,
                           stacklevel=2)
+
+
+class ValidationListener(TrainingListener):
+    """Score the weights of every ``every_n_epochs``-th epoch's end during one ``fit()``
+    (Lightning's validation loop): ``score(model)`` gets a copy of your model holding them
+    (``TrainingCheckpoint.model_state()``: the replicas' mean), so it may run it freely.
+
+    ``scores`` maps each scored epoch to its score, also logged. Your own model keeps the
+    start weights until ``fit()`` returns, so a listener that scores it sees those. Each
+    score pulls every replica's state, as a checkpoint does, and runs in this process
+    while the workers train on.
+    """
+
+    def __init__(self, score: Callable[[nn.Module], float], *, every_n_epochs: int = 1,
+                 logger: logging.Logger | None = None) -> None:
+        if not callable(score):
+            raise TypeError(f"score={score!r}; expected a function of the model, e.g. "
+                            "lambda m: paraloom.evaluate(m, val_loader).accuracy")
+        self.score = score
+        self.every_n_epochs = _positive("every_n_epochs", every_n_epochs) or 1
+        self.logger = logger or log
+        self.scores: dict[int, float] = {}
+        self._model: nn.Module | None = None
+        self._copy: nn.Module | None = None
+        self._epochs: dict[int, int] = {}  # by checkpoint iteration: the epoch it ends
+
+    def on_fit_start(self, wrapper: ParallelWrapper) -> None:
+        self._model = wrapper.model
+
+    def wants_checkpoint(self, iteration: int, epoch: int, epoch_end: bool) -> bool:
+        wanted = epoch_end and (epoch + 1) % self.every_n_epochs == 0
+        if wanted:
+            self._epochs[iteration + 1] = epoch  # a checkpoint counts the rounds done
+        return wanted
+
+    def on_checkpoint(self, checkpoint: TrainingCheckpoint) -> None:
+        import copy
+
+        import torch
+
+        if self._model is None:
+            return
+        if self._copy is None:
+            self._copy = copy.deepcopy(self._model)
+        self._copy.load_state_dict(checkpoint.model_state())
+        epoch = self._epochs.pop(checkpoint.iteration, checkpoint.epoch)
+        with torch.no_grad():
+            self.scores[epoch] = float(self.score(self._copy.eval()))
+        self.logger.info("epoch %d: validation score %.6f", epoch, self.scores[epoch])

@@ -146,3 +146,30 @@ def test_a_loss_error_on_a_self_casting_model_is_not_taken_for_a_dtype_error() -
     message = str(caught.value)
     assert "on a batch with inputs" in message and "the inputs are float64" not in message
     assert not isinstance(caught.value, WorkerError) or "size" in message
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "averaging"])
+def test_a_validation_listener_scores_each_epochs_weights_within_one_fit(mode):
+    """A listener scoring your model in on_epoch_end scores the start weights (your model gets
+    the replicas' only when fit() returns); ValidationListener scores each epoch's."""
+    from torch.utils.data import DataLoader
+
+    from paraloom.datasets import digits
+    from paraloom.evaluation import evaluate
+    from paraloom.listeners import ValidationListener
+
+    torch.manual_seed(0)
+    model = MLP(in_features=64, hidden=[32])
+    start = evaluate(model, DataLoader(digits("test"), batch_size=512)).accuracy
+    val = DataLoader(digits("test"), batch_size=512)
+    listener = ValidationListener(lambda m: evaluate(m, val).accuracy, every_n_epochs=1)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                         training_mode=mode, listeners=[listener],
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.2)) as w:
+        w.fit(DataLoader(digits("train"), batch_size=32, shuffle=True), epochs=3)
+    scores = listener.scores
+    assert sorted(scores) == [0, 1, 2]
+    assert start < scores[0] < scores[2]  # each epoch's weights, learning
+    assert scores[2] == pytest.approx(evaluate(model, val).accuracy, abs=2e-3)  # fit's result
+    with pytest.raises(TypeError, match="expected a function of the model"):
+        ValidationListener(0.5)  # type: ignore[arg-type]

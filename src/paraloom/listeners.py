@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from paraloom import ParallelWrapper, TrainingCheckpoint, WorkerError
 
 __all__ = ["TrainingListener", "ScoreListener", "PerformanceListener", "CheckpointListener",
-           "ValidationListener", "as_listener"]
+           "ValidationListener", "as_listener", "iteration_of"]
 
 log = logging.getLogger("paraloom")
 
@@ -73,6 +73,14 @@ def as_listener(obj: object) -> TrainingListener:
         return _CallableListener(obj)
     raise TypeError(f"a listener must be a TrainingListener or a callable (iteration, epoch, "
                     f"loss); got {type(obj).__name__}")
+
+
+def iteration_of(path: Path) -> int:
+    """The iteration in a CheckpointListener's file name; -1 for another name."""
+    try:
+        return int(path.stem.rsplit("-iter", 1)[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def _positive(name: str, value: int | None) -> int | None:
@@ -170,8 +178,6 @@ class CheckpointListener(TrainingListener):
     def _adopt(self, iteration: int) -> None:
         """Count the directory's earlier checkpoints (a resumed run's, an earlier fit's) in
         ``keep_last``, and warn about later ones: another run's, which a resume could pick."""
-        from paraloom.training.resume import iteration_of
-
         self._adopted = True
         found = sorted(self.directory.glob(f"{self.prefix}-epoch*-iter*.safetensors"),
                        key=iteration_of)

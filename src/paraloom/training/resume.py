@@ -18,12 +18,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from paraloom.checkpoint import TRAINING_HEADER_KEY, atomic_write, check_safetensors
-from paraloom.listeners import TrainingListener
+from paraloom.listeners import TrainingListener, iteration_of
 from paraloom.training.messages import CheckpointReply, CheckpointRequest, ReplicaState
 from paraloom.training.packing import unpack_tensors
 from paraloom.training.pool import Pool
 
-__all__ = ["TrainingCheckpoint", "CheckpointCollector", "iteration_of", "latest_checkpoint"]
+__all__ = ["TrainingCheckpoint", "CheckpointCollector", "latest_checkpoint"]
 
 _FORMAT = 1
 
@@ -282,12 +282,4 @@ def _written_at(path: Path) -> int:
     try:
         return path.stat().st_mtime_ns
     except OSError:  # removed meanwhile (another run's keep_last)
-        return -1
-
-
-def iteration_of(path: Path) -> int:
-    """The iteration in a CheckpointListener's file name; -1 for another name."""
-    try:
-        return int(path.stem.rsplit("-iter", 1)[1])
-    except (IndexError, ValueError):
         return -1

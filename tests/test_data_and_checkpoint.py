@@ -294,3 +294,49 @@ def test_a_checkpoint_with_a_corrupt_header_is_named_and_paraloom_load_points_to
     with pytest.raises(ValueError, match=r"training checkpoint, not a saved model: resume with "
                                          r"fit\(\.\.\., resume_from=path\)"):
         paraloom.load(path)
+
+
+def test_save_and_load_expand_a_home_path_and_name_a_folder_given_for_a_file(tmp_path,
+                                                                            monkeypatch):
+    """'~/x' made a folder named '~' in the working folder; a folder gave a raw rename
+    error naming a temporary file."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    paraloom.save(MLP(in_features=4, hidden=[3], num_classes=2), "~/m.safetensors")
+    assert (tmp_path / "home" / "m.safetensors").is_file() and not (tmp_path / "~").exists()
+    assert isinstance(paraloom.load("~/m.safetensors"), MLP)
+    with pytest.raises(IsADirectoryError, match="is a folder; give a file name inside it"):
+        paraloom.save(MLP(in_features=4, hidden=[3], num_classes=2), tmp_path)
+
+
+def test_load_takes_indexed_cpu_and_meta_devices_and_refuses_a_factory_that_is_no_model(
+        tmp_path):
+    """'cpu:0' and 'meta' reported a good file as corrupt; a factory returning None failed with
+    "'NoneType' object has no attribute 'state_dict'"."""
+    path = tmp_path / "m.safetensors"
+    model = MLP(in_features=4, hidden=[3], num_classes=2)
+    paraloom.save(model, path)
+    for device in ("cpu:0", torch.device("cpu", 0), "meta"):
+        loaded = paraloom.load(path, map_location=device)
+        assert next(loaded.parameters()).device.type == torch.device(device).type
+    torch.testing.assert_close(paraloom.load(path, map_location="cpu:0").state_dict(),
+                               model.state_dict())
+    with pytest.raises(TypeError, match="factory='<lambda>' returned NoneType, not an nn.Module"):
+        paraloom.load(path, factory=lambda: None)
+
+
+def test_a_loss_calculator_given_a_string_says_it_is_not_callable():
+    from paraloom.early_stopping import LossCalculator
+
+    with pytest.raises(TypeError, match="loss_fn='cross_entropy' is not callable"):
+        LossCalculator([], "cross_entropy")  # type: ignore[arg-type]
+
+
+def test_digits_with_a_data_dir_is_refused_and_idx_paths_expand_home(tmp_path, monkeypatch):
+    from paraloom.datasets import load_dataset, read_idx
+
+    with pytest.raises(ValueError, match="--data-dir.*is for the mnist data set"):
+        load_dataset("digits", "train", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "x.idx").write_bytes(bytes([0, 0, 0x08, 1, 0, 0, 0, 3, 7, 8, 9]))
+    assert np.array_equal(read_idx("~/x.idx"), np.array([7, 8, 9], dtype=np.uint8))

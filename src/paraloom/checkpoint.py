@@ -112,7 +112,10 @@ def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | Non
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)`` then rename onto ``path``: a crash never leaves half a file."""
-    path = Path(path)
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(f"{str(path)!r} is a folder; give a file name inside it, e.g. "
+                                f"{str(path / 'model.safetensors')!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -267,6 +270,16 @@ def _check_device(device: str | torch.device) -> None:
 
 
 def _build(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> nn.Module:
+    model = _built(spec, factory)
+    if not isinstance(model, nn.Module):
+        what = f"factory={getattr(factory, '__name__', factory)!r}" if factory is not None \
+            else f"the file's model {spec.get('name') or spec.get('class')!r}"
+        raise TypeError(f"{what} returned {type(model).__name__}, not an nn.Module; pass a "
+                        "function that builds and returns the model")
+    return model
+
+
+def _built(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> object:
     kwargs = spec.get("kwargs", {})
     if factory is not None:
         return _call_factory(factory, kwargs)
@@ -340,14 +353,16 @@ def _imported_class(path: str) -> type[nn.Module]:
 def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
          map_location: str | torch.device = "cpu") -> nn.Module:
     """Rebuild a model written by ``save`` and load its weights (safetensors: no pickle)."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model file {str(path)!r} does not exist")
     if path.is_dir():
         raise ValueError(f"{path} is a folder; give the model's file (a .safetensors written "
                          "by paraloom.save)")
     _check_device(map_location)
-    spec, state = read_consistently(path, map_location)
+    device = torch.device(map_location)
+    # safetensors reads to "cpu" or an accelerator by name, not "cpu:0" or "meta"
+    spec, state = read_consistently(path, "cpu" if device.type in ("cpu", "meta") else device)
     model = _build(spec, factory)
     mismatched = {k: (tuple(v.shape), tuple(state[k].shape)) for k, v
                   in model.state_dict().items() if k in state and not is_lazy(v)

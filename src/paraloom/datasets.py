@@ -47,7 +47,7 @@ _IDX_DTYPES: dict[int, np.dtype] = {
 
 def read_idx(path: str | Path) -> np.ndarray:
     """Read an IDX file (the MNIST format), gzip-compressed or raw, into a numpy array."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"IDX file {str(path)!r} does not exist")
     if not path.is_file():
@@ -82,7 +82,7 @@ def mnist(root: str | Path, split: str = "train") -> TensorDataset:
     if split not in ("train", "test"):
         raise ValueError(f"split={split!r}; expected 'train' or 'test'")
     prefix = "train" if split == "train" else "t10k"
-    root = Path(root)
+    root = Path(root).expanduser()
 
     def find(stem: str) -> Path:
         for name in (stem, stem + ".gz", stem.replace("-idx", ".idx"),
@@ -110,6 +110,10 @@ def mnist(root: str | Path, split: str = "train") -> TensorDataset:
 def load_dataset(name: str, split: str, data_dir: str | Path | None = None) -> TensorDataset:
     """A data set by name, as the command line names them: "digits", or "mnist" with data_dir."""
     if name == "digits":
+        if data_dir:
+            raise ValueError(f"data_dir={str(data_dir)!r} (--data-dir) is for the mnist data "
+                             "set, and digits ships with scikit-learn: add --dataset mnist, "
+                             "or leave --data-dir out")
         return digits(split)
     if name == "mnist":
         if not data_dir:

@@ -31,13 +31,17 @@ def forward(model: nn.Module, inputs: Any) -> Any:
 
 def compute_loss(loss_fn: LossFn, outputs: Any, targets: Any) -> torch.Tensor:
     """``loss_fn(outputs, targets)``; a sequence of losses is applied per output and summed
-    (a dict of outputs in its order, against the targets in the same order: a tuple, or a
-    dict's values)."""
+    (a dict of outputs in its order, against a tuple of targets in the same order, or a dict
+    of targets under the same keys)."""
     if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module):
         if isinstance(outputs, Mapping):
+            if isinstance(targets, Mapping):  # paired by key, not by order
+                if set(targets) != set(outputs):
+                    raise ValueError(f"the model's outputs {sorted(outputs)} and the targets "
+                                     f"{sorted(targets)} have other keys; give one target "
+                                     "per output, under its key")
+                targets = tuple(targets[k] for k in outputs)
             outputs = tuple(outputs.values())
-            if isinstance(targets, Mapping):
-                targets = tuple(targets.values())
         if not isinstance(outputs, (tuple, list)) or len(outputs) != len(loss_fn):
             raise ValueError(f"{len(loss_fn)} loss functions were given but the model returned "
                              f"{describe(outputs)}; give one loss per output")

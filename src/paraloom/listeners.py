@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from paraloom import ParallelWrapper, TrainingCheckpoint, WorkerError
 
 __all__ = ["TrainingListener", "ScoreListener", "PerformanceListener", "CheckpointListener",
-           "ValidationListener", "as_listener", "iteration_of"]
+           "ValidationListener", "as_listener", "iteration_of", "run_of"]
 
 log = logging.getLogger("paraloom")
 
@@ -83,6 +83,23 @@ def iteration_of(path: Path) -> int:
         return -1
 
 
+def run_of(path: Path) -> str | None:
+    """The run a checkpoint file belongs to ("" if written before runs had ids, None if it
+    cannot be read), from its header alone."""
+    import json
+
+    from safetensors import safe_open
+
+    from paraloom.checkpoint import TRAINING_HEADER_KEY
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = json.loads((f.metadata() or {})[TRAINING_HEADER_KEY])
+        return str(header.get("run", "")) if isinstance(header, dict) else None
+    except Exception:  # safetensors' own error type: unreadable, or not a checkpoint
+        return None
+
+
 def _positive(name: str, value: int | None) -> int | None:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"{name}={value!r}; expected an int >= 1 or None")
@@ -135,9 +152,10 @@ class CheckpointListener(TrainingListener):
 
     Files are ``{directory}/{prefix}-epoch{E}-iter{I}.safetensors``, written atomically;
     ``fit(..., resume_from=directory)`` continues from the newest written. ``keep_last``
-    counts the directory's earlier checkpoints too (a resumed run's, an earlier fit's), so
-    crash after crash the directory holds at most ``keep_last``; checkpoints of higher
-    iterations already there (another run's) are kept, with a warning.
+    counts this run's earlier checkpoints in the directory too (written before a resume, or
+    by an earlier fit), so crash after crash it holds at most ``keep_last`` of them; another
+    run's are kept, with a warning when their iterations are higher. Two CheckpointListeners
+    of one wrapper need their own ``prefix`` or directory (``ValueError`` otherwise).
     """
 
     def __init__(self, directory: str | Path, *, every_n_iterations: int | None = None,
@@ -160,11 +178,18 @@ class CheckpointListener(TrainingListener):
 
     def on_fit_start(self, wrapper: ParallelWrapper) -> None:
         self._adopted = False  # the directory is looked at again at the fit's first checkpoint
+        mine = (self.directory.expanduser().resolve(), self.prefix)
+        for other in wrapper.listeners:
+            if other is not self and isinstance(other, CheckpointListener) and \
+                    (other.directory.expanduser().resolve(), other.prefix) == mine:
+                raise ValueError(f"two CheckpointListeners write {str(self.directory)!r} with "
+                                 f"prefix={self.prefix!r}: each one's keep_last would remove "
+                                 "the other's files; give each its own prefix= or directory")
 
     def on_checkpoint(self, checkpoint: TrainingCheckpoint) -> None:
         name = f"{self.prefix}-epoch{checkpoint.epoch}-iter{checkpoint.iteration}.safetensors"
         if not self._adopted:
-            self._adopt(checkpoint.iteration)
+            self._adopt(checkpoint.iteration, checkpoint.run)
         started = time.perf_counter()
         path = checkpoint.save(self.directory / name)
         if path in self.written:
@@ -175,13 +200,13 @@ class CheckpointListener(TrainingListener):
             old.unlink(missing_ok=True)
         self.written = self.written[-self.keep_last:]
 
-    def _adopt(self, iteration: int) -> None:
-        """Count the directory's earlier checkpoints (a resumed run's, an earlier fit's) in
-        ``keep_last``, and warn about later ones: another run's, which a resume could pick."""
+    def _adopt(self, iteration: int, run: str) -> None:
+        """Count this run's earlier checkpoints in the directory (before a resume, an earlier
+        fit) in ``keep_last``, and warn about files of later iterations (another run's)."""
         self._adopted = True
         found = sorted(self.directory.glob(f"{self.prefix}-epoch*-iter*.safetensors"),
                        key=iteration_of)
-        earlier = [p for p in found if 0 <= iteration_of(p) < iteration]
+        earlier = [p for p in found if 0 <= iteration_of(p) < iteration and run_of(p) == run]
         self.written = [*earlier, *(p for p in self.written if p not in earlier)]
         later = [p.name for p in found if iteration_of(p) >= iteration]
         if later:
@@ -218,7 +243,8 @@ class ValidationListener(TrainingListener):
         self._epochs: dict[int, int] = {}  # by checkpoint iteration: the epoch it ends
 
     def on_fit_start(self, wrapper: ParallelWrapper) -> None:
-        self._model = wrapper.model
+        if wrapper.model is not self._model:  # another wrapper's model: copy it afresh
+            self._model, self._copy = wrapper.model, None
 
     def wants_checkpoint(self, iteration: int, epoch: int, epoch_end: bool) -> bool:
         wanted = epoch_end and (epoch + 1) % self.every_n_epochs == 0

@@ -439,6 +439,7 @@ def test_rdd_values_of_decimals_train_as_numbers_and_nulls_or_text_are_named():
 
     from paraloom.spark.data.rows import to_array
 
+    assert to_array((Decimal("1.5"), 2.0)).tolist() == [1.5, 2.0]  # beside a double column
     got = to_array([Decimal("1.5"), Decimal("2")])
     assert got.dtype == np.float64 and got.tolist() == [1.5, 2.0]
     assert to_array(Decimal("3")).tolist() == 3.0

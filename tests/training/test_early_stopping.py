@@ -297,3 +297,18 @@ def test_a_per_step_schedule_runs_on_across_the_epochs_of_early_stopping():
                                  optimizer=optimizer, lr_scheduler=schedule,
                                  progress=False).fit()
     assert lrs == pytest.approx([1 / 3, 1 / 5, 1 / 7])  # one schedule over 6 rounds
+
+
+def test_the_saver_writes_a_missing_score_as_json_null(tmp_path):
+    """An epoch not evaluated has score NaN, which json.dumps wrote as NaN: not JSON (jq and
+    JavaScript refuse it)."""
+    import json
+
+    from paraloom.early_stopping import LocalDirectorySaver
+    from paraloom.models import MLP
+
+    saver = LocalDirectorySaver(tmp_path)
+    saver.save_latest(MLP(in_features=4, hidden=[3], num_classes=2), 2, float("nan"))
+    text = next(tmp_path.glob("*.json")).read_text()
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"epoch": 2,
+                                                                          "score": None}

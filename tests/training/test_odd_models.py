@@ -122,3 +122,18 @@ def test_a_model_holding_a_lock_is_refused_with_the_fix_and_the_fix_trains(worke
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
         w.fit(_batches())
     assert not torch.equal(model.l.weight, before)
+
+
+def test_a_loss_per_output_pairs_dict_outputs_and_dict_targets_by_key():
+    from paraloom.forward import compute_loss
+
+    outputs = {"cls": torch.randn(4, 3), "reg": torch.randn(4, 1)}
+    targets = {"reg": torch.randn(4, 1), "cls": torch.tensor([0, 1, 2, 0])}  # another order
+    losses = [nn.CrossEntropyLoss(), nn.MSELoss()]
+    expected = losses[0](outputs["cls"], targets["cls"]) + losses[1](outputs["reg"],
+                                                                      targets["reg"])
+    torch.testing.assert_close(compute_loss(losses, outputs, targets), expected)
+    torch.testing.assert_close(compute_loss(losses, outputs, (targets["cls"], targets["reg"])),
+                               expected)
+    with pytest.raises(ValueError, match="other keys"):
+        compute_loss(losses, outputs, {"cls": targets["cls"], "other": targets["reg"]})

@@ -416,6 +416,37 @@ def test_resume_from_a_reused_directory_takes_the_newest_written_not_the_highest
     assert old <= {p.name for p in tmp_path.glob("*.safetensors")}  # another run's: kept
 
 
+def test_a_copied_directory_resumes_from_its_highest_iteration_whatever_the_file_times(
+        tmp_path):
+    """A copy without timestamps (cp -r, a download) gives the files new times in any order."""
+    from paraloom.training.resume import latest_checkpoint
+
+    _quick_fit(tmp_path, 1, keep_last=4)
+    files = sorted(tmp_path.glob("*.safetensors"), key=lambda p: -int(p.stem.rsplit("r", 1)[1]))
+    for i, path in enumerate(files):  # the highest iteration copied first: the oldest time
+        os.utime(path, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))
+    newest = latest_checkpoint(tmp_path)
+    assert newest is not None and newest.name.endswith("iter20.safetensors")
+
+
+def test_two_checkpoint_listeners_sharing_a_directory_and_prefix_are_refused(tmp_path):
+    model = MLP(in_features=64, hidden=[16])
+    listeners = [CheckpointListener(tmp_path, every_n_iterations=3, keep_last=1),
+                 CheckpointListener(tmp_path, every_n_epochs=1, keep_last=5)]
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         listeners=listeners) as w:
+        with pytest.raises(ValueError, match="two CheckpointListeners write"):
+            w.fit(DataLoader(digits("train"), batch_size=64))
+    listeners[1].prefix = "epochs"  # their own prefixes: both keep their files
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         listeners=listeners) as w:
+        w.fit(DataLoader(digits("train"), batch_size=64), epochs=2)
+    assert len(list(tmp_path.glob("checkpoint-*"))) == 1
+    assert len(list(tmp_path.glob("epochs-*"))) == 2
+
+
 def test_resume_with_other_data_is_refused_naming_the_batches_per_epoch(tmp_path):
     """Another batch size moved the position: the rest of the epoch was skipped silently."""
     _quick_fit(tmp_path, 1, every=10)

@@ -8,6 +8,7 @@ unpickles anything.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from paraloom.checkpoint import TRAINING_HEADER_KEY, atomic_write, check_safetensors
-from paraloom.listeners import TrainingListener, iteration_of
+from paraloom.listeners import TrainingListener, iteration_of, run_of
 from paraloom.training.messages import CheckpointReply, CheckpointRequest, ReplicaState
 from paraloom.training.packing import unpack_tensors
 from paraloom.training.pool import Pool
@@ -92,6 +93,9 @@ class TrainingCheckpoint:
     source's own generators (``DataLoader(generator=...)``): they fix the shuffle order."""
     replicas: list[ReplicaState | None]
     """Per rank, ``Replica.full_state()``: all of them in a saved or loaded checkpoint."""
+    run: str = ""
+    """The run it belongs to: a wrapper's own id, kept by the runs resumed from it ("" for
+    checkpoints written before runs had ids)."""
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's weights at this point, a ``state_dict`` for ``load_state_dict``: each
@@ -108,14 +112,14 @@ class TrainingCheckpoint:
         if not states:
             raise ValueError("this checkpoint holds no replica state")
         return {key: torch.stack([s[key] for s in states]).mean(0).to(value.dtype)
-                if value.is_floating_point() else value.clone()
+                if value.is_floating_point() or value.is_complex() else value.clone()
                 for key, value in states[0].items()}
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (temporary file + rename): a crash leaves the old file intact."""
         tensors: dict[str, torch.Tensor] = {}
         header = {"format": _FORMAT, "fingerprint": self.fingerprint, "epoch": self.epoch,
-                  "batch": self.batch, "iteration": self.iteration,
+                  "batch": self.batch, "iteration": self.iteration, "run": self.run,
                   "data_rng": _flatten(self.data_rng, "data_rng", tensors),
                   "replicas": _flatten(self.replicas, "replicas", tensors)}
         metadata = {TRAINING_HEADER_KEY: json.dumps(header)}
@@ -154,7 +158,8 @@ class TrainingCheckpoint:
             return cls(fingerprint=header["fingerprint"], epoch=header["epoch"],
                        batch=header["batch"], iteration=header["iteration"],
                        data_rng=_unflatten(header["data_rng"], tensors),
-                       replicas=_unflatten(header["replicas"], tensors))
+                       replicas=_unflatten(header["replicas"], tensors),
+                       run=str(header.get("run", "")))
         except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"{path} has a corrupt checkpoint header ({type(e).__name__}: {e}):"
                              " it was changed or not written by paraloom; resume from another "
@@ -205,6 +210,7 @@ class CheckpointCollector:
         self.listeners, self.fingerprint, self.workers = listeners, fingerprint, workers
         self.pending: dict[int, _Pending] = {}
         self.last: int | None = None
+        self.run = uuid.uuid4().hex  # this wrapper's run; a resume takes the checkpoint's
 
     def reset(self) -> None:
         """Forget the previous fit()'s checkpoints."""
@@ -250,7 +256,8 @@ class CheckpointCollector:
         at_epoch, at_batch, data_rng = resume_at
         self.pending[iteration] = _Pending(wanting, TrainingCheckpoint(
             fingerprint=self.fingerprint(), epoch=at_epoch, batch=at_batch,
-            iteration=iteration + 1, data_rng=data_rng, replicas=[None] * self.workers))
+            iteration=iteration + 1, data_rng=data_rng, replicas=[None] * self.workers,
+            run=self.run))
         for rank in range(self.workers):
             pool.send(rank, CheckpointRequest(iteration))
 
@@ -270,12 +277,15 @@ class CheckpointCollector:
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest checkpoint in ``directory`` (as CheckpointListener names them): the last
-    written, then the highest iteration among files written at the same time. A directory
-    reused by a fresh run still holds the old run's files, of higher iterations."""
-    files = sorted(Path(directory).glob("*-iter*.safetensors"),
-                   key=lambda p: (_written_at(p), iteration_of(p)))
-    return files[-1] if files else None
+    """The newest checkpoint in ``directory`` (as CheckpointListener names them): of the run
+    that wrote the last file, its highest iteration. A directory reused by a fresh run still
+    holds the old run's files, of higher iterations; a copied one has new times, one run."""
+    files = list(Path(directory).glob("*-iter*.safetensors"))
+    if not files:
+        return None
+    run = run_of(max(files, key=lambda p: (_written_at(p), iteration_of(p))))
+    return max((p for p in files if run_of(p) == run),
+               key=lambda p: (iteration_of(p), _written_at(p)))
 
 
 def _written_at(path: Path) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -75,9 +76,10 @@ class LocalDirectorySaver(ModelSaver):
     def _save(self, name: str, model: nn.Module, epoch: int, score: float) -> None:
         self._saved = model
         self._warn_unless_rebuildable(model)
+        record = {"epoch": epoch, "score": score if math.isfinite(score) else None}  # JSON
         _write(model, self.directory / f"{name}.safetensors",
-               _model_spec(model, None, None, warn=False), {"epoch": epoch, "score": score})
-        (self.directory / f"{name}.json").write_text(json.dumps({"epoch": epoch, "score": score}))
+               _model_spec(model, None, None, warn=False), record)
+        (self.directory / f"{name}.json").write_text(json.dumps(record))
 
     def _warn_unless_rebuildable(self, model: nn.Module) -> None:
         problem = None if self.factory is not None else rebuild_problem(model)

@@ -37,6 +37,9 @@ class LossCalculator(ScoreCalculator):
     """Mean loss per example on a data set (lower is better)."""
 
     def __init__(self, data: Iterable[Any], loss_fn: LossFn) -> None:
+        from paraloom.training.step_checks import require_loss
+
+        require_loss(loss_fn, None)  # a string or a class fails here, naming the fix
         self.data, self.loss_fn = data, loss_fn
 
     @torch.no_grad()

@@ -355,6 +355,7 @@ class ParallelWrapper:
         ckpt = TrainingCheckpoint.load(resume_from)
         ckpt.check(self.fingerprint(), resume_from)
         self._iteration = ckpt.iteration
+        self._checkpoints.run = ckpt.run or self._checkpoints.run  # the same run goes on
         return Start(ckpt.epoch, ckpt.batch, ckpt.data_rng, ckpt.replicas)
 
     def fingerprint(self) -> dict[str, Any]:

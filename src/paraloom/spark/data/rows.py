@@ -10,6 +10,7 @@ numbers, lists, numpy arrays, tensors and Spark ML vectors.
 from __future__ import annotations
 
 import decimal
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard, cast
@@ -47,8 +48,9 @@ def to_array(value: object) -> np.ndarray:
     array = np.asarray(value)
     if array.dtype.kind in "OUS":  # Decimal (a decimal column's df.rdd), str, None, ragged
         flat = array.reshape(-1)
-        if array.dtype == object and all(isinstance(v, decimal.Decimal) for v in flat):
-            return array.astype(np.float64)
+        if array.dtype == object and all(isinstance(v, numbers.Number | decimal.Decimal)
+                                         and not isinstance(v, bool) for v in flat):
+            return array.astype(np.float64)  # Decimals, perhaps beside floats
         kinds = sorted({type(v).__name__ for v in flat[:100]})
         raise TypeError(f"a value holds {kinds} where numbers are expected (null, text, or "
                         "arrays of unequal lengths); cast or fill the column first "

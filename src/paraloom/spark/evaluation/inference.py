@@ -135,7 +135,7 @@ def pick_output(out: Any, targets: Tensors,
                          f"({names}); give one of those")
     chosen = list(out.values())[position] if isinstance(out, dict) else out[position]
     if isinstance(targets, dict):
-        return chosen, _pick(targets, output, position)
+        return chosen, _pick(targets, out, position)
     if isinstance(targets, tuple):  # the label columns, in the outputs' order
         return chosen, targets[position]
     return chosen, targets
@@ -153,11 +153,11 @@ def _position(out: Any, output: int | str | None) -> int | None:
     return output % len(out)  # an index: a dict's in its order
 
 
-def _pick(targets: dict[str, torch.Tensor], output: int | str, position: int) -> torch.Tensor:
-    """The target of output ``output`` (at ``position`` among the outputs): by its name, else
-    at the same position."""
-    if isinstance(output, str) and output in targets:
-        return targets[output]
+def _pick(targets: dict[str, torch.Tensor], out: Any, position: int) -> torch.Tensor:
+    """The target of the output at ``position``: under its key for a dict of outputs (a
+    ``KeyError`` if the targets have none), else at the same position."""
+    if isinstance(out, dict):
+        return targets[list(out)[position]]
     return list(targets.values())[position]
 
 
@@ -169,7 +169,8 @@ def _loss(loss_fn: LossFn | None, out: Any, targets: Tensors, chosen: Any, targe
         return None
     position = _position(out, output)
     if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module) \
-            and position is not None and not isinstance(targets, (tuple, dict)):
+            and position is not None and not isinstance(targets, (tuple, dict)) \
+            and len(loss_fn) == len(out):  # else compute_loss names the mismatch
         return functools.partial(loss_fn[position], chosen, target)
     return functools.partial(compute_loss, loss_fn, out, targets)
 

@@ -110,8 +110,9 @@ def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | Non
     return spec
 
 
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)`` then rename onto ``path``: a crash never leaves half a file."""
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)`` then rename onto ``path`` (``~`` expanded, as returned): a
+    crash never leaves half a file."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise IsADirectoryError(f"{str(path)!r} is a folder; give a file name inside it, e.g. "
@@ -126,6 +127,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
 
 
 def _read_umask() -> int:

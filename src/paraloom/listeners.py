@@ -6,6 +6,7 @@ passed is the mean loss of the workers that trained in the round.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
@@ -161,7 +162,7 @@ class CheckpointListener(TrainingListener):
     def __init__(self, directory: str | Path, *, every_n_iterations: int | None = None,
                  every_n_epochs: int | None = 1, keep_last: int = 3,
                  prefix: str = "checkpoint") -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).expanduser()  # as the files' writer expands it
         self.every_n_iterations = _positive("every_n_iterations", every_n_iterations)
         self.every_n_epochs = _positive("every_n_epochs", every_n_epochs)
         self.keep_last = _positive("keep_last", keep_last) or 1
@@ -178,10 +179,10 @@ class CheckpointListener(TrainingListener):
 
     def on_fit_start(self, wrapper: ParallelWrapper) -> None:
         self._adopted = False  # the directory is looked at again at the fit's first checkpoint
-        mine = (self.directory.expanduser().resolve(), self.prefix)
+        mine = (self.directory.resolve(), self.prefix)
         for other in wrapper.listeners:
             if other is not self and isinstance(other, CheckpointListener) and \
-                    (other.directory.expanduser().resolve(), other.prefix) == mine:
+                    (other.directory.resolve(), other.prefix) == mine:
                 raise ValueError(f"two CheckpointListeners write {str(self.directory)!r} with "
                                  f"prefix={self.prefix!r}: each one's keep_last would remove "
                                  "the other's files; give each its own prefix= or directory")
@@ -253,8 +254,6 @@ class ValidationListener(TrainingListener):
         return wanted
 
     def on_checkpoint(self, checkpoint: TrainingCheckpoint) -> None:
-        import copy
-
         import torch
 
         if self._model is None:

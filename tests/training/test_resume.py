@@ -475,3 +475,15 @@ def test_a_checkpoints_model_state_is_the_model_fit_returns(tmp_path, mode):
         spread = max((checkpoint.replicas[0]["model"][k] - v).abs().max().item()
                      for k, v in model.state_dict().items())
         assert spread > 1e-4
+
+
+def test_a_home_relative_checkpoint_directory_is_one_folder_for_writes_prunes_and_resume(
+        tmp_path, monkeypatch):
+    """The writer expands '~' (since 2026-12-03): the listener's pruning and glob must look in
+    the same folder, or keep_last silently deletes nothing."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    _quick_fit("~/ckpt", 2, keep_last=2)
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) == 2
+    assert not (tmp_path / "~").exists()
+    assert TrainingCheckpoint.load("~/ckpt").iteration == 45  # 46 rounds, every 5th

@@ -123,13 +123,12 @@ class TrainingCheckpoint:
                   "data_rng": _flatten(self.data_rng, "data_rng", tensors),
                   "replicas": _flatten(self.replicas, "replicas", tensors)}
         metadata = {TRAINING_HEADER_KEY: json.dumps(header)}
-        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-        return Path(path)
+        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
     @classmethod
     def load(cls, path: str | Path) -> TrainingCheckpoint:
         """Read a checkpoint written by ``save`` (a directory means its latest checkpoint)."""
-        path = Path(path)
+        path = Path(path).expanduser()
         if path.is_dir():
             found = latest_checkpoint(path)
             if found is None:

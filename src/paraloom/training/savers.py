@@ -67,7 +67,7 @@ class LocalDirectorySaver(ModelSaver):
 
     def __init__(self, directory: str | Path,
                  factory: Callable[..., nn.Module] | None = None) -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).expanduser()  # as the model files' writer expands it
         self.directory.mkdir(parents=True, exist_ok=True)
         self.factory = factory
         self._saved: nn.Module | None = None  # the model saved last: its structure, to copy

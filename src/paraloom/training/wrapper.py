@@ -288,7 +288,7 @@ class ParallelWrapper:
         data = as_data_source(data, batch_size, shuffle)
         self._epoch_batches = total_batches(data, 1)
         start = self._start_position(resume_from, initial_epoch)
-        _warn_if_trained(start.epoch + start.epoch_done(total_batches(data, 1)), epochs)
+        _warn_if_trained(start.epoch + start.epoch_done(self._epoch_batches), epochs)
         if one_shot:
             _refuse_one_shot(kind, epochs - start.epoch)
         pool = self._ensure_pool()

@@ -110,6 +110,29 @@ def test_evaluate_a_regression_with_the_factory_that_trained_it(user_module, cap
     assert info.value.code == 2 and "0 is not an int >= 1" in capsys.readouterr().err
 
 
+def test_evaluate_plain_safetensors_weights_with_the_factory(user_module, capsys):
+    """Weights saved without paraloom (safetensors.torch.save_file) evaluate with --factory;
+    weights of another model name the keys."""
+    import torch
+    from safetensors.torch import save_file
+
+    module = __import__("my_project")
+    model = module.line()
+    with torch.no_grad():
+        model.fit.weight.copy_(torch.tensor([[3.0, -2.0]]))
+        model.fit.bias.fill_(1e6 + 0.5)
+    save_file(model.state_dict(), str(user_module / "plain.safetensors"))
+    assert main(["evaluate", str(user_module / "plain.safetensors"), "--factory",
+                 "my_project:line", "--data", "my_project:line_test", "--loss", "mse",
+                 "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert metrics["mse"] == pytest.approx(0.25, rel=1e-3)
+    with pytest.raises(SystemExit) as info:
+        main(["evaluate", str(user_module / "plain.safetensors"), "--factory",
+              "my_project:model", "--data", "my_project:test_loader"])
+    assert info.value.code == 2 and "missing ['net.0.weight'" in capsys.readouterr().err
+
+
 def test_bad_user_code_gets_a_clear_error(user_module, capsys):
     for argv, message in [
         (["train", "--data", "my_project:train_set"], "--data needs --factory"),

@@ -88,6 +88,25 @@ def test_load_refuses_files_that_are_not_paraloom_models(tmp_path):
         paraloom.load(tmp_path / "missing.safetensors")
 
 
+def test_load_with_a_factory_takes_plain_safetensors_weights(tmp_path):
+    """As the command line's evaluate --factory does: a file of weights from
+    safetensors.torch.save_file (a Hugging Face style model.safetensors) loads by name."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = MLP(in_features=4, hidden=(3,), num_classes=2).double()
+    save_file(model.state_dict(), str(tmp_path / "plain.safetensors"))
+    loaded = paraloom.load(tmp_path / "plain.safetensors",
+                           factory=lambda: MLP(in_features=4, hidden=(3,), num_classes=2))
+    assert {k: (v.dtype, v.tolist()) for k, v in loaded.state_dict().items()} == \
+        {k: (v.dtype, v.tolist()) for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="shapes"):
+        paraloom.load(tmp_path / "plain.safetensors",
+                      factory=lambda: MLP(in_features=5, hidden=(3,), num_classes=2))
+    with pytest.raises(ValueError, match=r"missing \[.*unexpected \[.*"):
+        paraloom.load(tmp_path / "plain.safetensors", factory=lambda: torch.nn.Linear(4, 2))
+
+
 def test_evaluation_metrics_and_merge():
     logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0], [0.0, 5.0]])
     targets = torch.tensor([0, 1, 1, 1])

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import tempfile
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -18,6 +17,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
+from paraloom._warnings import warn as warn_at_caller
 from paraloom.models import MLP, LeNet
 
 if TYPE_CHECKING:
@@ -98,10 +98,10 @@ def _model_spec(model: nn.Module, name: str | None, kwargs: dict[str, Any] | Non
         spec["class"] = f"{cls.__module__}:{cls.__qualname__}"
         problem = rebuild_problem(model, name, kwargs)
         if problem and warn:
-            warnings.warn(f"{problem}: paraloom.load will need factory= (a function returning "
-                          "the model); or save with kwargs={...} (for constructor arguments), "
-                          "or register_model(name, build) and save with name=, to make the "
-                          "file rebuild itself", stacklevel=3)
+            warn_at_caller(f"{problem}: paraloom.load will need factory= (a function returning "
+                           "the model); or save with kwargs={...} (for constructor "
+                           "arguments), or register_model(name, build) and save with name=, "
+                           "to make the file rebuild itself")
     try:
         json.dumps(spec)
     except TypeError as e:
@@ -195,8 +195,9 @@ TRAINING_HEADER_KEY = "paraloom_checkpoint"
 """The metadata key of a ``TrainingCheckpoint``'s JSON header (``save`` writes another)."""
 
 
-def read_header(path: str | Path) -> dict[str, Any]:
-    """The JSON header written by ``save``."""
+def read_header(path: str | Path, *, plain: bool = False) -> dict[str, Any]:
+    """The JSON header written by ``save``; with ``plain``, ``{}`` for a safetensors file that
+    has none (plain weights, e.g. ``safetensors.torch.save_file``'s)."""
     check_safetensors(path)
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -204,13 +205,16 @@ def read_header(path: str | Path) -> dict[str, Any]:
     except Exception as e:  # safetensors' own error type: a corrupt or truncated file
         raise _corrupt(path, e) from e
     if _HEADER_KEY not in meta:
+        if plain and TRAINING_HEADER_KEY not in meta:
+            return {}
         if TRAINING_HEADER_KEY in meta:
             raise ValueError(
                 f"{path} is a paraloom training checkpoint, not a saved model: resume with "
                 "fit(..., resume_from=path), or take its weights with model.load_state_dict("
                 "paraloom.TrainingCheckpoint.load(path).model_state())")
         raise ValueError(f"{path} has no paraloom header: it was not written by paraloom.save; "
-                         "load its weights with safetensors.torch.load_file into your own model")
+                         "load its weights with paraloom.load(path, factory=build), build() "
+                         "returning your model")
     try:
         spec = json.loads(meta[_HEADER_KEY])
     except json.JSONDecodeError as e:
@@ -230,14 +234,15 @@ def read_tensors(path: str | Path, device: str | torch.device = "cpu") -> dict[s
         raise _corrupt(path, e) from e
 
 
-def read_consistently(path: str | Path, device: str | torch.device = "cpu"
-                      ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The header and the tensors of one version of ``path``: a ``save`` that replaces the
-    file between the two reads (it renames a new file over it) makes them read again."""
+def read_consistently(path: str | Path, device: str | torch.device = "cpu", *,
+                      plain: bool = False) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The header (``read_header``'s, with ``plain``) and the tensors of one version of
+    ``path``: a ``save`` that replaces the file between the two reads (it renames a new file
+    over it) makes them read again."""
     for _ in range(_READ_TRIES):
         before = _identity(path)
         try:
-            spec, state = read_header(path), read_tensors(path, device)
+            spec, state = read_header(path, plain=plain), read_tensors(path, device)
         except ValueError:
             if _identity(path) == before:
                 raise
@@ -354,7 +359,16 @@ def _imported_class(path: str) -> type[nn.Module]:
 
 def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
          map_location: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild a model written by ``save`` and load its weights (safetensors: no pickle)."""
+    """Rebuild a model written by ``save`` and load its weights (safetensors: no pickle).
+
+    ``factory`` (a function returning the model, called with the constructor arguments the file
+    was saved with when it takes them) builds the model instead of the file's own record; with
+    it, a plain safetensors file of weights (no paraloom header) loads too, every tensor
+    matched by name. ``map_location`` is where the weights go ("cpu", "cuda:1", "meta").
+
+    Raises FileNotFoundError for a missing file, ValueError for a folder, a corrupt file, a
+    training checkpoint, or weights that do not match the model (naming the keys or shapes),
+    KeyError for an unregistered model name, TypeError for a factory returning no module."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model file {str(path)!r} does not exist")
@@ -364,7 +378,8 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     _check_device(map_location)
     device = torch.device(map_location)
     # safetensors reads to "cpu" or an accelerator by name, not "cpu:0" or "meta"
-    spec, state = read_consistently(path, "cpu" if device.type in ("cpu", "meta") else device)
+    spec, state = read_consistently(path, "cpu" if device.type in ("cpu", "meta") else device,
+                                    plain=factory is not None)
     model = _build(spec, factory)
     mismatched = {k: (tuple(v.shape), tuple(state[k].shape)) for k, v
                   in model.state_dict().items() if k in state and not is_lazy(v)

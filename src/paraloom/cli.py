@@ -204,29 +204,13 @@ def _trained_on_hint(args: argparse.Namespace) -> str:
 
 
 def _load_model(path: str, factory_spec: str | None) -> nn.Module:
-    """A paraloom file, or (with --factory) the user's model with the file's weights."""
-    from pathlib import Path
-
+    """A paraloom file, or (with --factory) the user's model with the file's weights (a
+    paraloom file or plain safetensors weights)."""
     import paraloom
-    from paraloom.checkpoint import check_safetensors, read_header, read_tensors
+    from paraloom.user_code import import_callable
 
-    if Path(path).is_dir():
-        raise ValueError(f"{path} is a folder; give the model's file (a .safetensors written "
-                         "by paraloom.save)")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"model file {path!r} does not exist")
-    if factory_spec is None:
-        return paraloom.load(path)
-    from paraloom.user_code import build_user_model, import_callable
-
-    check_safetensors(path)
-    try:
-        read_header(path)
-    except ValueError:  # plain safetensors weights (no paraloom header)
-        model = build_user_model(factory_spec)
-        model.load_state_dict(read_tensors(path), strict=True)
-        return model
-    return paraloom.load(path, factory=import_callable(factory_spec, "--factory"))
+    factory = None if factory_spec is None else import_callable(factory_spec, "--factory")
+    return paraloom.load(path, factory=factory)
 
 
 def _bench(args: argparse.Namespace) -> int:

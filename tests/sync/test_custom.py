@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,46 @@ def test_a_synchronizer_with_step_hooks_but_no_idle_step_is_warned_about_where_i
         ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), training_mode=_NoIdle(),
                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2)
     assert caught[0].filename == __file__  # points at the user's line
-    import warnings
+    with warnings.catch_warnings():  # one replica has no peers to hang
+        warnings.simplefilter("error")
+        ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), training_mode=_NoIdle(),
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), training_mode=_WithIdle(),
                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1), workers=2)
+
+
+def test_the_idle_step_warning_names_the_user_line_through_early_stopping_and_spark():
+    """Raised where the wrapper is built, several calls deep: the warning still names the
+    user's line; Spark's SharedTrainingMaster(synchronizer=) gets it too."""
+    from paraloom import EarlyStoppingConfig, EarlyStoppingParallelTrainer
+    from paraloom.early_stopping import MaxEpochs
+    from paraloom.spark import SharedTrainingMaster
+
+    model = nn.Linear(4, 2)
+    with pytest.warns(UserWarning, match="_NoIdle overrides") as caught:
+        EarlyStoppingParallelTrainer(
+            EarlyStoppingConfig(epoch_conditions=[MaxEpochs(1)],
+                                score_calculator=lambda m: 0.0), model,
+            [(torch.randn(2, 4), torch.tensor([0, 1]))], loss_fn=nn.CrossEntropyLoss(),
+            training_mode=_NoIdle(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            workers=2)
+    assert [w.filename for w in caught] == [__file__]
+    with pytest.warns(UserWarning, match="_NoIdle overrides") as caught:
+        SharedTrainingMaster(batch_size_per_worker=8, workers=2, synchronizer=_NoIdle())
+    assert [w.filename for w in caught] == [__file__]
+
+
+def test_warn_names_the_first_frame_outside_paraloom():
+    from paraloom import ParallelInference
+    from paraloom._warnings import warn
+
+    def here() -> None:
+        warn("deep")  # a test module is outside paraloom: this line is named
+    with pytest.warns(UserWarning, match="deep") as caught:
+        here()
+    assert (caught[0].filename, caught[0].lineno) == (__file__, here.__code__.co_firstlineno + 1)
+    with pytest.warns(UserWarning, match="max_wait_ms only applies") as caught:
+        ParallelInference(nn.Linear(4, 2), inference_mode="sequential", max_wait_ms=5).close()
+    assert [w.filename for w in caught] == [__file__]  # three calls deep in paraloom

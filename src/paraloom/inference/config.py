@@ -6,8 +6,9 @@ import enum
 import math
 import numbers
 import threading
-import warnings
 from dataclasses import dataclass
+
+from paraloom._warnings import warn
 
 __all__ = ["InferenceMode", "InferenceConfig", "check_seconds"]
 
@@ -97,12 +98,12 @@ class InferenceConfig:
 
     def _warn_pointless(self) -> None:
         if self.mode is not InferenceMode.BATCHED and self.max_wait > 0:
-            warnings.warn(f"max_wait_ms only applies to inference_mode='batched'; it is ignored "
-                          f"in {self.mode.value!r} mode", stacklevel=4)
+            warn(f"max_wait_ms only applies to inference_mode='batched'; it is ignored "
+                 f"in {self.mode.value!r} mode")
         if self.mode is InferenceMode.BATCHED and self.queue_limit < self.batch_limit:
-            warnings.warn(f"queue_limit={self.queue_limit} < batch_limit={self.batch_limit}: "
-                          "batches of one-row requests can never exceed queue_limit rows; raise "
-                          "queue_limit to at least batch_limit", stacklevel=4)
+            warn(f"queue_limit={self.queue_limit} < batch_limit={self.batch_limit}: "
+                 "batches of one-row requests can never exceed queue_limit rows; raise "
+                 "queue_limit to at least batch_limit")
         if self.mode is InferenceMode.INPLACE and self.threads_per_worker is not None:
-            warnings.warn("threads_per_worker is ignored in 'inplace' mode: the callers' own "
-                          "threads run the replicas", stacklevel=4)
+            warn("threads_per_worker is ignored in 'inplace' mode: the callers' own "
+                 "threads run the replicas")

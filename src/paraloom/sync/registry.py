@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import warnings
 from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
+from paraloom._warnings import warn
 from paraloom.sync.base import Synchronizer
 
 __all__ = ["build_synchronizer", "training_modes"]
@@ -87,7 +87,6 @@ def build_synchronizer(training_mode: str | Enum | Synchronizer | type[Synchroni
         if given:
             raise TypeError(f"options {sorted(given)} do not apply to a Synchronizer instance "
                             f"({type(training_mode).__name__}); pass them to its constructor")
-        _warn_without_idle_step(training_mode)
         return training_mode
     if isinstance(training_mode, type) and issubclass(training_mode, Synchronizer):
         raise TypeError(f"training_mode={training_mode.__name__} is a class; expected an "
@@ -115,18 +114,19 @@ def build_synchronizer(training_mode: str | Enum | Synchronizer | type[Synchroni
 _STEP_HOOKS = ("before_step", "after_backward", "after_step")
 
 
-def _warn_without_idle_step(sync: Synchronizer) -> None:
+def warn_without_idle_step(sync: Synchronizer) -> None:
     """Warn when ``sync`` talks to its peers in a step's hooks but has no ``idle_step``: a
     replica without a batch in an epoch's short last round then makes none of the calls its
-    peers wait in, and the fit hangs until ``step_timeout``."""
+    peers wait in, and the fit hangs until ``step_timeout``. Only where there are peers: the
+    caller knows (ParallelWrapper with ``workers > 1``, Spark's SharedTrainingMaster)."""
     cls = type(sync)
     if cls.idle_step is not Synchronizer.idle_step:
         return
     hooks = [h for h in _STEP_HOOKS if getattr(cls, h) is not getattr(Synchronizer, h)]
     if hooks:
-        warnings.warn(
+        warn(
             f"{cls.__name__} overrides {', '.join(hooks)} but not idle_step: if those hooks "
             "make collective calls, a replica without a batch (the short last round of an "
             "epoch whose batches do not divide by workers) makes none of them, its peers wait, "
             "and the fit fails after step_timeout. Define idle_step(ctx) making the same calls "
-            "(with zero gradients; see the custom synchronizer guide)", UserWarning, stacklevel=5)
+            "(with zero gradients; see the custom synchronizer guide)")

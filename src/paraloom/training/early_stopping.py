@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from paraloom._warnings import warn
 from paraloom.errors import WorkerError
 from paraloom.listeners import TrainingListener
 from paraloom.training.conditions import (
@@ -167,11 +167,10 @@ class EarlyStoppingParallelTrainer:
         try:
             return saver.best_model()
         except Exception as e:  # a saver's own error: never lose the finished run over it
-            warnings.warn(f"training finished, but {type(saver).__name__}.best_model() failed "
-                          f"({type(e).__name__}: {e}); result.best_model is None, the scores "
-                          f"and best_epoch={best_epoch} are kept. Load the saved model yourself "
-                          "(for LocalDirectorySaver: paraloom.load(path, factory=build))",
-                          stacklevel=3)
+            warn(f"training finished, but {type(saver).__name__}.best_model() failed "
+                 f"({type(e).__name__}: {e}); result.best_model is None, the scores "
+                 f"and best_epoch={best_epoch} are kept. Load the saved model yourself "
+                 "(for LocalDirectorySaver: paraloom.load(path, factory=build))")
             return None
 
     def _failure(self, error: WorkerError) -> tuple[str, str]:

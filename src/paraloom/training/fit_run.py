@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraloom._warnings import warn
 from paraloom.data import IndexedDataset, cpu_copy, indexed_view, split_batch
 from paraloom.errors import NotPicklableError, WorkerError
 from paraloom.listeners import TrainingListener
@@ -420,14 +421,13 @@ class FitRun:
                 continue
             if reply.digest in seen and not self._warned_unsharded:
                 self._warned_unsharded = True
-                warnings.warn(
-                    f"the workers read the same batches from your "
-                    f"{type(source.dataset).__name__}: every worker iterates its own copy of an "
-                    "IterableDataset, so unless it shards itself each batch is trained several "
-                    "times. Shard it in __iter__: keep every info.world_size-th item from "
-                    "info.rank on, with info = paraloom.replica_info(), and within a worker's "
-                    "DataLoader every num_workers-th from torch.utils.data.get_worker_info().id",
-                    stacklevel=5)
+                warn(
+           f"the workers read the same batches from your "
+           f"{type(source.dataset).__name__}: every worker iterates its own copy of an "
+           "IterableDataset, so unless it shards itself each batch is trained several "
+           "times. Shard it in __iter__: keep every info.world_size-th item from "
+           "info.rank on, with info = paraloom.replica_info(), and within a worker's "
+           "DataLoader every num_workers-th from torch.utils.data.get_worker_info().id")
             seen.add(reply.digest)
 
     def _send_settings(self) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
@@ -25,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from paraloom._warnings import warn
 from paraloom.clipping import GradientClipping
 from paraloom.training.replica import SchedulerFactory
 
@@ -169,9 +169,9 @@ class FaultTolerance:
             raise ValueError(f"spares={self.spares!r}; expected an int >= 0 (0: a recovery "
                              "starts its own workers)")
         if self.spares > 1 and self.max_failures == 0:
-            warnings.warn(f"spares={self.spares} with max_failures=0: spares stand in for "
-                          "failed workers, and the first failure ends the fit; give "
-                          "max_failures= to use them", UserWarning, stacklevel=4)
+            warn(f"spares={self.spares} with max_failures=0: spares stand in for "
+                 "failed workers, and the first failure ends the fit; give "
+                 "max_failures= to use them", UserWarning)
 
 
 @dataclass(frozen=True)

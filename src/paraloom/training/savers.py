@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
 
+from paraloom._warnings import warn
 from paraloom.checkpoint import _model_spec, _write, load, read_tensors, rebuild_problem
 
 __all__ = ["ModelSaver", "InMemoryModelSaver", "LocalDirectorySaver"]
@@ -86,12 +86,11 @@ class LocalDirectorySaver(ModelSaver):
         if problem is None or self._warned:
             return
         self._warned = True
-        warnings.warn(f"LocalDirectorySaver({str(self.directory)!r}): {problem}, so its files "
-                      "cannot rebuild the model on their own. This run's best_model() still "
-                      "works (the weights go into a copy of the trained model); to load them "
-                      "later, pass LocalDirectorySaver(directory, factory=build) or "
-                      "paraloom.load(path, factory=build), build() returning the model",
-                      stacklevel=4)
+        warn(f"LocalDirectorySaver({str(self.directory)!r}): {problem}, so its files "
+             "cannot rebuild the model on their own. This run's best_model() still "
+             "works (the weights go into a copy of the trained model); to load them "
+             "later, pass LocalDirectorySaver(directory, factory=build) or "
+             "paraloom.load(path, factory=build), build() returning the model")
 
     def _load(self, name: str) -> nn.Module:
         path = self.directory / f"{name}.safetensors"

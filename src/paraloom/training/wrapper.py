@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 from torch import nn
 
+from paraloom._warnings import warn
 from paraloom.data import as_data_source
 from paraloom.devices import DeviceSpec, training_devices
 from paraloom.errors import FitInterrupted, WorkerError
@@ -23,7 +24,7 @@ from paraloom.forward import LossFn
 from paraloom.listeners import TrainingListener, as_listener
 from paraloom.precision import resolve_precision
 from paraloom.sync.base import Synchronizer
-from paraloom.sync.registry import build_synchronizer
+from paraloom.sync.registry import build_synchronizer, warn_without_idle_step
 from paraloom.training.buffers import load_model_state
 from paraloom.training.dealing import total_batches
 from paraloom.training.fit_run import FitPlan, FitRun, Start
@@ -142,6 +143,8 @@ class ParallelWrapper:
         self.model = model
         self.listeners: list[TrainingListener] = _listeners(listeners)
         self.synchronizer = _synchronizer(training_mode, sharing, sync_options)
+        if self.workers > 1:
+            warn_without_idle_step(self.synchronizer)
         self.synchronizer.check_model(model)
         self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.precision = resolve_precision(precision).name
@@ -487,8 +490,7 @@ def _warn_if_trained(done: int, epochs: int) -> None:
     """Warn when a resumed checkpoint has trained ``done`` whole epochs, every epoch that
     fit(epochs=...) asks for: the fit then trains nothing."""
     if done >= epochs:
-        warnings.warn(f"resume_from's checkpoint is of {done} whole epochs, as many as "
-                      f"fit(epochs={epochs}) asks for or more: nothing is left to train, and the "
-                      "model gets the checkpoint's state; epochs counts every epoch, those "
-                      f"before the checkpoint too (fit(epochs={done + 1}) trains one more)",
-                      stacklevel=4)  # past fit() and its one-fit-at-a-time guard
+        warn(f"resume_from's checkpoint is of {done} whole epochs, as many as "
+             f"fit(epochs={epochs}) asks for or more: nothing is left to train, and the "
+             "model gets the checkpoint's state; epochs counts every epoch, those "
+             f"before the checkpoint too (fit(epochs={done + 1}) trains one more)")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 from typing import TYPE_CHECKING, Literal, overload
 
+from paraloom._warnings import warn
 from paraloom.spark.data import Chunk, Pair, partition_chunks
 from paraloom.spark.data.parquet import ParquetSet
 from paraloom.spark.data.partitions import spread_chunks
@@ -118,11 +118,11 @@ class TrainingMaster:
         executors may run on other machines, where a re-run stage could not resume from it."""
         if not master_url.startswith("local") and not self._warned_local_checkpoints:
             self._warned_local_checkpoints = True
-            warnings.warn(
-                f"{type(self).__name__}: checkpoint_dir is not set, so checkpoints go to each "
-                f"executor's temp folder, but the master is {master_url!r}: a barrier stage "
-                "that Spark re-runs resumes only if every executor can read the checkpoint. "
-                "Set checkpoint_dir= to shared storage (NFS, HDFS mounted, ...)", stacklevel=4)
+            warn(
+       f"{type(self).__name__}: checkpoint_dir is not set, so checkpoints go to each "
+       f"executor's temp folder, but the master is {master_url!r}: a barrier stage "
+       "that Spark re-runs resumes only if every executor can read the checkpoint. "
+       "Set checkpoint_dir= to shared storage (NFS, HDFS mounted, ...)")
         return os.path.join(tempfile.gettempdir(), "paraloom-spark")
 
     def prepare(self, rows: RDD[Pair], workers: int, job: FitJob,

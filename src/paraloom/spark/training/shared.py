@@ -23,6 +23,7 @@ from paraloom.spark.training.rendezvous import NetworkSettings
 from paraloom.spark.training.shared_task import SharedConfig
 from paraloom.spark.training.summary import shared_summary
 from paraloom.sync.base import Synchronizer
+from paraloom.sync.registry import warn_without_idle_step
 from paraloom.sync.sharing import SharedGradients, SharingRecipe
 from paraloom.sync.thresholds import ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm
 
@@ -109,6 +110,8 @@ class SharedTrainingMaster(TrainingMaster):
                          prefetch_batches=prefetch_batches, drop_last=drop_last)
         residual_post_processor = _post_processor(residual_post_processor, recipe)
         _check_synchronizer(synchronizer, threshold_algorithm)
+        if synchronizer is not None:
+            warn_without_idle_step(synchronizer)
         self.threshold_algorithm = threshold_algorithm
         self.residual_post_processor = residual_post_processor
         # Built now so that a wrong threshold or post-processor fails here, not in a task.

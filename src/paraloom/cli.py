@@ -43,13 +43,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_data_arguments(p: argparse.ArgumentParser) -> None:
-    """--dataset, --data-dir and --batch-size, shared by the training commands."""
+def add_data_arguments(p: argparse.ArgumentParser, *, per_worker: bool = True) -> None:
+    """--dataset, --data-dir and --batch-size, shared by the training and evaluating commands
+    (``per_worker``: a training command's batches go one to a worker)."""
     p.add_argument("--dataset", default="digits", choices=["digits", "mnist"],
                    help="the built-in data set (default digits: scikit-learn's 8x8 digits)")
     p.add_argument("--data-dir", help="folder with MNIST's IDX files (.gz or raw)")
     p.add_argument("--batch-size", type=_positive_int, default=32,
-                   help="rows per batch (per worker; default 32)")
+                   help="rows per batch (" + ("per worker; " if per_worker else "")
+                   + "default 32)")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -229,7 +231,7 @@ def _parser() -> argparse.ArgumentParser:
                        "the confusion matrix, or (--loss mse) MSE, MAE, RMSE and R²")
     p.add_argument("model_file", help="a .safetensors file (paraloom.save, or plain weights "
                    "with --factory)")
-    add_data_arguments(p)
+    add_data_arguments(p, per_worker=False)
     _add_user_code_arguments(p)
     p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"],
                    help="the loss the model was trained with: a classifier's (cross_entropy) "

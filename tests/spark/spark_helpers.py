@@ -262,6 +262,18 @@ class DictOut(nn.Module):
         return {"cls": self.c(x), "reg": self.r(x)}
 
 
+class ScoreAndProbability(nn.Module):
+    """A regression score and, second, a sigmoid probability (trained with BCELoss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.s, self.p = nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"score": self.s(x), "prob": torch.sigmoid(self.p(x))}
+
+
 class Tagger(nn.Module):
     """Per position scores: (rows, positions, classes)."""
 

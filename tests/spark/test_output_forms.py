@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from spark_helpers import DictOut, Tagger
+from spark_helpers import DictOut, ScoreAndProbability, Tagger
 from torch import nn
 
 from paraloom import WorkerError
@@ -89,3 +89,22 @@ def test_fit_paths_names_globs_and_partition_columns_with_the_way_out(spark, tmp
         net.fit_paths(f"{path}/year=*/*.parquet")
     with pytest.raises(ValueError, match="'year' is a partition column.*spark.read.parquet"):
         net.fit_paths(path, features=["features", "year"])
+
+
+def test_a_dict_outputs_probability_counts_class_one_above_one_half_by_key(spark):
+    """evaluate(output='prob') on a dict output trained with BCELoss took the threshold 0 (a
+    logit's): the key was not matched to its loss, so every row counted as class 1."""
+    x, frame = _frame(spark)
+    model = ScoreAndProbability()
+    with torch.no_grad():
+        p = model(torch.from_numpy(x))["prob"].reshape(-1).numpy()
+    labels = np.array([int(r[0] > 0) for r in x])
+    expected = float(((p > 0.5) == labels).mean())
+    assert 0 < (p > 0.5).sum() < len(p) and expected != labels.mean()
+    net = SparkModel(spark, model, ParameterAveragingTrainingMaster(16, workers=2),
+                     loss_fn=[nn.MSELoss(), nn.BCELoss()])
+    assert net.evaluate(frame, label=("reg", "cls"), output="prob").accuracy == \
+        pytest.approx(expected)
+    found = net.evaluate(frame, label=("reg", "cls"), output="prob", metrics=["classification"])
+    assert found["classification"].accuracy == pytest.approx(expected)
+    assert net.evaluate(frame, label=("reg", "cls"), output=1).accuracy == pytest.approx(expected)

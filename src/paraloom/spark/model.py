@@ -349,13 +349,6 @@ class SparkModel:
         losses = [] if loss is None else [loss] if callable(loss) else list(loss)
         return tuple(0.5 if isinstance(f, nn.BCELoss) else 0.0 for f in losses)
 
-    def _threshold(self, output: int | str | None) -> float:
-        """The class-1 threshold of the output that ``evaluate(output=...)`` counts."""
-        thresholds = self._thresholds()
-        index = 0 if output is None else output
-        return thresholds[index] if isinstance(index, int) and 0 <= index < len(thresholds) \
-            else 0.0
-
     def _ship(self) -> Shipment:
         return ship(self.sc, self.model, self.features, self._thresholds())
 
@@ -393,7 +386,7 @@ class SparkModel:
         with self._shipped() as shipment:
             return evaluate_metrics(data_chunks(data, columns, batch_size, prebatched), shipment,
                                     names, loss_fn=self._loss, batch_size=batch_size,
-                                    output=output, threshold=self._threshold(output))
+                                    output=output)
 
     def evaluate_regression(self, data: RDD[object] | DataFrame, *, features: Spec | None = None,
                             label: Label = "label", inputs: Inputs | None = None,
@@ -422,7 +415,7 @@ class SparkModel:
                 return evaluate_rdd(chunks, shipment, loss_fn=self._loss,
                                     batch_size=batch_size, regression=True, output=output)
             return evaluate_rdd(chunks, shipment, loss_fn=self._loss, batch_size=batch_size,
-                                output=output, threshold=self._threshold(output))
+                                output=output)
 
     @contextlib.contextmanager
     def _shipped(self) -> Iterator[Shipment]:

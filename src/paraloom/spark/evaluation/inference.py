@@ -35,6 +35,7 @@ from paraloom.spark.evaluation.metrics import (
     MetricSet,
     MetricState,
     RegressionEvaluation,
+    StateBuilder,
     merge_evaluations,
     metric_factory,
 )
@@ -191,7 +192,7 @@ def _slices(chunks: Iterable[Pair], size: int) -> Iterator[Pair]:
 
 
 def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: int,
-                        new_state: Callable[[torch.Tensor], S], output: int | str | None,
+                        new_state: StateBuilder[S], output: int | str | None,
                         chunks: Iterable[Pair]) -> Iterator[S | None]:
     task_threads()
     model = shipped_model(shipment)
@@ -201,15 +202,15 @@ def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: 
             out = forward(model, shipment.features.features(x))
         targets = shipment.features.labels(y)
         chosen, target = pick_output(out, targets, output)
-        if state is None:
-            state = new_state(chosen)
+        if state is None:  # the counted output's threshold: a dict's key is known by now
+            state = new_state(chosen, shipment.threshold(_position(out, output) or 0))
         update_with_loss(state, chosen, target, num_rows(y),
                          _loss(loss_fn, out, targets, chosen, target, output))
     yield state
 
 
 def _aggregate(chunks: RDD[Pair], shipment: Shipment, loss_fn: LossFn | None, batch_size: int,
-               new_state: Callable[[torch.Tensor], S], depth: int,
+               new_state: StateBuilder[S], depth: int,
                output: int | str | None = None) -> S:
     def run(part: Iterable[Pair]) -> Iterator[S | None]:
         return _evaluate_partition(shipment, loss_fn, batch_size, new_state, output, part)
@@ -225,35 +226,33 @@ def _aggregate(chunks: RDD[Pair], shipment: Shipment, loss_fn: LossFn | None, ba
 @overload
 def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
                  batch_size: int = 256, regression: Literal[False] = False,
-                 depth: int = 2, output: int | str | None = None,
-                 threshold: float = 0.0) -> Evaluation: ...
+                 depth: int = 2, output: int | str | None = None) -> Evaluation: ...
 @overload
 def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
                  batch_size: int = 256, regression: Literal[True],
-                 depth: int = 2, output: int | str | None = None,
-                 threshold: float = 0.0) -> RegressionEvaluation: ...
+                 depth: int = 2, output: int | str | None = None) -> RegressionEvaluation: ...
 def evaluate_rdd(chunks: RDD[Pair], shipment: Shipment, *, loss_fn: LossFn | None = None,
                  batch_size: int = 256, regression: bool = False,
-                 depth: int = 2, output: int | str | None = None,
-                 threshold: float = 0.0) -> Evaluation | RegressionEvaluation:
+                 depth: int = 2,
+                 output: int | str | None = None) -> Evaluation | RegressionEvaluation:
     """Evaluation (or RegressionEvaluation) of chunks of stacked ``(features, label)`` rows
     (``data.arrow.data_chunks``) via treeAggregate.
 
-    ``output`` picks which of a multi-output model's outputs (and targets) is counted;
-    ``threshold``: where one score per row turns class 1 (0.5 for probabilities).
+    ``output`` picks which of a multi-output model's outputs (and targets) is counted; one
+    score per row of it turns class 1 above the shipment's threshold for that output (0.5 for
+    probabilities, an output trained with BCELoss).
     """
-    new_state = metric_factory("regression" if regression else "classification", threshold)
+    new_state = metric_factory("regression" if regression else "classification")
     state = _aggregate(chunks, shipment, loss_fn, batch_size, new_state, depth, output)
     return cast("Evaluation | RegressionEvaluation", state)
 
 
 def evaluate_metrics(chunks: RDD[Pair], shipment: Shipment, metrics: Sequence[str], *,
                      loss_fn: LossFn | None = None, batch_size: int = 256, depth: int = 2,
-                     output: int | str | None = None,
-                     threshold: float = 0.0) -> dict[str, MetricState]:
+                     output: int | str | None = None) -> dict[str, MetricState]:
     """Several metrics (``metrics.METRICS`` names) of chunks of rows, in one pass."""
     result = _aggregate(chunks, shipment, loss_fn, batch_size,
-                        MetricSet.factory(metrics, threshold), depth, output)
+                        MetricSet.factory(metrics), depth, output)
     return dict(result.states)
 
 

@@ -18,7 +18,7 @@ import torch
 from paraloom.evaluation import ROC, Evaluation, RegressionEvaluation
 
 __all__ = ["MetricState", "MetricSet", "METRICS", "RegressionEvaluation", "ROC",
-           "merge_evaluations", "metric_factory"]
+           "merge_evaluations", "metric_factory", "StateBuilder"]
 
 
 class MetricState(Protocol):
@@ -42,15 +42,20 @@ def _classes(out: torch.Tensor) -> int:
     return int(out.shape[1]) if out.dim() > 1 and out.shape[1] > 1 else 2
 
 
-def metric_factory(name: str, threshold: float = 0.0) -> Callable[[torch.Tensor], MetricState]:
-    """A state builder for one metric name, sized from the first batch of outputs;
-    ``threshold``: where one score per row turns class 1 (``Evaluation.threshold``)."""
+StateBuilder = Callable[[torch.Tensor, float], M]
+"""``build(outputs, threshold)``: a metric state sized from the first batch of the counted
+output; ``threshold``: where one score per row of that output turns class 1
+(``Evaluation.threshold``: 0.5 for an output trained with BCELoss, else 0)."""
+
+
+def metric_factory(name: str) -> StateBuilder[MetricState]:
+    """A state builder for one metric name."""
     if name == "classification":
-        return lambda out: Evaluation(_classes(out), threshold=threshold)
+        return lambda out, threshold: Evaluation(_classes(out), threshold=threshold)
     if name == "roc":
-        return lambda out: ROC(_classes(out))
+        return lambda out, threshold: ROC(_classes(out))
     if name == "regression":
-        return lambda out: RegressionEvaluation(out[0].numel())
+        return lambda out, threshold: RegressionEvaluation(out[0].numel())
     raise ValueError(f"unknown metric {name!r}; expected some of {list(METRICS)}")
 
 
@@ -61,13 +66,12 @@ class MetricSet:
     states: dict[str, MetricState]
 
     @classmethod
-    def factory(cls, names: Sequence[str],
-                threshold: float = 0.0) -> Callable[[torch.Tensor], MetricSet]:
+    def factory(cls, names: Sequence[str]) -> StateBuilder[MetricSet]:
         """A builder of the named states (checked now, built on the first batch)."""
         if isinstance(names, str) or not names:
             raise ValueError(f"metrics={names!r}; expected a non-empty list of {list(METRICS)}")
-        makers = {n: metric_factory(n, threshold) for n in names}
-        return lambda out: cls({n: make(out) for n, make in makers.items()})
+        makers = {n: metric_factory(n) for n in names}
+        return lambda out, threshold: cls({n: make(out, threshold) for n, make in makers.items()})
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0) -> None:
         """Count one batch in every state."""

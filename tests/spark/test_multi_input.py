@@ -83,8 +83,10 @@ def test_predict_gives_one_column_per_output_equal_to_local(spark, fitted):
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.array([r["bright"][0] for r in out]), bright[at].numpy(),
                                rtol=1e-5, atol=1e-5)
-    with pytest.raises(Exception, match="returned 2 outputs; give predict"):
-        net.predict(test, inputs=INPUTS).collect()
+    for output in ("prediction", ("digit",)):  # a one-tuple is one column, as one name is
+        with pytest.raises(Exception, match=r"returned 2 outputs but output= names one column"
+                                            r".*\(2 names\)"):
+            net.predict(test, inputs=INPUTS, output=output).collect()
 
 
 def test_keyword_inputs_and_rdd_multidatasets_give_the_same_answers(spark, sc, fitted):

@@ -404,8 +404,9 @@ def _output_columns(out: Any, outputs: tuple[str, ...] | None,
         if parts is not None and len(parts) == 1:  # a model that returns (logits,)
             return column(parts[0], 0)
         if parts is not None:
-            raise ValueError(f"the model returned {len(parts)} outputs; give predict() "
-                             f"output=(name, ...) with one column name per output")
+            raise ValueError(f"the model returned {len(parts)} outputs but output= names "
+                             f"one column; give predict() output=(name, ...) with one column "
+                             f"name per output ({len(parts)} names)")
         return column(out, 0)
     if parts is None or len(parts) != len(outputs):
         got = 1 if parts is None else len(parts)

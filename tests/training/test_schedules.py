@@ -154,17 +154,26 @@ def test_lr_scheduler_steps_in_idle_rounds_too() -> None:
     assert first == second
 
 
-def test_a_scheduler_object_or_a_bad_factory_is_refused() -> None:
+def test_a_scheduler_object_or_a_bad_factory_is_refused_where_the_wrapper_is_built() -> None:
+    """Refused in the constructor, built once on a stand-in optimizer: before, a
+    ReduceLROnPlateau or a scheduler on the user's own optimizer failed in each worker once
+    the pool had started."""
     model = Scalar()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with pytest.raises(TypeError, match="expected a function that builds the scheduler"):
         ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=1,
                         lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
-    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=1, progress=False,
-                         lr_scheduler=lambda o: 0.1) as wrapper:
-        with pytest.raises(TypeError, match="lr_scheduler returned float"):
-            wrapper.fit(ONES[:1])
-    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, workers=1, progress=False,
-                         lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau) as wrapper:
-        with pytest.raises(TypeError, match="ReduceLROnPlateau, which steps on a metric"):
-            wrapper.fit(ONES[:1])
+    for factory, error, message in [
+            (lambda o: 0.1, TypeError, "lr_scheduler returned float"),
+            (torch.optim.lr_scheduler.ReduceLROnPlateau, TypeError,
+             "ReduceLROnPlateau, which steps on a metric"),
+            (lambda o: torch.optim.lr_scheduler.StepLR(opt, 1), ValueError,
+             "built its scheduler on another optimizer")]:
+        for optimizer in (opt, lambda params: torch.optim.Adam(params, lr=0.1)):
+            with pytest.raises(error, match=message):
+                ParallelWrapper(model, loss_fn=linear_loss, optimizer=optimizer, workers=2,
+                                lr_scheduler=factory)
+    fresh = torch.optim.SGD(model.parameters(), lr=1.0)
+    ParallelWrapper(model, loss_fn=linear_loss, optimizer=fresh, workers=2,
+                    lr_scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 5.0, 10))
+    assert fresh.param_groups[0]["lr"] == 1.0 and "initial_lr" not in fresh.param_groups[0]

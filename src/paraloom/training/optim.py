@@ -92,6 +92,21 @@ class OptimizerSpec:
         return opt
 
 
+    def stand_in(self, model: nn.Module) -> torch.optim.Optimizer:
+        """An optimizer built as ``build`` builds a replica's, but over one-element tensors in
+        place of ``model``'s parameters (and without the state): a probe for what is built on
+        it (an ``lr_scheduler``), costing nothing for a large model."""
+        probes = [nn.Parameter(torch.zeros(1)) for _ in model.parameters()]
+        if self.factory is not None:
+            opt = self.factory(iter(probes))
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"the optimizer factory returned {type(opt).__name__}")
+            return opt
+        assert self.cls is not None
+        groups = [{**g, "params": [probes[i] for i in g["params"]]} for g in self.groups]
+        return self.cls(groups, **copy.deepcopy(self.kwargs))
+
+
 def _name(cls: type) -> str:
     return cls.__qualname__
 

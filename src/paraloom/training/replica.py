@@ -58,8 +58,29 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 """``lr_scheduler(optimizer) -> scheduler``, e.g. ``lambda opt: OneCycleLR(opt, 0.1, 1000)``."""
 
 
+def check_scheduler_factory(factory: SchedulerFactory | None, optimizer: OptimizerSpec,
+                            model: nn.Module) -> None:
+    """Build ``factory``'s scheduler once, on a stand-in of the replicas' optimizer, so that one
+    they would refuse (a ReduceLROnPlateau, no scheduler, one on another optimizer) is refused
+    where the wrapper is built, not once the workers have started. A factory that fails on the
+    stand-in is left to the replicas, whose own build names the error."""
+    if factory is None:
+        return
+    try:
+        probe = optimizer.stand_in(model)
+        scheduler = factory(probe)
+    except Exception:  # noqa: BLE001 - the replicas build it again and report what failed
+        return
+    _check_scheduler(scheduler, probe)
+
+
 def _build_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer) -> LRScheduler:
     scheduler = factory(optimizer)
+    _check_scheduler(scheduler, optimizer)
+    return scheduler
+
+
+def _check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer) -> None:
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise TypeError("lr_scheduler returned a ReduceLROnPlateau, which steps on a metric, "
                         "not after every round: run one fit() per epoch (fit(data, epochs=e "
@@ -73,7 +94,6 @@ def _build_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer
     if scheduler.optimizer is not optimizer:
         raise ValueError("lr_scheduler built its scheduler on another optimizer; expected one "
                          "on the optimizer it is given: lambda opt: StepLR(opt, ...)")
-    return scheduler
 
 
 def _grad_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:

@@ -46,7 +46,7 @@ from paraloom.training.options import (
 from paraloom.training.pool import Pool
 from paraloom.training.process_pool import ProcessPool
 from paraloom.training.recovery import RecoveringPool, Recovery
-from paraloom.training.replica import StepFn, require_loss
+from paraloom.training.replica import StepFn, check_scheduler_factory, require_loss
 from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
 from paraloom.training.step_checks import check_fit
@@ -156,6 +156,7 @@ class ParallelWrapper:
                                 accumulate=self.steps.accumulate,
                                 compile_options=self.steps.compile_options)
         require_loss(loss_fn, step_fn)
+        check_scheduler_factory(self.steps.lr_scheduler, self._spec.optimizer, model)
         self._pool: Pool | None = None
         self._pool_layout = self._layout()
         """``_layout()`` when the pool started: a change restarts the workers."""

@@ -155,3 +155,22 @@ def test_non_finite_floats_travel_in_json_as_triton_writes_them() -> None:
     assert parsed.inputs[0].tensor[0, :2].tolist() == [float("inf"), -float("inf")]
     with pytest.raises(ValueError, match="JSON"):
         parse_infer_request(b'{"inputs": NaN, ')
+
+
+@pytest.mark.parametrize("where", ["data", "id"])
+def test_a_lone_surrogate_is_refused_beside_nan_as_without_it(where: str) -> None:
+    """With NaN in the body the JSON is read by Python's json, which took a lone surrogate
+    ("\\ud800"): a 500 from the model's string encoding, or from the answer's id, later."""
+    data, request_id = (r'["NaN", "\ud800"]', '"a"') if where == "data" else \
+        ('["NaN"]', r'"\ud800"')
+    rows = data.count(",") + 1
+    body = ('{"id": ' + request_id + ', "inputs": [{"name": "t", "datatype": "BYTES", '
+            f'"shape": [{rows}], "data": ' + data + '}]}').encode()
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate"):
+        parse_infer_request(body)
+    pair = json.dumps({"id": "\U0001F600 NaN", "inputs": [
+        {"name": "t", "datatype": "BYTES", "shape": [2], "data": ["NaN", "\U0001F600"]}]})
+    assert r"\ud83d\ude00" in pair  # an escaped pair reads as its one character
+    parsed = parse_infer_request(pair.encode())
+    assert parsed.id == "\U0001F600 NaN"
+    assert list(parsed.inputs[0].tensor) == [b"NaN", "\U0001F600".encode()]

@@ -278,3 +278,38 @@ def test_postprocess_outputs_are_checked_against_outputs() -> None:
     objects = _handler(postprocess=lambda out: {"label": np.array([1, None], dtype=object)})
     with pytest.raises(HandlerFailedError, match="holding int 1.*str or bytes only"):
         objects.from_model(torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("value", [np.zeros(2, ">f4"), np.zeros(2, np.complex64),
+                                   torch.zeros(2, dtype=torch.complex64),
+                                   np.zeros(2, "datetime64[s]")])
+def test_a_postprocess_array_torch_cannot_send_is_the_handlers_error(value: object) -> None:
+    """A big-endian, complex or datetime array was 'the model failed' (reason model_error),
+    though the model had run: it is what the handler returned."""
+    handler = _handler(postprocess=lambda out: {"label": value})
+    with pytest.raises(HandlerFailedError, match="postprocess returned, for output 'label', "
+                                                 ".* that cannot be sent"):
+        handler.from_model(torch.zeros(2, 2))
+
+
+def test_a_model_refusing_what_preprocess_made_is_told_as_it_happened() -> None:
+    """A 0-row preprocess result was said to meet a version on which 'none has run yet',
+    though requests had: only a model that raised, before any input ran, is told that."""
+    from paraloom.inference.errors import InvalidRequestError
+    from paraloom.serving.served import _preprocess_misfit
+
+    empty = InvalidRequestError("input has 0 rows; send at least one row",
+                                received="Tensor(N, 1) float32")
+    said = str(_preprocess_misfit("handler.py", empty))
+    assert "(input has 0 rows; send at least one row): preprocess gave Tensor(N, 1) float32; " \
+        "make preprocess return what the model takes" in said and "none has run" not in said
+    raised = InvalidRequestError("failed", received="Tensor(N, 2) float32")
+    raised.__cause__ = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert "RuntimeError: mat1" in str(_preprocess_misfit("handler.py", raised))
+    assert "none has run on this version yet" in str(_preprocess_misfit("handler.py", raised))
+    known = InvalidRequestError("failed", received="Tensor(N, 2) float32",
+                                expected="Tensor(N, 3) float32")
+    known.__cause__ = RuntimeError("shapes")
+    assert str(_preprocess_misfit("handler.py", known)).endswith(
+        "preprocess gave Tensor(N, 2) float32, the model takes Tensor(N, 3) float32; make "
+        "preprocess return that")

@@ -96,6 +96,8 @@ def test_a_shrunk_segment_is_refused_not_a_crash(segment: shared_memory.SharedMe
     (lambda r, k: r.register("r", "/../etc/passwd", 0, 8), "not a segment name"),
     (lambda r, k: r.register("r", "/a/b", 0, 8), "not a segment name"),
     (lambda r, k: r.register("r/x", k, 0, 8), "region name"),
+    (lambda r, k: r.register("r\n", k, 0, 8), "without '/' or control characters"),
+    (lambda r, k: r.register("r" * 201, k, 0, 8), "region name"),
     (lambda r, k: r.register("r", k, 0, 0), "byte_size > 0"),
     (lambda r, k: r.read(RegionRef("ok", 8, offset=60), "input 'x'"), "bytes 60..68"),
     (lambda r, k: r.read(RegionRef("ok", 65), "input 'x'"), "which has 64 bytes"),
@@ -215,6 +217,16 @@ def test_tritonclient_passes_inputs_and_outputs_in_shared_memory(
         client.unregister_system_shared_memory(f"in{tag}")
         with pytest.raises(InferenceServerException, match="not registered"):
             client.infer("lenet", [given])
+        # Any name, as in Triton (letters, digits and '_-.:' only, before).
+        spaced = f"my régión {tag}"
+        client.register_system_shared_memory(spaced, regions.keys[f"in{tag}"][0], x.nbytes)
+        named = client.get_system_shared_memory_status(spaced)
+        names = [r["name"] for r in named] if protocol == "http" else list(named.regions)
+        assert names == [spaced]
+        given.set_shared_memory(spaced, x.nbytes)
+        np.testing.assert_allclose(client.infer("lenet", [given]).as_numpy("output"), want,
+                                   rtol=1e-5, atol=1e-6)
+        client.unregister_system_shared_memory(spaced)
         assert client.is_server_ready()
     finally:
         client.unregister_system_shared_memory()

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paraloom.serving.datatypes import Value
+from paraloom.serving.datatypes import Value, datatype_of
 from paraloom.serving.errors import ProtocolError, ServingError, short_repr
 from paraloom.serving.signature import ModelSignature, TensorSpec, spec_from_json
 from paraloom.serving.strings import is_strings
@@ -177,11 +177,24 @@ class Handler:
         return {s.name: self._value(s, out[s.name]) for s in self.signature.outputs}
 
     def _value(self, spec: TensorSpec, value: object) -> Value:
+        try:
+            return self._converted(spec, value)
+        except HandlerFailedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch refused it: the handler's fault
+            raise HandlerFailedError(f"{self.path.name} postprocess returned, for output "
+                                     f"{spec.name!r}, {type(value).__name__} that cannot be "
+                                     f"sent ({type(e).__name__}: {e}); return a numpy array of "
+                                     f"the declared datatype {spec.datatype}") from e
+
+    def _converted(self, spec: TensorSpec, value: object) -> Value:
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu()
+            datatype_of(value.dtype)  # complex, quantized: no datatype to send them as
         elif isinstance(value, np.ndarray):
-            if not is_strings(value):
+            if not is_strings(value):  # a big-endian or datetime array: torch refuses it
                 value = torch.from_numpy(np.ascontiguousarray(value))
+                datatype_of(value.dtype)
             elif value.dtype.kind == "O" and spec.datatype == "BYTES":
                 odd = [v for v in value.flat if not isinstance(v, str | bytes)][:1]
                 if odd:  # it would be sent as each item's str()

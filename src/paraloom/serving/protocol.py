@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict, TypeVar, overload
@@ -41,6 +42,7 @@ from paraloom.serving.strings import BYTES, strings_from_buffer, strings_from_js
 
 __all__ = [
     "AnswerOutput",
+    "load_json",
     "InferRequest",
     "RequestInput",
     "RequestedOutput",
@@ -83,13 +85,30 @@ except ImportError:  # pragma: no cover - the same results, slower
         return _dumps_nonfinite(obj)
 
 
+def load_json(data: bytes) -> object:
+    """A request body's JSON (``ValueError`` if it is none): ``NaN`` and ``Infinity`` read as
+    numbers, as Triton reads them; a lone UTF-16 surrogate escape is refused, as orjson refuses
+    it, for it is no text (a string holding one fails wherever it is encoded later)."""
+    return _loads(data)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _loads_nonfinite(data: bytes) -> object:
     """JSON with ``NaN``, ``Infinity`` and ``-Infinity`` as numbers, as Triton reads and writes
     them (and tritonclient, through Python's json, sends them); orjson refuses them."""
     try:
-        return json.loads(data)
+        obj = json.loads(data)
     except RecursionError as e:
         raise ValueError("the JSON is nested too deeply") from e
+    if _SURROGATE_ESCAPE.search(data):  # a pair (an escaped emoji) reads as one character
+        try:
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:
+            raise ValueError("a string holds a lone UTF-16 surrogate (an escape \\ud800 to "
+                             "\\udfff that is not one of a pair), which is no text") from e
+    return obj
 
 
 def _dumps_nonfinite(obj: object) -> bytes:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 from starlette.exceptions import HTTPException
@@ -17,6 +16,7 @@ from paraloom.serving.handling import describe_server
 from paraloom.serving.infer_endpoint import InferEndpoint
 from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from paraloom.serving.model_config import model_config
+from paraloom.serving.protocol import load_json
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.served import ServedModel
 from paraloom.serving.shared_memory_routes import SHARED_MEMORY_ROUTES, regions_of
@@ -94,7 +94,7 @@ async def repository_index(request: Request) -> Response:
     rows = _repository(request).index()
     if body.strip():
         try:
-            obj = json.loads(body)
+            obj = load_json(body)
         except ValueError as e:
             raise ProtocolError(f"index request body is not valid JSON: {e}") from e
         if isinstance(obj, dict) and obj.get("ready") is True:
@@ -107,7 +107,7 @@ async def _load_parameters(request: Request) -> dict[str, object]:
     if not body.strip():
         return {}
     try:
-        obj = json.loads(body)
+        obj = load_json(body)
     except ValueError as e:
         raise ProtocolError(f"load request body is not valid JSON: {e}") from e
     params = obj.get("parameters", {}) if isinstance(obj, dict) else None

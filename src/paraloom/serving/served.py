@@ -332,7 +332,12 @@ def _preprocess_misfit(handler: str, error: InvalidRequestError) -> ServingError
     matched the handler's INPUTS, so the handler (or the model) is at fault, not the client."""
     cause = error.__cause__
     failed = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
-    expected = error.expected or "an input it accepts (none has run on this version yet)"
+    if error.expected:
+        wanted = f", the model takes {error.expected}; make preprocess return that"
+    elif cause is not None:  # the model raised, and no input has run on this version yet
+        wanted = (", the model takes an input it accepts (none has run on this version yet); "
+                  "make preprocess return one")
+    else:  # refused before the model ran (0 rows): the error says why
+        wanted = "; make preprocess return what the model takes"
     return HandlerFailedError(f"the model failed on what {handler} preprocess returned for this "
-                              f"request ({failed}): preprocess gave {error.received}, the model "
-                              f"takes {expected}; make preprocess return that")
+                              f"request ({failed}): preprocess gave {error.received}{wanted}")

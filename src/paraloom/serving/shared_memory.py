@@ -47,7 +47,7 @@ OFF = ("shared memory is off on this server (paraloom serve --shared-memory on, 
        "shared_memory=True, turns it on; 'auto' is on for a loopback --host and one process)")
 """Why a request that uses shared memory is refused by a server that has it off."""
 _KEY = re.compile(r"/?[A-Za-z0-9_.\-]{1,200}")
-_NAME = re.compile(r"[A-Za-z0-9_.\-:]{1,200}")
+_NAME = re.compile(r"[^\x00-\x1f\x7f/]{1,200}")  # any text an HTTP path segment holds
 _REGION, _SIZE, _OFFSET = ("shared_memory_region", "shared_memory_byte_size",
                            "shared_memory_offset")
 
@@ -166,8 +166,8 @@ class SharedMemoryRegistry:
         exist, or a range past the segment's end.
         """
         if not _NAME.fullmatch(name):
-            raise ProtocolError(f"region name {short_repr(name)} is not valid; use up to 200 "
-                                "letters, digits, '_', '-', '.' or ':'")
+            raise ProtocolError(f"region name {short_repr(name)} is not valid; use 1 to 200 "
+                                "characters, without '/' or control characters")
         if not _KEY.fullmatch(key) or key.lstrip("/") in (".", ".."):
             raise ProtocolError(f"shared memory key {short_repr(key)} is not a segment name; "
                                 "expected a name such as '/input_data' (one optional leading "

@@ -10,14 +10,13 @@ register is refused with the reason.
 
 from __future__ import annotations
 
-import json
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from paraloom.serving.body import read_body
 from paraloom.serving.errors import NotFoundError, ProtocolError, short_repr
+from paraloom.serving.protocol import load_json
 from paraloom.serving.shared_memory import SharedMemoryRegistry, registry_or_refuse
 
 __all__ = ["CUDA_REFUSAL", "SHARED_MEMORY_ROUTES", "registry_of", "regions_of"]
@@ -58,7 +57,7 @@ async def register(request: Request) -> Response:
     """POST /v2/systemsharedmemory/region/{name}/register."""
     body = await read_body(request, _BODY_LIMIT)
     try:
-        obj = json.loads(body)
+        obj = load_json(body)
     except ValueError as e:
         raise ProtocolError(f"register request body is not valid JSON: {e}") from e
     key, offset, size = _register_fields(obj)

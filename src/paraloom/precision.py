@@ -75,6 +75,22 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
+    def keep_untrained(self, model: nn.Module, state: dict[str, torch.Tensor]
+                       ) -> dict[str, torch.Tensor]:
+        """``state`` (a -true replica's, in half precision) for the user's ``model``, with each
+        tensor that is the model's own converted (training never changed it: a frozen layer)
+        replaced by the model's own, so that its full precision is not lost on the way back."""
+        if self.param_dtype is None:
+            return state
+        own = model.state_dict()
+        kept = dict(state)
+        for key, value in state.items():
+            mine = own.get(key)
+            if mine is not None and mine.is_floating_point() and value.dtype == self.param_dtype \
+                    and mine.shape == value.shape and torch.equal(mine.to(value.dtype), value):
+                kept[key] = mine
+        return kept
+
     def convert_output(self, output: _Output) -> _Output:
         """Give floating-point outputs back as float32 unless this is 32-true."""
         if self.param_dtype is None and self.autocast_dtype is None:

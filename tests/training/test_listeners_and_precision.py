@@ -88,6 +88,27 @@ def test_half_replicas_and_unknown_precision(digits_loader, digits_test):
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bf16_true_gives_a_frozen_layer_back_at_full_precision(workers):
+    """The replicas hold bf16 copies; a layer that never trains came back as its bf16
+    rounding (9.7e-4 off) in the user's fp32 model. Trained layers take the trained values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model[0].requires_grad_(False)
+    frozen, head = model[0].weight.detach().clone(), model[2].weight.detach().clone()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(4)]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, workers=workers,
+                         training_mode="allreduce", precision="bf16-true", progress=False) as w:
+        w.fit(data, epochs=1)
+    assert model[0].weight.dtype == torch.float32 and torch.equal(model[0].weight, frozen)
+    assert not torch.equal(frozen.bfloat16().float(), frozen)  # rounding would show
+    assert (model[2].weight - head).abs().max() > 1e-3  # the head trained, in bf16
+    assert torch.equal(model[2].weight, model[2].weight.bfloat16().float())
+
+
 @pytest.mark.parametrize(("model_dtype", "input_dtype", "fix"), [
     (torch.float32, torch.float64, r"\(x\.float\(\)\) or the model \(model\.double\(\)\)$"),
     (torch.float32, torch.bfloat16,

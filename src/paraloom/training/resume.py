@@ -102,7 +102,9 @@ class TrainingCheckpoint:
         floating tensor averaged over the replicas, the others (BatchNorm's
         ``num_batches_tracked``) replica 0's.
 
-        With ``allreduce`` that is every replica's model; with ``averaging`` what the next
+        With ``allreduce`` that is every replica's model, with replica 0's buffers (BatchNorm's
+        running statistics), as DDP broadcasts them before each forward and ``fit()`` returns
+        them; with ``averaging`` what the next
         averaging gives (between averagings each replica holds its own weights, so one
         replica's are not the model); with ``shared_gradients`` the shared parameters, without
         the updates the replicas had not sent yet (which the model ``fit()`` returns adds);
@@ -111,6 +113,11 @@ class TrainingCheckpoint:
         states = [r["model"] for r in self.replicas if r is not None]
         if not states:
             raise ValueError("this checkpoint holds no replica state")
+        if self.fingerprint.get("training_mode") == "allreduce":
+            # Identical parameters, and DDP's buffers are rank 0's (the next forward's
+            # broadcast overwrites the others' statistics): the mean would be a model no
+            # replica holds (0.04 off in a BatchNorm's running mean).
+            return {key: value.clone() for key, value in states[0].items()}
         return {key: torch.stack([s[key] for s in states]).mean(0).to(value.dtype)
                 if value.is_floating_point() or value.is_complex() else value.clone()
                 for key, value in states[0].items()}

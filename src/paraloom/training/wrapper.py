@@ -408,7 +408,8 @@ class ParallelWrapper:
             raise WorkerError("worker 0 finished without sending the trained parameters",
                               worker=0)
         with torch.no_grad():
-            load_model_state(self.model, result.state)
+            load_model_state(self.model, resolve_precision(self.precision).keep_untrained(
+                self.model, result.state))
         user_opt = self._user_optimizer
         if user_opt is not None and result.optimizer_state is not None:
             # Settings a listener changed after the replicas last took them (a scheduler

@@ -47,7 +47,7 @@ from paraloom.bench.training_report import (
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
-    from paraloom.training.wrapper import FitStats
+    from paraloom.training.tracker import FitStats
 
 __all__ = ["add_arguments", "run"]
 

@@ -21,7 +21,7 @@ _DIVERGING = 1000.0
 score_log = logging.getLogger("paraloom.score")
 """Where ``report_score_after_averaging`` writes; shown even where no logging is configured."""
 
-__all__ = ["RoundSummary", "RoundTracker", "show_scores"]
+__all__ = ["FitStats", "RoundSummary", "RoundTracker", "show_scores"]
 
 
 class RoundSummary(TypedDict):
@@ -238,3 +238,28 @@ class RoundTracker:
         """The fit's counters so far: rounds trained, batches, samples, seconds, samples/s."""
         return {"rounds": self.next_round - self.skipped, "batches": self.batches,
                 "samples": self.rows, "seconds": self.seconds, "samples_per_s": self.samples_per_s}
+
+
+class FitStats(RoundSummary):
+    """What ``fit()`` and ``stats()`` return: the round counters, then what the fit sent,
+    its failures, and every worker's synchronizer counters."""
+
+    model_sent: bool
+    """Whether the model's state went to the workers (False: a warm fit, unchanged)."""
+    optimizer_state_sent: bool
+    workers: int
+    failures: int
+    """Worker failures survived (``max_failures``)."""
+    seconds_lost: float
+    """Wall time the failures cost."""
+    mode: str
+    """The synchronizer's name."""
+    per_worker: list[dict[str, float]]
+    """Each worker's ``Synchronizer.stats()``: bytes sent, and the mode's own counters."""
+    bytes_sent_per_step: list[float]
+    parent_cpu_seconds_per_round: float
+    """CPU time this process spent per round (dealing, messages, listeners): with the
+    workers' ``overhead_seconds``, paraloom's fixed cost per round."""
+    compile_seconds: float
+    """With ``compile=``: the longest a replica's ``torch.compile`` took in this fit (its first
+    forward and backward); 0.0 without, or when the replicas compiled in an earlier fit."""

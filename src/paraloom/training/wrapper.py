@@ -50,7 +50,7 @@ from paraloom.training.replica import StepFn, check_scheduler_factory, require_l
 from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
 from paraloom.training.step_checks import check_fit
-from paraloom.training.tracker import RoundSummary, RoundTracker
+from paraloom.training.tracker import FitStats, RoundTracker
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -430,31 +430,6 @@ class ParallelWrapper:
         if self._stats is None:
             return cast(FitStats, {})  # no fit yet: no counters
         return copy.deepcopy(self._stats)
-
-
-class FitStats(RoundSummary):
-    """What ``fit()`` and ``stats()`` return: the round counters, then what the fit sent,
-    its failures, and every worker's synchronizer counters."""
-
-    model_sent: bool
-    """Whether the model's state went to the workers (False: a warm fit, unchanged)."""
-    optimizer_state_sent: bool
-    workers: int
-    failures: int
-    """Worker failures survived (``max_failures``)."""
-    seconds_lost: float
-    """Wall time the failures cost."""
-    mode: str
-    """The synchronizer's name."""
-    per_worker: list[dict[str, float]]
-    """Each worker's ``Synchronizer.stats()``: bytes sent, and the mode's own counters."""
-    bytes_sent_per_step: list[float]
-    parent_cpu_seconds_per_round: float
-    """CPU time this process spent per round (dealing, messages, listeners): with the
-    workers' ``overhead_seconds``, paraloom's fixed cost per round."""
-    compile_seconds: float
-    """With ``compile=``: the longest a replica's ``torch.compile`` took in this fit (its first
-    forward and backward); 0.0 without, or when the replicas compiled in an earlier fit."""
 
 
 def _synchronizer(training_mode: str | TrainingMode | Synchronizer | None,

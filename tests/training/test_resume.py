@@ -380,7 +380,7 @@ def test_shared_gradients_resume_before_a_short_last_round_is_exact(tmp_path):
 
 
 def _quick_fit(directory, epochs, resume_from=None, lr=0.05, batch_size=64, keep_last=2,
-               every=5):
+               every=5, lr_scheduler=None):
     torch.manual_seed(0)
     model = MLP(in_features=64, hidden=[16])
     loader = DataLoader(digits("train"), batch_size=batch_size)
@@ -388,9 +388,24 @@ def _quick_fit(directory, epochs, resume_from=None, lr=0.05, batch_size=64, keep
                                   keep_last=keep_last)
     with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
                          optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-                         listeners=[listener]) as w:
+                         listeners=[listener], lr_scheduler=lr_scheduler) as w:
         w.fit(loader, epochs=epochs, resume_from=resume_from)
     return model
+
+
+def test_resume_refuses_an_lr_scheduler_added_or_dropped(tmp_path):
+    """Accepted silently: an added schedule started at its first step mid-run (a warm-up
+    again), a dropped one left the rate where it was."""
+    def step(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.5)
+
+    _quick_fit(tmp_path / "plain", 1)
+    with pytest.raises(ValueError, match="without an lr_scheduler, and this run has one"):
+        _quick_fit(tmp_path / "plain", 2, resume_from=tmp_path / "plain", lr_scheduler=step)
+    _quick_fit(tmp_path / "scheduled", 1, lr_scheduler=step)
+    with pytest.raises(ValueError, match="with an lr_scheduler, and this run has none"):
+        _quick_fit(tmp_path / "scheduled", 2, resume_from=tmp_path / "scheduled")
+    _quick_fit(tmp_path / "scheduled", 2, resume_from=tmp_path / "scheduled", lr_scheduler=step)
 
 
 def test_keep_last_holds_across_resumed_runs(tmp_path):

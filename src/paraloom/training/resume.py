@@ -195,6 +195,21 @@ class TrainingCheckpoint:
                 f".load({str(path)!r}).model_state()))")
 
 
+    def check_schedule(self, scheduled: bool, path: Any = "the checkpoint") -> None:
+        """Refuse a checkpoint of a run with an ``lr_scheduler`` resumed without one, or the
+        other way round: the schedule would be dropped, or start again at its first step, and
+        the resumed run would no longer be the one that stopped."""
+        held = any(r is not None and "scheduler" in r for r in self.replicas)
+        if held != scheduled:
+            raise ValueError(
+                f"{path} was written by a run {'with' if held else 'without'} an lr_scheduler, "
+                f"and this run has {'none' if held else 'one'}: resuming would "
+                f"{'drop the schedule' if held else 'start a schedule at its first step'}. "
+                f"Resume with {'the same lr_scheduler' if held else 'no lr_scheduler'}, or "
+                "start a fresh run from the checkpoint's weights (model.load_state_dict("
+                f"paraloom.TrainingCheckpoint.load({str(path)!r}).model_state()))")
+
+
 _COMPARED_WHEN_KNOWN = frozenset({"optimizer", "optimizer_param_groups", "batches_per_epoch"})
 """Fingerprint keys that older checkpoints (or a run whose optimizer is a factory, or data
 without a length) lack."""

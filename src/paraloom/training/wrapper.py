@@ -358,6 +358,7 @@ class ParallelWrapper:
             return Start(epoch=initial_epoch)
         ckpt = TrainingCheckpoint.load(resume_from)
         ckpt.check(self.fingerprint(), resume_from)
+        ckpt.check_schedule(self.steps.lr_scheduler is not None, resume_from)
         self._iteration = ckpt.iteration
         self._checkpoints.run = ckpt.run or self._checkpoints.run  # the same run goes on
         return Start(ckpt.epoch, ckpt.batch, ckpt.data_rng, ckpt.replicas)

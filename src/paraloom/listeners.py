@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from paraloom import ParallelWrapper, TrainingCheckpoint, WorkerError
 
 __all__ = ["TrainingListener", "ScoreListener", "PerformanceListener", "CheckpointListener",
-           "ValidationListener", "as_listener", "iteration_of", "run_of"]
+           "ValidationListener", "as_listener"]
 
 log = logging.getLogger("paraloom")
 

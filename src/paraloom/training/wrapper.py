@@ -285,6 +285,14 @@ class ParallelWrapper:
         Returns ``stats()``. Ctrl-C stops the fit after the round in flight, keeps what was
         trained in the model, then raises ``FitInterrupted`` (a ``KeyboardInterrupt``); a
         second Ctrl-C aborts at once, leaving the model as it was before the fit.
+
+        Raises ``WorkerError`` when a replica fails (its exception's class in ``remote_type``,
+        e.g. ``"NonFiniteLossError"``, its traceback in ``remote_traceback``; or a worker died
+        or hung, past ``max_failures``), at ``workers=1`` too; the model keeps the weights it
+        had before the fit. ``ValueError`` or ``TypeError`` for arguments or data it cannot
+        train on, and for a ``resume_from`` checkpoint of another run (naming the difference);
+        ``FileNotFoundError`` for a missing ``resume_from``; ``RuntimeError`` for a ``fit()``
+        called while one runs; ``FitInterrupted`` as above.
         """
         check_fit(self.model, epochs, initial_epoch, resume_from)
         one_shot = isinstance(data, Iterator)  # iter(data) is data: one pass, then empty

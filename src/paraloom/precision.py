@@ -87,7 +87,8 @@ class Precision:
         for key, value in state.items():
             mine = own.get(key)
             if mine is not None and mine.is_floating_point() and value.dtype == self.param_dtype \
-                    and mine.shape == value.shape and torch.equal(mine.to(value.dtype), value):
+                    and mine.shape == value.shape and torch.equal(  # a CUDA model: the CPU's
+                        mine.detach().to(value.device, value.dtype), value):
                 kept[key] = mine
         return kept
 

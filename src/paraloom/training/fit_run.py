@@ -422,12 +422,12 @@ class FitRun:
             if reply.digest in seen and not self._warned_unsharded:
                 self._warned_unsharded = True
                 warn(
-           f"the workers read the same batches from your "
-           f"{type(source.dataset).__name__}: every worker iterates its own copy of an "
-           "IterableDataset, so unless it shards itself each batch is trained several "
-           "times. Shard it in __iter__: keep every info.world_size-th item from "
-           "info.rank on, with info = paraloom.replica_info(), and within a worker's "
-           "DataLoader every num_workers-th from torch.utils.data.get_worker_info().id")
+                    f"the workers read the same batches from your "
+                    f"{type(source.dataset).__name__}: every worker iterates its own copy of an "
+                    "IterableDataset, so unless it shards itself each batch is trained several "
+                    "times. Shard it in __iter__: keep every info.world_size-th item from "
+                    "info.rank on, with info = paraloom.replica_info(), and within a worker's "
+                    "DataLoader every num_workers-th from torch.utils.data.get_worker_info().id")
             seen.add(reply.digest)
 
     def _send_settings(self) -> None:

@@ -91,7 +91,6 @@ class OptimizerSpec:
             opt.load_state_dict(self.state)
         return opt
 
-
     def stand_in(self, model: nn.Module) -> torch.optim.Optimizer:
         """An optimizer built as ``build`` builds a replica's, but over one-element tensors in
         place of ``model``'s parameters (and without the state): a probe for what is built on

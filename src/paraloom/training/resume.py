@@ -194,7 +194,6 @@ class TrainingCheckpoint:
                 "the checkpoint's weights: model.load_state_dict(paraloom.TrainingCheckpoint"
                 f".load({str(path)!r}).model_state()))")
 
-
     def check_schedule(self, scheduled: bool, path: Any = "the checkpoint") -> None:
         """Refuse a checkpoint of a run with an ``lr_scheduler`` resumed without one, or the
         other way round: the schedule would be dropped, or start again at its first step, and

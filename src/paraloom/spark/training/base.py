@@ -118,11 +118,10 @@ class TrainingMaster:
         executors may run on other machines, where a re-run stage could not resume from it."""
         if not master_url.startswith("local") and not self._warned_local_checkpoints:
             self._warned_local_checkpoints = True
-            warn(
-       f"{type(self).__name__}: checkpoint_dir is not set, so checkpoints go to each "
-       f"executor's temp folder, but the master is {master_url!r}: a barrier stage "
-       "that Spark re-runs resumes only if every executor can read the checkpoint. "
-       "Set checkpoint_dir= to shared storage (NFS, HDFS mounted, ...)")
+            warn(f"{type(self).__name__}: checkpoint_dir is not set, so checkpoints go to each "
+                 f"executor's temp folder, but the master is {master_url!r}: a barrier stage "
+                 "that Spark re-runs resumes only if every executor can read the checkpoint. "
+                 "Set checkpoint_dir= to shared storage (NFS, HDFS mounted, ...)")
         return os.path.join(tempfile.gettempdir(), "paraloom-spark")
 
     def prepare(self, rows: RDD[Pair], workers: int, job: FitJob,

@@ -165,3 +165,27 @@ def test_a_dataframe_read_from_parquet_trains_as_fit_paths_on_its_files(spark, d
     summary = filtered.fit(spark.read.parquet(digits_parquet).where("label >= 0"), epochs=2,
                            seed=1)
     assert summary["samples"] == 2 * 1438 and summary["rows_per_worker"] != [719, 719]
+
+
+def test_files_of_unequal_sizes_are_shared_equally_where_the_master_reads_a_dataframe(
+        spark, tmp_path):
+    """DiLoCo's per-round master reads fit_paths through a DataFrame, whose partitions are
+    Spark's bins of the files: two bins were kept as they were, [650, 50] of 700 rows."""
+    g = np.random.default_rng(0)
+    x = g.normal(size=(700, 4)).astype(np.float32)
+    start = 0
+    for i, size in enumerate([500, 7, 150, 43]):
+        pq.write_table(pa.table({"features": pa.array(x[start:start + size].tolist(),
+                                                      type=pa.list_(pa.float32())),
+                                 "label": pa.array((x[start:start + size, 0] > 0).astype(
+                                     np.int64))}), tmp_path / f"part-{i}.parquet",
+                       row_group_size=64)
+        start += size
+    model = nn.Linear(4, 2)
+    master = ParameterAveragingTrainingMaster(16, workers=2, encoding="topk")
+    summary = SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).fit_paths(
+        str(tmp_path), epochs=1)
+    assert summary["stages"] == "per_round"
+    assert sum(summary["rows_per_worker"]) == 700
+    assert max(summary["rows_per_worker"]) - min(summary["rows_per_worker"]) <= 4

@@ -241,3 +241,61 @@ def test_drop_last_lets_batchnorm_train_on_shares_that_leave_one_row(spark, sc, 
         fit()
     summary = fit(drop_last=True)
     assert summary["samples"] == 2 * 64  # each epoch: two full minibatches, the row left out
+
+
+def _line_data(n: int = 200):
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    x = g.normal(size=(n, 4)).astype(np.float32)
+    return x, (x @ np.array([1.5, -2.0, 0.5, 3.0], np.float32) + 0.7).astype(np.float32)
+
+
+def _full_batch_gd(x, y, lr: float, epochs: int) -> float:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)[:, None]
+    for _ in range(epochs):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(xt), yt).backward()
+        opt.step()
+    return nn.functional.mse_loss(model(xt), yt).item()
+
+
+def test_one_stage_averaging_leaves_a_task_without_rows_out(spark):
+    """Two partitions of 200 and 0 rows, kept as they are: the plain mean counted the empty
+    task's stale weights at every averaging, training at exactly half the learning rate (the
+    per-round path weighted by examples, as documented)."""
+    x, y = _line_data()
+    pairs = spark.sparkContext.parallelize(
+        [(0, (r.tolist(), float(v))) for r, v in zip(x, y, strict=True)], 1) \
+        .partitionBy(2, lambda k: 0).values()
+    frame = spark.createDataFrame(pairs, "features array<float>, label double")
+    assert frame.rdd.glom().map(len).collect() == [200, 0]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    master = ParameterAveragingTrainingMaster(200, averaging_frequency=1, workers=2)
+    summary = SparkModel(spark, model, master, loss_fn=nn.MSELoss(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).fit(frame, 10)
+    assert summary["rows_per_worker"] == [200, 0] and summary["stages"] == "one"
+    with torch.no_grad():
+        mse = nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y)[:, None])
+    assert mse.item() == pytest.approx(_full_batch_gd(x, y, 0.1, 10), rel=1e-4)
+    assert _full_batch_gd(x, y, 0.05, 10) > 5 * mse.item()  # what half the rate reaches
+
+
+@pytest.mark.parametrize("rows, parts", [(200, 1), (300, 5), (2000, 3)])
+def test_a_dataframe_of_other_partitions_is_spread_over_the_workers_to_one_row(
+        spark, rows, parts):
+    """Whole chunks went round robin: a partition under a chunk's rows landed on one worker
+    ([200, 0] for one partition of 200, [180, 120] for five of 60)."""
+    x, y = _line_data(rows)
+    frame = spark.createDataFrame([(r.tolist(), float(v)) for r, v in zip(x, y, strict=True)],
+                                  "features array<float>, label double").repartition(parts)
+    model = nn.Linear(4, 1)
+    summary = SparkModel(spark, model, ParameterAveragingTrainingMaster(16, workers=2),
+                         loss_fn=nn.MSELoss(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.01)).fit(frame)
+    shares = summary["rows_per_worker"]
+    assert sum(shares) == rows and max(shares) - min(shares) <= parts  # one row a partition

@@ -217,7 +217,9 @@ class SparkModel:
                 return self._fit_parquet(files, epochs, columns, collect_stats, seed)
         job = self._fit_job(epochs)
         if is_dataframe(data) or prebatched:  # DataFrames: decoded from Arrow batches
-            job = replace(job, chunked=True, columns=columns if is_dataframe(data) else None)
+            job = replace(job, chunked=True, columns=columns if is_dataframe(data) else None,
+                          from_files=is_dataframe(data) and parquet_files(
+                              data, columns.names()) is not None)
             rows = data_chunks(data, columns, prebatched=prebatched)
         else:
             rows = rows_of(data, columns)

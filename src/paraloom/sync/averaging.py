@@ -87,10 +87,12 @@ class Averaging(Synchronizer):
         if not self.synchronized():
             self.average(ctx)
 
-    def average(self, ctx: StepContext) -> None:
+    def average(self, ctx: StepContext, scale: float | None = None) -> None:
         """Average parameters and buffers (and optimizer state if asked) across replicas.
 
-        One pipelined pass over all of them (see ``average_tensors_``).
+        One pipelined pass over all of them (see ``average_tensors_``). ``scale``: this
+        replica's floating tensors are multiplied by it first, so that a mean of scaled
+        tensors is a weighted mean (``scale = weight * world_size / total weight``).
         """
         if not is_distributed(ctx):
             return
@@ -100,6 +102,11 @@ class Averaging(Synchronizer):
             state = self._common_optimizer_state(ctx)
             tensors += [t for key, t in state if key not in _COUNTERS]
             counters = [t for key, t in state if key in _COUNTERS]
+        if scale is not None:
+            with torch.no_grad():
+                for t in tensors:
+                    if t.is_floating_point() or t.is_complex():
+                        t.mul_(scale)
         self.bytes_sent += average_tensors_(tensors, ctx.group, ctx.world_size, ctx.device)
         if counters:
             self.bytes_sent += broadcast_tensors_(counters, ctx.group, ctx.world_size,

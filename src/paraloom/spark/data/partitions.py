@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paraloom.spark.data.arrays import concat, num_rows
+from paraloom.spark.data.arrays import concat, num_rows, take
 from paraloom.spark.data.rows import Pair, partition_arrays
 
 if TYPE_CHECKING:
@@ -91,16 +91,46 @@ def partition_chunks(rows: RDD[Pair], workers: int, repartition: str = "always")
     return _spread(rows, workers, repartition, chunk_rows)
 
 
-def _values(keyed: Iterable[tuple[_Key, Chunk]]) -> Iterator[Chunk]:
+def _values(keyed: Iterable[tuple[object, Chunk]]) -> Iterator[Chunk]:
     for _, chunk in keyed:
         yield chunk
 
 
-def spread_chunks(chunks: RDD[Chunk], workers: int, repartition: str = "always") -> RDD[Chunk]:
-    """Already-stacked chunks spread over ``workers`` partitions whole, deterministically.
+_PieceKey = tuple[int, int, int]
+"""A piece of a chunk: (source partition, its first row's position there, target worker)."""
 
-    ``partition_chunks`` for chunk RDDs (Arrow-decoded DataFrames and Parquet paths): chunk
-    ``j`` of source partition ``i`` goes to partition ``(i + j) % workers``, each partition
-    sorted by origin; the rows of a chunk are never split or re-pickled one by one.
+
+def _pieces(workers: int) -> Callable[[int, Iterable[Chunk]], Iterator[tuple[_PieceKey, Chunk]]]:
+    """Each chunk of source partition ``i`` cut into (at most) ``workers`` strided pieces: the
+    piece for worker ``w`` holds the chunk's rows ``j`` (positions in the partition) with
+    ``(i + j) % workers == w``, as ``partition_chunks`` deals single rows."""
+    def cut(index: int, chunks: Iterable[Chunk]) -> Iterator[tuple[_PieceKey, Chunk]]:
+        position = 0
+        for features, labels in chunks:
+            n = num_rows(features)
+            for w in range(workers):
+                first = (w - index - position) % workers
+                if first < n:
+                    rows = slice(first, None, workers)
+                    yield (index, position, w), (take(features, rows), take(labels, rows))
+            position += n
+    return cut
+
+
+def spread_chunks(chunks: RDD[Chunk], workers: int, repartition: str = "always") -> RDD[Chunk]:
+    """Already-stacked chunks spread over ``workers`` partitions, deterministically.
+
+    ``partition_chunks`` for chunk RDDs (Arrow-decoded DataFrames and Parquet paths), with the
+    same rule: row ``j`` of source partition ``i`` goes to partition ``(i + j) % workers``, so
+    the shares are balanced to one row per source partition (whole chunks dealt round robin
+    left a partition smaller than a chunk on one worker: [200, 0] for 200 rows in one
+    partition). A chunk is cut into one strided slice per worker, never re-pickled row by
+    row; each partition is sorted by origin. ``repartition="never"`` keeps the chunks where
+    they are (there must be ``workers`` partitions).
     """
-    return _spread(chunks, workers, repartition, _values)
+    have = chunks.getNumPartitions()
+    if repartition == "never" or (repartition == "if_needed" and have == workers):
+        return _spread(chunks, workers, "never", _values)
+    pieces = chunks.mapPartitionsWithIndex(_pieces(workers))
+    spread = pieces.repartitionAndSortWithinPartitions(workers, lambda key: key[2])
+    return spread.mapPartitions(_values, preservesPartitioning=True)

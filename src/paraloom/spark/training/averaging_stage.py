@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
 from paraloom.spark.data.parquet import ParquetSet
 from paraloom.spark.runtime import unpack
 from paraloom.spark.training.barrier import StageRun, run_barrier_stage
@@ -26,7 +29,7 @@ from paraloom.spark.training.summary import (
     last_first_step,
 )
 from paraloom.sync.averaging import Averaging
-from paraloom.sync.base import StepContext
+from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -38,15 +41,46 @@ __all__ = ["RoundAveraging", "fit_in_one_stage", "stage_summary"]
 
 class RoundAveraging(Averaging):
     """``Averaging`` with DL4J's ``saveUpdater``: True averages the optimizer state with the
-    parameters; False restarts it from its initial state after every averaging."""
+    parameters; False restarts it from its initial state after every averaging.
+
+    Each replica counts in proportion to the minibatches it trained since the last averaging,
+    as the per-round path weights by examples: a task whose partition has run out of rows (or
+    held none) is left out, where a plain mean would pull every averaging back towards its
+    stale weights (with one of two tasks empty, training at half the learning rate)."""
 
     def __init__(self, frequency: int, save_updater: bool) -> None:
         super().__init__(frequency, average_updaters=save_updater)
+        self._trained = 0
 
-    def average(self, ctx: StepContext) -> None:
-        super().average(ctx)
+    def setup(self, ctx: StepContext) -> None:
+        super().setup(ctx)
+        self._trained = 0
+
+    def after_step(self, ctx: StepContext) -> None:
+        self._trained += 1
+        super().after_step(ctx)
+
+    def average(self, ctx: StepContext, scale: float | None = None) -> None:
+        if scale is None and is_distributed(ctx):
+            scale = self._scale(ctx)
+        self._trained = 0
+        super().average(ctx, scale)
         if not self.average_updaters:
             ctx.optimizer.state.clear()
+
+    def _scale(self, ctx: StepContext) -> float | None:
+        """``weight * world_size / total``, or None when every replica trained alike (the
+        plain mean, bit for bit)."""
+        mine = float(self._trained)
+        spread = torch.tensor([mine, -mine], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=ctx.group)
+        self.bytes_sent += Synchronizer.collective_bytes(spread, ctx.world_size)
+        if spread[0] == -spread[1]:
+            return None
+        total = torch.tensor([mine], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        self.bytes_sent += Synchronizer.collective_bytes(total, ctx.world_size)
+        return mine * ctx.world_size / float(total) if float(total) > 0 else None
 
 
 def fit_in_one_stage(job: FitJob, data: RDD[Chunk] | ParquetSet, cfg: SharedConfig,

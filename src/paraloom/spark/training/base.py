@@ -132,8 +132,9 @@ class TrainingMaster:
 
         ``repartition=None`` (the default) keeps a DataFrame's partitions when there are
         ``workers`` of them (no shuffle: Spark's barrier stages cannot merge partitions without
-        one) and spreads everything else."""
-        dataframe = job.columns is not None
+        one), unless they are Spark's bins of Parquet files (``FitJob.from_files``), and
+        spreads everything else."""
+        dataframe = job.columns is not None and not job.from_files
         mode = self.repartition or ("if_needed" if dataframe else "always")
         data = (spread_chunks(rows, workers, mode) if job.chunked
                 else partition_chunks(rows, workers, mode))

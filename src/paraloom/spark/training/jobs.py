@@ -55,6 +55,10 @@ class FitJob:
     """The rows come as stacked chunks (Arrow-decoded DataFrames, Parquet paths)."""
     columns: Columns | None = None
     """The columns read (DataFrames and Parquet paths)."""
+    from_files: bool = False
+    """A DataFrame of Parquet files read as they are: its partitions are Spark's bins of the
+    files (unequal rows), not partitions the user chose, so they are spread over the workers
+    even when there are as many as workers."""
 
 
 @dataclass

@@ -15,15 +15,18 @@ class WorkerError(ParaloomError):
 
     ``worker`` (rank), ``batch`` (round), ``remote_type`` (the exception's class name in the
     worker, e.g. ``"NonFiniteLossError"``; None when the process died) and ``remote_traceback``
-    say where and why.
+    say where and why; ``silent_seconds``, for a worker found frozen or hung, how long nothing
+    had been heard from it.
     """
 
     def __init__(self, message: str, *, worker: int | None = None, batch: int | None = None,
-                 remote_traceback: str | None = None, remote_type: str | None = None) -> None:
+                 remote_traceback: str | None = None, remote_type: str | None = None,
+                 silent_seconds: float | None = None) -> None:
         self.worker = worker
         self.batch = batch
         self.remote_traceback = remote_traceback
         self.remote_type = remote_type
+        self.silent_seconds = silent_seconds
         text = message
         if remote_traceback:
             text += "\n\nTraceback in the worker:\n" + remote_traceback.rstrip()

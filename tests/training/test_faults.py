@@ -164,6 +164,8 @@ def test_allreduce_recovers_to_the_uninterrupted_result(tmp_path, how, spares, r
     assert failures.seen == [(1, "WorkerError", True)]
     assert pids.kept_and_replaced() == ({0}, {1})  # the survivor kept its process
     assert stats["failures"] == 1 and stats["seconds_lost"] > 0
+    if how == "stop":  # the wait for the frozen worker to be found counts (it was left out)
+        assert stats["seconds_lost"] >= 1.0
     assert stats["batches"] == 2 * len(digits_loader())  # every batch once in the caller's count
     assert _same(model, references["allreduce"])
 
@@ -281,6 +283,28 @@ def test_step_timeout_names_a_hung_worker():
     with pytest.raises(WorkerError, match=r"worker 1 has answered nothing .*step_timeout"):
         wrapper.fit(batches)
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "averaging"])
+def test_step_timeout_finds_a_hang_mid_epoch_while_the_parent_deals(mode):
+    """Rank 1 hangs at its 30th of 100 steps: the parent, blocked putting rounds into its
+    full queue, never checked step_timeout there, so the fit waited for the hang (or for the
+    collectives' timeout, 300 s by default, then named worker 0's gloo timeout)."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from training_helpers import HangsOnRankOne
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3200, 8, generator=g)
+    model = HangsOnRankOne()
+    wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                              training_mode=mode, progress=False, heartbeat_timeout=1.0,
+                              step_timeout=2.0, timeout=60,
+                              prefetch_buffer=2)  # queues of 2: the parent soon blocks dealing
+    started = time.monotonic()
+    with wrapper, pytest.raises(WorkerError, match=r"worker 1 has answered nothing .*step_t"):
+        wrapper.fit(DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16), 2)
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "shared_gradients"])
@@ -480,3 +504,24 @@ def test_a_worker_that_dies_while_the_pool_starts_takes_no_other_with_it(tmp_pat
     while any(pid_alive(p) for p in started) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(pid_alive(p) for p in started)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_worker_killed_or_frozen_between_fits_gets_a_fresh_pool(sig):
+    """With max_failures=0: a fit right after a worker was killed between fits raised
+    WorkerError (a 50 ms later one started a fresh pool), and one after a SIGSTOP always
+    raised ("sent no heartbeat"): whether it trained depended on a race."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    wrapper = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with wrapper:
+        wrapper.fit(digits_loader(rows=128, batch_size=32))
+        victim = wrapper.worker_pids[1]
+        os.kill(victim, sig)  # while nothing runs; the next fit at once
+        stats = wrapper.fit(digits_loader(rows=128, batch_size=32))
+        assert stats["batches"] == 4 and stats["failures"] == 0 and stats["model_sent"]
+        assert victim not in wrapper.worker_pids
+    deadline = time.monotonic() + 5
+    while pid_alive(victim) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(victim)  # the frozen one was killed, not left behind

@@ -107,6 +107,28 @@ def stuck_on_rank_one(model: nn.Module, batch) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
+class HangsOnRankOne(nn.Module):
+    """A linear model whose forward hangs on rank 1 at its 30th training call, mid-epoch (its
+    heartbeat goes on): the parent is then blocked dealing it rounds, its queue full."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        from paraloom import replica_info
+
+        info = replica_info()
+        if self.training and info is not None and info.rank == 1:
+            self.calls += 1
+            if self.calls == 30:
+                time.sleep(3600)
+        return self.lin(x)
+
+
 class TwoHeads(nn.Module):
     """Two scalar weights; a batch says which one it trains (a routed, multi-task model)."""
 

@@ -62,6 +62,22 @@ def process_state(pid: int | None) -> str:
     return _STATES.get(main, main)
 
 
+def stop_pending(pid: int | None) -> bool:
+    """Whether a SIGKILL or SIGSTOP was sent to ``pid`` and has not taken effect yet (the
+    kernel acts on it when the process next runs: a few milliseconds on a busy machine, while
+    ``process_state`` still says it runs); False where /proc cannot say."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [int(line.split()[1], 16) for line in f
+                     if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return False
+    wanted = (1 << (signal.SIGKILL - 1)) | (1 << (signal.SIGSTOP - 1))
+    return any(mask & wanted for mask in masks)
+
+
 def _thread_state(path: str) -> str | None:
     try:
         with open(path) as f:

@@ -25,6 +25,7 @@ from paraloom.training.failures import (
     next_failure,
     process_state,
     silently_dead,
+    stop_pending,
 )
 from paraloom.training.gate import RoundGate
 from paraloom.training.inbox import Exited, Inbox
@@ -69,6 +70,10 @@ def check_interval(heartbeat_timeout_s: float | None) -> float:
     if heartbeat_timeout_s is None:
         return 0.25
     return min(0.25, max(0.05, heartbeat_timeout_s / 8))
+
+
+_NOT_TRAINING = ("stopped", "stopped by a debugger", "exited", "dead")
+"""Process states (``process_state``) of a worker that cannot take the next fit's work."""
 
 
 class ProcessPool:
@@ -143,7 +148,12 @@ class ProcessPool:
 
     @property
     def alive(self) -> bool:
-        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+        """Whether every worker can train: its process runs, and is not dying or stopped (a
+        worker killed or frozen between two fits makes the next one start a fresh pool,
+        whether it looks a millisecond after the signal or a second)."""
+        return bool(self._procs) and all(
+            p.is_alive() and process_state(p.pid) not in _NOT_TRAINING
+            and not stop_pending(p.pid) for p in self._procs)
 
     @property
     def warm(self) -> bool:
@@ -201,6 +211,9 @@ class ProcessPool:
             except queue.Full:
                 self._check_alive()
                 self._absorb_replies()  # waiting replies count as progress (and may raise)
+                # A full queue is a worker with work queued: one that hangs is found here too,
+                # or a hang mid-epoch waited for the collectives' timeout (300 s by default).
+                self._check_progress()
 
     def recv(self, timeout_s: float | None = None) -> Answer | None:
         """The next reply from any worker, or None after ``timeout_s``; raises WorkerError."""
@@ -301,7 +314,8 @@ class ProcessPool:
             f"worker {rank} has answered nothing for {self.step_timeout_s:g} s "
             f"(step_timeout=, or timeout= when it is not set) with work queued: it hangs in "
             f"{where}{others}. It was killed{self._with_others}; raise step_timeout= if "
-            "one step really takes that long", worker=rank)
+            "one step really takes that long", worker=rank,
+            silent_seconds=now - self._since[rank])
 
     def _check_heartbeats(self, starting: bool = False) -> None:
         """Raise if a started worker's heartbeat stopped for ``heartbeat_timeout_s``."""
@@ -324,7 +338,7 @@ class ProcessPool:
                     f"worker {rank} (pid {p.pid}) sent no heartbeat for {now - last:.1f} s "
                     f"(heartbeat_timeout={self.heartbeat_timeout_s:g}; process state: {state}):"
                     f" it was stopped or is frozen. It was killed{self._with_others}",
-                    worker=rank)
+                    worker=rank, silent_seconds=now - last)
 
     def _check_alive(self, starting: bool = False, drained: bool = False) -> None:
         self._checked = time.monotonic()
@@ -388,13 +402,18 @@ class ProcessPool:
         return collect_errors(first, self._procs, self._next_failure)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the workers to stop; kill those that do not within ``timeout_s``."""
+        """Ask the workers to stop; kill those that do not within ``timeout_s`` (a stopped or
+        dying one at once: it cannot answer)."""
+        frozen = [process_state(p.pid) in _NOT_TRAINING or stop_pending(p.pid)
+                  for p in self._procs]
         for rank, p in enumerate(self._procs):
-            if p.is_alive():
+            if p.is_alive() and not frozen[rank]:
                 with contextlib.suppress(Exception):
                     self._tasks[rank].put(Stop(), timeout=1.0)
         deadline = time.monotonic() + timeout_s
-        for p in self._procs:
+        for p, cannot in zip(self._procs, frozen, strict=True):
+            if cannot:
+                continue
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.exitcode == 0 and p.pid is not None:
                 # Stopped as asked: its loader processes ended with it, and its pid, reaped

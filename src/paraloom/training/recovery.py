@@ -81,6 +81,10 @@ class Recovery:
     (the replay then runs as training does)."""
     replayed_rounds: int
     """Rounds sent again: those dealt after the restore point."""
+    detect_seconds: float = 0.0
+    """For a frozen or hung worker, how long it had been silent when found (its heartbeat's
+    or its replies' gap, ``WorkerError.silent_seconds``): time the fit waited for it. A worker
+    that died is found at once (0)."""
 
 
 @dataclass
@@ -315,7 +319,8 @@ class RecoveringPool:
             begun = self._begun_at or time.monotonic()
             # Without its traceback: its frames would keep the dead pool alive.
             self._on_recovery(Recovery(error.worker, error.with_traceback(None), started,
-                                       begun - started, len(rounds)))
+                                       begun - started, len(rounds),
+                                       error.silent_seconds or 0.0))
             if again is None:
                 return
             error = again

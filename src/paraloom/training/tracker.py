@@ -214,9 +214,10 @@ class RoundTracker:
         self.bar.set_postfix(failures=len(self.recoveries), refresh=False)
 
     def seconds_lost(self) -> float:
-        """Per recovery, the restart plus the replayed rounds at this fit's mean round time
-        (restarts left out of that mean)."""
-        restarts = sum(r.restart_seconds for r in self.recoveries)
+        """Per recovery, the wait for a frozen or hung worker to be found, the restart, and
+        the replayed rounds at this fit's mean round time (waits and restarts left out of
+        that mean)."""
+        restarts = sum(r.restart_seconds + r.detect_seconds for r in self.recoveries)
         per_round = max(0.0, self.seconds - restarts) / max(1, self.next_round)
         return restarts + sum(r.replayed_rounds for r in self.recoveries) * per_round
 

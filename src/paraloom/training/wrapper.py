@@ -304,17 +304,8 @@ class ParallelWrapper:
         if one_shot:
             _refuse_one_shot(kind, epochs - start.epoch)
         pool = self._ensure_pool()
-        tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
-                               total_batches=total_batches(data, epochs - start.epoch),
-                               progress=self.loop.progress,
-                               report_score=self.loop.report_score_after_averaging)
-        plan = FitPlan(data, epochs, start, self.workers, self.loop,
-                       batches_are_pairs=self._spec.step_fn is None,
-                       accumulate=self.steps.accumulate,
-                       recovering=self.faults.max_failures > 0)
-        run = self._run = FitRun(plan, pool, tracker, self._checkpoints, self.listeners,
-                                 self._user_optimizer)
-        self._checkpoints.reset()
+        run = self._run = self._new_run(data, epochs, start, pool)
+        tracker = run.tracker
         completed = False
         try:
             with graceful_interrupt(run.stop) as interrupted:
@@ -340,6 +331,21 @@ class ParallelWrapper:
         if interrupted():
             raise FitInterrupted(tracker.iteration)
         return self.stats()
+
+    def _new_run(self, data: Iterable[Any], epochs: int, start: Start, pool: Pool) -> FitRun:
+        """This fit's run: its round tracker (the progress bar, the listeners' calls) and its
+        plan of rounds from ``start``."""
+        tracker = RoundTracker(self.workers, self.listeners, iteration=self._iteration,
+                               total_batches=total_batches(data, epochs - start.epoch),
+                               progress=self.loop.progress,
+                               report_score=self.loop.report_score_after_averaging)
+        plan = FitPlan(data, epochs, start, self.workers, self.loop,
+                       batches_are_pairs=self._spec.step_fn is None,
+                       accumulate=self.steps.accumulate,
+                       recovering=self.faults.max_failures > 0)
+        self._checkpoints.reset()
+        return FitRun(plan, pool, tracker, self._checkpoints, self.listeners,
+                      self._user_optimizer)
 
     def _failed(self, error: BaseException, tracker: RoundTracker) -> None:
         """A fit failed: the workers go (the next fit starts new ones); a worker's error

@@ -99,12 +99,20 @@ def test_load_with_a_factory_takes_plain_safetensors_weights(tmp_path):
     loaded = paraloom.load(tmp_path / "plain.safetensors",
                            factory=lambda: MLP(in_features=4, hidden=(3,), num_classes=2))
     assert {k: (v.dtype, v.tolist()) for k, v in loaded.state_dict().items()} == \
-        {k: (v.dtype, v.tolist()) for k, v in model.state_dict().items()}
+        {k: (torch.float32, v.float().tolist()) for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="shapes"):
         paraloom.load(tmp_path / "plain.safetensors",
                       factory=lambda: MLP(in_features=5, hidden=(3,), num_classes=2))
     with pytest.raises(ValueError, match=r"missing \[.*unexpected \[.*"):
         paraloom.load(tmp_path / "plain.safetensors", factory=lambda: torch.nn.Linear(4, 2))
+    # Plain weights say nothing of the dtype wanted: cast to the factory's, as
+    # load_state_dict does (fp16 weights made an fp16 model that float32 inputs failed on).
+    save_file(MLP(in_features=4, hidden=(3,), num_classes=2).half().state_dict(),
+              str(tmp_path / "half.safetensors"))
+    half = paraloom.load(tmp_path / "half.safetensors",
+                         factory=lambda: MLP(in_features=4, hidden=(3,), num_classes=2))
+    assert {t.dtype for t in half.state_dict().values()} == {torch.float32}
+    assert half(torch.randn(2, 4)).shape == (2, 2)
 
 
 def test_evaluation_metrics_and_merge():

@@ -364,7 +364,9 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     ``factory`` (a function returning the model, called with the constructor arguments the file
     was saved with when it takes them) builds the model instead of the file's own record; with
     it, a plain safetensors file of weights (no paraloom header) loads too, every tensor
-    matched by name. ``map_location`` is where the weights go ("cpu", "cuda:1", "meta").
+    matched by name and cast to the built model's dtype (as ``load_state_dict`` does; a
+    file ``save`` wrote keeps its saved dtypes). ``map_location`` is where the weights go
+    ("cpu", "cuda:1", "meta").
 
     Raises FileNotFoundError for a missing file, ValueError for a folder, a corrupt file, a
     training checkpoint, or weights that do not match the model (naming the keys or shapes),
@@ -391,7 +393,9 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     # tensors, so a float64 file read into float32 ones would lose its values (rounded, 1e300
     # to inf), a complex buffer its imaginary part, before any cast back.
     model.to(map_location)
-    _take_dtypes(model, state)
+    plain = not spec  # plain weights say nothing of the model's dtype: the factory's stays
+    if not plain:
+        _take_dtypes(model, state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         hint = "" if factory is not None else (
@@ -400,7 +404,8 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
             "the command line)")
         raise ValueError(f"{path} does not match the rebuilt model: missing {missing}, "
                          f"unexpected {unexpected}{hint}")
-    _take_dtypes(model, state)  # a lazy module's tensors, materialized by the load
+    if not plain:
+        _take_dtypes(model, state)  # a lazy module's tensors, materialized by the load
     return model
 
 

@@ -177,3 +177,25 @@ def test_a_scheduler_object_or_a_bad_factory_is_refused_where_the_wrapper_is_bui
     ParallelWrapper(model, loss_fn=linear_loss, optimizer=fresh, workers=2,
                     lr_scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 5.0, 10))
     assert fresh.param_groups[0]["lr"] == 1.0 and "initial_lr" not in fresh.param_groups[0]
+    # Refused, the user's optimizer is left as it was (the probe had set lr and initial_lr).
+    mine = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="on another optimizer"):
+        ParallelWrapper(model, loss_fn=linear_loss, optimizer=mine, workers=2,
+                        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(
+                            mine, lambda e: 0.5))
+    assert mine.param_groups[0]["lr"] == 0.1 and "initial_lr" not in mine.param_groups[0]
+    assert "step" not in vars(mine)  # the scheduler's wrapper of step is gone too
+
+
+def test_the_schedule_probe_leaves_a_factorys_tensor_learning_rate_alone() -> None:
+    """The probe built the schedule on the factory's own lr tensor: LambdaLR's first step
+    halved it in the closure, so the workers trained at a quarter of the rate."""
+    lr = torch.tensor(1.0)
+    model = Scalar()
+    with ParallelWrapper(model, loss_fn=linear_loss, workers=1, progress=False,
+                         optimizer=lambda p: torch.optim.SGD(p, lr=lr),
+                         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(
+                             o, lambda e: 0.5)) as wrapper:
+        assert lr.item() == 1.0
+        wrapper.fit(ONES[:1])
+    assert model.w.item() == -0.5  # one step at 1.0 * 0.5

@@ -100,10 +100,15 @@ class OptimizerSpec:
             opt = self.factory(iter(probes))
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"the optimizer factory returned {type(opt).__name__}")
-            return opt
-        assert self.cls is not None
-        groups = [{**g, "params": [probes[i] for i in g["params"]]} for g in self.groups]
-        return self.cls(groups, **copy.deepcopy(self.kwargs))
+        else:
+            assert self.cls is not None
+            groups = [{**g, "params": [probes[i] for i in g["params"]]} for g in self.groups]
+            opt = self.cls(groups, **copy.deepcopy(self.kwargs))
+        for group in opt.param_groups:  # a tensor lr is the factory's or the spec's own object:
+            for key, value in group.items():  # what is built on the stand-in must not move it
+                if key != "params" and isinstance(value, torch.Tensor):
+                    group[key] = value.clone()
+        return opt
 
 
 def _name(cls: type) -> str:

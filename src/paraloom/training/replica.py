@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -59,19 +60,48 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 
 
 def check_scheduler_factory(factory: SchedulerFactory | None, optimizer: OptimizerSpec,
-                            model: nn.Module) -> None:
+                            model: nn.Module, user_optimizer: torch.optim.Optimizer | None
+                            ) -> None:
     """Build ``factory``'s scheduler once, on a stand-in of the replicas' optimizer, so that one
     they would refuse (a ReduceLROnPlateau, no scheduler, one on another optimizer) is refused
     where the wrapper is built, not once the workers have started. A factory that fails on the
-    stand-in is left to the replicas, whose own build names the error."""
+    stand-in is left to the replicas, whose own build names the error. A factory that builds
+    on ``user_optimizer`` itself (refused) leaves it as it was."""
     if factory is None:
         return
-    try:
-        probe = optimizer.stand_in(model)
-        scheduler = factory(probe)
-    except Exception:  # noqa: BLE001 - the replicas build it again and report what failed
-        return
+    with _restored(user_optimizer):
+        try:
+            probe = optimizer.stand_in(model)
+            scheduler = factory(probe)
+        except Exception:  # noqa: BLE001 - the replicas build it again and report what failed
+            return
     _check_scheduler(scheduler, probe)
+
+
+@contextlib.contextmanager
+def _restored(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """``optimizer``'s settings (and its ``step``, which a scheduler wraps) put back after."""
+    if optimizer is None:
+        yield
+        return
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    tensors = {id(v): v.detach().clone() for g in settings for v in g.values()
+               if isinstance(v, torch.Tensor)}  # a tensor lr: the same object, its value back
+    attributes = dict(vars(optimizer))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for group, saved in zip(optimizer.param_groups, settings, strict=False):
+                for key in [k for k in group if k != "params" and k not in saved]:
+                    del group[key]  # initial_lr, which a scheduler adds
+                group.update(saved)
+                for value in saved.values():
+                    if isinstance(value, torch.Tensor):
+                        value.copy_(tensors[id(value)])
+        for key in [k for k in vars(optimizer) if k not in attributes]:
+            delattr(optimizer, key)  # the scheduler's wrapped step, its counters
+        vars(optimizer).update(attributes)
 
 
 def _build_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer) -> LRScheduler:

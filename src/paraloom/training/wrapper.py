@@ -156,7 +156,8 @@ class ParallelWrapper:
                                 accumulate=self.steps.accumulate,
                                 compile_options=self.steps.compile_options)
         require_loss(loss_fn, step_fn)
-        check_scheduler_factory(self.steps.lr_scheduler, self._spec.optimizer, model)
+        check_scheduler_factory(self.steps.lr_scheduler, self._spec.optimizer, model,
+                                self._user_optimizer)
         self._pool: Pool | None = None
         self._pool_layout = self._layout()
         """``_layout()`` when the pool started: a change restarts the workers."""

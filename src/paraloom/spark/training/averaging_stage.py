@@ -71,16 +71,14 @@ class RoundAveraging(Averaging):
     def _scale(self, ctx: StepContext) -> float | None:
         """``weight * world_size / total``, or None when every replica trained alike (the
         plain mean, bit for bit)."""
-        mine = float(self._trained)
-        spread = torch.tensor([mine, -mine], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=ctx.group)
-        self.bytes_sent += Synchronizer.collective_bytes(spread, ctx.world_size)
-        if spread[0] == -spread[1]:
+        mine = torch.tensor([float(self._trained)], dtype=torch.float64, device=ctx.device)
+        counts = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+        dist.all_gather(counts, mine, group=ctx.group)  # one collective: equal, and the total
+        self.bytes_sent += Synchronizer.collective_bytes(mine, ctx.world_size, "allgather")
+        every = [float(c) for c in counts]
+        if min(every) == max(every) or sum(every) <= 0:
             return None
-        total = torch.tensor([mine], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
-        self.bytes_sent += Synchronizer.collective_bytes(total, ctx.world_size)
-        return mine * ctx.world_size / float(total) if float(total) > 0 else None
+        return float(mine) * ctx.world_size / sum(every)
 
 
 def fit_in_one_stage(job: FitJob, data: RDD[Chunk] | ParquetSet, cfg: SharedConfig,

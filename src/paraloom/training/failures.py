@@ -15,7 +15,7 @@ from paraloom.training.inbox import Inbox
 from paraloom.training.messages import Failed
 
 __all__ = ["collect_errors", "failure_error", "death_message", "is_symptom", "next_failure",
-           "process_state", "silently_dead", "SYMPTOMS"]
+           "frozen", "process_state", "silently_dead", "stop_pending", "SYMPTOMS"]
 
 # Errors that are a symptom of a peer's failure, not a cause: report another one if any.
 SYMPTOMS = ("Connection closed by peer", "Connection reset", "Connection refused",
@@ -60,6 +60,16 @@ def process_state(pid: int | None) -> str:
         if any(_thread_state(f"/proc/{pid}/task/{tid}/stat") == "R" for tid in tasks):
             main = "R"
     return _STATES.get(main, main)
+
+
+_NOT_TRAINING = ("stopped", "stopped by a debugger", "exited", "dead")
+"""Process states (``process_state``) of a worker that cannot take the next fit's work."""
+
+
+def frozen(pid: int | None) -> bool:
+    """Whether the process ``pid`` is stopped, exiting, or has a SIGKILL or SIGSTOP pending:
+    it cannot answer (nor take work), whatever ``is_alive()`` says yet."""
+    return process_state(pid) in _NOT_TRAINING or stop_pending(pid)
 
 
 def stop_pending(pid: int | None) -> bool:

@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from paraloom._warnings import warn
 from paraloom.clipping import GradientClipping
-from paraloom.training.replica import SchedulerFactory
+from paraloom.training.schedules import SchedulerFactory
 
 if TYPE_CHECKING:
     from paraloom.sync.sharing import SharingRecipe

@@ -21,11 +21,11 @@ from paraloom.training.failures import (
     collect_errors,
     death_message,
     failure_error,
+    frozen,
     is_symptom,
     next_failure,
     process_state,
     silently_dead,
-    stop_pending,
 )
 from paraloom.training.gate import RoundGate
 from paraloom.training.inbox import Exited, Inbox
@@ -70,10 +70,6 @@ def check_interval(heartbeat_timeout_s: float | None) -> float:
     if heartbeat_timeout_s is None:
         return 0.25
     return min(0.25, max(0.05, heartbeat_timeout_s / 8))
-
-
-_NOT_TRAINING = ("stopped", "stopped by a debugger", "exited", "dead")
-"""Process states (``process_state``) of a worker that cannot take the next fit's work."""
 
 
 class ProcessPool:
@@ -151,9 +147,7 @@ class ProcessPool:
         """Whether every worker can train: its process runs, and is not dying or stopped (a
         worker killed or frozen between two fits makes the next one start a fresh pool,
         whether it looks a millisecond after the signal or a second)."""
-        return bool(self._procs) and all(
-            p.is_alive() and process_state(p.pid) not in _NOT_TRAINING
-            and not stop_pending(p.pid) for p in self._procs)
+        return bool(self._procs) and all(p.is_alive() and not frozen(p.pid) for p in self._procs)
 
     @property
     def warm(self) -> bool:
@@ -404,14 +398,13 @@ class ProcessPool:
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the workers to stop; kill those that do not within ``timeout_s`` (a stopped or
         dying one at once: it cannot answer)."""
-        frozen = [process_state(p.pid) in _NOT_TRAINING or stop_pending(p.pid)
-                  for p in self._procs]
+        stuck = [frozen(p.pid) for p in self._procs]
         for rank, p in enumerate(self._procs):
-            if p.is_alive() and not frozen[rank]:
+            if p.is_alive() and not stuck[rank]:
                 with contextlib.suppress(Exception):
                     self._tasks[rank].put(Stop(), timeout=1.0)
         deadline = time.monotonic() + timeout_s
-        for p, cannot in zip(self._procs, frozen, strict=True):
+        for p, cannot in zip(self._procs, stuck, strict=True):
             if cannot:
                 continue
             p.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -56,7 +56,8 @@ from paraloom.training.packing import (
     unpack_tensors,
 )
 from paraloom.training.parametrized import by_value
-from paraloom.training.replica import Replica, SchedulerFactory, StepFn
+from paraloom.training.replica import Replica, StepFn
+from paraloom.training.schedules import SchedulerFactory
 from paraloom.training.transport import SharedOutbox
 
 __all__ = ["WorkerSpec", "ReplicaRunner", "pickle_spec"]

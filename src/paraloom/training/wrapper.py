@@ -46,9 +46,10 @@ from paraloom.training.options import (
 from paraloom.training.pool import Pool
 from paraloom.training.process_pool import ProcessPool
 from paraloom.training.recovery import RecoveringPool, Recovery
-from paraloom.training.replica import StepFn, check_scheduler_factory, require_loss
+from paraloom.training.replica import StepFn, require_loss
 from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
+from paraloom.training.schedules import check_scheduler_factory
 from paraloom.training.step_checks import check_fit
 from paraloom.training.tracker import FitStats, RoundTracker
 

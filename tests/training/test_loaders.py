@@ -295,3 +295,28 @@ def test_a_loaders_own_generator_gives_the_order_a_loop_over_the_loader_gives():
     by_index = [[b for r in batch_rounds(dealt, object(), 2, 0, 0, lambda b: b)  # type: ignore[arg-type]
                  for b in r] for _ in range(2)]
     assert by_index == looped  # indices dealt by the parent
+
+
+class _Pairs(Dataset):
+    """Ten samples of five features and one target."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((5,), float(i)), torch.zeros(1)
+
+
+def _squared_error(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return (model(batch[0]) - batch[1]).pow(2).mean()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_loader_without_batching_counts_one_sample_a_batch(workers):
+    """DataLoader(batch_size=None) yields single samples: each counted its first dimension,
+    the features (samples 50 for 10)."""
+    model = nn.Linear(5, 1)
+    with ParallelWrapper(model, step_fn=_squared_error, workers=workers, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.01)) as wrapper:
+        stats = wrapper.fit(DataLoader(_Pairs(), batch_size=None), epochs=2)
+    assert stats["batches"] == 20 and stats["samples"] == 20

@@ -135,6 +135,9 @@ class FitRun:
         self.pacing = Pacing(target_s=RECOVERING_TARGET_S if plan.recovering else TARGET_S)
         """Rounds per message, from the rounds' length (``training.pacing``)."""
         self._cpu_began = time.process_time()
+        data = plan.data  # a DataLoader(batch_size=None) yields samples: one row a "batch"
+        self._one_row_each = isinstance(data, torch.utils.data.DataLoader) and \
+            data.batch_size is None and data.batch_sampler is None
         self.parent_cpu_s = 0.0
         """CPU seconds this process (all its threads) spent while the rounds ran: dealing,
         messaging, listeners. A fixed cost per round, taken from the workers' cores."""
@@ -356,7 +359,8 @@ class FitRun:
         ``stop()`` that a listener it ran may have called."""
         match reply:
             case StepDone():
-                completed = self.tracker.reply(reply.round_id, reply.loss, reply.rows,
+                rows = 1 if self._one_row_each else reply.rows
+                completed = self.tracker.reply(reply.round_id, reply.loss, rows,
                                                reply.synced, reply.skipped)
                 if completed:
                     self.pacing.completed(completed)

@@ -281,12 +281,24 @@ def _why_empty(data: object) -> str:
     except TypeError:
         rows = None
     if rows == 0:
-        return f"the DataLoader's {type(data.dataset).__name__} (or its sampler) has no rows"
+        held = _length(data.dataset)
+        if held == "0":
+            return f"the DataLoader's {type(data.dataset).__name__} has no rows"
+        return (f"len() of the DataLoader's sampler is 0, though its "
+                f"{type(data.dataset).__name__} has {held} rows: a sampler that yields rows "
+                "must say how many in __len__")
     if data.drop_last and data.batch_size and rows is not None and rows < data.batch_size:
         return (f"the DataLoader has {rows} row(s), fewer than batch_size={data.batch_size}, "
                 "and drop_last=True drops that one partial batch: use drop_last=False or a "
                 f"batch_size of at most {rows}")
     return "the DataLoader's batch sampler has no batches (len(loader) == 0)"
+
+
+def _length(data: object) -> str:
+    try:
+        return str(len(data))  # type: ignore[arg-type]
+    except TypeError:
+        return "an unknown number of"
 
 
 def indexed_view(data: object) -> IndexedDataset | None:

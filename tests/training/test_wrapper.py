@@ -437,13 +437,22 @@ def test_an_unknown_option_names_the_modes_options_as_parallel_wrapper_takes_the
         ParallelWrapper(model, loss_fn=linear_loss, optimizer=opt, lr=0.1)
 
 
+class _SaysNone(list):
+    """A sampler that yields its indices but says it has none."""
+
+    def __len__(self) -> int:
+        return 0
+
+
 def test_data_without_batches_is_refused_before_training_saying_why():
     from torch.utils.data import TensorDataset
 
     rows = TensorDataset(torch.ones(3, 1), torch.zeros(3))
     cases = [([], r"no batches at all: the list is empty"),
              (DataLoader(TensorDataset(torch.ones(0, 1), torch.zeros(0)), batch_size=4),
-              r"no batches at all: the DataLoader's TensorDataset .*has no rows"),
+              r"no batches at all: the DataLoader's TensorDataset has no rows"),
+             (DataLoader(rows, batch_size=4, sampler=_SaysNone(range(3))),  # yet it yields
+              r"sampler is 0, though its TensorDataset has 3 rows: .*must say how many"),
              (DataLoader(rows, batch_size=4, drop_last=True),
               r"3 row\(s\), fewer than batch_size=4, and drop_last=True.*drop_last=False")]
     model, wrapper = scalar_wrapper(2)

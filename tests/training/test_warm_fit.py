@@ -78,6 +78,12 @@ def test_the_mirror_sees_values_moved_through_data_without_being_changed():
         m = ReplicaMirror(head, opt, pool=None)
         head.weight.data[swap] = head.weight.data[swap[::-1]].clone()
         assert not m.model_unchanged(head)
+    # Rows of 2,042 float32 values are 1,021 words, the checksum's row: swapped, the column
+    # sums were the same, and the fit undid the user's edit (0.043 off, model_sent False).
+    wide = nn.Linear(2042, 20)
+    m = ReplicaMirror(wide, None, pool=None)
+    wide.weight.data[[4, 8]] = wide.weight.data[[8, 4]].clone()  # rows no sample falls in
+    assert not m.model_unchanged(wide)
     m = ReplicaMirror(head, opt, pool=None)
     momentum = opt.state[head.weight]["momentum_buffer"]
     momentum.data[[2, 4]] = momentum.data[[4, 2]].clone()

@@ -49,7 +49,7 @@ def test_checkpoint_replies_that_came_in_before_a_failure_are_written() -> None:
             CheckpointReply(0, 3, pack_tensors({"step": 4})),
             CheckpointReply(1, 7, pack_tensors({"step": 8}))]  # round 8: rank 0 never answered
     pool = _FailedPool(held)
-    run = FitRun(SimpleNamespace(recovering=False), pool, SimpleNamespace(iteration=0),
+    run = FitRun(SimpleNamespace(recovering=False, data=[]), pool, SimpleNamespace(iteration=0),
                  collector, [listener], None)
     for iteration in (3, 7):
         collector.request(pool, iteration, 0, iteration + 1, [], False)

@@ -99,6 +99,12 @@ class FitPlan:
     """Whether the pool survives failures (``max_failures > 0``): shorter messages then."""
 
 
+def _yields_samples(data: object) -> bool:
+    """Whether ``data`` is a ``DataLoader(batch_size=None)``: each "batch" is one sample."""
+    return isinstance(data, torch.utils.data.DataLoader) and data.batch_size is None \
+        and data.batch_sampler is None
+
+
 @dataclass(frozen=True)
 class Sent:
     """What a fit's first message sent: the model's state, the optimizer's state."""
@@ -135,9 +141,7 @@ class FitRun:
         self.pacing = Pacing(target_s=RECOVERING_TARGET_S if plan.recovering else TARGET_S)
         """Rounds per message, from the rounds' length (``training.pacing``)."""
         self._cpu_began = time.process_time()
-        data = plan.data  # a DataLoader(batch_size=None) yields samples: one row a "batch"
-        self._one_row_each = isinstance(data, torch.utils.data.DataLoader) and \
-            data.batch_size is None and data.batch_sampler is None
+        self._one_row_each = _yields_samples(plan.data)
         self.parent_cpu_s = 0.0
         """CPU seconds this process (all its threads) spent while the rounds ran: dealing,
         messaging, listeners. A fixed cost per round, taken from the workers' cores."""

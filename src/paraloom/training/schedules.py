@@ -65,6 +65,8 @@ def _restored(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
 
 
 def build_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    """A replica's scheduler: ``factory(optimizer)``, refused (TypeError, ValueError) unless it
+    is an ``LRScheduler`` built on ``optimizer``."""
     scheduler = factory(optimizer)
     _check_scheduler(scheduler, optimizer)
     return scheduler

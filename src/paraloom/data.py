@@ -282,10 +282,11 @@ def _why_empty(data: object) -> str:
         rows = None
     if rows == 0:
         held = _length(data.dataset)
-        if held == "0":
+        if held == 0:
             return f"the DataLoader's {type(data.dataset).__name__} has no rows"
+        count = "an unknown number of" if held is None else held
         return (f"len() of the DataLoader's sampler is 0, though its "
-                f"{type(data.dataset).__name__} has {held} rows: a sampler that yields rows "
+                f"{type(data.dataset).__name__} has {count} rows: a sampler that yields rows "
                 "must say how many in __len__")
     if data.drop_last and data.batch_size and rows is not None and rows < data.batch_size:
         return (f"the DataLoader has {rows} row(s), fewer than batch_size={data.batch_size}, "
@@ -294,11 +295,11 @@ def _why_empty(data: object) -> str:
     return "the DataLoader's batch sampler has no batches (len(loader) == 0)"
 
 
-def _length(data: object) -> str:
+def _length(data: object) -> int | None:
     try:
-        return str(len(data))  # type: ignore[arg-type]
+        return len(data)  # type: ignore[arg-type]
     except TypeError:
-        return "an unknown number of"
+        return None
 
 
 def indexed_view(data: object) -> IndexedDataset | None:

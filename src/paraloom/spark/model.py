@@ -211,15 +211,14 @@ class SparkModel:
         """
         self._check_labels(label)
         columns = self._columns(data, features, label, inputs)
-        if is_dataframe(data) and not prebatched and self.master.takes_parquet(self.sc):
-            files = parquet_files(data, columns.names())
-            if files is not None:  # Parquet rows as they are: each task reads its share
-                return self._fit_parquet(files, epochs, columns, collect_stats, seed)
+        files = parquet_files(data, columns.names()) if is_dataframe(data) else None
+        if files is not None and not prebatched and self.master.takes_parquet(self.sc):
+            # Parquet rows as they are: each task reads its share
+            return self._fit_parquet(files, epochs, columns, collect_stats, seed)
         job = self._fit_job(epochs)
         if is_dataframe(data) or prebatched:  # DataFrames: decoded from Arrow batches
             job = replace(job, chunked=True, columns=columns if is_dataframe(data) else None,
-                          from_files=is_dataframe(data) and parquet_files(
-                              data, columns.names()) is not None)
+                          from_files=files is not None)
             rows = data_chunks(data, columns, prebatched=prebatched)
         else:
             rows = rows_of(data, columns)

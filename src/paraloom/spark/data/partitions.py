@@ -12,7 +12,7 @@ process.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -64,20 +64,25 @@ def _target(workers: int) -> Callable[[_Key], int]:
 
 
 def _spread(rdd: RDD[Pair], workers: int, repartition: str,
-            finish: Callable[[Iterable[tuple[_Key, Pair]]], Iterator[Chunk]]) -> RDD[Chunk]:
+            finish: Callable[[Iterable[tuple[Any, Pair]]], Iterator[Chunk]],
+            cut: Callable[[int, Iterable[Pair]], Iterator[tuple[Any, Pair]]] = _keyed,
+            target: Callable[[Any], int] | None = None) -> RDD[Chunk]:
     """Element ``j`` of source partition ``i`` to partition ``(i + j) % workers``, each
-    partition sorted by origin; then ``finish`` turns its keyed elements into chunks."""
+    partition sorted by origin; then ``finish`` turns its keyed elements into chunks. ``cut``
+    keys a partition's elements for the shuffle and ``target`` names a key's partition (a
+    chunk's pieces: ``spread_chunks``); kept partitions are keyed by ``_keyed``, whole."""
     have = rdd.getNumPartitions()
     if repartition == "if_needed":
         repartition = "never" if have == workers else "always"
-    keyed = rdd.mapPartitionsWithIndex(_keyed)
     if repartition == "never":
         if have != workers:
             raise ValueError(f"repartition='never' but the data has {have} partitions and "
                              f"workers={workers}; use repartition='always' or 'if_needed', or "
                              f"repartition the data to {workers} partitions")
-        return keyed.mapPartitions(finish, preservesPartitioning=True)  # already in order
-    spread = keyed.repartitionAndSortWithinPartitions(workers, _target(workers))
+        return rdd.mapPartitionsWithIndex(_keyed).mapPartitions(  # already in order
+            finish, preservesPartitioning=True)
+    spread = rdd.mapPartitionsWithIndex(cut).repartitionAndSortWithinPartitions(
+        workers, target or _target(workers))
     return spread.mapPartitions(finish, preservesPartitioning=True)
 
 
@@ -128,9 +133,5 @@ def spread_chunks(chunks: RDD[Chunk], workers: int, repartition: str = "always")
     row; each partition is sorted by origin. ``repartition="never"`` keeps the chunks where
     they are (there must be ``workers`` partitions).
     """
-    have = chunks.getNumPartitions()
-    if repartition == "never" or (repartition == "if_needed" and have == workers):
-        return _spread(chunks, workers, "never", _values)
-    pieces = chunks.mapPartitionsWithIndex(_pieces(workers))
-    spread = pieces.repartitionAndSortWithinPartitions(workers, lambda key: key[2])
-    return spread.mapPartitions(_values, preservesPartitioning=True)
+    return _spread(chunks, workers, repartition, _values, cut=_pieces(workers),
+                   target=lambda key: key[2])

@@ -40,6 +40,47 @@ def test_bucketed_averaging_is_the_exact_mean_on_every_rank(pool, bucket_bytes: 
     assert first["sent"] == second["sent"] == floats + 8
 
 
+def _weighted(rank: int, world_size: int, shares: list[float], half: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    tensors = _tensors(rank)
+    if half:  # no float32 or float64 bucket to carry the shares: they travel on their own
+        tensors = [t.half() if t.is_floating_point() else t for t in tensors]
+    if shares[rank] == 0:
+        tensors[0][0, 0] = float("nan")  # a replica left out: its values must not count
+    before = [t.clone() for t in tensors]
+    sent = average_tensors_(tensors, dist.group.WORLD, world_size, share=shares[rank],
+                            bucket_bytes=64)
+    return {"values": [t.tolist() for t in tensors], "before": [t.tolist() for t in before],
+            "sent": sent}
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_a_weighted_average_weighs_each_rank_by_its_share(pool, half: bool) -> None:
+    a, b = _tensors(0), _tensors(1)
+    if half:
+        a, b = ([t.half() if t.is_floating_point() else t for t in ts] for ts in (a, b))
+    equal = pool.run(_weighted, shares=[1.0, 1.0], half=half)
+    for got, x, y in zip(equal[0]["values"], a, b, strict=True):  # the plain mean, bit for bit
+        expected = x if not x.is_floating_point() else (x + y) / 2
+        assert torch.equal(torch.tensor(got, dtype=x.dtype), expected)
+    left_out = pool.run(_weighted, shares=[1.0, 0.0], half=half)
+    assert left_out[0]["values"] == left_out[1]["values"]
+    for got, x in zip(left_out[0]["values"], a, strict=True):  # rank 0's own values
+        assert torch.equal(torch.tensor(got, dtype=x.dtype), x)
+    third = pool.run(_weighted, shares=[1.0, 0.5], half=half)
+    for got, x, y in zip(third[0]["values"], a, b, strict=True):
+        expected = x if not x.is_floating_point() else (x + 0.5 * y) / 1.5
+        torch.testing.assert_close(torch.tensor(got, dtype=x.dtype), expected,
+                                   atol=2e-3 if half else 1e-6, rtol=1e-3 if half else 1e-6)
+    nobody = pool.run(_weighted, shares=[0.0, 0.0], half=half)
+    for rank in (0, 1):  # nothing trained: every rank keeps what it had (NaN included)
+        for got, before in zip(nobody[rank]["values"][:3], nobody[rank]["before"][:3],
+                               strict=True):
+            assert torch.equal(torch.tensor(got).nan_to_num(7.0),
+                               torch.tensor(before).nan_to_num(7.0))
+
+
 def test_buckets_keep_order_and_the_byte_limit() -> None:
     tensors = [torch.zeros(n) for n in (4, 4, 10, 1, 1)]  # 16, 16, 40, 4, 4 bytes
     runs = buckets(tensors, 32)

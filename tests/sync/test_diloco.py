@@ -70,11 +70,11 @@ def test_what_a_message_leaves_out_is_sent_later() -> None:
                        torch.cat([a.reshape(-1) for a in sync._anchors]))
 
 
-def _two_ranks(rank: int, world_size: int, kind: str) -> dict[str, Any]:
+def _two_ranks(rank: int, world_size: int, kind: str, idle: bool = False) -> dict[str, Any]:
     sync = (Averaging(frequency=4, average_updaters=False) if kind == "averaging"
             else DiLoCo(sync_every=4, outer_optimizer=PLAIN, density=1.0) if kind == "dense"
             else DiLoCo(sync_every=4, density=0.05))
-    return train(rank, world_size, sync, 10, seed=0, idle={9: [1]})
+    return train(rank, world_size, sync, 10, seed=0, idle={9: [1]} if idle else {})
 
 
 def test_two_ranks_end_identical_and_dense_plain_diloco_is_averaging(pool) -> None:
@@ -82,7 +82,16 @@ def test_two_ranks_end_identical_and_dense_plain_diloco_is_averaging(pool) -> No
     dense = pool.run(_two_ranks, kind="dense")
     for a, b in zip(averaged, dense, strict=True):
         assert torch.allclose(torch.tensor(a["params"]), torch.tensor(b["params"]), atol=1e-5)
-    compressed = pool.run(_two_ranks, kind="compressed")
+    # A replica idle in round 9: averaging leaves its stale weights out of the last average;
+    # DiLoCo counts its pseudo-gradient (one step, not two) in a plain mean, as DDP's Join
+    # counts an idle rank's zero gradient.
+    averaged = pool.run(_two_ranks, kind="averaging", idle=True)
+    dense = pool.run(_two_ranks, kind="dense", idle=True)
+    assert averaged[0]["params"] == averaged[1]["params"]
+    assert dense[0]["params"] == dense[1]["params"]
+    assert not torch.allclose(torch.tensor(averaged[0]["params"]),
+                              torch.tensor(dense[0]["params"]), atol=1e-4)
+    compressed = pool.run(_two_ranks, kind="compressed", idle=True)
     assert compressed[0]["final"] == compressed[1]["final"]  # finish: every replica equal
     numel = len(compressed[0]["params"])
     per_sync = message_bytes(entries(numel, 0.05), "int8", numel)  # one peer, one message

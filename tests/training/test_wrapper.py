@@ -58,17 +58,27 @@ def test_lenet_on_digits_reaches_95_percent_and_replicas_match(digits_loader, di
 
 def _simulate_averaging(values, targets, workers, frequency, lr):
     """The specification in plain Python: one scalar replica per worker, SGD on 0.5*(w*x-t)^2,
-    one batch per worker per round, mean every `frequency` rounds and at the end."""
+    one batch per worker per round; every `frequency` rounds and at the end, a mean weighted by
+    the rounds each replica trained since the last one (an idle replica's stale weight is left
+    out)."""
     w = [0.0] * workers
+    trained = [0] * workers
     rounds = [list(range(i, min(i + workers, len(values)))) for i in range(0, len(values),
                                                                             workers)]
+
+    def average():
+        mean = sum(t * v for t, v in zip(trained, w, strict=True)) / sum(trained)
+        trained[:] = [0] * workers
+        return [mean] * workers
+
     for r, batch in enumerate(rounds, start=1):
         for rank, i in enumerate(batch):
             w[rank] -= lr * (w[rank] * values[i] - targets[i]) * values[i]
+            trained[rank] += 1
         if r % frequency == 0:
-            w = [sum(w) / workers] * workers
+            w = average()
     if len(rounds) % frequency:
-        w = [sum(w) / workers] * workers
+        w = average()
     return w[0]
 
 
@@ -105,7 +115,18 @@ def test_uneven_last_round_trains_every_batch():
     with wrapper:
         stats = wrapper.fit(scalar_batches([1, 3, 5, 7, 9]))
     assert stats["batches"] == 5 and stats["rounds"] == 3
-    assert model.w.item() == -12.5  # mean of -(1+5+9) and -(3+7)
+    # -(1+5+9) after 3 steps and -(3+7) after 2, weighted by the steps: (3*-15 + 2*-10) / 5
+    assert model.w.item() == pytest.approx(-13.0, abs=1e-6)
+
+
+def test_a_replica_idle_in_the_last_round_is_left_out_of_the_average():
+    # 3 batches on 2 workers, averaging every round: worker 1 is idle in round 2, so the
+    # average after it is worker 0's weight (a plain mean would halve that round's step).
+    model, wrapper = scalar_wrapper(2, frequency=1)
+    with wrapper:
+        wrapper.fit(scalar_batches([1, 3, 5]), epochs=2)
+    # epoch 1: round 1 -> mean(-1, -3) = -2; round 2 -> -2 - 5 = -7; epoch 2 likewise
+    assert model.w.item() == -14.0
 
 
 def test_one_worker_trains_in_the_calling_process():

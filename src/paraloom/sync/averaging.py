@@ -48,6 +48,11 @@ class Averaging(Synchronizer):
     With ``average_updaters`` the optimizer state (momentum, Adam moments) is averaged too, as
     DL4J does by default; without it each replica keeps its own. ``finish`` averages once more
     when rounds ran since the last averaging, so no worker's last steps are thrown away.
+
+    Each replica counts in proportion to the rounds it trained since the last averaging: one
+    idle in an epoch's short last round (or whose stream has ended) is left out, as DL4J
+    leaves it out, where a plain mean would pull the average back towards its stale weights.
+    Where every replica trained every round the mean is the plain one, bit for bit.
     """
 
     name = "averaging"
@@ -63,13 +68,20 @@ class Averaging(Synchronizer):
         self.frequency = frequency
         self.average_updaters = average_updaters
         self.averagings = 0
+        self._trained = 0
+        """Rounds trained (not idle) since the last averaging."""
+        self._averaged_at = 0
+        """``sync_steps`` at the last averaging."""
 
     def setup(self, ctx: StepContext) -> None:
         self.sync_steps = 0
         self.bytes_sent = 0
         self.averagings = 0
+        self._trained = 0
+        self._averaged_at = 0
 
     def after_step(self, ctx: StepContext) -> None:
+        self._trained += 1
         self._tick(ctx)
 
     def idle_step(self, ctx: StepContext) -> None:
@@ -87,13 +99,16 @@ class Averaging(Synchronizer):
         if not self.synchronized():
             self.average(ctx)
 
-    def average(self, ctx: StepContext, scale: float | None = None) -> None:
-        """Average parameters and buffers (and optimizer state if asked) across replicas.
+    def average(self, ctx: StepContext) -> None:
+        """Average parameters and buffers (and optimizer state if asked) across replicas,
+        each weighted by the share of the rounds since the last averaging that it trained.
 
-        One pipelined pass over all of them (see ``average_tensors_``). ``scale``: this
-        replica's floating tensors are multiplied by it first, so that a mean of scaled
-        tensors is a weighted mean (``scale = weight * world_size / total weight``).
+        One pipelined pass over all of them (see ``average_tensors_``).
         """
+        window, share = self.sync_steps - self._averaged_at, 1.0
+        if window > 0:
+            share = min(self._trained, window) / window
+        self._trained, self._averaged_at = 0, self.sync_steps
         if not is_distributed(ctx):
             return
         self.averagings += 1
@@ -102,12 +117,8 @@ class Averaging(Synchronizer):
             state = self._common_optimizer_state(ctx)
             tensors += [t for key, t in state if key not in _COUNTERS]
             counters = [t for key, t in state if key in _COUNTERS]
-        if scale is not None:
-            with torch.no_grad():
-                for t in tensors:
-                    if t.is_floating_point() or t.is_complex():
-                        t.mul_(scale)
-        self.bytes_sent += average_tensors_(tensors, ctx.group, ctx.world_size, ctx.device)
+        self.bytes_sent += average_tensors_(tensors, ctx.group, ctx.world_size, ctx.device,
+                                            share=share)
         if counters:
             self.bytes_sent += broadcast_tensors_(counters, ctx.group, ctx.world_size,
                                                   ctx.device)
@@ -137,11 +148,17 @@ class Averaging(Synchronizer):
         return {"frequency": self.frequency, "average_updaters": self.average_updaters}
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters, with the number of averagings so far."""
-        return {**super().state_dict(), "averagings": self.averagings}
+        """The counters, with the number of averagings so far and the rounds trained since
+        the last one."""
+        return {**super().state_dict(), "averagings": self.averagings,
+                "trained": self._trained, "averaged_at": self._averaged_at}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s counters (the next averaging falls where it would
         have)."""
         super().load_state_dict(state)
         self.averagings = int(state.get("averagings", 0))
+        # A checkpoint from before these counters: every replica trained the whole window.
+        self._averaged_at = int(state.get("averaged_at", self.sync_steps
+                                         - self.sync_steps % self.frequency))
+        self._trained = int(state.get("trained", self.sync_steps - self._averaged_at))

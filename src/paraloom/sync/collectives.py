@@ -31,14 +31,30 @@ def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]
     return out
 
 
-def _packed(tensors: list[torch.Tensor], device: torch.device | None,
-            bucket_bytes: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """Per dtype, per bucket: the tensors laid end to end in one flat tensor (on ``device``)."""
+def _packed(tensors: list[torch.Tensor], device: torch.device | None, bucket_bytes: int,
+            tail: torch.Tensor | None = None) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Per dtype, per bucket: the tensors laid end to end in one flat tensor (on ``device``).
+
+    ``tail`` (one element) goes after the first float32 or float64 bucket's tensors, or in a
+    flat of its own at the end where there is none."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    return [(torch.cat([t.detach().reshape(-1).to(device or t.device) for t in bucket]), bucket)
-            for same_dtype in by_dtype.values() for bucket in buckets(same_dtype, bucket_bytes)]
+    out = []
+    for same_dtype in by_dtype.values():
+        for bucket in buckets(same_dtype, bucket_bytes):
+            parts = [t.detach().reshape(-1).to(device or t.device) for t in bucket]
+            if tail is not None and bucket[0].dtype in _CARRIERS:
+                parts.append(tail.to(parts[0]))
+                tail = None
+            out.append((torch.cat(parts), bucket))
+    if tail is not None:
+        out.append((tail.to(device or tail.device), []))
+    return out
+
+
+_CARRIERS = (torch.float32, torch.float64)
+"""Dtypes that hold a sum of shares exactly enough to carry it beside the data."""
 
 
 def _unpack_(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
@@ -51,9 +67,23 @@ def _unpack_(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
             offset += n
 
 
+def _scale_(packed: list[tuple[torch.Tensor, list[torch.Tensor]]], share: float) -> None:
+    """Scale the floating flats' data by ``share`` (zeroed at 0: an idle rank's NaN must not
+    count); the carried share (a flat's element past its bucket's tensors) stays as it is."""
+    if share == 1:
+        return
+    for flat, bucket in packed:
+        if bucket and (flat.dtype.is_floating_point or flat.dtype.is_complex):
+            data = flat[:sum(t.numel() for t in bucket)]
+            if share == 0:
+                data.zero_()
+            else:
+                data.mul_(share)
+
+
 def average_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
                      world_size: int, device: torch.device | None = None,
-                     bucket_bytes: int = BUCKET_BYTES) -> int:
+                     bucket_bytes: int = BUCKET_BYTES, share: float | None = None) -> int:
     """Average ``tensors`` in place across the group; returns the bytes this rank sent.
 
     Floating tensors are packed per dtype into buckets of ``bucket_bytes``, each summed with
@@ -62,10 +92,19 @@ def average_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | Non
     the same bits. Other tensors (integer counters such as BatchNorm's num_batches_tracked)
     are taken from rank 0. The collectives run on ``device`` (the process group's device: NCCL
     needs CUDA tensors).
+
+    ``share``: this rank's weight in a weighted mean, ``sum(share_r * t_r) / sum(share_r)``
+    (every rank must pass one, or none). The shares travel in the data's first float32 or
+    float64 bucket, so weighting costs no extra collective. Every rank at 1 gives the plain
+    mean bit for bit; every rank at 0 leaves the floating tensors as they were.
     """
     sent = 0
+    tail = None if share is None else torch.tensor([float(share)], dtype=torch.float64)
+    packed = _packed(tensors, device, bucket_bytes, tail)
+    if share is not None:
+        _scale_(packed, share)
     pending = []
-    for flat, bucket in _packed(tensors, device, bucket_bytes):
+    for flat, bucket in packed:
         floating = flat.dtype.is_floating_point or flat.dtype.is_complex
         if floating:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -74,10 +113,18 @@ def average_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | Non
             work = dist.broadcast(flat, src=_first(group), group=group, async_op=True)
             sent += Synchronizer.collective_bytes(flat, world_size, "broadcast")
         pending.append((work, flat, bucket, floating))
+    divisor: float = world_size
+    if share is not None:  # the sum of the shares: in the carrier's last element
+        carrier = next(p for p in pending if p[1].dtype in _CARRIERS and
+                       p[1].numel() > sum(t.numel() for t in p[2]))
+        carrier[0].wait()
+        divisor = float(carrier[1][-1])
     for work, flat, bucket, floating in pending:
         work.wait()
+        if floating and divisor == 0:
+            continue  # nobody trained since the last averaging: nothing to average
         if floating:
-            flat.div_(world_size)
+            flat.div_(world_size if divisor == world_size else divisor)
         _unpack_(flat, bucket)
     return sent
 

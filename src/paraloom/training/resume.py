@@ -77,6 +77,16 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def _mean(tensors: list[torch.Tensor], shares: list[float] | None) -> torch.Tensor:
+    """The mean of ``tensors``, weighted by ``shares`` when given."""
+    stacked = torch.stack(tensors)
+    if shares is None:
+        return stacked.mean(0)
+    weights = torch.tensor(shares, dtype=torch.float64).to(
+        stacked.real.dtype if stacked.is_complex() else stacked.dtype)
+    return (stacked * weights.view(-1, *[1] * (stacked.dim() - 1))).sum(0) / weights.sum()
+
+
 @dataclass
 class TrainingCheckpoint:
     """Where training stood after a round, and every replica's state at that point."""
@@ -118,9 +128,22 @@ class TrainingCheckpoint:
             # broadcast overwrites the others' statistics): the mean would be a model no
             # replica holds (0.04 off in a BatchNorm's running mean).
             return {key: value.clone() for key, value in states[0].items()}
-        return {key: torch.stack([s[key] for s in states]).mean(0).to(value.dtype)
+        shares = self._shares() if self.fingerprint.get("training_mode") == "averaging" \
+            else None
+        return {key: _mean([s[key] for s in states], shares).to(value.dtype)
                 if value.is_floating_point() or value.is_complex() else value.clone()
                 for key, value in states[0].items()}
+
+    def _shares(self) -> list[float] | None:
+        """Per replica, the share of the rounds since the last averaging that it trained
+        (``Averaging`` weights its mean by them); None where every replica trained them all
+        (or the checkpoint predates the counters)."""
+        syncs = [r.get("sync", {}) for r in self.replicas if r is not None]
+        window = [s.get("sync_steps", 0) - s.get("averaged_at", 0) for s in syncs]
+        if any("trained" not in s for s in syncs) or max(window) <= 0:
+            return None
+        shares = [min(s["trained"], w) / w for s, w in zip(syncs, window, strict=True)]
+        return None if min(shares) == 1 or max(shares) == 0 else shares
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (temporary file + rename): a crash leaves the old file intact."""

@@ -13,9 +13,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
 from paraloom.spark.data.parquet import ParquetSet
 from paraloom.spark.runtime import unpack
 from paraloom.spark.training.barrier import StageRun, run_barrier_stage
@@ -29,7 +26,7 @@ from paraloom.spark.training.summary import (
     last_first_step,
 )
 from paraloom.sync.averaging import Averaging
-from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+from paraloom.sync.base import StepContext
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -43,42 +40,19 @@ class RoundAveraging(Averaging):
     """``Averaging`` with DL4J's ``saveUpdater``: True averages the optimizer state with the
     parameters; False restarts it from its initial state after every averaging.
 
-    Each replica counts in proportion to the minibatches it trained since the last averaging,
-    as the per-round path weights by examples: a task whose partition has run out of rows (or
-    held none) is left out, where a plain mean would pull every averaging back towards its
-    stale weights (with one of two tasks empty, training at half the learning rate)."""
+    As ``Averaging`` does, each replica counts in proportion to the minibatches it trained since
+    the last averaging (the per-round path weights by examples): a task whose partition has run
+    out of rows (or held none) is left out, where a plain mean would pull every averaging back
+    towards its stale weights (with one of two tasks empty, training at half the learning
+    rate)."""
 
     def __init__(self, frequency: int, save_updater: bool) -> None:
         super().__init__(frequency, average_updaters=save_updater)
-        self._trained = 0
 
-    def setup(self, ctx: StepContext) -> None:
-        super().setup(ctx)
-        self._trained = 0
-
-    def after_step(self, ctx: StepContext) -> None:
-        self._trained += 1
-        super().after_step(ctx)
-
-    def average(self, ctx: StepContext, scale: float | None = None) -> None:
-        if scale is None and is_distributed(ctx):
-            scale = self._scale(ctx)
-        self._trained = 0
-        super().average(ctx, scale)
+    def average(self, ctx: StepContext) -> None:
+        super().average(ctx)
         if not self.average_updaters:
             ctx.optimizer.state.clear()
-
-    def _scale(self, ctx: StepContext) -> float | None:
-        """``weight * world_size / total``, or None when every replica trained alike (the
-        plain mean, bit for bit)."""
-        mine = torch.tensor([float(self._trained)], dtype=torch.float64, device=ctx.device)
-        counts = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-        dist.all_gather(counts, mine, group=ctx.group)  # one collective: equal, and the total
-        self.bytes_sent += Synchronizer.collective_bytes(mine, ctx.world_size, "allgather")
-        every = [float(c) for c in counts]
-        if min(every) == max(every) or sum(every) <= 0:
-            return None
-        return float(mine) * ctx.world_size / sum(every)
 
 
 def fit_in_one_stage(job: FitJob, data: RDD[Chunk] | ParquetSet, cfg: SharedConfig,

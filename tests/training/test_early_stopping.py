@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from training_helpers import Scalar, ScalarFrom, accuracy, linear_loss
 
+from paraloom import ParallelWrapper, TrainingListener
 from paraloom.early_stopping import (
     AccuracyCalculator,
     BestScore,
@@ -27,6 +28,7 @@ from paraloom.early_stopping import (
     MSECalculator,
     ScoreImprovement,
 )
+from paraloom.listeners import CheckpointListener
 from paraloom.models import LeNet
 
 pytestmark = pytest.mark.timeout(180)
@@ -312,3 +314,92 @@ def test_the_saver_writes_a_missing_score_as_json_null(tmp_path):
     text = next(tmp_path.glob("*.json")).read_text()
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"epoch": 2,
                                                                           "score": None}
+
+
+class _CrashAt(TrainingListener):
+    """A crash at round ``at``: the process would die; here fit() raises."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_iteration(self, iteration, epoch, loss):
+        if iteration == self.at:
+            raise RuntimeError("the machine went down")
+
+
+def _loss(data):
+    return LossCalculator(DataLoader(data, batch_size=256), nn.CrossEntropyLoss())
+
+
+def _resumable(digits_loader, digits_test, saver_dir, listeners, mode):
+    config = EarlyStoppingConfig(
+        epoch_conditions=[MaxEpochs(4), ScoreImprovement(patience=1, min_delta=0.5)],
+        score_calculator=_loss(digits_test),
+        model_saver=LocalDirectorySaver(saver_dir))
+    return _lenet_trainer(config, digits_loader, training_mode=mode, listeners=listeners)
+
+
+def _weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("mode", "every", "crash"), [
+    ("averaging", 10, 55),   # the last checkpoint in the middle of epoch 2
+    ("allreduce", None, 50),  # the last at the end of epoch 1, before it was scored
+])
+def test_early_stopping_resumes_exactly_from_a_checkpoint(digits_loader, digits_test, tmp_path,
+                                                          mode, every, crash):
+    """There was no resume_from: a crash three epochs into a run started it again."""
+    model, trainer = _resumable(digits_loader, digits_test, tmp_path / "ref", [], mode)
+    reference = trainer.fit()
+    expected = _weights(model)
+    assert reference.total_epochs >= 3  # the crash falls before the run's end
+    checkpoints = CheckpointListener(tmp_path / "ckpt", every_n_iterations=every)
+    _, crashing = _resumable(digits_loader, digits_test, tmp_path / "best",
+                             [checkpoints, _CrashAt(crash)], mode)
+    with pytest.raises(RuntimeError, match="went down"):
+        crashing.fit()
+    # A new process would build everything again: fresh conditions, a fresh trainer.
+    model, resumed = _resumable(digits_loader, digits_test, tmp_path / "best",
+                                [CheckpointListener(tmp_path / "ckpt", every_n_iterations=every)],
+                                mode)
+    result = resumed.fit(resume_from=tmp_path / "ckpt")
+    assert result.scores == reference.scores
+    assert (result.best_epoch, result.total_epochs, result.termination_details) == (
+        reference.best_epoch, reference.total_epochs, reference.termination_details)
+    for key, value in _weights(model).items():
+        assert torch.equal(value, expected[key]), key
+    best = {k: v for k, v in result.best_model.state_dict().items()}
+    for key, value in reference.best_model.state_dict().items():
+        assert torch.equal(best[key], value), key
+
+
+def test_resume_refuses_a_plain_fits_checkpoint_and_changed_conditions(digits_loader,
+                                                                       digits_test, tmp_path):
+    torch.manual_seed(0)
+    model = LeNet(image_size=8)
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                         listeners=[CheckpointListener(tmp_path / "plain")]) as wrapper:
+        wrapper.fit(digits_loader)
+    _, trainer = _resumable(digits_loader, digits_test, tmp_path / "best", [], "averaging")
+    with pytest.raises(ValueError, match="holds no early-stopping scores.*CheckpointListener"):
+        trainer.fit(resume_from=tmp_path / "plain")
+    # Two epochs scored, then a crash; resumed with MaxEpochs(1), the run had already ended.
+    checkpoints = CheckpointListener(tmp_path / "ckpt")
+    _, crashing = _resumable(digits_loader, digits_test, tmp_path / "best",
+                             [checkpoints, _CrashAt(50)], "averaging")
+    with pytest.raises(RuntimeError, match="went down"):
+        crashing.fit()
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(1)],
+                                 score_calculator=_loss(digits_test))
+    _, shorter = _lenet_trainer(config, digits_loader, listeners=[checkpoints])
+    with pytest.raises(ValueError, match=r"meet MaxEpochs\(1\) at epoch 0.*conditions differ"):
+        shorter.fit(resume_from=tmp_path / "ckpt")
+    # An in-memory saver of another process holds no best model: said, not hidden.
+    config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(3)],
+                                 score_calculator=_loss(digits_test))
+    _, in_memory = _lenet_trainer(config, digits_loader, listeners=[checkpoints])
+    with pytest.warns(UserWarning, match="does not hold its model.*LocalDirectorySaver"):
+        result = in_memory.fit(resume_from=tmp_path / "ckpt")
+    assert sorted(result.scores) == [0, 1, 2]

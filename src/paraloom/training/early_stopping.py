@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -24,6 +26,7 @@ from paraloom.training.conditions import (
     IterationTerminationCondition,
     MaxEpochs,
 )
+from paraloom.training.resume import TrainingCheckpoint
 from paraloom.training.savers import InMemoryModelSaver, ModelSaver
 from paraloom.training.scores import ScoreCalculator, as_score_calculator
 from paraloom.training.wrapper import ParallelWrapper
@@ -99,6 +102,33 @@ class _IterationWatch(TrainingListener):
                 return
 
 
+@dataclass
+class _Progress:
+    """The scores so far and the best of them."""
+
+    scores: dict[int, float] = field(default_factory=dict)
+    """Score of every evaluated epoch."""
+    per_epoch: list[float | None] = field(default_factory=list)
+    """Every epoch's score in order, None where it was not evaluated (what a checkpoint
+    records)."""
+    best_epoch: int = -1
+    best_score: float = math.nan
+
+    def record(self, epoch: int, score: float | None, calc: ScoreCalculator) -> bool:
+        """Add ``epoch``'s score; whether it is the best so far. A NaN score is the worst (as
+        Lightning's): any real score replaces it."""
+        self.per_epoch.append(score)
+        if score is None:
+            return False
+        score = float(score)
+        self.scores[epoch] = score
+        if self.best_epoch < 0 or (not math.isnan(score) and (
+                math.isnan(self.best_score) or calc.better(score, self.best_score))):
+            self.best_epoch, self.best_score = epoch, score
+            return True
+        return False
+
+
 class EarlyStoppingParallelTrainer:
     """Train with ParallelWrapper (any mode) until a termination condition holds."""
 
@@ -116,49 +146,110 @@ class EarlyStoppingParallelTrainer:
         listeners = [*wrapper_options.pop("listeners", ()), self.watch]
         self.wrapper = ParallelWrapper(model, listeners=listeners, **wrapper_options)
 
-    def fit(self) -> EarlyStoppingResult:
-        """Run to termination; the user's model ends with the last epoch's weights."""
+    def fit(self, resume_from: str | Path | None = None) -> EarlyStoppingResult:
+        """Run to termination; the user's model ends with the last epoch's weights.
+
+        ``resume_from``: a checkpoint (file or directory) that a ``CheckpointListener`` among
+        this trainer's ``listeners`` wrote; training goes on from it exactly, with the scores
+        recorded before its epoch, the conditions brought to where they stood (each is fed
+        those scores again) and the best epoch so far. The best model itself is the saver's:
+        ``LocalDirectorySaver`` keeps it on disk across a crash, ``InMemoryModelSaver`` does
+        not (a warning says so). Raises ``ValueError`` for a checkpoint without early-stopping
+        scores (a plain ``fit()``'s) and for one whose scores already meet a condition.
+        """
         cfg, calc = self.config, as_score_calculator(self.config.score_calculator)
         for epoch_condition in cfg.epoch_conditions:
             epoch_condition.initialize()
         for iteration_condition in cfg.iteration_conditions:
             iteration_condition.initialize()
         self.watch.triggered = None  # a second fit() starts afresh
-        scores: dict[int, float] = {}
-        best_epoch, best_score = -1, math.nan
-        reason, details, epoch = "epoch_condition", "", -1
+        progress = _Progress()
+        epoch = 0 if resume_from is None else self._replay(resume_from, progress, calc)
+        reason, details = "epoch_condition", ""
         started = time.monotonic()
         with self.wrapper:
             while True:
-                epoch += 1
+                self.wrapper._checkpoints.trainer_state = {"early_stopping": {
+                    "epoch": epoch, "scores": list(progress.per_epoch)}}
                 try:
-                    self.wrapper.fit(self.train_data, epochs=epoch + 1, initial_epoch=epoch)
+                    self._fit_epoch(epoch, resume_from)
                 except WorkerError as e:
                     reason, details = self._failure(e)
                     break
+                resume_from = None
                 if self.watch.triggered is not None:
                     reason, details = "iteration_condition", repr(self.watch.triggered)
                     break
-                score = math.nan
-                if (epoch + 1) % cfg.evaluate_every_n_epochs == 0:
-                    score = calc.score(self.model)
-                    scores[epoch] = score
-                    # A NaN score is the worst (as Lightning's): any real score replaces it.
-                    if best_epoch < 0 or (not math.isnan(score) and (
-                            math.isnan(best_score) or calc.better(score, best_score))):
-                        best_epoch, best_score = epoch, score
-                        cfg.model_saver.save_best(self.model, epoch, score)
-                if cfg.save_last_model:
-                    cfg.model_saver.save_latest(self.model, epoch, score)
+                score = self._score_epoch(epoch, progress, calc)
                 log.info("epoch %d: score %.6f (best %.6f at epoch %d, %.1f s)", epoch, score,
-                         best_score, best_epoch, time.monotonic() - started)
+                         progress.best_score, progress.best_epoch, time.monotonic() - started)
                 done = next((c for c in cfg.epoch_conditions
                              if c.terminate(epoch, score, calc.higher_is_better)), None)
                 if done is not None:
                     details = repr(done)
                     break
-        return EarlyStoppingResult(reason, details, best_epoch, best_score, scores, epoch + 1,
-                                   self._best_model(best_epoch) if best_epoch >= 0 else None)
+                epoch += 1
+        best = self._best_model(progress.best_epoch) if progress.best_epoch >= 0 else None
+        return EarlyStoppingResult(reason, details, progress.best_epoch, progress.best_score,
+                                   progress.scores, epoch + 1, best)
+
+    def _fit_epoch(self, epoch: int, resume_from: str | Path | None) -> None:
+        """Train ``epoch``; from ``resume_from`` where given (its epoch, which may be trained to
+        its end already: then the fit only restores the checkpoint's state)."""
+        if resume_from is None:
+            self.wrapper.fit(self.train_data, epochs=epoch + 1, initial_epoch=epoch)
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="resume_from's checkpoint is of")
+            self.wrapper.fit(self.train_data, epochs=epoch + 1, resume_from=resume_from)
+
+    def _score_epoch(self, epoch: int, progress: _Progress, calc: ScoreCalculator) -> float:
+        """Score the model after ``epoch`` where it is due (NaN where not) and save it as the
+        savers are asked to."""
+        cfg = self.config
+        score = calc.score(self.model) if (epoch + 1) % cfg.evaluate_every_n_epochs == 0 \
+            else None
+        if progress.record(epoch, score, calc):
+            cfg.model_saver.save_best(self.model, epoch, progress.best_score)
+        value = math.nan if score is None else score
+        if cfg.save_last_model:
+            cfg.model_saver.save_latest(self.model, epoch, value)
+        return value
+
+    def _replay(self, resume_from: str | Path, progress: _Progress,
+                calc: ScoreCalculator) -> int:
+        """Bring ``progress`` and the epoch conditions to where the checkpoint's run stood;
+        the epoch it was training."""
+        record = TrainingCheckpoint.load(resume_from).trainer_state.get("early_stopping")
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"resume_from={str(resume_from)!r} holds no early-stopping scores: it was "
+                "written by a plain fit(), so resume it with ParallelWrapper.fit(resume_from="
+                "...); to resume early stopping, give this trainer listeners=["
+                "CheckpointListener(directory)] and resume from that directory")
+        epoch = int(record["epoch"])
+        for before, score in enumerate(record["scores"]):
+            progress.record(before, score, calc)
+            value = math.nan if score is None else float(score)
+            done = next((c for c in self.config.epoch_conditions
+                         if c.terminate(before, value, calc.higher_is_better)), None)
+            if done is not None:
+                raise ValueError(
+                    f"resume_from={str(resume_from)!r}: the scores recorded before epoch "
+                    f"{epoch} meet {done!r} at epoch {before}, so the run would have stopped "
+                    "there; this trainer's conditions differ from that run's. Resume with its "
+                    "conditions, or start afresh")
+        if progress.best_epoch >= 0:
+            saver = self.config.model_saver
+            try:
+                saver.best_model()
+            except Exception as e:  # noqa: BLE001 - any saver's way of having none
+                warn(f"resuming early stopping: the best epoch so far is {progress.best_epoch}"
+                     f" (score {progress.best_score:.6g}), but {type(saver).__name__} does not"
+                     f" hold its model ({type(e).__name__}: {e}); result.best_model is a "
+                     "later epoch's only if one scores better. LocalDirectorySaver keeps the "
+                     "best model on disk across a resume")
+        return epoch
 
     def _best_model(self, best_epoch: int) -> nn.Module | None:
         """The saver's best model; None, with a warning, if it cannot give it back (the scores

@@ -7,10 +7,11 @@ unpickles anything.
 
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,10 @@ class TrainingCheckpoint:
     run: str = ""
     """The run it belongs to: a wrapper's own id, kept by the runs resumed from it ("" for
     checkpoints written before runs had ids)."""
+    trainer_state: dict[str, Any] = field(default_factory=dict)
+    """What drives the wrapper's fits, as it stood when the checkpoint was written (JSON
+    values): ``EarlyStoppingParallelTrainer``'s epoch and scores so far, under
+    ``"early_stopping"``; empty for a plain ``fit()``."""
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's weights at this point, a ``state_dict`` for ``load_state_dict``: each
@@ -150,6 +155,7 @@ class TrainingCheckpoint:
         tensors: dict[str, torch.Tensor] = {}
         header = {"format": _FORMAT, "fingerprint": self.fingerprint, "epoch": self.epoch,
                   "batch": self.batch, "iteration": self.iteration, "run": self.run,
+                  "trainer_state": self.trainer_state,
                   "data_rng": _flatten(self.data_rng, "data_rng", tensors),
                   "replicas": _flatten(self.replicas, "replicas", tensors)}
         metadata = {TRAINING_HEADER_KEY: json.dumps(header)}
@@ -188,7 +194,8 @@ class TrainingCheckpoint:
                        batch=header["batch"], iteration=header["iteration"],
                        data_rng=_unflatten(header["data_rng"], tensors),
                        replicas=_unflatten(header["replicas"], tensors),
-                       run=str(header.get("run", "")))
+                       run=str(header.get("run", "")),
+                       trainer_state=dict(header.get("trainer_state") or {}))
         except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"{path} has a corrupt checkpoint header ({type(e).__name__}: {e}):"
                              " it was changed or not written by paraloom; resume from another "
@@ -254,6 +261,8 @@ class CheckpointCollector:
         self.pending: dict[int, _Pending] = {}
         self.last: int | None = None
         self.run = uuid.uuid4().hex  # this wrapper's run; a resume takes the checkpoint's
+        self.trainer_state: dict[str, Any] = {}
+        """Written into every checkpoint (``TrainingCheckpoint.trainer_state``)."""
 
     def reset(self) -> None:
         """Forget the previous fit()'s checkpoints."""
@@ -300,7 +309,7 @@ class CheckpointCollector:
         self.pending[iteration] = _Pending(wanting, TrainingCheckpoint(
             fingerprint=self.fingerprint(), epoch=at_epoch, batch=at_batch,
             iteration=iteration + 1, data_rng=data_rng, replicas=[None] * self.workers,
-            run=self.run))
+            run=self.run, trainer_state=copy.deepcopy(self.trainer_state)))
         for rank in range(self.workers):
             pool.send(rank, CheckpointRequest(iteration))
 

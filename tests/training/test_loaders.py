@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -67,8 +68,7 @@ class Stream(IterableDataset):
 
 
 class Counter(nn.Module):
-    """A small model whose buffer counts how often each row was trained on (replicas' buffers
-    are averaged, so ``counts * workers`` is the count summed over replicas)."""
+    """A small model whose buffer counts how often each row was trained on (in one process)."""
 
     def __init__(self, n):
         super().__init__()
@@ -82,31 +82,51 @@ def counting_step(model, batch):
     return (model.net(x / 50).squeeze(1) - y / 50).pow(2).mean()
 
 
+class CountingStep:
+    """``counting_step`` that also writes the rows it trained on to its process's file, so that
+    a test counts what every replica trained whatever averaging makes of the buffers."""
+
+    def __init__(self, directory):
+        self.directory = str(directory)
+
+    def __call__(self, model, batch):
+        with open(os.path.join(self.directory, f"{os.getpid()}.rows"), "a") as f:
+            f.write(" ".join(str(i) for i in batch[1].tolist()) + "\n")
+        return counting_step(model, batch)
+
+
 _ROWS = 64
 
 
 @pytest.fixture(scope="module")
-def wrapper():
+def wrapper(tmp_path_factory):
     """One pool of 2 workers for the tests below (starting one takes seconds)."""
     model = Counter(_ROWS)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with ParallelWrapper(model, step_fn=counting_step, optimizer=optimizer, workers=2,
+    rows = tmp_path_factory.mktemp("rows")
+    with ParallelWrapper(model, step_fn=CountingStep(rows), optimizer=optimizer, workers=2,
                          averaging_frequency=2, progress=False) as w:
+        w.rows = rows
         yield w
 
 
 def _restart(w):
-    """The wrapper's model and optimizer as they were built (seeded), no listeners."""
+    """The wrapper's model and optimizer as they were built (seeded), no listeners, no rows
+    counted."""
     torch.manual_seed(0)
     w.model.load_state_dict(Counter(_ROWS).state_dict())
     w._user_optimizer.state.clear()
     w.listeners[:] = []
+    for path in w.rows.glob("*.rows"):
+        path.unlink()
 
 
 def _fit(w, data, epochs=1, **fit_options):
+    """The fit's stats, and how often each row was trained on, summed over the replicas."""
     _restart(w)
     stats = w.fit(data, epochs=epochs, **fit_options)
-    return (w.model.counts * w.workers).round().long(), stats
+    seen = [int(i) for path in w.rows.glob("*.rows") for i in path.read_text().split()]
+    return torch.bincount(torch.tensor(seen, dtype=torch.long), minlength=_ROWS), stats
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

@@ -90,3 +90,4 @@ def test_a_fit_whose_hosts_lack_the_interface_fails_naming_it(spark, sc):
     rows = sc.parallelize([(np.zeros(64, np.float32), i % 10) for i in range(64)], 2)
     with pytest.raises(SparkTrainingError, match=r"interface='nosuch0'.*its interfaces are"):
         net.fit(rows)
+

@@ -44,6 +44,10 @@ class Membership:
              timeout_s: float, generation: int = 0) -> dist.ProcessGroup:
         """Join group ``generation`` (rendezvous keys of its own for each after the first)."""
         keys = store if generation == 0 else PrefixStore(f"regroup-{generation}/", store)
+        if backend == "gloo" and "lo" in {name for _, name in socket.if_nameindex()}:
+            # One machine: gloo's pairs meet on loopback, not on whatever address the host
+            # name resolves to (a LAN address would let other hosts reach the workers).
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         before = _sockets()
         dist.init_process_group(backend, store=keys, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))

@@ -13,8 +13,6 @@ from collections.abc import MutableSequence, Sequence
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 
-from torch._C._distributed_c10d import TCPStore
-
 from paraloom.devices import TrainingDevices, training_devices
 from paraloom.errors import WorkerError
 from paraloom.training.failures import (
@@ -51,6 +49,7 @@ from paraloom.training.messages import (
     ToReplica,
 )
 from paraloom.training.regroup import REGROUP_S, await_joined, lost_ranks, send_regroup
+from paraloom.training.store import listening_store
 from paraloom.training.transport import carries_user_objects, pack
 from paraloom.training.worker import WorkerConfig
 
@@ -98,9 +97,9 @@ class ProcessPool:
         self._beats: MutableSequence[float] = ctx.Array("d", workers, lock=False)
         self._gate = RoundGate.create(ctx, workers)
         self._inbox = Inbox()
-        # The parent hosts the rendezvous store on a port the OS picks (never a guessed port).
-        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+        # The parent hosts the rendezvous store on a port the OS picks (never a guessed port),
+        # listening on the loopback address only.
+        self._store = listening_store("127.0.0.1", 0, datetime.timedelta(seconds=timeout_s))
         config = WorkerConfig(rank=-1, world_size=workers, store_port=self._store.port,
                               backend=self.backend, device="cpu", threads=self.threads,
                               timeout_s=timeout_s, parent_pid=os.getpid(),

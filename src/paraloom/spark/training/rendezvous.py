@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import os
 import secrets
@@ -24,6 +25,8 @@ from typing import Protocol, TypedDict, TypeVar
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+from paraloom.training.store import listening_store
 
 __all__ = ["BarrierContext", "NetworkSettings", "Rendezvous", "task_host", "local_rank",
            "bounded_call", "interface_address", "meet", "connect", "init_group"]
@@ -123,20 +126,37 @@ def interface_address(name: str) -> str:
 _SIOCGIFADDR = 0x8915  # Linux: an interface's address (netdevice(7))
 
 
-def open_store(network: NetworkSettings | None, timeout_s: float) -> TCPStore:
-    """Rank 0's store: on any free port, or on the first free one of ``port_range``."""
+def open_store(network: NetworkSettings | None, timeout_s: float,
+               host: str | None = None) -> TCPStore:
+    """Rank 0's store: on any free port, or on the first free one of ``port_range``; listening
+    on ``host`` (the address the other ranks are told to connect to) where it is this host's
+    address, else on every interface (a name that resolves to another address, as a
+    cluster's DNS may give)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if network is None or network.port_range is None:
-        return TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    first, last = network.port_range
-    for port in range(first, last + 1):
-        try:
-            return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                            timeout=timeout)
-        except (RuntimeError, OSError):  # in use: try the next one
-            continue
+    ports = [0] if network is None or network.port_range is None \
+        else list(range(network.port_range[0], network.port_range[1] + 1))
+    for address in _listen_addresses(host):
+        for port in ports:
+            try:
+                return listening_store(address, port, timeout)
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:  # not this host's address: the next one
+                    break
+                continue  # the port is taken: the next one
+    first, last = network.port_range if network and network.port_range else (0, 0)
     raise RuntimeError(f"no free port in port_range=({first}, {last}) for the rendezvous "
                        f"store: widen the range or free a port")
+
+
+def _listen_addresses(host: str | None) -> list[str]:
+    """Where the store may listen, best first: ``host``'s address, then every interface."""
+    if not host:
+        return ["0.0.0.0"]
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return ["0.0.0.0"]
+    return [str(address), "0.0.0.0"]
 
 
 class _Announcement(TypedDict, total=False):
@@ -214,7 +234,8 @@ def meet(context: BarrierContext, setup_error: str | None, timeout_s: float,
         found = interface_address(network.interface) if network and network.interface else None
         if rank == 0:
             host = network.host if network and network.host else found
-            store = open_store(network, timeout_s)
+            store = open_store(network, timeout_s, host or task_host(
+                context.getTaskInfos()[0].address))
             message.update(_Announcement(port=store.port, run_id=secrets.token_hex(8),
                                          host=host))
     except Exception as e:  # announced, so that no peer waits for a store never opened

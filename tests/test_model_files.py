@@ -145,3 +145,17 @@ def test_a_file_naming_a_lazily_imported_submodule_imports_nothing(tmp_path) -> 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120).stdout
     assert "refused:" in out and out.strip().endswith("not imported"), out
+
+
+def test_a_header_nested_too_deep_is_a_corrupt_file_not_a_recursion_error(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from paraloom import TrainingCheckpoint
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for key, read in (("paraloom", paraloom.load),
+                      ("paraloom_checkpoint", TrainingCheckpoint.load)):
+        path = tmp_path / f"{key}.safetensors"
+        save_file({"w": torch.zeros(1)}, str(path), metadata={key: deep})
+        with pytest.raises(ValueError, match="corrupt"):
+            read(path)

@@ -217,7 +217,7 @@ def read_header(path: str | Path, *, plain: bool = False) -> dict[str, Any]:
                          "returning your model")
     try:
         spec = json.loads(meta[_HEADER_KEY])
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise _corrupt(path, e) from e
     if not isinstance(spec, dict):
         raise _corrupt(path, TypeError(f"its paraloom header is a {type(spec).__name__}"))

@@ -127,3 +127,18 @@ def test_unregistering_with_shared_memory_off_is_a_no_op_that_refuses_nothing(
         finally:
             grpc_client.close()
             http_client.close()
+
+
+def test_a_huge_unknown_model_name_is_not_found_not_a_header_overflow(
+        server: ServerThread) -> None:
+    """The error echoed a 100,000-character name whole: the answer's header passed the client's
+    8 KB limit, which raised RESOURCE_EXHAUSTED instead of NOT_FOUND."""
+    client = tg.InferenceServerClient(server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.get_model_metadata("x" * 100_000)
+        assert info.value.status() == "StatusCode.NOT_FOUND", info.value.message()
+        assert "unknown model 'xxxx" in info.value.message()
+        assert len(info.value.message()) < 500
+    finally:
+        client.close()

@@ -100,3 +100,31 @@ def test_a_different_architecture_header_is_refused_when_the_served_file_is_know
 def test_model_dir_must_exist(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is not a directory"):
         ModelFiles(model_dir=tmp_path / "nope")
+
+
+def test_configs_outside_the_directory_or_past_bounds_are_refused_not_read(tmp_path: Path) -> None:
+    """A config.pbtxt symlinked from outside was parsed and its text (a password) sent to any
+    client in the index's reason; a config.json nested 100,000 deep stopped the whole server
+    with a RecursionError; a 200 MB config stalled the loop for 22 s."""
+    from paraloom.serving.repository.config import CONFIG_MAX_BYTES
+    from paraloom.serving.repository.directory import ModelsDir
+
+    root = tmp_path / "models"
+    secret = tmp_path / "secret.txt"
+    secret.write_text("db password = SECRET-TOKEN-123\n")
+    for name in ("linked", "nested", "huge", "fine"):
+        (root / name).mkdir(parents=True)
+        paraloom.save(MLP(in_features=4, hidden=[3], num_classes=2),
+                      root / name / "model.safetensors")
+    os.symlink(secret, root / "linked" / "config.pbtxt")
+    (root / "nested" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    (root / "huge" / "config.json").write_text(" " * (CONFIG_MAX_BYTES + 1) + "{}")
+    (root / "fine" / "config.json").write_text('{"workers": 1}')
+    found = ModelsDir(root).scan()
+    assert found["linked"].path is None
+    assert "resolves outside the models directory" in (found["linked"].error or "")
+    assert "SECRET" not in (found["linked"].error or "")
+    assert found["nested"].path is None and "not readable JSON" in (found["nested"].error or "")
+    assert found["huge"].path is None
+    assert f"past the {CONFIG_MAX_BYTES:,}" in (found["huge"].error or "")
+    assert found["fine"].path is not None  # the others are served

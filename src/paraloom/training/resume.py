@@ -196,7 +196,7 @@ class TrainingCheckpoint:
                        replicas=_unflatten(header["replicas"], tensors),
                        run=str(header.get("run", "")),
                        trainer_state=dict(header.get("trainer_state") or {}))
-        except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+        except (json.JSONDecodeError, RecursionError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"{path} has a corrupt checkpoint header ({type(e).__name__}: {e}):"
                              " it was changed or not written by paraloom; resume from another "
                              "checkpoint") from e

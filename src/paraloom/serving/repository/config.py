@@ -19,7 +19,11 @@ from paraloom.serving.repository.triton import PBTXT, TORCHSCRIPT, read_pbtxt
 from paraloom.serving.served import PoolOptions
 from paraloom.serving.signature import TensorSpec, spec_from_json
 
-__all__ = ["ModelConfig", "VersionPolicy", "config_path_of", "read_config"]
+__all__ = ["CONFIG_MAX_BYTES", "ModelConfig", "VersionPolicy", "config_path_of", "read_config"]
+
+CONFIG_MAX_BYTES = 1 << 20
+"""The largest model config read (1 MiB): Triton's configs are a few kilobytes; a larger file
+is refused before it is parsed on the server's loop."""
 
 _POOL_KEYS = {"mode": "inference_mode", "workers": "workers", "batch_limit": "batch_limit",
               "queue_limit": "queue_limit", "max_wait_ms": "max_wait_ms",
@@ -118,7 +122,7 @@ def _version_policy(raw: object, where: str) -> VersionPolicy:
 def _json(path: Path) -> dict[str, object]:
     try:
         raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"{path.name} is not readable JSON: {e}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"{path.name} must hold a JSON object")
@@ -128,6 +132,11 @@ def _json(path: Path) -> dict[str, object]:
 def read_config(path: Path, default_name: str) -> ModelConfig:
     """The config in ``path``: JSON, or Triton's ``config.pbtxt`` (see
     ``paraloom.serving.repository.triton``); ``ValueError`` naming the problem."""
+    size = path.stat().st_size
+    if size > CONFIG_MAX_BYTES:
+        raise ValueError(f"{path.name} is {size:,} bytes, past the {CONFIG_MAX_BYTES:,} a model "
+                         "config may have: refused (a config names inputs, outputs and "
+                         "options; labels go in their own files)")
     triton = path.name == PBTXT
     raw = dict(read_pbtxt(path, default_name)) if triton else _json(path)
     model_filename = str(raw.pop("model_filename")) if triton else TORCHSCRIPT

@@ -120,6 +120,16 @@ class ModelsDir:
     def _inside(self, path: Path) -> bool:
         return path.resolve().is_relative_to(self.root)
 
+    def _config(self, path: Path, stem: str) -> ModelConfig | None:
+        """The config at ``path``, None where there is none; ``ValueError`` for one that
+        resolves outside the models directory (never opened: its text would reach clients in
+        the reason) or that cannot be read."""
+        if not path.is_file():
+            return None
+        if not self._inside(path):
+            raise ValueError(f"{path.name} resolves outside the models directory: refused")
+        return read_config(path, stem)
+
     def _entry(self, path: Path) -> Found | None:
         stem = path.stem if path.is_file() else path.name
         if not self._inside(path):
@@ -153,7 +163,7 @@ class ModelsDir:
                              f"{_WEIGHTS}) or drop the policy")
             return found
         try:
-            config = read_config(config_path, folder.name) if config_path.is_file() else None
+            config = self._config(config_path, folder.name)
         except ValueError as e:
             return Found(folder.name, None, error=str(e))
         policy = config.version_policy if config is not None else VersionPolicy()
@@ -182,7 +192,7 @@ class ModelsDir:
     def _found(self, stem: str, weights: Path, config_path: Path, *, folder: Path | None,
                version: int = 1) -> Found:
         try:
-            config = read_config(config_path, stem) if config_path.is_file() else None
+            config = self._config(config_path, stem)
         except ValueError as e:
             return Found(stem, None, error=str(e))
         name = config.name if config is not None else stem

@@ -11,13 +11,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, TypedDict
 
 import anyio
 
-from paraloom.serving.errors import ForbiddenError, NotFoundError, ProtocolError, UnavailableError
+from paraloom.serving.errors import (
+    ForbiddenError,
+    NotFoundError,
+    ProtocolError,
+    UnavailableError,
+    short_repr,
+)
 from paraloom.serving.repository.directory import Versions
 from paraloom.serving.repository.files import check_load_parameters
 from paraloom.serving.served import ServedModel
@@ -100,8 +106,8 @@ class ModelRepository:
         """The model serving ``name`` (and ``version``, when given); ``NotFoundError`` if none."""
         entry = self._entries.get(name)
         if entry is None:
-            raise NotFoundError(f"unknown model {name!r}; this server serves "
-                                f"{sorted(self.models())}" + self._unavailable())
+            raise NotFoundError(f"unknown model {short_repr(name)}; this server serves "
+                                f"{_listed(self.models())}" + self._unavailable())
         if entry.served is None and entry.reason not in ("", _UNLOADED):
             # It failed to load: loading it again fails the same way; the reason says why.
             raise NotFoundError(f"model {name!r} is not loaded: {entry.reason}")
@@ -124,8 +130,8 @@ class ModelRepository:
 
     def _unavailable(self) -> str:
         """``"; not serving: [...]"`` for the models known but not loaded ("" if none)."""
-        down = sorted(n for n, e in self._entries.items() if e.served is None)
-        return f" (not serving now: {down})" if down else ""
+        down = [n for n, e in self._entries.items() if e.served is None]
+        return f" (not serving now: {_listed(down)})" if down else ""
 
     def is_ready(self, name: str, version: str | None = None) -> bool:
         """Whether ``name`` takes requests: False once unloaded; ``NotFoundError`` if unknown."""
@@ -266,8 +272,8 @@ class ModelRepository:
         elif entry is not None and entry.rebuild is not None and entry.last is not None:
             built = Versions([await anyio.to_thread.run_sync(entry.rebuild, entry.last)])
         else:
-            raise NotFoundError(f"unknown model {name!r}; this server serves "
-                                f"{sorted(self._entries)} and has no models directory to "
+            raise NotFoundError(f"unknown model {short_repr(name)}; this server serves "
+                                f"{_listed(self._entries)} and has no models directory to "
                                 "load others from (paraloom serve --models-dir DIR)")
         _log.info("model %r loaded, versions %s", name, [s.version for s in built.served])
         for version, reason in built.failed.items():
@@ -280,8 +286,8 @@ class ModelRepository:
             self._check_open()
             entry = self._entries.get(name)
             if entry is None:
-                raise NotFoundError(f"unknown model {name!r}; this server serves "
-                                    f"{sorted(self._entries)}")
+                raise NotFoundError(f"unknown model {short_repr(name)}; this server serves "
+                                    f"{_listed(self._entries)}")
             retired = entry.every()
             entry.served, entry.older, entry.reason, entry.failed = None, {}, _UNLOADED, {}
             entry.unloaded = [s.version for s in retired]
@@ -308,3 +314,16 @@ class ModelRepository:
         left = None if self.close_deadline is None else \
             max(0.0, self.close_deadline - time.monotonic())
         await asyncio.gather(*(s.close(left) for s in models))
+
+
+_LISTED = 20
+"""Model names an error lists at most: a gRPC error's text travels in a header, which clients
+cap at 8 KB, so a repository of hundreds of models must not name them all."""
+
+
+def _listed(names: Iterable[str]) -> str:
+    """``names`` sorted, as a list's repr, the first ``_LISTED`` of them and how many more."""
+    every = sorted(names)
+    shown = repr(every[:_LISTED])
+    return shown if len(every) <= _LISTED else f"{shown[:-1]}, ... {len(every) - _LISTED} more]"
+

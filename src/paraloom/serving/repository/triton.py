@@ -145,7 +145,7 @@ def read_pbtxt(path: Path, default_name: str) -> dict[str, Any]:
     try:
         text_format.Parse(_lists_with_colons(path.read_text()), message,
                           allow_unknown_field=True)
-    except (OSError, UnicodeDecodeError, text_format.ParseError) as e:
+    except (OSError, UnicodeDecodeError, RecursionError, text_format.ParseError) as e:
         raise ValueError(f"{path.name} is not a readable Triton model config: {e}") from e
     platform = message.platform or message.backend
     if platform not in _PYTORCH:

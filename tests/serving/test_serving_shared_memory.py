@@ -4,6 +4,7 @@ and shared memory helpers, unchanged, against a real server."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 
@@ -138,6 +139,33 @@ def test_registry_bounds_the_regions_it_holds(segment: shared_memory.SharedMemor
     with pytest.raises(NotFoundError):
         regions.status("c")
     regions.close()
+
+
+def test_a_read_past_the_bound_is_refused_before_any_allocation() -> None:
+    """A sparse 2 GiB segment cost its client nothing, and one 300-byte request made the server
+    allocate (and read) all of it: 262 MiB of peak memory became 2,310."""
+    import resource
+
+    key = f"/paraloom-sparse-{os.getpid()}"
+    fd = os.open("/dev/shm" + key, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 3 << 30)  # sparse: no page is written
+        regions = SharedMemoryRegistry()
+        regions.register("big", key, 0, 3 << 30)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with pytest.raises(ProtocolError, match="reads at most 1,073,741,824 per input"):
+            regions.read(RegionRef("big", 2 << 30), "input 'x'")
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB
+        small = SharedMemoryRegistry(max_read_bytes=64)
+        small.register("big", key, 0, 3 << 30)
+        assert len(small.read(RegionRef("big", 64), "input 'x'")) == 64
+        with pytest.raises(ProtocolError, match="at most 64 per input"):
+            small.read(RegionRef("big", 65), "input 'x'")
+        regions.close()
+        small.close()
+    finally:
+        os.close(fd)
+        os.unlink("/dev/shm" + key)
 
 
 @pytest.fixture()

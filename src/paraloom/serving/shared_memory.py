@@ -40,6 +40,12 @@ from paraloom.serving.errors import (
 __all__ = ["MAX_REGIONS", "OFF", "RegionRef", "RegionStatus", "SharedMemoryRegistry",
            "on_by_default", "region_ref", "registry_or_refuse"]
 
+MAX_READ_BYTES = 1 << 30
+"""The most bytes one input may read from a region (1 GiB; ``SharedMemoryRegistry(
+max_read_bytes=)``): each read is copied into the server's memory, and a sparse segment costs
+its client nothing, so without a bound one small request could make the server allocate
+terabytes."""
+
 MAX_REGIONS = 256
 """Regions one server holds at once; a register past it is refused. Regions of the same
 segment share a file descriptor, so at most this many are open for them."""
@@ -152,8 +158,10 @@ def _open_segment(key: str) -> int:
 class SharedMemoryRegistry:
     """The regions registered with one server; shared by HTTP and gRPC. Thread-safe."""
 
-    def __init__(self, max_regions: int = MAX_REGIONS) -> None:
+    def __init__(self, max_regions: int = MAX_REGIONS,
+                 max_read_bytes: int = MAX_READ_BYTES) -> None:
         self.max_regions = max_regions
+        self.max_read_bytes = max_read_bytes
         self._regions: dict[str, _Region] = {}
         self._files: dict[tuple[int, int], tuple[int, int]] = {}  # file -> (fd, its regions)
         self._lock = threading.Lock()
@@ -238,7 +246,11 @@ class SharedMemoryRegistry:
 
     def read(self, ref: RegionRef, where: str) -> np.ndarray:
         """The ``ref.byte_size`` bytes ``ref`` names, read into a new writable uint8 array (not
-        zero-filled first: every byte is read)."""
+        zero-filled first: every byte is read); ``ProtocolError`` past ``max_read_bytes``."""
+        if ref.byte_size > self.max_read_bytes:
+            raise ProtocolError(f"{where} names {ref.byte_size:,} bytes of shared memory; this "
+                                f"server reads at most {self.max_read_bytes:,} per input: send "
+                                "fewer rows per request")
         with self._lock:
             fd, start = self._span(ref, ref.byte_size, where)
         out = np.empty(ref.byte_size, dtype=np.uint8)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "AlreadyExistsError",
     "ClientGoneError",
@@ -13,6 +15,7 @@ __all__ = [
     "ServingError",
     "UnavailableError",
     "cut_off_by_shutdown",
+    "listed",
     "short_repr",
 ]
 
@@ -21,6 +24,18 @@ def short_repr(value: object, limit: int = 60) -> str:
     """``repr(value)``, cut to ``limit`` characters for error messages."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+_LISTED = 20
+"""Names an error lists at most: a gRPC error's text travels in a header, which clients cap at
+8 KB, so a repository of hundreds of models must not name them all."""
+
+
+def listed(names: Iterable[str]) -> str:
+    """``names`` sorted, as a list's repr: the first 20 of them and how many more."""
+    every = sorted(names)
+    shown = repr(every[:_LISTED])
+    return shown if len(every) <= _LISTED else f"{shown[:-1]}, ... {len(every) - _LISTED} more]"
 
 
 class ServingError(Exception):

@@ -91,7 +91,7 @@ async def model_ready(request: Request) -> Response:
 async def repository_index(request: Request) -> Response:
     """POST /v2/repository/index: every model, its version and state (READY, UNAVAILABLE)."""
     body = await read_body(request, _LOAD_BODY_LIMIT)
-    rows = _repository(request).index()
+    rows = await _repository(request).index_off_loop()
     if body.strip():
         try:
             obj = load_json(body)

@@ -167,7 +167,7 @@ class Service:
 
     async def RepositoryIndex(self, request: ReadyFilter,  # noqa: N802
                               response: type[Message]) -> Message:
-        rows = self.repository.index()
+        rows = await self.repository.index_off_loop()
         if request.ready:
             rows = [r for r in rows if r["state"] == "READY"]
         return response(models=rows)

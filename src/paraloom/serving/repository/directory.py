@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paraloom.serving.classification import read_labels
-from paraloom.serving.errors import NotFoundError
+from paraloom.serving.errors import NotFoundError, listed, short_repr
 from paraloom.serving.handlers import HANDLER_FILE, Handler, load_handler
 from paraloom.serving.repository.binding import bind
 from paraloom.serving.repository.config import (
@@ -249,8 +249,8 @@ class ModelsDir:
         """The model served as ``name``; ``NotFoundError`` if the directory has none."""
         found = self.scan()
         if name not in found:
-            raise NotFoundError(f"no model {name!r} in the models directory {str(self.root)!r}; "
-                                f"it holds {sorted(found)}")
+            raise NotFoundError(f"no model {short_repr(name)} in the models directory "
+                                f"{str(self.root)!r}; it holds {listed(found)}")
         return found[name]
 
     def build(self, found: Found) -> ServedModel:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, TypedDict
 
@@ -22,9 +22,10 @@ from paraloom.serving.errors import (
     NotFoundError,
     ProtocolError,
     UnavailableError,
+    listed,
     short_repr,
 )
-from paraloom.serving.repository.directory import Versions
+from paraloom.serving.repository.directory import Found, Versions
 from paraloom.serving.repository.files import check_load_parameters
 from paraloom.serving.served import ServedModel
 
@@ -107,7 +108,7 @@ class ModelRepository:
         entry = self._entries.get(name)
         if entry is None:
             raise NotFoundError(f"unknown model {short_repr(name)}; this server serves "
-                                f"{_listed(self.models())}" + self._unavailable())
+                                f"{listed(self.models())}" + self._unavailable())
         if entry.served is None and entry.reason not in ("", _UNLOADED):
             # It failed to load: loading it again fails the same way; the reason says why.
             raise NotFoundError(f"model {name!r} is not loaded: {entry.reason}")
@@ -131,7 +132,7 @@ class ModelRepository:
     def _unavailable(self) -> str:
         """``"; not serving: [...]"`` for the models known but not loaded ("" if none)."""
         down = [n for n, e in self._entries.items() if e.served is None]
-        return f" (not serving now: {_listed(down)})" if down else ""
+        return f" (not serving now: {listed(down)})" if down else ""
 
     def is_ready(self, name: str, version: str | None = None) -> bool:
         """Whether ``name`` takes requests: False once unloaded; ``NotFoundError`` if unknown."""
@@ -172,15 +173,31 @@ class ModelRepository:
         """Whether the server takes requests: not shutting down, every loaded model ready."""
         return not self.draining and all(s.ready for s in self.every())
 
-    def index(self) -> list[IndexEntry]:
+    def index(self, found: Mapping[str, Found] | None = None) -> list[IndexEntry]:
         """Every model known (loaded, unloaded, failed, or in the models directory); a model
-        serving several versions has a row per version."""
+        serving several versions has a row per version. ``found``: the directory's models as
+        ``scan()`` gave them (scanned here where not given; on the event loop, use
+        ``await index_off_loop()``, which scans in a thread)."""
         rows: dict[str, list[IndexEntry]] = {}
-        if self.source is not None:
-            for name, found in self.source.scan().items():
-                versions = [str(v) for v in found.versions] or [""]
-                rows[name] = [{"name": name, "version": v, "state": "UNAVAILABLE",
-                               "reason": found.error or "not loaded"} for v in versions]
+        if found is None:
+            found = self.scan()
+        for name, one in found.items():
+            versions = [str(v) for v in one.versions] or [""]
+            rows[name] = [{"name": name, "version": v, "state": "UNAVAILABLE",
+                           "reason": one.error or "not loaded"} for v in versions]
+        return self._index_entries(rows)
+
+    async def index_off_loop(self) -> list[IndexEntry]:
+        """``index()``, the models directory read in a worker thread: it parses every config,
+        which on the event loop held every other request up (0.4 s for 400 folders)."""
+        return self.index(await anyio.to_thread.run_sync(self.scan))
+
+    def scan(self) -> dict[str, Found]:
+        """What the models directory holds now ({} without one)."""
+        return {} if self.source is None else self.source.scan()
+
+    def _index_entries(self, rows: dict[str, list[IndexEntry]]) -> list[IndexEntry]:
+        """``rows`` (the directory's models) with the served and unloaded models' rows."""
         for name, entry in self._entries.items():
             if entry.served is not None:
                 served: list[IndexEntry] = [
@@ -240,7 +257,8 @@ class ModelRepository:
         model of the models directory that is not unloaded (new folders too); returns the
         version each now serves. A model that fails to load is logged and keeps its old
         version (or stays unavailable), and the others still reload."""
-        names = set(self._entries) if self.source is None else set(self.source.scan())
+        names = set(self._entries) if self.source is None else set(
+            await anyio.to_thread.run_sync(self.scan))
         names -= {n for n, e in self._entries.items()
                   if e.served is None and e.reason == _UNLOADED}
         versions: dict[str, str] = {}
@@ -255,7 +273,7 @@ class ModelRepository:
                      ) -> Versions:
         check_load_parameters(parameters)  # the same refusals as a weights load
         if self.source is not None:
-            found = self.source.find(name)
+            found = await anyio.to_thread.run_sync(self.source.find, name)
             last = entry.last if entry is not None else None
             if not found.numbered and found.path is not None and last is not None:
                 # No version folders: each build is the next version, as a reload of a served
@@ -273,7 +291,7 @@ class ModelRepository:
             built = Versions([await anyio.to_thread.run_sync(entry.rebuild, entry.last)])
         else:
             raise NotFoundError(f"unknown model {short_repr(name)}; this server serves "
-                                f"{_listed(self._entries)} and has no models directory to "
+                                f"{listed(self._entries)} and has no models directory to "
                                 "load others from (paraloom serve --models-dir DIR)")
         _log.info("model %r loaded, versions %s", name, [s.version for s in built.served])
         for version, reason in built.failed.items():
@@ -287,7 +305,7 @@ class ModelRepository:
             entry = self._entries.get(name)
             if entry is None:
                 raise NotFoundError(f"unknown model {short_repr(name)}; this server serves "
-                                    f"{_listed(self._entries)}")
+                                    f"{listed(self._entries)}")
             retired = entry.every()
             entry.served, entry.older, entry.reason, entry.failed = None, {}, _UNLOADED, {}
             entry.unloaded = [s.version for s in retired]
@@ -314,16 +332,4 @@ class ModelRepository:
         left = None if self.close_deadline is None else \
             max(0.0, self.close_deadline - time.monotonic())
         await asyncio.gather(*(s.close(left) for s in models))
-
-
-_LISTED = 20
-"""Model names an error lists at most: a gRPC error's text travels in a header, which clients
-cap at 8 KB, so a repository of hundreds of models must not name them all."""
-
-
-def _listed(names: Iterable[str]) -> str:
-    """``names`` sorted, as a list's repr, the first ``_LISTED`` of them and how many more."""
-    every = sorted(names)
-    shown = repr(every[:_LISTED])
-    return shown if len(every) <= _LISTED else f"{shown[:-1]}, ... {len(every) - _LISTED} more]"
 

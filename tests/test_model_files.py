@@ -159,3 +159,26 @@ def test_a_header_nested_too_deep_is_a_corrupt_file_not_a_recursion_error(tmp_pa
         save_file({"w": torch.zeros(1)}, str(path), metadata={key: deep})
         with pytest.raises(ValueError, match="corrupt"):
             read(path)
+
+
+def test_a_files_constructor_arguments_are_checked_before_any_memory_is_given(tmp_path) -> None:
+    """A 525 KB file whose header said num_classes=500000 built the model (1.2 GB) before the
+    shapes were compared; num_classes=10**8 asked for 200 GB."""
+    import json
+    import resource
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    paraloom.save(MLP(in_features=4, hidden=[8], num_classes=3), path)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        header, tensors = json.loads(f.metadata()["paraloom"]), {k: f.get_tensor(k)
+                                                                   for k in f.keys()}  # noqa: SIM118
+    header["kwargs"]["num_classes"] = 10**8
+    save_file(tensors, str(path), metadata={"paraloom": json.dumps(header)})
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match="does not match the rebuilt model: shapes"):
+        paraloom.load(path)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB

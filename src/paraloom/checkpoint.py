@@ -276,6 +276,31 @@ def _check_device(device: str | torch.device) -> None:
                          "device this machine has") from e
 
 
+def _check_shapes(path: Path, model: nn.Module | None, state: dict[str, Tensor]) -> None:
+    """``ValueError`` where ``model``'s tensors have other shapes than the file's."""
+    if model is None:
+        return
+    mismatched = {k: (tuple(v.shape), tuple(state[k].shape)) for k, v
+                  in model.state_dict().items() if k in state and not is_lazy(v)
+                  and v.shape != state[k].shape}  # a lazy one takes the file's shape
+    if mismatched:
+        shown = dict(list(mismatched.items())[:10])
+        raise ValueError(f"{path} does not match the rebuilt model: shapes (model, file) "
+                         f"{shown}{' ...' if len(mismatched) > 10 else ''}; pass the factory "
+                         "(and kwargs) it was saved from")
+
+
+def _built_on_meta(spec: dict[str, Any], factory: Callable[..., nn.Module] | None
+                   ) -> nn.Module | None:
+    """The model built on the meta device (no memory); None where its constructor cannot run
+    there (it reads a tensor's values), and the real build checks it instead."""
+    try:
+        with torch.device("meta"):
+            return _build(spec, factory)
+    except Exception:  # noqa: BLE001 - the real build says what is wrong, if anything is
+        return None
+
+
 def _build(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> nn.Module:
     model = _built(spec, factory)
     if not isinstance(model, nn.Module):
@@ -382,13 +407,12 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     # safetensors reads to "cpu" or an accelerator by name, not "cpu:0" or "meta"
     spec, state = read_consistently(path, "cpu" if device.type in ("cpu", "meta") else device,
                                     plain=factory is not None)
+    if spec.get("kwargs"):
+        # The file's constructor arguments could ask for any size (num_classes=10**8): the
+        # model is built on the meta device first, which allocates nothing, and checked.
+        _check_shapes(path, _built_on_meta(spec, factory), state)
     model = _build(spec, factory)
-    mismatched = {k: (tuple(v.shape), tuple(state[k].shape)) for k, v
-                  in model.state_dict().items() if k in state and not is_lazy(v)
-                  and v.shape != state[k].shape}  # a lazy one takes the file's shape
-    if mismatched:
-        raise ValueError(f"{path} does not match the rebuilt model: shapes (model, file) "
-                         f"{mismatched}; pass the factory (and kwargs) it was saved from")
+    _check_shapes(path, model, state)
     # The saved dtypes before the values: load_state_dict copies into the rebuilt model's
     # tensors, so a float64 file read into float32 ones would lose its values (rounded, 1e300
     # to inf), a complex buffer its imaginary part, before any cast back.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -17,6 +18,7 @@ from starlette.applications import Starlette
 from torch import nn
 
 from paraloom.serving.app import AppOptions, create_app, repository_of, settle_shared_memory
+from paraloom.serving.http1 import GuardedHttpTools
 from paraloom.serving.sockets import bind_socket
 
 if TYPE_CHECKING:
@@ -172,7 +174,8 @@ def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeou
             served.close_timeout = graceful_timeout
     # uvicorn types the graceful timeout as whole seconds; round up so it is never shortened.
     return uvicorn.Config(app, log_level=log_level, access_log=access_log,
-                          timeout_graceful_shutdown=math.ceil(graceful_timeout), lifespan="on")
+                          timeout_graceful_shutdown=math.ceil(graceful_timeout), lifespan="on",
+                          http=GuardedHttpTools)
 
 
 def _as_app(pool_or_model: nn.Module | ParallelInference | Starlette, name: str | None,
@@ -205,7 +208,10 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
     (``gc.freeze``), so that later full collections take under 10 ms rather than up to 0.44 s
     with the GIL held. Large blocks (1 MiB bodies, shared-memory reads) are reused from the heap
     rather than mapped fresh for every request (glibc only; the heap may keep up to 64 MiB more).
-    ``app_options`` are ``create_app``'s (``workers``, ``batch_limit``, ...).
+    The process's soft limit of open files is raised to its hard limit (at most 65,536), so that
+    a thousand slow clients do not take every descriptor; a request must arrive within
+    ``paraloom.serving.http1.REQUEST_READ_S`` (60 s). ``app_options`` are ``create_app``'s
+    (``workers``, ``batch_limit``, ...).
 
     Raises ``OSError`` when the port is taken (before any pool starts) and ``ValueError`` for a
     ``switch_interval`` that is not a positive number of seconds.
@@ -216,6 +222,7 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
                              "0.001, or None to keep Python's 0.005")
         sys.setswitchinterval(switch_interval)
     reuse_heap_blocks()  # see _MALLOC_NOTE
+    raise_open_files_limit()
     # First: a busy port must fail before a pool starts.
     sock = bind_socket(host, port, reuse_port=reuse_port)
     try:
@@ -233,6 +240,23 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
         raise
     finally:
         sock.close()
+
+
+def raise_open_files_limit(most: int = 1 << 16) -> int:
+    """Raise this process's soft limit of open files towards its hard limit (at most ``most``):
+    every connection holds a descriptor, and many distributions start processes at 1,024.
+    Returns the soft limit now (unchanged where the platform has no such limit)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = most if hard == resource.RLIM_INFINITY else min(hard, most)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            return wanted
+    return soft
 
 
 def close_owned_pools(app: Starlette) -> None:

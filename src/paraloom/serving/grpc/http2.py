@@ -81,13 +81,25 @@ class _Corked:
 
 class _Protocol(ZttpH2Protocol):
     """uvicorn's HTTP/2 connection, its writes corked per loop turn, closed gracefully after
-    ``STREAMS_PER_CONNECTION`` calls."""
+    ``STREAMS_PER_CONNECTION`` calls, reading nothing while its peer reads nothing."""
 
     streams = 0  # calls this connection took
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
         self.transport = _Corked(self.transport, self.loop)  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.flow.write_paused:
+            # The peer is not reading what this connection writes (a PING or SETTINGS flood
+            # answered frame by frame grew the buffer by 1.6 GB in 40 s): read no more of it
+            # until it does.
+            self.flow.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.flow.resume_reading()
 
     def handle_request(self, event: zttp.Request) -> None:
         self.streams += 1

@@ -10,7 +10,14 @@ import pytest
 import torch
 from fault_helpers import FailWhenArmed, digits_loader
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SequentialSampler,
+    get_worker_info,
+)
 from training_helpers import digest
 
 import paraloom
@@ -339,4 +346,32 @@ def test_a_loader_without_batching_counts_one_sample_a_batch(workers):
     with ParallelWrapper(model, step_fn=_squared_error, workers=workers, progress=False,
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.01)) as wrapper:
         stats = wrapper.fit(DataLoader(_Pairs(), batch_size=None), epochs=2)
-    assert stats["batches"] == 20 and stats["samples"] == 20
+        assert stats["batches"] == 20 and stats["samples"] == 20
+        # An IterableDataset's items are what it yields: batches, as when it is passed alone
+        # (each was counted one sample: 2 for 10).
+        stats = wrapper.fit(DataLoader(_PairBatches(), batch_size=None))
+        assert stats["batches"] == 2 and stats["samples"] == 10
+        # A BatchSampler as the sampler: dataset[indices] is a batch of them.
+        sampler = BatchSampler(SequentialSampler(range(10)), batch_size=4, drop_last=False)
+        stats = wrapper.fit(DataLoader(_Indexed(), sampler=sampler, batch_size=None))
+        assert stats["batches"] == 3 and stats["samples"] == 10
+
+
+class _PairBatches(IterableDataset):
+    """``_Pairs`` in two batches of five, sharded over the replicas."""
+
+    def __iter__(self):
+        info = paraloom.replica_info() or paraloom.ReplicaInfo(0, 1)
+        for start in range(info.rank * 5, 10, 5 * info.world_size):
+            yield torch.full((5, 5), float(start)), torch.zeros(5, 1)
+
+
+class _Indexed(Dataset):
+    """Rows of ``_Pairs`` taken several at once: ``dataset[[0, 1, 2]]`` is a batch."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(rows, dtype=torch.float32)[:, None].expand(-1, 5), \
+            torch.zeros(len(rows), 1)

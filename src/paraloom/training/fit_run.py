@@ -100,9 +100,14 @@ class FitPlan:
 
 
 def _yields_samples(data: object) -> bool:
-    """Whether ``data`` is a ``DataLoader(batch_size=None)``: each "batch" is one sample."""
+    """Whether each of ``data``'s "batches" is one sample: a ``DataLoader(batch_size=None)``
+    over a map-style dataset indexed by single indices (``dataset[i]`` is a sample). Over an
+    ``IterableDataset`` it yields what the dataset yields, batches as when the dataset is
+    passed alone; with a ``BatchSampler`` as its sampler, ``dataset[indices]`` is a batch."""
     return isinstance(data, torch.utils.data.DataLoader) and data.batch_size is None \
-        and data.batch_sampler is None
+        and data.batch_sampler is None \
+        and not isinstance(data.dataset, torch.utils.data.IterableDataset) \
+        and not isinstance(data.sampler, torch.utils.data.BatchSampler)
 
 
 @dataclass(frozen=True)

@@ -269,6 +269,9 @@ class SharedGradients(RecipeOptions, Synchronizer):
     def finish(self, ctx: StepContext) -> None:
         """End the fit: the last exchange in, the shared parameters back in the model, and
         (``gradients_at="local"``) ``returned_parameters`` made, with one dense all-reduce."""
+        if self._restored.view is not None:  # resumed with no round left: hold the view, as
+            self.before_step(ctx)              # the uninterrupted run held it at its end
+            self._restored.view = None  # never set over a later fit's parameters
         self._collect(ctx)
         self._settle()
         self._unlay()

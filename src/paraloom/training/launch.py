@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
 
 from paraloom.training.messages import Pickled, Reply, ToReplica
+from paraloom.training.transport import fetched, release_unfetched
 from paraloom.training.worker import WorkerConfig, worker_main
 
 if TYPE_CHECKING:  # ForkServerContext does not exist on Windows
@@ -34,6 +35,9 @@ __all__ = ["Launcher", "SpareWorkers", "Worker", "kill_group", "no_main_reimport
 
 log = logging.getLogger("paraloom")
 
+_HANDLES_KEPT = 4096
+"""Handles a worker's list keeps before those already fetched are dropped from it."""
+
 @dataclass(frozen=True)
 class Worker:
     """A worker's process, its task queue and its result queue."""
@@ -41,6 +45,17 @@ class Worker:
     process: BaseProcess
     tasks: Queue[ToReplica | Pickled]
     results: Queue[Reply]
+    sent: list[int] = dataclasses.field(default_factory=list)
+    """The descriptor handles of the messages put in ``tasks`` (``transport.dumps``), until
+    fetched: released at ``close``, for the messages it never read."""
+
+    def put(self, message: ToReplica | Pickled, timeout: float) -> None:
+        """Put ``message`` in the task queue (``queue.Full`` after ``timeout`` s)."""
+        self.tasks.put(message, timeout=timeout)
+        if isinstance(message, Pickled) and message.handles:
+            self.sent.extend(message.handles)
+            if len(self.sent) > _HANDLES_KEPT:
+                self.sent[:] = fetched(self.sent)
 
     def kill(self, killed: set[int]) -> None:
         """SIGKILL the process and its group, once: ``killed`` holds the pids killed (a pid
@@ -51,10 +66,14 @@ class Worker:
             killed.add(p.pid)
 
     def close(self) -> None:
-        """Close its queues, without waiting for what they still hold."""
+        """Close its queues, without waiting for what they still hold, and release what the
+        messages it never read held (their tensors' descriptors and shared memory)."""
         for q in (self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
+        if self.process.exitcode is not None or not self.process.is_alive():
+            release_unfetched(self.sent)
+            self.sent.clear()
 
     def discard(self, killed: set[int]) -> None:
         """``kill`` and ``close``."""

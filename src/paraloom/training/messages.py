@@ -198,6 +198,8 @@ class Pickled:
     round_id: int | None = None
     """The (first) round of a pickled ``Round`` or ``RoundBatch``, readable before unpickling
     (for error reports)."""
+    handles: tuple[int, ...] = ()
+    """The sender's keys for the file descriptors it hands over (``transport.dumps``)."""
 
     def unpack(self) -> ToReplica:
         message = pickle.loads(self.data)

@@ -199,7 +199,7 @@ class ProcessPool:
     def _put(self, rank: int, message: ToReplica | Pickled) -> None:
         while True:
             try:
-                self._tasks[rank].put(message, timeout=_POLL_S)
+                self._workers[rank].put(message, timeout=_POLL_S)
                 return
             except queue.Full:
                 self._check_alive()

@@ -1,0 +1,54 @@
+"""What a message that no worker read held is released: its tensors travel as duplicated file
+descriptors of shared memory, which this process keeps until a worker fetches them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from multiprocessing import resource_sharer
+
+import pytest
+import torch
+from torch import nn
+
+from paraloom import ParallelWrapper, WorkerError
+from paraloom.training.transport import dumps, release_unfetched
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_tensor_travels_as_a_handle_not_in_the_pickle() -> None:
+    handles: list[int] = []
+    data = dumps(torch.randn(1000, 1000), handles)
+    assert len(data) < 10_000 and len(handles) == 1  # 4 MB of values, outside the pickle
+    release_unfetched(handles)
+    assert handles[0] not in resource_sharer._resource_sharer._cache  # type: ignore[attr-defined]
+
+
+class _Raising(nn.Module):
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the loss failed")
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_failed_fits_leave_no_descriptor_or_shared_memory_behind() -> None:
+    """The batches queued behind a failed round stayed in the parent's descriptor sharer for
+    good: 38 descriptors and 16 MiB of 4 MiB batches more after every failed fit."""
+    model = nn.Linear(4096, 2)
+    data = [(torch.randn(256, 4096), torch.randint(0, 2, (256,))) for _ in range(24)]  # 4 MiB
+    with ParallelWrapper(model, loss_fn=_Raising(), workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as wrapper:
+        with pytest.raises(WorkerError, match="the loss failed"):
+            wrapper.fit(data)
+        descriptors, used = _descriptors(), shutil.disk_usage("/dev/shm").used
+        for _ in range(3):
+            with pytest.raises(WorkerError, match="the loss failed"):
+                wrapper.fit(data)
+        cache = resource_sharer._resource_sharer._cache  # type: ignore[attr-defined]
+        assert len(cache) == 0, f"{len(cache)} descriptors wait for a worker that is gone"
+        assert _descriptors() <= descriptors + 4
+        grown = shutil.disk_usage("/dev/shm").used - used
+        assert grown < 8 * 2**20, f"/dev/shm grew by {grown / 2**20:.0f} MiB"

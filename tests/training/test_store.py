@@ -95,3 +95,25 @@ def test_the_spark_store_listens_on_the_announced_address_only() -> None:
     rdv, store = meet(OneTask(), None, 10, NetworkSettings(host="10.1.2.3"))
     assert store is not None and listening_addresses(store.port) == {"0.0.0.0"}
     assert rdv.host == "10.1.2.3"
+
+
+def test_a_worker_whose_parent_died_before_the_store_answered_exits_at_once() -> None:
+    """A parent killed while its pool started left a worker retrying the store's connection
+    for the whole timeout (10 minutes by default), holding the forkserver with it."""
+    import socket
+    import subprocess
+    import time
+
+    from paraloom.training.worker import WorkerConfig, _store
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = WorkerConfig(rank=1, world_size=2, store_port=port, backend="gloo", device="cpu",
+                       threads=1, timeout_s=60.0, parent_pid=gone.pid)
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match="parent process exited"):
+        _store(cfg)
+    assert time.monotonic() - started < 5.0

@@ -129,10 +129,25 @@ class _Heartbeat:
 
 
 def _store(cfg: WorkerConfig) -> TCPStore | None:
+    """A client of the parent's rendezvous store. Connected in tries of ``_POLL_S``, each
+    checking that the parent lives: one killed while the pool started left its workers
+    retrying for the whole ``timeout`` (10 minutes by default), holding the forkserver."""
     if cfg.world_size == 1:
         return None
-    return TCPStore("127.0.0.1", cfg.store_port, is_master=False,
-                    timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    deadline = time.monotonic() + cfg.timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store = TCPStore("127.0.0.1", cfg.store_port, is_master=False,
+                             timeout=datetime.timedelta(seconds=max(0.1, min(_POLL_S, left))))
+        except (RuntimeError, TimeoutError):  # torch's DistStoreError is a RuntimeError
+            if not _exists(cfg.parent_pid):
+                raise SystemExit("paraloom worker: parent process exited") from None
+            if left <= _POLL_S:
+                raise
+            continue
+        store.set_timeout(datetime.timedelta(seconds=cfg.timeout_s))
+        return store
 
 
 def _runner(cfg: WorkerConfig, spec: WorkerSpec, group: dist.ProcessGroup | None,

@@ -195,3 +195,21 @@ def test_ctrl_c_is_left_to_a_handler_the_user_installed():
         assert heard == [signal.SIGINT] and stops == [] and not interrupted()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_forkserver_starts_with_ctrl_c_ignored(monkeypatch):
+    """It imports torch before it ignores SIGINT itself: a Ctrl-C at the terminal (sent to the
+    whole process group) in those seconds killed it, and the next fit() failed with EOFError.
+    Started with SIGINT ignored, it inherits that across exec; ours is put back at once."""
+    import signal
+    from multiprocessing import forkserver
+
+    from paraloom.training.launch import worker_context
+
+    seen = []
+    monkeypatch.setattr(forkserver, "ensure_running",
+                        lambda: seen.append(signal.getsignal(signal.SIGINT)))
+    before = signal.getsignal(signal.SIGINT)
+    worker_context()
+    assert seen == [signal.SIG_IGN]
+    assert signal.getsignal(signal.SIGINT) is before

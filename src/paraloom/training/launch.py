@@ -127,8 +127,25 @@ def worker_context() -> ForkServerContext | SpawnContext:
         ctx = mp.get_context("forkserver")
         # torch._dynamo: torch.optim imports it on the first optimizer built (seconds).
         ctx.set_forkserver_preload(["paraloom.training.worker", "torch._dynamo"])
+        _start_forkserver_deaf_to_ctrl_c()
         return ctx
     return mp.get_context("spawn")
+
+
+def _start_forkserver_deaf_to_ctrl_c() -> None:
+    """Start the forkserver (if it is not running) with SIGINT ignored: it imports torch
+    before it ignores SIGINT itself, and a Ctrl-C at the terminal (sent to the whole process
+    group) in those seconds killed it, so the next fit() failed with ``EOFError``. An
+    ignored signal stays ignored across ``exec``; this process's handler is put back at once."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers are the main thread's: the forkserver starts as it would
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def kill_group(pid: int, alive: bool) -> None:

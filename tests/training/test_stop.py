@@ -207,6 +207,7 @@ def test_the_forkserver_starts_with_ctrl_c_ignored(monkeypatch):
     from paraloom.training.launch import worker_context
 
     seen = []
+    monkeypatch.delenv("PARALOOM_START_METHOD", raising=False)
     monkeypatch.setattr(forkserver, "ensure_running",
                         lambda: seen.append(signal.getsignal(signal.SIGINT)))
     before = signal.getsignal(signal.SIGINT)

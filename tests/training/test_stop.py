@@ -214,3 +214,41 @@ def test_the_forkserver_starts_with_ctrl_c_ignored(monkeypatch):
     worker_context()
     assert seen == [signal.SIG_IGN]
     assert signal.getsignal(signal.SIGINT) is before
+
+
+class _Heads(torch.nn.Module):
+    """300 linear heads summed: 600 parameters, each trained by every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(300))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(head(x) for head in self.heads) / 300
+
+
+def test_a_ctrl_c_while_the_trained_weights_are_copied_waits_for_the_copy(monkeypatch):
+    """A second Ctrl-C that landed while fit() copied the trained weights into the model left
+    it half updated: 7 of 600 parameters changed."""
+    from torch import nn
+
+    from paraloom.training.wrapper import ParallelWrapper as Wrapper
+
+    adopt = Wrapper._adopt
+
+    def interrupted_adopt(self, *args):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives in the middle of the copy
+        time.sleep(0.05)
+        return adopt(self, *args)
+
+    monkeypatch.setattr(Wrapper, "_adopt", interrupted_adopt)
+    torch.manual_seed(0)
+    model = _Heads()
+    before = [p.detach().clone() for p in model.parameters()]
+    with ParallelWrapper(model, loss_fn=nn.MSELoss(), workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5)) as wrapper:
+        with pytest.raises(KeyboardInterrupt):
+            wrapper.fit([(torch.randn(8, 4), torch.randn(8, 4))] * 4)
+    changed = sum(not torch.equal(p, b) for p, b in zip(model.parameters(), before,
+                                                           strict=True))
+    assert changed == len(before)  # every parameter got its trained value

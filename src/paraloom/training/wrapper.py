@@ -28,7 +28,7 @@ from paraloom.sync.registry import build_synchronizer, warn_without_idle_step
 from paraloom.training.buffers import load_model_state
 from paraloom.training.dealing import total_batches
 from paraloom.training.fit_run import FitPlan, FitRun, Start
-from paraloom.training.interrupts import graceful_interrupt
+from paraloom.training.interrupts import deferred_interrupt, graceful_interrupt
 from paraloom.training.local_pool import LocalPool
 from paraloom.training.messages import ReplicaResult
 from paraloom.training.mirror import ReplicaMirror, changed_settings, hyperparameters
@@ -286,7 +286,9 @@ class ParallelWrapper:
         Keras: ``epochs`` is the index to stop before), for training driven epoch by epoch.
         Returns ``stats()``. Ctrl-C stops the fit after the round in flight, keeps what was
         trained in the model, then raises ``FitInterrupted`` (a ``KeyboardInterrupt``); a
-        second Ctrl-C aborts at once, leaving the model as it was before the fit.
+        second Ctrl-C aborts at once, leaving the model as it was before the fit (one that comes
+        while the trained weights are copied into the model waits for the copy: the model is
+        never left half updated).
 
         Raises ``WorkerError`` when a replica fails (its exception's class in ``remote_type``,
         e.g. ``"NonFiniteLossError"``, its traceback in ``remote_traceback``; or a worker died
@@ -325,9 +327,10 @@ class ParallelWrapper:
         finally:
             self._iteration = tracker.iteration
             tracker.close(completed)
-        self._adopt(result, run.settings_sent)
-        self._received = result
-        self._mirror = ReplicaMirror(self.model, self._user_optimizer, pool)
+        with deferred_interrupt():  # the model gets all of the trained state, or none
+            self._adopt(result, run.settings_sent)
+            self._received = result
+            self._mirror = ReplicaMirror(self.model, self._user_optimizer, pool)
         for listener in self.listeners:
             listener.on_fit_end(self)
         if interrupted():

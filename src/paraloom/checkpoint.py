@@ -290,15 +290,34 @@ def _check_shapes(path: Path, model: nn.Module | None, state: dict[str, Tensor])
                          "(and kwargs) it was saved from")
 
 
-def _built_on_meta(spec: dict[str, Any], factory: Callable[..., nn.Module] | None
-                   ) -> nn.Module | None:
-    """The model built on the meta device (no memory); None where its constructor cannot run
-    there (it reads a tensor's values), and the real build checks it instead."""
+def _built_on_meta(spec: dict[str, Any]) -> nn.Module | None:
+    """The file's model built on the meta device (no memory); None where its constructor
+    cannot run there (it reads a tensor's values), and the real build checks it instead."""
     try:
         with torch.device("meta"):
-            return _build(spec, factory)
+            return _build(spec, None)
     except Exception:  # noqa: BLE001 - the real build says what is wrong, if anything is
         return None
+
+
+def _check_keys(path: Path, model: nn.Module, state: dict[str, Tensor],
+                factory: Callable[..., nn.Module] | None) -> None:
+    """``ValueError`` where ``model`` has tensors the file lacks, or the file has others."""
+    expected = set(model.state_dict())
+    missing = [k for k in model.state_dict() if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        _mismatched_keys(path, missing, unexpected, factory)
+
+
+def _mismatched_keys(path: Path, missing: list[str], unexpected: list[str],
+                     factory: Callable[..., nn.Module] | None) -> None:
+    hint = "" if factory is not None else (
+        "; a model saved without its own class (an nn.Sequential, a function's model) "
+        "loads with factory= the function that built it (--factory module:callable on "
+        "the command line)")
+    raise ValueError(f"{path} does not match the rebuilt model: missing {missing[:10]}, "
+                     f"unexpected {unexpected[:10]}{hint}")
 
 
 def _build(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> nn.Module:
@@ -407,10 +426,14 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     # safetensors reads to "cpu" or an accelerator by name, not "cpu:0" or "meta"
     spec, state = read_consistently(path, "cpu" if device.type in ("cpu", "meta") else device,
                                     plain=factory is not None)
-    if spec.get("kwargs"):
+    if spec.get("kwargs") and factory is None:
         # The file's constructor arguments could ask for any size (num_classes=10**8): the
-        # model is built on the meta device first, which allocates nothing, and checked.
-        _check_shapes(path, _built_on_meta(spec, factory), state)
+        # file's model is built on the meta device first, which allocates nothing, and checked
+        # (a factory is the caller's own code, and is called once).
+        probe = _built_on_meta(spec)
+        _check_shapes(path, probe, state)
+        if probe is not None:
+            _check_keys(path, probe, state, factory)
     model = _build(spec, factory)
     _check_shapes(path, model, state)
     # The saved dtypes before the values: load_state_dict copies into the rebuilt model's
@@ -422,12 +445,7 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
         _take_dtypes(model, state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        hint = "" if factory is not None else (
-            "; a model saved without its own class (an nn.Sequential, a function's model) "
-            "loads with factory= the function that built it (--factory module:callable on "
-            "the command line)")
-        raise ValueError(f"{path} does not match the rebuilt model: missing {missing}, "
-                         f"unexpected {unexpected}{hint}")
+        _mismatched_keys(path, missing, unexpected, factory)
     if not plain:
         _take_dtypes(model, state)  # a lazy module's tensors, materialized by the load
     return model

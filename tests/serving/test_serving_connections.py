@@ -96,3 +96,61 @@ def test_an_http2_peer_that_floods_pings_unread_is_read_no_more(server: ServerTh
         pings = b"".join(_frame(6, 0, 0, struct.pack(">Q", i)) for i in range(1000))
         sent = _flood(sock, pings, seconds=8.0)
     assert sent < 1000, f"the server read {sent}k PINGs in 8 s while its answers piled up"
+
+
+async def _slow_or_echo(scope: dict, receive, send) -> None:
+    """An ASGI app: /slow answers after a second, anything else echoes its body's length."""
+    import asyncio
+
+    if scope["type"] != "http":
+        return
+    size = 0
+    while True:
+        message = await receive()
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    if scope["path"] == "/slow":
+        await asyncio.sleep(1.0)
+    answer = f"{scope['path']} {size}".encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(answer)).encode())]})
+    await send({"type": "http.response.body", "body": answer})
+
+
+def test_a_pipelined_request_behind_a_slow_one_is_not_cut_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server stops reading while a pipelined request waits for the one before it: that
+    time counted against the request's deadline, and the connection was reset with both
+    answers lost."""
+    import threading
+
+    import uvicorn
+
+    monkeypatch.setattr(http1, "REQUEST_READ_S", 0.3)
+    config = uvicorn.Config(_slow_or_echo, http=http1.GuardedHttpTools, lifespan="off",
+                            log_level="warning")
+    server = uvicorn.Server(config)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        body = b"x" * 300_000  # more than a read: the rest waits in the socket, unread
+        with socket.create_connection(listener.getsockname(), timeout=WAIT_S) as sock:
+            sock.sendall(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+                         b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % len(body) + body)
+            answers = b""
+            while b"/echo 300000" not in answers:
+                chunk = sock.recv(65536)
+                assert chunk, f"closed with {answers.count(b'HTTP/1.1 200')} answers of 2"
+                answers += chunk
+        assert b"/slow 2" in answers
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        listener.close()

@@ -478,3 +478,26 @@ def test_an_input_in_shared_memory_that_also_carries_data_is_refused(
             service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "send it one way" in error.value.details()
+
+
+def test_the_read_bound_counts_every_input_of_a_request(
+        segment: shared_memory.SharedMemory) -> None:
+    """The bound was per input: three inputs naming 1 GiB each made the server allocate 3 GiB
+    for one 435-byte request."""
+    import json
+
+    from paraloom.serving.protocol import parse_infer_request
+
+    regions = SharedMemoryRegistry(max_read_bytes=200)
+    regions.register("r", "/" + segment.name, 0, 256)
+
+    def body(count: int) -> bytes:
+        return json.dumps({"inputs": [
+            {"name": f"x{i}", "shape": [20], "datatype": "FP32",
+             "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 80}}
+            for i in range(count)]}).encode()
+
+    assert len(parse_infer_request(body(2), regions=regions).inputs) == 2  # 160 of 200
+    with pytest.raises(ProtocolError, match=r"input 'x2' names 80 bytes.*\(40 of 200 per"):
+        parse_infer_request(body(3), regions=regions)
+    regions.close()

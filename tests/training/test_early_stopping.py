@@ -403,6 +403,6 @@ def test_resume_refuses_a_plain_fits_checkpoint_and_changed_conditions(digits_lo
     config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(3)],
                                  score_calculator=_loss(digits_test))
     _, in_memory = _lenet_trainer(config, digits_loader, listeners=[checkpoints])
-    with pytest.warns(UserWarning, match="does not hold its model.*LocalDirectorySaver"):
+    with pytest.warns(UserWarning, match="cannot give its model back.*LocalDirectorySaver"):
         result = in_memory.fit(resume_from=tmp_path / "ckpt")
     assert sorted(result.scores) == [0, 1, 2]

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from torch._C._distributed_c10d import TCPStore
 
 from paraloom import ParallelWrapper
 from paraloom.spark.training.rendezvous import NetworkSettings, meet
@@ -20,16 +23,26 @@ from paraloom.training.store import listening_store
 pytestmark = pytest.mark.timeout(120)
 
 
+def _address(hex_address: str) -> str:
+    """An address as /proc/net/tcp{,6} writes it (little-endian words), as text."""
+    if len(hex_address) == 8:
+        return ".".join(str(int(hex_address[i:i + 2], 16)) for i in (6, 4, 2, 0))
+    words = [bytes.fromhex(hex_address[i:i + 8])[::-1] for i in range(0, 32, 8)]
+    return str(ipaddress.IPv6Address(b"".join(words)))
+
+
 def _listening() -> list[tuple[str, int, str]]:
-    """Every IPv4 listening socket: (address, port, inode), from /proc/net/tcp."""
+    """Every listening TCP socket: (address, port, inode), from /proc/net/tcp and tcp6."""
     found = []
-    with open("/proc/net/tcp") as f:
-        for line in f.read().splitlines()[1:]:
-            fields = line.split()
-            address, hex_port = fields[1].split(":")
-            if fields[3] == "0A":  # LISTEN
-                found.append((".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)),
-                              int(hex_port, 16), fields[9]))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                address, hex_port = fields[1].split(":")
+                if fields[3] == "0A":  # LISTEN
+                    found.append((_address(address), int(hex_port, 16), fields[9]))
     return found
 
 
@@ -91,10 +104,20 @@ def test_the_spark_store_listens_on_the_announced_address_only() -> None:
     assert store is not None and listening_addresses(store.port) == {"127.0.0.1"}
     rdv, store = meet(OneTask(), None, 10)  # the task's address: 127.0.0.1 here
     assert store is not None and listening_addresses(store.port) == {"127.0.0.1"}
-    # A name for another machine's address (a cluster's DNS): every interface, as before.
+    # Another machine's address: every interface, IPv6 and IPv4, as torch's store listened.
     rdv, store = meet(OneTask(), None, 10, NetworkSettings(host="10.1.2.3"))
-    assert store is not None and listening_addresses(store.port) == {"0.0.0.0"}
+    assert store is not None and listening_addresses(store.port) == {"::"}
     assert rdv.host == "10.1.2.3"
+    # A host name is not looked up (the others may resolve it otherwise): every interface.
+    rdv, store = meet(OneTask(), None, 10, NetworkSettings(host="localhost"))
+    assert store is not None and listening_addresses(store.port) == {"::"}
+    client = TCPStore("127.0.0.1", store.port, is_master=False,
+                      timeout=datetime.timedelta(seconds=5))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    if socket.has_ipv6:  # and over IPv6, as the old store answered on ::1
+        rdv, store = meet(OneTask(), None, 10, NetworkSettings(host="::1"))
+        assert store is not None and listening_addresses(store.port) == {"::1"}
 
 
 def test_a_worker_whose_parent_died_before_the_store_answered_exits_at_once() -> None:

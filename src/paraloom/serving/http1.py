@@ -9,7 +9,9 @@ hostile clients needs and uvicorn leaves out.
   sends nothing) was held open forever; a thousand of them took every file descriptor of a
   server under ``ulimit -n 1024``, and every other client was refused. Here a request must
   arrive whole within ``REQUEST_READ_S`` of its first byte (of the connection, for the first
-  request), or the connection is closed. Between requests uvicorn's keep-alive timeout holds.
+  request), or the connection is closed; time while the server itself is not reading (a
+  pipelined request behind a slow one) does not count. Between requests uvicorn's keep-alive
+  timeout holds.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def _too_slow(self) -> None:
         self._deadline = None
+        if self.flow.read_paused and not self.flow.write_paused:
+            # The server is not reading (a pipelined request waits for the ones before it, a
+            # body for the app) while the client reads its answers: not the client's delay.
+            self._arm()
+            return
         if not self.transport.is_closing():
             self.logger.info("closing a connection whose request took over %.0f s to arrive",
                              REQUEST_READ_S)

@@ -33,6 +33,7 @@ from paraloom.serving.datatypes import (
 )
 from paraloom.serving.errors import ProtocolError, short_repr
 from paraloom.serving.shared_memory import (
+    ReadBudget,
     RegionRef,
     SharedMemoryRegistry,
     region_ref,
@@ -242,8 +243,9 @@ def _build_tensor(build: Callable[..., torch.Tensor], where: str, shape: tuple[i
 
 
 def read_region(regions: SharedMemoryRegistry | None, ref: RegionRef, name: str,
-                datatype: str, shape: tuple[int, ...]) -> Value:
-    """The input ``name`` read from the shared memory region ``ref`` names."""
+                datatype: str, shape: tuple[int, ...], budget: ReadBudget) -> Value:
+    """The input ``name`` read from the shared memory region ``ref`` names, counted against
+    the request's ``budget``."""
     where = f"input {name!r}"
     dt = None if datatype == BYTES else lookup(datatype, where)
     if dt is None and ref.byte_size > MAX_STRING_REGION_BYTES:
@@ -254,15 +256,18 @@ def read_region(regions: SharedMemoryRegistry | None, ref: RegionRef, name: str,
     if expected is not None and ref.byte_size != expected:
         raise ProtocolError(f"{where} has shared_memory_byte_size {ref.byte_size} but shape "
                             f"{list(shape)} of {datatype} needs {expected} bytes")
-    data = registry_or_refuse(regions, f"{where} names shared memory region "
-                                       f"{ref.region!r}, but ").read(ref, where)
+    registry = registry_or_refuse(regions, f"{where} names shared memory region "
+                                           f"{ref.region!r}, but ")
+    budget.take(ref.byte_size, where)
+    data = registry.read(ref, where)
     if dt is None:
         return strings_from_buffer(data.data, shape, where)
     return _build_tensor(tensor_from_array, where, shape, data, dt, shape)
 
 
 def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int,
-                 regions: SharedMemoryRegistry | None) -> tuple[RequestInput, int]:
+                 regions: SharedMemoryRegistry | None, budget: ReadBudget
+                 ) -> tuple[RequestInput, int]:
     if not isinstance(obj, dict):
         raise ProtocolError(f"inputs[{index}] must be an object with name, shape, datatype and "
                             f"data, got {short_repr(obj)}")
@@ -278,7 +283,7 @@ def _parse_input(obj: object, index: int, binary: memoryview | None, offset: int
             raise ProtocolError(f"{where} names shared memory region {ref.region!r} and also "
                                 "carries its data ('data' or binary_data_size); send it one way")
         return RequestInput(name, datatype, shape,
-                            read_region(regions, ref, name, datatype, shape)), 0
+                            read_region(regions, ref, name, datatype, shape, budget)), 0
     size = params.get("binary_data_size")
     if size is None:
         if "data" not in obj:
@@ -381,9 +386,9 @@ def parse_infer_request(body: bytes, header_length: int | None = None,
     raw_inputs = _get(obj, "inputs", list, "request")
     if not raw_inputs:
         raise ProtocolError("request has an empty 'inputs' array; send at least one tensor")
-    inputs, offset = [], 0
+    inputs, offset, budget = [], 0, ReadBudget(regions)
     for i, raw in enumerate(raw_inputs):
-        item, used = _parse_input(raw, i, binary, offset, regions)
+        item, used = _parse_input(raw, i, binary, offset, regions, budget)
         inputs.append(item)
         offset += used
     names = [t.name for t in inputs]

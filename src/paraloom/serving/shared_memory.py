@@ -37,14 +37,14 @@ from paraloom.serving.errors import (
     short_repr,
 )
 
-__all__ = ["MAX_REGIONS", "OFF", "RegionRef", "RegionStatus", "SharedMemoryRegistry",
-           "on_by_default", "region_ref", "registry_or_refuse"]
+__all__ = ["MAX_READ_BYTES", "MAX_REGIONS", "OFF", "ReadBudget", "RegionRef", "RegionStatus",
+           "SharedMemoryRegistry", "on_by_default", "region_ref", "registry_or_refuse"]
 
 MAX_READ_BYTES = 1 << 30
-"""The most bytes one input may read from a region (1 GiB; ``SharedMemoryRegistry(
-max_read_bytes=)``): each read is copied into the server's memory, and a sparse segment costs
-its client nothing, so without a bound one small request could make the server allocate
-terabytes."""
+"""The most bytes one request may read from regions, all its inputs together (1 GiB;
+``SharedMemoryRegistry(max_read_bytes=)``): each read is copied into the server's memory,
+and a sparse segment costs its client nothing, so without a bound one small request could
+make the server allocate terabytes."""
 
 MAX_REGIONS = 256
 """Regions one server holds at once; a register past it is refused. Regions of the same
@@ -153,6 +153,24 @@ def _open_segment(key: str) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+class ReadBudget:
+    """What one request may still read from shared memory: the registry's ``max_read_bytes``
+    in all, however many of its inputs name regions (three inputs of 1 GiB each made the server
+    allocate 3 GiB for a 435-byte request)."""
+
+    def __init__(self, regions: SharedMemoryRegistry | None) -> None:
+        self.limit = regions.max_read_bytes if regions is not None else 0
+        self.left = self.limit
+
+    def take(self, size: int, where: str) -> None:
+        """Count ``size`` bytes about to be read; ``ProtocolError`` past the budget."""
+        if size > self.left:
+            raise ProtocolError(f"{where} names {size:,} bytes of shared memory, past what this "
+                                f"request may still read ({self.left:,} of {self.limit:,} per "
+                                "request): send fewer rows per request")
+        self.left -= size
 
 
 class SharedMemoryRegistry:

@@ -245,10 +245,11 @@ class EarlyStoppingParallelTrainer:
                 saver.best_model()
             except Exception as e:  # noqa: BLE001 - any saver's way of having none
                 warn(f"resuming early stopping: the best epoch so far is {progress.best_epoch}"
-                     f" (score {progress.best_score:.6g}), but {type(saver).__name__} does not"
-                     f" hold its model ({type(e).__name__}: {e}); result.best_model is a "
-                     "later epoch's only if one scores better. LocalDirectorySaver keeps the "
-                     "best model on disk across a resume")
+                     f" (score {progress.best_score:.6g}), but {type(saver).__name__} cannot "
+                     f"give its model back ({type(e).__name__}: {e}); result.best_model is a "
+                     "later epoch's only if one scores better. An InMemoryModelSaver's model "
+                     "ends with its process; LocalDirectorySaver keeps it on disk (with "
+                     "factory= where its files cannot rebuild the model)")
         return epoch
 
     def _best_model(self, best_epoch: int) -> nn.Module | None:

@@ -25,6 +25,8 @@ def listening_store(address: str, port: int, timeout: datetime.timedelta) -> TCP
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and address == "::":  # every interface, IPv4 too
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind((address, port))
         sock.listen(socket.SOMAXCONN)
         bound = sock.getsockname()[1]

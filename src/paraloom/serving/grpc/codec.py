@@ -32,7 +32,7 @@ from paraloom.serving.protocol import (
     read_region,
     region_parameters,
 )
-from paraloom.serving.shared_memory import SharedMemoryRegistry, region_ref
+from paraloom.serving.shared_memory import ReadBudget, SharedMemoryRegistry, region_ref
 from paraloom.serving.strings import (
     BYTES,
     strings_from_list,
@@ -88,7 +88,7 @@ def _typed(tensor: InputTensor, datatype: str, shape: tuple[int, ...], where: st
 
 
 def _input(tensor: InputTensor, index: int, raw: Iterator[bytes] | None,
-           regions: SharedMemoryRegistry | None) -> RequestInput:
+           regions: SharedMemoryRegistry | None, budget: ReadBudget) -> RequestInput:
     if not tensor.name:
         raise ProtocolError(f"inputs[{index}] has no name; the v2 protocol requires it")
     where = f"input {tensor.name!r}"
@@ -100,7 +100,7 @@ def _input(tensor: InputTensor, index: int, raw: Iterator[bytes] | None,
         if tensor.HasField("contents"):
             raise ProtocolError(f"{where} names shared memory region {ref.region!r} and also "
                                 "carries typed contents; send it one way")
-        value = read_region(regions, ref, tensor.name, datatype, shape)
+        value = read_region(regions, ref, tensor.name, datatype, shape, budget)
         return RequestInput(tensor.name, datatype, shape, value)
     if raw is None:
         return RequestInput(tensor.name, datatype, shape, _typed(tensor, datatype, shape, where))
@@ -125,7 +125,8 @@ def decode_infer_request(request: InferRequestMessage,
                             f"shared memory but {len(raw)} raw_input_contents; send one raw "
                             "entry per such input, in order, or typed contents for all")
     entries = None if raw is None else iter(raw)
-    inputs = [_input(t, i, entries, regions) for i, t in enumerate(request.inputs)]
+    budget = ReadBudget(regions)
+    inputs = [_input(t, i, entries, regions, budget) for i, t in enumerate(request.inputs)]
     names = [t.name for t in inputs]
     if len(set(names)) != len(names):
         raise ProtocolError(f"request names an input more than once: {names}")

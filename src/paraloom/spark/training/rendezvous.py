@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import ipaddress
 import json
 import os
 import secrets
@@ -129,9 +130,8 @@ _SIOCGIFADDR = 0x8915  # Linux: an interface's address (netdevice(7))
 def open_store(network: NetworkSettings | None, timeout_s: float,
                host: str | None = None) -> TCPStore:
     """Rank 0's store: on any free port, or on the first free one of ``port_range``; listening
-    on ``host`` (the address the other ranks are told to connect to) where it is this host's
-    address, else on every interface (a name that resolves to another address, as a
-    cluster's DNS may give)."""
+    on ``host`` (the address the other ranks are told to connect to) where it is one of this
+    machine's IP addresses, else on every interface (see ``_listen_addresses``)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     ports = [0] if network is None or network.port_range is None \
         else list(range(network.port_range[0], network.port_range[1] + 1))
@@ -140,8 +140,8 @@ def open_store(network: NetworkSettings | None, timeout_s: float,
             try:
                 return listening_store(address, port, timeout)
             except OSError as e:
-                if e.errno == errno.EADDRNOTAVAIL:  # not this host's address: the next one
-                    break
+                if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # not this host's
+                    break  # address (or no IPv6 here): the next address
                 continue  # the port is taken: the next one
     first, last = network.port_range if network and network.port_range else (0, 0)
     raise RuntimeError(f"no free port in port_range=({first}, {last}) for the rendezvous "
@@ -149,14 +149,18 @@ def open_store(network: NetworkSettings | None, timeout_s: float,
 
 
 def _listen_addresses(host: str | None) -> list[str]:
-    """Where the store may listen, best first: ``host``'s address, then every interface."""
-    if not host:
-        return ["0.0.0.0"]
-    try:
-        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-    except (OSError, IndexError):
-        return ["0.0.0.0"]
-    return [str(address), "0.0.0.0"]
+    """Where the store may listen, best first: ``host`` itself where it is an IP address (the
+    ranks connect to exactly that one), then every interface, IPv6 and IPv4 (``::``, as torch's
+    own store listens), or IPv4's alone on a machine without IPv6. A host name is not looked
+    up: the other machines may resolve it to another address than this one does (a Debian
+    host's own name is 127.0.1.1 in its /etc/hosts)."""
+    every = ["::", "0.0.0.0"]
+    if host:
+        literal = host.strip("[]")
+        with contextlib.suppress(ValueError):
+            ipaddress.ip_address(literal)
+            return [literal, *every]
+    return every
 
 
 class _Announcement(TypedDict, total=False):

@@ -245,10 +245,15 @@ def test_a_ctrl_c_while_the_trained_weights_are_copied_waits_for_the_copy(monkey
     torch.manual_seed(0)
     model = _Heads()
     before = [p.detach().clone() for p in model.parameters()]
-    with ParallelWrapper(model, loss_fn=nn.MSELoss(), workers=2, progress=False,
-                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5)) as wrapper:
-        with pytest.raises(KeyboardInterrupt):
-            wrapper.fit([(torch.randn(8, 4), torch.randn(8, 4))] * 4)
+    # Python's own handler (a SparkContext of an earlier test leaves its own installed).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with ParallelWrapper(model, loss_fn=nn.MSELoss(), workers=2, progress=False,
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.5)) as wrapper:
+            with pytest.raises(KeyboardInterrupt):
+                wrapper.fit([(torch.randn(8, 4), torch.randn(8, 4))] * 4)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     changed = sum(not torch.equal(p, b) for p, b in zip(model.parameters(), before,
                                                            strict=True))
     assert changed == len(before)  # every parameter got its trained value

@@ -51,20 +51,19 @@ def graceful_interrupt(stop: Callable[[], None]) -> Iterator[Callable[[], bool]]
 
 @contextlib.contextmanager
 def deferred_interrupt() -> Iterator[None]:
-    """While inside, a SIGINT waits: it is raised as ``KeyboardInterrupt`` when the block has
-    run to its end (copying the trained weights into the user's model, which a Ctrl-C in the
-    middle left half updated: 7 of 600 parameters). Only on the main thread, and only where
-    Python's own handler is installed (or ``graceful_interrupt``'s was put back)."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() \
-            or previous is not signal.default_int_handler:
+    """While inside, a SIGINT waits: when the block has run to its end (copying the trained
+    weights into the user's model, which a Ctrl-C in the middle left half updated: 7 of 600
+    parameters), the handler that was installed gets it (Python's raises
+    ``KeyboardInterrupt``; one of the user's, or PySpark's, runs as it would have). Only on
+    the main thread, where signal handlers run."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    pending = False
+    previous = signal.getsignal(signal.SIGINT)
+    pending: list[FrameType | None] = []
 
     def on_interrupt(signum: int, frame: FrameType | None) -> None:
-        nonlocal pending
-        pending = True
+        pending.append(frame)
 
     signal.signal(signal.SIGINT, on_interrupt)
     try:
@@ -72,4 +71,7 @@ def deferred_interrupt() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
     if pending:
-        raise KeyboardInterrupt
+        if callable(previous):
+            previous(signal.SIGINT, pending[0])
+        elif previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)

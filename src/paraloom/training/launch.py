@@ -38,6 +38,7 @@ log = logging.getLogger("paraloom")
 _HANDLES_KEPT = 4096
 """Handles a worker's list keeps before those already fetched are dropped from it."""
 
+
 @dataclass(frozen=True)
 class Worker:
     """A worker's process, its task queue and its result queue."""

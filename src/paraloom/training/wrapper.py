@@ -327,15 +327,20 @@ class ParallelWrapper:
         finally:
             self._iteration = tracker.iteration
             tracker.close(completed)
-        with deferred_interrupt():  # the model gets all of the trained state, or none
-            self._adopt(result, run.settings_sent)
-            self._received = result
-            self._mirror = ReplicaMirror(self.model, self._user_optimizer, pool)
+        self._take(result, run, pool)
         for listener in self.listeners:
             listener.on_fit_end(self)
         if interrupted():
             raise FitInterrupted(tracker.iteration)
         return self.stats()
+
+    def _take(self, result: ReplicaResult, run: FitRun, pool: Pool) -> None:
+        """The trained state into the user's model: all of it, or none (a Ctrl-C meanwhile
+        waits for the copy, then raises)."""
+        with deferred_interrupt():
+            self._adopt(result, run.settings_sent)
+            self._received = result
+            self._mirror = ReplicaMirror(self.model, self._user_optimizer, pool)
 
     def _new_run(self, data: Iterable[Any], epochs: int, start: Start, pool: Pool) -> FitRun:
         """This fit's run: its round tracker (the progress bar, the listeners' calls) and its

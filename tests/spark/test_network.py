@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +13,7 @@ import spark_helpers as h
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import TCPStore
 
 from paraloom.spark import NetworkSettings, SharedTrainingMaster, SparkModel, SparkTrainingError
 from paraloom.spark.training.rendezvous import interface_address, meet
@@ -91,3 +93,24 @@ def test_a_fit_whose_hosts_lack_the_interface_fails_naming_it(spark, sc):
     with pytest.raises(SparkTrainingError, match=r"interface='nosuch0'.*its interfaces are"):
         net.fit(rows)
 
+
+def test_the_spark_store_listens_on_the_announced_address_only(listening) -> None:
+    """NetworkSettings(host="127.0.0.1") left it open on *:port to the network."""
+    rdv, store = meet(OneTask(), None, 10, NetworkSettings(host="127.0.0.1"))
+    assert store is not None and listening.addresses(store.port) == {"127.0.0.1"}
+    rdv, store = meet(OneTask(), None, 10)  # the task's address: 127.0.0.1 here
+    assert store is not None and listening.addresses(store.port) == {"127.0.0.1"}
+    # Another machine's address: every interface, IPv6 and IPv4, as torch's store listened.
+    rdv, store = meet(OneTask(), None, 10, NetworkSettings(host="10.1.2.3"))
+    assert store is not None and listening.addresses(store.port) == {"::"}
+    assert rdv.host == "10.1.2.3"
+    # A host name is not looked up (the others may resolve it otherwise): every interface.
+    rdv, store = meet(OneTask(), None, 10, NetworkSettings(host="localhost"))
+    assert store is not None and listening.addresses(store.port) == {"::"}
+    client = TCPStore("127.0.0.1", store.port, is_master=False,
+                      timeout=datetime.timedelta(seconds=5))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    if socket.has_ipv6:  # and over IPv6, as the old store answered on ::1
+        rdv, store = meet(OneTask(), None, 10, NetworkSettings(host="::1"))
+        assert store is not None and listening.addresses(store.port) == {"::1"}

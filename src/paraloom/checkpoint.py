@@ -303,8 +303,8 @@ def _built_on_meta(spec: dict[str, Any]) -> nn.Module | None:
 def _check_keys(path: Path, model: nn.Module, state: dict[str, Tensor],
                 factory: Callable[..., nn.Module] | None) -> None:
     """``ValueError`` where ``model`` has tensors the file lacks, or the file has others."""
-    expected = set(model.state_dict())
-    missing = [k for k in model.state_dict() if k not in state]
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         _mismatched_keys(path, missing, unexpected, factory)

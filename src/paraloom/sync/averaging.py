@@ -12,7 +12,7 @@ from torch import nn
 from paraloom.sync.base import StepContext, Synchronizer, is_distributed
 from paraloom.sync.collectives import average_tensors_, broadcast_tensors_
 
-__all__ = ["Averaging", "average_tensors_", "optimizer_state_tensors"]
+__all__ = ["Averaging", "average_tensors_", "optimizer_state_tensors", "trained_share"]
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,22 @@ _COUNTERS = frozenset({"step"})
 """Optimizer state entries that count steps (Adam's, Adagrad's, ...): taken from rank 0,
 which trains in every round, not averaged (a replica idle in an epoch's last round has
 counted one fewer, and a mean of 5 and 6 is not a step count)."""
+
+
+def trained_share(state: dict[str, Any]) -> float | None:
+    """From an ``Averaging.state_dict()``: the share of the rounds since the last averaging
+    that its replica trained, the weight the next averaging gives it; None for a state saved
+    before these counters were kept."""
+    if "trained" not in state or "averaged_at" not in state:
+        return None
+    return _share(int(state["trained"]), int(state.get("sync_steps", 0)) -
+                  int(state["averaged_at"]))
+
+
+def _share(trained: int, window: int) -> float:
+    """``trained`` of the ``window`` rounds since the last averaging, as a fraction (1 for an
+    empty window: nothing to weigh)."""
+    return min(trained, window) / window if window > 0 else 1.0
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer
@@ -105,9 +121,7 @@ class Averaging(Synchronizer):
 
         One pipelined pass over all of them (see ``average_tensors_``).
         """
-        window, share = self.sync_steps - self._averaged_at, 1.0
-        if window > 0:
-            share = min(self._trained, window) / window
+        share = _share(self._trained, self.sync_steps - self._averaged_at)
         self._trained, self._averaged_at = 0, self.sync_steps
         if not is_distributed(ctx):
             return

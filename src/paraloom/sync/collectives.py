@@ -31,26 +31,34 @@ def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]
     return out
 
 
-def _packed(tensors: list[torch.Tensor], device: torch.device | None, bucket_bytes: int,
-            tail: torch.Tensor | None = None) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """Per dtype, per bucket: the tensors laid end to end in one flat tensor (on ``device``).
+def _packed(tensors: list[torch.Tensor], device: torch.device | None,
+            bucket_bytes: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Per dtype, per bucket: the tensors laid end to end in one flat tensor (on ``device``)."""
+    return _packed_with(tensors, device, bucket_bytes, None)[0]
 
-    ``tail`` (one element) goes after the first float32 or float64 bucket's tensors, or in a
-    flat of its own at the end where there is none."""
+
+def _packed_with(tensors: list[torch.Tensor], device: torch.device | None, bucket_bytes: int,
+                 tail: torch.Tensor | None
+                 ) -> tuple[list[tuple[torch.Tensor, list[torch.Tensor]]], int | None]:
+    """``_packed``, with ``tail`` (one element) after the first float32 or float64 bucket's
+    tensors, or in a flat of its own at the end where there is none; and the index of the
+    flat that carries it as its last element (None without a tail)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    out = []
+    out: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    carrier: int | None = None
     for same_dtype in by_dtype.values():
         for bucket in buckets(same_dtype, bucket_bytes):
             parts = [t.detach().reshape(-1).to(device or t.device) for t in bucket]
-            if tail is not None and bucket[0].dtype in _CARRIERS:
+            if tail is not None and carrier is None and bucket[0].dtype in _CARRIERS:
                 parts.append(tail.to(parts[0]))
-                tail = None
+                carrier = len(out)
             out.append((torch.cat(parts), bucket))
-    if tail is not None:
+    if tail is not None and carrier is None:
+        carrier = len(out)
         out.append((tail.to(device or tail.device), []))
-    return out
+    return out, carrier
 
 
 _CARRIERS = (torch.float32, torch.float64)
@@ -67,14 +75,15 @@ def _unpack_(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
             offset += n
 
 
-def _scale_(packed: list[tuple[torch.Tensor, list[torch.Tensor]]], share: float) -> None:
+def _scale_(packed: list[tuple[torch.Tensor, list[torch.Tensor]]], share: float,
+            carrier: int) -> None:
     """Scale the floating flats' data by ``share`` (zeroed at 0: an idle rank's NaN must not
-    count); the carried share (a flat's element past its bucket's tensors) stays as it is."""
+    count); the share itself, the last element of flat ``carrier``, stays as it is."""
     if share == 1:
         return
-    for flat, bucket in packed:
-        if bucket and (flat.dtype.is_floating_point or flat.dtype.is_complex):
-            data = flat[:sum(t.numel() for t in bucket)]
+    for i, (flat, _) in enumerate(packed):
+        if flat.dtype.is_floating_point or flat.dtype.is_complex:
+            data = flat[:-1] if i == carrier else flat
             if share == 0:
                 data.zero_()
             else:
@@ -100,9 +109,9 @@ def average_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | Non
     """
     sent = 0
     tail = None if share is None else torch.tensor([float(share)], dtype=torch.float64)
-    packed = _packed(tensors, device, bucket_bytes, tail)
-    if share is not None:
-        _scale_(packed, share)
+    packed, carrier = _packed_with(tensors, device, bucket_bytes, tail)
+    if share is not None and carrier is not None:
+        _scale_(packed, share, carrier)
     pending = []
     for flat, bucket in packed:
         floating = flat.dtype.is_floating_point or flat.dtype.is_complex
@@ -114,11 +123,10 @@ def average_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | Non
             sent += Synchronizer.collective_bytes(flat, world_size, "broadcast")
         pending.append((work, flat, bucket, floating))
     divisor: float = world_size
-    if share is not None:  # the sum of the shares: in the carrier's last element
-        carrier = next(p for p in pending if p[1].dtype in _CARRIERS and
-                       p[1].numel() > sum(t.numel() for t in p[2]))
-        carrier[0].wait()
-        divisor = float(carrier[1][-1])
+    if carrier is not None:  # the sum of the shares: in the carrier's last element
+        work, flat = pending[carrier][:2]
+        work.wait()
+        divisor = float(flat[-1])
     for work, flat, bucket, floating in pending:
         work.wait()
         if floating and divisor == 0:

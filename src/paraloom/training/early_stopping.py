@@ -220,7 +220,7 @@ class EarlyStoppingParallelTrainer:
                 calc: ScoreCalculator) -> int:
         """Bring ``progress`` and the epoch conditions to where the checkpoint's run stood;
         the epoch it was training."""
-        record = TrainingCheckpoint.load(resume_from).trainer_state.get("early_stopping")
+        record = TrainingCheckpoint.read_trainer_state(resume_from).get("early_stopping")
         if not isinstance(record, dict):
             raise ValueError(
                 f"resume_from={str(resume_from)!r} holds no early-stopping scores: it was "

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from paraloom.checkpoint import TRAINING_HEADER_KEY, atomic_write, check_safetensors
 from paraloom.listeners import TrainingListener, iteration_of, run_of
+from paraloom.sync.averaging import trained_share
 from paraloom.training.messages import CheckpointReply, CheckpointRequest, ReplicaState
 from paraloom.training.packing import unpack_tensors
 from paraloom.training.pool import Pool
@@ -88,6 +89,50 @@ def _mean(tensors: list[torch.Tensor], shares: list[float] | None) -> torch.Tens
     return (stacked * weights.view(-1, *[1] * (stacked.dim() - 1))).sum(0) / weights.sum()
 
 
+def _checkpoint_path(path: str | Path) -> Path:
+    """The checkpoint file ``path`` names (a directory: its latest); ``FileNotFoundError``
+    where there is none."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint in {str(path)!r}")
+        path = found
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    check_safetensors(path)
+    return path
+
+
+def _header(path: Path, meta: dict[str, str]) -> dict[str, Any]:
+    """The training header in a checkpoint's metadata; ``ValueError`` where it has none, of
+    another format, or one that does not parse."""
+    if TRAINING_HEADER_KEY not in meta:
+        raise ValueError(f"{path} is not a paraloom training checkpoint (a model saved "
+                         "with paraloom.save is loaded with paraloom.load instead)")
+    try:
+        header = json.loads(meta[TRAINING_HEADER_KEY])
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise _corrupt_header(path, e) from e
+    if not isinstance(header, dict):
+        raise _corrupt_header(path, TypeError(f"its header is a {type(header).__name__}"))
+    if header.get("format") != _FORMAT:
+        raise ValueError(f"{path} has checkpoint format {header.get('format')}; this "
+                         f"paraloom reads format {_FORMAT}")
+    return header
+
+
+def _unreadable(path: Path, error: Exception) -> ValueError:
+    return ValueError(f"{path} is not a readable checkpoint ({error}): it is truncated or "
+                      "corrupt; resume from an earlier one")
+
+
+def _corrupt_header(path: Path, error: Exception) -> ValueError:
+    return ValueError(f"{path} has a corrupt checkpoint header ({type(error).__name__}: "
+                      f"{error}): it was changed or not written by paraloom; resume from "
+                      "another checkpoint")
+
+
 @dataclass
 class TrainingCheckpoint:
     """Where training stood after a round, and every replica's state at that point."""
@@ -143,12 +188,11 @@ class TrainingCheckpoint:
         """Per replica, the share of the rounds since the last averaging that it trained
         (``Averaging`` weights its mean by them); None where every replica trained them all
         (or the checkpoint predates the counters)."""
-        syncs = [r.get("sync", {}) for r in self.replicas if r is not None]
-        window = [s.get("sync_steps", 0) - s.get("averaged_at", 0) for s in syncs]
-        if any("trained" not in s for s in syncs) or max(window) <= 0:
+        found = [trained_share(r.get("sync", {})) for r in self.replicas if r is not None]
+        shares = [s for s in found if s is not None]
+        if len(shares) < len(found) or min(shares) == 1 or max(shares) == 0:
             return None
-        shares = [min(s["trained"], w) / w for s, w in zip(syncs, window, strict=True)]
-        return None if min(shares) == 1 or max(shares) == 0 else shares
+        return shares
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (temporary file + rename): a crash leaves the old file intact."""
@@ -164,42 +208,39 @@ class TrainingCheckpoint:
     @classmethod
     def load(cls, path: str | Path) -> TrainingCheckpoint:
         """Read a checkpoint written by ``save`` (a directory means its latest checkpoint)."""
-        path = Path(path).expanduser()
-        if path.is_dir():
-            found = latest_checkpoint(path)
-            if found is None:
-                raise FileNotFoundError(f"no checkpoint in {str(path)!r}")
-            path = found
-        if not path.exists():
-            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-        check_safetensors(path)
+        path = _checkpoint_path(path)
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         except Exception as e:  # safetensors' own error type: a corrupt or truncated file
-            raise ValueError(f"{path} is not a readable checkpoint ({e}): it is truncated or "
-                             "corrupt; resume from an earlier one") from e
-        if TRAINING_HEADER_KEY not in meta:
-            raise ValueError(f"{path} is not a paraloom training checkpoint (a model saved "
-                             "with paraloom.save is loaded with paraloom.load instead)")
+            raise _unreadable(path, e) from e
+        header = _header(path, meta)
         try:
-            header = json.loads(meta[TRAINING_HEADER_KEY])
-            if not isinstance(header, dict):
-                raise TypeError(f"its header is a {type(header).__name__}")
-            if header.get("format") != _FORMAT:
-                raise ValueError(f"{path} has checkpoint format {header.get('format')}; this "
-                                 f"paraloom reads format {_FORMAT}")
             return cls(fingerprint=header["fingerprint"], epoch=header["epoch"],
                        batch=header["batch"], iteration=header["iteration"],
                        data_rng=_unflatten(header["data_rng"], tensors),
                        replicas=_unflatten(header["replicas"], tensors),
                        run=str(header.get("run", "")),
                        trainer_state=dict(header.get("trainer_state") or {}))
-        except (json.JSONDecodeError, RecursionError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(f"{path} has a corrupt checkpoint header ({type(e).__name__}: {e}):"
-                             " it was changed or not written by paraloom; resume from another "
-                             "checkpoint") from e
+        except (TypeError, KeyError, AttributeError) as e:
+            raise _corrupt_header(path, e) from e
+
+    @staticmethod
+    def read_trainer_state(path: str | Path) -> dict[str, Any]:
+        """The ``trainer_state`` of the checkpoint ``load`` would read, from its header alone
+        (its tensors, every replica's state, are not read)."""
+        path = _checkpoint_path(path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:  # safetensors' own error type: a corrupt or truncated file
+            raise _unreadable(path, e) from e
+        header = _header(path, meta)
+        try:
+            return dict(header.get("trainer_state") or {})
+        except (TypeError, ValueError) as e:  # not a mapping
+            raise _corrupt_header(path, e) from e
 
     @staticmethod
     def _value(fingerprint: dict[str, Any], key: str) -> Any:

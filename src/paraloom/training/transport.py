@@ -75,8 +75,8 @@ def release_unfetched(handles: Iterable[int]) -> None:
     it can fetch no more.
     """
     sharer = getattr(resource_sharer, "_resource_sharer", None)
-    cache, lock = getattr(sharer, "_cache", None), getattr(sharer, "_lock", None)
-    if not isinstance(cache, dict) or lock is None:  # another Python: leave it be
+    cache, lock = _held(), getattr(sharer, "_lock", None)
+    if cache is None or lock is None:  # another Python: leave it be
         return
     with lock:
         closers = [cache.pop(key)[1] for key in set(handles) if key in cache]
@@ -87,9 +87,15 @@ def release_unfetched(handles: Iterable[int]) -> None:
 
 def fetched(handles: list[int]) -> list[int]:
     """``handles`` without those fetched already (no longer held)."""
-    sharer = getattr(resource_sharer, "_resource_sharer", None)
-    cache = getattr(sharer, "_cache", None)
-    return [key for key in handles if key in cache] if isinstance(cache, dict) else []
+    cache = _held()
+    return [] if cache is None else [key for key in handles if key in cache]
+
+
+def _held() -> dict[int, Any] | None:
+    """The descriptors this process's sharer holds for a receiver, by key (CPython's private
+    ``resource_sharer._resource_sharer._cache``); None where it has no such table."""
+    cache = getattr(getattr(resource_sharer, "_resource_sharer", None), "_cache", None)
+    return cache if isinstance(cache, dict) else None
 
 
 def _shared_empty(like: torch.Tensor) -> torch.Tensor:

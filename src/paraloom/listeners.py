@@ -222,8 +222,9 @@ class CheckpointListener(TrainingListener):
 class ValidationListener(TrainingListener):
     """Score the weights of every ``every_n_epochs``-th epoch's end during one ``fit()``
     (Lightning's validation loop): ``score(model)`` gets a copy of your model holding them
-    (``TrainingCheckpoint.model_state()``: the replicas' mean; in allreduce replica 0's,
-    whose BatchNorm statistics ``fit()`` returns), so it may run it freely.
+    (``TrainingCheckpoint.model_state()``: the replicas' mean, in shared gradients of their
+    local views; in allreduce replica 0's, whose BatchNorm statistics ``fit()`` returns), so
+    it may run it freely.
 
     ``scores`` maps each scored epoch to its score, also logged. Your own model keeps the
     start weights until ``fit()`` returns, so a listener that scores it sees those. Each

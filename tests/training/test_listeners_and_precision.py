@@ -169,7 +169,7 @@ def test_a_loss_error_on_a_self_casting_model_is_not_taken_for_a_dtype_error() -
     assert not isinstance(caught.value, WorkerError) or "size" in message
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "averaging"])
+@pytest.mark.parametrize("mode", ["allreduce", "averaging", "shared_gradients"])
 def test_a_validation_listener_scores_each_epochs_weights_within_one_fit(mode):
     """A listener scoring your model in on_epoch_end scores the start weights (your model gets
     the replicas' only when fit() returns); ValidationListener scores each epoch's."""

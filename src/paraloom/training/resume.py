@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from paraloom.checkpoint import TRAINING_HEADER_KEY, atomic_write, check_safetensors
 from paraloom.listeners import TrainingListener, iteration_of, run_of
 from paraloom.sync.averaging import trained_share
+from paraloom.sync.sharing.view import local_views
 from paraloom.training.messages import CheckpointReply, CheckpointRequest, ReplicaState
 from paraloom.training.packing import unpack_tensors
 from paraloom.training.pool import Pool
@@ -164,11 +165,13 @@ class TrainingCheckpoint:
 
         With ``allreduce`` that is every replica's model, with replica 0's buffers (BatchNorm's
         running statistics), as DDP broadcasts them before each forward and ``fit()`` returns
-        them; with ``averaging`` what the next
-        averaging gives (between averagings each replica holds its own weights, so one
-        replica's are not the model); with ``shared_gradients`` the shared parameters, without
-        the updates the replicas had not sent yet (which the model ``fit()`` returns adds);
-        with DiLoCo the mean of the replicas' inner weights, not the next outer step.
+        them; with ``averaging`` what the next averaging gives (between averagings each
+        replica holds its own weights, so one replica's are not the model); with
+        ``shared_gradients`` what ``fit()`` would return: the mean of the replicas' local views
+        (the shared parameters plus each replica's updates not sent yet; with
+        ``gradients_at="shared"``, or from a checkpoint older than the local views' names, the
+        shared parameters alone); with DiLoCo the mean of the replicas' inner weights, not the next
+        outer step.
         """
         states = [r["model"] for r in self.replicas if r is not None]
         if not states:
@@ -180,7 +183,9 @@ class TrainingCheckpoint:
             return {key: value.clone() for key, value in states[0].items()}
         shares = self._shares() if self.fingerprint.get("training_mode") == "averaging" \
             else None
-        return {key: _mean([s[key] for s in states], shares).to(value.dtype)
+        views = local_views([r.get("sync", {}) for r in self.replicas if r is not None]) \
+            if self.fingerprint.get("training_mode") == "shared_gradients" else {}
+        return {key: _mean(views.get(key) or [s[key] for s in states], shares).to(value.dtype)
                 if value.is_floating_point() or value.is_complex() else value.clone()
                 for key, value in states[0].items()}
 

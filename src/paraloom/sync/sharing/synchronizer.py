@@ -55,6 +55,7 @@ from paraloom.sync.sharing.recipe import RecipeOptions, SharingRecipe
 from paraloom.sync.sharing.state import ReplicaTensors, Restored
 from paraloom.sync.sharing.view import (
     accumulate_update_,
+    parameter_names,
     residual_from_view_,
     set_local_view_,
     summed_residuals,
@@ -106,6 +107,7 @@ class SharedGradients(RecipeOptions, Synchronizer):
         self.setup_bytes_sent = self.finish_bytes_sent = 0
         self._unsent: Tensor | None = None  # after finish: see returned_parameters
         self._replica: ReplicaTensors | None = None
+        self._names: list[list[str]] = []  # each parameter's state_dict keys, for a saved view
         self._holding = False
         """Whether the parameters hold the local view (from the first step of a fit to its
         end); the shared parameters are then ``old``."""
@@ -148,6 +150,7 @@ class SharedGradients(RecipeOptions, Synchronizer):
                              f"{sorted(map(str, devices))}; expected one device per replica")
         self._replica = ReplicaTensors.for_model(params, list(ctx.model.buffers()),
                                                  self._replica, self._residual_restored)
+        self._names = parameter_names(ctx.model, params)
         self._replica.lay()
         self.recipe.check_overlap(self._replica.residual.numel())
         self._adopt_restored()
@@ -263,8 +266,7 @@ class SharedGradients(RecipeOptions, Synchronizer):
         # The exchange in flight is left to the process group: the fit fails, and a peer
         # that died would make waiting for it hang.
         self._started = self._own = None
-        self._settle()
-        self._unlay()
+        self._settle(unlay=True)
 
     def finish(self, ctx: StepContext) -> None:
         """End the fit: the last exchange in, the shared parameters back in the model, and
@@ -273,8 +275,7 @@ class SharedGradients(RecipeOptions, Synchronizer):
             self.before_step(ctx)              # the uninterrupted run held it at its end
             self._restored.view = None  # never set over a later fit's parameters
         self._collect(ctx)
-        self._settle()
-        self._unlay()
+        self._settle(unlay=True)
         if self.gradients_at == "local":
             self._unsent = self._summed(ctx, self._reach(ctx) / ctx.world_size)
 
@@ -419,18 +420,15 @@ class SharedGradients(RecipeOptions, Synchronizer):
         this replica's unsent updates, the local view adds them whole."""
         return 1.0 / self.recipe.update_scale(ctx.world_size)
 
-    def _settle(self) -> None:
+    def _settle(self, unlay: bool = False) -> None:
         """Put the shared parameters back in the model if it holds the local view (the end
-        of a fit, or a step that failed midway)."""
-        if not self._holding or self._replica is None:
-            return
-        with torch.no_grad():
-            self._replica.put_back_shared()
-        self._holding = False
-
-    def _unlay(self) -> None:
-        """The end of a fit: each parameter gets its own storage back."""
-        if self._replica is not None:
+        of a fit, or a step that failed midway); ``unlay`` (the end of a fit): then each
+        parameter gets its own storage back."""
+        if self._holding and self._replica is not None:
+            with torch.no_grad():
+                self._replica.put_back_shared()
+            self._holding = False
+        if unlay and self._replica is not None:
             self._replica.unlay()
 
     def _require_setup(self) -> ReplicaTensors:
@@ -467,8 +465,9 @@ class SharedGradients(RecipeOptions, Synchronizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, threshold, format, this replica's residual, while the parameters hold
-        it its local view, and with ``overlap`` the exchange in flight, waited for (restore
-        them on this rank).
+        it its local view (with each parameter's ``state_dict`` keys, for
+        ``TrainingCheckpoint.model_state``), and with ``overlap`` the exchange in flight,
+        waited for (restore them on this rank).
 
         The residual is the part of this replica's updates not yet sent: restoring one
         replica's state into every replica would apply that part once per replica. The local
@@ -481,6 +480,7 @@ class SharedGradients(RecipeOptions, Synchronizer):
             state["residual"] = self._replica.residual.detach().clone()
             if self._holding:  # where the next step's forward runs, bit for bit
                 state["local_view"] = [p.detach().clone() for p in self._replica.params]
+                state["local_view_names"] = self._names
         if self._started is not None:  # every replica's messages, applied at the next step
             state["in_flight"] = self._started.state_dict()
         return state

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from paraloom.sync.encoding import scan_chunk
 
-__all__ = ["accumulate_update_", "add_range_", "chunks", "residual_from_view_",
-           "set_local_view_", "summed_residuals"]
+__all__ = ["accumulate_update_", "add_range_", "chunks", "local_views", "parameter_names",
+           "residual_from_view_", "set_local_view_", "summed_residuals"]
 
 
 def chunks(params: Sequence[Tensor], old: Sequence[Tensor], residual: Sequence[Tensor],
@@ -89,3 +89,24 @@ def summed_residuals(residual: Tensor, group: Any, world_size: int) -> Tensor:
     if world_size > 1:
         dist.all_reduce(total, group=group)
     return total
+
+
+def parameter_names(model: nn.Module, params: Sequence[Tensor]) -> list[list[str]]:
+    """Each of ``params``' keys in ``model.state_dict()`` (several for a shared one), so that
+    a saved local view can be read without the model."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [names.get(id(p), []) for p in params]
+
+
+def local_views(states: Sequence[dict[str, Any]]) -> dict[str, list[Tensor]]:
+    """From every replica's ``SharedGradients.state_dict()``: each replica's local view of
+    each parameter, by ``state_dict`` key (their mean is what ``fit()`` would return at that
+    point). Empty unless every replica's state holds its view and the view's names (with
+    gradients at the shared parameters no replica holds one)."""
+    views: list[list[Tensor]] = [s.get("local_view") or [] for s in states]
+    names: list[list[str]] = states[0].get("local_view_names") or [] if states else []
+    if not names or not all(views):
+        return {}
+    return {name: [view[i] for view in views] for i, keys in enumerate(names) for name in keys}

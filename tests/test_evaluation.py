@@ -139,3 +139,45 @@ def test_regression_r2_and_empty_batches() -> None:
     assert evaluate_regression(_Scores(), [empty, (y, y)]).metrics()["count"] == 3
     with pytest.raises(ValueError, match="different numbers of rows"):
         evaluate_regression(_Scores(), [(y.reshape(2, 3), y)])
+
+
+def test_r2_is_undefined_where_scikit_learn_leaves_it() -> None:
+    """A NaN target in a column, a NaN prediction of a constant column and a single row read
+    0.0 (a NaN variance failed `variance > 0` into the constant column's rule)."""
+    y = torch.tensor([[float("nan"), 1.0], [2.0, 1.0], [3.0, 1.0]])
+    out = torch.tensor([[0.0, float("nan")], [2.0, 1.0], [3.0, 1.0]])
+    state = RegressionEvaluation(2)
+    state.update(out, y)
+    assert np.isnan(state.metrics()["per_column"]["r2"]).all()
+    assert np.isnan(state.metrics()["r2"])
+    one = RegressionEvaluation(1)
+    one.update(torch.tensor([[1.0]]), torch.tensor([[2.0]]))
+    assert np.isnan(one.metrics()["r2"])  # scikit-learn: undefined for under two samples
+    two = RegressionEvaluation(1)
+    two.update(torch.tensor([[1.0], [2.5]]), torch.tensor([[1.0], [3.0]]))
+    assert two.metrics()["r2"] == pytest.approx(r2_score([1.0, 3.0], [1.0, 2.5]))
+
+
+def test_an_empty_batch_counts_nothing_in_a_regression_state() -> None:
+    state = RegressionEvaluation(2)
+    state.update(torch.zeros(0, 2), torch.zeros(0, 2))  # a raw reshape error before
+    assert state.count == 0 and np.isnan(state.metrics()["r2"])
+
+
+def test_a_class_count_below_two_is_refused_by_name() -> None:
+    data = [(torch.randn(4, 1), torch.tensor([0, 1, 1, 0]))]
+    for bad in (1, 0, -1):  # a reshape error, silently "auto", and a raw torch error
+        with pytest.raises(ValueError, match=f"num_classes={bad}; expected >= 2"):
+            evaluate(_Scores(), data, num_classes=bad)
+    with pytest.raises(ValueError, match="expected >= 2"):
+        Evaluation(0)
+
+
+def test_bce_losses_take_integer_labels_of_either_shape() -> None:
+    logits = torch.tensor([[-1.0], [2.0], [0.5], [-3.0]])
+    labels = torch.tensor([0, 1, 0, 0])
+    want = float(nn.BCEWithLogitsLoss()(logits, labels.reshape(4, 1).float()))
+    for shaped in (labels, labels.reshape(4, 1)):  # (n, 1) long labels: a dtype error before
+        ev = evaluate(_Scores(), [(logits, shaped)], loss_fn=nn.BCEWithLogitsLoss())
+        assert ev.metrics()["loss"] == pytest.approx(want)
+        assert ev.accuracy == 0.75

@@ -92,3 +92,27 @@ def test_one_hot_labels_count_as_their_class_and_bad_labels_name_the_range():
     for bad in (y * 2, y - 1):  # a label past the model's classes, a negative one
         with pytest.raises(ValueError, match=r"class indices in \[0, 3\).* got -?\d+ \.\. \d+"):
             Evaluation(3).update(logits, bad)
+
+
+@pytest.mark.parametrize("scale", [60.0])
+def test_a_confident_two_logit_model_keeps_its_ranks(scale):
+    """Two logits leading by over ~37: 1 - p rounded to 0, the log-odds to inf, and every such
+    row shared the outermost bin (0.0016 under the exact AUC at scale 20)."""
+    g = torch.Generator().manual_seed(3)
+    y = torch.randint(0, 2, (2000,), generator=g)
+    z = scale * (torch.randn(2000, generator=g) + 0.5 * y)
+    roc = ROC(2)
+    roc.update(torch.stack([-z / 2, z / 2], dim=1), y)
+    assert roc.metrics()["auc"] == pytest.approx(roc_auc_score(y.numpy(), z.numpy()), abs=2e-4)
+
+
+def test_sigmoid_probabilities_are_ranked_by_their_log_odds():
+    """Probabilities read as logits crowd a few hundred bins around 0: 0.7296 for 0.7502."""
+    g = torch.Generator().manual_seed(4)
+    y = torch.randint(0, 2, (4000,), generator=g)
+    p = torch.sigmoid(10.0 * (torch.randn(4000, generator=g) + 0.5 * y)).reshape(-1, 1)
+    roc = ROC(2, probabilities=True)
+    roc.update(p, y)
+    assert roc.metrics()["auc"] == pytest.approx(roc_auc_score(y.numpy(), p.numpy()), abs=2e-4)
+    with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
+        roc.update(torch.tensor([[1.5]]), torch.tensor([1]))

@@ -94,6 +94,9 @@ class Evaluation:
     sigmoid output trained with BCELoss)."""
 
     def __post_init__(self) -> None:
+        if self.num_classes < 2:
+            raise ValueError(f"num_classes={self.num_classes}; expected >= 2 (a binary model's "
+                             "one score per row counts 2 classes)")
         self.confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64)
 
     def update(self, logits: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0) -> None:
@@ -192,9 +195,9 @@ class RegressionEvaluation:
         for name in ("sum_sq_error", "sum_abs_error", "mean_target", "m2_target"):
             setattr(self, name, np.zeros(self.columns, dtype=np.float64))
 
-    @staticmethod
-    def _as_2d(t: torch.Tensor, rows: int) -> np.ndarray:
-        return t.detach().to("cpu", torch.float64).reshape(rows, -1).numpy()
+    def _as_2d(self, t: torch.Tensor, rows: int) -> np.ndarray:
+        return t.detach().to("cpu", torch.float64).reshape(
+            rows, -1 if rows else self.columns).numpy()
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0) -> None:
         """Count one batch of predictions against targets (same number of values per row)."""
@@ -242,10 +245,11 @@ class RegressionEvaluation:
         mae = self.sum_abs_error / n
         variance = self.m2_target / n
         with np.errstate(divide="ignore", invalid="ignore"):
-            # A constant target column: 1 for exact predictions, else 0 (scikit-learn's too).
+            # A constant target column: 1 for exact predictions, else 0 (scikit-learn's too);
+            # NaN where a prediction or target was, and (as scikit-learn) for under 2 rows.
             r2 = np.where(variance > 0, 1 - mse / np.where(variance > 0, variance, 1),
                           np.where(mse == 0, 1.0, 0.0))
-            r2 = np.where(self.count > 0, r2, np.nan)
+            r2 = np.where((self.count > 1) & ~np.isnan(mse + variance), r2, np.nan)
         return {"mse": float(mse.mean()), "mae": float(mae.mean()),
                 "rmse": float(np.sqrt(mse).mean()), "r2": _mean_counted(r2, self.count),
                 "loss": self.loss_sum / n, "count": self.count,
@@ -256,6 +260,17 @@ class RegressionEvaluation:
         m = self.metrics()
         return (f"MSE {m['mse']:.6g}   MAE {m['mae']:.6g}   RMSE {m['rmse']:.6g}   "
                 f"R² {m['r2']:.4f}   ({m['count']} examples, {self.columns} column(s))")
+
+
+def _log_odds(logits: torch.Tensor) -> torch.Tensor:
+    """``log(p / (1 - p))`` of each class's softmax probability ``p``, from ``(rows, classes)``
+    logits. ``1 - p`` of a row's top class is its other classes' share, taken from their
+    logits: computed from ``p``, it rounds to 0 once the top logit leads by about 37."""
+    log_p = torch.log_softmax(logits, dim=1)
+    odds = log_p - torch.log(-torch.expm1(log_p))  # exact where p <= 1/2: all but the top
+    top = logits.argmax(dim=1, keepdim=True)
+    rest = torch.logsumexp(logits.scatter(1, top, float("-inf")), dim=1, keepdim=True)
+    return odds.scatter_(1, top, logits.gather(1, top) - rest)
 
 
 _ROC_LOG_ODDS = 1000.0
@@ -283,6 +298,9 @@ class ROC:
     bins: int = 10_000
     count: int = 0
     loss_sum: float = 0.0
+    probabilities: bool = False
+    """One score per row is class 1's probability (a sigmoid's output, as trained with
+    BCELoss), scored by its log-odds; default: a logit."""
     positive: np.ndarray = field(init=False)
     negative: np.ndarray = field(init=False)
 
@@ -298,11 +316,19 @@ class ROC:
         out = outputs.detach().to("cpu", torch.float64)
         if out.dim() == 1 or out.shape[1] == 1:
             z = out.reshape(-1)
+            if self.probabilities:
+                if bool(((z < 0) | (z > 1)).any()):
+                    raise ValueError("ROC(probabilities=True) got scores outside [0, 1]; give "
+                                     "probabilities (a sigmoid's output), or leave "
+                                     "probabilities=False for logits")
+                z = torch.logit(z)  # 0 and 1 give -inf and inf: the outermost bins
             return torch.stack([-z, z], dim=1).numpy()
         is_prob = bool((out >= 0).all() and (out <= 1).all()
                        and torch.allclose(out.sum(1), torch.ones(len(out), dtype=out.dtype)))
-        log_p = out.log() if is_prob else torch.log_softmax(out, dim=1)
-        return (log_p - torch.log(-torch.expm1(log_p))).numpy()  # log p - log(1 - p)
+        if is_prob:
+            log_p = out.log()
+            return (log_p - torch.log(-torch.expm1(log_p))).numpy()  # log p - log(1 - p)
+        return _log_odds(out).numpy()
 
     def _bins_of(self, log_odds: np.ndarray) -> np.ndarray:
         with np.errstate(invalid="ignore"):
@@ -429,10 +455,11 @@ def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | Non
     for logits, targets in _predictions(model, data, "evaluate"):
         if ev is None:
             scores = 1 if logits.dim() == 1 else int(logits.shape[1])
-            ev = Evaluation(num_classes or max(2, scores), threshold=threshold)
+            ev = Evaluation(max(2, scores) if num_classes is None else num_classes,
+                            threshold=threshold)
         shaped = targets  # (n,) labels for a BCE loss on (n, 1) outputs, as Spark shapes them
         if isinstance(loss_fn, nn.BCELoss | nn.BCEWithLogitsLoss) \
-                and targets.numel() == logits.numel() and targets.shape != logits.shape:
+                and targets.numel() == logits.numel():
             shaped = targets.reshape(logits.shape).to(logits.dtype)
         update_with_loss(ev, logits, targets, int(targets.shape[0]),
                          None if loss_fn is None else functools.partial(loss_fn, logits, shaped))

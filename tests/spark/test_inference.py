@@ -268,8 +268,37 @@ def test_predict_refuses_output_names_the_dataframe_already_has(spark):
         net.predict(frame, output=("scores", "label"))
     with pytest.raises(ValueError, match="names a column twice"):
         net.predict(frame, output=("a", "a"))
+    with pytest.raises(ValueError, match=r"\['Label'\] already exist"):
+        net.predict(frame, output="Label")  # Spark folds case: it replaced the label column
+    with pytest.raises(ValueError, match="names a column twice"):
+        net.predict(frame, output=("a", "A"))
     scored = net.predict(frame, output="scores").collect()
     assert [r.label for r in scored] == [0, 1] and len(scored[0].scores) == 2
+    spark.conf.set("spark.sql.caseSensitive", "true")
+    try:  # a case-sensitive session keeps both
+        assert net.predict(frame, output="Label").columns == ["features", "label", "Label"]
+    finally:
+        spark.conf.unset("spark.sql.caseSensitive")
+
+
+def test_predict_and_evaluate_name_a_feature_width_the_model_does_not_take(spark, sc):
+    """predict is lazy: its error reaches the action as Spark's PythonException, whose last
+    lines were torch's alone ("mat1 and mat2 shapes cannot be multiplied")."""
+    from pyspark.errors import PythonException
+
+    from paraloom import WorkerError
+
+    frame = spark.createDataFrame([([1.0] * 6, 0), ([2.0] * 6, 1)],
+                                  "features array<float>, label long")
+    net = SparkModel(spark, nn.Linear(4, 2), ParameterAveragingTrainingMaster(workers=1),
+                     loss_fn=nn.CrossEntropyLoss())
+    want = r"(?s)inputs Tensor\(\d, 6\).*got rows of 6 values where it takes 4"
+    with pytest.raises(PythonException, match=want):
+        net.predict(frame).collect()
+    with pytest.raises(PythonException, match=want):
+        net.predict(sc.parallelize([[1.0] * 6, [2.0] * 6], 1)).collect()
+    with pytest.raises(WorkerError, match=want):
+        net.evaluate(frame)
 
 
 def test_a_batch_size_below_one_fails_before_any_job(spark, sc):
@@ -402,6 +431,7 @@ def test_fit_on_a_label_outside_the_classes_says_what_to_check(spark):
     net = SparkModel(spark, linear, ParameterAveragingTrainingMaster(8, workers=1),
                      loss_fn=nn.CrossEntropyLoss(),
                      optimizer=torch.optim.SGD(linear.parameters(), lr=0.1))
-    with pytest.raises(SparkTrainingError, match=r"(?s)out of bounds.*class labels must be 0 "
-                                                 r"\.\. classes - 1"):
+    with pytest.raises(SparkTrainingError, match=r"(?s)out of bounds.*outside the model's 4 "
+                                                 r"classes \(0 to 3\)") as caught:
         net.fit(frame, features="x")
+    assert "class labels must be 0" not in str(caught.value)  # the fix once, not twice

@@ -87,8 +87,8 @@ def _label_hint(cause: str) -> str:
     or for class labels outside the model's classes, if that is what failed."""
     if re.search(r"'indices'.*Long.*but got torch\.\w*(Float|Double|Half)", cause):
         return _IDS_HINT
-    if re.search(r"Target -?\d+ is out of bounds", cause):
-        return _RANGE_HINT
+    if re.search(r"Target -?\d+ is out of bounds", cause):  # unless the worker named it
+        return "" if "outside the model's" in cause else _RANGE_HINT
     wants_long = re.search(r"Long\b.*\b(got|found) (Float|Double|Half)", cause) is not None
     return _LABEL_HINT if wants_long else ""
 

@@ -110,14 +110,24 @@ def checked_loss(loss: object, source: str) -> torch.Tensor:
 
 
 
-def batch_error(e: Exception, inputs: Any, targets: Any, outputs: Any = None,
+_PREDICTING = object()
+"""``batch_error``'s targets for a batch scored without targets (predictions)."""
+
+
+def batch_error(e: Exception, inputs: Any, targets: Any = _PREDICTING, outputs: Any = None,
                 loss_fn: LossFn | None = None) -> BatchError:
-    """``e``, raised by the model or the loss on a batch, with the batch described; where the
-    loss failed on a model's several outputs (``outputs``) with one ``loss_fn``, how to give
-    one loss per output."""
-    message = (f"{type(e).__name__}: {e}\n(on a batch with inputs {describe(inputs)} and "
-               f"targets {describe(targets)})")
-    if isinstance(outputs, (tuple, list)) and callable(loss_fn):
+    """``e``, raised by the model or the loss on a batch, with the batch described (without
+    ``targets``: a batch being predicted); where a linear layer got inputs of another width,
+    the two widths; where the loss failed on a model's several outputs (``outputs``) with one
+    ``loss_fn``, how to give one loss per output."""
+    message = (f"{type(e).__name__}: {e}\n(on a batch with inputs {describe(inputs)}"
+               + ("" if targets is _PREDICTING else f" and targets {describe(targets)}") + ")")
+    widths = re.search(r"mat1 and mat2 shapes cannot be multiplied \(\d+x(\d+) and (\d+)x", str(e))
+    if widths and outputs is None:
+        message += (f"\nA linear layer got rows of {widths.group(1)} values where it takes "
+                    f"{widths.group(2)}: if it is the model's first layer, check the features "
+                    "it is given (their columns, or their shape) against its inputs")
+    elif isinstance(outputs, (tuple, list)) and callable(loss_fn):
         message += (f"\nThe model returned {describe(outputs)}: give one loss per output "
                     f"(loss_fn=[loss_a, loss_b, ...]; their sum is trained) or a step_fn that "
                     f"computes the loss")

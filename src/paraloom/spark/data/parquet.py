@@ -156,6 +156,16 @@ def _check_type(kind: pa.DataType, name: str, path: str) -> None:
                         f"pyspark.ml.feature.StringIndexer) and train on that DataFrame")
 
 
+def _same_kind(a: pa.DataType, b: pa.DataType) -> bool:
+    """Whether two files' types of a column decode alike: equal, or integers of any width (as
+    Spark merges them; each file's are cast on reading), in lists nested alike."""
+    import pyarrow as pa
+
+    while pa.types.is_list(a) and pa.types.is_list(b):
+        a, b = a.value_type, b.value_type
+    return bool(a == b or (pa.types.is_integer(a) and pa.types.is_integer(b)))
+
+
 def _check_schema(path: str, schema: pa.Schema, names: Sequence[str],
                   first: tuple[str, pa.Schema] | None) -> None:
     for name in names:
@@ -168,7 +178,7 @@ def _check_schema(path: str, schema: pa.Schema, names: Sequence[str],
                                  "fit(spark.read.parquet(...)), which adds it" if hive else ""))
         kind = schema.field(name).type
         _check_type(kind, name, path)
-        if first is not None and first[1].field(name).type != kind:
+        if first is not None and not _same_kind(first[1].field(name).type, kind):
             raise TypeError(f"column {name!r} is {first[1].field(name).type} in "
                             f"{first[0]} but {kind} in {path}; rewrite the files with one "
                             f"schema (spark.read.parquet(...).write.parquet(...))")

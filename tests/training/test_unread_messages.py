@@ -55,3 +55,28 @@ def test_failed_fits_leave_no_descriptor_or_shared_memory_behind() -> None:
         assert _descriptors() <= descriptors + 4
         grown = shutil.disk_usage("/dev/shm").used - used
         assert grown < 8 * 2**20, f"/dev/shm grew by {grown / 2**20:.0f} MiB"
+
+
+def test_a_closed_wrapper_still_referenced_holds_no_pipes_port_or_thread(listening) -> None:
+    """The last fit's run kept the closed pool: 19 descriptors (its queues' pipes, the store's
+    socket and event loop), a listening port and a thread per closed wrapper kept in a list."""
+    import gc
+    import threading
+
+    def fit_and_close() -> ParallelWrapper:
+        model = nn.Linear(4, 2)
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+            w.fit([(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(4)])
+        return w
+
+    kept = [fit_and_close()]  # the first one's imports and threads are the baseline
+    gc.collect()
+    descriptors, threads = _descriptors(), threading.active_count()
+    ports = len(listening.of_process(os.getpid()))
+    kept += [fit_and_close() for _ in range(3)]
+    gc.collect()
+    assert _descriptors() <= descriptors + 2, f"{_descriptors() - descriptors} more descriptors"
+    assert len(listening.of_process(os.getpid())) <= ports
+    assert threading.active_count() <= threads
+    assert all(w.recoveries == [] and w.live_stats()["batches"] == 4 for w in kept)

@@ -427,6 +427,8 @@ class ProcessPool:
         self._inbox.close(wait)
         for worker in [*self._workers, *self._replaced]:
             worker.close()
+        if wait:  # no recovery follows: the store's port and thread go now, not with this object
+            self.__dict__.pop("_store", None)
 
     # -- surviving a failure (``survive``) --------------------------------------------------
     @property

@@ -165,7 +165,8 @@ class ParallelWrapper:
         self._iteration = 0
         self._epoch_batches: int | None = None  # the current fit's data, when it has a length
         self._run: FitRun | None = None
-        """The running fit(), or the last one (its tracker answers ``recoveries``)."""
+        """The running fit(), or the last one until close() (it holds the pool)."""
+        self._tracker: RoundTracker | None = None  # the last fit's: recoveries, live_stats
         self._stats: FitStats | None = None
         self._mirror: ReplicaMirror | None = None
         """What the replicas hold after the last fit(): a warm fit() sends only changes."""
@@ -193,6 +194,7 @@ class ParallelWrapper:
         self._close()
 
     def _close(self) -> None:
+        self._run = None  # it holds the pool: a closed wrapper kept its pipes and store port
         self._mirror = None
         self._received = None  # its shared memory belonged to worker 0's outbox
         if self._pool is not None:
@@ -263,14 +265,14 @@ class ParallelWrapper:
     @property
     def recoveries(self) -> list[Recovery]:
         """The worker failures the last fit() survived (``max_failures=``), in order."""
-        return list(self._run.tracker.recoveries) if self._run is not None else []
+        return list(self._tracker.recoveries) if self._tracker is not None else []
 
     def _recovered(self, recovery: Recovery) -> None:
         """A worker failed and the pool recovered: tell the listeners and the progress bar."""
         for listener in self.listeners:
             listener.on_worker_failure(recovery.rank, recovery.error, True)
-        if self._run is not None:
-            self._run.tracker.recovered(recovery)
+        if self._tracker is not None:
+            self._tracker.recovered(recovery)
 
     # -- training ------------------------------------------------------------------------------
     @_one_fit_at_a_time
@@ -309,7 +311,7 @@ class ParallelWrapper:
             _refuse_one_shot(kind, epochs - start.epoch)
         pool = self._ensure_pool()
         run = self._run = self._new_run(data, epochs, start, pool)
-        tracker = run.tracker
+        tracker = self._tracker = run.tracker
         completed = False
         try:
             with graceful_interrupt(run.stop) as interrupted:
@@ -406,9 +408,9 @@ class ParallelWrapper:
 
     def live_stats(self) -> dict[str, Any]:
         """Live counters of the running fit(): batches, samples, seconds, total batches."""
-        if self._run is None:
+        if self._tracker is None:
             return {"batches": 0, "samples": 0, "seconds": 0.0, "total_batches": None}
-        t = self._run.tracker
+        t = self._tracker
         return {"batches": t.batches, "samples": t.rows, "seconds": t.seconds,
                 "total_batches": t.bar.total}
 

@@ -358,9 +358,11 @@ class ROC:
 
     def merge(self, other: ROC) -> ROC:
         """The sum of two states (in place on self)."""
-        if (other.num_classes, other.bins) != (self.num_classes, self.bins):
+        if (other.num_classes, other.bins, other.probabilities) != (
+                self.num_classes, self.bins, self.probabilities):
             raise ValueError(f"cannot merge ROC states of {self.num_classes} and "
-                             f"{other.num_classes} classes ({self.bins} / {other.bins} bins)")
+                             f"{other.num_classes} classes ({self.bins} / {other.bins} bins, "
+                             f"probabilities={self.probabilities} / {other.probabilities})")
         self.positive += other.positive
         self.negative += other.negative
         self.count += other.count
@@ -457,7 +459,7 @@ def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | Non
             scores = 1 if logits.dim() == 1 else int(logits.shape[1])
             ev = Evaluation(max(2, scores) if num_classes is None else num_classes,
                             threshold=threshold)
-        shaped = targets  # (n,) labels for a BCE loss on (n, 1) outputs, as Spark shapes them
+        shaped = targets  # BCE: labels as the outputs, (n,) for (n, 1) and in their dtype
         if isinstance(loss_fn, nn.BCELoss | nn.BCEWithLogitsLoss) \
                 and targets.numel() == logits.numel():
             shaped = targets.reshape(logits.shape).to(logits.dtype)

@@ -351,7 +351,7 @@ def test_integer_ids_train_evaluate_and_predict_exactly_with_feature_dtype_long(
     torch.manual_seed(0)
     plain = SparkModel(spark, h.BagOfIds(30), ParameterAveragingTrainingMaster(workers=1),
                        loss_fn=nn.CrossEntropyLoss())
-    with pytest.raises(WorkerError, match=r"'indices'.*feature_dtype=torch.long"):
+    with pytest.raises(WorkerError, match=r"(?s)'indices'.*feature_dtype=torch.long"):
         plain.evaluate(frame, features="ids")
     model = h.BagOfIds(30)
     net = SparkModel(spark, model, ParameterAveragingTrainingMaster(16, workers=2),

@@ -112,6 +112,10 @@ def test_bad_paths_and_columns_fail_before_training_naming_file_and_column(folde
     both = scan_parquet([str(odd)], COLUMNS)  # Spark reads int32 beside int64: so does this
     share = ParquetShare(both, COLUMNS, rank=0, world=1, seed=0, chunk_rows=4)
     assert sorted(_ids(share.chunks(1))) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    pq.write_table(table.set_column(1, "label", table.column("label").cast(pa.uint8())),
+                   odd / "b.parquet")
+    with pytest.raises(TypeError, match=r"'label' is int64 .* but uint8"):
+        scan_parquet([str(odd)], COLUMNS)  # joined with int64, numpy would make it float64
     pq.write_table(table.set_column(0, "features", table.column("features").cast(
         pa.list_(pa.float64()))), odd / "b.parquet")
     with pytest.raises(TypeError, match=r"'features' is list<\w+: float> in .*a\.parquet but "

@@ -53,6 +53,7 @@ from paraloom.sync.base import NoSync
 from paraloom.training.optim import OptimizerFactory, OptimizerSpec
 from paraloom.training.replica import StepFn
 from paraloom.training.runner import WorkerSpec
+from paraloom.training.step_checks import LABEL_OUTSIDE
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext
@@ -88,7 +89,7 @@ def _label_hint(cause: str) -> str:
     if re.search(r"'indices'.*Long.*but got torch\.\w*(Float|Double|Half)", cause):
         return _IDS_HINT
     if re.search(r"Target -?\d+ is out of bounds", cause):  # unless the worker named it
-        return "" if "outside the model's" in cause else _RANGE_HINT
+        return "" if LABEL_OUTSIDE in cause else _RANGE_HINT
     wants_long = re.search(r"Long\b.*\b(got|found) (Float|Double|Half)", cause) is not None
     return _LABEL_HINT if wants_long else ""
 

@@ -169,9 +169,10 @@ class TrainingCheckpoint:
         replica holds its own weights, so one replica's are not the model); with
         ``shared_gradients`` what ``fit()`` would return: the mean of the replicas' local views
         (the shared parameters plus each replica's updates not sent yet; with
-        ``gradients_at="shared"``, or from a checkpoint older than the local views' names, the
-        shared parameters alone); with DiLoCo the mean of the replicas' inner weights, not the next
-        outer step.
+        ``overlap`` and ``combine="sum"`` the step in flight counts as the replicas' mean where
+        ``fit()`` adds their sum; with ``gradients_at="shared"``, or from a checkpoint older than
+        the local views' names, the shared parameters alone); with DiLoCo the mean of the
+        replicas' inner weights, not the next outer step.
         """
         states = [r["model"] for r in self.replicas if r is not None]
         if not states:

@@ -14,8 +14,8 @@ from torch import nn
 from paraloom.data import describe, iter_tensors
 from paraloom.forward import LossFn
 
-__all__ = ["BatchError", "NonFiniteLossError", "StepFn", "batch_error", "check_fit", "checked_loss",
-           "raise_if_dtype_differs", "require_loss"]
+__all__ = ["LABEL_OUTSIDE", "BatchError", "NonFiniteLossError", "StepFn", "batch_error",
+           "check_fit", "checked_loss", "raise_if_dtype_differs", "require_loss"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 """``step_fn(model, batch) -> loss``: the user's own forward and loss."""
@@ -110,6 +110,10 @@ def checked_loss(loss: object, source: str) -> torch.Tensor:
 
 
 
+LABEL_OUTSIDE = "A class label is outside the model's"
+"""How ``batch_error`` begins its fix for a label past the model's classes (Spark's hint for
+it looks for this)."""
+
 _PREDICTING = object()
 """``batch_error``'s targets for a batch scored without targets (predictions)."""
 
@@ -133,7 +137,7 @@ def batch_error(e: Exception, inputs: Any, targets: Any = _PREDICTING, outputs: 
                     f"computes the loss")
     elif re.search(r"Target -?\d+ is out of bounds", str(e)) and isinstance(outputs,
                                                                            torch.Tensor):
-        message += (f"\nA class label is outside the model's {outputs.shape[-1]} classes "
+        message += (f"\n{LABEL_OUTSIDE} {outputs.shape[-1]} classes "
                     f"(0 to {outputs.shape[-1] - 1}): check the labels' range, or give the "
                     "model as many outputs as there are classes")
     elif "Expected more than 1 value per channel when training" in str(e):

@@ -157,13 +157,14 @@ def _check_type(kind: pa.DataType, name: str, path: str) -> None:
 
 
 def _same_kind(a: pa.DataType, b: pa.DataType) -> bool:
-    """Whether two files' types of a column decode alike: equal, or integers of any width (as
-    Spark merges them; each file's are cast on reading), in lists nested alike."""
+    """Whether two files' types of a column decode alike: equal, or signed integers of any
+    width (as Spark reads ``int`` beside ``long``; chunks of both join as the wider), in lists
+    nested alike. Unsigned beside signed is not: joined, they would turn floating-point."""
     import pyarrow as pa
 
     while pa.types.is_list(a) and pa.types.is_list(b):
         a, b = a.value_type, b.value_type
-    return bool(a == b or (pa.types.is_integer(a) and pa.types.is_integer(b)))
+    return bool(a == b or (pa.types.is_signed_integer(a) and pa.types.is_signed_integer(b)))
 
 
 def _check_schema(path: str, schema: pa.Schema, names: Sequence[str],

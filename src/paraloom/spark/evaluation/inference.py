@@ -104,13 +104,14 @@ def _cat(parts: list[Any]) -> Any:
 def model_outputs(model: nn.Module, x: Arrays, features: Features, batch_size: int) -> Any:
     inputs = features.features(x)
     n = batch_size_of(inputs)
-    def rows(start: int) -> Any:
-        return map_tensors(inputs, lambda t: t[start:start + batch_size])
+    def run(start: int) -> Any:
+        rows = map_tensors(inputs, lambda t: t[start:start + batch_size])
+        try:
+            return forward(model, rows)
+        except Exception as e:  # predict's errors reach the user's action, raised in a worker
+            raise batch_error(e, rows) from e
 
-    try:
-        return _cat([forward(model, rows(i)) for i in range(0, n, batch_size)])
-    except Exception as e:  # predict's errors reach the user's action, raised in a worker
-        raise batch_error(e, inputs) from e
+    return _cat([run(i) for i in range(0, n, batch_size)])
 
 
 def pick_output(out: Any, targets: Tensors,
@@ -259,7 +260,7 @@ def evaluate_metrics(chunks: RDD[Pair], shipment: Shipment, metrics: Sequence[st
 
 
 def row_outputs(out: torch.Tensor, argmax: bool,
-             threshold: float = 0.0) -> list[int] | list[np.ndarray]:
+                threshold: float = 0.0) -> list[int] | list[np.ndarray]:
     if argmax:
         if out.dim() == 1 or (out.dim() == 2 and out.shape[1] == 1):
             # one score per row: class 1 above the threshold (0 for a logit, 0.5 for a

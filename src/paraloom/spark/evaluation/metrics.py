@@ -53,7 +53,7 @@ def metric_factory(name: str) -> StateBuilder[MetricState]:
     if name == "classification":
         return lambda out, threshold: Evaluation(_classes(out), threshold=threshold)
     if name == "roc":
-        return lambda out, threshold: ROC(_classes(out), probabilities=threshold != 0.0)
+        return lambda out, threshold: ROC(_classes(out), probabilities=threshold == 0.5)
     if name == "regression":
         return lambda out, threshold: RegressionEvaluation(out[0].numel())
     raise ValueError(f"unknown metric {name!r}; expected some of {list(METRICS)}")

@@ -92,11 +92,12 @@ def summed_residuals(residual: Tensor, group: Any, world_size: int) -> Tensor:
 
 
 def parameter_names(model: nn.Module, params: Sequence[Tensor]) -> list[list[str]]:
-    """Each of ``params``' keys in ``model.state_dict()`` (several for a shared one), so that
-    a saved local view can be read without the model."""
+    """Each of ``params``' keys in ``model.state_dict()`` (several for a shared one; as it
+    names them, hooks and overrides included), so that a saved local view can be read without
+    the model."""
     names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
     return [names.get(id(p), []) for p in params]
 
 

@@ -109,6 +109,13 @@ def test_flatten_round_trips_dtypes_and_shapes():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v)
     with pytest.raises(ValueError, match="layout"):
         unflatten(np.zeros(12), layout)
+    # A complex tensor kept its real parts only (1+2j came back 1+0j after every averaging).
+    for complex_dtype in (torch.complex64, torch.complex128):
+        phase = torch.tensor([[1 + 2j, 3 - 4j]], dtype=complex_dtype)
+        vector, layout = flatten({"phase": phase, "w": torch.randn(3)})
+        assert vector.size == 7
+        back = unflatten(vector, layout)["phase"]
+        assert back.dtype == complex_dtype and torch.equal(back, phase)
 
 
 def test_chunks_stack_rows_in_the_order_given():

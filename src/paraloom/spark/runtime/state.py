@@ -139,7 +139,8 @@ def flatten(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, Layout]:
     """All tensors in one vector, and the layout to undo it.
 
     The vector is float32, or float64 when any tensor is float64 (or an integer type that
-    float32 cannot hold exactly), so that no value loses precision on the way.
+    float32 cannot hold exactly), so that no value loses precision on the way (but int64
+    values past 2**53); a complex tensor travels as its real and imaginary parts.
     """
     layout = [(name, list(t.shape), str(t.dtype).removeprefix("torch."))
               for name, t in tensors.items()]
@@ -148,7 +149,8 @@ def flatten(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, Layout]:
     dtype = torch.float64 if wide else torch.float32
     if not tensors:
         return np.zeros(0, dtype=np.float32), layout
-    parts = [t.detach().to("cpu", dtype).reshape(-1).numpy() for t in tensors.values()]
+    parts = [(torch.view_as_real(t.detach().cpu().resolve_conj()) if t.is_complex() else
+              t.detach().cpu()).to(dtype).reshape(-1).numpy() for t in tensors.values()]
     return np.concatenate(parts), layout
 
 
@@ -158,11 +160,13 @@ def unflatten(vector: np.ndarray, layout: Layout) -> dict[str, torch.Tensor]:
     offset = 0
     for name, shape, dtype_name in layout:
         dtype = getattr(torch, dtype_name)
-        n = int(np.prod(shape)) if shape else 1
-        chunk = torch.from_numpy(np.ascontiguousarray(vector[offset:offset + n])).reshape(shape)
-        if not (dtype.is_floating_point or dtype.is_complex):
-            chunk = chunk.round()
-        out[name] = chunk.to(dtype)
+        n = (int(np.prod(shape)) if shape else 1) * (2 if dtype.is_complex else 1)
+        chunk = torch.from_numpy(np.ascontiguousarray(vector[offset:offset + n]))
+        if dtype.is_complex:  # its real and imaginary parts, as flatten laid them
+            out[name] = torch.view_as_complex(chunk.to(dtype.to_real()).reshape(*shape, 2))
+        else:
+            chunk = chunk.reshape(shape)
+            out[name] = (chunk if dtype.is_floating_point else chunk.round()).to(dtype)
         offset += n
     if offset != vector.size:
         raise ValueError(f"the vector has {vector.size} values but the layout describes "

@@ -203,3 +203,25 @@ def test_a_factory_is_called_once_even_for_a_file_with_constructor_arguments(tmp
 
     assert isinstance(paraloom.load(path, factory=build), MLP)
     assert len(calls) == 1
+
+
+def test_a_dtype_safetensors_cannot_store_is_refused_before_anything_is_lost(tmp_path):
+    """complex128 raised a bare KeyError from safetensors, in a CheckpointListener at the first
+    checkpoint: the fit's training was lost."""
+    from torch import nn
+
+    from paraloom import ParallelWrapper
+    from paraloom.listeners import CheckpointListener
+
+    model = nn.Linear(2, 2).to(torch.complex128)
+    with pytest.raises(TypeError, match=r"'weight' is complex128, which safetensors cannot "
+                                        r"store.*complex64"):
+        paraloom.save(model, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+    wrapper = ParallelWrapper(model, loss_fn=lambda out, y: out.abs().sum(), workers=1,
+                              progress=False, listeners=[CheckpointListener(tmp_path / "ck")],
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    data = [(torch.randn(4, 2, dtype=torch.complex128), torch.zeros(4))]
+    with wrapper, pytest.raises(TypeError, match="CheckpointListener: 'weight' is complex128"):
+        wrapper.fit(data)
+    paraloom.save(nn.Linear(2, 2).to(torch.complex64), tmp_path / "c64.safetensors")  # stored

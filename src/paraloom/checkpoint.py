@@ -23,8 +23,8 @@ from paraloom.models import MLP, LeNet
 if TYPE_CHECKING:
     from typing_extensions import NotRequired
 
-__all__ = ["save", "load", "register_model", "atomic_write", "check_safetensors", "read_header",
-           "read_tensors", "TRAINING_HEADER_KEY"]
+__all__ = ["save", "load", "register_model", "atomic_write", "check_safetensors", "check_storable",
+           "read_header", "read_tensors", "TRAINING_HEADER_KEY"]
 
 _HEADER_KEY = "paraloom"
 
@@ -160,6 +160,17 @@ def _compiled(model: nn.Module) -> bool:
         getattr(model, "_orig_mod", None), nn.Module)
 
 
+def check_storable(tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Raise ``TypeError`` naming the first of ``tensors`` whose dtype safetensors cannot
+    store (complex128, complex32, quantized), before ``what`` (the caller) writes anything."""
+    for name, t in tensors.items():
+        if t.dtype in (torch.complex128, torch.complex32) or t.is_quantized:
+            raise TypeError(f"{what}: {name!r} is {str(t.dtype).removeprefix('torch.')}, which "
+                            "safetensors cannot store (it stores complex64, floating-point, "
+                            "integer and bool tensors); keep it as complex64, or as a real "
+                            "tensor (torch.view_as_real) that the model views as complex")
+
+
 def _write(model: nn.Module, path: str | Path, spec: ModelSpec,
            metadata: dict[str, Any] | None) -> None:
     """Write ``model``'s weights and the header ``spec`` (plus ``metadata``) to ``path``."""
@@ -167,6 +178,7 @@ def _write(model: nn.Module, path: str | Path, spec: ModelSpec,
         spec["metadata"] = metadata
     # safetensors refuses shared or non-contiguous storage: store independent copies.
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    check_storable(tensors, "paraloom.save")
     header = {_HEADER_KEY: json.dumps(spec)}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
 

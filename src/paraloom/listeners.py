@@ -178,6 +178,9 @@ class CheckpointListener(TrainingListener):
         return bool(by_iteration or by_epoch)
 
     def on_fit_start(self, wrapper: ParallelWrapper) -> None:
+        from paraloom.checkpoint import check_storable
+
+        check_storable(wrapper.model.state_dict(), "CheckpointListener")  # before training
         self._adopted = False  # the directory is looked at again at the fit's first checkpoint
         mine = (self.directory.resolve(), self.prefix)
         for other in wrapper.listeners:

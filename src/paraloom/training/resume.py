@@ -19,7 +19,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from paraloom.checkpoint import TRAINING_HEADER_KEY, atomic_write, check_safetensors
+from paraloom.checkpoint import (
+    TRAINING_HEADER_KEY,
+    atomic_write,
+    check_safetensors,
+    check_storable,
+)
 from paraloom.listeners import TrainingListener, iteration_of, run_of
 from paraloom.sync.averaging import trained_share
 from paraloom.sync.sharing.view import local_views
@@ -209,6 +214,7 @@ class TrainingCheckpoint:
                   "data_rng": _flatten(self.data_rng, "data_rng", tensors),
                   "replicas": _flatten(self.replicas, "replicas", tensors)}
         metadata = {TRAINING_HEADER_KEY: json.dumps(header)}
+        check_storable(tensors, "TrainingCheckpoint.save")
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
     @classmethod

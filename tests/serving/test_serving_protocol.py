@@ -89,7 +89,8 @@ def test_integers_at_both_ends_of_their_range_decode_exactly(datatype: str, bina
                                                 ("FP32", [float("inf"), 1e39]),
                                                 ("FP32", [1e39, 0.0]),
                                                 ("FP16", [65520, 0]),
-                                                ("BF16", [3.4e38, 0])])
+                                                ("BF16", [3.4e38, 0]),
+                                                ("BF16", [3.5e38, 0])])  # it said FP32
 def test_json_integers_past_the_datatypes_range_are_refused(datatype: str, data: list) -> None:
     body = {"inputs": [{"name": "x", "shape": [2], "datatype": datatype, "data": data}]}
     with pytest.raises(ProtocolError,
@@ -189,6 +190,11 @@ def json_request(**fields: object) -> bytes:
     (json_request(datatype="FP32", data=[True, False]), "boolean values"),
     (json_request(parameters={"binary_data_size": 8}), "both 'data' and parameters.binary"),
     (json_request(datatype="INT32", data=[True, False]), "boolean values"),
+    # numpy read a boolean beside numbers as 1 or 0: the request was answered
+    (json_request(datatype="INT64", data=[True, 7]), "boolean values, which datatype INT64"),
+    (json_request(datatype="FP32", data=[0.5, False]), "boolean values"),
+    (json_request(datatype="UINT8", shape=[2, 2], data=[[1, 2], [False, 200]]), "boolean values"),
+    (json_request(datatype="BF16", data=[True, 0.5]), "boolean values, which datatype BF16"),
     (json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}).encode(),
      "neither 'data' nor"),
     (json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]},

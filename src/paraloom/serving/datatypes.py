@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -89,13 +89,16 @@ def lookup(raw: object, where: str) -> DataType:
 def tensor_from_json(data: object, dt: DataType, shape: tuple[int, ...], where: str
                      ) -> torch.Tensor:
     """A tensor from JSON ``data`` (flat or nested, row-major), checked against its datatype."""
-    if dt.name == "BF16":
-        # numpy has no bfloat16: read floats, then let torch round them (BF16's range is FP32's).
-        as_fp32 = tensor_from_json(data, DATATYPES["FP32"], shape, where)
-        rounded = as_fp32.to(torch.bfloat16)
-        _check_overflow(as_fp32.numpy(), rounded.float().numpy(), dt, where)
+    if dt.numpy_dtype is None:  # BF16
+        # numpy has no bfloat16: read float64 (errors naming BF16), then let torch round them.
+        given = tensor_from_json(data, replace(DATATYPES["FP64"], name="BF16"), shape, where)
+        rounded = given.to(torch.bfloat16)
+        _check_overflow(given.numpy(), rounded.float().numpy(), dt, where)
         return rounded
     count = math.prod(shape)
+    if dt.kinds != "b" and _holds_bool(data):  # numpy reads [true, 7] as the numbers [1, 7]
+        raise ProtocolError(f"{where} data holds boolean values, which datatype {dt.name} does "
+                            "not accept")
     try:
         arr = np.asarray(data)
     except (ValueError, TypeError) as e:
@@ -113,6 +116,15 @@ def tensor_from_json(data: object, dt: DataType, shape: tuple[int, ...], where: 
     if count and dt.numpy_dtype.kind == "f":
         _check_overflow(arr, cast, dt, where)
     return torch.from_numpy(cast.reshape(shape))
+
+
+def _holds_bool(data: object) -> bool:
+    """Whether JSON ``data`` (nested lists, row-major) holds a ``true`` or ``false``."""
+    if not isinstance(data, list):
+        return isinstance(data, bool)
+    if data and isinstance(data[0], list):
+        return any(_holds_bool(row) for row in data)
+    return bool in set(map(type, data))
 
 
 def _check_values(arr: np.ndarray, dt: DataType, np_dtype: np.dtype, where: str

@@ -225,3 +225,11 @@ def test_a_dtype_safetensors_cannot_store_is_refused_before_anything_is_lost(tmp
     with wrapper, pytest.raises(TypeError, match="CheckpointListener: 'weight' is complex128"):
         wrapper.fit(data)
     paraloom.save(nn.Linear(2, 2).to(torch.complex64), tmp_path / "c64.safetensors")  # stored
+
+
+def test_a_model_loads_on_the_meta_device_without_a_warning_per_tensor(tmp_path, recwarn):
+    paraloom.save(MLP(in_features=64), tmp_path / "m.safetensors")
+    model = paraloom.load(tmp_path / "m.safetensors", map_location="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert [tuple(p.shape) for p in model.parameters()][0] == (128, 64)
+    assert not [w for w in recwarn if "meta" in str(w.message)]  # one per tensor before

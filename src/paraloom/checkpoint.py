@@ -455,6 +455,10 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     plain = not spec  # plain weights say nothing of the model's dtype: the factory's stays
     if not plain:
         _take_dtypes(model, state)
+    # On the meta device (shapes only) there is nothing to copy into: torch warned of each copy.
+    if torch.device(map_location).type == "meta":
+        _check_keys(path, model, state, factory)
+        return model
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         _mismatched_keys(path, missing, unexpected, factory)

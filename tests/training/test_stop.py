@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -124,6 +125,32 @@ def test_fit_or_close_from_a_listener_is_refused_and_the_wrapper_trains_on(worke
         before = model.w.item()
         stats = wrapper.fit(batches[:4])
         assert stats["rounds"] == 4 // workers and model.w.item() == before - 4 // workers
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_close_from_another_thread_stops_the_fit_and_then_the_workers(workers):
+    """A close() from another thread (a UI's stop button) while fit() runs: the fit stops
+    after the round in flight and returns what it trained, then the workers go (they used to
+    be pulled from under the fit, which raised "worker 0 exited with code 0")."""
+    model = Scalar()
+    wrapper = ParallelWrapper(model, step_fn=slow_step, workers=workers, progress=False,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=1.0), timeout=60)
+    batches = [(torch.ones(1, 1), torch.zeros(1))] * 400  # 200 rounds of 2: 10 s
+    wrapper.fit(batches[:4])
+    pids = wrapper.worker_pids
+    closer = threading.Timer(0.5, wrapper.close)
+    closer.start()
+    stats = wrapper.fit(batches)
+    closer.join(timeout=30)
+    assert not closer.is_alive()
+    assert 0 < stats["rounds"] < 100, stats
+    assert model.w.item() == -(4 // workers) - stats["rounds"]  # what it trained is kept
+    assert wrapper.worker_pids == []
+    for pid in pids:  # gone, not left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert wrapper.fit(batches[:4])["rounds"] == 4 // workers  # new workers start
+    wrapper.close()
 
 
 @pytest.fixture

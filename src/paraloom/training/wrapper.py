@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import logging
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -27,6 +25,7 @@ from paraloom.sync.base import Synchronizer
 from paraloom.sync.registry import build_synchronizer, warn_without_idle_step
 from paraloom.training.buffers import load_model_state
 from paraloom.training.dealing import total_batches
+from paraloom.training.fit_guard import FitGuard, one_fit_at_a_time
 from paraloom.training.fit_run import FitPlan, FitRun, Start
 from paraloom.training.interrupts import deferred_interrupt, graceful_interrupt
 from paraloom.training.local_pool import LocalPool
@@ -65,9 +64,6 @@ _WELL_CLOSE_S = 5.0
 """How long workers that are well get to stop after a fit failed in this process."""
 
 
-_Fit = TypeVar("_Fit", bound=Callable[..., Any])
-
-
 def _listeners(given: object) -> list[TrainingListener]:
     """``listeners=``: an iterable of listeners (or callables), or one given alone."""
     if isinstance(given, TrainingListener) or callable(given):
@@ -76,25 +72,6 @@ def _listeners(given: object) -> list[TrainingListener]:
         raise TypeError(f"listeners={given!r}; expected a list of TrainingListener objects or "
                         "callables (iteration, epoch, loss)")
     return [as_listener(x) for x in given]
-
-
-def _one_fit_at_a_time(fit: _Fit) -> _Fit:
-    """Refuse fit() while one is running (from a listener, or another thread)."""
-
-    @functools.wraps(fit)
-    def guarded(self: ParallelWrapper, *args: Any, **kwargs: Any) -> Any:
-        if self._fit_thread is not None:
-            raise RuntimeError("fit() was called while fit() is running (from a listener, or "
-                               "another thread): a listener may call wrapper.stop() to end "
-                               "training after the round in flight; call fit() again once the "
-                               "running one has returned")
-        self._fit_thread = threading.get_ident()
-        try:
-            return fit(self, *args, **kwargs)
-        finally:
-            self._fit_thread = None
-
-    return cast(_Fit, guarded)
 
 
 class ParallelWrapper:
@@ -174,7 +151,7 @@ class ParallelWrapper:
         """The last fit's result, held so that its shared memory (worker 0's outbox, which the
         next result reuses) stays mapped here: mapping 150 MB anew costs more than copying it."""
         self._checkpoints = CheckpointCollector(self.listeners, self.fingerprint, self.workers)
-        self._fit_thread: int | None = None
+        self._fit_guard = FitGuard()
         """The thread running fit(), while one does."""
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -185,12 +162,26 @@ class ParallelWrapper:
         self.close()
 
     def close(self) -> None:
-        """Stop the worker processes; the wrapper starts new ones if fit() is called again."""
-        if self._fit_thread == threading.get_ident():
+        """Stop the worker processes; the wrapper starts new ones if fit() is called again.
+
+        From another thread while fit() runs, it first stops that fit as ``stop()`` does and
+        waits for it to return (the model gets what was trained). Raises ``RuntimeError`` from
+        the running fit's own thread (a listener), ``TimeoutError`` when the running fit has
+        not returned within ``step_timeout`` (or ``timeout``) and 5 s."""
+        guard = self._fit_guard
+        if guard.in_fit():
             raise RuntimeError("close() was called while fit() is running (from a listener?): "
                                "it would stop the workers under the running fit(). Call "
                                "wrapper.stop() to end training after the round in flight, and "
                                "close() once fit() has returned")
+        if guard.running:
+            guard.closing = True
+            self.stop()
+            wait_s = (self.faults.step_timeout or self.faults.timeout) + _WELL_CLOSE_S
+            if not guard.wait_idle(wait_s):
+                raise TimeoutError(f"close(): the fit() running in another thread did not "
+                                   f"stop within {wait_s:g} s; call close() again once it "
+                                   "has returned")
         self._close()
 
     def _close(self) -> None:
@@ -219,7 +210,7 @@ class ParallelWrapper:
         message late (several rounds to a message), so from ``on_iteration`` the stop comes a
         few rounds past the one heard of, how many depending on timing; from
         ``on_epoch_end`` it is exact. Between fits it does nothing."""
-        if self._run is not None and self._fit_thread is not None:
+        if self._run is not None and self._fit_guard.running:
             self._run.stop()
 
     def _layout(self) -> tuple[tuple[bool, ...], tuple[tuple[int, ...], ...]]:
@@ -275,7 +266,7 @@ class ParallelWrapper:
             self._tracker.recovered(recovery)
 
     # -- training ------------------------------------------------------------------------------
-    @_one_fit_at_a_time
+    @one_fit_at_a_time
     def fit(self, data: Any, epochs: int = 1, *, batch_size: int | None = None,
             shuffle: bool = False, resume_from: str | Path | None = None,
             initial_epoch: int = 0) -> FitStats:
@@ -311,6 +302,8 @@ class ParallelWrapper:
             _refuse_one_shot(kind, epochs - start.epoch)
         pool = self._ensure_pool()
         run = self._run = self._new_run(data, epochs, start, pool)
+        if self._fit_guard.closing:  # close() came from another thread as the fit started
+            run.stop()
         tracker = self._tracker = run.tracker
         completed = False
         try:

@@ -198,3 +198,15 @@ def test_user_errors_end_in_one_line_naming_the_fix(tmp_path, capsys, monkeypatc
         err = capsys.readouterr().err
         assert code in (1, 2) and message in err, (argv, err)
         assert "Traceback" not in err, argv
+
+
+def test_version_names_paraloom_and_torch(capsys):
+    import torch
+
+    import paraloom
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    expected = f"paraloom {paraloom.__version__} (torch {torch.__version__})"
+    assert capsys.readouterr().out.strip() == expected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import math
 import os
@@ -12,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from paraloom._version import __version__
 from paraloom.errors import ParaloomError, WorkerError
 
 if TYPE_CHECKING:
@@ -219,8 +221,20 @@ def _bench(args: argparse.Namespace) -> int:
     return int(args.bench_module.run(args))
 
 
+def _installed(distribution: str) -> str:
+    """An installed distribution's version, read without importing it (torch takes seconds)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paraloom", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="paraloom", description="paraloom: data-parallel training, inference and serving "
+        "for PyTorch, on one machine or a Spark cluster.")
+    parser.add_argument("--version", action="version",
+                        version=f"paraloom {__version__} (torch {_installed('torch')})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model with ParallelWrapper and save it")

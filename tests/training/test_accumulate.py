@@ -9,6 +9,7 @@ exchange and step once; an epoch's end steps on what its last rounds added up.
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -69,6 +70,29 @@ def test_accumulation_restarts_at_each_epoch() -> None:
 def test_one_worker_accumulates_too() -> None:
     w, _ = _fit([1, 2, 3], workers=1, accumulate=2)
     assert w == pytest.approx(-(1 + 2) / 2 - 3 / 2, abs=1e-6)
+
+
+def test_a_float64_model_accumulates_in_float64() -> None:
+    """Each micro-batch's loss / 3 in the model's float64: the loss was cast to float32 first,
+    so every gradient was scaled by float32(1/3) and the weights were off by ~1e-9."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    reference = copy.deepcopy(model)
+    batches = [(torch.randn(4, 5, dtype=torch.float64), torch.randint(0, 3, (4,)))
+               for _ in range(6)]
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for start in (0, 3):
+        opt.zero_grad()
+        for x, y in batches[start:start + 3]:
+            (nn.functional.cross_entropy(reference(x), y) / 3).backward()
+        opt.step()
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, accumulate=3,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                         progress=False, timeout=60) as wrapper:
+        wrapper.fit(batches)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert ours.dtype == torch.float64
+        assert torch.equal(ours, theirs), (ours - theirs).abs().max()
 
 
 def _slow_step(model, batch):

@@ -32,6 +32,7 @@ from paraloom.training.step_checks import (
     checked_loss,
     raise_if_dtype_differs,
     require_loss,
+    widened,
 )
 from paraloom.training.timing import RoundTiming
 
@@ -322,7 +323,7 @@ class Replica:
         synchronizer that all-reduces in backward, DDP, takes part with what accumulated)."""
         loss: torch.Tensor = self.sync.run_step_fn(lambda model, _: zero_loss(model),
                                                    self._module, None, self.ctx)
-        return loss.float()
+        return widened(loss)
 
     def _step_scheduler(self) -> None:
         """One step of the schedule per round, trained or idle: every replica's rate moves alike."""
@@ -340,7 +341,7 @@ class Replica:
                 loss = self.sync.run_step_fn(self.step_fn, self._module, batch, self.ctx)
             else:
                 loss = self._model_loss(batch)
-        return checked_loss(loss, "step_fn" if self.step_fn is not None else "loss_fn").float()
+        return widened(checked_loss(loss, "step_fn" if self.step_fn is not None else "loss_fn"))
 
     def _model_loss(self, batch: Any) -> torch.Tensor:
         assert self.loss_fn is not None  # require_loss: no step_fn means a loss_fn

@@ -109,6 +109,12 @@ def checked_loss(loss: object, source: str) -> torch.Tensor:
     raise TypeError(f"the loss must be a scalar tensor; {source} returned {got}: {fix}")
 
 
+def widened(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` in float32 at least: a half-precision loss (fp16, bf16) is widened, so that
+    accumulation's ``1/k`` and the reported value keep float32's precision; a float64 loss
+    stays float64 (narrowing it would scale a float64 model's gradients by float32's ``1/k``)."""
+    return loss if loss.dtype == torch.float64 else loss.float()
+
 
 LABEL_OUTSIDE = "A class label is outside the model's"
 """How ``batch_error`` begins its fix for a label past the model's classes (Spark's hint for

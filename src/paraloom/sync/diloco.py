@@ -173,7 +173,8 @@ class DiLoCo(Synchronizer):
       paper's Nesterov SGD (lr 0.7, momentum 0.9) is ``nesterov_outer_optimizer``; on the
       convergence benchmark's short SGD runs it lost 10 or more points (see the README).
     - ``density`` (0.05): the fraction of each pseudo-gradient sent (top-k by magnitude, the
-      rest kept as the residual and sent later); 1.0 sends it whole (one all-reduce in the parameters' dtype).
+      rest kept as the residual and sent later); 1.0 sends it whole (one all-reduce in the
+      parameters' dtype).
     - ``values`` ("int8"): how a sent value travels: "fp32", "fp16", or "int8" (one scale per
       message). Not used with ``density=1.0``.
     - ``fragments`` (1): synchronize the model in this many parts, one part every

@@ -284,6 +284,22 @@ def test_bad_encodings_are_400(client: Client, headers: dict, fragment: str) -> 
     assert_error(client.post(URL, content=b"plain", headers=headers), 400, fragment)
 
 
+_WHOLE = json.dumps(infer_json(torch.rand(1, 1, 8, 8))).encode()
+
+
+@pytest.mark.parametrize(("encoding", "body", "fragment"), [
+    ("gzip", gzip.compress(_WHOLE)[:-8], "cut short"),  # no CRC and length: zlib says nothing
+    ("gzip", gzip.compress(_WHOLE)[: len(_WHOLE) // 4], "cut short"),
+    ("deflate", zlib.compress(_WHOLE)[:-4], "cut short"),  # no Adler-32
+    ("gzip", gzip.compress(_WHOLE) + b"junk", "4 bytes follow"),
+])
+def test_a_cut_or_padded_compressed_body_is_400(client: Client, encoding: str, body: bytes,
+                                                fragment: str) -> None:
+    r = client.post(URL, content=body, headers={"Content-Encoding": encoding})
+    assert_error(r, 400, f"not valid {encoding} data")
+    assert fragment in r.json()["error"]
+
+
 def test_concurrent_clients_share_one_batch(lenet: nn.Module) -> None:
     # A huge max_wait lets only size close the batch: 16 clients must land in one forward pass.
     app = create_app(lenet, name="lenet", workers=1, batch_limit=16, max_wait_ms=60_000)

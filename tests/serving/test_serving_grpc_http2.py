@@ -95,6 +95,8 @@ def test_a_call_gets_its_answer_framed_and_status_ok() -> None:
      "does not decompress"),
     (_frame(gzip.compress(bytes(2 << 20)), True), {b"grpc-encoding": b"gzip"}, "ModelInfer",
      8, "decompresses to over"),
+    (_frame(gzip.compress(REQUEST, mtime=0)[:-8], True), {b"grpc-encoding": b"gzip"},
+     "ModelInfer", 3, "cut short"),
     (_frame(REQUEST), {b"grpc-timeout": b"5 seconds"}, "ModelInfer", 3, "grpc-timeout"),
 ])
 def test_bad_calls_get_a_client_error_status(body: bytes, headers: dict[bytes, bytes],

@@ -9,7 +9,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from paraloom.serving.errors import ClientGoneError, PayloadTooLargeError, ProtocolError
 
-__all__ = ["read_body"]
+__all__ = ["BodyTooLarge", "inflate", "read_body"]
 
 # zlib's wbits: 16+ reads a gzip wrapper, a plain value reads a zlib stream ("deflate" in HTTP).
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -42,15 +42,39 @@ async def _join(chunks: AsyncIterator[bytes], limit: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
-    decoder = zlib.decompressobj(_WBITS[encoding])
+class BodyTooLarge(Exception):
+    """``inflate``: the data decompresses to more than the limit."""
+
+
+def inflate(data: bytes, wbits: int, limit: int) -> bytes:
+    """``data`` decompressed (``wbits`` as zlib takes it: 31 gzip, 15 deflate), never past
+    ``limit`` bytes (``BodyTooLarge``). ``ValueError`` for data that is not one whole stream:
+    corrupt, cut short before its checksum (zlib returns what it inflated without a word),
+    or followed by other bytes. Empty data is an empty body."""
+    if not data:
+        return b""
+    decoder = zlib.decompressobj(wbits)
     try:
         out = decoder.decompress(data, limit + 1)  # stop early: never inflate past the limit
     except zlib.error as e:
-        raise ProtocolError(f"body is not valid {encoding} data: {e}") from e
+        raise ValueError(str(e)) from e
     if len(out) > limit or decoder.unconsumed_tail:
-        raise _too_large(f"more than {limit}", limit, what=f"decompressed {encoding} body")
+        raise BodyTooLarge(f"more than {limit}")
+    if not decoder.eof:
+        raise ValueError("the stream is cut short: it ends before its checksum")
+    if decoder.unused_data:
+        raise ValueError(f"{len(decoder.unused_data)} bytes follow the end of the stream")
     return out
+
+
+def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
+    try:
+        return inflate(data, _WBITS[encoding], limit)
+    except BodyTooLarge:
+        raise _too_large(f"more than {limit}", limit,
+                         what=f"decompressed {encoding} body") from None
+    except ValueError as e:
+        raise ProtocolError(f"body is not valid {encoding} data: {e}") from e
 
 
 def _decoded(data: bytes, content_encoding: str | None, limit: int) -> bytes:

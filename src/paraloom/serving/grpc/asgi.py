@@ -14,7 +14,6 @@ as it is ready (``paraloom.serving.grpc.streaming``), then the trailers when the
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import AsyncIterator
 from urllib.parse import quote
 
@@ -22,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from starlette.types import Receive, Scope, Send
 
+from paraloom.serving.body import BodyTooLarge, inflate
 from paraloom.serving.errors import ServingError, cut_off_by_shutdown
 from paraloom.serving.grpc.messages import SERVICE, Message, method_types
 from paraloom.serving.grpc.service import (
@@ -65,17 +65,15 @@ def _decompress(data: bytes, encoding: bytes, limit: int) -> bytes:
         raise _CallError(grpc.StatusCode.UNIMPLEMENTED,
                          f"message compressed with {encoding.decode('latin-1')!r}; this server "
                          "takes identity, gzip or deflate")
-    inflater = zlib.decompressobj(wbits=31 if encoding == b"gzip" else 15)
     try:
-        out = inflater.decompress(data, limit + 1)
-    except zlib.error as e:
+        return inflate(data, 31 if encoding == b"gzip" else 15, limit)
+    except ValueError as e:
         # The gRPC spec says INTERNAL; it is the client's bad input, never the server's fault.
         raise _CallError(grpc.StatusCode.INVALID_ARGUMENT, f"the {encoding.decode()} message "
                          f"does not decompress: {e}") from e
-    if len(out) > limit:
+    except BodyTooLarge:
         raise _CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the message decompresses to over "
-                         f"{limit} bytes, the server's limit")
-    return out
+                         f"{limit} bytes, the server's limit") from None
 
 
 class GrpcAsgiApp:

@@ -250,9 +250,9 @@ def test_serve_then_reload_on_sighup_then_stop_cleanly(process: tuple[Process, P
     with torch.no_grad():
         np.testing.assert_allclose(second.as_numpy("output"),
                                    v2_model(torch.from_numpy(x)).numpy(), rtol=1e-5, atol=1e-6)
-    # uvicorn re-raises the SIGTERM it caught once shutdown is done, so the exit status says
-    # "terminated by SIGTERM"; what matters is that the app's shutdown ran to its end.
-    assert proc.stop() in (0, -signal.SIGTERM)
+    # A graceful stop is a clean exit: uvicorn raised the SIGTERM again once shutdown was done,
+    # and the process died of it (exit status 143) after every request had been answered.
+    assert proc.stop() == 0
     proc.wait_for("Application shutdown complete")
 
 
@@ -313,7 +313,7 @@ def test_models_dir_with_grpc_port_0_serves_every_model_over_both(tmp_path: Path
             _answers_as(http, th, name, model, x)
         http.close()
     finally:
-        assert running.stop() in (0, -signal.SIGTERM)
+        assert running.stop() == 0
 
 
 def test_a_taken_grpc_port_exits_2_and_stops_the_pool(tmp_path: Path,

@@ -6,10 +6,12 @@ import contextlib
 import gc
 import logging
 import math
+import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -106,6 +108,22 @@ class _Server(uvicorn.Server):
         self.grpc = grpc
         self.freeze_gc = freeze_gc  # see _GC_NOTE
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, except that a SIGTERM is not raised again once the graceful shutdown is
+        done when nobody else handles it: ``serve()`` returns and ``paraloom serve`` exits 0
+        (the default action killed the process at once, exit status 143, and the code after
+        ``serve()`` never ran). A SIGINT is still raised again (``KeyboardInterrupt``), and so is
+        a SIGTERM that the program handles itself."""
+        term_is_default = signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                if term_is_default:
+                    self._captured_signals = [s for s in self._captured_signals
+                                              if s != signal.SIGTERM]
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         try:
             if self.grpc is not None:  # first: a busy gRPC port fails before HTTP answers
@@ -198,7 +216,8 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
     Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting
     connections and waits up to ``graceful_timeout`` s for in-flight requests; then the pool drains.
     ``grpc_port`` (None: off; 0: a free port, printed) also serves the v2 gRPC endpoint on ``host``,
-    with ``grpc_backend`` (see ``GRPC_BACKENDS``).
+    with ``grpc_backend`` (see ``GRPC_BACKENDS``). Returns once a SIGTERM's graceful shutdown
+    is done; after a SIGINT's it raises ``KeyboardInterrupt``.
 
     ``switch_interval`` (default 1 ms) sets ``sys.setswitchinterval`` for this process (None:
     leave Python's 5 ms): the event loop must take the GIL back from the pool's threads on every

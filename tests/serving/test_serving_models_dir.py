@@ -483,6 +483,36 @@ def test_a_version_that_fails_to_load_leaves_the_others_serving(tmp_path: Path) 
             grpc.close()
 
 
+def test_a_new_version_that_fails_to_load_is_listed_with_why_while_the_old_serves(
+        tmp_path: Path) -> None:
+    """Triton lists a version that failed to load as UNAVAILABLE with its reason; here it
+    was missing from the index (only the old version's READY row), so nothing said why."""
+    root = tmp_path / "models"
+    (root / "cnn" / "1").mkdir(parents=True)
+    v1 = _lenet(41)
+    paraloom.save(v1, root / "cnn" / "1" / "model.safetensors")
+    x = np.random.default_rng(5).random((2, 1, 8, 8), dtype=np.float32)
+    with ServerThread(create_repository_app(root, workers=1)) as server:
+        http = _http(server)
+        (root / "cnn" / "2").mkdir()
+        (root / "cnn" / "2" / "model.safetensors").write_bytes(b"half a file")
+        with pytest.raises(InferenceServerException, match="the old version keeps serving"):
+            http.load_model("cnn")
+        rows = [(r["version"], r["state"]) for r in http.get_model_repository_index()]
+        assert rows == [("1", "READY"), ("2", "UNAVAILABLE")]
+        assert "safetensors" in http.get_model_repository_index()[1]["reason"]
+        assert not http.is_model_ready("cnn", "2")
+        np.testing.assert_allclose(_infer(http, th, "cnn", x), _run(v1, x), rtol=1e-5,
+                                   atol=1e-6)
+        v2 = _lenet(42)
+        paraloom.save(v2, root / "cnn" / "2" / "model.safetensors")  # fixed: it loads
+        http.load_model("cnn")
+        assert [(r["version"], r["state"]) for r in http.get_model_repository_index()] == [
+            ("2", "READY")]
+        np.testing.assert_allclose(_infer(http, th, "cnn", x), _run(v2, x), rtol=1e-5,
+                                   atol=1e-6)
+
+
 def test_reading_the_models_directory_holds_no_other_request_up(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """The index and loads read every config on the event loop: with 400 folders each index

@@ -30,6 +30,7 @@ when the server allows handlers; otherwise the model is listed UNAVAILABLE with 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,11 +58,22 @@ from paraloom.serving.signature import ModelSignature, infer_signature
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["Found", "ModelsDir", "Versions"]
+__all__ = ["Found", "ModelsDir", "NoVersionLoads", "Versions"]
 
 _WEIGHTS = "model.safetensors"
 _LABELS_MAX = 16 << 20  # the largest labels file read
 _PICKLES = {".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".joblib", ".npy"}
+
+
+class NoVersionLoads(ValueError):
+    """``build_versions``: not one version the policy picks builds; ``failed`` says why, by
+    version."""
+
+    def __init__(self, failed: Mapping[str, str]) -> None:
+        self.failed = dict(failed)
+        reasons = list(self.failed.values())
+        super().__init__(reasons[0] if len(reasons) == 1 else "no version loads: " + "; ".join(
+            f"version {v}: {r}" for v, r in self.failed.items()))
 
 
 @dataclass(frozen=True)
@@ -263,7 +275,7 @@ class ModelsDir:
     def build_versions(self, found: Found) -> Versions:
         """Every version the policy serves, each in its own pool, latest last; a version that
         fails to build is left out with its reason, as Triton serves the versions that load.
-        ``ValueError`` when none builds."""
+        ``NoVersionLoads`` when none builds; ``ValueError`` for a model the directory refused."""
         if found.path is None:
             raise ValueError(found.error)
         config = found.config or ModelConfig(found.name)
@@ -284,9 +296,7 @@ class ModelsDir:
                 served.pool.close(drain=False)
             raise
         if not built:
-            reasons = list(failed.values())
-            raise ValueError(reasons[0] if len(reasons) == 1 else "no version loads: " + "; "
-                             .join(f"version {v}: {r}" for v, r in failed.items()))
+            raise NoVersionLoads(failed)
         return Versions(built, failed)
 
     def _build_one(self, name: str, path: Path, folder: Path | None, version: int,

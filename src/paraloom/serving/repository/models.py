@@ -25,7 +25,7 @@ from paraloom.serving.errors import (
     listed,
     short_repr,
 )
-from paraloom.serving.repository.directory import Found, Versions
+from paraloom.serving.repository.directory import Found, NoVersionLoads, Versions
 from paraloom.serving.repository.files import check_load_parameters
 from paraloom.serving.served import ServedModel
 
@@ -285,6 +285,10 @@ class ModelRepository:
                 kept = entry is not None and entry.served is not None
                 if not kept:
                     self.fail(name, str(e))
+                elif isinstance(e, NoVersionLoads) and entry is not None:
+                    # The index lists the new versions as UNAVAILABLE, with why, as Triton does.
+                    serving = {s.version for s in entry.every()}
+                    entry.failed.update({v: r for v, r in e.failed.items() if v not in serving})
                 raise ProtocolError(f"model {name!r} could not be loaded: {e}"
                                     + ("; the old version keeps serving" if kept else "")) from e
         elif entry is not None and entry.rebuild is not None and entry.last is not None:

@@ -9,6 +9,7 @@ new model (or get 404 once it is unloaded).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -36,7 +37,9 @@ if TYPE_CHECKING:
 __all__ = ["IndexEntry", "ModelRepository"]
 
 _log = logging.getLogger("paraloom.serving")
-_RETIRE_TIMEOUT = 30.0  # the longest an unloaded model's in-flight requests may take to finish
+# The least time a replaced or unloaded version's admitted requests get to finish: a short
+# --graceful-timeout bounds the server's stop, not a reload (it cut queued requests off, 503).
+_RETIRE_TIMEOUT = 30.0
 _UNLOADED = "unloaded"  # the reason an unloaded model gives
 UNKNOWN = "unknown"  # the metrics label of requests for models the server does not have
 
@@ -71,7 +74,8 @@ class ModelRepository:
     def __init__(self, source: ModelsDir | None = None) -> None:
         self.source = source
         self._entries: dict[str, _Entry] = {}
-        self._lock: asyncio.Lock | None = None  # made on the event loop, at the first load
+        self._locks: dict[str, asyncio.Lock] = {}  # per model, made on the event loop
+        self._retiring: dict[ServedModel, asyncio.Task[None]] = {}  # draining, replaced
         self.draining = False
         self.close_deadline: float | None = None
         self.close_timeout: float | None = None
@@ -221,10 +225,10 @@ class ModelRepository:
             raise UnavailableError("the server is shutting down: no loads or unloads",
                                    reason="shutting_down")
 
-    def _guard(self) -> asyncio.Lock:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
+    def _guard(self, name: str) -> asyncio.Lock:
+        """One load or unload of ``name`` at a time; other models' go on meanwhile (one lock
+        for all held every load behind another model's drain)."""
+        return self._locks.setdefault(name, asyncio.Lock())
 
     async def load(self, name: str, parameters: Mapping[str, object], *, trusted: bool = False
                    ) -> str:
@@ -235,22 +239,24 @@ class ModelRepository:
         changes apply) and replaces the old one, whose in-flight requests finish on it.
         ``trusted``: asked by the operator (SIGHUP), not a client; ``refuse_loads`` does not apply.
         """
-        async with self._guard():  # one load or unload at a time
-            self._check_open(trusted)
-            entry = self._entries.get(name)
-            current = entry.served if entry is not None else None
-            if current is not None and (self.source is None or "path" in parameters):
-                return await current.load(parameters)
-            built = await self._build(name, entry, parameters)
-            *older, new = built.served
-            self._entries[name] = self._entry(new, entry.rebuild if entry else None, older,
-                                              built.failed)
-            if entry is not None:
-                for old in entry.every():
-                    await self._retire(old)
-            if "path" in parameters:
-                return await new.load(parameters)
-            return new.version
+        replaced: list[ServedModel] = []
+        try:
+            async with self._guard(name):
+                self._check_open(trusted)
+                entry = self._entries.get(name)
+                current = entry.served if entry is not None else None
+                if current is not None and (self.source is None or "path" in parameters):
+                    return await current.load(parameters)
+                built = await self._build(name, entry, parameters)
+                *older, new = built.served
+                self._entries[name] = self._entry(new, entry.rebuild if entry else None, older,
+                                                  built.failed)
+                replaced = entry.every() if entry is not None else []
+                if "path" in parameters:
+                    return await new.load(parameters)
+                return new.version
+        finally:  # the new version serves; the old ones finish what they took, off the lock
+            await self._retire(replaced)
 
     async def reload(self) -> dict[str, str]:
         """Reload every model, as the operator's SIGHUP asks: the served file again, or each
@@ -304,7 +310,7 @@ class ModelRepository:
 
     async def unload(self, name: str) -> None:
         """Stop serving ``name``; its in-flight requests finish first (bounded)."""
-        async with self._guard():
+        async with self._guard(name):
             self._check_open()
             entry = self._entries.get(name)
             if entry is None:
@@ -313,14 +319,29 @@ class ModelRepository:
             retired = entry.every()
             entry.served, entry.older, entry.reason, entry.failed = None, {}, _UNLOADED, {}
             entry.unloaded = [s.version for s in retired]
-            for served in retired:
-                await self._retire(served)
-            if retired:
-                _log.info("model %r unloaded", name)
+        await self._retire(retired)
+        if retired:
+            _log.info("model %r unloaded", name)
 
-    async def _retire(self, served: ServedModel) -> None:
-        timeout = self.close_timeout if self.close_timeout is not None else _RETIRE_TIMEOUT
-        await served.close(timeout=timeout)
+    async def _retire(self, models: list[ServedModel]) -> None:
+        """Close ``models`` (out of the lookup table already): their admitted requests finish
+        first, for at least ``_RETIRE_TIMEOUT`` s. The caller waits for it, but a caller that is
+        cancelled (a client gone) leaves it running, and ``close()`` cuts it to its deadline."""
+        timeout = max(self.close_timeout or 0.0, _RETIRE_TIMEOUT)
+        tasks = []
+        for served in models:
+            task = asyncio.ensure_future(served.close(timeout=timeout))
+            self._retiring[served] = task
+            task.add_done_callback(functools.partial(self._retired, served))
+            tasks.append(task)
+        if tasks:
+            await asyncio.shield(asyncio.gather(*tasks))
+
+    def _retired(self, served: ServedModel, task: asyncio.Task[None]) -> None:
+        self._retiring.pop(served, None)
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("closing a version of model %r failed: %s", served.name,
+                       task.exception())
 
     def stop_taking_requests(self) -> None:
         """Not ready, and every new request refused (503); those admitted still run."""
@@ -332,7 +353,7 @@ class ModelRepository:
         """Stop taking requests; drain every pool the server owns (until ``close_deadline``,
         a ``time.monotonic()`` the server's shutdown set, if any)."""
         self.stop_taking_requests()
-        models = self.every()
+        models = [*self.every(), *self._retiring]  # a replaced version still draining too
         left = None if self.close_deadline is None else \
             max(0.0, self.close_deadline - time.monotonic())
         await asyncio.gather(*(s.close(left) for s in models))

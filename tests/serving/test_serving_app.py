@@ -390,6 +390,27 @@ def test_unload_then_load_serves_the_model_again_in_a_new_pool(app: Starlette,
     torch.testing.assert_close(outputs_of(client.post(URL, json=infer_json(x))), before)
 
 
+def test_pool_counters_keep_counting_across_an_unload_and_a_load(client: Client) -> None:
+    """They followed the latest pool: a load served a new one and every counter fell to 0."""
+    def counts() -> dict[str, float]:
+        text = client.get("/metrics").text
+        wanted = ("paraloom_pool_rows_total", "paraloom_pool_requests_total",
+                  "paraloom_batch_size_count")
+        return {key: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                for key in wanted if line.startswith(key + '{model="lenet"}')}
+
+    assert client.post(URL, json=infer_json(torch.rand(3, 1, 8, 8))).status_code == 200
+    first = {"paraloom_pool_rows_total": 3.0, "paraloom_pool_requests_total": 1.0,
+             "paraloom_batch_size_count": 1.0}
+    assert counts() == first
+    assert client.post("/v2/repository/models/lenet/unload").status_code == 200
+    assert counts() == first  # unloaded: its pool is closed, its counts kept
+    assert client.post("/v2/repository/models/lenet/load").status_code == 200
+    assert client.post(URL, json=infer_json(torch.rand(2, 1, 8, 8))).status_code == 200
+    assert counts() == {"paraloom_pool_rows_total": 5.0, "paraloom_pool_requests_total": 2.0,
+                        "paraloom_batch_size_count": 2.0}  # the new pool's counts on top
+
+
 def test_the_model_version_metric_is_the_version_served(client: Client) -> None:
     assert 'paraloom_model_version{model="lenet"} 1.0' in client.get("/metrics").text
     assert client.post("/v2/repository/models/lenet/unload").status_code == 200

@@ -128,6 +128,14 @@ def test_metrics_carry_each_model_label(server: ServerThread) -> None:
     assert 'paraloom_inference_requests_total{model="tabular"} 1.0' in text
     assert 'paraloom_pool_rows_total{model="tabular"} 3.0' in text
     assert 'paraloom_pool_rows_total{model="cnn"} 0.0' in text
+    # A load serves the model in a new pool; its counters go on from the old pool's.
+    http.load_model("tabular")
+    _infer(http, th, "tabular", np.zeros((2, 6), dtype=np.float32))
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=WAIT_S) as r:
+        text = r.read().decode()
+    assert 'paraloom_pool_rows_total{model="tabular"} 5.0' in text, text
+    assert 'paraloom_pool_requests_total{model="tabular"} 2.0' in text
+    assert 'paraloom_model_version{model="tabular"} 2.0' in text
 
 
 def test_unload_and_load_over_grpc_and_http(server: ServerThread, models_dir: dict) -> None:

@@ -200,7 +200,8 @@ def settle_shared_memory(app: Starlette, host: str, processes: int = 1) -> None:
 def _app(repository: ModelRepository, max_body_bytes: int, shared_memory: bool | None
          ) -> Starlette:
     app_metrics = ServingMetrics()
-    app_metrics.watch(repository.pools, repository.versions)
+    app_metrics.watch(repository.served_pools)
+    repository.on_pool_closed.append(app_metrics.retired)
     # "auto" (None) stays off until settle_shared_memory sees where the app is served.
 
     @contextlib.asynccontextmanager

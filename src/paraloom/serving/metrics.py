@@ -6,8 +6,9 @@ or one test after another, never see each other's counts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Literal
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -22,7 +23,11 @@ if TYPE_CHECKING:
     from paraloom.inference.parallel import ParallelInference
     from paraloom.inference.stats import InferenceStats, Percentiles
 
-__all__ = ["CONTENT_TYPE_LATEST", "PoolCollector", "ServingMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "PoolCollector", "Served", "ServingMetrics"]
+
+_K = TypeVar("_K")
+Served = tuple["ParallelInference", int]
+"""A pool serving a model, and the version it serves."""
 
 # Latencies of a CPU model served over HTTP run from ~100 us to seconds.
 _SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -68,12 +73,19 @@ class ServingMetrics:
         """Record the server-side latency of one answered request."""
         self.latency.labels(model).observe(seconds)
 
-    def watch(self, pools: Callable[[], Mapping[str, ParallelInference]],
-              versions: Callable[[], Mapping[str, int]] | None = None) -> None:
-        """Export each pool's ``stats()`` (queue and forward time, batch sizes, ...) at each
-        scrape; ``pools()`` gives the pools serving then, by model name, and ``versions()`` the
-        version each serves (default: the pool's ``model_version``)."""
-        self.registry.register(PoolCollector(pools, versions))
+    def watch(self, pools: Callable[[], Mapping[str, Sequence[Served]]]) -> None:
+        """Export the pools' ``stats()`` (queue and forward time, batch sizes, ...) at each
+        scrape; ``pools()`` gives, by model name, each version served then as (pool, version),
+        latest last. Call ``retired`` with a pool the server closed, so that its model's
+        counters keep counting what it did."""
+        self._pools = PoolCollector(pools)
+        self.registry.register(self._pools)
+
+    def retired(self, model: str, pool: ParallelInference) -> None:
+        """Carry ``pool``'s counts (closed: a replaced or unloaded version) into ``model``'s
+        counters, so that they never go down when a load serves a new pool."""
+        if hasattr(self, "_pools"):
+            self._pools.retired(model, pool.stats())
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
@@ -81,32 +93,47 @@ class ServingMetrics:
 
 
 class PoolCollector:
-    """Reads the serving pools' ``stats()`` when Prometheus scrapes, and exports them."""
+    """Reads the serving pools' ``stats()`` when Prometheus scrapes, and exports them by model:
+    counters summed over every pool that has served the model (the closed ones' carried), the
+    recent timings of its latest version's pool, the queue of all its pools."""
 
-    def __init__(self, pools: Callable[[], Mapping[str, ParallelInference]],
-                 versions: Callable[[], Mapping[str, int]] | None = None) -> None:
+    def __init__(self, pools: Callable[[], Mapping[str, Sequence[Served]]]) -> None:
         self.pools = pools
-        self.versions = versions
+        self._carried: dict[str, InferenceStats] = {}  # closed pools' counts, by model
+        self._lock = threading.Lock()  # retired() runs on the event loop, collect() anywhere
 
     def describe(self) -> list[Metric]:
         """Nothing up front: the registry must not call ``stats()`` when this is registered."""
         return []
 
+    def retired(self, model: str, stats: InferenceStats) -> None:
+        """Add a closed pool's final ``stats`` to ``model``'s carried counts."""
+        with self._lock:
+            carried = self._carried.get(model)
+            self._carried[model] = stats if carried is None else _summed(carried, stats)
+
     def collect(self) -> Iterator[Metric]:
         """The metric families, one sample per model, from one ``stats()`` call per pool."""
-        stats = {m: p.stats() for m, p in self.pools().items()}
-        if self.versions is not None:  # a pool counts from 1; the server's versions may not
-            served = self.versions()
-            stats = {m: _with_version(s, served.get(m, s.get("model_version", 0)))
-                     for m, s in stats.items()}
-        yield from self._counters(stats)
-        yield self._batch_sizes(stats)
-        yield self._timing(stats, "queue_time_ms", "queue", "Time requests waited in the queue")
-        yield self._timing(stats, "forward_time_ms", "forward",
+        served = self.pools()
+        with self._lock:
+            carried = dict(self._carried)
+        totals: dict[str, InferenceStats] = dict(carried)
+        latest: dict[str, InferenceStats] = {}  # the gauges: the latest version's pool
+        for model, versions in served.items():
+            for pool, version in versions:
+                stats = pool.stats()
+                totals[model] = stats if model not in totals else _summed(totals[model], stats)
+                queued = latest[model]["queued"] if model in latest else 0
+                latest[model] = {**stats, "model_version": version,
+                                 "queued": queued + stats.get("queued", 0)}
+        yield from self._counters(totals)
+        yield self._batch_sizes(totals)
+        yield self._timing(latest, "queue_time_ms", "queue", "Time requests waited in the queue")
+        yield self._timing(latest, "forward_time_ms", "forward",
                            "Time of each batched forward pass")
         for key, name, help_text in _GAUGES:
             gauge = GaugeMetricFamily(f"paraloom_{name}", help_text, labels=["model"])
-            for model, s in stats.items():
+            for model, s in latest.items():
                 gauge.add_metric([model], float(s.get(key, 0)))
             yield gauge
 
@@ -153,8 +180,16 @@ class PoolCollector:
         return family
 
 
-def _with_version(stats: InferenceStats, version: int) -> InferenceStats:
-    """A copy of a pool's stats with ``model_version`` the version the server serves."""
-    copied = stats.copy()
-    copied["model_version"] = version
-    return copied
+def _summed(a: InferenceStats, b: InferenceStats) -> InferenceStats:
+    """``a`` with ``b``'s counters, rejections and batch sizes added."""
+    out = a.copy()
+    for key, _ in _COUNTERS:
+        out[key] = a.get(key, 0) + b.get(key, 0)
+    out["rejections"] = _added(a.get("rejections", {}), b.get("rejections", {}))
+    out["batch_size_histogram"] = _added(a.get("batch_size_histogram", {}),
+                                         b.get("batch_size_histogram", {}))
+    return out
+
+
+def _added(a: Mapping[_K, int], b: Mapping[_K, int]) -> dict[_K, int]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}

@@ -81,6 +81,8 @@ class ModelRepository:
         self.close_timeout: float | None = None
         # Set in each process of ``--processes N``: API loads and unloads are refused with it.
         self.refuse_loads: str | None = None
+        # Called with (name, pool) once a replaced or unloaded version's own pool is closed.
+        self.on_pool_closed: list[Callable[[str, ParallelInference], None]] = []
 
     def add(self, served: ServedModel,
             rebuild: Callable[[ServedModel], ServedModel] | None = None,
@@ -158,19 +160,20 @@ class ModelRepository:
         return [s for e in self._entries.values() for s in e.every()]
 
     def pools(self) -> dict[str, ParallelInference]:
-        """The pools serving now, for metrics: the latest version's by model name, other
-        versions' as ``name/version``."""
+        """The pools serving now: the latest version's by model name, other versions' as
+        ``name/version``."""
         pools = {n: s.pool for n, s in self.models().items()}
         for name, entry in self._entries.items():
             pools.update({f"{name}/{v}": s.pool for v, s in entry.older.items()})
         return pools
 
-    def versions(self) -> dict[str, int]:
-        """The version each of ``pools()`` serves, under the same names."""
-        versions = {n: int(s.version) for n, s in self.models().items()}
-        for name, entry in self._entries.items():
-            versions.update({f"{name}/{v}": int(v) for v in entry.older})
-        return versions
+    def served_pools(self) -> dict[str, list[tuple[ParallelInference, int]]]:
+        """Every pool serving now and its version, by model name, latest last (for metrics):
+        a replaced or unloaded version's pool until it is closed (``on_pool_closed``) too."""
+        pools: dict[str, list[tuple[ParallelInference, int]]] = {}
+        for served in [*self._retiring, *self.every()]:
+            pools.setdefault(served.name, []).append((served.pool, int(served.version)))
+        return pools
 
     @property
     def ready(self) -> bool:
@@ -339,6 +342,9 @@ class ModelRepository:
 
     def _retired(self, served: ServedModel, task: asyncio.Task[None]) -> None:
         self._retiring.pop(served, None)
+        if served.owns_pool:  # a caller's pool stays open: it may serve again and count on
+            for hook in self.on_pool_closed:
+                hook(served.name, served.pool)
         if not task.cancelled() and task.exception() is not None:
             _log.error("closing a version of model %r failed: %s", served.name,
                        task.exception())

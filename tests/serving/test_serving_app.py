@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import threading
 import zlib
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -683,38 +685,50 @@ def test_inplace_answers_503_past_workers_plus_queue_limit() -> None:
         closing(app)
 
 
-def test_inplace_unload_lets_the_requests_waiting_for_a_replica_finish() -> None:
+@contextlib.contextmanager
+def gated_lenet(**pool_options: Any) -> Iterator[tuple[Gate, Starlette, Client]]:
+    """A LeNet app whose forward passes wait at the gate (opened, and all closed, at the end)."""
     gate = Gate()
-    app = create_app(GatedLeNet(gate), name="lenet", inference_mode="inplace", workers=1,
-                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
-    served = app.state.served
+    app = create_app(GatedLeNet(gate), name="lenet", workers=1,
+                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))], **pool_options)
     client = Client(app)
-    x = torch.rand(1, 1, 8, 8)
-
-    async def unload_under_load() -> tuple[list[httpx.Response], httpx.Response]:
-        gate.close()
-        tasks = [asyncio.create_task(client.http.post(URL, json=infer_json(x)))
-                 for _ in range(3)]  # one runs on the only replica, two wait for it
-        assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
-        while served._inplace_now < 3:
-            await asyncio.sleep(0.01)
-        unload = asyncio.create_task(client.http.post("/v2/repository/models/lenet/unload"))
-        await asyncio.sleep(0.2)
-        assert not unload.done()  # draining: the unload waits for the requests in flight
-        gate.open()
-        return list(await asyncio.gather(*tasks)), await unload
-
     try:
+        yield gate, app, client
+    finally:
+        gate.open()
+        client.close()
+        closing(app)
+
+
+async def _admitted(served: Any, count: int) -> None:
+    while served._admitted + served._inplace_now < count:
+        await asyncio.sleep(0.01)
+
+
+def test_inplace_unload_lets_the_requests_waiting_for_a_replica_finish() -> None:
+    x = torch.rand(1, 1, 8, 8)
+    with gated_lenet(inference_mode="inplace") as (gate, app, client):
+        served = app.state.served
+
+        async def unload_under_load() -> tuple[list[httpx.Response], httpx.Response]:
+            gate.close()
+            tasks = [asyncio.create_task(client.http.post(URL, json=infer_json(x)))
+                     for _ in range(3)]  # one runs on the only replica, two wait for it
+            assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
+            while served._inplace_now < 3:
+                await asyncio.sleep(0.01)
+            unload = asyncio.create_task(client.http.post("/v2/repository/models/lenet/unload"))
+            await asyncio.sleep(0.2)
+            assert not unload.done()  # draining: the unload waits for the requests in flight
+            gate.open()
+            return list(await asyncio.gather(*tasks)), await unload
+
         answered, unloaded = client.run(unload_under_load())
         assert unloaded.status_code == 200, unloaded.text
         for r in answered:
             assert r.status_code == 200, r.text
             torch.testing.assert_close(outputs_of(r), expected(GatedLeNet(Gate()).net, x))
         assert served.pool.closed
-    finally:
-        gate.open()
-        client.close()
-        closing(app)
 
 
 def test_an_unload_answers_what_was_queued_though_the_graceful_timeout_is_short() -> None:
@@ -723,108 +737,84 @@ def test_an_unload_answers_what_was_queued_though_the_graceful_timeout_is_short(
     (timeout=0.0) ran out of time'."""
     from paraloom.serving.server import _config
 
-    gate = Gate()
-    app = create_app(GatedLeNet(gate), name="lenet", workers=1, batch_limit=1,
-                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
-    _config(app, log_level="warning", access_log=False, graceful_timeout=0.05)
-    served = app.state.served
-    client = Client(app)
     x = torch.rand(1, 1, 8, 8)
+    with gated_lenet(batch_limit=1) as (gate, app, client):
+        _config(app, log_level="warning", access_log=False, graceful_timeout=0.05)
+        served = app.state.served
 
-    async def unload_under_load() -> tuple[list[httpx.Response], httpx.Response]:
-        gate.close()
-        tasks = [asyncio.create_task(client.http.post(URL, json=infer_json(x)))
-                 for _ in range(4)]  # one in the model, three queued
-        assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
-        while served._admitted < 4:
-            await asyncio.sleep(0.01)
-        unload = asyncio.create_task(client.http.post("/v2/repository/models/lenet/unload"))
-        await asyncio.sleep(0.3)  # six graceful timeouts
-        gate.open()
-        return list(await asyncio.gather(*tasks)), await unload
+        async def unload_under_load() -> tuple[list[httpx.Response], httpx.Response]:
+            gate.close()
+            tasks = [asyncio.create_task(client.http.post(URL, json=infer_json(x)))
+                     for _ in range(4)]  # one in the model, three queued
+            assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
+            await _admitted(served, 4)
+            unload = asyncio.create_task(client.http.post("/v2/repository/models/lenet/unload"))
+            await asyncio.sleep(0.3)  # six graceful timeouts
+            gate.open()
+            return list(await asyncio.gather(*tasks)), await unload
 
-    try:
         answered, unloaded = client.run(unload_under_load())
         assert unloaded.status_code == 200, unloaded.text
         assert [r.status_code for r in answered] == [200] * 4, [r.text for r in answered]
         for r in answered:
             torch.testing.assert_close(outputs_of(r), expected(GatedLeNet(Gate()).net, x))
         assert served.pool.closed
-    finally:
-        gate.open()
-        client.close()
-        closing(app)
 
 
 @pytest.mark.filterwarnings("ignore:close\\(\\).*still running a batch")
 def test_the_servers_stop_cuts_a_draining_unload_to_its_deadline() -> None:
     import time
 
-    gate = Gate()
-    app = create_app(GatedLeNet(gate), name="lenet", workers=1, batch_limit=1,
-                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
-    served, repository = app.state.served, app.state.repository
-    client = Client(app)
+    with gated_lenet(batch_limit=1) as (gate, app, client):
+        served, repository = app.state.served, app.state.repository
 
-    async def stop_while_unloading() -> tuple[list[int], httpx.Response]:
-        gate.close()
-        tasks = [asyncio.create_task(client.http.post(URL, json=infer_json(
-            torch.rand(1, 1, 8, 8)))) for _ in range(3)]
-        assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
-        while served._admitted < 3:
-            await asyncio.sleep(0.01)
-        unload = asyncio.create_task(client.http.post("/v2/repository/models/lenet/unload"))
-        while not served.draining:
-            await asyncio.sleep(0.01)
-        repository.close_deadline = time.monotonic() + 0.1
-        await repository.close()  # the server's stop: it returns though the model hangs
-        gate.open()
-        return [r.status_code for r in await asyncio.gather(*tasks)], await unload
+        async def stop_while_unloading() -> tuple[list[int], httpx.Response]:
+            gate.close()
+            tasks = [asyncio.create_task(client.http.post(URL, json=infer_json(
+                torch.rand(1, 1, 8, 8)))) for _ in range(3)]
+            assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
+            await _admitted(served, 3)
+            unload = asyncio.create_task(client.http.post("/v2/repository/models/lenet/unload"))
+            while not served.draining:
+                await asyncio.sleep(0.01)
+            repository.close_deadline = time.monotonic() + 0.1
+            await repository.close()  # the server's stop: it returns though the model hangs
+            gate.open()
+            return [r.status_code for r in await asyncio.gather(*tasks)], await unload
 
-    try:
         codes, unloaded = client.run(stop_while_unloading())
         assert sorted(codes) == [200, 503, 503] and unloaded.status_code == 200
         assert served.pool.closed
-    finally:
-        gate.open()
-        client.close()
-        closing(app)
 
 
 def test_one_models_drain_holds_no_other_models_unload_up() -> None:
-    gate = Gate()
-    app = create_app(GatedLeNet(gate), name="slow", workers=1,
-                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
     other = create_app(nn.Linear(4, 2), name="quick", workers=1)
-    repository = app.state.repository
-    repository.add(other.state.served)
-    client = Client(app)
+    with gated_lenet() as (gate, app, client):
+        repository = app.state.repository
+        repository.add(other.state.served)
 
-    async def unload_both() -> tuple[bool, httpx.Response, httpx.Response]:
-        gate.close()
-        held = asyncio.create_task(client.http.post(
-            "/v2/models/slow/infer", json=infer_json(torch.rand(1, 1, 8, 8))))
-        assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
-        slow = asyncio.create_task(client.http.post("/v2/repository/models/slow/unload"))
-        while "slow" in repository.models():
-            await asyncio.sleep(0.01)
-        quick = asyncio.create_task(client.http.post("/v2/repository/models/quick/unload"))
-        done, _ = await asyncio.wait({quick}, timeout=5.0)  # it waited for the gate: 30 s
-        slow_was_draining = not slow.done()
-        gate.open()
-        assert (await held).status_code == 200
-        return slow_was_draining and quick in done, await slow, await quick
+        async def unload_both() -> tuple[bool, httpx.Response, httpx.Response]:
+            gate.close()
+            held = asyncio.create_task(client.http.post(
+                "/v2/models/lenet/infer", json=infer_json(torch.rand(1, 1, 8, 8))))
+            assert await asyncio.to_thread(gate.entered.wait, WAIT_S)
+            slow = asyncio.create_task(client.http.post("/v2/repository/models/lenet/unload"))
+            while "lenet" in repository.models():
+                await asyncio.sleep(0.01)
+            quick = asyncio.create_task(client.http.post("/v2/repository/models/quick/unload"))
+            done, _ = await asyncio.wait({quick}, timeout=5.0)  # it waited for the gate: 30 s
+            slow_was_draining = not slow.done()
+            gate.open()
+            assert (await held).status_code == 200
+            return slow_was_draining and quick in done, await slow, await quick
 
-    try:
-        quick_went_first, slow, quick = client.run(unload_both())
+        try:
+            quick_went_first, slow, quick = client.run(unload_both())
+        finally:
+            closing(other)
         assert quick_went_first, "the quick model's unload waited for the slow one's drain"
         assert (slow.status_code, quick.status_code) == (200, 200), (slow.text, quick.text)
         assert other.state.served.pool.closed and app.state.served.pool.closed
-    finally:
-        gate.open()
-        client.close()
-        closing(app)
-        closing(other)
 
 
 @pytest.mark.filterwarnings("ignore:close\\(\\).*still running a batch")
@@ -832,14 +822,10 @@ def test_shutdown_drains_the_pool_only_for_the_graceful_timeout() -> None:
     from paraloom.inference import InferenceClosedError
     from paraloom.serving.server import _config
 
-    gate = Gate()
-    app = create_app(GatedLeNet(gate), name="lenet", workers=1, batch_limit=1,
-                     inputs=[TensorSpec("input", "FP32", (-1, 1, 8, 8))])
-    served, pool = app.state.served, app.state.served.pool
-    _config(app, log_level="warning", access_log=False, graceful_timeout=0.05)
-    assert served.close_timeout == 0.05
-    client = Client(app)
-    try:
+    with gated_lenet(batch_limit=1) as (gate, app, client):
+        served, pool = app.state.served, app.state.served.pool
+        _config(app, log_level="warning", access_log=False, graceful_timeout=0.05)
+        assert served.close_timeout == 0.05
         gate.close()
         held = pool.submit(torch.zeros(1, 1, 8, 8))
         assert gate.entered.wait(WAIT_S)                    # the only worker is held
@@ -849,10 +835,6 @@ def test_shutdown_drains_the_pool_only_for_the_graceful_timeout() -> None:
             queued.result(WAIT_S)
         gate.open()
         assert held.result(WAIT_S).shape == (1, 10)
-    finally:
-        gate.open()
-        client.close()
-        closing(app)
 
 
 class ExitsOnNegative(nn.Linear):

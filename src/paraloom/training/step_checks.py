@@ -11,11 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraloom._warnings import warn
 from paraloom.data import describe, iter_tensors
 from paraloom.forward import LossFn
 
 __all__ = ["LABEL_OUTSIDE", "BatchError", "NonFiniteLossError", "StepFn", "batch_error",
-           "check_fit", "checked_loss", "raise_if_dtype_differs", "require_loss"]
+           "check_fit", "checked_loss", "raise_if_dtype_differs", "refuse_one_shot",
+           "require_loss", "warn_if_trained"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 """``step_fn(model, batch) -> loss``: the user's own forward and loss."""
@@ -173,3 +175,21 @@ def raise_if_dtype_differs(parameters: Iterable[torch.Tensor], inputs: Any,
             raise TypeError(f"the inputs are {_dtype_name(t.dtype)} but the model's "
                             f"parameters are {_dtype_name(want)}: convert the data "
                             f"(x{_conversion(want)}, e.g. in the Dataset)") from failure
+
+
+def refuse_one_shot(kind: str, epochs: int) -> None:
+    """A one-shot iterator (a generator) gives one epoch: refuse more before workers start."""
+    if epochs > 1:
+        raise ValueError(f"data is a one-shot {kind}, which yields its batches once, but "
+                         f"fit() asks for {epochs} epochs: pass a re-iterable source (a "
+                         "DataLoader or a list), or epochs=1")
+
+
+def warn_if_trained(done: int, epochs: int) -> None:
+    """Warn when a resumed checkpoint has trained ``done`` whole epochs, every epoch that
+    fit(epochs=...) asks for: the fit then trains nothing."""
+    if done >= epochs:
+        warn(f"resume_from's checkpoint is of {done} whole epochs, as many as "
+             f"fit(epochs={epochs}) asks for or more: nothing is left to train, and the "
+             "model gets the checkpoint's state; epochs counts every epoch, those "
+             f"before the checkpoint too (fit(epochs={done + 1}) trains one more)")

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from paraloom._warnings import warn
 from paraloom.data import as_data_source
 from paraloom.devices import DeviceSpec, training_devices
 from paraloom.errors import FitInterrupted, WorkerError
@@ -49,7 +48,7 @@ from paraloom.training.replica import StepFn, require_loss
 from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
 from paraloom.training.schedules import check_scheduler_factory
-from paraloom.training.step_checks import check_fit
+from paraloom.training.step_checks import check_fit, refuse_one_shot, warn_if_trained
 from paraloom.training.tracker import FitStats, RoundTracker
 
 if TYPE_CHECKING:
@@ -291,15 +290,8 @@ class ParallelWrapper:
         ``FileNotFoundError`` for a missing ``resume_from``; ``RuntimeError`` for a ``fit()``
         called while one runs; ``FitInterrupted`` as above.
         """
-        check_fit(self.model, epochs, initial_epoch, resume_from)
-        one_shot = isinstance(data, Iterator)  # iter(data) is data: one pass, then empty
-        kind = type(data).__name__
-        data = as_data_source(data, batch_size, shuffle)
-        self._epoch_batches = total_batches(data, 1)
-        start = self._start_position(resume_from, initial_epoch)
-        _warn_if_trained(start.epoch + start.epoch_done(self._epoch_batches), epochs)
-        if one_shot:
-            _refuse_one_shot(kind, epochs - start.epoch)
+        data, start = self._checked(data, epochs, batch_size, shuffle, resume_from,
+                                    initial_epoch)
         pool = self._ensure_pool()
         run = self._run = self._new_run(data, epochs, start, pool)
         if self._fit_guard.closing:  # close() came from another thread as the fit started
@@ -328,6 +320,21 @@ class ParallelWrapper:
         if interrupted():
             raise FitInterrupted(tracker.iteration)
         return self.stats()
+
+    def _checked(self, data: Any, epochs: int, batch_size: int | None, shuffle: bool,
+                 resume_from: str | Path | None, initial_epoch: int
+                 ) -> tuple[Iterable[Any], Start]:
+        """``fit``'s arguments checked: the data source, and where the fit starts."""
+        check_fit(self.model, epochs, initial_epoch, resume_from)
+        one_shot = isinstance(data, Iterator)  # iter(data) is data: one pass, then empty
+        kind = type(data).__name__
+        source = as_data_source(data, batch_size, shuffle)
+        self._epoch_batches = total_batches(source, 1)
+        start = self._start_position(resume_from, initial_epoch)
+        warn_if_trained(start.epoch + start.epoch_done(self._epoch_batches), epochs)
+        if one_shot:
+            refuse_one_shot(kind, epochs - start.epoch)
+        return source, start
 
     def _take(self, result: ReplicaResult, run: FitRun, pool: Pool) -> None:
         """The trained state into the user's model: all of it, or none (a Ctrl-C meanwhile
@@ -474,20 +481,3 @@ def _synchronizer(training_mode: str | TrainingMode | Synchronizer | None,
                         "sharing=SharingRecipe(preset=...)")
     return build_synchronizer("shared_gradients", recipe=sharing, **options)
 
-
-def _refuse_one_shot(kind: str, epochs: int) -> None:
-    """A one-shot iterator (a generator) gives one epoch: refuse more before workers start."""
-    if epochs > 1:
-        raise ValueError(f"data is a one-shot {kind}, which yields its batches once, but "
-                         f"fit() asks for {epochs} epochs: pass a re-iterable source (a "
-                         "DataLoader or a list), or epochs=1")
-
-
-def _warn_if_trained(done: int, epochs: int) -> None:
-    """Warn when a resumed checkpoint has trained ``done`` whole epochs, every epoch that
-    fit(epochs=...) asks for: the fit then trains nothing."""
-    if done >= epochs:
-        warn(f"resume_from's checkpoint is of {done} whole epochs, as many as "
-             f"fit(epochs={epochs}) asks for or more: nothing is left to train, and the "
-             "model gets the checkpoint's state; epochs counts every epoch, those "
-             f"before the checkpoint too (fit(epochs={done + 1}) trains one more)")

@@ -228,6 +228,23 @@ def test_saving_a_model_that_cannot_rebuild_itself_warns(tmp_path):
     assert model[0].in_features == 2
 
 
+def test_cli_trains_with_diloco_and_refuses_another_modes_option(tmp_path, capsys):
+    """--mode had no diloco (spark-train had it); --averaging-frequency with another mode was
+    ignored without a word."""
+    out = tmp_path / "lenet.safetensors"
+    assert main(["train", "--mode", "diloco", "--sync-every", "10", "--workers", "2",
+                 "--epochs", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "diloco" in printed and float(printed.split("test accuracy ")[1].split()[0]) >= 0.85
+    for argv, message in ((["--mode", "allreduce", "--sync-every", "5"],
+                           "--sync-every is an option of --mode diloco"),
+                          (["--mode", "diloco", "--averaging-frequency", "5"],
+                           "--averaging-frequency is an option of --mode averaging")):
+        with pytest.raises(SystemExit) as exited:
+            main(["train", "--epochs", "1", *argv])
+        assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_cli_refuses_bad_hyperparameters_and_reports_a_mismatch_without_a_traceback(
         tmp_path, capsys):
     for flag, value in (("--lr", "nan"), ("--momentum", "2")):

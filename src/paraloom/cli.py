@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.data import DataLoader
 
+    from paraloom.training.options import WrapperKeywords
+
 __all__ = ["main", "add_data_arguments"]
 
 # Sub-commands that live in their own modules: name -> (module, help).
@@ -73,8 +75,7 @@ def _train(args: argparse.Namespace) -> int:
     model, loader, test = _training_setup(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 nesterov=args.momentum > 0)
-    mode_options = {"averaging_frequency": args.averaging_frequency} \
-        if args.mode == "averaging" else {}
+    mode_options = _mode_options(args)
     loss_fn = nn.CrossEntropyLoss() if args.loss == "cross_entropy" else nn.MSELoss()
     interrupted = None
     with paraloom.ParallelWrapper(model, loss_fn=loss_fn, optimizer=optimizer,
@@ -102,6 +103,22 @@ def _train(args: argparse.Namespace) -> int:
         print(f"interrupted: {interrupted}", file=sys.stderr)
         return 130  # what a shell reports for a program ended by Ctrl-C
     return 0
+
+
+def _mode_options(args: argparse.Namespace) -> WrapperKeywords:
+    """The options of ``--mode`` (each mode's own; another mode's is refused, not ignored)."""
+    given = {"averaging": ("--averaging-frequency", args.averaging_frequency),
+             "diloco": ("--sync-every", args.sync_every)}
+    for mode, (flag, value) in given.items():
+        if value is not None and args.mode != mode:
+            raise ValueError(f"{flag} is an option of --mode {mode}, and the mode is "
+                             f"{args.mode}; drop it, or pass --mode {mode}")
+    if args.mode == "averaging":
+        return {"averaging_frequency": 3 if args.averaging_frequency is None
+                else args.averaging_frequency}
+    if args.mode == "diloco" and args.sync_every is not None:
+        return {"sync_every": args.sync_every}
+    return {}
 
 
 def check_writable(out: str, flag: str = "--out", example: str = "model.safetensors") -> None:
@@ -279,11 +296,16 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default="auto",
                    help="auto (every GPU, else the CPU), cpu, a GPU count, or cuda:0,cuda:1")
     p.add_argument("--mode", default="averaging",
-                   choices=["averaging", "shared_gradients", "allreduce"],
-                   help="the training mode (default averaging)")
-    p.add_argument("--averaging-frequency", type=int, default=3,
+                   choices=["averaging", "shared_gradients", "allreduce", "diloco"],
+                   help="the training mode (default averaging); diloco: each worker trains "
+                   "alone and they synchronize every --sync-every rounds, sending 5%% of the "
+                   "change, for slow networks")
+    p.add_argument("--averaging-frequency", type=int, default=None,
                    help="rounds between averaging steps (averaging mode; default 3, where "
                    "ParallelWrapper's default is 1)")
+    p.add_argument("--sync-every", type=int, default=None,
+                   help="rounds each worker trains alone between synchronizations (diloco "
+                   "mode; default 50)")
     p.add_argument("--epochs", type=int, default=5, help="passes over the data (default 5)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     p.add_argument("--momentum", type=float, default=0.9,

@@ -79,10 +79,12 @@ class Precision:
                        ) -> dict[str, torch.Tensor]:
         """``state`` (a -true replica's, in half precision) for the user's ``model``, with each
         tensor that is the model's own converted (training never changed it: a frozen layer)
-        replaced by the model's own, so that its full precision is not lost on the way back."""
+        replaced by the model's own, so that its full precision is not lost on the way back;
+        a non-persistent buffer too."""
         if self.param_dtype is None:
             return state
-        own = model.state_dict()
+        # The buffers outside state_dict() (persistent=False: a rotary cache) travel too.
+        own = {**dict(model.named_buffers()), **model.state_dict()}
         kept = dict(state)
         for key, value in state.items():
             mine = own.get(key)

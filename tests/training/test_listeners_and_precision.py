@@ -109,6 +109,40 @@ def test_bf16_true_gives_a_frozen_layer_back_at_full_precision(workers):
     assert torch.equal(model[2].weight, model[2].weight.bfloat16().float())
 
 
+class _WithCache(nn.Module):
+    """A rotary-style cache (not in state_dict) and a persistent twin, neither trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("cache", torch.tensor([1.0001, 2.0003, 3.0007]), persistent=False)
+        self.register_buffer("twin", torch.tensor([1.0001, 2.0003, 3.0007]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + 0 * (self.cache.sum() + self.twin.sum())
+
+
+@pytest.mark.parametrize(("precision", "mode"), [("bf16-true", "allreduce"),
+                                                 ("bf16-true", "averaging"),
+                                                 ("16-true", "allreduce")])
+def test_a_half_precision_fit_leaves_an_untrained_non_persistent_buffer_exact(precision, mode):
+    """The persistent buffer came back exact, its non-persistent twin rounded to bf16
+    ([1.0001, 2.0003, 3.0007] became [1.0, 2.0, 3.0]) in the user's model, for good."""
+    model = _WithCache()
+    start = model.cache.clone()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g))
+            for _ in range(4)]
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, training_mode=mode,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         precision=precision, progress=False) as w:
+        w.fit(data, epochs=1)
+    assert model.cache.dtype == torch.float32 and torch.equal(model.cache, start)
+    assert torch.equal(model.twin, start)
+    assert not torch.equal(start.bfloat16().float(), start)  # rounding would show
+
+
 @pytest.mark.parametrize(("model_dtype", "input_dtype", "fix"), [
     (torch.float32, torch.float64, r"\(x\.float\(\)\) or the model \(model\.double\(\)\)$"),
     (torch.float32, torch.bfloat16,

@@ -90,6 +90,18 @@ def test_hooks_that_cannot_take_sparse_gradients_are_refused_up_front(hook: str)
                         training_mode="allreduce", comm_hook=hook, progress=False)
 
 
+def test_fp16_allreduce_refuses_sparse_gradients_up_front() -> None:
+    """It failed on the first round inside a worker: 'reshape is not implemented for sparse
+    tensors'."""
+    from paraloom.sync import Fp16AllReduce
+
+    model = _Bag()
+    with pytest.raises(ValueError, match="Fp16AllReduce does not take sparse gradients"):
+        ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        training_mode=Fp16AllReduce(), progress=False)
+
+
 def test_the_bf16_hook_trains_a_sparse_embedding_as_its_dense_twin() -> None:
     sparse = _fit(_Bag(), _batches(5), 2, training_mode="allreduce", comm_hook="bf16")
     dense = _fit(_Bag(sparse=False), _batches(5), 2, training_mode="allreduce",

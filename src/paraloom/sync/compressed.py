@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from paraloom.sync.base import StepContext, Synchronizer, is_distributed
+from paraloom.sync.base import StepContext, Synchronizer, is_distributed, sparse_parameters
 
 __all__ = ["Fp16AllReduce"]
 
@@ -29,6 +30,17 @@ class Fp16AllReduce(Synchronizer):
 
     def config(self) -> dict[str, str]:
         return {"dtype": str(self.dtype)}
+
+    def check_model(self, model: nn.Module) -> None:
+        """Also refuses sparse gradients (``nn.Embedding(sparse=True)``): every gradient is
+        packed into one dense tensor (it failed in the first round, inside a worker)."""
+        super().check_model(model)
+        if sparse_parameters(model):
+            raise ValueError("Fp16AllReduce does not take sparse gradients: it packs every "
+                             "gradient into one dense half-precision tensor, and the model has "
+                             "a sparse embedding (nn.Embedding(sparse=True) or "
+                             "nn.EmbeddingBag(sparse=True)); use training_mode='allreduce' "
+                             "with comm_hook='bf16' (or no hook), or sparse=False")
 
     def setup(self, ctx: StepContext) -> None:
         if is_distributed(ctx):  # every replica starts from rank 0's parameters

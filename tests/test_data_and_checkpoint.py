@@ -88,6 +88,35 @@ def test_load_refuses_files_that_are_not_paraloom_models(tmp_path):
         paraloom.load(tmp_path / "missing.safetensors")
 
 
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 4)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.emb.weight  # tied, as a language model's head is
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def test_a_tied_models_plain_file_loads_with_one_name_per_shared_tensor(tmp_path):
+    """safetensors.torch.save_model writes a tied tensor once ('emb.weight'); load with a
+    factory refused it: 'missing ['head.weight']', an alias of a tensor the file has."""
+    from safetensors.torch import save_model
+
+    torch.manual_seed(3)
+    model = _Tied()
+    save_model(model, str(tmp_path / "tied.safetensors"))
+    torch.manual_seed(4)
+    loaded = paraloom.load(tmp_path / "tied.safetensors", factory=_Tied)
+    assert loaded.head.weight is loaded.emb.weight
+    assert torch.equal(loaded.emb.weight, model.emb.weight)
+    untied = lambda: torch.nn.ModuleDict({"emb": torch.nn.Embedding(11, 4),  # noqa: E731
+                                          "head": torch.nn.Linear(4, 11, bias=False)})
+    with pytest.raises(ValueError, match=r"missing \['head.weight'\]"):
+        paraloom.load(tmp_path / "tied.safetensors", factory=untied)  # no tie: it is missing
+
+
 def test_load_with_a_factory_takes_plain_safetensors_weights(tmp_path):
     """As the command line's evaluate --factory does: a file of weights from
     safetensors.torch.save_file (a Hugging Face style model.safetensors) loads by name."""

@@ -316,10 +316,24 @@ def _check_keys(path: Path, model: nn.Module, state: dict[str, Tensor],
                 factory: Callable[..., nn.Module] | None) -> None:
     """``ValueError`` where ``model`` has tensors the file lacks, or the file has others."""
     expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
+    missing = _untied([k for k in expected if k not in state], model, state)
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         _mismatched_keys(path, missing, unexpected, factory)
+
+
+def _untied(missing: list[str], model: nn.Module, state: Mapping[str, Tensor]) -> list[str]:
+    """``missing`` less the names tied to a tensor that ``state`` has (``head.weight`` where
+    ``head.weight = emb.weight``): a file with one name per shared tensor, as
+    ``safetensors.torch.save_model`` writes it, fills both."""
+    if not missing:
+        return missing
+    names: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    tied = {n: group for group in names.values() if len(group) > 1 for n in group}
+    return [k for k in missing if not any(other in state for other in tied.get(k, ()))]
 
 
 def _mismatched_keys(path: Path, missing: list[str], unexpected: list[str],
@@ -460,6 +474,7 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
         _check_keys(path, model, state, factory)
         return model
     missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = _untied(missing, model, state)
     if missing or unexpected:
         _mismatched_keys(path, missing, unexpected, factory)
     if not plain:

@@ -338,7 +338,7 @@ class ModelRepository:
             task.add_done_callback(functools.partial(self._retired, served))
             tasks.append(task)
         if tasks:
-            await asyncio.shield(asyncio.gather(*tasks))
+            await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))  # logged
 
     def _retired(self, served: ServedModel, task: asyncio.Task[None]) -> None:
         self._retiring.pop(served, None)

@@ -60,6 +60,7 @@ class ServingMetrics:
         self.latency = Histogram("paraloom_request_duration_seconds",
                                  "Time from reading a request to its answer, in the server.",
                                  ["model"], buckets=_SECONDS, registry=r)
+        self._pools: PoolCollector | None = None  # set by watch()
 
     def request(self, model: str) -> None:
         """Count one inference request."""
@@ -84,7 +85,7 @@ class ServingMetrics:
     def retired(self, model: str, pool: ParallelInference) -> None:
         """Carry ``pool``'s counts (closed: a replaced or unloaded version) into ``model``'s
         counters, so that they never go down when a load serves a new pool."""
-        if hasattr(self, "_pools"):
+        if self._pools is not None:
             self._pools.retired(model, pool.stats())
 
     def exposition(self) -> bytes:

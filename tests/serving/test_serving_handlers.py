@@ -245,6 +245,43 @@ def test_an_unload_lets_a_request_in_preprocess_finish_on_its_model(
     assert not http.is_model_ready("slow")
 
 
+def test_a_slow_handler_holds_up_only_its_own_model(tmp_path: Path) -> None:
+    """Handlers ran on the threads all the server's work shares (anyio's 40): 80 requests on
+    a handler that slept 5 s took them all, and another handler model's requests, the index,
+    a classification request, all waited 8.6 s."""
+    import asyncio
+
+    flag = tmp_path / "open"
+    _model(tmp_path / "models" / "held", _FP32_IN + "OUTPUTS = [{'name': 'output', "
+           "'datatype': 'FP32', 'shape': [-1, 2]}]\nimport os, time, torch\n"
+           "def preprocess(inputs):\n    end = time.monotonic() + 30\n"
+           f"    while not os.path.exists({str(flag)!r}) and time.monotonic() < end:\n"
+           "        time.sleep(0.01)\n    return torch.from_numpy(inputs['input'])\n")
+    _model(tmp_path / "models" / "sentiment", _SENTIMENT)
+    body = {"inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32",
+                        "data": [0.5] * 16}]}
+    text = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
+                        "data": ["a fine day"]}]}
+    app = create_repository_app(tmp_path / "models", allow_handlers=True, workers=1)
+
+    async def crowd(url: str) -> tuple[bool, int, list[int]]:
+        async with httpx.AsyncClient(base_url=url, timeout=WAIT_S,
+                                     limits=httpx.Limits(max_connections=100)) as client:
+            held = [asyncio.create_task(client.post("/v2/models/held/infer", json=body))
+                    for _ in range(60)]
+            await asyncio.sleep(0.5)  # every thread they can get is asleep in preprocess
+            other = await client.post("/v2/models/sentiment/infer", json=text)
+            went_on = not any(task.done() for task in held)
+            flag.touch()
+            return went_on, other.status_code, [r.status_code for r in
+                                                await asyncio.gather(*held)]
+
+    with ServerThread(app) as server:
+        went_on, other, held = asyncio.run(crowd(server.url))
+    assert went_on, "the other model's request waited for the held model's handler"
+    assert other == 200 and held == [200] * 60
+
+
 def _handler(preprocess: object = None, postprocess: object = None) -> Handler:
     model = ModelSignature((TensorSpec("a", "FP32", (-1, 2)), TensorSpec("b", "FP32", (-1, 2))),
                            (TensorSpec("output", "FP32", (-1, 2)),))

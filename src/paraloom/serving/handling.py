@@ -142,13 +142,15 @@ async def _infer(repository: ModelRepository, name: str, version: str | None,
     with served.admitted():
         values = served.signature.check(parsed.inputs, batched=served.merges_requests)
         tensors = values if served.handler is None else \
-            await anyio.to_thread.run_sync(served.handler.to_model, values)
+            await anyio.to_thread.run_sync(served.handler.to_model, values,
+                                           limiter=served.threads)
         result, used = await served.infer(tensors, admitted=True)  # type: ignore[arg-type]
     if version is not None and used != version:
         raise NotFoundError(f"model {name!r} moved to version {used!r} while this request "
                             f"waited; version {version!r} is gone, send it again")
     if served.handler is not None:
-        result = await anyio.to_thread.run_sync(served.handler.from_model, result)
+        result = await anyio.to_thread.run_sync(served.handler.from_model, result,
+                                                limiter=served.threads)
     if parsed.outputs is not None and any(o.classes for o in parsed.outputs):
         # Classification formats a string per class kept, per row: off the event loop.
         chosen = await anyio.to_thread.run_sync(select_outputs, served, parsed, result)

@@ -40,7 +40,11 @@ if TYPE_CHECKING:
     from paraloom.serving.handlers import Handler
     from paraloom.serving.repository.files import ModelFiles
 
-__all__ = ["ModelMetadata", "PoolOptions", "ServedModel", "build_pool"]
+__all__ = ["MODEL_THREADS", "ModelMetadata", "PoolOptions", "ServedModel", "build_pool"]
+
+MODEL_THREADS = 16
+"""The worker threads each served model has for its handler's calls and its in-place requests
+(the server's other work shares anyio's 40)."""
 
 _DRAIN_POLL_S = 0.01  # how often a closing in-place model checks for requests still running
 
@@ -111,6 +115,7 @@ class ServedModel:
         self._inplace_limit = pool.workers + pool.queue_limit
         self._inplace_now = 0  # changed on the event loop only
         self._admitted = 0  # requests past their lookup, not yet answered by the pool
+        self._threads: anyio.CapacityLimiter | None = None  # made on the event loop
         self.close_timeout: float | None = None  # the server sets its graceful timeout here
         self.siblings: list[ServedModel] = [self]  # every version of this model served now
         self.labels = labels or {}
@@ -163,6 +168,16 @@ class ServedModel:
         """Whether the pool merges requests row by row (every input then gives as many rows);
         a sequential pool runs each request as it came, rows counted off the first input."""
         return self.batch_dim and self.pool.inference_mode is InferenceMode.BATCHED
+
+    @property
+    def threads(self) -> anyio.CapacityLimiter:
+        """This model's own worker threads (``MODEL_THREADS``), for its handler's calls and
+        its in-place requests: a slow model waits for its own, and holds none of the threads
+        the server's other work shares (80 requests on a handler that slept 5 s took all 40
+        of those, and another model's requests waited 8.6 s)."""
+        if self._threads is None:
+            self._threads = anyio.CapacityLimiter(MODEL_THREADS)
+        return self._threads
 
     @property
     def ready(self) -> bool:
@@ -238,7 +253,7 @@ class ServedModel:
             # In place, submit() runs the model in the calling thread, so it runs on a worker
             # thread; it waits for a free replica as the pool's own output_async does.
             future = await anyio.to_thread.run_sync(functools.partial(
-                self.pool.submit, x, block=True, return_version=True))
+                self.pool.submit, x, block=True, return_version=True), limiter=self.threads)
             result, generation = await asyncio.wrap_future(future)
             return result, generation
         finally:

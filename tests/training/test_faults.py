@@ -446,6 +446,33 @@ def test_a_spare_takes_the_failed_workers_place_and_none_is_left_behind(tmp_path
     assert not any(pid_alive(p) for p in seen)
 
 
+class StopTheSpares(Pids):
+    """SIGSTOPs the waiting spares at the third iteration, once."""
+
+    def on_iteration(self, iteration, epoch, loss):
+        super().on_iteration(iteration, epoch, loss)
+        if iteration == 3:
+            for pid in self.wrapper._pool.spare_pids:  # type: ignore[union-attr]
+                os.kill(pid, signal.SIGSTOP)
+
+
+def test_a_stopped_spare_is_passed_over_and_the_result_is_exact(tmp_path, references):
+    """The stopped spare was given the failed worker's rank and the regroup waited out its
+    20 s for it (stats' seconds_lost 20.2); now it is killed and a new worker takes the rank."""
+    references.setdefault("allreduce", _reference("allreduce"))
+    torch.manual_seed(1)
+    model = FailOnce(tmp_path / "failed", how="kill", at=7)
+    stopper = StopTheSpares()
+    _, stats = _train(model, "allreduce", max_failures=1, heartbeat_timeout=1.0,
+                      listeners=[stopper])
+    assert stats["failures"] == 1 and stats["seconds_lost"] < 10.0, stats["seconds_lost"]
+    assert (tmp_path / "failed").exists() and _same(model, references["allreduce"])
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in stopper.spares) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in stopper.spares)
+
+
 class FailEverywhere(FailOnce):
     """Every rank is SIGKILLed at the same training call: two failures at once."""
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
 
+from paraloom.training.failures import process_state
 from paraloom.training.messages import Pickled, Reply, ToReplica
 from paraloom.training.transport import fetched, release_unfetched
 from paraloom.training.worker import WorkerConfig, worker_main
@@ -250,14 +251,15 @@ class SpareWorkers:
             log.warning("paraloom: a spare worker could not start (%s)", e)
 
     def take(self) -> Worker:
-        """A spare whose process is alive, or a new worker (to be told its rank the same way,
-        ``Regroup``) when there is none."""
+        """A spare whose process is alive and not stopped, or a new worker (to be told its
+        rank the same way, ``Regroup``) when there is none. A stopped spare (SIGSTOP) is
+        killed: given a rank, it held the regroup up for its whole 20 s."""
         while True:
             with self._lock:
                 worker = self._ready.pop(0) if self._ready else None
             if worker is None:
                 break
-            if worker.process.exitcode is None:
+            if worker.process.exitcode is None and process_state(worker.process.pid) != "stopped":
                 self._restock()
                 return worker
             worker.discard(self.killed)

@@ -490,8 +490,9 @@ class ProcessPool:
 
     def _regrouping(self, deadline: float) -> None:
         """Raise WorkerError if a worker ended, or the time is up, before the group formed."""
-        ended = [rank for rank, p in enumerate(self._procs) if p.exitcode is not None]
+        ended = [rank for rank, p in enumerate(self._procs) if p.exitcode is not None
+                 or process_state(p.pid) == "stopped"]  # a stopped one would never join
         if ended or time.monotonic() > deadline:
-            why = f"worker {ended[0]} ended" if ended else \
+            why = f"worker {ended[0]} ended or is stopped" if ended else \
                 f"the workers did not join within {min(self.timeout_s, REGROUP_S):g} s"
             raise WorkerError(f"the process group could not be formed again: {why}")

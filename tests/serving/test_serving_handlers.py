@@ -184,6 +184,7 @@ def test_a_failing_handler_answers_its_request_only(server: ServerThread) -> Non
     r = httpx.post(url, content=head + b"\x09\x00\x00\x00ab", timeout=WAIT_S,
                    headers={"Inference-Header-Content-Length": str(len(head))})
     assert r.status_code == 400 and "says it has 9 bytes but only 2 remain" in r.json()["error"]
+    assert "numbers take the model's datatype" in r.json()["error"]  # floats sent as BYTES
     words = th.InferInput("input", [1, 16], "BYTES")
     words.set_data_from_numpy(np.array([[b"w"] * 16], dtype=object))
     with pytest.raises(InferenceServerException, match="handler.py"):

@@ -89,7 +89,9 @@ def strings_from_buffer(buffer: bytes | bytearray | memoryview, shape: tuple[int
         pos += 4
         if pos + size > len(view):
             raise ProtocolError(f"{where} string {i} says it has {size} bytes but only "
-                                f"{len(view) - pos} remain")
+                                f"{len(view) - pos} remain; BYTES data is strings, each its "
+                                "length in 4 little-endian bytes, then its bytes (numbers "
+                                "take the model's datatype, e.g. FP32)")
         out[i] = bytes(view[pos:pos + size])
         pos += size
     if pos != len(view):

@@ -46,14 +46,14 @@ class BodyTooLarge(Exception):
     """``inflate``: the data decompresses to more than the limit."""
 
 
-def inflate(data: bytes, wbits: int, limit: int) -> bytes:
-    """``data`` decompressed (``wbits`` as zlib takes it: 31 gzip, 15 deflate), never past
+def inflate(data: bytes, encoding: str, limit: int) -> bytes:
+    """``data`` decompressed (``encoding``: "gzip" or "deflate", a zlib stream), never past
     ``limit`` bytes (``BodyTooLarge``). ``ValueError`` for data that is not one whole stream:
     corrupt, cut short before its checksum (zlib returns what it inflated without a word),
     or followed by other bytes. Empty data is an empty body."""
     if not data:
         return b""
-    decoder = zlib.decompressobj(wbits)
+    decoder = zlib.decompressobj(_WBITS[encoding])
     try:
         out = decoder.decompress(data, limit + 1)  # stop early: never inflate past the limit
     except zlib.error as e:
@@ -69,7 +69,7 @@ def inflate(data: bytes, wbits: int, limit: int) -> bytes:
 
 def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
     try:
-        return inflate(data, _WBITS[encoding], limit)
+        return inflate(data, encoding, limit)
     except BodyTooLarge:
         raise _too_large(f"more than {limit}", limit,
                          what=f"decompressed {encoding} body") from None

@@ -117,8 +117,7 @@ class PoolCollector:
         """The metric families, one sample per model, from one ``stats()`` call per pool."""
         served = self.pools()
         with self._lock:
-            carried = dict(self._carried)
-        totals: dict[str, InferenceStats] = dict(carried)
+            totals = dict(self._carried)
         latest: dict[str, InferenceStats] = {}  # the gauges: the latest version's pool
         for model, versions in served.items():
             for pool, version in versions:

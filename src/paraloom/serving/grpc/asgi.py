@@ -66,7 +66,7 @@ def _decompress(data: bytes, encoding: bytes, limit: int) -> bytes:
                          f"message compressed with {encoding.decode('latin-1')!r}; this server "
                          "takes identity, gzip or deflate")
     try:
-        return inflate(data, 31 if encoding == b"gzip" else 15, limit)
+        return inflate(data, encoding.decode(), limit)
     except ValueError as e:
         # The gRPC spec says INTERNAL; it is the client's bad input, never the server's fault.
         raise _CallError(grpc.StatusCode.INVALID_ARGUMENT, f"the {encoding.decode()} message "

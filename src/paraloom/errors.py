@@ -13,7 +13,8 @@ class ParaloomError(RuntimeError):
 class WorkerError(ParaloomError):
     """A training worker raised or died.
 
-    ``worker`` (rank), ``batch`` (round), ``remote_type`` (the exception's class name in the
+    ``worker`` (rank), ``batch`` (the round it failed in; for a death or a hang, the last
+    round it started; None before its first), ``remote_type`` (the exception's class name in the
     worker, e.g. ``"NonFiniteLossError"``; None when the process died) and ``remote_traceback``
     say where and why; ``silent_seconds``, for a worker found frozen or hung, how long nothing
     had been heard from it.

@@ -112,6 +112,8 @@ def test_a_failure_without_max_failures_raises_quickly_and_leaves_no_worker(tmp_
         wrapper.fit(digits_loader(), epochs=3)
     assert time.monotonic() - started < 30
     assert info.value.worker == 1
+    # Its 4th round (0-based: 3), whichever way it failed; rank 1 trains batch 2 * 3 + 1.
+    assert info.value.batch == 3 and str(info.value).endswith("(at epoch 0, batch 7)")
     assert failures.seen == [(1, "WorkerError", False)]
     assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -4,6 +4,7 @@ messages since the restore point, a spare takes over, and the heartbeat check fi
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import os
 import queue
 import threading
@@ -16,6 +17,7 @@ import pytest
 
 from paraloom.errors import WorkerError
 from paraloom.training import recovery
+from paraloom.training.gate import RoundGate
 from paraloom.training.messages import (
     Begin,
     Failed,
@@ -259,6 +261,8 @@ def test_the_heartbeat_check_names_a_stopped_worker_and_spares_a_busy_one(monkey
     pool.workers = 2
     pool.survive = False
     pool._inbox = _DeadSenderInbox([])  # nothing reported
+    pool._gate = RoundGate.create(multiprocessing.get_context("spawn"), 2)
+    assert pool._gate.admit(1, 5)  # rank 1 started round 5
     killed: list[bool] = []
     monkeypatch.setattr(pool, "kill", lambda wait=True: killed.append(True), raising=False)
     now = time.monotonic()
@@ -269,7 +273,8 @@ def test_the_heartbeat_check_names_a_stopped_worker_and_spares_a_busy_one(monkey
     assert not killed
     with pytest.raises(WorkerError, match=r"worker 1 .* no heartbeat for 1\.5 s") as failed:
         pool._check_heartbeats()
-    assert failed.value.worker == 1 and killed
+    assert failed.value.worker == 1 and failed.value.batch == 5 and killed
+    assert "(pid 4242) (the last round it started: 5)" in str(failed.value)
     pool._beats = [now, now - 0.5]
     pool._check_heartbeats()  # within heartbeat_timeout
 

@@ -14,8 +14,8 @@ from paraloom.errors import WorkerError
 from paraloom.training.inbox import Inbox
 from paraloom.training.messages import Failed
 
-__all__ = ["collect_errors", "failure_error", "death_message", "is_symptom", "next_failure",
-           "frozen", "process_state", "silently_dead", "stop_pending", "SYMPTOMS"]
+__all__ = ["collect_errors", "failure_error", "death_message", "last_round", "is_symptom",
+           "next_failure", "frozen", "process_state", "silently_dead", "stop_pending", "SYMPTOMS"]
 
 # Errors that are a symptom of a peer's failure, not a cause: report another one if any.
 SYMPTOMS = ("Connection closed by peer", "Connection reset", "Connection refused",
@@ -110,14 +110,15 @@ def silently_dead(procs: Sequence[BaseProcess], reported: set[int],
 
 
 def death_message(rank: int, pid: int | None, code: int | None, starting: bool,
-                  others_stopped: bool = True) -> str:
-    """'worker R (pid P) was killed by SIGKILL; ...' for a worker that died without a report."""
+                  others_stopped: bool = True, round_id: int | None = None) -> str:
+    """'worker R (pid P) was killed by SIGKILL; ...' for a worker that died without a report
+    (``round_id``: the last round it started, named if given)."""
     how = f"was killed by signal {-code}" if code is not None and code < 0 else \
         f"exited with code {code}"
     if code is not None and code < 0:
         with contextlib.suppress(ValueError):
             how = f"was killed by {signal.Signals(-code).name}"
-    msg = f"worker {rank} (pid {pid}) {how}"
+    msg = f"worker {rank} (pid {pid}) {how}{last_round(round_id)}"
     if code == -signal.SIGABRT and not starting:
         msg += (" (a C++ check failed; its message is in the worker's stderr above. In a "
                 "collective, that is most often tensors of different sizes on different "
@@ -127,6 +128,11 @@ def death_message(rank: int, pid: int | None, code: int | None, starting: bool,
         msg += (" while starting; its stderr above says why (out of memory? an import that "
                 "fails in a fresh process? then define the model at module level)")
     return msg + ("; the other workers were stopped" if others_stopped else "")
+
+
+def last_round(round_id: int | None) -> str:
+    """' (the last round it started: 12)' for an error about a worker, or '' before any."""
+    return "" if round_id is None else f" (the last round it started: {round_id})"
 
 
 def next_failure(inbox: Inbox, within_s: float,

@@ -72,6 +72,12 @@ class RoundGate:
             return [r for r in ranks if self.array[2 * self.workers + 1 + r] < self.array[r]
                     and self.array[self.workers + 1 + r] < self.array[r]]
 
+    def started(self, rank: int) -> int | None:
+        """The last round worker ``rank`` started in this fit, or None before its first. Read
+        without the lock: a worker killed while it held the lock holds it for ever."""
+        last = int(self.array.get_obj()[rank])
+        return None if last < 0 else last
+
     def admit(self, rank: int, round_id: int) -> bool:
         """Whether worker ``rank`` trains ``round_id`` (recorded as started) or skips it."""
         with self.array.get_lock():

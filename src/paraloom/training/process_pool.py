@@ -21,6 +21,7 @@ from paraloom.training.failures import (
     failure_error,
     frozen,
     is_symptom,
+    last_round,
     next_failure,
     process_state,
     silently_dead,
@@ -303,12 +304,13 @@ class ProcessPool:
         waiting = [r for r in range(self.workers) if r != rank and self._outstanding[r]]
         others = f"; worker(s) {waiting} were waiting for it" if stuck and waiting else ""
         self._fail(rank)
+        round_id = self._gate.started(rank)
         raise WorkerError(
-            f"worker {rank} has answered nothing for {self.step_timeout_s:g} s "
-            f"(step_timeout=, or timeout= when it is not set) with work queued: it hangs in "
-            f"{where}{others}. It was killed{self._with_others}; raise step_timeout= if "
-            "one step really takes that long", worker=rank,
-            silent_seconds=now - self._since[rank])
+            f"worker {rank} has answered nothing for {self.step_timeout_s:g} s (step_timeout="
+            f", or timeout= when it is not set) with work queued{last_round(round_id)}: it "
+            f"hangs in {where}{others}. It was killed{self._with_others}; "
+            "raise step_timeout= if one step really takes that long", worker=rank,
+            batch=round_id, silent_seconds=now - self._since[rank])
 
     def _check_heartbeats(self, starting: bool = False) -> None:
         """Raise if a started worker's heartbeat stopped for ``heartbeat_timeout_s``."""
@@ -327,11 +329,13 @@ class ProcessPool:
                 if report is not None:
                     raise self._error(report, starting)
                 self._fail(rank)
+                round_id = self._gate.started(rank)
                 raise WorkerError(
-                    f"worker {rank} (pid {p.pid}) sent no heartbeat for {now - last:.1f} s "
-                    f"(heartbeat_timeout={self.heartbeat_timeout_s:g}; process state: {state}):"
-                    f" it was stopped or is frozen. It was killed{self._with_others}",
-                    worker=rank, silent_seconds=now - last)
+                    f"worker {rank} (pid {p.pid}){last_round(round_id)} sent no heartbeat for "
+                    f"{now - last:.1f} s (heartbeat_timeout={self.heartbeat_timeout_s:g}; "
+                    f"process state: {state}): it was stopped or is frozen. It was killed"
+                    f"{self._with_others}", worker=rank, batch=round_id,
+                    silent_seconds=now - last)
 
     def _check_alive(self, starting: bool = False, drained: bool = False) -> None:
         self._checked = time.monotonic()
@@ -380,16 +384,14 @@ class ProcessPool:
             dead = silently_dead(self._procs, {f.rank for f in errors})
             if dead is not None:
                 self._fail(dead)
-                error = self._death(dead, starting)
-                error.batch = cause.round_id
-                return error
+                return self._death(dead, starting)
         self._fail(cause.rank)
         return failure_error(cause, starting)
 
     def _death(self, rank: int, starting: bool) -> WorkerError:
-        p = self._procs[rank]
-        return WorkerError(death_message(rank, p.pid, p.exitcode, starting,
-                                         others_stopped=not self.survive), worker=rank)
+        p, round_id = self._procs[rank], self._gate.started(rank)
+        return WorkerError(death_message(rank, p.pid, p.exitcode, starting, not self.survive,
+                                         round_id), worker=rank, batch=round_id)
 
     def _collect_errors(self, first: Failed) -> list[Failed]:
         return collect_errors(first, self._procs, self._next_failure)

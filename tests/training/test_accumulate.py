@@ -179,6 +179,35 @@ def test_resume_from_a_checkpoint_inside_an_accumulation_is_bitwise_equal(tmp_pa
     assert _digits_run(resume_from=tmp_path, **options) == reference
 
 
+class _ScalarStream(torch.utils.data.IterableDataset):
+    """``scalar_batches(1..6)`` as a stream, each replica reading every other batch."""
+
+    def __iter__(self):
+        import paraloom
+
+        info = paraloom.replica_info()
+        yield from scalar_batches(range(1, 7))[info.rank::info.world_size]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_checkpoint_at_an_epochs_last_round_holds_its_closing_step(tmp_path, stream) -> None:
+    """An every-N checkpoint due on the epoch's last round is the epoch-end checkpoint too:
+    it is taken after the closing step, not before it (which left a stream's checkpoint
+    resuming at the next epoch with the last rounds' gradients still accumulated)."""
+    model = Scalar()
+    listener = CheckpointListener(tmp_path, every_n_iterations=3, every_n_epochs=1)
+    with ParallelWrapper(model, loss_fn=linear_loss, optimizer=torch.optim.SGD(
+            model.parameters(), lr=1.0), workers=2, progress=False, timeout=60, accumulate=2,
+            listeners=[listener]) as wrapper:
+        wrapper.fit(_ScalarStream() if stream else scalar_batches(range(1, 7)), epochs=1)
+    (only,) = listener.written  # rounds (1, 2), (3, 4) step; (5, 6) closes the epoch
+    checkpoint = TrainingCheckpoint.load(only)
+    # Nothing accumulated (the key is there only while rounds are).
+    assert [r.get("accumulation", {}).get("rounds", 0) for r in checkpoint.replicas] == [0, 0]
+    assert float(checkpoint.model_state()["w"]) == pytest.approx(-21 / 4, abs=1e-6)
+    assert float(model.w.detach()) == pytest.approx(-21 / 4, abs=1e-6)
+
+
 def test_recovery_replays_an_accumulation_exactly(tmp_path) -> None:
     options = {"training_mode": "allreduce", "accumulate": 3}
     reference = _digits_run(**options)

@@ -256,7 +256,8 @@ class FitRun:
                 # where the next epoch starts.
                 following = data_rng(generators) if stream else None
                 self.checkpoints.request(self.pool, self._dealt.base + self._dealt.round_id - 1,
-                                         epoch, dealt, epoch_rng, True, following)
+                                         epoch, dealt, epoch_rng, True, following,
+                                         renew=self.plan.accumulate > 1)
 
     def _deal_epoch(self, source: Source, epoch: int, skip: int,
                     epoch_rng: list[torch.Tensor]) -> int:

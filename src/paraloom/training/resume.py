@@ -303,6 +303,8 @@ class _Pending:
     listeners: list[TrainingListener]
     checkpoint: TrainingCheckpoint
     done: bool = False
+    stale: set[int] = field(default_factory=set)
+    """Ranks whose next reply answers a request made before the state changed (``renew``)."""
 
 
 class CheckpointCollector:
@@ -335,17 +337,21 @@ class CheckpointCollector:
     def request(self, pool: Pool, iteration: int, epoch: int, dealt: int,
                 epoch_rng: list[torch.Tensor], epoch_end: bool,
                 next_epoch_rng: list[torch.Tensor] | None = None,
-                wanting: list[TrainingListener] | None = None) -> None:
+                wanting: list[TrainingListener] | None = None, renew: bool = False) -> None:
         """Ask every replica for its state after round ``iteration`` if a listener wants a
         checkpoint there (``wanting``: those ``self.wanting`` named, when already asked).
         ``next_epoch_rng`` (at an epoch's end): the checkpoint resumes at the start of the
         next epoch, with that data RNG, instead of past ``dealt`` batches of this one (a
-        stream cannot tell that nothing is left of it without a round)."""
+        stream cannot tell that nothing is left of it without a round). ``renew``: the
+        replicas' state changed since the round (the epoch's closing step with ``accumulate``),
+        so a checkpoint already asked for after it is taken again, for all its listeners."""
         if wanting is None:
             wanting = self.wanting(iteration, epoch, epoch_end)
         resume_at = (epoch, dealt, epoch_rng) if next_epoch_rng is None \
             else (epoch + 1, 0, next_epoch_rng)
         known = self.pending.get(iteration)
+        if known is not None and renew:
+            self._renew(pool, iteration, known)
         if known is not None and next_epoch_rng is not None and not known.done:
             ckpt = known.checkpoint
             ckpt.epoch, ckpt.batch, ckpt.data_rng = resume_at
@@ -366,11 +372,24 @@ class CheckpointCollector:
         for rank in range(self.workers):
             pool.send(rank, CheckpointRequest(iteration))
 
+    def _renew(self, pool: Pool, iteration: int, known: _Pending) -> None:
+        """Ask again for a checkpoint whose replies (some perhaps still coming) hold a state
+        that has changed since: those are dropped, and the new ones complete it."""
+        replicas = known.checkpoint.replicas
+        known.stale = set() if known.done else {r for r, s in enumerate(replicas) if s is None}
+        known.checkpoint.replicas = [None] * self.workers
+        known.done = False
+        for rank in range(self.workers):
+            pool.send(rank, CheckpointRequest(iteration))
+
     def receive(self, reply: CheckpointReply) -> None:
         """One replica's state; hands the checkpoint to its listeners once all are in."""
         pending = self.pending.get(reply.tag)
         if pending is None or (self.last is not None and reply.tag > self.last):
             return  # superseded by a newer checkpoint, or past a stop()
+        if reply.rank in pending.stale:  # asked for again: the next reply is the one
+            pending.stale.discard(reply.rank)
+            return
         pending.checkpoint.replicas[reply.rank] = unpack_tensors(reply.state)
         if any(r is None for r in pending.checkpoint.replicas):
             return

@@ -1,15 +1,16 @@
 """Batch conventions, prefetching, and dealing batches to replicas.
 
 A batch is ``(inputs, targets)``; each may be a tensor, a tuple/list of tensors (multi-input or
-multi-output models), a mapping of tensors (a dict, or a tokenizer's ``BatchEncoding``) or a
-``PackedSequence`` (one input: its sequences are the rows). Anything iterable that yields such
-batches is a data source. A ``DataLoader`` over a map-style dataset is dealt as *index lists*:
-each worker holds the dataset and gathers its own rows, so the data never passes through the
-parent process.
+multi-output models), a mapping of tensors (a dict, or a tokenizer's ``BatchEncoding``), a
+dataclass instance holding tensors, or a ``PackedSequence`` (one input: its sequences are the
+rows). Anything iterable that yields such batches is a data source. A ``DataLoader`` over a
+map-style dataset is dealt as *index lists*: each worker holds the dataset and gathers its own
+rows, so the data never passes through the parent process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sized
@@ -21,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 __all__ = ["split_batch", "batch_size", "to_device", "describe", "map_tensors", "map_structure",
-           "iter_tensors", "cpu_copy", "Prefetcher", "IndexedDataset", "as_data_source"]
+           "dataclass_fields", "iter_tensors", "cpu_copy", "Prefetcher", "IndexedDataset",
+           "as_data_source"]
 
 # A tensor structure whose tensors a function replaces by tensors: the same structure comes back.
 _Structure = TypeVar("_Structure")
@@ -63,6 +65,9 @@ def _leaves(obj: object) -> Iterator[torch.Tensor | PackedSequence]:
     elif isinstance(obj, Mapping):
         for o in obj.values():
             yield from _leaves(o)
+    elif (fields := dataclass_fields(obj)) is not None:
+        for o in fields.values():
+            yield from _leaves(o)
 
 
 def map_tensors(obj: object, fn: Callable[[torch.Tensor], object]) -> Any:
@@ -83,7 +88,18 @@ def map_structure(obj: object, leaf: Callable[[object], bool],
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, Mapping):
         return _rebuild_mapping(obj, {k: map_structure(v, leaf, fn) for k, v in obj.items()})
+    if (fields := dataclass_fields(obj)) is not None:
+        return dataclasses.replace(obj, **{k: map_structure(v, leaf, fn)  # type: ignore[type-var]
+                                           for k, v in fields.items()})
     return obj
+
+
+def dataclass_fields(obj: object) -> dict[str, Any] | None:
+    """A dataclass instance's fields that its constructor takes (``dataclasses.replace``
+    rebuilds it from them), by name; None for anything else (a dataclass type too)."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return None
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
 
 
 def _map_packed(packed: PackedSequence, fn: Callable[[torch.Tensor], object]) -> PackedSequence:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import namedtuple
 
 import numpy as np
@@ -100,6 +101,31 @@ def test_split_output_follows_the_models_structure():
     assert parts[2]["pair"].features[0].shape == (3,)
     assert [p["note"] for p in parts] == ["kept"] * 3
     assert parts[1]["y"].data_ptr() == out["y"][1:].data_ptr()     # views, not copies
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """A model output as a dataclass (as many libraries return): split per request, moved and
+    converted field by field; a field the constructor does not take is computed again."""
+
+    logits: torch.Tensor
+    label: str = "y"
+    rows: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", self.logits.shape[0] if self.logits.ndim else 0)
+
+
+def test_a_dataclass_output_is_split_field_by_field():
+    out = Output(torch.arange(6).reshape(6, 1) * 10)
+    parts = split_output(out, [1, 2, 3])
+    assert all(isinstance(p, Output) for p in parts)
+    assert [p.logits.flatten().tolist() for p in parts] == [[0], [10, 20], [30, 40, 50]]
+    assert [(p.label, p.rows) for p in parts] == [("y", 1), ("y", 2), ("y", 3)]
+    converted = to_numpy(out)
+    assert isinstance(converted, Output) and isinstance(converted.logits, np.ndarray)
+    with pytest.raises(ValueError, match=r"shape \(\) for 3 rows"):  # checked inside it too
+        split_output(Output(torch.tensor(1.0)), [1, 2])
 
 
 def test_split_output_refuses_outputs_without_a_batch_dimension():

@@ -8,6 +8,7 @@ same shape after the first dimension, dtype and device.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeGuard, TypeVar
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from paraloom.data import _rebuild_mapping, map_tensors
+from paraloom.data import _rebuild_mapping, dataclass_fields, map_tensors
 from paraloom.inference.errors import InvalidRequestError
 
 __all__ = ["Parsed", "UnsplittableOutputError", "parse", "one_example", "with_keywords",
@@ -273,6 +274,10 @@ def _split(obj: Any, rows: list[int], total: int) -> list[Any]:
     if isinstance(obj, Mapping):
         columns_by_key = {k: _split(v, rows, total) for k, v in obj.items()}
         return [_rebuild_mapping(obj, {k: col[i] for k, col in columns_by_key.items()})
+                for i in range(len(rows))]
+    if (fields := dataclass_fields(obj)) is not None:
+        columns_by_name = {k: _split(v, rows, total) for k, v in fields.items()}
+        return [dataclasses.replace(obj, **{k: col[i] for k, col in columns_by_name.items()})
                 for i in range(len(rows))]
     return [obj] * len(rows)  # a non-tensor leaf (None, a label list...) goes to every request
 

@@ -149,3 +149,61 @@ def test_a_request_that_times_out_while_running_is_counted_once() -> None:
             time.sleep(0.01)
         stats = pool.stats()
     assert (stats["completed"], stats["failed"], stats["rejections"]["timeout"]) == (0, 1, 1)
+
+
+def test_a_submitted_request_fails_at_its_deadline_while_it_runs(gate) -> None:
+    """As output() does: the Future fails on time, and the worker's output is dropped."""
+    with ParallelInference(GatedScale(gate), workers=1) as pool, gate:
+        running = pool.submit(torch.ones(1, 1), timeout=0.2)
+        assert gate.entered.wait(WAIT)
+        started = time.monotonic()
+        assert isinstance(running.exception(WAIT), RequestTimeoutError)
+        assert time.monotonic() - started < 1.0 and not gate.opened.is_set()
+        gate.open()
+        assert pool.output(torch.ones(1, 1)).item() == 2.0
+        stats = pool.stats()
+    assert (stats["completed"], stats["failed"], stats["rejections"]["timeout"]) == (1, 1, 1)
+
+
+def test_a_cancelled_output_async_task_gives_its_place_in_the_queue_back(gate) -> None:
+    """An asyncio server cancels a request's task when its client goes: the request leaves
+    the queue, as a cancelled submit() Future does, and frees its place."""
+    import asyncio
+
+    async def main(pool: ParallelInference) -> None:
+        tasks = [asyncio.create_task(pool.output_async(torch.ones(1, 1))) for _ in range(2)]
+        while pool.stats()["queued"] < 2:
+            await asyncio.sleep(0.01)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    with ParallelInference(GatedScale(gate), workers=1, queue_limit=2, batch_limit=1) as pool, \
+            gate:
+        running = pool.submit(torch.ones(1, 1))
+        assert gate.entered.wait(WAIT)
+        asyncio.run(main(pool))
+        assert pool.stats()["queued"] == 0
+        after = pool.submit(torch.ones(1, 1), block=False)  # QueueFullError before
+        gate.open()
+        assert after.result(WAIT).item() == 2.0 and running.result(WAIT).item() == 2.0
+        stats = pool.stats()
+    assert stats["rejections"]["cancelled"] == 2 and stats["completed"] == 2
+
+
+def test_the_stats_read_right_after_an_answer_count_it() -> None:
+    """``requests == completed + failed + queued + running`` holds the moment a caller has
+    its output: it was counted before the caller could wake."""
+    import asyncio
+
+    async def main(pool: ParallelInference) -> list[int]:
+        lagging = []
+        for i in range(300):
+            await pool.output_async(torch.ones(1, 1))
+            stats = pool.stats()
+            if stats["completed"] != i + 1:
+                lagging.append(i)
+        return lagging
+
+    with ParallelInference(nn.Identity(), workers=1) as pool:
+        assert asyncio.run(main(pool)) == []

@@ -62,13 +62,13 @@ def _serve_claimed(generation: Generation, slot: int, live: Sequence[Request],
     except Exception as exc:  # noqa: BLE001 - the model's errors belong to the requests
         if isinstance(exc, UnsplittableOutputError):
             generation.refuse_merging(str(exc))
-        stats.finished(_isolate(generation, slot, live, exc, stats))
+        _isolate(generation, slot, live, exc, stats)
         stats.batch(rows, waits, clock() - start)
         return
     stats.batch(rows, waits, clock() - start)
     first = live[0]
     generation.accepted(first.key, first.spec, first.tensors)
-    stats.finished(_deliver(generation.version, live, outputs, stats))
+    _deliver(generation.version, live, outputs, stats)
 
 
 def serve_batch_guarded(generation: Generation, slot: int, batch: Sequence[Request],
@@ -110,12 +110,11 @@ def _run(generation: Generation, slot: int, requests: Sequence[Request]) -> list
 
 
 def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any],
-             stats: StatsRecorder) -> int:
-    """Give each request its output; one whose output cannot be converted gets an error.
-
-    Returns how many requests got their output.
-    """
-    delivered = failed = 0
+             stats: StatsRecorder) -> None:
+    """Give each request its output (counted as completed before its caller can wake: a
+    ``stats()`` read right after an answer counts it); one whose output cannot be converted
+    gets an error."""
+    failed = 0
     for r, out in zip(requests, outputs, strict=True):
         try:
             if r.numpy:
@@ -123,10 +122,11 @@ def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any],
         except Exception as exc:  # noqa: BLE001 - this request's output, not the batch's
             failed += _settle(r, _unconvertible(version, exc))
             continue
-        delivered += _settle(r, None, (out, version) if r.with_version else out)
+        stats.finished(1)
+        if not _settle(r, None, (out, version) if r.with_version else out):
+            stats.finished(-1)  # settled meanwhile (its timeout), and counted there
     if failed:
         stats.dropped("error", failed)
-    return delivered
 
 
 def _settle(r: Request, error: BaseException | None, value: object = None) -> bool:
@@ -152,7 +152,7 @@ def _unconvertible(version: int, exc: Exception) -> InferenceError:
 
 
 def _isolate(generation: Generation, slot: int, live: Sequence[Request], exc: Exception,
-             stats: StatsRecorder) -> int:
+             stats: StatsRecorder) -> None:
     """Re-run each request of a failed batch alone; fail only those that fail alone."""
     if len(live) == 1:
         results: list[tuple[Request, Any, Exception | None]] = [(live[0], None, exc)]
@@ -168,14 +168,14 @@ def _isolate(generation: Generation, slot: int, live: Sequence[Request], exc: Ex
     for r, _, err in results:
         if err is not None:
             failure = _classify(generation, r, err, blame)
-            invalid += isinstance(failure, InvalidRequestError)
-            errors += not isinstance(failure, InvalidRequestError)
-            r.future.set_exception(failure)
+            if _settle(r, failure):  # else settled meanwhile (its timeout)
+                invalid += isinstance(failure, InvalidRequestError)
+                errors += not isinstance(failure, InvalidRequestError)
     if invalid:
         stats.dropped("invalid", invalid)
     if errors:
         stats.dropped("error", errors)
-    return _deliver(generation.version, [r for r, _ in good], [out for _, out in good], stats)
+    _deliver(generation.version, [r for r, _ in good], [out for _, out in good], stats)
 
 
 def _run_alone(generation: Generation, slot: int, r: Request

@@ -270,11 +270,7 @@ class ParallelInference:
                 pass  # resolved meanwhile
 
     def _timed_out(self, request: Request) -> Any:
-        fut = request.future
-        budget = (request.deadline or request.arrival) - request.arrival
-        error = RequestTimeoutError(
-            f"no output within the request's timeout ({budget:.3g} s); pass a longer timeout, "
-            "add workers, or send fewer requests at once")
+        fut, error = request.future, _timeout_error(request)
         if fut.cancel():
             if self._queue is not None and self._queue.discard(request):
                 self._stats.dropped("timeout")  # else a worker took it: it counts the cancel
@@ -306,6 +302,8 @@ class ParallelInference:
         except InferenceClosedError:
             self._stats.rejected("closed")
             raise
+        # A cancelled task (a client gone) cancels the future: its place in the queue goes back.
+        future.add_done_callback(lambda done: self._cancelled(done, request))
         remaining = None if request.deadline is None else request.deadline - time.monotonic()
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), remaining)
@@ -448,9 +446,24 @@ class _Current:
         self.generation = generation
 
 
+def _timeout_error(request: Request) -> RequestTimeoutError:
+    budget = (request.deadline or request.arrival) - request.arrival
+    return RequestTimeoutError(
+        f"no output within the request's timeout ({budget:.3g} s); pass a longer timeout, "
+        "add workers, or send fewer requests at once")
+
+
 def _expire(queue: RequestQueue, stats: StatsRecorder, request: Request) -> None:
-    """Fail a submitted request still queued at its deadline (a worker's is left to run)."""
+    """Fail a submitted request at its deadline: one still queued is taken out, one running
+    is settled now (its output, when the worker has it, is dropped), as ``output()`` does."""
     if not queue.discard(request):
+        future = request.future  # a submit()'s; a worker that took it, not yet claimed, checks
+        if isinstance(future, Future) and future.running():
+            try:
+                future.set_exception(_timeout_error(request))
+            except InvalidStateError:
+                return  # it finished just in time
+            stats.dropped("timeout")
         return
     if request.future.set_running_or_notify_cancel():
         waited = time.monotonic() - request.arrival

@@ -137,3 +137,10 @@ def test_split_output_refuses_outputs_without_a_batch_dimension():
 def test_to_numpy_handles_bfloat16():
     out = to_numpy((torch.ones(2, dtype=torch.bfloat16), torch.arange(2)))
     assert out[0].dtype == np.float32 and out[1].dtype == np.int64
+
+
+def test_a_big_endian_array_is_read_in_the_native_order():
+    values = np.arange(6, dtype=np.float32).reshape(3, 2)
+    parsed = parse(values.astype(">f4"))
+    assert parsed.tensors[0].dtype == torch.float32
+    assert parsed.tensors[0].tolist() == values.tolist()

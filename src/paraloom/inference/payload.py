@@ -46,6 +46,8 @@ def _as_tensor(x: object, where: str) -> tuple[torch.Tensor, bool]:
     if isinstance(x, torch.Tensor):
         return x, False
     if isinstance(x, np.ndarray):
+        if not x.dtype.isnative:  # big-endian data (np.frombuffer(b, ">f4"), FITS): torch's order
+            x = x.astype(x.dtype.newbyteorder("="))
         try:
             return torch.from_numpy(x), True  # zero copy; inputs are never written to
         except ValueError:  # negative strides (a reversed view): torch needs a copy

@@ -100,6 +100,30 @@ def test_max_wait_is_timed_from_the_oldest_requests_arrival():
     assert q.take(0) == [old]          # no further wait, though the batch is far from full
 
 
+def test_a_full_batch_of_another_key_goes_first_while_an_older_one_is_held_open():
+    """Different shapes never block each other: a worker takes a ready batch at once, not
+    after the older, half-empty one's max_wait."""
+    q = RequestQueue(limit=8, batch_rows=4, max_wait=3600.0, clock=FakeClock(now=100.0))
+    old = req("a", arrival=99.0)
+    full = req("b", rows=4, arrival=99.5)
+    q.put(old)
+    q.put(full)
+    assert q.take(0) == [full]  # "a" is still held open for more requests: it waited
+    q.close()
+    assert q.take(0) == [old]
+
+
+def test_a_batch_is_held_open_for_at_most_half_its_requests_timeout():
+    """A held-open batch starts by half of the shortest timeout among its requests, so a
+    request whose timeout is shorter than max_wait does not time out in the queue."""
+    q = RequestQueue(limit=8, batch_rows=32, max_wait=3600.0)
+    now = time.monotonic()
+    q.put(req(arrival=now))
+    q.put(Request((), None, 1, "a", arrival=now, deadline=now + 1.0))  # a 1 s timeout
+    batch = q.take(WAIT)
+    assert len(batch) == 2 and 0.45 <= time.monotonic() - now < 1.0
+
+
 def test_close_makes_take_drain_at_once_and_then_return_empty():
     q = RequestQueue(limit=8, batch_rows=8, max_wait=3600.0)
     r = req(arrival=time.monotonic())

@@ -150,9 +150,8 @@ class RequestQueue:
             while True:
                 wait: float | None
                 if self._size:
-                    key = self._oldest_key()
-                    wait = 0.0 if self._closed else self._fill_time(key)
-                    if wait <= 0:
+                    key, wait = self._next_group()
+                    if key is not None:
                         return self._pop(key)
                 elif self._closed:
                     return []
@@ -162,18 +161,38 @@ class RequestQueue:
                         return []
                 self._not_empty.wait(wait)
 
+    def _next_group(self) -> tuple[Hashable | None, float]:
+        """The group to take now: the oldest of those whose batch is ready (full, or held open
+        long enough); else None and the seconds until the first is ready."""
+        if len(self._groups) == 1 or self._closed or self.max_wait <= 0:
+            key = self._oldest_key()
+            wait = 0.0 if self._closed else self._fill_time(key)
+            return (key, 0.0) if wait <= 0 else (None, wait)
+        waits = {key: self._fill_time(key) for key in self._groups}
+        ready = [key for key, wait in waits.items() if wait <= 0]
+        if ready:
+            return min(ready, key=lambda k: self._groups[k][0].arrival), 0.0
+        return None, min(waits.values())
+
     def _oldest_key(self) -> Hashable:
         if len(self._groups) == 1:
             return next(iter(self._groups))
         return min(self._groups, key=lambda k: self._groups[k][0].arrival)
 
     def _fill_time(self, key: Hashable) -> float:
-        """Seconds to keep this group's batch open for more requests (0: take it now)."""
+        """Seconds to keep this group's batch open for more requests (0: take it now): up to
+        ``max_wait`` after its first request came, and at most half of any of its requests'
+        timeouts (held open longer, it would time out in the queue)."""
         if self.max_wait <= 0 or self.batch_rows is None:
             return 0.0
         if self._group_rows[key] >= self.batch_rows:
             return 0.0
-        return self._groups[key][0].arrival + self.max_wait - self._clock()
+        group = self._groups[key]
+        start = group[0].arrival + self.max_wait
+        for request in group:
+            if request.deadline is not None:
+                start = min(start, (request.arrival + request.deadline) / 2)
+        return start - self._clock()
 
     def _pop(self, key: Hashable) -> list[Request]:
         group = self._groups[key]

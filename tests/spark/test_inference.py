@@ -435,3 +435,23 @@ def test_fit_on_a_label_outside_the_classes_says_what_to_check(spark):
                                                  r"classes \(0 to 3\)") as caught:
         net.fit(frame, features="x")
     assert "class labels must be 0" not in str(caught.value)  # the fix once, not twice
+
+
+def test_predict_scores_a_streaming_dataframe(spark, model, digits_test, tmp_path):
+    """predict() on Structured Streaming data is the same lazy Arrow UDF: it used to fail
+    before any query started (telling a DataFrame apart read ``DataFrame.rdd``, which a
+    streaming DataFrame refuses)."""
+    x = digits_test.tensors[0][:40]
+    spark.createDataFrame([(i, row.flatten().tolist()) for i, row in enumerate(x)],
+                          "id long, features array<float>").write.parquet(str(tmp_path / "in"))
+    stream = spark.readStream.schema("id long, features array<float>").parquet(
+        str(tmp_path / "in"))
+    scored = spark_model(spark, model, feature_shape=(1, 8, 8)).predict(stream, argmax=True)
+    assert scored.isStreaming
+    query = scored.writeStream.format("memory").queryName("scored_digits") \
+        .trigger(availableNow=True).start()
+    assert query.awaitTermination(120)
+    got = {r.id: r.prediction for r in spark.sql("select * from scored_digits").collect()}
+    with torch.no_grad():
+        expected = model(x).argmax(1).tolist()
+    assert got == dict(enumerate(expected))

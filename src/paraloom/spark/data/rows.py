@@ -99,8 +99,10 @@ def partition_arrays(pairs: Iterable[Pair]) -> Pair:
 
 
 def is_dataframe(data: object) -> TypeGuard[DataFrame]:
-    """True for a pyspark DataFrame (anything with ``rdd`` and ``columns``)."""
-    return hasattr(data, "rdd") and hasattr(data, "columns")
+    """True for a pyspark DataFrame (anything whose type has ``rdd`` and ``columns``). The
+    type is asked, not the object: ``DataFrame.rdd`` builds an RDD, and raises on a streaming
+    DataFrame."""
+    return hasattr(type(data), "rdd") and hasattr(type(data), "columns")
 
 
 def is_rdd(data: object) -> TypeGuard[RDD[object]]:

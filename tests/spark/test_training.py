@@ -299,3 +299,24 @@ def test_a_dataframe_of_other_partitions_is_spread_over_the_workers_to_one_row(
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.01)).fit(frame)
     shares = summary["rows_per_worker"]
     assert sum(shares) == rows and max(shares) - min(shares) <= parts  # one row a partition
+
+
+def test_a_coalesced_dataframe_trains_and_never_keeps_its_partitions(spark):
+    """df.coalesce(workers) has the partitions to keep, but Spark runs no barrier stage over a
+    coalesce (SPARK-24820): it is shuffled instead. It failed with a Java stack frame."""
+    frame = spark.createDataFrame([([float(i), 1.0, 2.0, 3.0], i % 3) for i in range(40)],
+                                  "features array<double>, label long").repartition(4)
+
+    def fit(data, **options):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        master = ParameterAveragingTrainingMaster(batch_size_per_worker=8, workers=2,
+                                                  **options)
+        net = SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        return net.fit(data, epochs=1)
+
+    assert fit(frame.coalesce(2))["samples"] == 40
+    assert fit(frame.union(frame).coalesce(2))["samples"] == 80
+    with pytest.raises(ValueError, match=r"coalesce\(\).*use repartition\(2\)"):
+        fit(frame.coalesce(2), repartition="never")

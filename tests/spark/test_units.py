@@ -439,6 +439,21 @@ def test_root_cause_keeps_the_python_errors_own_lines_not_the_jvms() -> None:
         "(on a batch with inputs float32 (1, 8))", "A minibatch of one row: drop it"]
 
 
+def test_root_cause_of_a_job_spark_refused_is_its_exception_not_a_frame() -> None:
+    from paraloom.spark.training.jobs import root_cause
+
+    text = ("py4j.protocol.Py4JJavaError: An error occurred while calling o1.collect.\n"
+            ": org.apache.spark.scheduler.BarrierJobUnsupportedRDDChainException: "
+            "[SPARK-24820][SPARK-24821]: Barrier execution mode does not allow ...\n"
+            "\tat org.apache.spark.scheduler.DAGScheduler.checkBarrierStageWithRDDChainPattern"
+            "(DAGScheduler.scala:1)\n\tat java.base/java.lang.Thread.run(Thread.java:840)\n")
+    assert root_cause(text) == (
+        "org.apache.spark.scheduler.BarrierJobUnsupportedRDDChainException: "
+        "[SPARK-24820][SPARK-24821]: Barrier execution mode does not allow ...")
+    frames_only = "\tat org.apache.Foo(Foo.scala:1)\n\tat java.base/Thread.run(Thread.java:1)"
+    assert root_cause(frames_only) == "at java.base/Thread.run(Thread.java:1)"
+
+
 def test_rdd_values_of_decimals_train_as_numbers_and_nulls_or_text_are_named():
     """df.rdd of a decimal column gives Decimal objects: torch failed on numpy's object array
     ("can't convert np.ndarray of type numpy.object_"), naming neither the cause nor the fix."""

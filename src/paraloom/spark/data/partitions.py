@@ -11,6 +11,7 @@ process.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -73,17 +74,36 @@ def _spread(rdd: RDD[Pair], workers: int, repartition: str,
     chunk's pieces: ``spread_chunks``); kept partitions are keyed by ``_keyed``, whole."""
     have = rdd.getNumPartitions()
     if repartition == "if_needed":
-        repartition = "never" if have == workers else "always"
+        repartition = "never" if have == workers and not _coalesced(rdd) else "always"
     if repartition == "never":
         if have != workers:
             raise ValueError(f"repartition='never' but the data has {have} partitions and "
                              f"workers={workers}; use repartition='always' or 'if_needed', or "
                              f"repartition the data to {workers} partitions")
+        if _coalesced(rdd):
+            raise ValueError("repartition='never' but the data's partitions come from "
+                             "coalesce() or union(), which Spark's barrier stage cannot run "
+                             f"(SPARK-24820): use repartition({workers}) instead of "
+                             f"coalesce({workers}), or repartition='if_needed'")
         return rdd.mapPartitionsWithIndex(_keyed).mapPartitions(  # already in order
             finish, preservesPartitioning=True)
     spread = rdd.mapPartitionsWithIndex(cut).repartitionAndSortWithinPartitions(
         workers, target or _target(workers))
     return spread.mapPartitions(finish, preservesPartitioning=True)
+
+
+_UNBARRIERED = ("CoalescedRDD", "UnionRDD", "PartitionPruningRDD")
+"""RDDs whose partitions are not their parents': Spark runs no barrier stage over one in the
+stage (SPARK-24820, BarrierJobUnsupportedRDDChainException): a coalesce() or a union()."""
+
+
+def _coalesced(rdd: RDD[Any]) -> bool:
+    """Whether ``rdd`` reads a coalesce() or union() (DataFrame or RDD) without a shuffle
+    since, from its lineage (each RDD named, the newest first)."""
+    lineage = rdd.toDebugString() or b""
+    text = lineage.decode() if isinstance(lineage, bytes) else str(lineage)
+    stage = re.split(r"Shuffled\w*RDD", text, maxsplit=1)[0]
+    return any(name in stage for name in _UNBARRIERED)
 
 
 def partition_chunks(rows: RDD[Pair], workers: int, repartition: str = "always") -> RDD[Chunk]:

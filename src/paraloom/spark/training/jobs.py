@@ -110,7 +110,15 @@ def root_cause(text: str) -> str:
             if line.startswith(_JVM_LINES):
                 break
             keep.append(line)
-    return "\n".join(keep) if keep else (lines[-1] if lines else text)
+    if keep:
+        return "\n".join(keep)
+    # No abort line nor Python error (Spark refused the job itself): its exception, not the
+    # last of the JVM's frames.
+    thrown = [ln.lstrip(": ") for ln in lines if re.search(r"(Exception|Error)\b: ", ln)]
+    inner = [ln for ln in thrown if not ln.startswith("py4j")]  # py4j's only wraps it
+    if thrown:
+        return (inner or thrown)[0]
+    return lines[-1] if lines else text
 
 
 def _job_failure(sc: SparkContext, error: Exception, description: str, attempts: int,

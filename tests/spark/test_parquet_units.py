@@ -91,6 +91,20 @@ def test_shares_stream_the_right_rows_from_the_files(folder):
     assert sorted(seen) == list(range(1000))
 
 
+def test_file_uris_with_non_ascii_characters_and_escapes_are_read(tmp_path):
+    """Spark's file URIs keep non-ASCII characters raw (pyarrow refused them) and escape a
+    space as %20: both are read, from the folder's URI and from its files'."""
+    here = tmp_path / "daten_ü x"
+    here.mkdir()
+    _write(here / "part-0%.parquet", np.arange(10), 4)
+    uri = "file://" + str(here).replace(" ", "%20")
+    for paths in ([uri], [uri + "/part-0%25.parquet"]):
+        data = scan_parquet(paths, COLUMNS)
+        assert data.rows == 10
+        pieces = data.share(0, seed=0, rank=0, world=1)
+        assert sorted(_ids(read_share(data, pieces, COLUMNS, chunk_rows=4))) == list(range(10))
+
+
 def test_bad_paths_and_columns_fail_before_training_naming_file_and_column(folder, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         scan_parquet([str(tmp_path / "nowhere")], COLUMNS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -94,12 +95,19 @@ class ParquetSet:
 
 def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem and the path in it: a URI (``hdfs://``, ``s3://``,
-    ``file://``) through ``FileSystem.from_uri``, anything else on the local disk."""
+    ``file://``) through ``FileSystem.from_uri``, anything else on the local disk. A URI's
+    non-ASCII characters are percent-encoded first: Spark's file URIs keep them raw
+    (``file:///data/daten_ü/...``), and pyarrow refuses those."""
     import pyarrow.fs as pafs
 
     if "://" in path:
-        return pafs.FileSystem.from_uri(path)  # type: ignore[no-any-return]
+        return pafs.FileSystem.from_uri(_quoted(path))  # type: ignore[no-any-return]
     return pafs.LocalFileSystem(), path
+
+
+_URI_CHARACTERS = "/:%@!$&'()*+,;=?#[]~"
+"""What a URI may hold as it is (RFC 3986's reserved characters, and ``%`` of the escapes
+already there), beside letters, digits and ``-._``."""
 
 
 def _hidden(name: str) -> bool:
@@ -120,11 +128,23 @@ def _list(path: str) -> list[str]:
             "fit(spark.read.parquet(...)), which Spark reads glob and all" if glob else ""))
     if info.type == pafs.FileType.File:
         return [path]
-    prefix = path[:len(path) - len(inner)] if "://" in path else ""
     found = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
     keep = [f.path for f in found if f.type == pafs.FileType.File
             and not any(_hidden(part) for part in f.path[len(inner):].split("/") if part)]
-    return sorted(prefix + p for p in keep)
+    if "://" not in path:
+        return sorted(keep)
+    # The files as URIs of the folder's: its scheme and host before each file's path, escaped.
+    uri, escaped = _quoted(path), _quoted(inner, decoded=True)
+    prefix = uri[:len(uri) - len(escaped)] if uri.endswith(escaped) else \
+        path[:len(path) - len(inner)]
+    return sorted(prefix + _quoted(p, decoded=True) for p in keep)
+
+
+def _quoted(uri: str, decoded: bool = False) -> str:
+    """``uri`` with what a URI may not hold as it is percent-encoded; ``decoded``: a path as
+    the filesystem names it, whose ``%`` is a character (escaped too), not an escape's."""
+    return urllib.parse.quote(uri, safe=_URI_CHARACTERS.replace("%", "") if decoded
+                              else _URI_CHARACTERS)
 
 
 def _open(path: str) -> Any:

@@ -181,3 +181,24 @@ def test_bce_losses_take_integer_labels_of_either_shape() -> None:
         ev = evaluate(_Scores(), [(logits, shaped)], loss_fn=nn.BCEWithLogitsLoss())
         assert ev.metrics()["loss"] == pytest.approx(want)
         assert ev.accuracy == 0.75
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_loss_is_a_mean_per_row_whatever_the_losss_reduction(reduction: str) -> None:
+    from paraloom.early_stopping import LossCalculator
+
+    torch.manual_seed(1)
+    logits, labels = torch.randn(100, 3), torch.randint(0, 3, (100,))
+    data = [(logits[:64], labels[:64]), (logits[64:], labels[64:])]  # unequal batches
+    want = float(nn.functional.cross_entropy(logits, labels))
+    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    assert evaluate(_Scores(), data, loss_fn=loss_fn).metrics()["loss"] == pytest.approx(want)
+    assert LossCalculator(data, loss_fn).score(_Scores()) == pytest.approx(want)
+    summed = [nn.CrossEntropyLoss(reduction=reduction), nn.CrossEntropyLoss()]
+
+    class Two(nn.Module):
+        def forward(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return v, v
+
+    pairs = [(x, (y, y)) for x, y in data]
+    assert LossCalculator(pairs, summed).score(Two()) == pytest.approx(2 * want)

@@ -4,7 +4,7 @@ and ROC (one implementation for local and Spark evaluation)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
@@ -418,17 +418,35 @@ class _Counts(Protocol):
                /) -> None: ...
 
 
-def update_with_loss(state: _Counts, outputs: torch.Tensor, targets: torch.Tensor, rows: int,
+def batch_total(loss_fn: Any, rows: int) -> Any:
+    """``loss_fn`` made to return its batch's loss summed over the ``rows`` (each of a sequence
+    of per-output losses alike): a ``reduction="sum"`` loss as it is, a mean times ``rows``, and
+    a ``reduction="none"`` loss's mean times ``rows``. Summed over batches and divided by every
+    row, it is the mean loss per row, whatever the batch sizes and the loss's reduction."""
+    if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module):
+        return [batch_total(f, rows) for f in loss_fn]
+    summed = getattr(loss_fn, "reduction", "mean") == "sum"
+
+    def total(outputs: Any, targets: Any) -> torch.Tensor:
+        value = torch.as_tensor(loss_fn(outputs, targets))
+        if summed and value.dim() == 0:
+            return value
+        return value.mean() * rows
+
+    return total
+
+
+def update_with_loss(state: _Counts, outputs: torch.Tensor, targets: torch.Tensor,
                      loss: Callable[[], torch.Tensor] | None) -> None:
-    """``state.update`` with the batch's loss sum: ``loss()`` times its ``rows`` (0 without
-    ``loss``). Where ``loss()`` raises, ``state.update`` runs first, so that its own error is
-    the one raised where it has one: a label outside the classes is named with their range,
-    not as the loss function's IndexError (on CUDA, a device-side assert)."""
+    """``state.update`` with the batch's loss sum ``loss()`` (0 without ``loss``; made by
+    ``batch_total``). Where ``loss()`` raises, ``state.update`` runs first, so that its own
+    error is the one raised where it has one: a label outside the classes is named with their
+    range, not as the loss function's IndexError (on CUDA, a device-side assert)."""
     total = 0.0
     if loss is not None:
         try:
             with torch.no_grad():
-                total = float(loss()) * rows
+                total = float(loss())
         except Exception:
             state.update(outputs, targets)
             raise
@@ -463,8 +481,9 @@ def evaluate(model: nn.Module, data: Iterable[object], *, num_classes: int | Non
         if isinstance(loss_fn, nn.BCELoss | nn.BCEWithLogitsLoss) \
                 and targets.numel() == logits.numel():
             shaped = targets.reshape(logits.shape).to(logits.dtype)
-        update_with_loss(ev, logits, targets, int(targets.shape[0]),
-                         None if loss_fn is None else functools.partial(loss_fn, logits, shaped))
+        rows = int(targets.shape[0]) if targets.dim() else 1
+        update_with_loss(ev, logits, targets, None if loss_fn is None else functools.partial(
+            batch_total(loss_fn, rows), logits, shaped))
     assert ev is not None
     return ev
 

@@ -54,6 +54,15 @@ def test_evaluate_equals_local_metrics(spark, sc, model, digits_test):
     assert 0.5 < local["accuracy"] < 1  # a partly trained model: the comparison means something
 
 
+def test_evaluate_loss_is_a_mean_per_row_with_a_summed_loss(spark, sc, model, digits_test):
+    local = evaluate(model, DataLoader(digits_test, batch_size=64),
+                     loss_fn=nn.CrossEntropyLoss()).metrics()
+    net = SparkModel(spark, model, ParameterAveragingTrainingMaster(workers=2),
+                     loss_fn=nn.CrossEntropyLoss(reduction="sum"))
+    remote = net.evaluate(h.rdd(sc, "test", 3), batch_size=50).metrics()
+    assert remote["loss"] == pytest.approx(local["loss"], rel=1e-5)  # not times 50 rows
+
+
 def test_evaluate_regression_equals_local(spark, sc):
     torch.manual_seed(0)
     linear = nn.Linear(3, 2)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from paraloom.data import iter_tensors, split_batch, to_device
-from paraloom.evaluation import evaluate, evaluate_regression
+from paraloom.evaluation import batch_total, evaluate, evaluate_regression
 from paraloom.forward import LossFn, compute_loss, forward
 
 __all__ = ["ScoreCalculator", "LossCalculator", "AccuracyCalculator", "F1Calculator",
@@ -34,7 +34,8 @@ def _device(model: nn.Module) -> torch.device:
 
 
 class LossCalculator(ScoreCalculator):
-    """Mean loss per example on a data set (lower is better)."""
+    """Mean loss per example on a data set (lower is better), whatever the batch sizes and
+    the loss's reduction (a ``reduction="sum"`` loss is divided by the rows, not multiplied)."""
 
     def __init__(self, data: Iterable[Any], loss_fn: LossFn) -> None:
         from paraloom.training.step_checks import require_loss
@@ -51,7 +52,8 @@ class LossCalculator(ScoreCalculator):
             for batch in self.data:
                 inputs, targets = to_device(split_batch(batch), _device(model))
                 n = _rows(targets)
-                total += float(compute_loss(self.loss_fn, forward(model, inputs), targets)) * n
+                total += float(compute_loss(batch_total(self.loss_fn, n), forward(model, inputs),
+                                            targets))
                 count += n
         finally:
             model.train(was)

@@ -24,7 +24,7 @@ from torch import nn
 
 from paraloom.data import batch_size as batch_size_of
 from paraloom.data import map_tensors
-from paraloom.evaluation import Evaluation, update_with_loss
+from paraloom.evaluation import Evaluation, batch_total, update_with_loss
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.spark.data import Arrays, Features, Pair, Tensors, num_rows, take
 from paraloom.spark.data.arrays import stack
@@ -162,17 +162,17 @@ def _pick(targets: dict[str, torch.Tensor], out: Any, position: int) -> torch.Te
 
 
 def _loss(loss_fn: LossFn | None, out: Any, targets: Tensors, chosen: Any, target: Any,
-          output: int | str | None) -> Callable[[], torch.Tensor] | None:
-    """The batch's loss: the model's (``compute_loss``), or, for one loss per output with a
-    single label column, the evaluated output's own loss against it."""
+          output: int | str | None, rows: int) -> Callable[[], torch.Tensor] | None:
+    """The batch's loss summed over its ``rows``: the model's (``compute_loss``), or, for one
+    loss per output with a single label column, the evaluated output's own loss against it."""
     if loss_fn is None:
         return None
     position = _position(out, output)
     if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module) \
             and position is not None and not isinstance(targets, (tuple, dict)) \
             and len(loss_fn) == len(out):  # else compute_loss names the mismatch
-        return functools.partial(loss_fn[position], chosen, target)
-    return functools.partial(compute_loss, loss_fn, out, targets)
+        return functools.partial(batch_total(loss_fn[position], rows), chosen, target)
+    return functools.partial(compute_loss, batch_total(loss_fn, rows), out, targets)
 
 
 def _chunks(rows: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -207,8 +207,8 @@ def _evaluate_partition(shipment: Shipment, loss_fn: LossFn | None, batch_size: 
         chosen, target = pick_output(out, targets, output)
         if state is None:  # the counted output's threshold: a dict's key is known by now
             state = new_state(chosen, shipment.threshold(_position(out, output) or 0))
-        update_with_loss(state, chosen, target, num_rows(y),
-                         _loss(loss_fn, out, targets, chosen, target, output))
+        update_with_loss(state, chosen, target,
+                         _loss(loss_fn, out, targets, chosen, target, output, num_rows(y)))
     yield state
 
 

@@ -123,6 +123,30 @@ def test_a_failed_update_keeps_the_old_model_serving():
         pi.update_model(old)
 
 
+
+class _TimeMajor(nn.Module):
+    """Reads ``(T=7, N, F=4)`` steps and ``(N,)`` weights: no input's first dimension is N."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(7 * 4, 2)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.head(x.permute(1, 0, 2).reshape(x.shape[1], 28)) * w[:, None]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "inplace"])
+def test_models_whose_inputs_are_not_row_first_warm_and_update_where_nothing_merges(mode):
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 3, 4), torch.rand(3)
+    first, second = _TimeMajor().eval(), _TimeMajor().eval()
+    with ParallelInference(first, inference_mode=mode, workers=1, example_input=(x, w)) as pi:
+        torch.testing.assert_close(pi.output((x, w)), first(x, w))
+        assert pi.update_model(second) == 2  # warmed on the input served, all 7 steps of it
+        torch.testing.assert_close(pi.output((x, w)), second(x, w))
+        assert pi.update_model(first, example_input=(x[:, :1], w[:1])) == 3
+
+
 def test_close_drains_every_queued_request(gate, monkeypatch):
     with ParallelInference(GatedScale(gate), workers=1, batch_limit=2) as pi, gate:
         held = pi.submit(torch.ones(1, 1))

@@ -107,7 +107,8 @@ class ParallelInference:
         self._swap_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._closed = False
-        self._current = _Current(build_generation(model, 1, self._devices, self._precision))
+        self._current = _Current(build_generation(model, 1, self._devices, self._precision,
+                                                  merges=self._merges))
         if example_input is not None:
             self._warm(self._generation, self._example(example_input), "example_input")
         self._slots: SlotPool | None = None
@@ -143,9 +144,9 @@ class ParallelInference:
 
     # ------------------------------------------------------------------ construction helpers
 
-    @staticmethod
-    def _example(example_input: object) -> Example:
-        parsed = parse(example_input)
+    def _example(self, example_input: object) -> Example:
+        # As requests are: inputs never merged may have first dimensions other than the rows.
+        parsed = parse(example_input, aligned=self._merges)
         return parsed.key, parsed.spec, parsed.tensors
 
     def _warm(self, generation: Generation, example: Example, what: str) -> None:
@@ -371,7 +372,8 @@ class ParallelInference:
             example = (self._example(example_input) if example_input is not None
                        else example_of(old))
             try:
-                new = build_generation(model, old.version + 1, self._devices, self._precision)
+                new = build_generation(model, old.version + 1, self._devices, self._precision,
+                                       merges=self._merges)
                 if example is not None:
                     warm_up(new, example, merges=self._merges)
             except Exception as exc:

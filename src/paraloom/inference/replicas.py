@@ -45,17 +45,21 @@ class Generation:
     touches a batch in flight; the old replicas are freed when their last batch is done.
     """
 
-    __slots__ = ("version", "replicas", "devices", "precision", "known", "unmergeable",
+    __slots__ = ("version", "replicas", "devices", "precision", "merges", "known", "unmergeable",
                  "rows_checked")
 
     def __init__(self, version: int, replicas: list[nn.Module], devices: list[torch.device],
-                 precision: Precision) -> None:
+                 precision: Precision, *, merges: bool = True) -> None:
         self.version = version
+        self.merges = merges
+        """Whether requests are merged by rows: if not, an input's first dimension need not
+        be its rows (a time-major LSTM's ``(T, N, F)``), and ``known`` keeps it whole."""
         self.replicas = replicas
         self.devices = devices
         self.precision = precision
-        # (key, spec, one row of tensors) of an input this version ran on; replaced as a whole,
-        # so readers on other threads never see a half-updated pair.
+        # (key, spec, one row of tensors, or all of them when not merging) of an input this
+        # version ran on; replaced as a whole, so readers on other threads never see a
+        # half-updated pair.
         self.known: Example | None = None
         self.unmergeable = False
         """Set once a merged batch's output could not be split by rows: from then on each
@@ -73,7 +77,8 @@ class Generation:
         known = self.known
         if known is None or known[0] != key:
             # A copy of one row: a view would keep the whole request's memory alive.
-            self.known = (key, spec, tuple(t[:1].clone() for t in tensors))
+            self.known = (key, spec, tuple((t[:1] if self.merges else t).clone()
+                                           for t in tensors))
 
     def refuse_merging(self, why: str) -> None:
         """Run each request of this version alone from now on, and warn once, naming ``why``."""
@@ -93,12 +98,13 @@ class Generation:
 
 
 def build_generation(model: nn.Module, version: int, devices: list[torch.device],
-                     precision: Precision) -> Generation:
-    """Check the devices can run the precision and build one replica per device."""
+                     precision: Precision, *, merges: bool = True) -> Generation:
+    """Check the devices can run the precision and build one replica per device
+    (``merges``: whether the pool merges requests by rows)."""
     for device in dict.fromkeys(devices):
         precision.check_device(device)
     return Generation(version, [build_replica(model, d, precision) for d in devices], devices,
-                      precision)
+                      precision, merges=merges)
 
 
 def warm_up(generation: Generation, example: Example, *, merges: bool = False) -> None:

@@ -4,7 +4,7 @@ and ROC (one implementation for local and Spark evaluation)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from paraloom.data import split_batch, to_device
-from paraloom.forward import forward
+from paraloom.forward import batch_total, forward
 
 __all__ = ["Evaluation", "RegressionEvaluation", "ROC", "evaluate", "evaluate_regression"]
 
@@ -416,24 +416,6 @@ def _predictions(model: nn.Module, data: Iterable[object], caller: str
 class _Counts(Protocol):
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float = 0.0,
                /) -> None: ...
-
-
-def batch_total(loss_fn: Any, rows: int) -> Any:
-    """``loss_fn`` made to return its batch's loss summed over the ``rows`` (each of a sequence
-    of per-output losses alike): a ``reduction="sum"`` loss as it is, a mean times ``rows``, and
-    a ``reduction="none"`` loss's mean times ``rows``. Summed over batches and divided by every
-    row, it is the mean loss per row, whatever the batch sizes and the loss's reduction."""
-    if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module):
-        return [batch_total(f, rows) for f in loss_fn]
-    summed = getattr(loss_fn, "reduction", "mean") == "sum"
-
-    def total(outputs: Any, targets: Any) -> torch.Tensor:
-        value = torch.as_tensor(loss_fn(outputs, targets))
-        if summed and value.dim() == 0:
-            return value
-        return value.mean() * rows
-
-    return total
 
 
 def update_with_loss(state: _Counts, outputs: torch.Tensor, targets: torch.Tensor,

@@ -13,7 +13,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from paraloom.data import describe
 
-__all__ = ["LossFn", "forward", "compute_loss"]
+__all__ = ["LossFn", "batch_total", "forward", "compute_loss"]
 
 LossFn = Callable[[Any, Any], torch.Tensor] | Sequence[Callable[[Any, Any], torch.Tensor]]
 """``loss_fn(outputs, targets) -> loss``, or one such loss per model output (summed)."""
@@ -49,3 +49,21 @@ def compute_loss(loss_fn: LossFn, outputs: Any, targets: Any) -> torch.Tensor:
         return functools.reduce(operator.add, losses)
     loss: torch.Tensor = loss_fn(outputs, targets)
     return loss
+
+
+def batch_total(loss_fn: Any, rows: int) -> Any:
+    """``loss_fn`` made to return its batch's loss summed over the ``rows`` (each of a sequence
+    of per-output losses alike): a ``reduction="sum"`` loss as it is, a mean times ``rows``, and
+    a ``reduction="none"`` loss's mean times ``rows``. Summed over batches and divided by every
+    row, it is the mean loss per row, whatever the batch sizes and the loss's reduction."""
+    if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module):
+        return [batch_total(f, rows) for f in loss_fn]
+    summed = getattr(loss_fn, "reduction", "mean") == "sum"
+
+    def total(outputs: Any, targets: Any) -> torch.Tensor:
+        value = torch.as_tensor(loss_fn(outputs, targets))
+        if summed and value.dim() == 0:
+            return value
+        return value.mean() * rows
+
+    return total

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from paraloom.data import iter_tensors, split_batch, to_device
-from paraloom.evaluation import batch_total, evaluate, evaluate_regression
-from paraloom.forward import LossFn, compute_loss, forward
+from paraloom.evaluation import evaluate, evaluate_regression
+from paraloom.forward import LossFn, batch_total, compute_loss, forward
 
 __all__ = ["ScoreCalculator", "LossCalculator", "AccuracyCalculator", "F1Calculator",
            "MSECalculator", "CallableCalculator", "as_score_calculator"]

@@ -24,8 +24,8 @@ from torch import nn
 
 from paraloom.data import batch_size as batch_size_of
 from paraloom.data import map_tensors
-from paraloom.evaluation import Evaluation, batch_total, update_with_loss
-from paraloom.forward import LossFn, compute_loss, forward
+from paraloom.evaluation import Evaluation, update_with_loss
+from paraloom.forward import LossFn, batch_total, compute_loss, forward
 from paraloom.spark.data import Arrays, Features, Pair, Tensors, num_rows, take
 from paraloom.spark.data.arrays import stack
 from paraloom.spark.data.rows import field

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from paraloom._warnings import warn as warn_at_caller
+from paraloom.extra_state import join_extra_state, split_extra_state, tensors_of
 from paraloom.models import MLP, LeNet
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ _HEADER_KEY = "paraloom"
 # types are quoted because NotRequired is typing_extensions' before Python 3.11.
 ModelSpec = TypedDict("ModelSpec", {"kwargs": "dict[str, Any]", "name": "NotRequired[str]",
                                     "class": "NotRequired[str]",
-                                    "metadata": "NotRequired[dict[str, Any]]"})
+                                    "metadata": "NotRequired[dict[str, Any]]",
+                                    "extra_state": "NotRequired[dict[str, Any]]"})
 _REGISTRY: dict[str, type[nn.Module] | Callable[..., nn.Module]] = {"lenet": LeNet, "mlp": MLP}
 
 
@@ -176,8 +178,11 @@ def _write(model: nn.Module, path: str | Path, spec: ModelSpec,
     """Write ``model``'s weights and the header ``spec`` (plus ``metadata``) to ``path``."""
     if metadata:
         spec["metadata"] = metadata
+    own, extra = split_extra_state(model.state_dict(), "paraloom.save")
+    if extra:
+        spec["extra_state"] = extra
     # safetensors refuses shared or non-contiguous storage: store independent copies.
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in own.items()}
     check_storable(tensors, "paraloom.save")
     header = {_HEADER_KEY: json.dumps(spec)}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
@@ -292,9 +297,10 @@ def _check_shapes(path: Path, model: nn.Module | None, state: dict[str, Tensor])
     """``ValueError`` where ``model``'s tensors have other shapes than the file's."""
     if model is None:
         return
-    mismatched = {k: (tuple(v.shape), tuple(state[k].shape)) for k, v
-                  in model.state_dict().items() if k in state and not is_lazy(v)
-                  and v.shape != state[k].shape}  # a lazy one takes the file's shape
+    saved = tensors_of(state)
+    mismatched = {k: (tuple(v.shape), tuple(saved[k].shape)) for k, v
+                  in tensors_of(model.state_dict()).items() if k in saved and not is_lazy(v)
+                  and v.shape != saved[k].shape}  # a lazy one takes the file's shape
     if mismatched:
         shown = dict(list(mismatched.items())[:10])
         raise ValueError(f"{path} does not match the rebuilt model: shapes (model, file) "
@@ -452,6 +458,7 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     # safetensors reads to "cpu" or an accelerator by name, not "cpu:0" or "meta"
     spec, state = read_consistently(path, "cpu" if device.type in ("cpu", "meta") else device,
                                     plain=factory is not None)
+    state = join_extra_state(state, spec.get("extra_state"))
     if spec.get("kwargs") and factory is None:
         # The file's constructor arguments could ask for any size (num_classes=10**8): the
         # file's model is built on the meta device first, which allocates nothing, and checked
@@ -487,5 +494,5 @@ def _take_dtypes(model: nn.Module, state: dict[str, Tensor]) -> None:
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             saved = state.get(name)
-            if saved is not None and saved.dtype != t.dtype and not is_lazy(t):
+            if isinstance(saved, Tensor) and saved.dtype != t.dtype and not is_lazy(t):
                 t.data = t.data.to(saved.dtype)

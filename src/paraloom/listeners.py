@@ -179,8 +179,10 @@ class CheckpointListener(TrainingListener):
 
     def on_fit_start(self, wrapper: ParallelWrapper) -> None:
         from paraloom.checkpoint import check_storable
+        from paraloom.extra_state import split_extra_state
 
-        check_storable(wrapper.model.state_dict(), "CheckpointListener")  # before training
+        tensors, _ = split_extra_state(wrapper.model.state_dict(), "CheckpointListener")
+        check_storable(tensors, "CheckpointListener")  # before training
         self._adopted = False  # the directory is looked at again at the fit's first checkpoint
         mine = (self.directory.resolve(), self.prefix)
         for other in wrapper.listeners:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from paraloom.data import map_tensors
+from paraloom.extra_state import tensors_of
 
 __all__ = ["Precision", "PRECISIONS", "resolve_precision"]
 
@@ -84,9 +85,9 @@ class Precision:
         if self.param_dtype is None:
             return state
         # The buffers outside state_dict() (persistent=False: a rotary cache) travel too.
-        own = {**dict(model.named_buffers()), **model.state_dict()}
+        own = {**dict(model.named_buffers()), **tensors_of(model.state_dict())}
         kept = dict(state)
-        for key, value in state.items():
+        for key, value in tensors_of(state).items():
             mine = own.get(key)
             if mine is not None and mine.is_floating_point() and value.dtype == self.param_dtype \
                     and mine.shape == value.shape and torch.equal(  # a CUDA model: the CPU's

@@ -128,3 +128,28 @@ def test_configs_outside_the_directory_or_past_bounds_are_refused_not_read(tmp_p
     assert found["huge"].path is None
     assert f"past the {CONFIG_MAX_BYTES:,}" in (found["huge"].error or "")
     assert found["fine"].path is not None  # the others are served
+
+
+class _Versioned(torch.nn.Linear):
+    """A model whose extra state (get_extra_state) says which release it is."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.release = "a"
+
+    def get_extra_state(self) -> dict[str, str]:
+        return {"release": self.release}
+
+    def set_extra_state(self, state: dict[str, str]) -> None:
+        self.release = state["release"]
+
+
+def test_a_models_extra_state_comes_with_the_new_files_weights(tmp_path: Path) -> None:
+    """read_tensors left the header's extra state out, and comparing shapes met a dict."""
+    served, update = _Versioned(), _Versioned()
+    update.release = "b"
+    paraloom.save(update, tmp_path / "v2.safetensors", kwargs={})
+    files = ModelFiles(model_dir=tmp_path)
+    new = files.build(files.resolve({"path": "v2.safetensors"}), served)
+    assert new.release == "b" and served.release == "a"
+    assert torch.equal(new.weight, update.weight)

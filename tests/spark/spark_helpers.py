@@ -283,3 +283,21 @@ class Tagger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l(x).reshape(len(x), 2, 3)
+
+
+class Released(nn.Module):
+    """A classifier of 4 features whose extra state (get_extra_state) names its release."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.release = "a"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+    def get_extra_state(self) -> dict[str, str]:
+        return {"release": self.release}
+
+    def set_extra_state(self, state: dict[str, str]) -> None:
+        self.release = state["release"]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from spark_helpers import DictOut, ScoreAndProbability, Tagger
+from spark_helpers import DictOut, Released, ScoreAndProbability, Tagger
 from torch import nn
 
 from paraloom import WorkerError
-from paraloom.spark import ParameterAveragingTrainingMaster, SparkModel
+from paraloom.spark import ParameterAveragingTrainingMaster, SharedTrainingMaster, SparkModel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,3 +108,28 @@ def test_a_dict_outputs_probability_counts_class_one_above_one_half_by_key(spark
     found = net.evaluate(frame, label=("reg", "cls"), output="prob", metrics=["classification"])
     assert found["classification"].accuracy == pytest.approx(expected)
     assert net.evaluate(frame, label=("reg", "cls"), output=1).accuracy == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("master", [
+    ParameterAveragingTrainingMaster(16, workers=2),
+    ParameterAveragingTrainingMaster(16, workers=2, averaging_frequency=2,
+                                     outer_optimizer="nesterov"),  # DiLoCo
+    SharedTrainingMaster(16, workers=2),
+], ids=["averaging", "diloco", "shared"])
+def test_a_model_with_extra_state_trains_predicts_and_evaluates(spark, master):
+    """get_extra_state()'s dict failed packing the model ('dict' object has no attribute
+    'detach'), and the averaged state lost it (Missing key(s): "_extra_state")."""
+    x, frame = _frame(spark)
+    torch.manual_seed(0)
+    model = Released()
+    model.release = "b"
+    net = SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    before = model.fc.weight.detach().clone()
+    net.fit(frame, label="cls", epochs=2)
+    assert model.release == "b" and not torch.equal(model.fc.weight, before)
+    with torch.no_grad():
+        want = model.eval()(torch.from_numpy(x)).numpy()
+    got = np.stack([r["out"] for r in net.predict(frame, output="out").collect()])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert net.evaluate(frame, label="cls").metrics()["count"] == 64

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -137,3 +139,59 @@ def test_a_loss_per_output_pairs_dict_outputs_and_dict_targets_by_key():
                                expected)
     with pytest.raises(ValueError, match="other keys"):
         compute_loss(losses, outputs, {"cls": targets["cls"], "other": targets["reg"]})
+
+
+@pytest.mark.timeout(180)
+def test_a_modules_extra_state_trains_checkpoints_resumes_and_saves(tmp_path):
+    """get_extra_state()'s values (a dict, a tensor) failed fit(), CheckpointListener and
+    paraloom.save (AttributeError: 'dict' object has no attribute 'detach')."""
+    from training_helpers import Counted
+
+    import paraloom
+    from paraloom import TrainingCheckpoint
+    from paraloom.listeners import CheckpointListener
+
+    def run(model: Counted, listeners=(), resume_from=None) -> None:
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             listeners=list(listeners)) as w:
+            w.fit(_batches(), resume_from=resume_from)
+
+    torch.manual_seed(0)
+    model = Counted()
+    model.calibration.value = torch.tensor([1.5, -2.0])
+    start = copy.deepcopy(model)
+    listener = CheckpointListener(tmp_path / "ck", every_n_iterations=2, every_n_epochs=None)
+    run(model, [listener])
+    assert model.steps == 4  # rank 0's: 4 of the 8 batches
+    assert torch.equal(model.calibration.value, torch.tensor([1.5, -2.0]))
+    halfway = TrainingCheckpoint.load(listener.written[0]).model_state()
+    assert halfway["_extra_state"] == {"steps": 2}
+    assert torch.equal(halfway["calibration._extra_state"], torch.tensor([1.5, -2.0]))
+
+    resumed = copy.deepcopy(start)
+    run(resumed, resume_from=listener.written[0])
+    assert resumed.steps == 4 and torch.equal(resumed.fc.weight, model.fc.weight)
+
+    paraloom.save(model, tmp_path / "m.safetensors")
+    loaded = paraloom.load(tmp_path / "m.safetensors", factory=Counted)
+    assert loaded.steps == 4 and torch.equal(loaded.calibration.value, model.calibration.value)
+
+
+def test_an_extra_state_no_file_can_hold_is_refused_naming_the_module_and_the_fix(tmp_path):
+    from training_helpers import Opaque
+
+    import paraloom
+    from paraloom.listeners import CheckpointListener
+
+    model = Opaque()
+    fix = "extra state of the model.*neither a tensor nor JSON.*from get_extra_state"
+    with pytest.raises(TypeError, match=fix):
+        paraloom.save(model, tmp_path / "m.safetensors", kwargs={})
+    assert not (tmp_path / "m.safetensors").exists()
+    with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=1, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         listeners=[CheckpointListener(tmp_path / "ck")]) as w:
+        with pytest.raises(TypeError, match=fix):
+            w.fit(_batches())  # before training, not at the first checkpoint
+    assert model.steps == 0

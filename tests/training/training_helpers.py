@@ -191,3 +191,43 @@ def make_weight_reporting(mode: str, **options):
             return {**super().stats(), "weights": weights}
 
     return WeightReporting(**options)
+
+
+class _TensorState(nn.Module):
+    """A module whose extra state (``get_extra_state``) is a tensor that is no buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = torch.zeros(2)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.value.clone()
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.value = state.clone()
+
+
+class Counted(nn.Module):
+    """Counts its training forwards in its extra state (a dict); a child's is a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.calibration = nn.Linear(8, 3), _TensorState()
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += int(self.training)
+        return self.fc(x)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.steps = state["steps"]
+
+
+class Opaque(Counted):
+    """An extra state no file can hold without pickle (an object)."""
+
+    def get_extra_state(self) -> dict[str, object]:
+        return {"steps": self.steps, "clock": object()}

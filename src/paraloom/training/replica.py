@@ -16,6 +16,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from paraloom.clipping import GradientClipping
 from paraloom.data import cpu_copy, describe, map_tensors, split_batch, to_device
+from paraloom.extra_state import detached_state
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.precision import Precision, resolve_precision
 from paraloom.sync.base import StepContext, Synchronizer, zero_loss
@@ -370,8 +371,7 @@ class Replica:
         once."""
         shared = self.sync.shared_parameters(self.ctx)
         live = self.model.state_dict(keep_vars=True)
-        state: ModelState = _on_cpu({name: shared.get(id(t), t).detach()
-                                     for name, t in live.items()}, independent)
+        state: ModelState = _on_cpu(detached_state(live, shared), independent)
         return state
 
     def full_state(self, independent: bool = True) -> ReplicaState:

@@ -85,6 +85,11 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def _copied(value: Any) -> Any:
+    """A tensor's clone; a module's extra state (JSON values) copied."""
+    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
 def _mean(tensors: list[torch.Tensor], shares: list[float] | None) -> torch.Tensor:
     """The mean of ``tensors``, weighted by ``shares`` when given."""
     stacked = torch.stack(tensors)
@@ -186,14 +191,15 @@ class TrainingCheckpoint:
             # Identical parameters, and DDP's buffers are rank 0's (the next forward's
             # broadcast overwrites the others' statistics): the mean would be a model no
             # replica holds (0.04 off in a BatchNorm's running mean).
-            return {key: value.clone() for key, value in states[0].items()}
+            return {key: _copied(value) for key, value in states[0].items()}
         shares = self._shares() if self.fingerprint.get("training_mode") == "averaging" \
             else None
         views = local_views([r.get("sync", {}) for r in self.replicas if r is not None]) \
             if self.fingerprint.get("training_mode") == "shared_gradients" else {}
         return {key: _mean(views.get(key) or [s[key] for s in states], shares).to(value.dtype)
-                if value.is_floating_point() or value.is_complex() else value.clone()
-                for key, value in states[0].items()}
+                if isinstance(value, torch.Tensor) and (value.is_floating_point()
+                                                        or value.is_complex())
+                else _copied(value) for key, value in states[0].items()}
 
     def _shares(self) -> list[float] | None:
         """Per replica, the share of the rounds since the last averaging that it trained

@@ -19,6 +19,7 @@ from torch import nn
 from paraloom.clipping import GradientClipping
 from paraloom.data import IndexedDataset, batch_size, cpu_copy, split_batch
 from paraloom.errors import NotPicklableError
+from paraloom.extra_state import detached_state
 from paraloom.forward import LossFn
 from paraloom.sharding import ReplicaInfo, set_replica_info
 from paraloom.sync.base import Synchronizer
@@ -265,8 +266,7 @@ class ReplicaRunner:
         shared memory, which the next fit's state overwrites, when there is one)."""
         model = self.replica.model
         returned = self.replica.sync.returned_parameters()
-        weights = {name: returned.get(id(t), t).detach()
-                   for name, t in model.state_dict(keep_vars=True).items()}
+        weights = detached_state(model.state_dict(keep_vars=True), returned)
         state = with_transient(model, weights), self.replica.optimizer.state_dict()
         return cpu_copy(state) if self.outbox is None else self.outbox.copy(state)
 

@@ -11,7 +11,15 @@ from pathlib import Path
 from torch import nn
 
 from paraloom._warnings import warn
-from paraloom.checkpoint import _model_spec, _write, load, read_tensors, rebuild_problem
+from paraloom.checkpoint import (
+    _model_spec,
+    _write,
+    load,
+    read_header,
+    read_tensors,
+    rebuild_problem,
+)
+from paraloom.extra_state import join_extra_state
 
 __all__ = ["ModelSaver", "InMemoryModelSaver", "LocalDirectorySaver"]
 
@@ -100,7 +108,8 @@ class LocalDirectorySaver(ModelSaver):
         if self._saved is None:
             return load(path, factory=self.factory)
         model = copy.deepcopy(self._saved)
-        model.load_state_dict(read_tensors(path))
+        model.load_state_dict(join_extra_state(read_tensors(path),
+                                               read_header(path).get("extra_state")))
         return model
 
     def save_best(self, model: nn.Module, epoch: int, score: float) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from paraloom.data import as_data_source
 from paraloom.devices import DeviceSpec, training_devices
 from paraloom.errors import FitInterrupted, WorkerError
+from paraloom.extra_state import tensors_of
 from paraloom.forward import LossFn
 from paraloom.listeners import TrainingListener, as_listener
 from paraloom.precision import resolve_precision
@@ -393,7 +394,8 @@ class ParallelWrapper:
         """What a checkpoint must match to be resumed by this wrapper."""
         fingerprint = {
             "model": type(self.model).__qualname__,
-            "parameters": [[k, list(v.shape)] for k, v in self.model.state_dict().items()],
+            "parameters": [[k, list(v.shape)]
+                           for k, v in tensors_of(self.model.state_dict()).items()],
             "workers": self.workers, "training_mode": self.synchronizer.name,
             "synchronizer": self.synchronizer.config(), "precision": self.precision}
         if self.steps.accumulate > 1:  # absent at 1: older checkpoints still match

@@ -13,9 +13,11 @@ import copy
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from paraloom.checkpoint import read_header, read_tensors
+from paraloom.extra_state import join_extra_state
 from paraloom.serving.errors import ForbiddenError, ProtocolError, short_repr
 from paraloom.serving.repository.binding import BoundModel
 
@@ -94,15 +96,15 @@ class ModelFiles:
             return BoundModel(self.build(path, served.model), served.binding)
         try:
             header = read_header(path)
-            state = read_tensors(path)
+            state = join_extra_state(read_tensors(path), header.get("extra_state"))
         except (ValueError, OSError) as e:  # a corrupt file is a ValueError (read_tensors)
             raise ProtocolError(f"cannot read {path.name}: {e}") from e
         spec = _architecture(header)
         if self._spec is not None and spec != self._spec:
             raise ProtocolError(f"{path.name} holds a different architecture ({spec}) than the "
                                 f"served model ({self._spec}); serve it from a new server")
-        expected = {k: tuple(v.shape) for k, v in served.state_dict().items()}
-        found = {k: tuple(v.shape) for k, v in state.items()}
+        expected = {k: _shape(v) for k, v in served.state_dict().items()}
+        found = {k: _shape(v) for k, v in state.items()}
         if expected != found:
             diff = sorted(k for k in expected.keys() | found.keys()
                           if expected.get(k) != found.get(k))
@@ -111,6 +113,11 @@ class ModelFiles:
         model = copy.deepcopy(served)
         model.load_state_dict(state, strict=True)
         return model
+
+
+def _shape(value: object) -> tuple[int, ...] | None:
+    """A tensor's shape; None for a module's extra state (any JSON value)."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def _architecture(header: Mapping[str, object]) -> dict[str, object]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -16,6 +17,8 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from paraloom.extra_state import join_extra_state, split_extra_state, tensors_of
 
 __all__ = ["Packed", "pack", "unpack", "split_optimizer_state", "join_optimizer_state",
            "flatten", "unflatten", "state_digest", "OptimizerState", "OptimizerSkeleton",
@@ -94,11 +97,15 @@ def _independent(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().clone()
 
 
-def pack(model: dict[str, torch.Tensor], optimizer: OptimizerState | None = None,
+def pack(model: Mapping[str, Any], optimizer: OptimizerState | None = None,
          meta: Meta | None = None) -> bytes:
-    """Model state, optional optimizer state and JSON-able metadata as safetensors bytes."""
-    tensors = {_MODEL + k: _independent(v) for k, v in model.items()}
+    """Model state (a ``state_dict``: tensors, and extra states that are tensors or JSON),
+    optional optimizer state and JSON-able metadata as safetensors bytes."""
+    own, extra = split_extra_state(model, "the model sent to Spark")
+    tensors = {_MODEL + k: _independent(v) for k, v in own.items()}
     header: dict[str, object] = {"meta": meta or {}}
+    if extra:
+        header["extra_state"] = extra
     if optimizer is not None:
         opt_tensors, header["optimizer"] = split_optimizer_state(optimizer)
         tensors.update({_OPTIM + k: _independent(v) for k, v in opt_tensors.items()})
@@ -113,7 +120,8 @@ def unpack(data: bytes) -> Packed:
                          "paraloom.spark.runtime.state.pack")
     tensors = st_load(data)
     header = json.loads(header_text)
-    model = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}
+    model = join_extra_state({k[len(_MODEL):]: v for k, v in tensors.items()
+                              if k.startswith(_MODEL)}, header.get("extra_state"))
     optimizer = None
     if "optimizer" in header:
         opt = {k[len(_OPTIM):]: v for k, v in tensors.items() if k.startswith(_OPTIM)}
@@ -135,13 +143,15 @@ Layout = list[tuple[str, list[int], str]]
 """(name, shape, dtype name) of each tensor in a flattened vector."""
 
 
-def flatten(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, Layout]:
-    """All tensors in one vector, and the layout to undo it.
+def flatten(state: Mapping[str, Any]) -> tuple[np.ndarray, Layout]:
+    """All tensors of ``state`` in one vector, and the layout to undo it (a module's extra
+    state that is not a tensor is left out: it is not averaged).
 
     The vector is float32, or float64 when any tensor is float64 (or an integer type that
     float32 cannot hold exactly), so that no value loses precision on the way (but int64
     values past 2**53); a complex tensor travels as its real and imaginary parts.
     """
+    tensors = tensors_of(state)
     layout = [(name, list(t.shape), str(t.dtype).removeprefix("torch."))
               for name, t in tensors.items()]
     wide = any(t.dtype in (torch.float64, torch.int64, torch.int32, torch.complex128)
@@ -174,10 +184,14 @@ def unflatten(vector: np.ndarray, layout: Layout) -> dict[str, torch.Tensor]:
     return out
 
 
-def state_digest(state: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of the tensors' names and raw bytes: equal digests mean bit-identical states."""
+def state_digest(state: Mapping[str, Any]) -> str:
+    """SHA-256 of the tensors' names and raw bytes (and of the extra states' JSON): equal
+    digests mean bit-identical states."""
     h = hashlib.sha256()
     for name in sorted(state):
+        if not isinstance(state[name], torch.Tensor):
+            h.update(f"{name}={json.dumps(state[name], sort_keys=True, default=repr)}".encode())
+            continue
         t = state[name].detach().to("cpu").contiguous()
         h.update(name.encode())
         h.update(str(t.dtype).encode())

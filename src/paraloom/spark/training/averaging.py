@@ -275,7 +275,8 @@ class _Driver:
             state = {**self.state, **unflatten(total.model / n, total.layout)}
             self.state = self.outer.step(state, total.pseudo / n)
             return
-        self.state = unflatten(total.model / n, total.layout)
+        # A module's extra state that is not a tensor is not averaged: the driver's stays.
+        self.state = {**self.state, **unflatten(total.model / n, total.layout)}
         if total.optimizer is not None and total.optimizer_layout is not None \
                 and total.skeleton is not None:
             tensors = unflatten(total.optimizer / n, total.optimizer_layout)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
+from paraloom.extra_state import tensors_of
 from paraloom.spark.runtime import flatten
 from paraloom.sync.diloco import (
     OuterOptimizer,
@@ -103,9 +104,11 @@ def state_update(previous: np.ndarray | None, state: ModelState, full_bytes: int
                  sequence: int) -> tuple[bytes | None, np.ndarray]:
     """The bytes that take ``flatten(previous state)`` to ``flatten(state)`` (the positions
     that changed and their new values, exactly), or None when that is not much smaller than
-    the full state; and ``flatten(state)`` for the next round's comparison."""
+    the full state (or the state holds a module's extra state that is not a tensor, which
+    only the full state carries); and ``flatten(state)`` for the next round's comparison."""
     flat, _ = flatten(dict(sorted(state.items())))  # the executors' order (see keep_state)
-    if previous is None or previous.shape != flat.shape or previous.dtype != flat.dtype:
+    if previous is None or previous.shape != flat.shape or previous.dtype != flat.dtype \
+            or len(tensors_of(state)) != len(state):
         return None, flat
     changed = np.flatnonzero(previous != flat)
     wide = flat.size >= 2**31

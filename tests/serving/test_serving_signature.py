@@ -193,3 +193,38 @@ def test_classification_ranks_wide_unsigned_integers_exactly(dtype, top) -> None
     scores = torch.tensor([[top - 1, 7, top, 2**15]], dtype=torch.uint64).to(dtype)
     assert classify(scores, 3, True, (), "y").tolist() == [
         [f"{top}:2".encode(), f"{top - 1}:0".encode(), f"{2**15}:3".encode()]]
+
+
+class _Bag(nn.Module):
+    """A text classifier over rows of token ids (0: padding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(12, 8, padding_idx=0), nn.Linear(8, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(ids))
+
+
+class _Conditioned(nn.Module):
+    """Features in; an Embedding registered first that forward does not take input from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias_of = nn.Embedding(1, 3)
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.bias_of.weight
+
+
+def test_a_model_of_token_ids_is_read_from_its_embedding() -> None:
+    """The first Linear (the head) was taken: FP32 [-1, 8], on which an EmbeddingBag fails."""
+    sig = infer_signature(_Bag())
+    assert sig.inputs == (TensorSpec("input", "INT64", (-1, -1)),)
+    assert sig.outputs == (TensorSpec("output", "FP32", (-1, 2)),)
+    ids = RequestInput("input", "INT64", [2, 5], torch.tensor([[3] * 5, [4, 5, 0, 0, 0]]))
+    assert sig.check([ids])[0].shape == (2, 5)  # any length
+    features = infer_signature(_Conditioned())  # the Embedding does not take the input: next
+    assert features.inputs == (TensorSpec("input", "FP32", (-1, 5)),)
+    assert features.outputs == (TensorSpec("output", "FP32", (-1, 3)),)

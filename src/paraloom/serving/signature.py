@@ -280,19 +280,41 @@ def _as_list(sample: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor
     return [sample] if isinstance(sample, torch.Tensor) else list(sample)
 
 
-def _infer_inputs(model: nn.Module, sample: list[torch.Tensor] | None
-                  ) -> tuple[TensorSpec, ...]:
+_PROBE_TOKENS = 8
+"""The length of the token ids an embedding model's outputs are probed with."""
+
+_Candidate = tuple[tuple[TensorSpec, ...], list[torch.Tensor] | None]
+"""Inputs a model may take, and zeros to probe it with (None: sizes unknown)."""
+
+
+def _candidates(model: nn.Module, sample: list[torch.Tensor] | None) -> list[_Candidate]:
+    """The inputs to try, first the likeliest: the sample's; else paraloom's LeNet and MLP by
+    their config; else the model's first layers in the order it holds them: rows of token
+    ids (INT64, any length) for an Embedding, the features of a Linear or Conv (FP32, or
+    the layer's float type)."""
     if sample is not None:
         names = _default_names("input", len(sample))
-        return tuple(TensorSpec(n, datatype_of(t.dtype), (-1, *t.shape[1:]))
-                     for n, t in zip(names, sample, strict=True))
+        return [(tuple(TensorSpec(n, datatype_of(t.dtype), (-1, *t.shape[1:]))
+                       for n, t in zip(names, sample, strict=True)), sample)]
+    found: list[tuple[int, _Candidate]] = []
+    modules = list(model.modules())
     shape = _input_shape_from_model(model)
-    if shape is None:
-        raise ValueError(f"cannot infer the input of {type(model).__name__}: it has no Linear "
-                         "or Conv layer to read it from; describe it (paraloom serve: "
+    if shape is not None:
+        layer = _first_layer(model)
+        specs = (TensorSpec("input", _input_datatype(model), shape),)
+        at = -1 if layer is None or getattr(model, "config", None) else modules.index(layer)
+        found.append((at, (specs, _sample_from_specs(specs))))
+    embedding = next((i for i, m in enumerate(modules)
+                      if isinstance(m, nn.Embedding | nn.EmbeddingBag)), None)
+    if embedding is not None:
+        found.append((embedding, ((TensorSpec("input", "INT64", (-1, -1)),),
+                                  [torch.zeros(1, _PROBE_TOKENS, dtype=torch.long)])))
+    if not found:
+        raise ValueError(f"cannot infer the input of {type(model).__name__}: it has no Linear, "
+                         "Conv or Embedding layer to read it from; describe it (paraloom serve: "
                          "--input-shape=-1,... --input-datatype ...; Python: sample=torch."
                          "zeros(1, ...) or inputs=[TensorSpec('input', 'FP32', (-1, ...))])")
-    return (TensorSpec("input", _input_datatype(model), shape),)
+    return [candidate for _, candidate in sorted(found, key=lambda f: f[0])]
 
 
 def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.Tensor] | None
@@ -301,27 +323,39 @@ def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.T
     """Build the signature from explicit specs, a sample input (batch first) or the model itself.
 
     Outputs are found by running the model once in eval mode on the sample (or on zeros shaped
-    like fully known inputs); pass ``outputs`` when that is not possible.
+    like fully known inputs); pass ``outputs`` when that is not possible. Read from the model,
+    the input is what its first layer takes (token ids for an Embedding, features for a
+    Linear or Conv); where the model holds both, the first that the model runs on is taken.
     """
     samples = None if sample is None else _as_list(sample)
-    in_specs = tuple(inputs) if inputs is not None else _infer_inputs(model, samples)
-    strings = [s.name for s in (*in_specs, *(outputs or ())) if s.datatype == BYTES]
+    candidates: list[_Candidate] = [(tuple(inputs), None)] if inputs is not None \
+        else _candidates(model, samples)
+    strings = [s.name for s in (*candidates[0][0], *(outputs or ())) if s.datatype == BYTES]
     if strings:
         raise ValueError(f"tensors {strings} are declared {BYTES}, but a torch model takes and "
                          "returns numeric tensors; declare strings in a handler.py's INPUTS "
                          "and OUTPUTS (paraloom.serving.handlers), which turns them into "
                          "tensors")
     if outputs is not None:
-        return ModelSignature(in_specs, tuple(outputs))
-    probe = samples if samples is not None else _sample_from_specs(in_specs)
-    if probe is None:
-        raise ValueError(f"cannot infer the outputs of {type(model).__name__}: inputs "
-                         f"{[s.as_json() for s in in_specs]} have dimensions of unknown size; "
-                         "fix them for the probe (paraloom serve: --input-shape=-1,128; a "
-                         "models directory: \"outputs\" in the config), or in Python pass "
-                         "sample=torch.zeros(1, ...) or outputs=[TensorSpec(...)]")
-    specs, rowless = _output_specs(model, probe)
-    return ModelSignature(in_specs, specs, outputs_probed=True, rowless=rowless)
+        return ModelSignature(candidates[0][0], tuple(outputs))
+    failures: list[ValueError] = []
+    for in_specs, probe in candidates:
+        probe = samples if samples is not None else probe or _sample_from_specs(in_specs)
+        if probe is None:
+            failures.append(ValueError(
+                f"cannot infer the outputs of {type(model).__name__}: inputs "
+                f"{[s.as_json() for s in in_specs]} have dimensions of unknown size; fix them "
+                "for the probe (paraloom serve: --input-shape=-1,128; a models directory: "
+                "\"outputs\" in the config), or in Python pass sample=torch.zeros(1, ...) or "
+                "outputs=[TensorSpec(...)]"))
+            continue
+        try:
+            specs, rowless = _output_specs(model, probe)
+        except ValueError as e:
+            failures.append(e)
+            continue
+        return ModelSignature(in_specs, specs, outputs_probed=True, rowless=rowless)
+    raise failures[0]
 
 
 def probe_input(signature: ModelSignature, sample: torch.Tensor | Sequence[torch.Tensor] | None

@@ -39,11 +39,23 @@ class _DieAt(nn.Module):
         return F.cross_entropy(out, target)
 
 
+class _Halving(TrainingListener):
+    """Halves the learning rate at each epoch's end, as a StepLR stepped there would."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def on_epoch_end(self, epoch, loss):
+        for group in self.opt.param_groups:
+            group["lr"] = 0.05 * 0.5 ** (epoch + 1)
+
+
 def _run(mode, listeners=(), resume_from=None, epochs=3, workers=2, dropout=False,
-         generator=False, loss_fn=None, **extra):
+         generator=False, loss_fn=None, halving=False, **extra):
     torch.manual_seed(0)
     model = MLP(in_features=64, hidden=[64], dropout=0.3) if dropout else LeNet(image_size=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    listeners = [*listeners, _Halving(opt)] if halving else listeners
     loader = DataLoader(digits("train"), batch_size=64, shuffle=True,
                         generator=torch.Generator().manual_seed(7) if generator else None)
     options = {"averaging": {"averaging_frequency": 3},
@@ -93,6 +105,20 @@ def test_resume_with_an_lr_scheduler_is_bitwise_equal(tmp_path):
              loss_fn=_DieAt(23), lr_scheduler=_cosine)
     assert 0 < TrainingCheckpoint.load(tmp_path).iteration < 23
     assert _run("allreduce", resume_from=tmp_path, lr_scheduler=_cosine) == reference
+
+
+def test_resume_after_an_epoch_whose_end_changed_the_learning_rate_is_bitwise_equal(tmp_path):
+    """The epoch-end checkpoint was taken before on_epoch_end ran: the resumed epoch trained
+    at the rate before the listener's step (0.05 where the run had 0.025)."""
+    reference = _run("allreduce", halving=True)
+    assert reference != _run("allreduce")  # the rates change the result
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        _run("allreduce", [CheckpointListener(tmp_path, every_n_epochs=1)], halving=True,
+             loss_fn=_DieAt(18))  # in the second epoch (12 rounds each)
+    latest = TrainingCheckpoint.load(tmp_path)
+    assert (latest.epoch, latest.batch) == (0, 23)  # all of the first epoch
+    assert [r["optimizer"]["param_groups"][0]["lr"] for r in latest.replicas] == [0.025] * 2
+    assert _run("allreduce", resume_from=tmp_path, halving=True) == reference
 
 
 class _FailAt(TrainingListener):

@@ -11,10 +11,11 @@ the end collects every replica's ``Finished``.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,9 @@ class FitRun:
         self._halted = False
         """Whether stop() was passed on to the workers (``_halt_if_stopped``)."""
         self._dealt = _Dealt(base=tracker.iteration)
+        self._epoch_end: Callable[..., None] | None = None
+        """The last epoch's end checkpoint request (``CheckpointCollector.request``), to call
+        with ``renew=``."""
         self.pacing = Pacing(target_s=RECOVERING_TARGET_S if plan.recovering else TARGET_S)
         """Rounds per message, from the rounds' length (``training.pacing``)."""
         self._cpu_began = time.process_time()
@@ -232,8 +236,11 @@ class FitRun:
                 self._halt_if_stopped()
                 return
             # What the epoch's listeners changed (a scheduler's step) applies from its first
-            # round on: every earlier round is done, none of this epoch's is dealt.
-            self._send_settings()
+            # round on: every earlier round is done, none of this epoch's is dealt. The last
+            # epoch's end checkpoint is taken again with them, as a loop of one's own saves
+            # after scheduler.step(): a resume trains this epoch at its own rate too.
+            if self._send_settings() and self._epoch_end is not None:
+                self._epoch_end(renew=True)
             set_sampler_epoch(self.plan.data, epoch)
             generators = data_generators(self.plan.data)
             if epoch == start.epoch and start.data_rng is not None:
@@ -255,9 +262,11 @@ class FitRun:
                 # Nothing has drawn from the data RNG since the epoch ended: its state now is
                 # where the next epoch starts.
                 following = data_rng(generators) if stream else None
-                self.checkpoints.request(self.pool, self._dealt.base + self._dealt.round_id - 1,
-                                         epoch, dealt, epoch_rng, True, following,
-                                         renew=self.plan.accumulate > 1)
+                self._epoch_end = functools.partial(
+                    self.checkpoints.request, self.pool,
+                    self._dealt.base + self._dealt.round_id - 1, epoch, dealt, epoch_rng, True,
+                    following)
+                self._epoch_end(renew=self.plan.accumulate > 1)
 
     def _deal_epoch(self, source: Source, epoch: int, skip: int,
                     epoch_rng: list[torch.Tensor]) -> int:
@@ -444,15 +453,18 @@ class FitRun:
                     "DataLoader every num_workers-th from torch.utils.data.get_worker_info().id")
             seen.add(reply.digest)
 
-    def _send_settings(self) -> None:
-        """Send the user's optimizer settings to every replica, if they changed since sent."""
+    def _send_settings(self) -> bool:
+        """Send the user's optimizer settings to every replica, if they changed since sent;
+        whether they had."""
         if self.optimizer is None:
-            return
+            return False
         now = hyperparameters(self.optimizer)
-        if changed_settings(now, self.settings_sent):
-            for rank in range(self.plan.workers):
-                self.pool.send(rank, Hyperparameters(copy.deepcopy(now)))
-            self.settings_sent = now
+        if not changed_settings(now, self.settings_sent):
+            return False
+        for rank in range(self.plan.workers):
+            self.pool.send(rank, Hyperparameters(copy.deepcopy(now)))
+        self.settings_sent = now
+        return True
 
     def _warn_if_settings_changed(self) -> None:
         """Warn (once per fit) when a listener's ``on_iteration`` changed the optimizer's

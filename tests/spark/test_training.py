@@ -301,6 +301,36 @@ def test_a_dataframe_of_other_partitions_is_spread_over_the_workers_to_one_row(
     assert sum(shares) == rows and max(shares) - min(shares) <= parts  # one row a partition
 
 
+def test_more_partitions_than_rows_are_spread_over_every_worker(spark):
+    """sc.parallelize(rows, 2 * len(rows)) fills every other slice: row 0 of partition i went
+    to worker i % 2, so every row to worker 1 ([0, 40]), and worker 0 trained on nothing."""
+    x, y = _line_data(40)
+    rows = [(r.tolist(), float(v)) for r, v in zip(x, y, strict=True)]
+    sliced = spark.sparkContext.parallelize(rows, 80)
+    assert sliced.glom().map(len).collect()[:4] == [0, 1, 0, 1]
+    frame = spark.createDataFrame(sliced, "features array<float>, label double")
+    for data in (frame, sliced):
+        model = nn.Linear(4, 1)
+        summary = SparkModel(spark, model, ParameterAveragingTrainingMaster(8, workers=2),
+                             loss_fn=nn.MSELoss(),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.01)).fit(data)
+        shares = summary["rows_per_worker"]
+        assert sum(shares) == 40 and min(shares) >= 16, shares
+
+
+def test_the_first_worker_of_each_partition_spreads_evenly_for_any_pattern():
+    from paraloom.spark.data.partitions import first_worker
+
+    for workers in (2, 3, 4, 8):
+        for indices in (range(80), range(1, 160, 2), range(0, 80 * workers, workers),
+                        range(0, 800, 10)):
+            counts = [0] * workers
+            for i in indices:
+                counts[first_worker(i, workers)] += 1
+            share = len(indices) / workers  # index % workers gave some 0, others 2 shares
+            assert share * 0.6 <= min(counts) <= max(counts) <= share * 1.4, counts
+    assert first_worker(0, 3) == 0 and all(0 <= first_worker(i, 5) < 5 for i in range(99))
+
 def test_a_coalesced_dataframe_trains_and_never_keeps_its_partitions(spark):
     """df.coalesce(workers) has the partitions to keep, but Spark runs no barrier stage over a
     coalesce (SPARK-24820): it is shuffled instead. It failed with a Java stack frame."""

@@ -23,7 +23,8 @@ from paraloom.spark.data.rows import Pair, partition_arrays
 if TYPE_CHECKING:
     from pyspark import RDD
 
-__all__ = ["Chunk", "chunk_rows", "join_chunks", "partition_chunks", "spread_chunks"]
+__all__ = ["Chunk", "chunk_rows", "first_worker", "join_chunks", "partition_chunks",
+           "spread_chunks"]
 
 _CHUNK_ROWS = 1024
 
@@ -60,18 +61,31 @@ def _keyed(index: int, rows: Iterable[Pair]) -> Iterator[tuple[_Key, Pair]]:  # 
         yield (index, position), row
 
 
+def first_worker(index: int, workers: int) -> int:
+    """The worker that source partition ``index``'s first row goes to: ``index`` times the
+    golden ratio, its fraction scaled to ``workers`` (in 64-bit fixed point: the same on every
+    machine). Any start keeps each partition's share equal to one row; these spread the
+    starts evenly over the workers for any pattern of indices, so that many partitions of a
+    row or none (``sc.parallelize(rows, 2 * len(rows))`` fills every other one) do not all
+    start at one worker, as ``index % workers`` did: [0, 40] for 40 rows in 80 slices."""
+    return (((index * _GOLDEN) & _MASK) * workers) >> 64
+
+
+_GOLDEN, _MASK = 0x9E3779B97F4A7C15, (1 << 64) - 1
+
+
 def _target(workers: int) -> Callable[[_Key], int]:
-    return lambda key: (key[0] + key[1]) % workers
+    return lambda key: (first_worker(key[0], workers) + key[1]) % workers
 
 
 def _spread(rdd: RDD[Pair], workers: int, repartition: str,
             finish: Callable[[Iterable[tuple[Any, Pair]]], Iterator[Chunk]],
             cut: Callable[[int, Iterable[Pair]], Iterator[tuple[Any, Pair]]] = _keyed,
             target: Callable[[Any], int] | None = None) -> RDD[Chunk]:
-    """Element ``j`` of source partition ``i`` to partition ``(i + j) % workers``, each
-    partition sorted by origin; then ``finish`` turns its keyed elements into chunks. ``cut``
-    keys a partition's elements for the shuffle and ``target`` names a key's partition (a
-    chunk's pieces: ``spread_chunks``); kept partitions are keyed by ``_keyed``, whole."""
+    """Element ``j`` of source partition ``i`` to partition ``(first_worker(i) + j) % workers``,
+    each partition sorted by origin; then ``finish`` turns its keyed elements into chunks.
+    ``cut`` keys a partition's elements for the shuffle and ``target`` names a key's partition
+    (a chunk's pieces: ``spread_chunks``); kept partitions are keyed by ``_keyed``, whole."""
     have = rdd.getNumPartitions()
     if repartition == "if_needed":
         repartition = "never" if have == workers and not _coalesced(rdd) else "always"
@@ -109,9 +123,10 @@ def _coalesced(rdd: RDD[Any]) -> bool:
 def partition_chunks(rows: RDD[Pair], workers: int, repartition: str = "always") -> RDD[Chunk]:
     """``rows`` spread over ``workers`` partitions, deterministically, as sorted array chunks.
 
-    Row ``j`` of source partition ``i`` goes to partition ``(i + j) % workers``: balanced to
-    one row per source partition. ``repartition="never"`` keeps the existing partitions (there
-    must be exactly ``workers``); ``"if_needed"`` repartitions only when the count differs.
+    Row ``j`` of source partition ``i`` goes to partition ``(first_worker(i) + j) % workers``:
+    balanced to one row per source partition. ``repartition="never"`` keeps the existing
+    partitions (there must be exactly ``workers``); ``"if_needed"`` repartitions only when the
+    count differs.
     """
     return _spread(rows, workers, repartition, chunk_rows)
 
@@ -128,13 +143,13 @@ _PieceKey = tuple[int, int, int]
 def _pieces(workers: int) -> Callable[[int, Iterable[Chunk]], Iterator[tuple[_PieceKey, Chunk]]]:
     """Each chunk of source partition ``i`` cut into (at most) ``workers`` strided pieces: the
     piece for worker ``w`` holds the chunk's rows ``j`` (positions in the partition) with
-    ``(i + j) % workers == w``, as ``partition_chunks`` deals single rows."""
+    ``(first_worker(i) + j) % workers == w``, as ``partition_chunks`` deals single rows."""
     def cut(index: int, chunks: Iterable[Chunk]) -> Iterator[tuple[_PieceKey, Chunk]]:
-        position = 0
+        position, start = 0, first_worker(index, workers)
         for features, labels in chunks:
             n = num_rows(features)
             for w in range(workers):
-                first = (w - index - position) % workers
+                first = (w - start - position) % workers
                 if first < n:
                     rows = slice(first, None, workers)
                     yield (index, position, w), (take(features, rows), take(labels, rows))
@@ -146,12 +161,12 @@ def spread_chunks(chunks: RDD[Chunk], workers: int, repartition: str = "always")
     """Already-stacked chunks spread over ``workers`` partitions, deterministically.
 
     ``partition_chunks`` for chunk RDDs (Arrow-decoded DataFrames and Parquet paths), with the
-    same rule: row ``j`` of source partition ``i`` goes to partition ``(i + j) % workers``, so
-    the shares are balanced to one row per source partition (whole chunks dealt round robin
-    left a partition smaller than a chunk on one worker: [200, 0] for 200 rows in one
-    partition). A chunk is cut into one strided slice per worker, never re-pickled row by
-    row; each partition is sorted by origin. ``repartition="never"`` keeps the chunks where
-    they are (there must be ``workers`` partitions).
+    same rule: row ``j`` of source partition ``i`` goes to partition ``(first_worker(i) + j) %
+    workers``, so the shares are balanced to one row per source partition (whole chunks dealt
+    round robin left a partition smaller than a chunk on one worker: [200, 0] for 200 rows in
+    one partition). A chunk is cut into one strided slice per worker, never re-pickled row by
+    row; each partition is sorted by origin. ``repartition="never"`` keeps the chunks where they
+    are (there must be ``workers`` partitions).
     """
     return _spread(chunks, workers, repartition, _values, cut=_pieces(workers),
                    target=lambda key: key[2])

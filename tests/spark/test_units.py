@@ -468,3 +468,16 @@ def test_rdd_values_of_decimals_train_as_numbers_and_nulls_or_text_are_named():
     for bad, kinds in (([1.0, None], "['NoneType', 'float']"), (["a", "b"], "['str_']")):
         with pytest.raises(TypeError, match=re.escape(kinds) + ".*cast or fill the column"):
             to_array(bad)
+
+
+def test_a_null_inside_an_array_is_named_with_a_fix_that_removes_it():
+    """It read "drop or fill them first (df.na.drop() / df.na.fill())", which leave a null
+    element of an array in place."""
+    import pyarrow as pa
+
+    from paraloom.spark.data.arrow import arrow_column
+
+    with pytest.raises(ValueError, match=r"1 null element\(s\) inside its arrays.*F\.exists"):
+        arrow_column(pa.array([[0.1, None], [0.2, 0.3]]), "features")
+    with pytest.raises(ValueError, match=r"1 null value\(s\).*df\.na\.drop\(\)"):
+        arrow_column(pa.array([[0.1, 0.2], None]), "features")

@@ -38,12 +38,21 @@ __all__ = ["arrow_column", "arrow_field", "batch_pair", "decodable", "encode_chu
 CHUNK_ROWS = 256
 
 
-def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
-    """One Arrow column as a numpy array: numbers (n,), lists of equal length (n, k, ...)."""
+def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str, *, inner: bool = False
+                 ) -> np.ndarray:
+    """One Arrow column as a numpy array: numbers (n,), lists of equal length (n, k, ...)
+    (``inner``: ``arr`` is the elements of ``name``'s arrays)."""
     import pyarrow as pa
 
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
+    if arr.null_count and inner:  # df.na.drop() and fill() do not look inside arrays
+        raise ValueError(
+            f"column {name!r} has {arr.null_count} null element(s) inside its arrays, which "
+            f"df.na.drop() and df.na.fill() leave in; drop those rows first (df.filter(~F."
+            f"exists({name!r}, lambda v: v.isNull())), F from pyspark.sql.functions) or fill "
+            f"them (df.withColumn({name!r}, F.transform({name!r}, lambda v: F.coalesce(v, "
+            "F.lit(0.0)))))")
     if arr.null_count:
         raise ValueError(f"column {name!r} has {arr.null_count} null value(s); drop or fill them "
                          f"first (df.na.drop() / df.na.fill())")
@@ -53,9 +62,9 @@ def arrow_column(arr: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
         if len(lengths) > 1:
             raise ValueError(f"column {name!r} holds arrays of different lengths "
                              f"{lengths[:4].tolist()}: every row must have the same shape")
-        inner = arrow_column(arr.flatten(), name)
-        return inner.reshape(len(arr), -1, *inner.shape[1:]) if len(arr) else \
-            inner.reshape(0, *([int(lengths[0])] if len(lengths) else [0]), *inner.shape[1:])
+        values = arrow_column(arr.flatten(), name, inner=True)
+        return values.reshape(len(arr), -1, *values.shape[1:]) if len(arr) else \
+            values.reshape(0, *([int(lengths[0])] if len(lengths) else [0]), *values.shape[1:])
     if pa.types.is_struct(kind):
         if is_ml_vector(kind):
             return ml_vectors(arr, name)

@@ -362,6 +362,8 @@ def test_integer_ids_train_evaluate_and_predict_exactly_with_feature_dtype_long(
                        loss_fn=nn.CrossEntropyLoss())
     with pytest.raises(WorkerError, match=r"(?s)'indices'.*feature_dtype=torch.long"):
         plain.evaluate(frame, features="ids")
+    with pytest.raises(Exception, match=r"(?s)'indices'.*feature_dtype=torch.long"):
+        plain.predict(frame, features="ids").collect()  # lazy: the user's action raises it
     model = h.BagOfIds(30)
     net = SparkModel(spark, model, ParameterAveragingTrainingMaster(16, workers=2),
                      loss_fn=nn.CrossEntropyLoss(), feature_dtype=torch.long,

@@ -42,7 +42,7 @@ from paraloom.spark.evaluation import (
     predict_rdd,
     ship,
 )
-from paraloom.spark.evaluation.inference import Shipment
+from paraloom.spark.evaluation.inference import IDS_HINT, Shipment, ids_hint
 from paraloom.spark.evaluation.metrics import MetricSet
 from paraloom.spark.runtime.interpreter import use_driver_python
 from paraloom.spark.runtime.state import OptimizerState
@@ -79,15 +79,13 @@ def _spark_context(spark: SparkSession | SparkContext) -> SparkContext:
 _LABEL_HINT = "; class labels stored as double need SparkModel(..., label_dtype=torch.long)"
 _RANGE_HINT = ("; class labels must be 0 .. classes - 1 for a model with one output per "
                "class: check the label column's range (F.min / F.max), or the model's outputs")
-_IDS_HINT = ("; integer ids (an nn.Embedding's input) need SparkModel(..., "
-             "feature_dtype=torch.long), which keeps them exact")
 
 
 def _label_hint(cause: str) -> str:
     """The fix for floating-point class labels, for floating-point ids given to an embedding,
     or for class labels outside the model's classes, if that is what failed."""
-    if re.search(r"'indices'.*Long.*but got torch\.\w*(Float|Double|Half)", cause):
-        return _IDS_HINT
+    if ids_hint(cause):
+        return "" if IDS_HINT in cause else IDS_HINT
     if re.search(r"Target -?\d+ is out of bounds", cause):  # unless the worker named it
         return "" if LABEL_OUTSIDE in cause else _RANGE_HINT
     wants_long = re.search(r"Long\b.*\b(got|found) (Float|Double|Half)", cause) is not None
@@ -327,6 +325,8 @@ class SparkModel:
         None) ``feature_shape`` checked against the inputs they make: a mismatch fails on the
         driver, before any Spark job (the rows' own sizes are checked where they are read)."""
         columns = Columns.of(features, label, inputs)
+        if is_dataframe(data):
+            columns = columns.matched(data)
         if data is None or is_dataframe(data):
             self.features.shapes_for(columns.features)
         return columns

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
@@ -39,7 +40,7 @@ from paraloom.spark.evaluation.metrics import (
 )
 from paraloom.spark.runtime import cached, pack, task_threads, unpack
 from paraloom.training.parametrized import by_value
-from paraloom.training.step_checks import batch_error
+from paraloom.training.step_checks import BatchError, batch_error
 
 if TYPE_CHECKING:
     from pyspark import RDD, Broadcast, SparkContext
@@ -100,6 +101,17 @@ def _cat(parts: list[Any]) -> Any:
     return torch.cat(parts)
 
 
+IDS_HINT = ("; integer ids (an nn.Embedding's input) need SparkModel(..., "
+            "feature_dtype=torch.long), which keeps them exact")
+"""The fix for floating-point ids given to an embedding (``ids_hint``)."""
+
+
+def ids_hint(cause: str) -> str:
+    """``IDS_HINT`` where ``cause`` (an error's text) is an embedding given floats, else ""."""
+    return IDS_HINT if re.search(r"'indices'.*Long.*but got torch\.\w*(Float|Double|Half)",
+                                 cause) else ""
+
+
 @torch.no_grad()
 def model_outputs(model: nn.Module, x: Arrays, features: Features, batch_size: int) -> Any:
     inputs = features.features(x)
@@ -109,7 +121,8 @@ def model_outputs(model: nn.Module, x: Arrays, features: Features, batch_size: i
         try:
             return forward(model, rows)
         except Exception as e:  # predict's errors reach the user's action, raised in a worker
-            raise batch_error(e, rows) from e
+            error = batch_error(e, rows)
+            raise BatchError(f"{error}{ids_hint(str(e))}") from e
 
     return _cat([run(i) for i in range(0, n, batch_size)])
 

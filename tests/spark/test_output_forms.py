@@ -133,3 +133,27 @@ def test_a_model_with_extra_state_trains_predicts_and_evaluates(spark, master):
     got = np.stack([r["out"] for r in net.predict(frame, output="out").collect()])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert net.evaluate(frame, label="cls").metrics()["count"] == 64
+
+
+def test_column_names_match_as_spark_matches_them_ignoring_case(spark):
+    """A CSV header's Features and Label: Spark's df.select('features') reads them (its
+    caseSensitive is false by default), fit, evaluate and predict refused them."""
+    x, frame = _frame(spark)
+    upper = frame.withColumnRenamed("features", "Features").withColumnRenamed("cls", "Label")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    net = SparkModel(spark, model, ParameterAveragingTrainingMaster(16, workers=2),
+                     loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert net.fit(upper, epochs=1)["samples"] == 64  # features= and label= by default
+    assert net.evaluate(upper).metrics()["count"] == 64
+    with torch.no_grad():
+        want = model(torch.from_numpy(x)).numpy()
+    got = np.stack([r["prediction"] for r in net.predict(upper).collect()])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    spark.conf.set("spark.sql.caseSensitive", "true")
+    try:
+        with pytest.raises(ValueError, match=r"no column\(s\) \['features', 'label'\]"):
+            net.evaluate(upper)
+    finally:
+        spark.conf.set("spark.sql.caseSensitive", "false")

@@ -166,6 +166,33 @@ class Columns:
                     out.append(name)
         return out
 
+    def matched(self, df: DataFrame) -> Columns:
+        """These columns named as ``df`` names them, where the session folds case
+        (``spark.sql.caseSensitive`` false, Spark's default, as ``df.select`` does): a
+        ``label`` given for a ``Label`` column (a CSV header's) reads ``Label``."""
+        conf = df.sparkSession.conf.get("spark.sql.caseSensitive", "false")
+        if str(conf).lower() == "true":
+            return self
+        actual: dict[str, list[str]] = {}
+        for c in df.columns:
+            actual.setdefault(c.lower(), []).append(c)
+        names = {n: found[0] for n in self.names() if n not in df.columns
+                 and len(found := actual.get(n.lower(), [])) == 1}
+        if not names:
+            return self
+
+        def rename(spec: Spec) -> Spec:
+            return names.get(spec, spec) if isinstance(spec, str) \
+                else [names.get(c, c) for c in spec]
+
+        features = self.features
+        features = tuple(rename(s) for s in features) if isinstance(features, tuple) else \
+            {k: rename(v) for k, v in features.items()} if isinstance(features, dict) else \
+            rename(features)
+        label = tuple(rename(s) for s in self.label) if isinstance(self.label, tuple) \
+            else rename(self.label)
+        return Columns(features, label)
+
     def inputs(self) -> int:
         """How many model inputs (1 for ``features=``)."""
         return len(_specs(self.features))

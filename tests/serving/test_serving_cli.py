@@ -120,19 +120,21 @@ def test_an_input_option_without_input_shape_is_refused_instead_of_ignored(
         cli._build_app(parse("--models-dir", str(tmp_path), option))
 
 
-class Embedder(nn.Module):
+class FiveIds(nn.Module):
+    """Takes rows of exactly five token ids."""
+
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(10, 4)
-        self.head = nn.Linear(4, 2)
+        self.head = nn.Linear(20, 2)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(ids).mean(1))
+        return self.head(self.embed(ids).reshape(ids.shape[0], 20))
 
 
 def test_input_datatype_with_input_shape_is_served_and_a_failed_probe_says_what_to_pass(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse("--factory", f"{__name__}:Embedder", "--input-shape=-1,5",
+    args = parse("--factory", f"{__name__}:FiveIds", "--input-shape=-1,5",
                  "--input-datatype", "INT64", "--input-name", "ids")
     app, _ = cli._build_app(args)
     try:
@@ -141,9 +143,10 @@ def test_input_datatype_with_input_shape_is_served_and_a_failed_probe_says_what_
         assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 2]}]
     finally:
         app.state.served.pool.close()
-    assert cli.run(parse("--factory", f"{__name__}:Embedder")) == 2  # read as FP32 [1, 4]
+    # Read from the Embedding as ids of any length: the probe's 8 ids are not five.
+    assert cli.run(parse("--factory", f"{__name__}:FiveIds")) == 2
     err = capsys.readouterr().err
-    assert "failed on the probe input (FP32 [1, 4])" in err and "--input-datatype" in err
+    assert "failed on the probe input (INT64 [1, 8])" in err and "--input-shape" in err
 
 
 class TwoInputs(nn.Module):

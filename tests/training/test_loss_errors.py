@@ -80,6 +80,34 @@ def test_an_optimizer_over_a_replaced_layer_says_to_build_both_again() -> None:
             wrapper.fit(_BATCHES)
 
 
+class _Tempered(nn.Module):
+    """Cross-entropy at a learned temperature: a loss of trainable parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Parameter(torch.ones(()))
+
+    def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out / self.t, y)
+
+
+def _tempered_step(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return model.criterion(model(x), y)
+
+
+def test_a_loss_of_trainable_parameters_is_refused_with_the_fix_and_the_fix_trains() -> None:
+    loss, model = _Tempered(), nn.Linear(4, 2)
+    opt = torch.optim.SGD([*model.parameters(), *loss.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match=r"a loss of trainable parameters.*model.criterion"):
+        ParallelWrapper(model, loss_fn=loss, optimizer=opt, workers=1, progress=False)
+    model.criterion = loss  # the fix: the loss's parameters are the model's
+    with ParallelWrapper(model, step_fn=_tempered_step, workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as wrapper:
+        assert wrapper.fit(_BATCHES)["batches"] == len(_BATCHES)
+    assert float(model.criterion.t) != 1.0  # the temperature trained
+
+
 def test_a_class_label_past_the_models_outputs_names_the_range() -> None:
     batches = [(torch.ones(2, 4), torch.tensor([0, 5]))] * 2  # the model has 2 classes
     message = _fail(nn.Linear(4, 2), batches, loss_fn=nn.CrossEntropyLoss())

@@ -51,9 +51,12 @@ class OptimizerSpec:
             if missing:
                 raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not "
                                  "parameters of the model (a layer replaced since the "
-                                 "optimizer was built?); build it from model.parameters(), "
+                                 "optimizer was built, or a loss of trainable parameters, a "
+                                 "learned temperature?); build it from model.parameters(), "
                                  "and after replacing a layer build a new optimizer and a new "
-                                 "ParallelWrapper with it")
+                                 "ParallelWrapper with it; a loss's parameters train as the "
+                                 "model's: hold the loss in the model (model.criterion = "
+                                 "loss) and compute it in step_fn")
             hyper = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
             groups.append({"params": [index[id(p)] for p in g["params"]], **hyper})
         state = copy.deepcopy(optimizer.state_dict()) if optimizer.state else None

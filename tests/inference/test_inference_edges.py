@@ -14,6 +14,7 @@ from torch import nn
 
 from paraloom.inference import (
     InferenceError,
+    InvalidRequestError,
     ParallelInference,
     QueueFullError,
     RequestTimeoutError,
@@ -207,3 +208,69 @@ def test_the_stats_read_right_after_an_answer_count_it() -> None:
 
     with ParallelInference(nn.Identity(), workers=1) as pool:
         assert asyncio.run(main(pool)) == []
+
+
+def test_requests_of_a_first_merged_batch_fail_at_their_deadline_during_the_rows_check(
+        gate) -> None:
+    """The check that outputs follow the rows ran before the batch's requests were claimed:
+    the deadline thread left them to the worker, and they failed late, after the check."""
+    with ParallelInference(GatedScale(gate), workers=1, batch_limit=2, max_wait_ms=1000) as pool, \
+            gate:
+        waiting = [pool.submit(torch.ones(1, 1), timeout=0.3) for _ in range(2)]  # one batch
+        assert gate.entered.wait(WAIT)  # the check's first forward pass, held
+        for future in waiting:
+            assert isinstance(future.exception(5), RequestTimeoutError)
+        assert not gate.opened.is_set()
+        gate.open()
+        assert pool.output(torch.ones(1, 1)).item() == 2.0
+        assert pool.stats()["batches"] == 1  # the expired batch was not run after the check
+
+
+class _Layered(nn.Module):
+    """An LSTM's h_n shape, (layers=2, N, 3), beside the rows; refuses inputs over 100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if bool((x > 100).any()):
+            raise ValueError("an input over 100")
+        h = (x * self.w).expand(-1, 3).unsqueeze(0).repeat(2, 1, 1)
+        return x * self.w, h
+
+
+def test_outputs_not_row_first_are_found_after_a_first_merged_batch_a_request_failed() -> None:
+    """The rows check ran on the refused request, failed, and counted as done: later merged
+    batches split h_n by layers, and each request got another's rows, with no error."""
+    model = _Layered()
+    with pytest.warns(RuntimeWarning, match="first dimension is the batch"), \
+            ParallelInference(model, workers=1, batch_limit=2, max_wait_ms=1000) as pool:
+        bad, good = pool.submit(torch.full((1, 1), 1000.0)), pool.submit(torch.ones(1, 1))
+        assert isinstance(bad.exception(WAIT), InvalidRequestError)
+        good.result(WAIT)
+        a, b = torch.tensor([[1.0]]), torch.tensor([[5.0]])
+        answers = [pool.submit(a), pool.submit(b)]  # merged, were it not refused
+        for x, future in zip((a, b), answers, strict=True):
+            out, h = future.result(WAIT)
+            torch.testing.assert_close(h, model(x)[1])
+
+
+def test_an_answer_that_comes_just_after_a_wait_timed_out_is_given_not_a_timeout() -> None:
+    """output() waits in ticks; an answer set between a tick's timeout and the check after it
+    raised that tick's TimeoutError ("no outcome yet") to the caller."""
+    import types
+
+    from paraloom.inference.pending import Pending
+
+    class Late(Pending):
+        def result(self, timeout: float | None = None) -> object:
+            if not self.done():
+                self.set_result(7)  # the worker answers as the tick runs out
+                raise TimeoutError("no outcome yet")
+            return super().result(timeout)
+
+    with ParallelInference(nn.Identity(), workers=1) as pool:
+        late = Late()
+        assert late.set_running_or_notify_cancel()
+        assert pool._wait(types.SimpleNamespace(future=late, deadline=None)) == 7

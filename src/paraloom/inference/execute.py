@@ -33,17 +33,20 @@ def serve_batch(generation: Generation, slot: int, batch: Sequence[Request],
                 stats: StatsRecorder, clock: Callable[[], float] = time.monotonic) -> None:
     """Run a batch on ``slot``'s replica and resolve every request's future (KeyboardInterrupt
     and the like fail the batch and propagate; ordinary exceptions never escape)."""
-    if len(batch) > 1 and not generation.rows_checked:
-        check_rows_first(generation, slot, batch[0].spec, batch[0].tensors)
-    if len(batch) > 1 and generation.unmergeable:
-        for request in batch:  # its outputs are not batch-first: one forward pass each
-            serve_batch(generation, slot, [request], stats, clock)
-        return
     start = clock()
     live = _claim(batch, start, stats)
     if not live:
         return
     try:
+        if len(live) > 1 and not generation.rows_checked:  # claimed: deadlines still hold
+            check_rows_first(generation, slot, live[0].spec, live[0].tensors)
+            live = [r for r in live if not r.future.done()]  # those past it meanwhile
+            if not live:
+                return
+        if len(live) > 1 and generation.unmergeable:
+            for request in live:  # its outputs are not batch-first: one forward pass each
+                _serve_claimed(generation, slot, [request], stats, clock(), clock)
+            return
         _serve_claimed(generation, slot, live, stats, start, clock)
     except Exception:
         raise

@@ -257,8 +257,8 @@ class ParallelInference:
             try:
                 return fut.result(TICK if remaining is None else min(remaining, TICK))
             except _TIMEOUTS:
-                if fut.done():
-                    raise  # the request's own error (a RequestTimeoutError from the worker)
+                if fut.done():  # its own error (a RequestTimeoutError from the worker), or an
+                    return fut.result(0)  # outcome that came just after the wait timed out
                 self._check_alive(fut)
 
     def _check_alive(self, fut: FutureLike) -> None:

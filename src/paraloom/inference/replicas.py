@@ -123,12 +123,16 @@ def check_rows_first(generation: Generation, slot: int, spec: Hashable,
                      tensors: Sequence[torch.Tensor]) -> None:
     """Before a version's requests are merged: run ``tensors`` and them twice over, and if an
     output's first dimension does not follow the rows (an LSTM's h_n), run each request of
-    this version alone (``refuse_merging``). Once per version; inference mode is the caller's."""
-    generation.rows_checked = True
+    this version alone (``refuse_merging``). Once per version, from the first input the model
+    runs (one it refuses leaves the check to the next batch); inference mode is the caller's."""
     device = generation.devices[slot]
     rows = int(tensors[0].shape[0])
     try:
         once = generation.forward(slot, spec, [t.to(device) for t in tensors])
+    except Exception:  # noqa: BLE001 - the request's own failure: check the next batch's
+        return
+    generation.rows_checked = True
+    try:
         twice = generation.forward(slot, spec, [torch.cat([t, t]).to(device) for t in tensors])
     except Exception:  # noqa: BLE001 - a model of fixed rows: merged batches will tell
         return

@@ -274,3 +274,13 @@ def test_an_answer_that_comes_just_after_a_wait_timed_out_is_given_not_a_timeout
         late = Late()
         assert late.set_running_or_notify_cancel()
         assert pool._wait(types.SimpleNamespace(future=late, deadline=None)) == 7
+
+
+def test_a_first_request_of_float64_numpy_names_the_dtype_fix() -> None:
+    """It read "the model (or its device) is at fault": numpy's float64 default for a float32
+    model, the usual first mistake, blamed on the model."""
+    with ParallelInference(nn.Linear(4, 3), workers=1) as pool:
+        with pytest.raises(InferenceError, match=r"this input is float64 where the model's "
+                                                 r"weights are float32: send float32"):
+            pool.output(np.random.default_rng(0).random((2, 4)))
+        assert pool.output(np.zeros((2, 4), np.float32)).shape == (2, 3)

@@ -194,9 +194,11 @@ def _classify(generation: Generation, r: Request, exc: Exception, blame: bool) -
     v = generation.version
     cause = f"{type(exc).__name__}: {exc}"
     if not blame or isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+        fault = _dtype_fault(generation, r) or ("so the model (or its device) is at fault, "
+                                                "not only this request")
         failure: InferenceError = InferenceError(
-            f"model version {v} failed ({cause}); it has not run any input successfully, so "
-            "the model (or its device) is at fault, not only this request")
+            f"model version {v} failed ({cause}); it has not run any input successfully, "
+            f"{fault}")
     else:
         received = describe_key(r.key)
         expected = describe_key(generation.good_key) if generation.good_key is not None else None
@@ -207,6 +209,19 @@ def _classify(generation: Generation, r: Request, exc: Exception, blame: bool) -
             received=received, expected=expected)
     failure.__cause__ = exc
     return failure
+
+
+def _dtype_fault(generation: Generation, r: Request) -> str | None:
+    """Where a floating-point input is not in the model's floating-point dtype (a float64
+    numpy array for a float32 model, the usual first mistake): that, and the fix."""
+    want = next((p.dtype for p in generation.replicas[0].parameters()
+                 if p.is_floating_point()), None)
+    got = next((t.dtype for t in r.tensors if t.is_floating_point() and t.dtype != want), None)
+    if want is None or got is None:
+        return None
+    have, need = (str(d).removeprefix("torch.") for d in (got, want))
+    return (f"and this input is {have} where the model's weights are {need}: send {need} "
+            f"(numpy: x.astype(numpy.{need}); torch: x.to(torch.{need}))")
 
 
 def fail_unfinished(batch: Sequence[Request], exc: Exception, stats: StatsRecorder) -> None:

@@ -328,8 +328,8 @@ def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.T
     Linear or Conv); where the model holds both, the first that the model runs on is taken.
     """
     samples = None if sample is None else _as_list(sample)
-    candidates: list[_Candidate] = [(tuple(inputs), None)] if inputs is not None \
-        else _candidates(model, samples)
+    candidates: list[_Candidate] = _candidates(model, samples) if inputs is None else [
+        (tuple(inputs), samples if samples is not None else _sample_from_specs(inputs))]
     strings = [s.name for s in (*candidates[0][0], *(outputs or ())) if s.datatype == BYTES]
     if strings:
         raise ValueError(f"tensors {strings} are declared {BYTES}, but a torch model takes and "
@@ -340,7 +340,6 @@ def infer_signature(model: nn.Module, *, sample: torch.Tensor | Sequence[torch.T
         return ModelSignature(candidates[0][0], tuple(outputs))
     failures: list[ValueError] = []
     for in_specs, probe in candidates:
-        probe = samples if samples is not None else probe or _sample_from_specs(in_specs)
         if probe is None:
             failures.append(ValueError(
                 f"cannot infer the outputs of {type(model).__name__}: inputs "

@@ -252,10 +252,10 @@ def read_tensors(path: str | Path, device: str | torch.device = "cpu") -> dict[s
 
 
 def read_consistently(path: str | Path, device: str | torch.device = "cpu", *,
-                      plain: bool = False) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The header (``read_header``'s, with ``plain``) and the tensors of one version of
-    ``path``: a ``save`` that replaces the file between the two reads (it renames a new file
-    over it) makes them read again."""
+                      plain: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The header (``read_header``'s, with ``plain``) and the state_dict (the tensors, with
+    the header's extra states) of one version of ``path``: a ``save`` that replaces the file
+    between the two reads (it renames a new file over it) makes them read again."""
     for _ in range(_READ_TRIES):
         before = _identity(path)
         try:
@@ -265,7 +265,7 @@ def read_consistently(path: str | Path, device: str | torch.device = "cpu", *,
                 raise
             continue  # replaced while read: a truncated view of the old or the new one
         if _identity(path) == before:
-            return spec, state
+            return spec, join_extra_state(state, spec.get("extra_state"))
     raise ValueError(f"{path} was replaced {_READ_TRIES} times while it was read; read it "
                      "when no program is writing it")
 
@@ -458,7 +458,6 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
     # safetensors reads to "cpu" or an accelerator by name, not "cpu:0" or "meta"
     spec, state = read_consistently(path, "cpu" if device.type in ("cpu", "meta") else device,
                                     plain=factory is not None)
-    state = join_extra_state(state, spec.get("extra_state"))
     if spec.get("kwargs") and factory is None:
         # The file's constructor arguments could ask for any size (num_classes=10**8): the
         # file's model is built on the meta device first, which allocates nothing, and checked

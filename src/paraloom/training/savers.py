@@ -11,15 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from paraloom._warnings import warn
-from paraloom.checkpoint import (
-    _model_spec,
-    _write,
-    load,
-    read_header,
-    read_tensors,
-    rebuild_problem,
-)
-from paraloom.extra_state import join_extra_state
+from paraloom.checkpoint import _model_spec, _write, load, read_consistently, rebuild_problem
 
 __all__ = ["ModelSaver", "InMemoryModelSaver", "LocalDirectorySaver"]
 
@@ -108,8 +100,7 @@ class LocalDirectorySaver(ModelSaver):
         if self._saved is None:
             return load(path, factory=self.factory)
         model = copy.deepcopy(self._saved)
-        model.load_state_dict(join_extra_state(read_tensors(path),
-                                               read_header(path).get("extra_state")))
+        model.load_state_dict(read_consistently(path)[1])
         return model
 
     def save_best(self, model: nn.Module, epoch: int, score: float) -> None:

@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paraloom.checkpoint import read_header, read_tensors
-from paraloom.extra_state import join_extra_state
+from paraloom.checkpoint import read_consistently, read_header
 from paraloom.serving.errors import ForbiddenError, ProtocolError, short_repr
 from paraloom.serving.repository.binding import BoundModel
 
@@ -95,9 +94,8 @@ class ModelFiles:
         if isinstance(served, BoundModel):  # the weights are the wrapped model's
             return BoundModel(self.build(path, served.model), served.binding)
         try:
-            header = read_header(path)
-            state = join_extra_state(read_tensors(path), header.get("extra_state"))
-        except (ValueError, OSError) as e:  # a corrupt file is a ValueError (read_tensors)
+            header, state = read_consistently(path)
+        except (ValueError, OSError) as e:  # a corrupt file is a ValueError
             raise ProtocolError(f"cannot read {path.name}: {e}") from e
         spec = _architecture(header)
         if self._spec is not None and spec != self._spec:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["Pair", "field", "Spec", "FieldSpec", "Inputs", "Label", "Columns", "to_array",
            "row_pair", "partition_arrays", "as_rows", "rows_of", "row_extractor", "check_columns",
            "spark_column", "whole_decimal",
-           "check_names", "column", "is_dataframe", "is_rdd"]
+           "check_names", "column", "folds_case", "is_dataframe", "is_rdd"]
 
 Pair = tuple[Arrays, Arrays]
 """One element, or a stack of them: (features, label), each an array or a tuple / dict of them
@@ -170,8 +170,7 @@ class Columns:
         """These columns named as ``df`` names them, where the session folds case
         (``spark.sql.caseSensitive`` false, Spark's default, as ``df.select`` does): a
         ``label`` given for a ``Label`` column (a CSV header's) reads ``Label``."""
-        conf = df.sparkSession.conf.get("spark.sql.caseSensitive", "false")
-        if str(conf).lower() == "true":
+        if not folds_case(df):
             return self
         actual: dict[str, list[str]] = {}
         for c in df.columns:
@@ -200,6 +199,12 @@ class Columns:
     def outputs(self) -> int:
         """How many targets (1 for one label)."""
         return len(self.label) if isinstance(self.label, tuple) else 1
+
+
+def folds_case(df: DataFrame) -> bool:
+    """Whether the session folds column names' case (``spark.sql.caseSensitive``, false by
+    default): ``Label`` then names ``label``."""
+    return str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")).lower() != "true"
 
 
 def _spec(value: object, what: str) -> Spec:

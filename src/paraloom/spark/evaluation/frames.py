@@ -12,7 +12,7 @@ import torch
 
 from paraloom.spark.data import FieldSpec
 from paraloom.spark.data.arrow import arrow_columns, check_prebatched
-from paraloom.spark.data.rows import check_names
+from paraloom.spark.data.rows import check_names, folds_case
 from paraloom.spark.evaluation.inference import (
     Shipment,
     model_outputs,
@@ -156,7 +156,7 @@ def _result_types(float64: bool, argmax: bool, prebatched: bool,
 def _check_new_columns(df: DataFrame, outputs: tuple[str, ...]) -> None:
     """Output names must be new and distinct: predict adds columns, it never replaces one (a
     label column overwritten would be lost; two of one name are ambiguous), as Spark ML."""
-    fold = _case_insensitive(df)
+    fold = folds_case(df)
     existing = {c.lower() if fold else c for c in df.columns}
     taken = [o for o in outputs if (o.lower() if fold else o) in existing]
     if taken:
@@ -166,12 +166,6 @@ def _check_new_columns(df: DataFrame, outputs: tuple[str, ...]) -> None:
     if len({o.lower() if fold else o for o in outputs}) != len(outputs):
         raise ValueError(f"output={outputs} names a column twice; give one distinct name per "
                          f"model output")
-
-
-def _case_insensitive(df: DataFrame) -> bool:
-    """Whether the session folds column names' case (``spark.sql.caseSensitive``, false by
-    default): ``Label`` then replaces ``label``."""
-    return str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")).lower() != "true"
 
 
 def predict_dataframe(df: DataFrame, shipment: Shipment, *, features: FieldSpec,

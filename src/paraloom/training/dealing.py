@@ -25,8 +25,9 @@ from paraloom.training.messages import IndexRound, LoaderEpoch, LoaderRound, Rou
 from paraloom.training.pool import Pool
 from paraloom.training.transport import shared_copy
 
-__all__ = ["Source", "batch_rounds", "data_generators", "data_rng", "loader_rounds",
-           "round_message", "set_data_rng", "set_sampler_epoch", "total_batches"]
+__all__ = ["Source", "batch_rounds", "check_dealt", "data_generators", "data_rng",
+           "loader_rounds", "round_message", "set_data_rng", "set_sampler_epoch",
+           "total_batches", "yields_samples"]
 
 Source = LoaderSpec | IndexedDataset | None
 """What the workers load themselves: their own DataLoader, a dataset to gather rows of by index,
@@ -131,3 +132,24 @@ def total_batches(data: Any, epochs: int) -> int | None:
         return len(data) * epochs
     except TypeError:
         return None
+
+
+def yields_samples(data: object) -> bool:
+    """Whether each of ``data``'s "batches" is one sample: a ``DataLoader(batch_size=None)``
+    over a map-style dataset indexed by single indices (``dataset[i]`` is a sample). Over an
+    ``IterableDataset`` it yields what the dataset yields, batches as when the dataset is
+    passed alone; with a ``BatchSampler`` as its sampler, ``dataset[indices]`` is a batch."""
+    return isinstance(data, torch.utils.data.DataLoader) and data.batch_size is None \
+        and data.batch_sampler is None \
+        and not isinstance(data.dataset, torch.utils.data.IterableDataset) \
+        and not isinstance(data.sampler, torch.utils.data.BatchSampler)
+
+
+def check_dealt(dealt: int, epoch: int, first: bool) -> None:
+    """Refuse an epoch that yielded no batch: an empty source, or a one-shot generator."""
+    if dealt == 0 and first:
+        raise ValueError("data yielded no batches at all (an empty generator or "
+                         "IterableDataset?); expected at least one (inputs, targets) batch")
+    if dealt == 0:
+        raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
+                         "source (a DataLoader or a list), not a one-shot generator")

@@ -30,6 +30,7 @@ from paraloom.training.buffers import with_transient
 from paraloom.training.dealing import (
     Source,
     batch_rounds,
+    check_dealt,
     data_generators,
     data_rng,
     loader_rounds,
@@ -37,7 +38,9 @@ from paraloom.training.dealing import (
     set_data_rng,
     set_sampler_epoch,
     total_batches,
+    yields_samples,
 )
+from paraloom.training.layout import Layout
 from paraloom.training.loaders import LoaderSpec, loader_spec
 from paraloom.training.messages import (
     Answer,
@@ -100,17 +103,6 @@ class FitPlan:
     """Whether the pool survives failures (``max_failures > 0``): shorter messages then."""
 
 
-def _yields_samples(data: object) -> bool:
-    """Whether each of ``data``'s "batches" is one sample: a ``DataLoader(batch_size=None)``
-    over a map-style dataset indexed by single indices (``dataset[i]`` is a sample). Over an
-    ``IterableDataset`` it yields what the dataset yields, batches as when the dataset is
-    passed alone; with a ``BatchSampler`` as its sampler, ``dataset[indices]`` is a batch."""
-    return isinstance(data, torch.utils.data.DataLoader) and data.batch_size is None \
-        and data.batch_sampler is None \
-        and not isinstance(data.dataset, torch.utils.data.IterableDataset) \
-        and not isinstance(data.sampler, torch.utils.data.BatchSampler)
-
-
 @dataclass(frozen=True)
 class Sent:
     """What a fit's first message sent: the model's state, the optimizer's state."""
@@ -132,11 +124,17 @@ class FitRun:
 
     def __init__(self, plan: FitPlan, pool: Pool, tracker: RoundTracker,
                  checkpoints: CheckpointCollector, listeners: list[TrainingListener],
-                 optimizer: torch.optim.Optimizer | None) -> None:
+                 optimizer: torch.optim.Optimizer | None, layout: Layout | None = None
+                 ) -> None:
         self.plan, self.pool, self.tracker = plan, pool, tracker
         self.checkpoints, self.listeners, self.optimizer = checkpoints, listeners, optimizer
         self.stop_requested = False
         """Set by ``ParallelWrapper.stop()``: no round is dealt after the one in flight."""
+        self.layout = layout
+        """The layout the workers were built with (None: not checked during the fit)."""
+        self.relaid: tuple[int, str] | None = None
+        """The epoch the fit stopped at because a listener changed the layout, and what."""
+        self._model: nn.Module | None = None
         self.sent = Sent(model=True, optimizer=True)
         """What the first message sent (``stats()``'s ``model_sent`` and the like)."""
         self.settings_sent: list[dict[str, Any]] = []
@@ -150,7 +148,7 @@ class FitRun:
         self.pacing = Pacing(target_s=RECOVERING_TARGET_S if plan.recovering else TARGET_S)
         """Rounds per message, from the rounds' length (``training.pacing``)."""
         self._cpu_began = time.process_time()
-        self._one_row_each = _yields_samples(plan.data)
+        self._one_row_each = yields_samples(plan.data)
         self.parent_cpu_s = 0.0
         """CPU seconds this process (all its threads) spent while the rounds ran: dealing,
         messaging, listeners. A fixed cost per round, taken from the workers' cores."""
@@ -173,6 +171,7 @@ class FitRun:
         (``mirror``); the optimizer's hyperparameters always do.
         """
         data, start, opt = self.plan.data, self.plan.start, self.optimizer
+        self._model = model
         loader = loader_spec(data)
         indexed = indexed_view(data) if loader is None else None
         if mirror is not None and not (mirror.pool is self.pool and self.pool.warm
@@ -232,6 +231,7 @@ class FitRun:
             finished = epoch == start.epoch and start.epoch_done(per_epoch)
             if not self.stop_requested and not finished:
                 self.tracker.start_epoch(epoch)
+            self._stop_if_relaid(epoch)
             if self.stop_requested:
                 self._halt_if_stopped()
                 return
@@ -254,7 +254,7 @@ class FitRun:
             if self.stop_requested:
                 self._halt_if_stopped()
                 return
-            _check_dealt(dealt, epoch, first=epoch == start.epoch)
+            check_dealt(dealt, epoch, first=epoch == start.epoch)
             if self.plan.accumulate > 1:  # the epoch's last rounds step, as in Lightning
                 for rank in range(self.plan.workers):
                     self.pool.send(rank, EndAccumulation())
@@ -453,6 +453,18 @@ class FitRun:
                     "DataLoader every num_workers-th from torch.utils.data.get_worker_info().id")
             seen.add(reply.digest)
 
+    def _stop_if_relaid(self, epoch: int) -> None:
+        """Stop as ``epoch`` (after the first) starts when a listener froze or unfroze
+        parameters, or changed the optimizer's param groups: the workers were built with the
+        old ones."""
+        if self.layout is None or self._model is None or self.stop_requested \
+                or epoch == self.plan.start.epoch:
+            return
+        change = self.layout.changes(Layout.of(self._model, self.optimizer), self._model)
+        if change is not None:
+            self.relaid = (epoch, change)
+            self.stop()
+
     def _send_settings(self) -> bool:
         """Send the user's optimizer settings to every replica, if they changed since sent;
         whether they had."""
@@ -481,13 +493,3 @@ class FitRun:
                 f"next epoch starts (on_epoch_start and on_epoch_end changes apply exactly). "
                 f"For a per-step schedule pass ParallelWrapper(lr_scheduler=lambda opt: ...), "
                 f"which every replica steps after every round", stacklevel=2)
-
-
-def _check_dealt(dealt: int, epoch: int, first: bool) -> None:
-    """Refuse an epoch that yielded no batch: an empty source, or a one-shot generator."""
-    if dealt == 0 and first:
-        raise ValueError("data yielded no batches at all (an empty generator or "
-                         "IterableDataset?); expected at least one (inputs, targets) batch")
-    if dealt == 0:
-        raise ValueError(f"data yielded no batches in epoch {epoch}: pass a re-iterable "
-                         "source (a DataLoader or a list), not a one-shot generator")

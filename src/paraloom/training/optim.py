@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OptimizerSpec", "OptimizerFactory", "load_state_copying"]
+__all__ = ["OptimizerSpec", "OptimizerFactory", "load_state_copying", "trained_state"]
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 """``factory(model.parameters()) -> optimizer``, e.g. ``lambda p: torch.optim.SGD(p, lr=0.1)``."""
@@ -171,3 +171,17 @@ def load_state_copying(optimizer: torch.optim.Optimizer, state_dict: dict[str, A
                     slot[key] = mine.copy_(value)
                 else:
                     slot[key] = value.clone()
+
+
+def trained_state(optimizer: torch.optim.Optimizer, trained: dict[str, Any]) -> dict[str, Any]:
+    """The state_dict to load into the user's ``optimizer`` after a fit: the replica's
+    ``trained`` state, with what only ``optimizer`` has kept. The replicas' optimizers run
+    none of its state_dict hooks, so the top-level keys a post hook adds (which a load pre
+    hook may want back) are its own; param groups a listener added during the fit (which
+    stopped there, untrained) follow the trained ones."""
+    own = optimizer.state_dict()
+    state = {**{k: v for k, v in own.items() if k not in trained}, **trained}
+    groups = trained["param_groups"]
+    if len(own["param_groups"]) > len(groups):
+        state["param_groups"] = groups + own["param_groups"][len(groups):]
+    return state

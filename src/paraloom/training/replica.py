@@ -189,8 +189,8 @@ class Replica:
         groups = self.optimizer.param_groups
         if len(groups) != len(hyperparameters):
             raise ValueError(f"the optimizer has {len(hyperparameters)} param groups but the "
-                             f"replicas' has {len(groups)}: add param groups before the first "
-                             "fit(), or pass an optimizer factory")
+                             f"replicas' has {len(groups)}: add param groups between fits, or "
+                             "pass an optimizer factory")
         for group, settings in zip(groups, hyperparameters, strict=True):
             group.update(copy.deepcopy(settings))
 

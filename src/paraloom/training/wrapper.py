@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from paraloom._warnings import warn
 from paraloom.data import as_data_source
 from paraloom.devices import DeviceSpec, training_devices
 from paraloom.errors import FitInterrupted, WorkerError
@@ -28,12 +29,18 @@ from paraloom.training.dealing import total_batches
 from paraloom.training.fit_guard import FitGuard, one_fit_at_a_time
 from paraloom.training.fit_run import FitPlan, FitRun, Start
 from paraloom.training.interrupts import deferred_interrupt, graceful_interrupt
+from paraloom.training.layout import Layout, relaid_error
 from paraloom.training.local_pool import LocalPool
 from paraloom.training.messages import ReplicaResult
 from paraloom.training.mirror import ReplicaMirror, changed_settings, hyperparameters
 from paraloom.training.model_checks import check_user_model
 from paraloom.training.modes import TrainingMode
-from paraloom.training.optim import OptimizerFactory, OptimizerSpec, load_state_copying
+from paraloom.training.optim import (
+    OptimizerFactory,
+    OptimizerSpec,
+    load_state_copying,
+    trained_state,
+)
 from paraloom.training.options import (
     FaultTolerance,
     LoopOptions,
@@ -137,8 +144,8 @@ class ParallelWrapper:
         check_scheduler_factory(self.steps.lr_scheduler, self._spec.optimizer, model,
                                 self._user_optimizer)
         self._pool: Pool | None = None
-        self._pool_layout = self._layout()
-        """``_layout()`` when the pool started: a change restarts the workers."""
+        self._pool_layout = Layout.of(model, self._user_optimizer)
+        """The layout when the pool started: a change restarts the workers."""
         self._iteration = 0
         self._epoch_batches: int | None = None  # the current fit's data, when it has a length
         self._run: FitRun | None = None
@@ -213,18 +220,8 @@ class ParallelWrapper:
         if self._run is not None and self._fit_guard.running:
             self._run.stop()
 
-    def _layout(self) -> tuple[tuple[bool, ...], tuple[tuple[int, ...], ...]]:
-        """What the replicas are built with and a warm fit() cannot change in them: which
-        parameters train (``requires_grad``), and the user's optimizer's param groups."""
-        params = list(self.model.parameters())
-        index = {id(p): i for i, p in enumerate(params)}
-        groups = () if self._user_optimizer is None else tuple(
-            tuple(index.get(id(p), -1) for p in g["params"])
-            for g in self._user_optimizer.param_groups)
-        return tuple(p.requires_grad for p in params), groups
-
     def _ensure_pool(self) -> Pool:
-        layout = self._layout()
+        layout = Layout.of(self.model, self._user_optimizer)
         if self._pool is not None and self._pool.alive and layout == self._pool_layout:
             return self._pool
         if self._pool is not None and self._pool.alive:
@@ -289,7 +286,10 @@ class ParallelWrapper:
         had before the fit. ``ValueError`` or ``TypeError`` for arguments or data it cannot
         train on, and for a ``resume_from`` checkpoint of another run (naming the difference);
         ``FileNotFoundError`` for a missing ``resume_from``; ``RuntimeError`` for a ``fit()``
-        called while one runs; ``FitInterrupted`` as above.
+        called while one runs; ``FitInterrupted`` as above. ``ValueError`` too when a listener
+        froze or unfroze parameters or changed the optimizer's param groups during the fit:
+        the fit stops as the next epoch begins, the epochs before it trained into the model,
+        and the message names the ``fit(..., initial_epoch=)`` that goes on.
         """
         data, start = self._checked(data, epochs, batch_size, shuffle, resume_from,
                                     initial_epoch)
@@ -320,6 +320,8 @@ class ParallelWrapper:
             listener.on_fit_end(self)
         if interrupted():
             raise FitInterrupted(tracker.iteration)
+        if run.relaid is not None:
+            raise relaid_error(*run.relaid, epochs)
         return self.stats()
 
     def _checked(self, data: Any, epochs: int, batch_size: int | None, shuffle: bool,
@@ -358,7 +360,7 @@ class ParallelWrapper:
                        recovering=self.faults.max_failures > 0)
         self._checkpoints.reset()
         return FitRun(plan, pool, tracker, self._checkpoints, self.listeners,
-                      self._user_optimizer)
+                      self._user_optimizer, layout=self._pool_layout)
 
     def _failed(self, error: BaseException, tracker: RoundTracker) -> None:
         """A fit failed: the workers go (the next fit starts new ones); a worker's error
@@ -446,9 +448,12 @@ class ParallelWrapper:
             mine = hyperparameters(user_opt)
             kept = changed_settings(mine, settings_sent)
             try:
-                load_state_copying(user_opt, result.optimizer_state)
-            except (ValueError, KeyError) as e:  # a factory-built optimizer may differ in shape
-                log.debug("optimizer state not copied back: %s", e)
+                load_state_copying(user_opt, trained_state(user_opt, result.optimizer_state))
+            except (ValueError, KeyError) as e:
+                warn(
+                    f"the trained optimizer state was not copied back into your "
+                    f"{type(user_opt).__name__} ({type(e).__name__}: {e}); it keeps the state "
+                    "it had before the fit")
             for group, key in kept:
                 if group < len(user_opt.param_groups) and key in mine[group]:
                     user_opt.param_groups[group][key] = mine[group][key]

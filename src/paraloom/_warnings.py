@@ -8,11 +8,16 @@ import warnings
 __all__ = ["warn"]
 
 
+_PASSED = frozenset({"paraloom", "dataclasses"})
+"""Modules whose frames are passed over: paraloom's, and ``dataclasses.replace`` (options
+rebuilt with a keyword run their checks from it)."""
+
+
 def _stacklevel() -> int:
     """The ``stacklevel`` of the first caller outside paraloom, counted from ``warn``'s caller."""
     level, frame = 1, sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] \
-            == "paraloom":
+            in _PASSED:
         level += 1
         frame = frame.f_back  # type: ignore[assignment]
     return level

@@ -12,6 +12,7 @@ from torch.optim.lr_scheduler import StepLR
 
 from paraloom import (
     FaultTolerance,
+    FixedThreshold,
     LoopOptions,
     ParallelWrapper,
     QuantileThreshold,
@@ -19,6 +20,7 @@ from paraloom import (
     StepOptions,
 )
 from paraloom.sync import Averaging, SharedGradients
+from paraloom.sync.registry import build_synchronizer
 from paraloom.training.options import WrapperKeywords
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,6 +90,25 @@ def test_bad_groups_and_values_are_refused_with_the_option_named() -> None:
         _wrapper(epochs=3)
     with pytest.raises(TypeError, match="no_such_option"):
         _wrapper(no_such_option=1)
+
+
+@pytest.mark.parametrize(("mode", "option", "owner"), [
+    ("allreduce", {"recipe": "dgc"}, "shared_gradients"),
+    ("averaging", {"comm_hook": "fp16"}, "allreduce"),
+    ("diloco", {"threshold_algorithm": FixedThreshold(1e-3)}, "shared_gradients"),
+])
+def test_an_option_of_another_mode_is_refused_naming_that_mode(mode, option, owner) -> None:
+    """allreduce passed recipe= on to DDP's keywords and called it an unknown DDP option;
+    the other modes said it was no option at all."""
+    with pytest.raises(TypeError, match=rf"{next(iter(option))} is an option of "
+                                        rf"training_mode='{owner}'.*training_mode='{mode}' takes"):
+        _wrapper(training_mode=mode, **option)
+
+
+def test_a_ddp_keyword_another_mode_also_takes_still_goes_to_ddp() -> None:
+    """shared_gradients takes broadcast_buffers= too; under allreduce it is DDP's own."""
+    synchronizer = build_synchronizer("allreduce", broadcast_buffers=False)
+    assert synchronizer.ddp_options == {"broadcast_buffers": False}
 
 
 @pytest.mark.parametrize(("options", "error", "said"), [
@@ -216,6 +237,9 @@ def test_an_averaging_option_equal_to_its_default_in_another_type_is_refused(val
         _wrapper(training_mode="allreduce", averaging_frequency=value)
 
 
-def test_spares_without_max_failures_are_warned_about() -> None:
-    with pytest.warns(UserWarning, match="spares=5 with max_failures=0"):
+def test_spares_without_max_failures_are_warned_about_at_the_callers_line() -> None:
+    """Given as a keyword, the warning named dataclasses.py (``replace`` ran the check), and
+    the default filter then hid it for every later line of the user's."""
+    with pytest.warns(UserWarning, match="spares=5 with max_failures=0") as caught:
         _wrapper(spares=5)
+    assert caught[0].filename == __file__

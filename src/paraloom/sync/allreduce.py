@@ -104,6 +104,8 @@ class AllReduce(Synchronizer):
     """
 
     name = "allreduce"
+    passed_on = _DDP_OPTIONS
+    """The keywords ``**ddp_options`` takes: DistributedDataParallel's."""
 
     def __init__(self, *, comm_hook: str | None = None, powersgd_rank: int | None = None,
                  powersgd_warmup: int | None = None,

@@ -102,6 +102,17 @@ def build_synchronizer(training_mode: str | Enum | Synchronizer | type[Synchroni
     given = _mode_options(name, given)
     factory = _load(name)
     parameters = inspect.signature(factory).parameters
+    named = {k for k, p in parameters.items() if p.kind is p.KEYWORD_ONLY
+             or p.kind is p.POSITIONAL_OR_KEYWORD}
+    passed_on: frozenset[str] = getattr(factory, "passed_on", frozenset())  # its **options
+    if misplaced := {key: owners for key in sorted(set(given) - named - passed_on)
+                     if (owners := _modes_taking(key))}:
+        raise TypeError(f"option(s) {sorted(misplaced)} do not apply to training_mode={name!r}"
+                        ": " + "; ".join(f"{key} is an option of training_mode={owners[0]!r}"
+                                         for key, owners in misplaced.items())
+                        + f" (training_mode={name!r} takes {_wrapper_names(name, named)}"
+                        + (" and DistributedDataParallel's keywords)" if name == "allreduce"
+                           else ")"))
     if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         unknown = sorted(set(given) - set(parameters))
         if unknown:
@@ -109,6 +120,16 @@ def build_synchronizer(training_mode: str | Enum | Synchronizer | type[Synchroni
                             f"are neither ParallelWrapper arguments nor options of this mode, "
                             f"which takes {_wrapper_names(name, parameters)}")
     return factory(**given)
+
+
+def _modes_taking(option: str) -> list[str]:
+    """The built-in modes whose constructors name ``option``."""
+    taking = []
+    for mode in _FACTORIES:
+        parameter = inspect.signature(_load(mode)).parameters.get(option)
+        if parameter is not None and parameter.kind is not parameter.VAR_KEYWORD:
+            taking.append(mode)
+    return taking
 
 
 _STEP_HOOKS = ("before_step", "after_backward", "after_step")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -182,7 +183,7 @@ def _first_weight(model: nn.Module) -> float:
     return float(next(model.parameters()).detach())
 
 
-def _scalar_run(model, saver):
+def _scalar_run(model, saver, **kw):
     """Six epochs moving w by -1 each from 0, scored |w + 3|: the best is epoch 2 (w = -3)."""
     data = [(torch.tensor([[1.0]]), torch.zeros(1))]
     config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(6)], model_saver=saver,
@@ -190,7 +191,7 @@ def _scalar_run(model, saver):
                                  score_calculator=lambda m: abs(_first_weight(m) + 3))
     return EarlyStoppingParallelTrainer(config, model, data, loss_fn=linear_loss, workers=1,
                                         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                        progress=False)
+                                        progress=False, **kw)
 
 
 @pytest.mark.parametrize("build", [lambda: nn.Sequential(Scalar()), lambda: ScalarFrom(0.0)],
@@ -406,3 +407,30 @@ def test_resume_refuses_a_plain_fits_checkpoint_and_changed_conditions(digits_lo
     with pytest.warns(UserWarning, match="cannot give its model back.*LocalDirectorySaver"):
         result = in_memory.fit(resume_from=tmp_path / "ckpt")
     assert sorted(result.scores) == [0, 1, 2]
+
+
+def test_a_resumed_run_gives_back_a_best_model_its_files_cannot_rebuild(tmp_path):
+    """An nn.Sequential's files cannot rebuild it; resumed, the best weights go into a copy of
+    the model the resumed run trains, as in the run that saved them."""
+    def run(listeners):
+        model = nn.Sequential(Scalar())
+        config = EarlyStoppingConfig(epoch_conditions=[MaxEpochs(6)],
+                                     model_saver=LocalDirectorySaver(tmp_path / "best"),
+                                     score_calculator=lambda m: abs(_first_weight(m) + 3))
+        return EarlyStoppingParallelTrainer(
+            config, model, [(torch.tensor([[1.0]]), torch.zeros(1))], loss_fn=linear_loss,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0), workers=1, progress=False,
+            listeners=listeners)
+
+    with warnings.catch_warnings(record=True) as caught, \
+            pytest.raises(RuntimeError, match="went down"):
+        warnings.simplefilter("always")
+        run([CheckpointListener(tmp_path / "ckpt"), _CrashAt(4)]).fit()  # best: epoch 2
+    assert any("cannot rebuild the model on their own" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run([CheckpointListener(tmp_path / "ckpt")]).fit(resume_from=tmp_path / "ckpt")
+    assert [str(w.message) for w in caught if "give" in str(w.message)] == []
+    assert (result.best_epoch, result.best_score, result.total_epochs) == (2, 0.0, 6)
+    assert type(result.best_model) is nn.Sequential
+    assert _first_weight(result.best_model) == -3.0

@@ -27,7 +27,7 @@ from paraloom.training.conditions import (
     MaxEpochs,
 )
 from paraloom.training.resume import TrainingCheckpoint
-from paraloom.training.savers import InMemoryModelSaver, ModelSaver
+from paraloom.training.savers import InMemoryModelSaver, LocalDirectorySaver, ModelSaver
 from paraloom.training.scores import ScoreCalculator, as_score_calculator
 from paraloom.training.wrapper import ParallelWrapper
 
@@ -241,6 +241,8 @@ class EarlyStoppingParallelTrainer:
                     "conditions, or start afresh")
         if progress.best_epoch >= 0:
             saver = self.config.model_saver
+            if isinstance(saver, LocalDirectorySaver):
+                saver._resumed_with(self.model)
             try:
                 saver.best_model()
             except Exception as e:  # noqa: BLE001 - any saver's way of having none

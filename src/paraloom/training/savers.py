@@ -92,6 +92,13 @@ class LocalDirectorySaver(ModelSaver):
              "later, pass LocalDirectorySaver(directory, factory=build) or "
              "paraloom.load(path, factory=build), build() returning the model")
 
+    def _resumed_with(self, model: nn.Module) -> None:
+        """A run resumed on this directory trains ``model`` (a checkpoint of the same
+        architecture): the saved weights go into a copy of it, as in the run that saved them,
+        so a model the files cannot rebuild (an ``nn.Sequential``) comes back too."""
+        if self._saved is None and self.factory is None:
+            self._saved = model
+
     def _load(self, name: str) -> nn.Module:
         path = self.directory / f"{name}.safetensors"
         if not path.exists():

@@ -173,6 +173,11 @@ def test_a_scalar_label_column_trains_a_one_unit_regression(spark):
     torch.testing.assert_close(linear.weight.detach(), torch.tensor([[1.0, -2.0, 0.5]]),
                                atol=0.05, rtol=0)
     assert metrics["loss"] == pytest.approx(metrics["mse"], rel=1e-4)  # the same comparison
+    # A summed elementwise loss is taken per row: it was counted once per row again (x 50).
+    summed = SparkModel(spark, linear, ParameterAveragingTrainingMaster(workers=2),
+                        loss_fn=nn.MSELoss(reduction="sum"))
+    loss = summed.evaluate_regression(frame, features="x", label="y").metrics()["loss"]
+    assert loss == pytest.approx(metrics["mse"], rel=1e-4)
 
 
 def test_evaluate_a_double_class_label_says_to_set_label_dtype(spark):

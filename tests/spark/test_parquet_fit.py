@@ -189,3 +189,22 @@ def test_files_of_unequal_sizes_are_shared_equally_where_the_master_reads_a_data
     assert summary["stages"] == "per_round"
     assert sum(summary["rows_per_worker"]) == 700
     assert max(summary["rows_per_worker"]) - min(summary["rows_per_worker"]) <= 4
+
+
+def test_files_whose_column_names_differ_in_case_train_through_spark(spark, tmp_path):
+    """Spark reads a folder whose files name a column "features" and "Features" (ignoring
+    case, its default); the files' fast path looked them up exactly and refused the second."""
+    g = np.random.default_rng(0)
+    x = g.normal(size=(64, 4)).astype(np.float32)
+    for i, (features, label) in enumerate([("features", "label"), ("Features", "Label")]):
+        part = x[32 * i:32 * (i + 1)]
+        pq.write_table(pa.table({features: pa.array(part.tolist(), type=pa.list_(pa.float32())),
+                                 label: pa.array((part[:, 0] > 0).astype(np.int64))}),
+                       tmp_path / f"part-{i}.parquet")
+    df = spark.read.parquet(str(tmp_path))
+    assert df.columns == ["features", "label"] and df.count() == 64
+    model = nn.Linear(4, 2)
+    summary = SparkModel(spark, model, ParameterAveragingTrainingMaster(16, workers=2),
+                         loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).fit(df)
+    assert summary["samples"] == 64

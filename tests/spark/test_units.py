@@ -417,6 +417,8 @@ def test_the_shared_master_takes_a_sharing_recipe_as_it_is():
      "for embedding)", "feature_dtype=torch.long"),
     ("IndexError: Target 6 is out of bounds.", "class labels must be 0 .. classes - 1"),
     ("RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x3 and 4x2)", None),
+    ("RuntimeError: Expected floating point type for target with class probabilities, got Long",
+     "store the label column as array<float>"),
 ])
 def test_a_worker_error_names_the_dtype_fix_when_that_is_what_failed(cause, fix):
     from paraloom.spark.model import _label_hint

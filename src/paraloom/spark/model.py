@@ -31,7 +31,7 @@ from paraloom.spark.data import (
 )
 from paraloom.spark.data.arrow import data_chunks
 from paraloom.spark.data.features import normalize_dtypes, normalize_shapes
-from paraloom.spark.data.parquet import ParquetSet, scan_parquet
+from paraloom.spark.data.parquet import MissingColumn, ParquetSet, scan_parquet
 from paraloom.spark.data.plans import parquet_files
 from paraloom.spark.data.targets import column_loss
 from paraloom.spark.evaluation import (
@@ -80,14 +80,21 @@ _LABEL_HINT = "; class labels stored as double need SparkModel(..., label_dtype=
 _RANGE_HINT = ("; class labels must be 0 .. classes - 1 for a model with one output per "
                "class: check the label column's range (F.min / F.max), or the model's outputs")
 
+_ONE_HOT_HINT = ("; one-hot labels are class probabilities, which CrossEntropyLoss takes as "
+                 "floats: store the label column as array<float> or array<double> "
+                 "(F.col(label).cast('array<float>')), or as the class index")
+
 
 def _label_hint(cause: str) -> str:
     """The fix for floating-point class labels, for floating-point ids given to an embedding,
-    or for class labels outside the model's classes, if that is what failed."""
+    for class labels outside the model's classes, or for integer one-hot labels, if that is
+    what failed."""
     if ids_hint(cause):
         return "" if IDS_HINT in cause else IDS_HINT
     if re.search(r"Target -?\d+ is out of bounds", cause):  # unless the worker named it
         return "" if LABEL_OUTSIDE in cause else _RANGE_HINT
+    if "target with class probabilities, got Long" in cause:  # an integer one-hot label
+        return _ONE_HOT_HINT
     wants_long = re.search(r"Long\b.*\b(got|found) (Float|Double|Half)", cause) is not None
     return _LABEL_HINT if wants_long else ""
 
@@ -212,8 +219,14 @@ class SparkModel:
         columns = self._columns(data, features, label, inputs)
         files = parquet_files(data, columns.names()) if is_dataframe(data) else None
         if files is not None and not prebatched and self.master.takes_parquet(self.sc):
-            # Parquet rows as they are: each task reads its share
-            return self._fit_parquet(files, epochs, columns, collect_stats, seed)
+            # Parquet rows as they are: each task reads its share, where every file holds the
+            # columns by the DataFrame's names (Spark, ignoring case, also reads a file whose
+            # names differ in case: those go through Spark)
+            found = None
+            with contextlib.suppress(MissingColumn):
+                found = self._scan(files, columns)
+            if found is not None:
+                return self._fit_parquet(found, epochs, columns, collect_stats, seed)
         job = self._fit_job(epochs)
         if is_dataframe(data) or prebatched:  # DataFrames: decoded from Arrow batches
             job = replace(job, chunked=True, columns=columns if is_dataframe(data) else None,
@@ -286,18 +299,20 @@ class SparkModel:
             return self.fit(self._read_parquet(paths), epochs, features=features, label=label,
                             inputs=inputs, collect_stats=collect_stats, seed=seed,
                             prebatched=prebatched)
-        return self._fit_parquet(paths, epochs, columns, collect_stats, seed)
+        return self._fit_parquet(self._scan(paths, columns), epochs, columns, collect_stats,
+                                 seed)
 
-    def _fit_parquet(self, paths: list[str], epochs: int, columns: Columns, collect_stats: bool,
-                     seed: int) -> dict[str, Any]:
-        """Train on Parquet files, each task streaming its share of the row groups; the
-        files' footers and a few rows checked first."""
-        from paraloom.spark.training.task import batch_tensors
-
-        found = scan_parquet(paths, columns,
-                             check=lambda pair: batch_tensors(pair, self.features))
+    def _fit_parquet(self, found: ParquetSet, epochs: int, columns: Columns,
+                     collect_stats: bool, seed: int) -> dict[str, Any]:
+        """Train on Parquet files' row groups (``_scan``), each task streaming its share."""
         job = replace(self._fit_job(epochs), chunked=True, columns=columns)
         return self._run_fit(job, found, epochs, seed, collect_stats)
+
+    def _scan(self, paths: list[str], columns: Columns) -> ParquetSet:
+        """The files' row groups, their footers and a few rows checked (``scan_parquet``)."""
+        from paraloom.spark.training.task import batch_tensors
+
+        return scan_parquet(paths, columns, check=lambda pair: batch_tensors(pair, self.features))
 
     def _read_parquet(self, paths: list[str]) -> DataFrame:
         from pyspark.sql import SparkSession

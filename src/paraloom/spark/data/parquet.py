@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
     import pyarrow.fs as pafs  # type: ignore[import-untyped]
 
-__all__ = ["RowGroup", "Piece", "ParquetSet", "scan_parquet", "read_share", "prefetched"]
+__all__ = ["RowGroup", "Piece", "ParquetSet", "MissingColumn", "scan_parquet", "read_share",
+           "prefetched"]
 
 _PREFETCH = 2
 """Chunks decoded ahead of the training loop."""
@@ -187,12 +188,16 @@ def _same_kind(a: pa.DataType, b: pa.DataType) -> bool:
     return bool(a == b or (pa.types.is_signed_integer(a) and pa.types.is_signed_integer(b)))
 
 
+class MissingColumn(ValueError):
+    """A column the files were to be read by is not in one of them (by that exact name)."""
+
+
 def _check_schema(path: str, schema: pa.Schema, names: Sequence[str],
                   first: tuple[str, pa.Schema] | None) -> None:
     for name in names:
         if schema.get_field_index(name) < 0:
             hive = f"/{name}=" in path  # a partition column lives in the folder names
-            raise ValueError(f"column {name!r} is not in {path}; it has "
+            raise MissingColumn(f"column {name!r} is not in {path}; it has "
                              f"{schema.names}" + (
                                  f". {name!r} is a partition column (the folders' "
                                  f"{name}=... names), which fit_paths does not read: use "

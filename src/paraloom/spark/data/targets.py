@@ -38,6 +38,12 @@ class ColumnTargets:
                 targets = targets.to(outputs.dtype)  # 0/1 class labels for BCE, as Keras takes
         return self.loss(outputs, targets)
 
+    @property
+    def reduction(self) -> str:
+        """The wrapped loss's ``reduction``, which ``forward.batch_total`` reads to total a
+        batch (a "sum" loss taken for a mean was counted once per row again)."""
+        return str(getattr(self.loss, "reduction", "mean"))
+
     def __repr__(self) -> str:
         return f"ColumnTargets({self.loss!r})"
 

@@ -113,3 +113,13 @@ def test_a_class_label_past_the_models_outputs_names_the_range() -> None:
     message = _fail(nn.Linear(4, 2), batches, loss_fn=nn.CrossEntropyLoss())
     assert "Target 5 is out of bounds" in message
     assert "outside the model's 2 classes (0 to 1): check the labels' range" in message
+
+
+def test_one_value_per_row_given_1d_to_a_linear_layer_says_to_make_it_a_column() -> None:
+    """Twelve rows of one value reached nn.Linear(1, 1) as (12,): it read one row of 12, and
+    the hint said "rows of 12 values" (a Spark scalar column as features="x" gives this)."""
+    batches = [(torch.ones(12), torch.zeros(12, 1))] * 2
+    message = _fail(nn.Linear(1, 1), batches, loss_fn=nn.MSELoss())
+    assert "The inputs are 1-D, 12 rows of one value each" in message
+    assert "features=[name] on Spark, x.unsqueeze(1)" in message
+    assert "rows of 12 values" not in message

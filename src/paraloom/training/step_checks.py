@@ -135,7 +135,11 @@ def batch_error(e: Exception, inputs: Any, targets: Any = _PREDICTING, outputs: 
     message = (f"{type(e).__name__}: {e}\n(on a batch with inputs {describe(inputs)}"
                + ("" if targets is _PREDICTING else f" and targets {describe(targets)}") + ")")
     widths = re.search(r"mat1 and mat2 shapes cannot be multiplied \(\d+x(\d+) and (\d+)x", str(e))
-    if widths and outputs is None:
+    if widths and outputs is None and isinstance(inputs, torch.Tensor) and inputs.dim() == 1:
+        message += (f"\nThe inputs are 1-D, {inputs.shape[0]} rows of one value each (a scalar "
+                    "column), which a linear layer takes as one row of that many: give them "
+                    "as (rows, 1) (features=[name] on Spark, x.unsqueeze(1) in a Dataset)")
+    elif widths and outputs is None:
         message += (f"\nA linear layer got rows of {widths.group(1)} values where it takes "
                     f"{widths.group(2)}: if it is the model's first layer, check the features "
                     "it is given (their columns, or their shape) against its inputs")

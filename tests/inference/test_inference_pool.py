@@ -192,6 +192,7 @@ def test_a_bad_request_in_a_batch_of_good_ones_fails_alone(gate):
     assert isinstance(err, InvalidRequestError) and isinstance(err.__cause__, IndexError)
     assert "failed on this request alone with IndexError" in str(err)
     assert err.received == err.expected == "Tensor(N, 3) int64"
+    assert "as inputs it has run on, so the values are at fault" in str(err)
     assert stats["batch_size_histogram"] == {1: 1, 9: 1}    # the 9 shared one forward pass
     assert stats["completed"] == 9 and stats["failed"] == 1
     assert stats["rejections"]["invalid"] == 1
@@ -206,7 +207,8 @@ def test_a_request_of_the_wrong_shape_names_expected_and_received(mode):
             pi.output(torch.randn(1, 65))
         torch.testing.assert_close(pi.output(torch.ones(1, 64)), model(torch.ones(1, 64)))
     message = str(info.value)
-    assert "Received Tensor(N, 65) float32; expected Tensor(N, 64) float32" in message
+    assert "Received Tensor(N, 65) float32; expected Tensor(N, 64) float32 (the input it last " \
+        "ran on)" in message
     assert isinstance(info.value.__cause__, RuntimeError)
 
 

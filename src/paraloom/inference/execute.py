@@ -202,10 +202,16 @@ def _classify(generation: Generation, r: Request, exc: Exception, blame: bool) -
     else:
         received = describe_key(r.key)
         expected = describe_key(generation.good_key) if generation.good_key is not None else None
-        wanted = expected or "an input the model accepts (none has run on this version yet)"
+        if received == expected:  # the shapes and dtypes it ran on: the values are at fault
+            said = (f"Received {received}, as inputs it has run on, so the values are at fault "
+                    "(an index out of range?). Fix the request's values")
+        else:
+            wanted = (f"{expected} (the input it last ran on)" if expected else
+                      "an input the model accepts (none has run on this version yet)")
+            said = (f"Received {received}; expected {wanted}. Fix the request's shape, dtype "
+                    "or values")
         failure = InvalidRequestError(
-            f"model version {v} failed on this request alone with {cause}. Received {received}; "
-            f"expected {wanted}. Fix the request's shape, dtype or values",
+            f"model version {v} failed on this request alone with {cause}. {said}",
             received=received, expected=expected)
     failure.__cause__ = exc
     return failure

@@ -32,7 +32,7 @@ __all__ = ["EXTENSIONS", "InferAnswer", "ServerMetadata", "describe_server", "ha
            "select_outputs"]
 
 _log = logging.getLogger("paraloom.serving")
-EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository"]
 SHARED_MEMORY = "system_shared_memory"  # listed when the server has shared memory on
 
 

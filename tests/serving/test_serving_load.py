@@ -54,6 +54,21 @@ def output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x)
 
 
+def test_a_load_of_the_weights_served_keeps_the_version(served: tuple) -> None:
+    """A Triton client pinned to version "1" got 404 after a reload of the unchanged file
+    (Triton's version is its folder's; here an unchanged file moved it to "2")."""
+    _, client = served
+    x = torch.rand(2, 1, 8, 8)
+    assert client.post(LOAD).json()["version"] == "1"  # the file it was started from
+    assert client.post(LOAD, json={"parameters": {"path": "v1.safetensors"}}).json() == {
+        "name": "lenet", "version": "1"}
+    assert client.post("/v2/models/lenet/versions/1/infer", json=infer_json(x)).status_code == 200
+    moved = client.post(LOAD, json={"parameters": {"path": "v2.safetensors"}})
+    assert moved.json()["version"] == "2"
+    assert client.post(LOAD, json={"parameters": {"path": "v2.safetensors"}}).json()[
+        "version"] == "2"
+
+
 def test_load_swaps_the_weights_and_the_version(served: tuple, files: dict) -> None:
     app, client = served
     x = torch.rand(2, 1, 8, 8)

@@ -116,7 +116,7 @@ def test_every_model_is_served_with_its_own_pool_and_config(server: ServerThread
     grpc.close()
 
 
-def test_metrics_carry_each_model_label(server: ServerThread) -> None:
+def test_metrics_carry_each_model_label(server: ServerThread, models_dir: dict) -> None:
     import urllib.request
 
     http = _http(server)
@@ -135,7 +135,13 @@ def test_metrics_carry_each_model_label(server: ServerThread) -> None:
         text = r.read().decode()
     assert 'paraloom_pool_rows_total{model="tabular"} 5.0' in text, text
     assert 'paraloom_pool_requests_total{model="tabular"} 2.0' in text
-    assert 'paraloom_model_version{model="tabular"} 2.0' in text
+    # The weights unchanged, the version stays (a client pinned to "1" got 404 after a load);
+    # new weights in the file are the next version.
+    assert 'paraloom_model_version{model="tabular"} 1.0' in text
+    assert http.is_model_ready("tabular", "1")
+    paraloom.save(_mlp(5), models_dir["root"] / "mlp" / "model.safetensors")
+    http.load_model("tabular")
+    assert http.is_model_ready("tabular", "2") and not http.is_model_ready("tabular", "1")
 
 
 def test_unload_and_load_over_grpc_and_http(server: ServerThread, models_dir: dict) -> None:

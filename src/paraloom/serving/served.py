@@ -31,6 +31,7 @@ from paraloom.serving.errors import (
 )
 from paraloom.serving.handlers import HandlerFailedError
 from paraloom.serving.repository.binding import BoundModel
+from paraloom.serving.repository.files import same_state
 from paraloom.serving.signature import ModelSignature, TensorMetadata, probe_input
 
 if TYPE_CHECKING:
@@ -276,7 +277,8 @@ class ServedModel:
         async with self._load_lock:  # two loads at once would race on self.model
             self._check_serving()
             model = await anyio.to_thread.run_sync(self.files.build, path, self.model)
-            if await anyio.to_thread.run_sync(_same_weights, model, self.model):
+            if await anyio.to_thread.run_sync(same_state, model.state_dict(),
+                                              self.model.state_dict()):
                 return self.version  # as Triton's version stays its folder's: nothing new
             try:
                 await anyio.to_thread.run_sync(self.pool.update_model, model)
@@ -343,23 +345,6 @@ def build_pool(model: nn.Module, signature: ModelSignature,
                      ", ".join(f"{s.name} {list(s.shape)}" for s in signature.inputs), e)
         options["example_input"] = None
         return ParallelInference(model, **options)
-
-
-def _same_weights(a: nn.Module, b: nn.Module) -> bool:
-    """Whether ``a`` and ``b`` hold the same tensors (names, dtypes, values) and extra states."""
-    one, other = a.state_dict(), b.state_dict()
-    if one.keys() != other.keys():
-        return False
-    for key, value in one.items():
-        theirs = other[key]
-        if isinstance(value, torch.Tensor) != isinstance(theirs, torch.Tensor):
-            return False
-        if isinstance(value, torch.Tensor):
-            if value.dtype != theirs.dtype or not torch.equal(value, theirs.to(value.device)):
-                return False
-        elif value != theirs:
-            return False
-    return True
 
 
 def _preprocess_misfit(handler: str, error: InvalidRequestError) -> ServingError:

@@ -20,7 +20,7 @@ from paraloom.checkpoint import read_consistently, read_header
 from paraloom.serving.errors import ForbiddenError, ProtocolError, short_repr
 from paraloom.serving.repository.binding import BoundModel
 
-__all__ = ["ModelFiles", "check_load_parameters"]
+__all__ = ["ModelFiles", "check_load_parameters", "holds_weights", "same_state"]
 
 _SUFFIX = ".safetensors"
 
@@ -121,3 +121,30 @@ def _shape(value: object) -> tuple[int, ...] | None:
 def _architecture(header: Mapping[str, object]) -> dict[str, object]:
     """The header's architecture: what a file's weights must share with the served model's."""
     return {k: header[k] for k in ("name", "class", "kwargs") if k in header}
+
+
+def same_state(one: Mapping[str, object], other: Mapping[str, object]) -> bool:
+    """Whether two state_dicts hold the same tensors (names, dtypes, values) and extra states."""
+    if one.keys() != other.keys():
+        return False
+    for key, value in one.items():
+        theirs = other[key]
+        if isinstance(value, torch.Tensor) and isinstance(theirs, torch.Tensor):
+            if value.dtype != theirs.dtype or value.shape != theirs.shape \
+                    or not torch.equal(value, theirs.to(value.device)):
+                return False
+        elif isinstance(value, torch.Tensor) or isinstance(theirs, torch.Tensor) \
+                or value != theirs:
+            return False
+    return True
+
+
+def holds_weights(path: Path, model: nn.Module) -> bool:
+    """Whether the file at ``path`` holds the weights ``model`` serves (False where it cannot
+    be read: a build from it says why)."""
+    inner = model.model if isinstance(model, BoundModel) else model
+    try:
+        state = read_consistently(path)[1]
+    except (ValueError, OSError):
+        return False
+    return same_state(state, inner.state_dict())

@@ -27,7 +27,7 @@ from paraloom.serving.errors import (
     short_repr,
 )
 from paraloom.serving.repository.directory import Found, NoVersionLoads, Versions
-from paraloom.serving.repository.files import check_load_parameters
+from paraloom.serving.repository.files import check_load_parameters, holds_weights
 from paraloom.serving.served import ServedModel
 
 if TYPE_CHECKING:
@@ -285,9 +285,12 @@ class ModelRepository:
             found = await anyio.to_thread.run_sync(self.source.find, name)
             last = entry.last if entry is not None else None
             if not found.numbered and found.path is not None and last is not None:
-                # No version folders: each build is the next version, as a reload of a served
-                # file is, so a request pinned to the old one never gets the new weights.
-                found = replace(found, version=int(last.version) + 1)
+                # No version folders: each build of new weights is the next version, as a
+                # reload of a served file is, so a request pinned to the old one never gets
+                # them; the weights it serves keep their version (Triton's is the folder's).
+                same = last.model is not None and await anyio.to_thread.run_sync(
+                    holds_weights, found.path, last.model)
+                found = replace(found, version=int(last.version) + (0 if same else 1))
             try:
                 built = await anyio.to_thread.run_sync(self.source.build_versions, found)
             except (ValueError, TypeError, RuntimeError, OSError) as e:

@@ -451,7 +451,7 @@ class ParallelWrapper:
                 load_state_copying(user_opt, trained_state(user_opt, result.optimizer_state))
             except (ValueError, KeyError) as e:
                 warn(
-                    f"the trained optimizer state was not copied back into your "
+                    "the trained optimizer state was not copied back into your "
                     f"{type(user_opt).__name__} ({type(e).__name__}: {e}); it keeps the state "
                     "it had before the fit")
             for group, key in kept:

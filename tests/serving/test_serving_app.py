@@ -82,7 +82,7 @@ def test_server_metadata_names_the_extensions(client: Client) -> None:
     assert body["name"] == "paraloom"
     assert body["extensions"] == ["binary_tensor_data", "classification",
                                   "model_configuration", "model_repository",
-                                  "system_shared_memory"]
+                                  "statistics", "system_shared_memory"]
 
 
 def test_health_endpoints_are_200_while_serving(client: Client) -> None:

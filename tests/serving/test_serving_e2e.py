@@ -61,7 +61,7 @@ def test_tritonclient_health_metadata_and_inference(server: ServerThread,
         assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
         assert client.get_server_metadata()["extensions"] == [
             "binary_tensor_data", "classification", "model_configuration",
-            "model_repository",
+            "model_repository", "statistics",
             "system_shared_memory"]
         x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
         want = expected(lenet, x)

@@ -25,6 +25,7 @@ from paraloom.inference.payload import (
 )
 from paraloom.inference.replicas import Generation, check_rows_first
 from paraloom.inference.stats import StatsRecorder
+from paraloom.inference.totals import Phases
 
 __all__ = ["serve_batch", "serve_batch_guarded", "fail_requests", "fail_unfinished"]
 
@@ -61,17 +62,17 @@ def _serve_claimed(generation: Generation, slot: int, live: Sequence[Request],
                    stats: StatsRecorder, start: float, clock: Callable[[], float]) -> None:
     rows, waits = sum(r.rows for r in live), [start - r.arrival for r in live]
     try:
-        outputs = _run(generation, slot, live)
+        outputs, phases = _run(generation, slot, live, clock)
     except Exception as exc:  # noqa: BLE001 - the model's errors belong to the requests
         if isinstance(exc, UnsplittableOutputError):
             generation.refuse_merging(str(exc))
-        _isolate(generation, slot, live, exc, stats)
+        _isolate(generation, slot, live, exc, stats, start, clock)
         stats.batch(rows, waits, clock() - start)
         return
     stats.batch(rows, waits, clock() - start)
     first = live[0]
     generation.accepted(first.key, first.spec, first.tensors)
-    _deliver(generation.version, live, outputs, stats)
+    _deliver(generation.version, live, outputs, stats, start, phases, clock)
 
 
 def serve_batch_guarded(generation: Generation, slot: int, batch: Sequence[Request],
@@ -104,27 +105,41 @@ def _claim(batch: Sequence[Request], now: float, stats: StatsRecorder) -> list[R
     return live
 
 
-def _run(generation: Generation, slot: int, requests: Sequence[Request]) -> list[Any]:
-    """One forward pass over the requests' rows; one output per request, on its own device."""
+def _run(generation: Generation, slot: int, requests: Sequence[Request],
+         clock: Callable[[], float]) -> tuple[list[Any], Phases]:
+    """One forward pass over the requests' rows; one output per request, on its own device,
+    and the time of each phase (see ``paraloom.inference.totals``)."""
+    began = clock()
     tensors = collate([r.tensors for r in requests], generation.devices[slot])
+    collated = clock()
     output = generation.forward(slot, requests[0].spec, tensors)
+    ran = clock()
     output = to_device(output, requests[0].tensors[0].device)  # one copy for the whole batch
-    return split_output(output, [r.rows for r in requests])
+    outputs = split_output(output, [r.rows for r in requests])
+    return outputs, Phases(collated - began, ran - collated, clock() - ran)
 
 
 def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any],
-             stats: StatsRecorder) -> None:
+             stats: StatsRecorder, start: float, phases: Phases | None,
+             clock: Callable[[], float]) -> None:
     """Give each request its output (counted as completed before its caller can wake: a
     ``stats()`` read right after an answer counts it); one whose output cannot be converted
-    gets an error."""
+    gets an error. The batch's totals (``phases``: of the forward pass that gave every
+    output; None: each request ran alone) are recorded before any caller wakes."""
+    converting = clock()
+    converted: list[tuple[Request, Any]] = []
     failed = 0
     for r, out in zip(requests, outputs, strict=True):
         try:
-            if r.numpy:
-                out = to_numpy(out)
+            converted.append((r, to_numpy(out) if r.numpy else out))
         except Exception as exc:  # noqa: BLE001 - this request's output, not the batch's
             failed += _settle(r, _unconvertible(version, exc))
-            continue
+    if phases is not None:
+        stats.totals.answered(version, sum(r.rows for r in requests),
+                              sum(r.rows for r, _ in converted),
+                              [start - r.arrival for r, _ in converted],
+                              phases.plus_output(clock() - converting))
+    for r, out in converted:
         stats.finished(1)
         if not _settle(r, None, (out, version) if r.with_version else out):
             stats.finished(-1)  # settled meanwhile (its timeout), and counted there
@@ -155,12 +170,12 @@ def _unconvertible(version: int, exc: Exception) -> InferenceError:
 
 
 def _isolate(generation: Generation, slot: int, live: Sequence[Request], exc: Exception,
-             stats: StatsRecorder) -> None:
+             stats: StatsRecorder, start: float, clock: Callable[[], float]) -> None:
     """Re-run each request of a failed batch alone; fail only those that fail alone."""
     if len(live) == 1:
         results: list[tuple[Request, Any, Exception | None]] = [(live[0], None, exc)]
     else:
-        results = [_run_alone(generation, slot, r) for r in live]
+        results = [_run_alone(generation, slot, r, clock) for r in live]
     good = [(r, out) for r, out, err in results if err is None]
     if good:
         r = good[0][0]
@@ -178,13 +193,15 @@ def _isolate(generation: Generation, slot: int, live: Sequence[Request], exc: Ex
         stats.dropped("invalid", invalid)
     if errors:
         stats.dropped("error", errors)
-    _deliver(generation.version, [r for r, _ in good], [out for _, out in good], stats)
+    for r, (out, phases) in good:  # each ran alone: a forward pass of its own
+        _deliver(generation.version, [r], [out], stats, start, phases, clock)
 
 
-def _run_alone(generation: Generation, slot: int, r: Request
-               ) -> tuple[Request, Any, Exception | None]:
+def _run_alone(generation: Generation, slot: int, r: Request, clock: Callable[[], float]
+               ) -> tuple[Request, tuple[Any, Phases] | None, Exception | None]:
     try:
-        return r, _run(generation, slot, [r])[0], None
+        outputs, phases = _run(generation, slot, [r], clock)
+        return r, (outputs[0], phases), None
     except Exception as exc:  # noqa: BLE001 - this request's own failure
         return r, None, exc
 

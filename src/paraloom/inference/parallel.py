@@ -49,6 +49,7 @@ from paraloom.inference.replicas import (
     warm_up,
 )
 from paraloom.inference.stats import InferenceStats, StatsRecorder
+from paraloom.inference.totals import VersionTotals
 from paraloom.inference.workers import TICK, WorkerThreads
 from paraloom.precision import Precision, resolve_precision
 
@@ -391,6 +392,14 @@ class ParallelInference:
                 "precision": self._precision.name, "model_version": self.model_version,
                 "closed": self.closed,
                 "queued": len(self._queue) if self._queue is not None else 0}
+
+    def totals(self, version: int | None = None) -> VersionTotals:
+        """Cumulative counts and nanoseconds of one model version (default: the one served
+        now): rows and forward passes, and the queue and compute time of the requests it
+        answered, by batch size too. Never reset; what Triton's statistics report (see
+        ``paraloom.inference.totals``). The latest 16 versions are kept; an older one, or one
+        that has not run, reads zeros."""
+        return self._stats.totals.of(self.model_version if version is None else version)
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests; run what is queued (``drain=False``: fail it); stop workers.

@@ -24,6 +24,8 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from typing import TypedDict
 
+from paraloom.inference.totals import TotalsRecorder
+
 __all__ = ["StatsRecorder", "percentiles", "REJECTION_REASONS", "Percentiles", "RecorderStats",
            "InferenceStats"]
 
@@ -96,6 +98,8 @@ class StatsRecorder:
         self._queue_ms: deque[float] = deque(maxlen=window)
         self._forward_ms: deque[float] = deque(maxlen=window)
         self._rejections: Counter[str] = Counter({reason: 0 for reason in REJECTION_REASONS})
+        self.totals = TotalsRecorder()
+        """Cumulative counts and nanoseconds by model version (Triton's statistics)."""
 
     def accepted(self) -> None:
         """Count one request accepted."""

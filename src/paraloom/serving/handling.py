@@ -32,7 +32,8 @@ __all__ = ["EXTENSIONS", "InferAnswer", "ServerMetadata", "describe_server", "ha
            "select_outputs"]
 
 _log = logging.getLogger("paraloom.serving")
-EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository",
+              "statistics"]
 SHARED_MEMORY = "system_shared_memory"  # listed when the server has shared memory on
 
 
@@ -135,7 +136,8 @@ def write_regions(outputs: list[AnswerOutput], regions: SharedMemoryRegistry | N
 
 
 async def _infer(repository: ModelRepository, name: str, version: str | None,
-                 parsed: InferRequest, regions: SharedMemoryRegistry | None) -> InferAnswer:
+                 parsed: InferRequest, regions: SharedMemoryRegistry | None
+                 ) -> tuple[ServedModel, InferAnswer]:
     served = repository.get(name, version)
     # Admitted from the lookup on: a model unloaded or replaced while its handler's
     # preprocess runs still answers this request (its close waits), as a submitted one does.
@@ -156,7 +158,7 @@ async def _infer(repository: ModelRepository, name: str, version: str | None,
         chosen = await anyio.to_thread.run_sync(select_outputs, served, parsed, result)
     else:
         chosen = select_outputs(served, parsed, result)
-    return InferAnswer(served.name, used, parsed.id, write_regions(chosen, regions))
+    return served, InferAnswer(served.name, used, parsed.id, write_regions(chosen, regions))
 
 
 async def handle_infer(repository: ModelRepository, metrics: ServingMetrics, name: str,
@@ -167,18 +169,29 @@ async def handle_infer(repository: ModelRepository, metrics: ServingMetrics, nam
     label = repository.label(name)
     started = time.perf_counter()
     metrics.request(label)
+    found: ServedModel | None = None  # counts a failure in its statistics once found
     try:
-        repository.get(name, version)  # an unknown model or version is a 404 before the body
-        answer = await _infer(repository, name, version, await decode(), regions)
+        found = repository.get(name, version)  # an unknown model or version: 404 before the body
+        served, answer = await _infer(repository, name, version, await decode(), regions)
     except ServingError as e:
+        _failed(found, started)
         metrics.failure(label, e.reason)
         raise
     except anyio.get_cancelled_exc_class():  # the call was cancelled or its deadline passed
+        _failed(found, started)
         metrics.failure(label, "cancelled")
         raise
     except Exception as e:  # the model itself raised on every try: a server-side failure
         _log.exception("inference failed")
+        _failed(found, started)
         metrics.failure(label, "model_error")
         raise ModelFailedError(f"the model failed: {type(e).__name__}: {e}") from e
-    metrics.done(label, time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    served.outcomes.succeeded(answer.model_version, elapsed)
+    metrics.done(label, elapsed)
     return answer
+
+
+def _failed(found: ServedModel | None, started: float) -> None:
+    if found is not None:
+        found.outcomes.failed(found.version, time.perf_counter() - started)

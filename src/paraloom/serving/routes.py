@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from paraloom.serving.body import read_body
-from paraloom.serving.errors import NotFoundError, ProtocolError, ServingError
+from paraloom.serving.errors import ProtocolError, ServingError
 from paraloom.serving.handling import describe_server
 from paraloom.serving.infer_endpoint import InferEndpoint
 from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
@@ -20,6 +20,7 @@ from paraloom.serving.protocol import load_json
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.served import ServedModel
 from paraloom.serving.shared_memory_routes import SHARED_MEMORY_ROUTES, regions_of
+from paraloom.serving.statistics import statistics
 from paraloom.serving.unserved import unserved_path
 
 __all__ = ["EXCEPTION_HANDLERS", "ROUTES", "error_response"]
@@ -65,15 +66,19 @@ async def ready(request: Request) -> Response:
 
 
 async def model_metadata(request: Request) -> Response:
-    """GET /v2/models/{name}[/versions/{version}]; ``GET /v2/models/stats`` (Triton's
-    statistics of every model) when no model is called ``stats``."""
-    try:
-        return JSONResponse(_served(request).metadata())
-    except NotFoundError:
-        unserved = unserved_path(request.url.path)
-        if unserved is None:
-            raise
-        raise NotFoundError(f"GET {request.url.path}: {unserved}") from None
+    """GET /v2/models/{name}[/versions/{version}]."""
+    return JSONResponse(_served(request).metadata())
+
+
+async def model_statistics(request: Request) -> Response:
+    """GET /v2/models[/{name}[/versions/{version}]]/stats: Triton's statistics of every model,
+    of one, or of one version. ``GET /v2/models/stats`` is the metadata of a model called
+    ``stats`` where there is one (gRPC ``ModelStatistics`` reads its statistics)."""
+    params = request.path_params
+    repository = _repository(request)
+    if "name" not in params and "stats" in repository.models():
+        return JSONResponse(repository.get("stats").metadata())
+    return JSONResponse(statistics(repository, params.get("name"), params.get("version")))
 
 
 async def model_config_route(request: Request) -> Response:
@@ -169,6 +174,9 @@ ROUTES = [
     Route("/v2", server_metadata, methods=["GET"]),
     Route("/v2/health/live", live, methods=["GET"]),
     Route("/v2/health/ready", ready, methods=["GET"]),
+    Route("/v2/models/stats", model_statistics, methods=["GET"]),
+    Route(_MODEL + "/stats", model_statistics, methods=["GET"]),
+    Route(_VERSION + "/stats", model_statistics, methods=["GET"]),
     Route(_MODEL, model_metadata, methods=["GET"]),
     Route(_VERSION, model_metadata, methods=["GET"]),
     Route(_MODEL + "/config", model_config_route, methods=["GET"]),

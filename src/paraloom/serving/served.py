@@ -33,6 +33,7 @@ from paraloom.serving.handlers import HandlerFailedError
 from paraloom.serving.repository.binding import BoundModel
 from paraloom.serving.repository.files import same_state
 from paraloom.serving.signature import ModelSignature, TensorMetadata, probe_input
+from paraloom.serving.statistics import RequestTotals
 
 if TYPE_CHECKING:
     from paraloom.devices import DeviceSpec
@@ -119,6 +120,8 @@ class ServedModel:
         self._threads: anyio.CapacityLimiter | None = None  # made on the event loop
         self.close_timeout: float | None = None  # the server sets its graceful timeout here
         self.siblings: list[ServedModel] = [self]  # every version of this model served now
+        self.outcomes = RequestTotals()
+        """The requests answered and failed, by version (Triton's statistics)."""
         self.labels = labels or {}
         """Class labels by output name, for the classification extension."""
         self.batch_dim = batch_dim

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from grpc import aio
 
@@ -47,6 +48,7 @@ from paraloom.serving.protocol import InferRequest
 from paraloom.serving.repository.models import ModelRepository
 from paraloom.serving.shared_memory import SharedMemoryRegistry, registry_or_refuse
 from paraloom.serving.shared_memory_routes import CUDA_REFUSAL
+from paraloom.serving.statistics import statistics
 from paraloom.serving.unserved import UNSERVED_METHODS
 
 __all__ = ["METHODS", "STREAMING", "GrpcEndpoint", "GrpcServer", "Handler", "Service",
@@ -109,6 +111,11 @@ class Service:
                           ) -> Message:
         served = self.repository.get(request.name, request.version or None)
         return response(config=model_config(served))
+
+    async def ModelStatistics(self, request: ModelRef, response: type[Message]  # noqa: N802
+                              ) -> Message:
+        found = statistics(self.repository, request.name or None, request.version or None)
+        return json_format.ParseDict(found, response())
 
     async def ModelInfer(self, request: InferRequestMessage,  # noqa: N802
                          response: type[Message]) -> Message:
@@ -184,7 +191,7 @@ class Service:
 
 
 METHODS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-           "ModelConfig", "ModelInfer", "RepositoryIndex", "RepositoryModelLoad",
+           "ModelConfig", "ModelStatistics", "ModelInfer", "RepositoryIndex", "RepositoryModelLoad",
            "RepositoryModelUnload",
            "SystemSharedMemoryStatus", "SystemSharedMemoryRegister",
            "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",

@@ -98,6 +98,18 @@ def test_json_integers_past_the_datatypes_range_are_refused(datatype: str, data:
         parse_infer_request(json.dumps(body).encode())
 
 
+@pytest.mark.parametrize("datatype", ["BF16", "FP16", "FP32"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_value_too_large_in_a_tensor_of_rows_is_refused_by_name(datatype: str,
+                                                                  nested: bool) -> None:
+    """A BF16 tensor of shape [1, 4] with 1e39 in it was a 500 ("too many indices")."""
+    data: list = [1e39, 1, 1, 1]
+    body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": datatype,
+                        "data": [data] if nested else data}]}
+    with pytest.raises(ProtocolError, match=f"such as 1e.39 that {datatype} cannot hold"):
+        parse_infer_request(json.dumps(body).encode())
+
+
 def test_json_floats_at_the_ends_of_fp16_and_infinities_decode() -> None:
     body = {"inputs": [{"name": "x", "shape": [3], "datatype": "FP16",
                         "data": [65504.0, float("-inf"), -65504]}]}
@@ -160,6 +172,15 @@ def test_nested_json_data_is_accepted_row_major() -> None:
     req = parse_infer_request(json.dumps(body).encode())
     assert req.id == "7"
     assert req.inputs[0].tensor.tolist() == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("request_id", [{"a": 1}, [1, 2]])
+def test_a_request_id_that_is_an_object_or_array_is_refused(request_id: object) -> None:
+    """It was echoed back as Python's text of the object ("{'a': 1}")."""
+    body = {"id": request_id, "inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                                          "data": [1.0]}]}
+    with pytest.raises(ProtocolError, match="request id must be a string"):
+        parse_infer_request(json.dumps(body).encode())
 
 
 def json_request(**fields: object) -> bytes:

@@ -153,6 +153,20 @@ def test_reshape_gives_the_model_its_shape_and_the_client_the_declared_one(serve
     np.testing.assert_array_equal(out["s"], [[10], [26]])
 
 
+def test_the_config_gives_back_the_reshape_and_label_file_as_written(server: Any) -> None:
+    """get_model_config left out a config.pbtxt's reshape and label_filename."""
+    http = th.InferenceServerClient(server.url.removeprefix("http://"))
+    grpc_config = tg.InferenceServerClient(server.grpc_url.removeprefix("grpc://"))
+    reshaped = http.get_model_config("reshaped")
+    assert reshaped["input"][0]["reshape"] == {"shape": [2, 2]}
+    assert reshaped["output"][0]["reshape"] == {"shape": []}
+    assert http.get_model_config("scores")["output"][0]["label_filename"] == "labels.txt"
+    over_grpc = grpc_config.get_model_config("reshaped").config
+    assert list(over_grpc.input[0].reshape.shape) == [2, 2]
+    assert grpc_config.get_model_config("scores").config.output[0].label_filename == "labels.txt"
+    assert "label_filename" not in http.get_model_config("first_row")["output"][0]
+
+
 def test_a_dict_input_model_gets_the_inputs_by_name(server: Any) -> None:
     out = _infer(server, "keyed", {"p": _f32([[1], [2]]), "q": _f32([[3], [4]])})
     np.testing.assert_array_equal(out["out"], [[13], [24]])

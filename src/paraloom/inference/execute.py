@@ -120,12 +120,12 @@ def _run(generation: Generation, slot: int, requests: Sequence[Request],
 
 
 def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any],
-             stats: StatsRecorder, start: float, phases: Phases | None,
+             stats: StatsRecorder, start: float, phases: Phases,
              clock: Callable[[], float]) -> None:
     """Give each request its output (counted as completed before its caller can wake: a
     ``stats()`` read right after an answer counts it); one whose output cannot be converted
-    gets an error. The batch's totals (``phases``: of the forward pass that gave every
-    output; None: each request ran alone) are recorded before any caller wakes."""
+    gets an error. The totals of the forward pass that gave the outputs (its ``phases``; the
+    batch began at ``start``) are recorded before any caller wakes too."""
     converting = clock()
     converted: list[tuple[Request, Any]] = []
     failed = 0
@@ -134,11 +134,10 @@ def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any],
             converted.append((r, to_numpy(out) if r.numpy else out))
         except Exception as exc:  # noqa: BLE001 - this request's output, not the batch's
             failed += _settle(r, _unconvertible(version, exc))
-    if phases is not None:
-        stats.totals.answered(version, sum(r.rows for r in requests),
-                              sum(r.rows for r, _ in converted),
-                              [start - r.arrival for r, _ in converted],
-                              phases.plus_output(clock() - converting))
+    stats.totals.answered(version, sum(r.rows for r in requests),
+                          sum(r.rows for r, _ in converted),
+                          [start - r.arrival for r, _ in converted],
+                          phases.plus_output(clock() - converting))
     for r, out in converted:
         stats.finished(1)
         if not _settle(r, None, (out, version) if r.with_version else out):

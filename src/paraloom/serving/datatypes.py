@@ -144,12 +144,13 @@ def _check_values(arr: np.ndarray, dt: DataType, np_dtype: np.dtype, where: str
 def _check_overflow(given: np.ndarray, cast: np.ndarray, dt: DataType, where: str) -> None:
     """``ProtocolError`` if a finite value became infinite in ``dt`` (past FP16's 65504, or
     FP32's 3.4028235e38, once rounded); an Infinity sent stays one."""
-    grew = np.isinf(cast)
+    grew = np.isinf(cast.reshape(-1))  # the data's shape, or the request's (BF16)
     if grew.any():
-        grew &= np.isfinite(given.reshape(-1))
+        flat = given.reshape(-1)
+        grew &= np.isfinite(flat)
         if grew.any():
             largest = float(torch.finfo(dt.torch_dtype).max)
-            raise ProtocolError(f"{where} data has values such as {given.reshape(-1)[grew][0]} "
+            raise ProtocolError(f"{where} data has values such as {flat[grew][0]} "
                                 f"that {dt.name} cannot hold (its largest is {largest:.8g}); send "
                                 "smaller values, or a wider datatype")
 

@@ -401,6 +401,9 @@ def parse_infer_request(body: bytes, header_length: int | None = None,
     params = _get(obj, "parameters", dict, "request", required=False) or {}
     binary_output = _get(params, "binary_data_output", bool, "request parameters", False)
     request_id = obj.get("id")
+    if isinstance(request_id, (dict, list)):
+        raise ProtocolError(f"request id must be a string; got a JSON "
+                            f"{'object' if isinstance(request_id, dict) else 'array'}")
     return InferRequest(id=None if request_id is None else str(request_id), inputs=inputs,
                         outputs=_parse_outputs(obj.get("outputs")),
                         binary_output=bool(binary_output), parameters=params)

@@ -93,8 +93,12 @@ class ServedModel:
                  handler: Handler | None = None, batch_dim: bool = True,
                  labels: dict[str, list[str]] | None = None,
                  version_policy: dict[str, Any] | None = None,
-                 weights_file: str = "model.safetensors") -> None:
+                 weights_file: str = "model.safetensors",
+                 tensor_config: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.name = name
+        self.tensor_config = dict(tensor_config or {})
+        """Fields of a tensor's entry in the repository's config, by tensor name, that
+        ``/config`` gives back as written (``reshape``, ``label_filename``)."""
         self.weights_file = weights_file  # a numbered version folder's file (model.pt, ...)
         self.version_policy = version_policy or {"latest": {"num_versions": 1}}
         """Triton's ``version_policy`` for ``/config``: the repository config's, else the

@@ -191,9 +191,9 @@ class Service:
 
 
 METHODS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-           "ModelConfig", "ModelStatistics", "ModelInfer", "RepositoryIndex", "RepositoryModelLoad",
-           "RepositoryModelUnload",
-           "SystemSharedMemoryStatus", "SystemSharedMemoryRegister",
+           "ModelConfig", "ModelStatistics", "ModelInfer", "RepositoryIndex",
+           "RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryStatus",
+           "SystemSharedMemoryRegister",
            "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
            "CudaSharedMemoryUnregister"]
 """The unary methods."""

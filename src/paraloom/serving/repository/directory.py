@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from paraloom.serving.classification import read_labels
 from paraloom.serving.errors import NotFoundError, listed, short_repr
@@ -322,7 +322,7 @@ class ModelsDir:
                            retry_after=self.retry_after, first_version=version,
                            numbered=numbered, handler=handler, batch_dim=config.batched,
                            labels=labels, version_policy=config.version_policy.as_triton(),
-                           weights_file=path.name)
+                           weights_file=path.name, tensor_config=_tensor_config(config))
 
     def _model(self, path: Path, config: ModelConfig) -> tuple[nn.Module, ModelSignature]:
         """The model in ``path`` (paraloom.save's .safetensors, or TorchScript) and its
@@ -367,3 +367,13 @@ class ModelsDir:
                              "--allow-handlers (create_repository_app(allow_handlers=True)) to "
                              "serve this model through its handler")
         return load_handler(path, signature, label)
+
+
+def _tensor_config(config: ModelConfig) -> dict[str, dict[str, Any]]:
+    """The config's ``reshape`` and ``labels`` as Triton's tensor fields, by tensor name."""
+    fields: dict[str, dict[str, Any]] = {}
+    for name, shape in config.reshape.items():
+        fields.setdefault(name, {})["reshape"] = {"shape": list(shape)}
+    for name, path in config.labels.items():
+        fields.setdefault(name, {})["label_filename"] = path.name
+    return fields

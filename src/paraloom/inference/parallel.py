@@ -352,6 +352,11 @@ class ParallelInference:
         return self._config.max_wait * 1000
 
     @property
+    def timeout(self) -> float | None:
+        """Each request's default time limit, in seconds (None: none)."""
+        return self._config.timeout
+
+    @property
     def devices(self) -> list[torch.device]:
         """Each replica's device."""
         return list(self._devices)

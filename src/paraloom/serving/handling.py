@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -117,6 +117,19 @@ def _check_rows(outputs: dict[str, Value], rows: int) -> None:
                 "'inplace')")
 
 
+def request_timeout(parameters: Mapping[str, object]) -> float | None:
+    """The ``timeout`` request parameter (Triton's: microseconds; tritonclient's
+    ``infer(timeout=...)``) in seconds; None where it is not given or 0 (no limit).
+    ``ProtocolError`` for anything but a non-negative integer."""
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProtocolError(f"request parameter timeout={value!r}; expected a whole number of "
+                            "microseconds >= 0 (0: no limit)")
+    return value / 1e6 if value else None
+
+
 def write_regions(outputs: list[AnswerOutput], regions: SharedMemoryRegistry | None
                   ) -> list[AnswerOutput]:
     """Write the outputs asked for in shared memory there; each then records the bytes
@@ -146,7 +159,8 @@ async def _infer(repository: ModelRepository, name: str, version: str | None,
         tensors = values if served.handler is None else \
             await anyio.to_thread.run_sync(served.handler.to_model, values,
                                            limiter=served.threads)
-        result, used = await served.infer(tensors, admitted=True)  # type: ignore[arg-type]
+        result, used = await served.infer(tensors, admitted=True,  # type: ignore[arg-type]
+                                          timeout=request_timeout(parsed.parameters))
     if version is not None and used != version:
         raise NotFoundError(f"model {name!r} moved to version {used!r} while this request "
                             f"waited; version {version!r} is gone, send it again")

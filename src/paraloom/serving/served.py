@@ -217,20 +217,26 @@ class ServedModel:
             raise UnavailableError("the server is shutting down and takes no new requests",
                                    reason="shutting_down", retry_after=self.retry_after)
 
-    async def infer(self, tensors: list[torch.Tensor], *, admitted: bool = False
-                    ) -> tuple[Any, str]:
+    async def infer(self, tensors: list[torch.Tensor], *, admitted: bool = False,
+                    timeout: float | None = None) -> tuple[Any, str]:
         """Run one request through the pool; returns the model's result (whatever the user's
         model returned) and the version that ran it. ``admitted``: the request holds an
-        ``admitted()`` ticket, so it runs even if the model began closing after its lookup."""
+        ``admitted()`` ticket, so it runs even if the model began closing after its lookup.
+        ``timeout``: the request's own time limit in seconds, below the pool's (None: the
+        pool's)."""
         if not admitted:
             self._refuse_if_draining()
         x: torch.Tensor | tuple[torch.Tensor, ...] = \
             tensors[0] if len(tensors) == 1 else tuple(tensors)
+        time_limit: dict[str, float | None] = {}  # none given: the pool's default
+        if timeout is not None:
+            default = self.pool.timeout
+            time_limit["timeout"] = timeout if default is None else min(timeout, default)
         try:
             if self._inplace:
-                result, generation = await self._infer_inplace(x)
+                result, generation = await self._infer_inplace(x, time_limit)
             else:  # queued: a full queue must answer 503 now, not block the event loop
-                future = self.pool.submit(x, block=False, return_version=True)
+                future = self.pool.submit(x, block=False, return_version=True, **time_limit)
                 result, generation = await asyncio.wrap_future(future)
         except QueueFullError as e:
             raise UnavailableError(f"the inference queue is full ({e}); retry after "
@@ -247,8 +253,8 @@ class ServedModel:
             raise _GatewayTimeoutError(str(e)) from e
         return result, self._served_as(generation)
 
-    async def _infer_inplace(self, x: torch.Tensor | tuple[torch.Tensor, ...]
-                             ) -> tuple[Any, int]:
+    async def _infer_inplace(self, x: torch.Tensor | tuple[torch.Tensor, ...],
+                             time_limit: dict[str, float | None]) -> tuple[Any, int]:
         """Run x on a thread that waits for a free replica; QueueFullError past the limit.
         Returns the model's result and the pool's generation that ran it."""
         limit = self._inplace_limit
@@ -261,7 +267,8 @@ class ServedModel:
             # In place, submit() runs the model in the calling thread, so it runs on a worker
             # thread; it waits for a free replica as the pool's own output_async does.
             future = await anyio.to_thread.run_sync(functools.partial(
-                self.pool.submit, x, block=True, return_version=True), limiter=self.threads)
+                self.pool.submit, x, block=True, return_version=True, **time_limit),
+                limiter=self.threads)
             result, generation = await asyncio.wrap_future(future)
             return result, generation
         finally:

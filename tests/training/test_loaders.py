@@ -357,6 +357,27 @@ def test_a_loader_without_batching_counts_one_sample_a_batch(workers):
         assert stats["batches"] == 3 and stats["samples"] == 10
 
 
+class _PreBatched(Dataset):
+    """Four items, each a batch of three rows: what DataLoader(batch_size=None) is for."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((3, 5), float(i)), torch.zeros(3, 1)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loader_without_batching_over_batches_counts_their_rows(num_workers: int) -> None:
+    """Each item counted one sample: 4 for 12."""
+    model = nn.Linear(5, 1)
+    with ParallelWrapper(model, step_fn=_squared_error, workers=2, progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.01)) as wrapper:
+        stats = wrapper.fit(DataLoader(_PreBatched(), batch_size=None,
+                                       num_workers=num_workers), epochs=2)
+    assert stats["batches"] == 8 and stats["samples"] == 24
+
+
 class _PairBatches(IterableDataset):
     """``_Pairs`` in two batches of five, sharded over the replicas."""
 

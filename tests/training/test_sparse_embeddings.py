@@ -134,3 +134,24 @@ def test_complex_parameters_train_through_idle_rounds(mode: str, accumulate: int
     assert model.w.dtype == torch.cfloat and bool(torch.isfinite(torch.view_as_real(model.w))
                                                   .all())
     assert (model.w.detach() - before).imag.abs().max() > 1e-4  # the imaginary parts trained
+
+
+@pytest.mark.parametrize("mode", ["averaging", "allreduce", "shared_gradients", "diloco"])
+def test_sgd_momentum_of_a_sparse_embedding_trains_as_its_dense_twin(mode: str) -> None:
+    """SGD's momentum of a sparse gradient is a sparse tensor: averaging it failed ("reshape
+    is not implemented for sparse tensors"), and so did sending it back to the user's
+    optimizer (no storage to share), in every mode."""
+    got = {}
+    for sparse in (True, False):
+        model = _Bag(sparse=sparse)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, optimizer=opt,
+                             training_mode=mode, progress=False) as wrapper:
+            wrapper.fit(_batches(8), epochs=2)
+        buffer = opt.state[model.emb.weight]["momentum_buffer"]
+        assert buffer.is_sparse == sparse  # the user's optimizer holds it as plain torch does
+        got[sparse] = ({k: v.clone() for k, v in model.state_dict().items()},
+                       buffer.to_dense())
+    for key, value in got[False][0].items():
+        torch.testing.assert_close(got[True][0][key], value, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[True][1], got[False][1], rtol=1e-5, atol=1e-6)

@@ -52,6 +52,27 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer
     return out
 
 
+def _densified(optimizer: torch.optim.Optimizer
+               ) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    """Make each sparse optimizer state tensor dense (SGD's momentum of a sparse embedding's
+    gradient: the collectives take dense tensors, and the replicas' entries differ); returns
+    where each was and the sparse tensor, to make the mean sparse again as it was."""
+    where = []
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+                state[key] = value.to_dense()
+                where.append((state, key, value))
+    return where
+
+
+def _sparse_like(dense: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``dense`` in ``like``'s sparse layout (a COO tensor's sparse dimensions too)."""
+    if like.layout == torch.sparse_coo:
+        return dense.to_sparse(like.sparse_dim())
+    return dense.to_sparse(layout=like.layout, dense_dim=like.dense_dim())
+
+
 def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The parameters that train and every buffer: a frozen parameter is the same on every
     replica (averaging it would cost its bytes and could move it by a rounding error)."""
@@ -126,16 +147,19 @@ class Averaging(Synchronizer):
         if not is_distributed(ctx):
             return
         self.averagings += 1
-        tensors, counters = _model_tensors(ctx.model), []
+        tensors, counters, sparse = _model_tensors(ctx.model), [], []
         if self.average_updaters:
-            state = self._common_optimizer_state(ctx)
-            tensors += [t for key, t in state if key not in _COUNTERS]
-            counters = [t for key, t in state if key in _COUNTERS]
+            sparse = _densified(ctx.optimizer)
+            entries = self._common_optimizer_state(ctx)
+            tensors += [t for key, t in entries if key not in _COUNTERS]
+            counters = [t for key, t in entries if key in _COUNTERS]
         self.bytes_sent += average_tensors_(tensors, ctx.group, ctx.world_size, ctx.device,
                                             share=share)
         if counters:
             self.bytes_sent += broadcast_tensors_(counters, ctx.group, ctx.world_size,
                                                   ctx.device)
+        for state, key, like in sparse:  # the mean, sparse again
+            state[key] = _sparse_like(state[key], like)
 
     def _common_optimizer_state(self, ctx: StepContext) -> list[tuple[str, torch.Tensor]]:
         """The optimizer state tensors (with their keys) of the parameters whose state every

@@ -378,7 +378,7 @@ class FitRun:
         ``stop()`` that a listener it ran may have called."""
         match reply:
             case StepDone():
-                rows = 1 if self._one_row_each else reply.rows
+                rows = 1 if self._one_row_each and not reply.rows_agree else reply.rows
                 completed = self.tracker.reply(reply.round_id, reply.loss, rows,
                                                reply.synced, reply.skipped)
                 if completed:

@@ -242,6 +242,9 @@ class StepDone:
     """A fingerprint of a stream's first batches (replicas that all read the same data)."""
     skipped: bool = False
     """The round was queued when ``stop()`` halted the fit: no replica trained it."""
+    rows_agree: bool = False
+    """Whether the batch's targets have its inputs' rows: how an item of a
+    ``DataLoader(batch_size=None)`` is told to be a batch (counted ``rows``), not a sample."""
 
 
 @dataclass(frozen=True)

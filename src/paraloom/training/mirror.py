@@ -47,10 +47,10 @@ class Stamp:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Stamp:
-        return cls(id(t), t.data_ptr(), t._version, tuple(t.shape), _sample(t), _checksum(t))
+        return cls(id(t), _address(t), t._version, tuple(t.shape), _sample(t), _checksum(t))
 
     def matches(self, t: torch.Tensor) -> bool:
-        return (self.ident == id(t) and self.address == t.data_ptr()
+        return (self.ident == id(t) and self.address == _address(t)
                 and self.version == t._version and self.shape == tuple(t.shape)
                 and torch.equal(self.sample, _sample(t)) and _same_checksum(self.checksum, t))
 
@@ -62,11 +62,30 @@ def _same_checksum(checksum: torch.Tensor | None, t: torch.Tensor) -> bool:
     return checksum.shape == now.shape and bool(torch.equal(checksum, now))
 
 
+def _parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors a sparse ``t`` is made of (its indices, then its values; SGD's
+    momentum of a sparse embedding's gradient is sparse), or ``[t]``."""
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return [t]
+
+
+def _address(t: torch.Tensor) -> int:
+    return _parts(t)[-1].data_ptr()
+
+
 def _checksum(t: torch.Tensor) -> torch.Tensor | None:
     """Wrapping sums of ``t``'s bytes read as 64-bit words in rows of ``_COLUMNS``: each
     column's and each row's, then the words past the last whole row and the last few bytes (a
-    small tensor's words are its checksum); None
+    small tensor's words are its checksum; a sparse tensor's, its parts'); None
     where its memory cannot be viewed so (then the samples alone are compared)."""
+    if t.layout != torch.strided:
+        sums = [_checksum(part) for part in _parts(t)]
+        return None if any(s is None for s in sums) else torch.cat(sums)  # type: ignore[arg-type]
     try:
         raw = t.detach().reshape(-1).view(torch.uint8)
         whole = raw.numel() // 8 * 8
@@ -81,8 +100,9 @@ def _checksum(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
-    """Up to ``_SAMPLES`` values of ``t``, as an independent copy."""
-    flat = t.detach().flatten()  # a view unless the layout is unusual (channels_last)
+    """Up to ``_SAMPLES`` values of ``t`` (of a sparse tensor's values), as an independent
+    copy."""
+    flat = _parts(t)[-1].detach().flatten()  # a view unless the layout is unusual (channels_last)
     if flat.numel() <= _SAMPLES:
         return flat.clone()
     # In integers: float32 steps round past the last element beyond 2**24 elements.

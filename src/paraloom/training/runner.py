@@ -211,7 +211,9 @@ class ReplicaRunner:
         self.replica.timing.data_s += time.perf_counter() - began
         loss = self.replica.step(batch)
         self.steps += 1
-        return StepDone(self.rank, message.round_id, loss, _rows(batch), self._synchronized())
+        rows = _rows(batch)
+        return StepDone(self.rank, message.round_id, loss, rows, self._synchronized(),
+                        rows_agree=_rows_agree(batch, rows))
 
     def _train_loaded(self, message: LoaderRound) -> StepDone:
         """Train on the next batch of this replica's own DataLoader (idly once a stream ends)."""
@@ -228,7 +230,8 @@ class ReplicaRunner:
         fingerprint = digest(batch) if batch is not None and loader.spec.stream and \
             message.position < max(1, loader.spec.num_workers) else None
         return StepDone(self.rank, message.round_id, loss, rows, self._synchronized(),
-                        more=loader.has_more(), digest=fingerprint)
+                        more=loader.has_more(), digest=fingerprint,
+                        rows_agree=batch is not None and _rows_agree(batch, rows))
 
     def _fetched(self) -> None:
         if self.batch_taken is not None:
@@ -283,3 +286,13 @@ def _rows(batch: Any) -> int:
             continue
     return 1
 
+
+def _rows_agree(batch: Any, rows: int) -> bool:
+    """Whether ``batch`` splits into inputs and targets, the targets a tensor of ``rows``
+    rows (a pre-batched item of a ``DataLoader(batch_size=None)``; a sample's target is a
+    scalar or has another length than its features)."""
+    try:
+        targets = split_batch(batch)[1]
+    except TypeError:
+        return False
+    return isinstance(targets, torch.Tensor) and targets.dim() > 0 and targets.shape[0] == rows

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
+import warnings
 from collections import ChainMap
 from collections.abc import Callable, Iterable
 from multiprocessing import resource_sharer
@@ -25,6 +26,12 @@ from paraloom.data import map_tensors
 from paraloom.errors import NotPicklableError
 from paraloom.training.messages import Begin, Pickled, Round, RoundBatch, ToReplica
 from paraloom.training.parametrized import ModulePickler
+
+# torch's reducer rebuilds a sparse tensor (SGD's momentum of a sparse embedding's gradient)
+# without saying whether to check its invariants, and then warns, once, that they go unchecked
+# and that memory errors may follow: this one came from a worker of the same fit, built by torch.
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled",
+                        module="torch.multiprocessing.reductions")
 
 __all__ = ["SharedOutbox", "carries_user_objects", "dumps", "fetched", "pack", "release_unfetched",
            "shared_copy"]
@@ -108,6 +115,8 @@ def _shared_empty(like: torch.Tensor) -> torch.Tensor:
 def _shared(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         return t
+    if t.layout != torch.strided:  # sparse: torch's reducer shares its indices and values
+        return t.detach().clone()
     return _shared_empty(t).copy_(t)
 
 
@@ -140,6 +149,8 @@ class SharedOutbox:
 
         def put(t: torch.Tensor) -> torch.Tensor:
             nonlocal position
+            if t.layout != torch.strided:  # a sparse state (SGD's momentum of a sparse
+                return _shared(t)          # embedding's gradient) has no storage to reuse
             index, position = position, position + 1
             kept = self._buffers[index: index + 1]
             if kept and kept[0].shape == t.shape and kept[0].dtype == t.dtype:

@@ -13,6 +13,7 @@ from inference_helpers import WAIT, Gate, GatedScale
 from torch import nn
 
 from paraloom.inference import (
+    InferenceClosedError,
     InferenceError,
     InvalidRequestError,
     ParallelInference,
@@ -192,6 +193,41 @@ def test_a_cancelled_output_async_task_gives_its_place_in_the_queue_back(gate) -
     assert stats["rejections"]["cancelled"] == 2 and stats["completed"] == 2
 
 
+def test_output_async_requests_past_their_timeout_in_the_queue_count_as_timeouts(gate) -> None:
+    """They were counted as cancelled: asyncio.wait_for cancelled their futures first."""
+    import asyncio
+
+    async def main(pool: ParallelInference) -> list[object]:
+        return list(await asyncio.gather(*(pool.output_async(torch.ones(1, 1), timeout=0.1)
+                                           for _ in range(3)), return_exceptions=True))
+
+    with ParallelInference(GatedScale(gate), workers=1, batch_limit=1) as pool, gate:
+        running = pool.submit(torch.ones(1, 1))
+        assert gate.entered.wait(WAIT)
+        answers = asyncio.run(main(pool))
+        gate.open()
+        assert running.result(WAIT).item() == 2.0
+        stats = pool.stats()
+    assert [type(a) for a in answers] == [RequestTimeoutError] * 3
+    assert (stats["rejections"]["timeout"], stats["rejections"]["cancelled"]) == (3, 0)
+    assert (stats["completed"], stats["failed"], stats["queued"]) == (1, 3, 0)
+
+
+def test_a_request_past_its_timeout_while_running_is_not_in_the_totals(gate) -> None:
+    """totals() counted it answered (rows, queue and compute) though its caller got the
+    timeout; the forward pass it ran in still counts."""
+    with ParallelInference(GatedScale(gate), workers=1) as pool, gate:
+        late = pool.submit(torch.ones(3, 1), timeout=0.1)
+        assert gate.entered.wait(WAIT)
+        assert isinstance(late.exception(WAIT), RequestTimeoutError)
+        gate.open()
+        assert pool.output(torch.ones(2, 1)).shape == (2, 1)
+        totals = pool.totals()
+    assert (totals["inference_count"], totals["execution_count"]) == (2, 2)
+    assert totals["queue"]["count"] == totals["compute_infer"]["count"] == 1
+    assert sorted(b["batch_size"] for b in totals["batches"]) == [2, 3]
+
+
 def test_the_stats_read_right_after_an_answer_count_it() -> None:
     """``requests == completed + failed + queued + running`` holds the moment a caller has
     its output: it was counted before the caller could wake."""
@@ -284,3 +320,39 @@ def test_a_first_request_of_float64_numpy_names_the_dtype_fix() -> None:
                                                  r"weights are float32: send float32"):
             pool.output(np.random.default_rng(0).random((2, 4)))
         assert pool.output(np.zeros((2, 4), np.float32)).shape == (2, 3)
+
+
+def test_a_first_request_of_whole_numbers_to_a_float_model_names_the_fix() -> None:
+    """[1, 2, 3, 4] is int64: the error said the model was at fault."""
+    with ParallelInference(nn.Linear(4, 2), workers=1) as pool:
+        with pytest.raises(InferenceError, match=r"this input is int64 where the model's weights "
+                                                 r"are float32: if it holds numbers, not indices, "
+                                                 r"send float32.*write 1\.0, not 1"):
+            pool.output([1, 2, 3, 4])
+
+
+def test_the_dtype_fix_for_a_bfloat16_model_names_no_numpy_bfloat16() -> None:
+    with ParallelInference(nn.Linear(4, 2).to(torch.bfloat16), workers=1) as pool:
+        with pytest.raises(InferenceError) as failed:
+            pool.output(torch.ones(1, 4))
+    assert "send bfloat16 (numpy has no bfloat16: send a tensor; torch: x.to(torch.bfloat16))" \
+        in str(failed.value)
+    assert "numpy.bfloat16" not in str(failed.value)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_after_the_last_worker_stops_a_request_is_told_so_not_to_call_output_before_close(
+        ) -> None:
+    class Exits(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise SystemExit(3)
+
+    pool = ParallelInference(Exits(), workers=1)
+    try:
+        with pytest.raises(InferenceError, match="interrupted"):
+            pool.output(torch.ones(1, 2), timeout=WAIT)
+        with pytest.raises(InferenceClosedError, match="every inference worker thread has "
+                                                       "stopped.*SystemExit.*create a new one"):
+            pool.output(torch.ones(1, 2), timeout=WAIT)
+    finally:
+        pool.close()

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from paraloom.bench.arguments import count
 from paraloom.bench.common import (
     Machine,
     machine,
@@ -197,11 +198,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated, of: " + ", ".join(TASKS))
     p.add_argument("--contenders", default=",".join(CONTENDERS),
                    help="comma-separated: " + ", ".join(CONTENDERS))
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=None,
+    p.add_argument("--seeds", type=count, default=3)
+    p.add_argument("--epochs", type=count, default=None,
                    help="passes over the data (default: each task's own, see TASKS)")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64, help="per worker")
+    p.add_argument("--workers", type=count, default=2)
+    p.add_argument("--batch-size", type=count, default=64, help="per worker")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for every task (default: each task's own, see TASKS)")
     p.add_argument("--momentum", type=float, default=0.9)

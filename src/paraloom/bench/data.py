@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from paraloom.bench.arguments import count, names, whole
 from paraloom.bench.common import (
     Machine,
     machine,
@@ -45,15 +46,16 @@ _STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--num-workers", type=int, default=1, help="loader processes per worker")
-    p.add_argument("--images", type=int, default=2048, help="images per epoch")
-    p.add_argument("--size", type=int, default=64, help="image side")
-    p.add_argument("--batch-size", type=int, default=64, help="per worker (train config)")
-    p.add_argument("--big-batch-size", type=int, default=256, help="per worker (data path)")
-    p.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up)")
+    p.add_argument("--workers", type=count, default=2)
+    p.add_argument("--num-workers", type=whole, default=1, help="loader processes per worker")
+    p.add_argument("--images", type=count, default=2048, help="images per epoch")
+    p.add_argument("--size", type=count, default=64, help="image side")
+    p.add_argument("--batch-size", type=count, default=64, help="per worker (train config)")
+    p.add_argument("--big-batch-size", type=count, default=256, help="per worker (data path)")
+    p.add_argument("--epochs", type=count, default=2, help="timed epochs (after one warm-up)")
     p.add_argument("--mode", default="allreduce", help="ParallelWrapper training mode")
-    p.add_argument("--configs", default="train,data_path", help="comma-separated")
+    p.add_argument("--configs", type=names(["train", "data_path"]), default="train,data_path",
+                   help="comma-separated: train, data_path")
     p.add_argument("--out", type=results_path, default="benchmarks/results/data.json")
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from paraloom.bench.arguments import count, seconds, whole
 from paraloom.bench.common import (
     Machine,
     machine,
@@ -79,22 +80,22 @@ class FaultsResults(TypedDict):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--failures", type=int, default=20, help="injected failures per kind")
+    p.add_argument("--failures", type=whole, default=20, help="injected failures per kind")
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: " + ", ".join(KINDS))
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--epochs", type=count, default=12)
+    p.add_argument("--batch-size", type=count, default=16)
     p.add_argument("--mode", default="allreduce")
-    p.add_argument("--heartbeat-timeout", type=float, default=2.0)
-    p.add_argument("--limit", type=float, default=900.0, help="seconds before a fit is a hang")
+    p.add_argument("--heartbeat-timeout", type=seconds, default=2.0)
+    p.add_argument("--limit", type=seconds, default=900.0, help="seconds before a fit is a hang")
     p.add_argument("--out", type=results_path, default="benchmarks/results/faults.json")
     p.add_argument("--chaos", action="store_true",
                    help="a fault every --every s for --minutes into random workers (bench.chaos)")
-    p.add_argument("--every", type=float, default=10.0, help="--chaos: seconds between faults")
-    p.add_argument("--minutes", type=float, default=3.0, help="--chaos: length of the fit")
-    p.add_argument("--workers", type=int, default=2, help="--chaos: workers")
-    p.add_argument("--spares", type=int, default=1, help="--chaos: spares=")
-    p.add_argument("--seed", type=int, default=0, help="--chaos: the faults' kinds and ranks")
-    p.add_argument("--segments", type=int, default=9,
+    p.add_argument("--every", type=seconds, default=10.0, help="--chaos: seconds between faults")
+    p.add_argument("--minutes", type=seconds, default=3.0, help="--chaos: length of the fit")
+    p.add_argument("--workers", type=count, default=2, help="--chaos: workers")
+    p.add_argument("--spares", type=whole, default=1, help="--chaos: spares=")
+    p.add_argument("--seed", type=whole, default=0, help="--chaos: the faults' kinds and ranks")
+    p.add_argument("--segments", type=count, default=9,
                    help="--chaos: clean and chaos fits, alternating, each --minutes / segments")
 
 

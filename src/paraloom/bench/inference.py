@@ -25,6 +25,7 @@ from typing import TypedDict
 
 import torch
 
+from paraloom.bench.arguments import count, seconds, wait
 from paraloom.bench.common import (
     Machine,
     bar_plot,
@@ -112,23 +113,23 @@ class InferenceResults(TypedDict):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
-    parser.add_argument("--clients", type=int, default=64, help="concurrent client threads (64)")
-    parser.add_argument("--requests", type=int, default=100,
+    parser.add_argument("--clients", type=count, default=64, help="concurrent client threads (64)")
+    parser.add_argument("--requests", type=count, default=100,
                         help="one-row requests per client thread (100)")
-    parser.add_argument("--image-size", type=int, default=28, help="LeNet input size (28: MNIST)")
-    parser.add_argument("--workers", type=int, default=None,
+    parser.add_argument("--image-size", type=count, default=28, help="LeNet input size (28: MNIST)")
+    parser.add_argument("--workers", type=count, default=None,
                         help="ParallelInference workers (default: min(2, cores))")
-    parser.add_argument("--threads-per-worker", type=int, default=None,
+    parser.add_argument("--threads-per-worker", type=count, default=None,
                         help="torch intra-op threads per worker (default: cores // workers)")
-    parser.add_argument("--batch-limit", type=int, default=32, help="rows per batch at most (32)")
-    parser.add_argument("--queue-limit", type=int, default=256,
+    parser.add_argument("--batch-limit", type=count, default=32, help="rows per batch at most (32)")
+    parser.add_argument("--queue-limit", type=count, default=256,
                         help="queued requests at most (256)")
-    parser.add_argument("--max-wait-ms", type=float, default=5.0,
+    parser.add_argument("--max-wait-ms", type=wait, default=5.0,
                         help="how long a free worker may wait for a fuller batch (5): lets the "
                              "clients just answered send again before the next forward pass")
-    parser.add_argument("--offline-batch", type=int, default=128,
+    parser.add_argument("--offline-batch", type=count, default=128,
                         help="batch size of the offline limit (128)")
-    parser.add_argument("--offline-seconds", type=float, default=1.0,
+    parser.add_argument("--offline-seconds", type=seconds, default=1.0,
                         help="length of each timed offline window (1.0; 3 per thread count)")
     parser.add_argument("--output", "--out", dest="output", type=results_path,
                         default=DEFAULT_OUTPUT,

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from paraloom.bench.arguments import count, count_list, seconds, wait
 from paraloom.bench.common import results_path
 from paraloom.bench.load import Target, run_load
 from paraloom.bench.serving_contenders import CONTENDERS, Measure
@@ -35,29 +36,29 @@ __all__ = ["add_arguments", "main", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``paraloom bench serving``'s arguments to ``parser``."""
-    parser.add_argument("--concurrency", default="1,16,64",
+    parser.add_argument("--concurrency", type=count_list, default="1,16,64",
                         help="client concurrency levels, comma-separated (1,16,64)")
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds measured (5)")
-    parser.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring (1)")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--duration", type=seconds, default=5.0, help="seconds measured (5)")
+    parser.add_argument("--warmup", type=wait, default=1.0, help="seconds before measuring (1)")
+    parser.add_argument("--rounds", type=count, default=2,
                         help="interleaved rounds over every server; medians are reported (2)")
-    parser.add_argument("--client-processes", type=int, default=2,
+    parser.add_argument("--client-processes", type=count, default=2,
                         help="processes the client's callers are spread over (2)")
     parser.add_argument("--grpc-client", choices=("h2c", "grpcio"), default="h2c",
                         help="the load client's gRPC side: h2c, a raw HTTP/2 caller about as "
                         "cheap per call as the HTTP one, or grpcio's asyncio client (h2c)")
-    parser.add_argument("--workers", type=int, default=2, help="model replicas per server (2)")
-    parser.add_argument("--batch-limit", type=int, default=32, help="rows per batch (32)")
-    parser.add_argument("--max-wait-ms", type=float, default=5.0,
+    parser.add_argument("--workers", type=count, default=2, help="model replicas per server (2)")
+    parser.add_argument("--batch-limit", type=count, default=32, help="rows per batch (32)")
+    parser.add_argument("--max-wait-ms", type=wait, default=5.0,
                         help="MLServer's and LitServe's batching wait in ms (5)")
-    parser.add_argument("--paraloom-max-wait-ms", type=float, default=0.0,
+    parser.add_argument("--paraloom-max-wait-ms", type=wait, default=0.0,
                         help="paraloom serve's --max-wait-ms (0: batches form under load)")
-    parser.add_argument("--paraloom-processes", type=int, default=2,
+    parser.add_argument("--paraloom-processes", type=count, default=2,
                         help="paraloom serve --processes; the --workers replicas are divided "
                         "among them (2)")
     parser.add_argument("--paraloom-grpc-backend", choices=("auto", "uvicorn", "grpcio"),
                         default="auto", help="paraloom serve --grpc-backend (auto)")
-    parser.add_argument("--image-size", type=int, default=28, help="LeNet input size (28)")
+    parser.add_argument("--image-size", type=count, default=28, help="LeNet input size (28)")
     parser.add_argument("--servers", default="paraloom,mlserver,litserve",
                         help="which servers to measure (paraloom,mlserver,litserve)")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "paraloom" / "bench"),
@@ -72,9 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="measure only the features (no MLServer, no LitServe)")
     features.add_argument("--feature-concurrency", default="1,8",
                           help="client concurrency levels of the shared memory rows (1,8)")
-    features.add_argument("--stream-requests", type=int, default=1000,
+    features.add_argument("--stream-requests", type=count, default=1000,
                           help="requests on the stream, and unary calls to compare (1000)")
-    features.add_argument("--stream-concurrency", type=int, default=64,
+    features.add_argument("--stream-concurrency", type=count, default=64,
                           help="unary calls in flight against the stream (64)")
 
 

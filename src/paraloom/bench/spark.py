@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from paraloom.bench.arguments import count
 from paraloom.bench.common import bar_plot, machine, plain_args, results_path, write_results
 from paraloom.models import LeNet
 
@@ -59,12 +60,12 @@ class DdpLoop(TypedDict):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", default="local[2]", help="Spark master URL")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64, help="rows per worker and step")
-    p.add_argument("--samples", type=int, default=8192, help="training rows per epoch")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--image-size", type=int, default=28, help="28: MNIST-sized LeNet")
-    p.add_argument("--averaging-frequency", type=int, default=5)
+    p.add_argument("--workers", type=count, default=2)
+    p.add_argument("--batch-size", type=count, default=64, help="rows per worker and step")
+    p.add_argument("--samples", type=count, default=8192, help="training rows per epoch")
+    p.add_argument("--epochs", type=count, default=2)
+    p.add_argument("--image-size", type=count, default=28, help="28: MNIST-sized LeNet")
+    p.add_argument("--averaging-frequency", type=count, default=5)
     p.add_argument("--threshold", type=float, default=1e-3, help="initial adaptive threshold")
     p.add_argument("--contenders", default="ddp_torch_distributor,spark_shared,"
                                            "spark_averaging,parallel_wrapper")

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from paraloom.bench.arguments import count, count_list
 from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
 from paraloom.bench.spark_ddp import (
     accuracy,
@@ -92,11 +93,11 @@ class RssSampler:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default="100000,1000000,10000000",
+    p.add_argument("--sizes", type=count_list, default="100000,1000000,10000000",
                    help="--mode data: rows of each Parquet set, comma-separated")
-    p.add_argument("--test-rows", type=int, default=20_000, help="held-out rows for accuracy")
-    p.add_argument("--files", type=int, default=8, help="Parquet files per data set")
-    p.add_argument("--data-averaging-frequency", type=int, default=50,
+    p.add_argument("--test-rows", type=count, default=20_000, help="held-out rows for accuracy")
+    p.add_argument("--files", type=count, default=8, help="Parquet files per data set")
+    p.add_argument("--data-averaging-frequency", type=count, default=50,
                    help="--mode data: minibatches per averaging round")
     p.add_argument("--data-contenders", default=",".join(CONTENDERS))
     p.add_argument("--keep-data", default=None, help="a folder to keep the Parquet in")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from paraloom.bench.arguments import count
 from paraloom.bench.common import (
     machine,
     plain_args,
@@ -74,23 +75,23 @@ _STEADY_ROUNDS = 48
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="lenet",
                    help="comma-separated, or 'all': " + ", ".join(WORKLOADS))
-    p.add_argument("--width", type=int, default=None,
+    p.add_argument("--width", type=count, default=None,
                    help="with --model mlp: a 784-W-W-W-10 MLP instead of the 37.8M one")
     p.add_argument("--sweep", action="store_true",
                    help="the 784-W-W-W-10 MLP at W = " + ", ".join(map(str, _SWEEP))
                         + " (with the --modes given), batch 64 per worker")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--workers", type=count, default=2)
+    p.add_argument("--batch-size", type=count, default=None,
                    help="per worker (default: " + ", ".join(f"{m} {b}" for m, b in
                                                            _BATCH.items()) + ")")
-    p.add_argument("--samples", type=int, default=None,
+    p.add_argument("--samples", type=count, default=None,
                    help="training rows per epoch (default: "
                         + ", ".join(f"{m} {r} rounds" for m, r in _ROUNDS.items()) + ")")
-    p.add_argument("--epochs", type=int, default=2, help="timed epochs (after one warm-up)")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--epochs", type=count, default=2, help="timed epochs (after one warm-up)")
+    p.add_argument("--repeat", type=count, default=1,
                    help="measure the modes (each between two DDP runs) this many times; each "
                         "ratio to DDP is the median of its runs")
-    p.add_argument("--modes", default="averaging,allreduce,shared_gradients",
+    p.add_argument("--modes", type=_modes, default="averaging,allreduce,shared_gradients",
                    help="ParallelWrapper modes to measure, comma-separated; a suffix "
                         "+blocking (each exchange waited for in its step) or +sampled (that, "
                         "and messages at their own lengths) sets options: "
@@ -98,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ddp-malloc", default="system", choices=["system", "keep"],
                    help="the DDP ranks' allocator: 'system' (glibc's defaults, as PyTorch runs) "
                         "or 'keep' (the setting ParallelWrapper's workers use, training.memory)")
-    p.add_argument("--accumulate", type=int, default=1,
+    p.add_argument("--accumulate", type=count, default=1,
                    help="gradient accumulation: batches per optimizer step and exchange, in "
                         "every contender (DDP: no_sync() for all but the last)")
     p.add_argument("--compile", action="store_true",
@@ -229,6 +230,23 @@ _VARIANTS: dict[str, dict[str, Any]] = {
 """``--modes`` suffixes: ``shared_gradients+blocking`` is shared gradients with these options
 (blocking: each exchange waited for in its step; sampled: that, and messages at their own
 lengths)."""
+
+
+def _modes(text: str) -> str:
+    """``--modes``, checked before anything runs: each entry a training mode, with known
+    variants."""
+    from paraloom.sync.registry import training_modes
+
+    known = [m for m in training_modes() if m != "custom"]
+    entries = [m.strip() for m in text.split(",") if m.strip()]
+    for mode in entries or [text]:
+        name, *variants = mode.split("+")
+        wrong = [v for v in variants if v not in _VARIANTS]
+        if name not in known or wrong:
+            raise argparse.ArgumentTypeError(
+                f"{mode!r}: expected comma-separated modes of {known}, each with optional "
+                f"variants +{' or +'.join(sorted(_VARIANTS))}")
+    return text
 
 
 def _mode_options(mode: str) -> tuple[str, dict[str, Any]]:

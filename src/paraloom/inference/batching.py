@@ -98,6 +98,7 @@ class RequestQueue:
         self._group_rows: dict[Hashable, int] = {}
         self._size = 0
         self._closed = False
+        self._why_closed = _CLOSED
 
     def __len__(self) -> int:
         return self._size
@@ -113,7 +114,7 @@ class RequestQueue:
             if not self._closed and self._size >= self.limit:
                 self._wait_for_room(block, timeout)
             if self._closed:
-                raise _closed_error()
+                raise InferenceClosedError(self._why_closed)
             group = self._groups.get(request.key)
             if group is None:
                 group = self._groups[request.key] = deque()
@@ -231,9 +232,12 @@ class RequestQueue:
             self._forget(request.key, group, request.rows, 1)
             return True
 
-    def close(self) -> None:
-        """Accept no more requests and wake every waiter; queued requests stay to be taken."""
+    def close(self, why: str | None = None) -> None:
+        """Accept no more requests and wake every waiter; queued requests stay to be taken.
+        ``why``: what a request refused from now on is told (default: the pool was closed)."""
         with self._lock:
+            if not self._closed and why is not None:
+                self._why_closed = why
             self._closed = True
             self._not_empty.notify_all()
             self._not_full.notify_all()
@@ -250,6 +254,5 @@ class RequestQueue:
             return requests
 
 
-def _closed_error() -> InferenceClosedError:
-    return InferenceClosedError("this ParallelInference is closed and accepts no more requests; "
-                                "create a new one (or call output() before close())")
+_CLOSED = ("this ParallelInference is closed and accepts no more requests; create a new one "
+           "(or call output() before close())")

@@ -134,14 +134,15 @@ def _deliver(version: int, requests: Sequence[Request], outputs: Sequence[Any],
             converted.append((r, to_numpy(out) if r.numpy else out))
         except Exception as exc:  # noqa: BLE001 - this request's output, not the batch's
             failed += _settle(r, _unconvertible(version, exc))
+    phases = phases.plus_output(clock() - converting)
     stats.totals.answered(version, sum(r.rows for r in requests),
                           sum(r.rows for r, _ in converted),
-                          [start - r.arrival for r, _ in converted],
-                          phases.plus_output(clock() - converting))
+                          [start - r.arrival for r, _ in converted], phases)
     for r, out in converted:
         stats.finished(1)
         if not _settle(r, None, (out, version) if r.with_version else out):
             stats.finished(-1)  # settled meanwhile (its timeout), and counted there
+            stats.totals.unanswered(version, r.rows, start - r.arrival, phases)
     if failed:
         stats.dropped("error", failed)
 
@@ -210,8 +211,8 @@ def _classify(generation: Generation, r: Request, exc: Exception, blame: bool) -
     v = generation.version
     cause = f"{type(exc).__name__}: {exc}"
     if not blame or isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
-        fault = _dtype_fault(generation, r) or ("so the model (or its device) is at fault, "
-                                                "not only this request")
+        fault = _dtype_fault(generation, r, cause) or (
+            "so the model (or its device) is at fault, not only this request")
         failure: InferenceError = InferenceError(
             f"model version {v} failed ({cause}); it has not run any input successfully, "
             f"{fault}")
@@ -233,17 +234,31 @@ def _classify(generation: Generation, r: Request, exc: Exception, blame: bool) -
     return failure
 
 
-def _dtype_fault(generation: Generation, r: Request) -> str | None:
+def _dtype_fault(generation: Generation, r: Request, cause: str) -> str | None:
     """Where a floating-point input is not in the model's floating-point dtype (a float64
-    numpy array for a float32 model, the usual first mistake): that, and the fix."""
+    numpy array for a float32 model, the usual first mistake), or an integer input meets
+    floating weights in an error that names dtypes (``[1, 2, 3]`` read as int64): that, and
+    the fix."""
     want = next((p.dtype for p in generation.replicas[0].parameters()
                  if p.is_floating_point()), None)
     got = next((t.dtype for t in r.tensors if t.is_floating_point() and t.dtype != want), None)
-    if want is None or got is None:
+    whole = got is None and "dtype" in cause and any(  # torch's error names the dtypes
+        not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+        for t in r.tensors)
+    if want is None or (got is None and not whole):
         return None
-    have, need = (str(d).removeprefix("torch.") for d in (got, want))
-    return (f"and this input is {have} where the model's weights are {need}: send {need} "
-            f"(numpy: x.astype(numpy.{need}); torch: x.to(torch.{need}))")
+    need = str(want).removeprefix("torch.")
+    numpy = "numpy has no bfloat16: send a tensor" if want == torch.bfloat16 else \
+        f"numpy: x.astype(numpy.{need})"
+    fix = f"send {need} ({numpy}; torch: x.to(torch.{need}))"
+    if got is None:  # integers: token ids for an embedding, or numbers written without a point
+        kind = next(str(t.dtype).removeprefix("torch.") for t in r.tensors
+                    if not t.is_floating_point())
+        return (f"and this input is {kind} where the model's weights are {need}: if it holds "
+                f"numbers, not indices, {fix} (a list of whole numbers is read as int64: "
+                "write 1.0, not 1)")
+    have = str(got).removeprefix("torch.")
+    return f"and this input is {have} where the model's weights are {need}: {fix}"
 
 
 def fail_unfinished(batch: Sequence[Request], exc: Exception, stats: StatsRecorder) -> None:

@@ -235,7 +235,6 @@ class ParallelInference:
         if future.cancelled() and self._queue.discard(request):
             self._stats.dropped("cancelled")  # else a worker took it: it counts the cancel
 
-
     def output(self, x: object, *, timeout: float | None | _Unset = _UNSET,
                return_version: bool = False, **inputs: object) -> Any:
         """The model's output for ``x`` (thread-safe); ``(output, version)`` if asked.
@@ -304,15 +303,18 @@ class ParallelInference:
         except InferenceClosedError:
             self._stats.rejected("closed")
             raise
-        # A cancelled task (a client gone) cancels the future: its place in the queue goes back.
-        future.add_done_callback(lambda done: self._cancelled(done, request))
         remaining = None if request.deadline is None else request.deadline - time.monotonic()
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), remaining)
-        except _TIMEOUTS:
-            if future.done() and not future.cancelled():
-                return future.result()  # its own result or error
-            return self._timed_out(request)
+        wrapped = asyncio.wrap_future(future)
+        try:  # asyncio.wait, not wait_for: a timeout must be counted as one, not as a cancel
+            done, _ = await asyncio.wait({wrapped}, timeout=remaining)
+        except asyncio.CancelledError:  # a client gone: its place in the queue goes back
+            if future.cancel() and self._queue.discard(request):
+                self._stats.dropped("cancelled")  # else a worker took it: it counts the cancel
+            raise
+        if done:
+            return wrapped.result()
+        wrapped.cancel()  # it gets no outcome: the pool's future settles as the timeout says
+        return self._timed_out(request)
 
     # ------------------------------------------------------------------ model and lifecycle
 
@@ -400,10 +402,8 @@ class ParallelInference:
 
     def totals(self, version: int | None = None) -> VersionTotals:
         """Cumulative counts and nanoseconds of one model version (default: the one served
-        now): rows and forward passes, and the queue and compute time of the requests it
-        answered, by batch size too. Never reset; what Triton's statistics report (see
-        ``paraloom.inference.totals``). The latest 16 versions are kept; an older one, or one
-        that has not run, reads zeros."""
+        now), as Triton's statistics report them (see ``paraloom.inference.totals``); the
+        latest 16 versions are kept, and an older one, or one that has not run, reads zeros."""
         return self._stats.totals.of(self.model_version if version is None else version)
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> None:

@@ -117,6 +117,22 @@ class TotalsRecorder:
             for i in range(3):
                 size[i + 1] += ns[i]
 
+    def unanswered(self, version: int, rows: int, queue_seconds: float, phases: Phases
+                   ) -> None:
+        """Take back one request that ``answered`` counted but that ended otherwise (its
+        timeout settled it first): its rows, its queue time and its share of the phases. The
+        forward pass stays counted."""
+        ns = [_ns(phases.input_s), _ns(phases.infer_s), _ns(phases.output_s)]
+        with self._lock:
+            sums = self._versions.get(version)
+            if sums is None:
+                return
+            sums.rows -= rows
+            sums.requests -= 1
+            sums.queue_ns -= _ns(queue_seconds)
+            for i in range(3):
+                sums.phase_ns[i] -= ns[i]
+
     def _sums(self, version: int) -> _Sums:
         sums = self._versions.get(version)
         if sums is None:

@@ -84,10 +84,11 @@ class WorkerThreads:
         me = threading.current_thread()
         if self.stopping or any(t.is_alive() for t in self._threads if t is not me):
             return
-        self._queue.close()
-        fail_requests(self._queue.clear(), InferenceError,
-                      "every inference worker thread has stopped; this ParallelInference cannot "
-                      "serve requests any more", self._stats, "error")
+        stopped = ("every inference worker thread has stopped (a model raised SystemExit or "
+                   "KeyboardInterrupt, which end the thread they run on); this ParallelInference "
+                   "cannot serve requests any more: close it and create a new one")
+        self._queue.close(stopped)
+        fail_requests(self._queue.clear(), InferenceError, stopped, self._stats, "error")
 
     def alive(self) -> bool:
         """True while at least one worker thread runs."""

@@ -128,3 +128,23 @@ def test_multi_output_evaluation_needs_an_output_index(spark, fitted):
         net.fit(test, inputs=INPUTS, label="label")
     with pytest.raises(ValueError, match=r"2 losses .* label='label' names one column"):
         net.fit_paths("/no/such/path", inputs=INPUTS, label="label")
+
+
+def test_an_rdd_of_multidatasets_trains_with_a_loss_per_output_and_no_label_names(
+        spark, sc, fitted):
+    """It was refused: "label='label' names one column", where an RDD has no columns."""
+    import copy
+
+    net, _ = fitted
+    model = copy.deepcopy(net.model)
+    fresh = SparkModel(spark, model, net.master, loss_fn=net.loss_fn,
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    top, bottom, label, bright = h.two_tower_columns("test")
+    rdd = sc.parallelize(list(zip(zip(top, bottom, strict=True),
+                                  zip(label.tolist(), bright.tolist(), strict=True),
+                                  strict=True)), 2)
+    summary = fresh.fit(rdd, epochs=1)
+    assert summary["samples"] == 359
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                     net.model.state_dict().values(),
+                                                     strict=True))  # it trained

@@ -215,7 +215,8 @@ class SparkModel:
         With ``collect_stats=True`` per-worker, per-phase timings are kept: see
         ``training_stats()``.
         """
-        self._check_labels(label)
+        if is_dataframe(data):  # an RDD's elements hold their targets: no column to name
+            self._check_labels(label)
         columns = self._columns(data, features, label, inputs)
         files = parquet_files(data, columns.names()) if is_dataframe(data) else None
         if files is not None and not prebatched and self.master.takes_parquet(self.sc):

@@ -170,3 +170,20 @@ def test_a_state_over_the_limit_gets_a_segment_of_its_own_which_is_not_kept() ->
     kept = receiver.view(0, large)
     assert kept.buffer is large.buffer  # never written again: kept as it came
     assert torch.equal(unpack_tensors(kept)["w"], torch.ones(100))
+
+
+def test_the_handles_a_pickle_holds_include_a_sparse_tensors_parts() -> None:
+    """A sparse tensor's indices and values are shared through their own reductions, nested
+    in its own: their descriptors went unnoted, so a message a dead worker never read kept
+    them (and their shared memory) for the life of the process."""
+    from paraloom.training.transport import fetched, release_unfetched
+
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (3,),
+                                     check_invariants=True)
+    handles: list[int] = []
+    data = dumps({"momentum": sparse, "dense": torch.ones(3)}, handles)
+    assert len(handles) == 3  # the dense tensor's, and the sparse one's indices and values
+    assert fetched(handles) == handles
+    release_unfetched(handles)
+    assert fetched(handles) == []
+    del data

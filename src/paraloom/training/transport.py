@@ -54,11 +54,20 @@ def _noting(reduce: Callable[[Any], Any], handles: list[int]) -> Callable[[Any],
     """``reduce``, noting in ``handles`` the file descriptors its result hands over."""
     def reduced(obj: Any) -> Any:
         result = reduce(obj)
-        for arg in result[1] if isinstance(result, tuple) and len(result) > 1 else ():
-            if isinstance(arg, resource_sharer.DupFd):
-                handles.append(arg._id[1])  # type: ignore[attr-defined]
+        if isinstance(result, tuple) and len(result) > 1:
+            _note_handles(result[1], handles)
         return result
     return reduced
+
+
+def _note_handles(args: tuple[Any, ...], handles: list[int]) -> None:
+    """The descriptor handles in a reducer's arguments, nested ones too (a sparse tensor's
+    are in its indices' and values' own reductions)."""
+    for arg in args:
+        if isinstance(arg, resource_sharer.DupFd):
+            handles.append(arg._id[1])  # type: ignore[attr-defined]
+        elif isinstance(arg, tuple):
+            _note_handles(arg, handles)
 
 
 def dumps(obj: object, handles: list[int] | None = None) -> bytes:

@@ -547,10 +547,34 @@ def test_a_worker_killed_or_frozen_between_fits_gets_a_fresh_pool(sig):
         wrapper.fit(digits_loader(rows=128, batch_size=32))
         victim = wrapper.worker_pids[1]
         os.kill(victim, sig)  # while nothing runs; the next fit at once
-        stats = wrapper.fit(digits_loader(rows=128, batch_size=32))
+        with pytest.warns(UserWarning, match="a worker stopped between fits.*starts again"):
+            stats = wrapper.fit(digits_loader(rows=128, batch_size=32))
         assert stats["batches"] == 4 and stats["failures"] == 0 and stats["model_sent"]
         assert victim not in wrapper.worker_pids
     deadline = time.monotonic() + 5
     while pid_alive(victim) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(victim)  # the frozen one was killed, not left behind
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_with_max_failures_workers_lost_between_fits_begin_where_the_last_fit_ended(sig):
+    """A fresh pool began from the model and optimizer alone: the residuals of shared
+    gradients and a factory-built optimizer's momentum, which only the workers hold, started
+    again, silently, though the end-of-fit carry-over held them."""
+    def train(lose: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+        with ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                             training_mode="shared_gradients", max_failures=1) as wrapper:
+            wrapper.fit(digits_loader(rows=128, batch_size=16))
+            victim = wrapper.worker_pids[1]
+            if lose:
+                os.kill(victim, sig)
+            stats = wrapper.fit(digits_loader(rows=128, batch_size=16))
+            assert stats["failures"] == 0 and (victim not in wrapper.worker_pids) == lose
+        return [p.detach().clone() for p in model.parameters()]
+
+    kept, lost = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(kept, lost, strict=True))

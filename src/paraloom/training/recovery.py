@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard, TypeVar
 
+from paraloom._warnings import warn
 from paraloom.errors import WorkerError
 from paraloom.training.messages import (
     Answer,
@@ -49,7 +50,7 @@ from paraloom.training.packing import RESTORE_BUFFERS, PackedTensors, ReceivedBu
 from paraloom.training.pool import Pool, RegroupingPool
 from paraloom.training.spares import Spares
 
-__all__ = ["RecoveringPool", "Recovery"]
+__all__ = ["RecoveringPool", "Recovery", "warn_lost_between_fits"]
 
 log = logging.getLogger("paraloom")
 
@@ -206,6 +207,21 @@ class RecoveringPool:
                 self._keep(reply)
         if self._restore.round_id == _CARRY_OVER:  # copied: kept for the whole next fit
             self._carry = [None if s is None else s.private() for s in self._restore.states]
+
+    def revive(self) -> bool:
+        """After workers were lost between fits (killed, stopped): new ones that begin from
+        the carry-over, as the lost ones would have gone on; not a failure, nothing was
+        training. False without a carry-over (then nothing is kept to begin from)."""
+        if self._carry is None:
+            return False
+        self._pool.kill(wait=False)
+        self._retired.append(self._pool)
+        spare = self._spares.take(self._spare_wait_s) if self._spares.count else None
+        self._pool = spare if spare is not None else self._start()
+        carry = self._carry
+        self._pool.begin([Begin(None, resume=carry[rank]) for rank in range(self.workers)])
+        self._reap()
+        return True
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._spares.close(timeout_s)
@@ -374,3 +390,14 @@ def _key(reply: StepDone | CheckpointReply | Finished) -> tuple[str, int, int]:
             return "checkpoint", reply.tag, reply.rank
         case Finished():
             return "finished", 0, reply.rank
+
+
+def warn_lost_between_fits() -> None:
+    """Workers lost between fits with no carry-over to begin from (``max_failures=0``, or a
+    last fit that failed): say what starts again."""
+    warn("a worker stopped between fits (killed, or silent past its heartbeat); this fit "
+         "starts new workers from your model and optimizer, so what only the workers kept, "
+         "if anything, starts again: the state of an optimizer built by a factory, each "
+         "replica's own optimizer state in averaging, the residuals of shared gradients and "
+         "DiLoCo, DiLoCo's outer optimizer. With max_failures >= 1 the workers' state at the "
+         "end of each fit is kept, and new workers begin from it")

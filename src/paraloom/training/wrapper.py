@@ -51,7 +51,7 @@ from paraloom.training.options import (
 )
 from paraloom.training.pool import Pool
 from paraloom.training.process_pool import ProcessPool
-from paraloom.training.recovery import RecoveringPool, Recovery
+from paraloom.training.recovery import RecoveringPool, Recovery, warn_lost_between_fits
 from paraloom.training.replica import StepFn, require_loss
 from paraloom.training.resume import CheckpointCollector, TrainingCheckpoint
 from paraloom.training.runner import WorkerSpec, pickle_spec
@@ -227,6 +227,10 @@ class ParallelWrapper:
         if self._pool is not None and self._pool.alive:
             log.info("the trainable parameters or the optimizer's param groups changed since "
                      "the workers started: restarting them")
+        elif self._pool is not None and layout == self._pool_layout:
+            if isinstance(self._pool, RecoveringPool) and self._pool.revive():
+                return self._pool  # lost between fits: new workers, from where the last ended
+            warn_lost_between_fits()
         self._close()
         if self._user_optimizer is not None:  # its param groups as they are now
             self._spec = replace(self._spec, optimizer=OptimizerSpec.from_user(

@@ -308,6 +308,7 @@ class ParallelInference:
         try:  # asyncio.wait, not wait_for: a timeout must be counted as one, not as a cancel
             done, _ = await asyncio.wait({wrapped}, timeout=remaining)
         except asyncio.CancelledError:  # a client gone: its place in the queue goes back
+            wrapped.cancel()  # an outcome that comes later is nobody's
             if future.cancel() and self._queue.discard(request):
                 self._stats.dropped("cancelled")  # else a worker took it: it counts the cancel
             raise
@@ -402,8 +403,7 @@ class ParallelInference:
 
     def totals(self, version: int | None = None) -> VersionTotals:
         """Cumulative counts and nanoseconds of one model version (default: the one served
-        now), as Triton's statistics report them (see ``paraloom.inference.totals``); the
-        latest 16 versions are kept, and an older one, or one that has not run, reads zeros."""
+        now), as Triton's statistics report them (``paraloom.inference.totals``; 16 kept)."""
         return self._stats.totals.of(self.model_version if version is None else version)
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> None:

@@ -230,7 +230,7 @@ class ServedModel:
             tensors[0] if len(tensors) == 1 else tuple(tensors)
         time_limit: dict[str, float | None] = {}  # none given: the pool's default
         if timeout is not None:
-            default = self.pool.timeout
+            default = getattr(self.pool, "timeout", None)  # a pool of the caller's may lack it
             time_limit["timeout"] = timeout if default is None else min(timeout, default)
         try:
             if self._inplace:

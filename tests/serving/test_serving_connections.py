@@ -95,7 +95,9 @@ def test_an_http2_peer_that_floods_pings_unread_is_read_no_more(server: ServerTh
         sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0) + _frame(4, 1, 0))
         pings = b"".join(_frame(6, 0, 0, struct.pack(">Q", i)) for i in range(1000))
         sent = _flood(sock, pings, seconds=8.0)
-    assert sent < 1000, f"the server read {sent}k PINGs in 8 s while its answers piled up"
+    # Bounded: 490-590k alone here, 1,162k once under the whole suite's load on 2 cores;
+    # unbounded, it read 20,600k.
+    assert sent < 4000, f"the server read {sent}k PINGs in 8 s while its answers piled up"
 
 
 async def _slow_or_echo(scope: dict, receive, send) -> None:

@@ -240,9 +240,11 @@ def _modes(text: str) -> str:
     known = [m for m in training_modes() if m != "custom"]
     entries = [m.strip() for m in text.split(",") if m.strip()]
     for mode in entries or [text]:
-        name, *variants = mode.split("+")
-        wrong = [v for v in variants if v not in _VARIANTS]
-        if name not in known or wrong:
+        try:
+            name, _ = _mode_options(mode)  # refuses an unknown variant
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if name not in known:
             raise argparse.ArgumentTypeError(
                 f"{mode!r}: expected comma-separated modes of {known}, each with optional "
                 f"variants +{' or +'.join(sorted(_VARIANTS))}")

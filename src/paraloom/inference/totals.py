@@ -18,9 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import TypedDict
 
-__all__ = ["BatchTotals", "Duration", "Phases", "TotalsRecorder", "VersionTotals"]
+__all__ = ["VERSIONS_KEPT", "BatchTotals", "Duration", "Phases", "TotalsRecorder",
+           "VersionTotals"]
 
-_VERSIONS_KEPT = 16  # versions whose totals are kept: the latest, most recent first
+VERSIONS_KEPT = 16
+"""Versions whose totals are kept: the latest."""
 
 
 class Duration(TypedDict):
@@ -71,6 +73,10 @@ class Phases:
         """These phases with ``seconds`` more of output work (the numpy conversion)."""
         return Phases(self.input_s, self.infer_s, self.output_s + seconds)
 
+    def nanoseconds(self) -> list[int]:
+        """Input, infer and output, in whole nanoseconds."""
+        return [_ns(self.input_s), _ns(self.infer_s), _ns(self.output_s)]
+
 
 class _Sums:
     """One version's running sums (``VersionTotals`` without the copying)."""
@@ -90,7 +96,7 @@ def _ns(seconds: float) -> int:
 
 
 class TotalsRecorder:
-    """Thread-safe totals of the latest ``_VERSIONS_KEPT`` versions (bounded)."""
+    """Thread-safe totals of the latest ``VERSIONS_KEPT`` versions (bounded)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -100,7 +106,7 @@ class TotalsRecorder:
                  queue_seconds: list[float], phases: Phases) -> None:
         """Record one forward pass of ``version`` over ``batch_rows`` rows, and the requests
         it answered: ``rows`` rows in all, each one's time in the queue; the batch's phases."""
-        ns = [_ns(phases.input_s), _ns(phases.infer_s), _ns(phases.output_s)]
+        ns = phases.nanoseconds()
         answered = len(queue_seconds)
         now_ms = time.time_ns() // 1_000_000
         with self._lock:
@@ -122,7 +128,7 @@ class TotalsRecorder:
         """Take back one request that ``answered`` counted but that ended otherwise (its
         timeout settled it first): its rows, its queue time and its share of the phases. The
         forward pass stays counted."""
-        ns = [_ns(phases.input_s), _ns(phases.infer_s), _ns(phases.output_s)]
+        ns = phases.nanoseconds()
         with self._lock:
             sums = self._versions.get(version)
             if sums is None:
@@ -137,7 +143,7 @@ class TotalsRecorder:
         sums = self._versions.get(version)
         if sums is None:
             sums = self._versions[version] = _Sums()
-            while len(self._versions) > _VERSIONS_KEPT:
+            while len(self._versions) > VERSIONS_KEPT:
                 del self._versions[min(self._versions)]
         return sums
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from paraloom.inference.totals import Duration, TotalsRecorder, VersionTotals
+from paraloom.inference.totals import VERSIONS_KEPT, Duration, TotalsRecorder, VersionTotals
 
 if TYPE_CHECKING:
     from paraloom.serving.repository.models import ModelRepository
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RequestTotals", "StatisticsResponse", "model_statistics", "statistics"]
 
-_VERSIONS_KEPT = 16  # as the pool keeps its versions' totals
 _ZERO: Duration = {"count": 0, "ns": 0}
 
 
@@ -62,7 +61,7 @@ class RequestTotals:
             sums = self._versions.get(version)
             if sums is None:
                 sums = self._versions[version] = [0, 0, 0, 0]
-                if len(self._versions) > _VERSIONS_KEPT:
+                if len(self._versions) > VERSIONS_KEPT:
                     del self._versions[next(iter(self._versions))]
             sums[at] += 1
             sums[at + 1] += max(0, round(seconds * 1e9))

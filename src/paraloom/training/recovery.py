@@ -214,14 +214,22 @@ class RecoveringPool:
         training. False without a carry-over (then nothing is kept to begin from)."""
         if self._carry is None:
             return False
+        self._replace_pool()
+        self._begin_carry_over(self._carry)
+        self._reap()
+        return True
+
+    def _replace_pool(self) -> None:
+        """Kill the pool (reaped later) and take a spare pool, or start a new one."""
         self._pool.kill(wait=False)
         self._retired.append(self._pool)
         spare = self._spares.take(self._spare_wait_s) if self._spares.count else None
         self._pool = spare if spare is not None else self._start()
-        carry = self._carry
+
+    def _begin_carry_over(self, carry: list[PackedTensors | None]) -> None:
+        """As the lost workers did: begin each replica from what it carried from the last
+        fit (the fit's own ``Begin`` follows)."""
         self._pool.begin([Begin(None, resume=carry[rank]) for rank in range(self.workers)])
-        self._reap()
-        return True
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._spares.close(timeout_s)
@@ -345,15 +353,10 @@ class RecoveringPool:
         self._pending.clear()
         self._received.clear()
         if not self._regrouped(error):
-            self._pool.kill(wait=False)
-            self._retired.append(self._pool)
-            spare = self._spares.take(self._spare_wait_s) if self._spares.count else None
-            self._pool = spare if spare is not None else self._start()
+            self._replace_pool()
         restore = self._restore
         if restore.round_id is None and self._carry is not None:
-            # As the lost workers did: what they carried from the last fit, then this Begin.
-            carry = self._carry
-            self._pool.begin([Begin(None, resume=carry[rank]) for rank in range(self.workers)])
+            self._begin_carry_over(self._carry)
         # The restore point holds the model and optimizer state: the fit's own are left out
         # (each tensor of a message costs a shared-memory segment and a descriptor).
         begins = self._begins if restore.round_id in (None, _CARRY_OVER) else [

@@ -80,7 +80,7 @@ def test_one_value_per_row_is_dims_1_reshaped_to_none_as_triton_writes_it() -> N
 def test_server_metadata_names_the_extensions(client: Client) -> None:
     body = client.get("/v2").json()
     assert body["name"] == "paraloom"
-    assert body["extensions"] == ["binary_tensor_data", "classification",
+    assert body["extensions"] == ["binary_tensor_data", "classification", "logging",
                                   "model_configuration", "model_repository",
                                   "statistics", "system_shared_memory"]
 

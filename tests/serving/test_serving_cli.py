@@ -382,6 +382,9 @@ def test_processes_share_the_ports_refuse_api_loads_and_reload_together(tmp_path
         refused = th.InferenceServerClient(f"127.0.0.1:{port}")
         with pytest.raises(Exception, match="kill -HUP"):
             refused.unload_model("lenet")
+        with pytest.raises(Exception, match="each with its own log settings"):
+            refused.update_log_settings({"log_info": False})
+        assert refused.get_log_settings()["log_info"] is True
         refused.close()
 
         v2_model = saved(path, 2)

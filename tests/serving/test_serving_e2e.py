@@ -60,7 +60,7 @@ def test_tritonclient_health_metadata_and_inference(server: ServerThread,
         meta = client.get_model_metadata("lenet")
         assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
         assert client.get_server_metadata()["extensions"] == [
-            "binary_tensor_data", "classification", "model_configuration",
+            "binary_tensor_data", "classification", "logging", "model_configuration",
             "model_repository", "statistics",
             "system_shared_memory"]
         x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from paraloom.devices import parse_devices
+from paraloom.serving.log_settings import SERVER_LOG
 from paraloom.user_code import build_user_model, import_callable, import_module
 
 if TYPE_CHECKING:
@@ -120,7 +121,10 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                       default=[], help="import MODULE (from the current folder or PYTHONPATH) "
                       "before loading: the module that defines the class a saved model names "
                       "(a models directory of your own architectures); repeat for several")
-    http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    http.add_argument("--log-level", default="info",
+                      help="the server's log level: debug, info, warning, error (default info)")
+    http.add_argument("--log-file", metavar="FILE", default=None,
+                      help="append the server's log to FILE (default: the console)")
     http.add_argument("--access-log", action="store_true", help="log every request")
 
 
@@ -309,12 +313,25 @@ def _build_app(args: argparse.Namespace) -> tuple[Starlette, str | None]:
     return app, model_file
 
 
+def _configure_logging(args: argparse.Namespace) -> None:
+    """The root logger's handler (to the console, or appending to ``--log-file``), whose format
+    the ``log_format`` setting then sets; uvicorn's records go through it too."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s",
+                        filename=args.log_file)
+    for handler in root.handlers:
+        if handler not in before:  # a program that configured logging keeps its handlers
+            SERVER_LOG.own(handler)
+    SERVER_LOG.file = args.log_file or ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code."""
     from paraloom.serving.server import close_owned_pools, serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
+        _configure_logging(args)
         _check_graceful_timeout(args.graceful_timeout)
         if args.grpc_port is not None and args.grpc_port == args.port and args.port != 0:
             raise ValueError(f"--grpc-port {args.grpc_port} is the HTTP --port too; give gRPC "
@@ -335,13 +352,14 @@ def run(args: argparse.Namespace) -> int:
     if (model_file is not None or repository.source is not None) and hasattr(signal, "SIGHUP"):
         _reload_on_sighup(app)  # a model served from Python code has no file to read again
     repository.refuse_loads = getattr(args, "refuse_loads", None)
+    SERVER_LOG.refuse_changes = getattr(args, "refuse_log_changes", None)
     _log_models(repository)
     try:
         serve(app, host=args.host, port=args.port, log_level=args.log_level,
               access_log=args.access_log, graceful_timeout=args.graceful_timeout,
               grpc_port=args.grpc_port, grpc_backend=args.grpc_backend,
               switch_interval=args.gil_switch_ms / 1e3,
-              reuse_port=getattr(args, "reuse_port", False))
+              reuse_port=getattr(args, "reuse_port", False), uvicorn_logging=False)
     except (OSError, ValueError) as e:  # e.g. a port is taken: nothing was served
         close_owned_pools(app)
         print(f"paraloom serve: error: {e}", file=sys.stderr)

@@ -32,8 +32,8 @@ __all__ = ["EXTENSIONS", "InferAnswer", "ServerMetadata", "describe_server", "ha
            "select_outputs"]
 
 _log = logging.getLogger("paraloom.serving")
-EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository",
-              "statistics"]
+EXTENSIONS = ["binary_tensor_data", "classification", "logging", "model_configuration",
+              "model_repository", "statistics"]
 SHARED_MEMORY = "system_shared_memory"  # listed when the server has shared memory on
 
 
@@ -190,6 +190,7 @@ async def handle_infer(repository: ModelRepository, metrics: ServingMetrics, nam
     except ServingError as e:
         _failed(found, started)
         metrics.failure(label, e.reason)
+        _log.debug("model %r: a request failed with %d: %s", name, e.status, e.message)
         raise
     except anyio.get_cancelled_exc_class():  # the call was cancelled or its deadline passed
         _failed(found, started)
@@ -203,6 +204,9 @@ async def handle_infer(repository: ModelRepository, metrics: ServingMetrics, nam
     elapsed = time.perf_counter() - started
     served.outcomes.succeeded(answer.model_version, elapsed)
     metrics.done(label, elapsed)
+    if _log.isEnabledFor(logging.DEBUG):  # log_verbose_level >= 1 (the logging extension)
+        _log.debug("model %r version %s answered request %r in %.3f ms", answer.model_name,
+                   answer.model_version, answer.request_id, elapsed * 1e3)
     return answer
 
 

@@ -25,7 +25,8 @@ from types import FrameType
 
 from paraloom.serving.sockets import bind_socket
 
-__all__ = ["refuse_loads_message", "reserve_port", "run_processes"]
+__all__ = ["refuse_log_changes_message", "refuse_loads_message", "reserve_port",
+           "run_processes"]
 
 _POLL = 0.2  # seconds between the parent's checks of its children
 
@@ -42,6 +43,14 @@ def refuse_loads_message(processes: int, parent: int) -> str:
             f"them; send SIGHUP to the parent (kill -HUP {parent}) to reload the served file "
             "(or every model of --models-dir) in every process, or run with --processes 1 to "
             "load and unload over the API")
+
+
+def refuse_log_changes_message(processes: int) -> str:
+    """Why a child of ``--processes N`` refuses changes of the log settings over the API."""
+    return (f"this server runs {processes} processes (paraloom serve --processes {processes}), "
+            "each with its own log settings, and a change would reach one of them; start the "
+            "server with the --log-level you want, or run with --processes 1 to change the "
+            "log settings over the API")
 
 
 def _watch_parent(parent: int) -> None:
@@ -89,6 +98,7 @@ def run_processes(args: argparse.Namespace, serve: Callable[[argparse.Namespace]
     child_args.grpc_port = grpc.getsockname()[1] if grpc is not None else None
     child_args.reuse_port = True
     child_args.refuse_loads = refuse_loads_message(count, os.getpid())
+    child_args.refuse_log_changes = refuse_log_changes_message(count)
     ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
     children = [ctx.Process(target=_child, args=(child_args, os.getpid(), serve),
                             name=f"paraloom-serve-{i}") for i in range(count)]

@@ -14,6 +14,7 @@ from paraloom.serving.body import read_body
 from paraloom.serving.errors import ProtocolError, ServingError
 from paraloom.serving.handling import describe_server
 from paraloom.serving.infer_endpoint import InferEndpoint
+from paraloom.serving.log_settings import SERVER_LOG
 from paraloom.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from paraloom.serving.model_config import model_config
 from paraloom.serving.protocol import load_json
@@ -137,6 +138,24 @@ async def unload_model(request: Request) -> Response:
     return JSONResponse({"name": name})
 
 
+async def log_settings(request: Request) -> Response:
+    """GET and POST /v2/logging: Triton's logging extension (``log_settings``). A POST's body is
+    an object of the settings to change; both answer every setting now in force."""
+    if request.method == "GET":
+        return JSONResponse(SERVER_LOG.settings().as_wire())
+    body = await read_body(request, _LOAD_BODY_LIMIT)
+    try:
+        changes = load_json(body) if body.strip() else {}
+    except ValueError as e:
+        raise ProtocolError(f"log settings request body is not valid JSON: {e}") from e
+    if not isinstance(changes, dict):
+        raise ProtocolError('log settings request body must be an object, e.g. '
+                            '{"log_verbose_level": 1}')
+    new = SERVER_LOG.update(changes)
+    _log.info("log settings changed: %s", changes)
+    return JSONResponse(new.as_wire())
+
+
 async def metrics(request: Request) -> Response:
     """GET /metrics in Prometheus' text format."""
     return Response(_metrics(request).exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -186,6 +205,7 @@ ROUTES = [
     Route("/v2/repository/index", repository_index, methods=["POST"]),
     Route("/v2/repository/models/{name}/load", load_model, methods=["POST"]),
     Route("/v2/repository/models/{name}/unload", unload_model, methods=["POST"]),
+    Route("/v2/logging", log_settings, methods=["GET", "POST"]),
     Route("/metrics", metrics, methods=["GET"]),
     *SHARED_MEMORY_ROUTES,
 ]

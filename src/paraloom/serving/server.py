@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from starlette.applications import Starlette
 from torch import nn
+from uvicorn.config import LOGGING_CONFIG
 
 from paraloom.serving.app import AppOptions, create_app, repository_of, settle_shared_memory
 from paraloom.serving.http1 import GuardedHttpTools
@@ -180,8 +181,8 @@ def _grpc(app: Starlette, host: str, port: int | None, backend: str, reuse_port:
                   regions=getattr(state, "regions", None))
 
 
-def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float
-            ) -> uvicorn.Config:
+def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeout: float,
+            uvicorn_logging: bool = True) -> uvicorn.Config:
     if not math.isfinite(graceful_timeout) or graceful_timeout <= 0:
         raise ValueError(f"graceful_timeout={graceful_timeout}; expected a finite number of "
                          "seconds > 0")
@@ -193,7 +194,8 @@ def _config(app: Starlette, *, log_level: str, access_log: bool, graceful_timeou
     # uvicorn types the graceful timeout as whole seconds; round up so it is never shortened.
     return uvicorn.Config(app, log_level=log_level, access_log=access_log,
                           timeout_graceful_shutdown=math.ceil(graceful_timeout), lifespan="on",
-                          http=GuardedHttpTools)
+                          http=GuardedHttpTools,
+                          log_config=LOGGING_CONFIG if uvicorn_logging else None)
 
 
 def _as_app(pool_or_model: nn.Module | ParallelInference | Starlette, name: str | None,
@@ -209,8 +211,8 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
           host: str = _DEFAULT_HOST, port: int = 8000, log_level: str = "info",
           access_log: bool = False, graceful_timeout: float = 30.0, grpc_port: int | None = None,
           grpc_backend: str = "auto", switch_interval: float | None = 0.001,
-          reuse_port: bool = False, freeze_gc: bool = True, **app_options: Unpack[AppOptions]
-          ) -> None:
+          reuse_port: bool = False, freeze_gc: bool = True, uvicorn_logging: bool = True,
+          **app_options: Unpack[AppOptions]) -> None:
     """Serve a model, a ParallelInference or an app from ``create_app`` until SIGINT/SIGTERM.
 
     Binds 127.0.0.1 unless ``host`` says otherwise. On shutdown, uvicorn stops accepting
@@ -222,7 +224,10 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
     ``switch_interval`` (default 1 ms) sets ``sys.setswitchinterval`` for this process (None:
     leave Python's 5 ms): the event loop must take the GIL back from the pool's threads on every
     turn, and at 1 ms LeNet at 64 concurrent JSON requests served about 40% more requests/s.
-    ``reuse_port`` shares the ports with sibling processes (``--processes``). ``freeze_gc``
+    ``reuse_port`` shares the ports with sibling processes (``--processes``).
+    ``uvicorn_logging`` (default True) gives uvicorn's loggers uvicorn's own handlers; False
+    leaves them none, so their records go to the root logger's handlers (``paraloom serve``
+    does this: ``--log-file`` and the ``log_format`` setting then cover them). ``freeze_gc``
     (default True) collects once after start and moves what exists out of the collector's reach
     (``gc.freeze``), so that later full collections take under 10 ms rather than up to 0.44 s
     with the GIL held. Large blocks (1 MiB bodies, shared-memory reads) are reused from the heap
@@ -250,7 +255,7 @@ def serve(pool_or_model: nn.Module | ParallelInference | Starlette, *, name: str
         sock.close()
         raise
     server = _Server(_config(app, log_level=log_level, access_log=access_log,
-                             graceful_timeout=graceful_timeout),
+                             graceful_timeout=graceful_timeout, uvicorn_logging=uvicorn_logging),
                      _grpc(app, host, grpc_port, grpc_backend, reuse_port), freeze_gc=freeze_gc)
     try:
         server.run(sockets=[sock])

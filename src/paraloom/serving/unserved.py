@@ -1,8 +1,7 @@
 """Triton endpoints this server does not serve, and what to use instead.
 
-A Triton client calls them (``get_log_settings``, ``get_trace_settings``): the answer says
-which extension it is and where paraloom keeps the same thing, not only that the route is
-unknown. HTTP answers
+A Triton client calls them (``get_trace_settings``): the answer says which extension it is,
+not only that the route is unknown. HTTP answers
 404, gRPC ``UNIMPLEMENTED``; the server's metadata (``GET /v2``) lists what is served.
 """
 
@@ -12,15 +11,12 @@ import re
 
 __all__ = ["UNSERVED_METHODS", "unserved_path"]
 
-_LOGGING = ("Triton's logging extension is not served here: the log level is set when the "
-            "server starts (paraloom serve --log-level)")
 _TRACE = "Triton's trace extension is not served here"
 
-UNSERVED_METHODS = {"LogSettings": _LOGGING, "TraceSetting": _TRACE}
+UNSERVED_METHODS = {"TraceSetting": _TRACE}
 """gRPC methods of ``inference.GRPCInferenceService`` that are not served, with the reason."""
 
-_PATHS = [(re.compile(r"/v2/logging"), _LOGGING),
-          (re.compile(r"/v2(/models/[^/]+)?/trace/setting"), _TRACE)]
+_PATHS = [(re.compile(r"/v2(/models/[^/]+)?/trace/setting"), _TRACE)]
 
 
 def unserved_path(path: str) -> str | None:

@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 
 __all__ = ["SERVICE", "InferRequestMessage", "InputTensor", "LoadRequest", "Message",
            "ModelRef", "NamedModel", "OutputRequest", "Parameter", "ReadyFilter", "RegionRequest",
+           "SettingsRequest",
            "message",
            "method_types"]
 
@@ -98,6 +99,14 @@ class ReadyFilter(Protocol):
 
     @property
     def ready(self) -> bool: ...
+
+
+class SettingsRequest(Protocol):
+    """``LogSettingsRequest``: the settings to change, each a ``SettingValue`` (a oneof
+    named ``parameter_choice``, as a ``Parameter``)."""
+
+    @property
+    def settings(self) -> Mapping[str, Parameter]: ...
 
 
 class InputTensor(Protocol):

@@ -38,10 +38,12 @@ from paraloom.serving.grpc.messages import (
     NamedModel,
     ReadyFilter,
     RegionRequest,
+    SettingsRequest,
     method_types,
 )
 from paraloom.serving.grpc.streaming import STREAM_IN_FLIGHT, answer_stream
 from paraloom.serving.handling import describe_server, handle_infer
+from paraloom.serving.log_settings import SERVER_LOG
 from paraloom.serving.metrics import ServingMetrics
 from paraloom.serving.model_config import model_config
 from paraloom.serving.protocol import InferRequest
@@ -189,13 +191,22 @@ class Service:
         await self.repository.unload(request.model_name)
         return response()
 
+    async def LogSettings(self, request: SettingsRequest,  # noqa: N802
+                          response: type[Message]) -> Message:
+        answer = response()
+        for key, value in SERVER_LOG.update(parameter_values(request.settings)).as_wire().items():
+            field = ("bool_param" if isinstance(value, bool) else
+                     "uint32_param" if isinstance(value, int) else "string_param")
+            setattr(answer.settings[key], field, value)
+        return answer
+
 
 METHODS = ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
            "ModelConfig", "ModelStatistics", "ModelInfer", "RepositoryIndex",
            "RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryStatus",
            "SystemSharedMemoryRegister",
            "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
-           "CudaSharedMemoryUnregister"]
+           "CudaSharedMemoryUnregister", "LogSettings"]
 """The unary methods."""
 STREAMING = "ModelStreamInfer"
 """The one streaming method: requests in, answers out, each as it is ready."""

@@ -142,3 +142,26 @@ def test_a_huge_unknown_model_name_is_not_found_not_a_header_overflow(
         assert len(info.value.message()) < 500
     finally:
         client.close()
+
+
+def test_a_servers_own_bug_is_internal_in_the_protocols_form_and_the_server_goes_on(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception no handler expected was HTTP's plain-text 500 (tritonclient could not parse
+    it) and, on the uvicorn back end, an HTTP/2 500 that no gRPC client reads as a status."""
+    repository = server.app.state.repository
+
+    async def broken() -> list[object]:
+        raise KeyError("BYTES")
+
+    monkeypatch.setattr(repository, "index_off_loop", broken)
+    http = th.InferenceServerClient(server.url.removeprefix("http://"))
+    with pytest.raises(InferenceServerException, match="internal error: KeyError: 'BYTES'") as e:
+        http.get_model_repository_index()
+    assert e.value.status() == "500"
+    client = tg.InferenceServerClient(server.grpc_url)
+    with pytest.raises(InferenceServerException, match="internal error: KeyError: 'BYTES'") as e:
+        client.get_model_repository_index()
+    assert e.value.status() == "StatusCode.INTERNAL"
+    monkeypatch.undo()
+    assert [r["name"] for r in http.get_model_repository_index()] == ["lenet"]
+    assert client.is_server_ready()

@@ -295,3 +295,50 @@ def test_merged_requests_with_inputs_of_different_rows_name_each_input(tmp_path:
     [answer] = _scores_answers(tmp_path, "batched", [[_K, _Q]])
     assert answer.status_code == 400
     assert "('q': 2, 'k': 3)" in answer.json()["error"]
+
+
+def test_a_string_input_or_a_name_given_twice_makes_that_model_unavailable_not_the_server(
+        tmp_path: Path) -> None:
+    """A fixed-size TYPE_STRING input ended the server at startup (KeyError 'BYTES'), and a
+    run-time load of it answered a plain-text 500; two inputs of one name were READY, and
+    every request then failed with a 500."""
+    root = tmp_path / "models"
+    configs = {"strings": _config(['{ name: "x" data_type: TYPE_STRING dims: [ 1 ] }'],
+                                  [_tensor("y", "1")]),
+               "twice": _config([_tensor("x", "2"), _tensor("x", "2")], [_tensor("y", "2")]),
+               "good": _config([_tensor("x", "2")], [_tensor("doubled", "2"),
+                                                     _tensor("tripled", "2")])}
+    for name, config in configs.items():
+        (root / name / "1").mkdir(parents=True)
+        torch.jit.script(Scaled()).save(str(root / name / "1" / "model.pt"))
+        (root / name / "config.pbtxt").write_text(config)
+    app = create_repository_app(root, allow_torchscript=True, workers=1)
+    with ServerThread(app, grpc_port=0) as server:
+        http = th.InferenceServerClient(server.url.removeprefix("http://"))
+        index = {r["name"]: r for r in http.get_model_repository_index()}
+        assert index["good"]["state"] == "READY"
+        assert index["strings"]["state"] == "UNAVAILABLE"
+        assert "inputs ['x'] are TYPE_STRING (BYTES), but a model takes tensors of numbers" in \
+            index["strings"]["reason"]
+        assert index["twice"]["state"] == "UNAVAILABLE"
+        assert "inputs name ['x'] more than once" in index["twice"]["reason"]
+        for client in (http, tg.InferenceServerClient(server.grpc_url)):
+            with pytest.raises(InferenceServerException, match="TYPE_STRING") as refused:
+                client.load_model("strings")  # answered in the protocol's form, not a crash
+            assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+        np.testing.assert_allclose(_infer(server, "good", {"x": _f32([[1, 2]])})["doubled"],
+                                   [[2, 4]])
+
+
+def test_an_unknown_output_is_refused_before_the_model_runs(server: Any) -> None:
+    http = th.InferenceServerClient(server.url.removeprefix("http://"))
+    before = http.get_inference_statistics("first_only")["model_stats"][0]
+    x = th.InferInput("x", [1, 2], "FP32")
+    x.set_data_from_numpy(_f32([[1, 2]]))
+    for asked in (["nope"], ["doubled", "doubled"]):
+        with pytest.raises(InferenceServerException, match="request asks for outputs"):
+            http.infer("first_only", [x], outputs=[th.InferRequestedOutput(n) for n in asked])
+    after = http.get_inference_statistics("first_only")["model_stats"][0]
+    assert after["inference_count"] == before["inference_count"]  # no pass was spent
+    assert after["inference_stats"]["fail"]["count"] == \
+        before["inference_stats"]["fail"]["count"] + 2

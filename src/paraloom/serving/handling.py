@@ -75,19 +75,27 @@ def select_outputs(served: ServedModel, parsed: InferRequest, result: Any) -> li
             _check_rows(named, given.shape[0])
     if parsed.outputs is None:
         return [AnswerOutput(n, t, parsed.binary_output) for n, t in named.items()]
-    unknown = [o.name for o in parsed.outputs if o.name not in named]
-    if unknown:
-        raise ProtocolError(f"request asks for outputs {unknown} that the model does not have; "
-                            f"its outputs are {list(named)}")
-    twice = sorted(n for n, k in Counter(o.name for o in parsed.outputs).items() if k > 1)
-    if twice:
-        raise ProtocolError(f"request asks for outputs {twice} more than once; name each output "
-                            "once")
+    _check_asked_outputs(parsed, list(named))
     return [AnswerOutput(o.name, named[o.name] if not o.classes else classify(
                 named[o.name], o.classes, served.batch_dim, served.labels.get(o.name, ()),
                 o.name),
                          parsed.binary_output if o.binary is None else o.binary, o.region)
             for o in parsed.outputs]
+
+
+def _check_asked_outputs(parsed: InferRequest, names: list[str]) -> None:
+    """``ProtocolError`` for a request that asks for an output not in ``names`` (the model's),
+    or for one output twice: checked before the model runs, so such a request costs no pass."""
+    if parsed.outputs is None:
+        return
+    unknown = [o.name for o in parsed.outputs if o.name not in names]
+    if unknown:
+        raise ProtocolError(f"request asks for outputs {unknown} that the model does not have; "
+                            f"its outputs are {names}")
+    twice = sorted(n for n, k in Counter(o.name for o in parsed.outputs).items() if k > 1)
+    if twice:
+        raise ProtocolError(f"request asks for outputs {twice} more than once; name each output "
+                            "once")
 
 
 def _check_outputs(served: ServedModel, outputs: dict[str, Value]) -> None:
@@ -156,6 +164,7 @@ async def _infer(repository: ModelRepository, name: str, version: str | None,
     # preprocess runs still answers this request (its close waits), as a submitted one does.
     with served.admitted():
         values = served.signature.check(parsed.inputs, batched=served.merges_requests)
+        _check_asked_outputs(parsed, [o.name for o in served.signature.outputs])
         tensors = values if served.handler is None else \
             await anyio.to_thread.run_sync(served.handler.to_model, values,
                                            limiter=served.threads)

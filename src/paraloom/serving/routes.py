@@ -166,6 +166,11 @@ async def _on_serving_error(request: Request, exc: Exception) -> Response:
     return error_response(exc.status, exc.message, exc.retry_after)
 
 
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    # Starlette's outermost middleware calls this, then raises the error again (logged there).
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     unserved = unserved_path(request.url.path) if exc.status_code in (404, 405) else None
@@ -210,5 +215,7 @@ ROUTES = [
     *SHARED_MEMORY_ROUTES,
 ]
 
-EXCEPTION_HANDLERS = {ServingError: _on_serving_error, HTTPException: _on_http_error}
-"""Every ``ServingError`` and routing error answered in the protocol's ``{"error": ...}``."""
+EXCEPTION_HANDLERS = {ServingError: _on_serving_error, HTTPException: _on_http_error,
+                      Exception: _on_unexpected}
+"""Every ``ServingError``, routing error and unexpected failure answered in the protocol's
+``{"error": ...}`` (an unexpected one as 500, naming the exception)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -88,6 +89,13 @@ class ModelSignature:
     rowless: tuple[str, ...] = ()
     """Probed outputs whose first dimension was not the probe's number of rows (a model
     without a batch dimension): a server that batches refuses the model (``ServedModel``)."""
+
+    def __post_init__(self) -> None:
+        for kind, specs in (("inputs", self.inputs), ("outputs", self.outputs)):
+            twice = sorted(n for n, k in Counter(s.name for s in specs).items() if k > 1)
+            if twice:
+                raise ValueError(f"the model's {kind} name {twice} more than once; give each "
+                                 f"of its {kind} a name of its own")
 
     def check(self, request_inputs: list[RequestInput], batched: bool = False) -> list[Value]:
         """The request's tensors in the model's input order; ``ProtocolError`` if they don't fit
@@ -270,7 +278,9 @@ def _named_results(model: nn.Module, result: object) -> list[tuple[str, torch.Te
 
 
 def _sample_from_specs(specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
-    if any(d == -1 for s in specs for d in s.shape[1:]):
+    """Zeros to probe the model with (None where a size is unknown, or an input is BYTES)."""
+    if any(d == -1 for s in specs for d in s.shape[1:]) or \
+            any(s.datatype not in DATATYPES for s in specs):
         return None
     return [torch.zeros((1, *s.shape[1:]), dtype=DATATYPES[s.datatype].torch_dtype)
             for s in specs]

@@ -14,6 +14,7 @@ as it is ready (``paraloom.serving.grpc.streaming``), then the trailers when the
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from urllib.parse import quote
 
@@ -34,6 +35,8 @@ from paraloom.serving.grpc.service import (
 )
 
 __all__ = ["GrpcAsgiApp", "parse_timeout"]
+
+_log = logging.getLogger("paraloom.serving")
 
 _HEADERS = [(b"content-type", b"application/grpc"),
             (b"grpc-accept-encoding", b"identity,gzip,deflate")]
@@ -122,6 +125,9 @@ class GrpcAsgiApp:
                 raise  # the client went away
             cut_off = cut_off_by_shutdown()  # the graceful timeout ran out with it running
             code, text = status_code(cut_off), cut_off.message
+        except Exception as e:  # a bug of the server's: INTERNAL, not HTTP/2's 500
+            _log.exception("gRPC call %s failed", scope["path"])
+            code, text = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
         await send({"type": "http.response.start", "status": 200, "headers": _HEADERS,
                     "trailers": True})
         await send({"type": "http.response.body", "body": answer})

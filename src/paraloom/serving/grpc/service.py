@@ -224,6 +224,10 @@ def _handler(call: Handler, request_type: type[Message], response_type: type[Mes
             await context.abort(status_code(e), e.message)
         except (DecodeError, ValueError, TypeError) as e:  # a message of the wrong shape
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e}")
+        except Exception as e:  # a bug of the server's: INTERNAL, as on the uvicorn back end
+            _log.exception("gRPC call %s failed", call.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"internal error: {type(e).__name__}: {e}")
 
     return grpc.unary_unary_rpc_method_handler(
         handle, response_serializer=response_type.SerializeToString)

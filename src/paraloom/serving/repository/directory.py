@@ -54,6 +54,7 @@ from paraloom.serving.repository.triton import (
 )
 from paraloom.serving.served import PoolOptions, ServedModel, build_pool
 from paraloom.serving.signature import ModelSignature, infer_signature
+from paraloom.serving.strings import BYTES
 
 if TYPE_CHECKING:
     from torch import nn
@@ -289,7 +290,7 @@ class ModelsDir:
                 try:
                     built.append(self._build_one(found.name, path, folder, version, config,
                                                  numbered=numbered))
-                except (ValueError, TypeError, RuntimeError, OSError) as e:
+                except (ValueError, TypeError, RuntimeError, OSError, KeyError) as e:
                     failed[str(version)] = str(e)
         except BaseException:
             for served in built:  # interrupted: close the pools already started
@@ -335,6 +336,12 @@ class ModelsDir:
             raise ValueError(f"{shown} is TorchScript, whose inputs and outputs cannot be read "
                              f"from it: give them in the model's {PBTXT} (input, output) or "
                              "config.json (inputs, outputs)")
+        strings = [s.name for s in config.inputs or () if s.datatype == BYTES]
+        if strings:
+            raise ValueError(f"{shown}: inputs {strings} are TYPE_STRING (BYTES), but a model "
+                             "takes tensors of numbers; declare the model's own inputs in "
+                             f"its {PBTXT}, and turn strings into them with a handler.py beside "
+                             "it (its INPUTS may be BYTES; paraloom serve --allow-handlers)")
         try:
             model = torchscript_file(path) if script else load(path).eval()
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:

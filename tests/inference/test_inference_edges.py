@@ -356,3 +356,37 @@ def test_after_the_last_worker_stops_a_request_is_told_so_not_to_call_output_bef
             pool.output(torch.ones(1, 2), timeout=WAIT)
     finally:
         pool.close()
+
+
+class _DoublesInPlace(nn.Module):
+    """Doubles its input in place (an in-place normalisation); a row of fives waits at the
+    gate first."""
+
+    def __init__(self, gate: Gate) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x == 5).all()):
+            self.gate.pass_through()
+        return x.mul_(2)
+
+
+def test_a_model_that_writes_its_input_answers_each_request_once_and_keeps_the_example(
+        gate: Gate) -> None:
+    """The rows check before the first merged batch ran a request's own tensor once more, and
+    the warm-up ran the caller's example_input once per replica: a model writing its input
+    answered 4x (not 2x) to a request, and changed the caller's example four times."""
+    example = torch.ones(1, 2)
+    with ParallelInference(_DoublesInPlace(gate), workers=3, example_input=example,
+                           timeout=WAIT):
+        assert example.tolist() == [[1.0, 1.0]]
+    with ParallelInference(_DoublesInPlace(gate), workers=1, timeout=WAIT) as pi:
+        first = pi.submit(torch.full((1, 2), 5.0))
+        assert gate.entered.wait(WAIT)
+        queued = [pi.submit(torch.full((1, 2), float(i))) for i in range(1, 4)]
+        gate.open()
+        assert first.result(WAIT).tolist() == [[10.0, 10.0]]
+        assert [f.result(WAIT).tolist() for f in queued] == [[[2.0, 2.0]], [[4.0, 4.0]],
+                                                             [[6.0, 6.0]]]
+        assert pi.stats()["batch_size_histogram"].get(3) == 1  # the three were merged

@@ -13,10 +13,14 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
 
-from paraloom.inference.batching import Request
+from paraloom.inference.batching import Request, RequestQueue
+from paraloom.inference.errors import RequestTimeoutError
+from paraloom.inference.stats import StatsRecorder
 
-__all__ = ["Deadlines"]
+__all__ = ["Deadlines", "expire", "give_back", "timeout_error"]
 
 _COMPACT_AT = 4096  # heap entries before answered ones are dropped (then twice the live ones)
 
@@ -100,3 +104,40 @@ class Deadlines:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+
+
+def timeout_error(request: Request) -> RequestTimeoutError:
+    """The error of a request that ran past its timeout."""
+    budget = (request.deadline or request.arrival) - request.arrival
+    return RequestTimeoutError(
+        f"no output within the request's timeout ({budget:.3g} s); pass a longer timeout, "
+        "add workers, or send fewer requests at once")
+
+
+def give_back(queue: RequestQueue, stats: StatsRecorder, request: Request,
+               future: Future[Any]) -> None:
+    """A submitted request's future is done: if it was cancelled while queued, leave the queue."""
+    if future.cancelled() and queue.discard(request):
+        stats.dropped("cancelled")  # else a worker took it: it counts the cancel
+
+
+def expire(queue: RequestQueue, stats: StatsRecorder, request: Request) -> None:
+    """Fail a submitted request at its deadline: one still queued is taken out, one running
+    is settled now (its output, when the worker has it, is dropped), as ``output()`` does."""
+    if not queue.discard(request):
+        future = request.future  # a submit()'s; a worker that took it, not yet claimed, checks
+        if isinstance(future, Future) and future.running():
+            try:
+                future.set_exception(timeout_error(request))
+            except InvalidStateError:
+                return  # it finished just in time
+            stats.dropped("timeout")
+        return
+    if request.future.set_running_or_notify_cancel():
+        waited = time.monotonic() - request.arrival
+        request.future.set_exception(RequestTimeoutError(
+            f"the request waited {waited:.3f} s in the queue, past its timeout; pass a "
+            "longer timeout, add workers, or send fewer requests at once"))
+        stats.dropped("timeout")
+    else:
+        stats.dropped("cancelled")

@@ -30,7 +30,7 @@ from torch import nn
 from paraloom.devices import DeviceSpec, replica_devices
 from paraloom.inference.batching import FutureLike, Request, RequestQueue
 from paraloom.inference.config import InferenceConfig, InferenceMode, check_seconds
-from paraloom.inference.deadlines import Deadlines
+from paraloom.inference.deadlines import Deadlines, expire, give_back, timeout_error
 from paraloom.inference.errors import (
     InferenceClosedError,
     ModelUpdateError,
@@ -130,7 +130,7 @@ class ParallelInference:
             self._workers = WorkerThreads(queue, self._devices, lambda: current.generation,
                                           stats, self._config.threads_per_worker)
             self._workers.start()
-            self._deadlines = Deadlines(functools.partial(_expire, queue, stats),
+            self._deadlines = Deadlines(functools.partial(expire, queue, stats),
                                         "paraloom-inference-deadlines")
             weakref.finalize(self, _abandon, queue, self._workers, self._deadlines)
 
@@ -225,15 +225,13 @@ class ParallelInference:
         request = self._make_request(x, self._timeout_for(timeout), return_version, future)
         self._enqueue(request, block)
         if self._queue is not None:  # a cancelled future gives its place in the queue back
-            future.add_done_callback(lambda done: self._cancelled(done, request))
+            # Not a bound method: a future's callback that held the pool would keep a dropped
+            # pool, its threads and replicas, alive until a cyclic collection.
+            future.add_done_callback(functools.partial(give_back, self._queue, self._stats,
+                                                       request))
         if request.deadline is not None and self._deadlines is not None:
             self._deadlines.watch(request)  # no caller waits in the pool: fail it on time
         return future
-
-    def _cancelled(self, future: Future[Any], request: Request) -> None:
-        assert self._queue is not None
-        if future.cancelled() and self._queue.discard(request):
-            self._stats.dropped("cancelled")  # else a worker took it: it counts the cancel
 
     def output(self, x: object, *, timeout: float | None | _Unset = _UNSET,
                return_version: bool = False, **inputs: object) -> Any:
@@ -271,7 +269,7 @@ class ParallelInference:
                 pass  # resolved meanwhile
 
     def _timed_out(self, request: Request) -> Any:
-        fut, error = request.future, _timeout_error(request)
+        fut, error = request.future, timeout_error(request)
         if fut.cancel():
             if self._queue is not None and self._queue.discard(request):
                 self._stats.dropped("timeout")  # else a worker took it: it counts the cancel
@@ -460,35 +458,6 @@ class _Current:
 
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
-
-
-def _timeout_error(request: Request) -> RequestTimeoutError:
-    budget = (request.deadline or request.arrival) - request.arrival
-    return RequestTimeoutError(
-        f"no output within the request's timeout ({budget:.3g} s); pass a longer timeout, "
-        "add workers, or send fewer requests at once")
-
-
-def _expire(queue: RequestQueue, stats: StatsRecorder, request: Request) -> None:
-    """Fail a submitted request at its deadline: one still queued is taken out, one running
-    is settled now (its output, when the worker has it, is dropped), as ``output()`` does."""
-    if not queue.discard(request):
-        future = request.future  # a submit()'s; a worker that took it, not yet claimed, checks
-        if isinstance(future, Future) and future.running():
-            try:
-                future.set_exception(_timeout_error(request))
-            except InvalidStateError:
-                return  # it finished just in time
-            stats.dropped("timeout")
-        return
-    if request.future.set_running_or_notify_cancel():
-        waited = time.monotonic() - request.arrival
-        request.future.set_exception(RequestTimeoutError(
-            f"the request waited {waited:.3f} s in the queue, past its timeout; pass a "
-            "longer timeout, add workers, or send fewer requests at once"))
-        stats.dropped("timeout")
-    else:
-        stats.dropped("cancelled")
 
 
 def _abandon(queue: RequestQueue, workers: WorkerThreads, deadlines: Deadlines) -> None:

@@ -111,9 +111,9 @@ def warm_up(generation: Generation, example: Example, *, merges: bool = False) -
     """Run every replica once on ``example`` (so the first request pays no start-up cost);
     ``merges`` (the pool merges requests): also ``check_rows_first`` on it."""
     key, spec, tensors = example
-    with torch.inference_mode():
+    with torch.inference_mode():  # copies: a model that writes its input must not change it
         for slot, device in enumerate(generation.devices):
-            generation.forward(slot, spec, [t.to(device) for t in tensors])
+            generation.forward(slot, spec, [t.to(device, copy=True) for t in tensors])
         if merges:
             check_rows_first(generation, 0, spec, tensors)
     generation.accepted(key, spec, tensors)
@@ -127,8 +127,8 @@ def check_rows_first(generation: Generation, slot: int, spec: Hashable,
     runs (one it refuses leaves the check to the next batch); inference mode is the caller's."""
     device = generation.devices[slot]
     rows = int(tensors[0].shape[0])
-    try:
-        once = generation.forward(slot, spec, [t.to(device) for t in tensors])
+    try:  # on a copy: these are a request's tensors, which its own pass then reads
+        once = generation.forward(slot, spec, [t.to(device, copy=True) for t in tensors])
     except Exception:  # noqa: BLE001 - the request's own failure: check the next batch's
         return
     generation.rows_checked = True

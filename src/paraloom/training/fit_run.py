@@ -54,35 +54,18 @@ from paraloom.training.messages import (
     LoaderEpoch,
     LoaderRound,
     ReplicaResult,
-    ReplicaState,
     StepDone,
 )
 from paraloom.training.mirror import ReplicaMirror, changed_settings, hyperparameters
 from paraloom.training.options import LoopOptions
 from paraloom.training.pacing import RECOVERING_TARGET_S, TARGET_S, Pacing, PendingRounds
 from paraloom.training.pool import Pool
-from paraloom.training.resume import CheckpointCollector
+from paraloom.training.resume import CheckpointCollector, Start
 from paraloom.training.tracker import RoundTracker
 
 __all__ = ["FitPlan", "FitRun", "Sent", "Start"]
 
 log = logging.getLogger("paraloom")
-
-
-@dataclass
-class Start:
-    """Where a fit() starts: an epoch, batches of it already trained, and the data RNG, with
-    each replica's state when it resumes from a checkpoint."""
-
-    epoch: int = 0
-    batch: int = 0
-    data_rng: list[torch.Tensor] | None = None
-    replicas: list[ReplicaState | None] | None = None
-
-    def epoch_done(self, per_epoch: int | None) -> bool:
-        """Whether the start epoch was trained to its end (a checkpoint written at an epoch's
-        end), given the batches an epoch has (None: unknown, a stream)."""
-        return per_epoch is not None and 0 < per_epoch <= self.batch
 
 
 @dataclass(frozen=True)
@@ -142,6 +125,7 @@ class FitRun:
         self._halted = False
         """Whether stop() was passed on to the workers (``_halt_if_stopped``)."""
         self._dealt = _Dealt(base=tracker.iteration)
+        self._next_epoch_rng: torch.Tensor | None = None
         self._epoch_end: Callable[..., None] | None = None
         """The last epoch's end checkpoint request (``CheckpointCollector.request``), to call
         with ``renew=``."""
@@ -194,8 +178,11 @@ class FitRun:
         state = cpu_copy(with_transient(model, model.state_dict())) if send_model else None
         continue_schedule = start.epoch > 0 and start.replicas is None  # initial_epoch=
 
+        replicas, self._next_epoch_rng = start.taking_shared_rng(
+            self.plan.workers, total_batches(data, 1))
+
         def messages(dataset: IndexedDataset | None) -> list[Begin]:
-            return [Begin(state, dataset, start.replicas[rank] if start.replicas else None,
+            return [Begin(state, dataset, replicas[rank] if replicas else None,
                           opt_state, seed, loader, settings, continue_schedule)
                     for rank in range(self.plan.workers)]
 
@@ -223,8 +210,7 @@ class FitRun:
         per_epoch = total_batches(self.plan.data, 1)
         for epoch in range(start.epoch, self.plan.epochs):
             if epoch > start.epoch:
-                self._await_rounds()
-                self.tracker.end_epoch()
+                self._between_epochs()
             skip = start.batch if epoch == start.epoch else 0
             # A checkpoint written at an epoch's end: its listeners saw all of it already
             # (the epoch is still gone through, dealing nothing, for the data RNG it draws).
@@ -267,6 +253,16 @@ class FitRun:
                     self._dealt.base + self._dealt.round_id - 1, epoch, dealt, epoch_rng, True,
                     following)
                 self._epoch_end(renew=self.plan.accumulate > 1)
+
+    def _between_epochs(self) -> None:
+        """The last epoch's rounds answered and its listeners called; then, where this process
+        holds the replica's RNG, the state the next epoch draws from
+        (``Start.taking_shared_rng``)."""
+        self._await_rounds()
+        self.tracker.end_epoch()
+        if self._next_epoch_rng is not None:
+            torch.set_rng_state(self._next_epoch_rng)
+            self._next_epoch_rng = None
 
     def _deal_epoch(self, source: Source, epoch: int, skip: int,
                     epoch_rng: list[torch.Tensor]) -> int:

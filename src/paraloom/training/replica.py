@@ -405,7 +405,7 @@ class Replica:
         load_transient(self.model, snap.get("buffers", {}))
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         self.ctx.step = int(snap["step"])
-        self._rng = snap["rng"]
+        self._rng = snap.get("rng")  # none: the fit set it (Start.taking_shared_rng)
         if "cuda_rng" in snap and self.device.type == "cuda":
             torch.cuda.set_rng_state(snap["cuda_rng"], self.device)
         if self.scaler is not None and "scaler" in snap:

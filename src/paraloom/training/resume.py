@@ -32,7 +32,7 @@ from paraloom.training.messages import CheckpointReply, CheckpointRequest, Repli
 from paraloom.training.packing import unpack_tensors
 from paraloom.training.pool import Pool
 
-__all__ = ["TrainingCheckpoint", "CheckpointCollector", "latest_checkpoint"]
+__all__ = ["CheckpointCollector", "Start", "TrainingCheckpoint", "latest_checkpoint"]
 
 _FORMAT = 1
 
@@ -142,6 +142,40 @@ def _corrupt_header(path: Path, error: Exception) -> ValueError:
     return ValueError(f"{path} has a corrupt checkpoint header ({type(error).__name__}: "
                       f"{error}): it was changed or not written by paraloom; resume from "
                       "another checkpoint")
+
+
+@dataclass
+class Start:
+    """Where a fit() starts: an epoch, batches of it already trained, and the data RNG, with
+    each replica's state when it resumes from a checkpoint."""
+
+    epoch: int = 0
+    batch: int = 0
+    data_rng: list[torch.Tensor] | None = None
+    replicas: list[ReplicaState | None] | None = None
+
+    def epoch_done(self, per_epoch: int | None) -> bool:
+        """Whether the start epoch was trained to its end (a checkpoint written at an epoch's
+        end), given the batches an epoch has (None: unknown, a stream)."""
+        return per_epoch is not None and 0 < per_epoch <= self.batch
+
+    def taking_shared_rng(self, workers: int, per_epoch: int | None
+                          ) -> tuple[list[ReplicaState | None] | None, torch.Tensor | None]:
+        """The replica states to begin from, and the torch RNG state the next epoch starts
+        from where this process must set it (else None).
+
+        One worker trains in this process on the caller's RNG, and puts a checkpoint's RNG
+        back at its first round. From a checkpoint written at an epoch's end, that round
+        comes after the next epoch's data has drawn (its loader's seed, its shuffle), which
+        the uninterrupted run drew from that RNG: so the fit sets it before those draws, and
+        the replica is given its state without it.
+        """
+        replicas = self.replicas
+        if workers != 1 or not replicas or not self.epoch_done(per_epoch) or \
+                not isinstance(replicas[0], dict) or "rng" not in replicas[0]:
+            return replicas, None
+        state = dict(replicas[0])
+        return [state], state.pop("rng")
 
 
 @dataclass

@@ -63,6 +63,12 @@ USER_MODULE = textwrap.dedent("""
 
     def line_test():
         return DataLoader(line_data(128, 1), batch_size=32)
+
+    def needs_a_missing_module():
+        import no_such_module_of_the_users  # noqa: F401
+
+    def reads_a_missing_attribute():
+        return None.weight
 """)
 
 
@@ -144,6 +150,13 @@ def test_bad_user_code_gets_a_clear_error(user_module, capsys):
          "returned a int; expected a torch Dataset or DataLoader"),
         (["train", "--factory", "my_project:train_set", "--data", "my_project:train_set"],
          "returned a TensorDataset; expected a torch.nn.Module"),
+        # The user's own code failing: a traceback before, now one line naming the option.
+        (["train", "--factory", "my_project:needs_a_missing_module", "--data",
+          "my_project:train_set"], "--factory 'my_project:needs_a_missing_module' raised "
+                                   "ModuleNotFoundError: No module named"),
+        (["train", "--factory", "my_project:model", "--data",
+          "my_project:reads_a_missing_attribute"],
+         "--data 'my_project:reads_a_missing_attribute' raised AttributeError"),
     ]:
         with pytest.raises(SystemExit) as info:
             main(argv)

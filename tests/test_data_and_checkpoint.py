@@ -226,6 +226,30 @@ def test_load_keeps_the_saved_dtype_and_writes_readable_files(tmp_path, dtype):
         assert b.dtype == a.dtype and torch.equal(a, b), k
 
 
+class _Cached(torch.nn.Module):
+    """A Linear plus a table it does not save (a rotary table's kind: persistent=False)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.register_buffer("table", torch.linspace(0, 1, 3), persistent=False)
+        self.register_buffer("steps", torch.arange(3), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) + self.table
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_buffer_the_file_does_not_hold_takes_the_models_saved_dtype(tmp_path, dtype):
+    """It kept the rebuilt model's float32: a float16 model came back answering float32."""
+    model = _Cached().to(dtype)
+    paraloom.save(model, tmp_path / "m.safetensors")
+    loaded = paraloom.load(tmp_path / "m.safetensors", factory=_Cached)
+    assert loaded.table.dtype == dtype and loaded.steps.dtype == torch.int64
+    x = torch.randn(2, 4).to(dtype)
+    assert torch.equal(loaded(x), model(x))
+
+
 def test_corrupt_files_and_other_shapes_are_clear_value_errors(tmp_path):
     path = tmp_path / "m.safetensors"
     paraloom.save(LeNet(image_size=8), path)

@@ -233,3 +233,29 @@ def test_a_model_loads_on_the_meta_device_without_a_warning_per_tensor(tmp_path,
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert [tuple(p.shape) for p in model.parameters()][0] == (128, 64)
     assert not [w for w in recwarn if "meta" in str(w.message)]  # one per tensor before
+
+
+def test_crafted_headers_and_a_cut_header_are_value_errors_that_say_so(tmp_path) -> None:
+    """A list as the model's name was a TypeError (unhashable), a negative size torch's bare
+    RuntimeError, and a file cut inside its header "not a safetensors file"."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    paraloom.save(MLP(in_features=4, hidden=[8], num_classes=3), path)
+    whole = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(whole[:100])
+    with pytest.raises(ValueError, match=r"header says [\d,]+ bytes of JSON.*truncated or "
+                                         "corrupt"):
+        paraloom.load(tmp_path / "cut.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        header = json.loads(f.metadata()["paraloom"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    for change, message in [({"name": ["mlp"]}, r"names the model \['mlp'\], not a string"),
+                            ({"kwargs": {**header["kwargs"], "in_features": -4}},
+                             r"rebuilding the model as .*\(RuntimeError: .*negative dimension")]:
+        save_file(tensors, str(path), metadata={"paraloom": json.dumps({**header, **change})})
+        with pytest.raises(ValueError, match=message):
+            paraloom.load(path)

@@ -195,8 +195,12 @@ def check_safetensors(path: str | Path) -> None:
     with open(path, "rb") as f:
         head = f.read(9)
     size = path.stat().st_size
-    if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= size - 8:
-        return
+    if len(head) == 9 and head[8:9] == b"{":
+        length = int.from_bytes(head[:8], "little")
+        if 0 < length <= size - 8:
+            return
+        raise _corrupt(path, ValueError(f"its header says {length:,} bytes of JSON, and the "
+                                        f"file holds {size - 8:,} after the length"))
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
         raise ValueError(f"{path} is not a safetensors file (nor a PyTorch checkpoint); "
                          "paraloom reads models written by paraloom.save (.safetensors)")
@@ -367,6 +371,9 @@ def _built(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> ob
     if factory is not None:
         return _call_factory(factory, kwargs)
     if "name" in spec:
+        if not isinstance(spec["name"], str):
+            raise ValueError(f"the file's paraloom header names the model {spec['name']!r}, "
+                             "not a string: it was not written by paraloom.save; pass factory=")
         if spec["name"] not in _REGISTRY:
             raise KeyError(f"model name {spec['name']!r} is not registered (known: "
                            f"{sorted(_REGISTRY)}); call paraloom.register_model first or pass "
@@ -379,10 +386,12 @@ def _built(spec: dict[str, Any], factory: Callable[..., nn.Module] | None) -> ob
                          "'class'): pass factory= (the function that builds the model)")
     try:
         return build(**kwargs)
-    except TypeError as e:
-        raise TypeError(f"rebuilding the model as {spec.get('name') or spec['class']}"
-                        f"(**{kwargs!r}) failed ({e}); pass factory= (a function returning "
-                        "the model), or save it with the kwargs= its constructor takes") from e
+    except (TypeError, ValueError, RuntimeError) as e:  # e.g. a size < 0 in crafted kwargs
+        kind = TypeError if isinstance(e, TypeError) else ValueError
+        raise kind(f"rebuilding the model as {spec.get('name') or spec['class']}"
+                   f"(**{kwargs!r}) failed ({type(e).__name__}: {e}); pass factory= (a "
+                   "function returning the model), or save it with the kwargs= its "
+                   "constructor takes") from e
 
 
 def _call_factory(factory: Callable[..., nn.Module], kwargs: dict[str, Any]) -> nn.Module:
@@ -489,9 +498,16 @@ def load(path: str | Path, *, factory: Callable[..., nn.Module] | None = None,
 
 
 def _take_dtypes(model: nn.Module, state: dict[str, Tensor]) -> None:
-    """Give each parameter and buffer its saved tensor's dtype (ties kept: in place)."""
+    """Give each parameter and buffer its saved tensor's dtype (ties kept: in place). A
+    floating buffer the file does not hold (``persistent=False``: a rotary table, a mask)
+    takes the saved floating tensors' dtype where they all have one, as ``model.half()``
+    gave it on the model that was saved."""
+    floats = {t.dtype for t in state.values() if isinstance(t, Tensor) and t.is_floating_point()}
+    common = next(iter(floats)) if len(floats) == 1 else None
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             saved = state.get(name)
-            if isinstance(saved, Tensor) and saved.dtype != t.dtype and not is_lazy(t):
-                t.data = t.data.to(saved.dtype)
+            dtype = saved.dtype if isinstance(saved, Tensor) else \
+                common if t.is_floating_point() else None
+            if dtype is not None and dtype != t.dtype and not is_lazy(t):
+                t.data = t.data.to(dtype)

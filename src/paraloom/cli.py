@@ -228,9 +228,9 @@ def _load_model(path: str, factory_spec: str | None) -> nn.Module:
     """A paraloom file, or (with --factory) the user's model with the file's weights (a
     paraloom file or plain safetensors weights)."""
     import paraloom
-    from paraloom.user_code import import_callable
+    from paraloom.user_code import guarded_callable
 
-    factory = None if factory_spec is None else import_callable(factory_spec, "--factory")
+    factory = None if factory_spec is None else guarded_callable(factory_spec, "--factory")
     return paraloom.load(path, factory=factory)
 
 

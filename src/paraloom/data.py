@@ -271,6 +271,13 @@ def _batched_source(data: object, batch_size: int | None, shuffle: bool) -> Iter
     if not isinstance(data, Iterable):
         raise TypeError(f"data must be iterable, yielding (inputs, targets) batches; got "
                         f"{type(data).__name__}")
+    if isinstance(data, Mapping | torch.Tensor | str | bytes) or \
+            type(data).__name__ == "ndarray":
+        # Iterable, but of keys, rows or characters: never (inputs, targets) batches.
+        raise TypeError(f"data is a {type(data).__name__}, which yields "
+                        f"{'its keys' if isinstance(data, Mapping) else 'rows'}, not batches; "
+                        "pass the inputs and targets as batches: DataLoader(TensorDataset(x, y), "
+                        "batch_size=64), or fit(TensorDataset(x, y), batch_size=64)")
     return data
 
 

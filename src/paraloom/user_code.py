@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -11,7 +12,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-__all__ = ["import_callable", "import_module", "build_user_model", "user_data"]
+__all__ = ["build_user_model", "guarded_callable", "import_callable", "import_module", "user_data"]
 
 
 def import_module(module_name: str, option: str, spec: str | None = None) -> object:
@@ -47,9 +48,27 @@ def import_callable(spec: str, option: str) -> Callable[..., Any]:
     return obj
 
 
+def guarded_callable(spec: str, option: str) -> Callable[..., Any]:
+    """``import_callable``'s function, wrapped so that what it raises is a ValueError naming
+    the option (its own ValueError or TypeError as it is): the command line then answers with
+    one line, not a traceback. The wrapper keeps the function's signature."""
+    fn = import_callable(spec, option)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError):
+            raise
+        except Exception as e:  # the user's code: an ImportError, an AttributeError
+            raise ValueError(f"{option} {spec!r} raised {type(e).__name__}: {e}") from e
+
+    return call
+
+
 def build_user_model(spec: str) -> nn.Module:
     """Call ``--factory``; it must return an ``nn.Module``."""
-    model = import_callable(spec, "--factory")()
+    model = guarded_callable(spec, "--factory")()
     if not isinstance(model, nn.Module):
         raise TypeError(f"--factory {spec!r} returned a {type(model).__name__}; expected a "
                         "torch.nn.Module")
@@ -59,7 +78,7 @@ def build_user_model(spec: str) -> nn.Module:
 def user_data(spec: str, option: str, batch_size: int, shuffle: bool) -> DataLoader[Any]:
     """Call ``--data``; a Dataset is batched (``batch_size``, ``shuffle``), a DataLoader is used
     as it is."""
-    data = import_callable(spec, option)()
+    data = guarded_callable(spec, option)()
     if isinstance(data, DataLoader):
         return data
     if isinstance(data, IterableDataset):

@@ -45,10 +45,35 @@ def test_a_loss_that_cannot_train_says_what_came_back_and_the_fix(options, says)
     assert re.search(says, _fail(nn.Linear(4, 2), **options))
 
 
-def test_a_model_with_two_outputs_and_one_loss_is_told_to_give_one_per_output() -> None:
-    message = _fail(_TwoOutputs(), loss_fn=nn.CrossEntropyLoss())
-    assert "The model returned tuple" in message
+class _NamedOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"cls": self.linear(x), "reg": self.linear(x).sum(dim=1)}
+
+
+@pytest.mark.parametrize(("model", "returned"), [(_TwoOutputs, "tuple"),
+                                                 (_NamedOutputs, "{'cls': Tensor(2, 2)")])
+def test_a_model_with_two_outputs_and_one_loss_is_told_to_give_one_per_output(
+        model: type[nn.Module], returned: str) -> None:
+    message = _fail(model(), loss_fn=nn.CrossEntropyLoss())
+    assert f"The model returned {returned}" in message
     assert "loss_fn=[loss_a, loss_b, ...]" in message
+
+
+@pytest.mark.parametrize(("data", "yields"), [({"x": torch.ones(8, 4)}, "dict, which yields "
+                                                                       "its keys"),
+                                              (torch.ones(8, 4), "Tensor, which yields rows")])
+def test_a_dict_or_a_tensor_as_the_data_is_refused_naming_what_to_pass(data: object,
+                                                                        yields: str) -> None:
+    """It was taken as a stream of batches: "a batch must be a pair; got str" (a key)."""
+    model = nn.Linear(4, 2)
+    with ParallelWrapper(model, workers=1, progress=False, loss_fn=nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as wrapper:
+        with pytest.raises(TypeError, match=f"data is a {yields}, not batches.*TensorDataset"):
+            wrapper.fit(data)
 
 
 def test_integer_inputs_to_a_float_layer_name_the_conversion() -> None:

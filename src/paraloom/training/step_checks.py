@@ -5,7 +5,7 @@ with no loss at all. Each error says what came and what to change."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -143,7 +143,7 @@ def batch_error(e: Exception, inputs: Any, targets: Any = _PREDICTING, outputs: 
         message += (f"\nA linear layer got rows of {widths.group(1)} values where it takes "
                     f"{widths.group(2)}: if it is the model's first layer, check the features "
                     "it is given (their columns, or their shape) against its inputs")
-    elif isinstance(outputs, (tuple, list)) and callable(loss_fn):
+    elif isinstance(outputs, tuple | list | Mapping) and callable(loss_fn):
         message += (f"\nThe model returned {describe(outputs)}: give one loss per output "
                     f"(loss_fn=[loss_a, loss_b, ...]; their sum is trained) or a step_fn that "
                     f"computes the loss")

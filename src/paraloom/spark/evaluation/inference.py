@@ -25,6 +25,7 @@ from torch import nn
 
 from paraloom.data import batch_size as batch_size_of
 from paraloom.data import map_tensors
+from paraloom.errors import NotPicklableError
 from paraloom.evaluation import Evaluation, update_with_loss
 from paraloom.forward import LossFn, batch_total, compute_loss, forward
 from paraloom.spark.data import Arrays, Features, Pair, Tensors, num_rows, take
@@ -74,7 +75,13 @@ def ship(sc: SparkContext, model: nn.Module, features: Features,
          thresholds: tuple[float, ...] = ()) -> Shipment:
     """Broadcast ``model`` (structure and current parameters) for evaluation or inference."""
     state = pack({k: v for k, v in model.state_dict().items()})
-    structure = by_value(model)
+    try:
+        structure = by_value(model)
+    except Exception as e:  # a lock, an open file, a TorchScript module: named, with the fix
+        raise NotPicklableError(
+            f"cannot send the model to the Spark executors: {type(e).__name__}: {e}. Keep "
+            "open files, locks, threads, sockets and the SparkSession out of it; define "
+            "classes and functions at module level or in the notebook") from e
     # Both in the key: the same parameters in another module (an activation swapped, a plain
     # attribute changed) must not find the cached model in a reused Python process.
     key = hashlib.sha256(hashlib.sha256(structure).digest() + state).hexdigest()[:24]

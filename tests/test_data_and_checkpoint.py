@@ -220,7 +220,7 @@ def test_load_keeps_the_saved_dtype_and_writes_readable_files(tmp_path, dtype):
     path = tmp_path / "m.safetensors"
     paraloom.save(model, path)
     # As open() would create it (umask applied), not mkstemp's private 0600.
-    assert path.stat().st_mode & 0o777 == 0o666 & ~paraloom.checkpoint._UMASK
+    assert path.stat().st_mode & 0o777 == 0o666 & ~paraloom.safetensors_files._UMASK
     loaded = paraloom.load(path)
     for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert b.dtype == a.dtype and torch.equal(a, b), k
@@ -348,7 +348,7 @@ def test_load_names_a_missing_class_and_a_device_the_machine_lacks(tmp_path):
     model = _HubStyle()
     path = tmp_path / "hub.safetensors"
     paraloom.save(model, path)
-    header = paraloom.checkpoint.read_header(path)
+    header = paraloom.safetensors_files.read_header(path)
     header["class"] = f"{__name__}:NoSuchNet"
     from safetensors.torch import save_file
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path),

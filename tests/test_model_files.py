@@ -79,13 +79,13 @@ def test_a_file_replaced_between_its_header_and_its_tensors_is_read_again(
     """A save renaming a new file over the one being loaded gave one version's header and the
     other's tensors ('does not match the rebuilt model: shapes ...')."""
     import paraloom
-    from paraloom import checkpoint
+    from paraloom import safetensors_files
     from paraloom.models import MLP
 
     path = tmp_path / "m.safetensors"
     paraloom.save(MLP(in_features=4, hidden=8), path)
     new = MLP(in_features=4, hidden=(16, 16))
-    real, calls = checkpoint.read_tensors, []
+    real, calls = safetensors_files.read_tensors, []
 
     def replaced_once(p, device="cpu"):
         if not calls:
@@ -93,7 +93,7 @@ def test_a_file_replaced_between_its_header_and_its_tensors_is_read_again(
         calls.append(p)
         return real(p, device)
 
-    monkeypatch.setattr(checkpoint, "read_tensors", replaced_once)
+    monkeypatch.setattr(safetensors_files, "read_tensors", replaced_once)
     loaded = paraloom.load(path)
     assert len(calls) == 2
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),

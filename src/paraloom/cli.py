@@ -210,7 +210,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _trained_on_hint(args: argparse.Namespace) -> str:
     """What the file says it was trained on, when that is not what it was given."""
-    from paraloom.checkpoint import read_header
+    from paraloom.safetensors_files import read_header
 
     try:
         trained = read_header(args.model_file).get("metadata", {})

@@ -91,7 +91,7 @@ def run_of(path: Path) -> str | None:
 
     from safetensors import safe_open
 
-    from paraloom.checkpoint import TRAINING_HEADER_KEY
+    from paraloom.safetensors_files import TRAINING_HEADER_KEY
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -178,8 +178,8 @@ class CheckpointListener(TrainingListener):
         return bool(by_iteration or by_epoch)
 
     def on_fit_start(self, wrapper: ParallelWrapper) -> None:
-        from paraloom.checkpoint import check_storable
         from paraloom.extra_state import split_extra_state
+        from paraloom.safetensors_files import check_storable
 
         tensors, _ = split_extra_state(wrapper.model.state_dict(), "CheckpointListener")
         check_storable(tensors, "CheckpointListener")  # before training

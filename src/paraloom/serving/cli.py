@@ -129,7 +129,7 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _has_header(path: str) -> bool:
-    from paraloom.checkpoint import read_header
+    from paraloom.safetensors_files import read_header
 
     try:
         read_header(path)
@@ -159,7 +159,7 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
         raise FileNotFoundError(f"--weights {args.weights!r} does not exist")
     if _has_header(args.weights):
         return load(args.weights, factory=factory), args.weights
-    from paraloom.checkpoint import check_safetensors, read_tensors
+    from paraloom.safetensors_files import check_safetensors, read_tensors
 
     check_safetensors(args.weights)  # a torch.save pickle: say so, and how to convert it
     model = factory()

@@ -19,13 +19,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from paraloom.checkpoint import (
+from paraloom.listeners import TrainingListener, iteration_of, run_of
+from paraloom.safetensors_files import (
     TRAINING_HEADER_KEY,
     atomic_write,
     check_safetensors,
     check_storable,
 )
-from paraloom.listeners import TrainingListener, iteration_of, run_of
 from paraloom.sync.averaging import trained_share
 from paraloom.sync.sharing.view import local_views
 from paraloom.training.messages import CheckpointReply, CheckpointRequest, ReplicaState

@@ -11,7 +11,8 @@ from pathlib import Path
 from torch import nn
 
 from paraloom._warnings import warn
-from paraloom.checkpoint import _model_spec, _write, load, read_consistently, rebuild_problem
+from paraloom.checkpoint import _model_spec, _write, load, rebuild_problem
+from paraloom.safetensors_files import read_consistently
 
 __all__ = ["ModelSaver", "InMemoryModelSaver", "LocalDirectorySaver"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paraloom.checkpoint import read_consistently, read_header
+from paraloom.safetensors_files import read_consistently, read_header
 from paraloom.serving.errors import ForbiddenError, ProtocolError, short_repr
 from paraloom.serving.repository.binding import BoundModel
 

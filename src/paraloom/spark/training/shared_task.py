@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
-from paraloom.checkpoint import atomic_write
 from paraloom.devices import task_device
+from paraloom.safetensors_files import atomic_write
 from paraloom.spark.data import Chunk, Features, batch_count
 from paraloom.spark.data.sources import StreamedPartition, TaskData
 from paraloom.spark.data.stream import stream_batches

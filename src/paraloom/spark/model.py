@@ -32,7 +32,7 @@ from paraloom.spark.data import (
 from paraloom.spark.data.arrow import data_chunks
 from paraloom.spark.data.features import normalize_dtypes, normalize_shapes
 from paraloom.spark.data.parquet import MissingColumn, ParquetSet, scan_parquet
-from paraloom.spark.data.plans import parquet_files
+from paraloom.spark.data.plans import compacted, parquet_files
 from paraloom.spark.data.targets import column_loss
 from paraloom.spark.evaluation import (
     RegressionEvaluation,
@@ -232,7 +232,8 @@ class SparkModel:
         if is_dataframe(data) or prebatched:  # DataFrames: decoded from Arrow batches
             job = replace(job, chunked=True, columns=columns if is_dataframe(data) else None,
                           from_files=files is not None)
-            rows = data_chunks(data, columns, prebatched=prebatched)
+            kept = self.master.repartition == "never"  # its partitions must stay
+            rows = data_chunks(data if kept else compacted(data), columns, prebatched=prebatched)
         else:
             rows = rows_of(data, columns)
         return self._run_fit(job, rows, epochs, seed, collect_stats)
@@ -402,9 +403,9 @@ class SparkModel:
         names = [metrics] if isinstance(metrics, str) else list(metrics)
         MetricSet.factory(names)  # a wrong name fails here, before any Spark job
         with self._shipped() as shipment:
-            return evaluate_metrics(data_chunks(data, columns, batch_size, prebatched), shipment,
-                                    names, loss_fn=self._loss, batch_size=batch_size,
-                                    output=output)
+            chunks = data_chunks(compacted(data), columns, batch_size, prebatched)
+            return evaluate_metrics(chunks, shipment, names, loss_fn=self._loss,
+                                    batch_size=batch_size, output=output)
 
     def evaluate_regression(self, data: RDD[object] | DataFrame, *, features: Spec | None = None,
                             label: Label = "label", inputs: Inputs | None = None,
@@ -427,7 +428,7 @@ class SparkModel:
     def _evaluate(self, data: RDD[object] | DataFrame, columns: Columns, output: int | str | None,
                   batch_size: int, regression: bool,
                   prebatched: bool = False) -> Evaluation | RegressionEvaluation:
-        chunks = data_chunks(data, columns, batch_size, prebatched)
+        chunks = data_chunks(compacted(data), columns, batch_size, prebatched)
         with self._shipped() as shipment:
             if regression:
                 return evaluate_rdd(chunks, shipment, loss_fn=self._loss,

@@ -64,6 +64,15 @@ def test_small_partitions_merge_into_twice_the_cores(frame):
     assert sorted(merged.collect()) == sorted(frame.collect())  # nothing lost or repeated
 
 
+def test_merging_runs_no_job_so_a_shuffle_before_it_runs_once(spark, frame):
+    """The partition count comes from the plan: df.rdd.getNumPartitions() of a shuffled frame
+    runs the shuffle (adaptive execution), and the fit or evaluation then ran it again."""
+    shuffled = frame.select("features", "label").repartition(40)  # not cached
+    merged, tasks = _tasks(spark, lambda: compacted(shuffled))
+    assert tasks == []
+    assert merged.rdd.getNumPartitions() == 4
+
+
 def test_an_rdd_a_frame_of_unknown_size_or_one_of_large_partitions_is_kept(spark, frame):
     rdd = frame.rdd
     assert compacted(rdd) is rdd

@@ -87,13 +87,18 @@ def compacted(data: D, partition_bytes: int = PARTITION_BYTES) -> D:
     300 rows in 200 partitions (``repartition(200)``, or ``spark.sql.shuffle.partitions``
     where adaptive execution is off) took 30 s to fit or evaluate on two cores, 2 s merged.
     An RDD, a DataFrame of unknown size (a Hive table without statistics, one made from an
-    RDD) or one whose plan cannot be read is returned as it is.
+    RDD), one whose plan does not give its partition count (a local table, Parquet's file
+    bins) or one whose plan cannot be read is returned as it is. Runs no Spark job.
     """
     frame: Any = data
     try:
         if not hasattr(frame, "_jdf"):  # an RDD, or a Spark Connect DataFrame
             return data
-        have = int(frame.rdd.getNumPartitions())
+        # From the physical plan, before adaptive execution: df.rdd.getNumPartitions() would
+        # run the plan's shuffles (a job), and the fit or evaluation would run them again.
+        # 0 where the plan does not say (a local table, Parquet's file bins): kept.
+        plan = frame._jdf.queryExecution().sparkPlan()
+        have = int(plan.outputPartitioning().numPartitions())
         floor = 2 * int(frame.sparkSession.sparkContext.defaultParallelism)
         size = int(str(frame._jdf.queryExecution().optimizedPlan().stats().sizeInBytes()))
     except Exception:  # py4j errors: merging is only ever a saving

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paraloom._version import __version__
+from paraloom.arguments import count
 from paraloom.errors import ParaloomError, WorkerError
 
 if TYPE_CHECKING:
@@ -40,20 +41,13 @@ _BENCHES = {
 }
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not an int >= 1")
-    return value
-
-
 def add_data_arguments(p: argparse.ArgumentParser, *, per_worker: bool = True) -> None:
     """--dataset, --data-dir and --batch-size, shared by the training and evaluating commands
     (``per_worker``: a training command's batches go one to a worker)."""
     p.add_argument("--dataset", default="digits", choices=["digits", "mnist"],
                    help="the built-in data set (default digits: scikit-learn's 8x8 digits)")
     p.add_argument("--data-dir", help="folder with MNIST's IDX files (.gz or raw)")
-    p.add_argument("--batch-size", type=_positive_int, default=32,
+    p.add_argument("--batch-size", type=count, default=32,
                    help="rows per batch (" + ("per worker; " if per_worker else "")
                    + "default 32)")
 
@@ -291,7 +285,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --data: a function returning the test Dataset or DataLoader")
     p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"],
                    help="classification or regression (default cross_entropy)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=count, default=None,
                    help="worker processes (default: one per GPU, else 2)")
     p.add_argument("--devices", default="auto",
                    help="auto (every GPU, else the CPU), cpu, a GPU count, or cuda:0,cuda:1")
@@ -300,13 +294,13 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="the training mode (default averaging); diloco: each worker trains "
                    "alone and they synchronize every --sync-every rounds, sending 5%% of the "
                    "change, for slow networks")
-    p.add_argument("--averaging-frequency", type=int, default=None,
+    p.add_argument("--averaging-frequency", type=count, default=None,
                    help="rounds between averaging steps (averaging mode; default 3, where "
                    "ParallelWrapper's default is 1)")
-    p.add_argument("--sync-every", type=int, default=None,
+    p.add_argument("--sync-every", type=count, default=None,
                    help="rounds each worker trains alone between synchronizations (diloco "
                    "mode; default 50)")
-    p.add_argument("--epochs", type=int, default=5, help="passes over the data (default 5)")
+    p.add_argument("--epochs", type=count, default=5, help="passes over the data (default 5)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     p.add_argument("--momentum", type=float, default=0.9,
                    help="SGD momentum, Nesterov (default 0.9)")

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.arguments import count
+from paraloom.arguments import count
 from paraloom.bench.common import (
     Machine,
     machine,

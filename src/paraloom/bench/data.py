@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from paraloom.bench.arguments import count, names, whole
+from paraloom.arguments import count, names, whole
 from paraloom.bench.common import (
     Machine,
     machine,

@@ -25,7 +25,7 @@ from typing import TypedDict
 
 import torch
 
-from paraloom.bench.arguments import count, seconds, wait
+from paraloom.arguments import count, seconds, wait
 from paraloom.bench.common import (
     Machine,
     bar_plot,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from paraloom.bench.arguments import count, count_list, seconds, wait
+from paraloom.arguments import count, count_list, seconds, wait
 from paraloom.bench.common import results_path
 from paraloom.bench.load import Target, run_load
 from paraloom.bench.serving_contenders import CONTENDERS, Measure

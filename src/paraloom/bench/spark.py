@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from paraloom.bench.arguments import count
+from paraloom.arguments import count
 from paraloom.bench.common import bar_plot, machine, plain_args, results_path, write_results
 from paraloom.models import LeNet
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from paraloom.bench.arguments import count, count_list
+from paraloom.arguments import count, count_list
 from paraloom.bench.common import machine, plain_args, pyplot, save_figure, write_results
 from paraloom.bench.spark_ddp import (
     accuracy,

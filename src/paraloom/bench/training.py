@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from paraloom.bench.arguments import count
+from paraloom.arguments import count
 from paraloom.bench.common import (
     machine,
     plain_args,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from paraloom.arguments import count, wait
 from paraloom.devices import parse_devices
 from paraloom.serving.log_settings import SERVER_LOG
 from paraloom.user_code import build_user_model, import_callable, import_module
@@ -55,16 +56,16 @@ def _add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     pool = parser.add_argument_group("batching (ParallelInference)")
     pool.add_argument("--mode", default="batched", choices=["batched", "sequential", "inplace"],
                       help="inference mode (default batched)")
-    pool.add_argument("--workers", type=int, default=2, help="model replicas (default 2)")
+    pool.add_argument("--workers", type=count, default=2, help="model replicas (default 2)")
     pool.add_argument("--devices", default="auto", type=parse_devices,
                       help="auto (every GPU, else the CPU), cpu, a GPU count, or a list such "
                       "as cuda:0,cuda:1; replicas are dealt round robin (default auto)")
-    pool.add_argument("--batch-limit", type=int, default=32, help="rows per batch (default 32)")
-    pool.add_argument("--queue-limit", type=int, default=256,
+    pool.add_argument("--batch-limit", type=count, default=32, help="rows per batch (default 32)")
+    pool.add_argument("--queue-limit", type=count, default=256,
                       help="queued requests before answering 503 (default 256)")
-    pool.add_argument("--max-wait-ms", type=float, default=0.0,
+    pool.add_argument("--max-wait-ms", type=wait, default=0.0,
                       help="wait this long for a fuller batch (default 0: never wait)")
-    pool.add_argument("--threads-per-worker", type=int, default=None,
+    pool.add_argument("--threads-per-worker", type=count, default=None,
                       help="torch threads per replica (default: torch's own setting)")
 
 
@@ -101,7 +102,7 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--gil-switch-ms", type=float, default=1.0,
                       help="Python's GIL switch interval in ms for this server (default 1; "
                       "Python's own is 5, which makes the event loop wait on the workers)")
-    http.add_argument("--processes", type=int, default=1,
+    http.add_argument("--processes", type=count, default=1,
                       help="server processes sharing the ports, each with its own pools of "
                       "--workers replicas (default 1); more than 1 takes the HTTP and JSON "
                       "work off one event loop, but loads go by SIGHUP only")

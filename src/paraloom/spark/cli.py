@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import pyspark  # noqa: F401  (the CLI reports a missing [spark] extra when this fails)
 
+from paraloom.arguments import count
+
 if TYPE_CHECKING:
     import numpy as np
     from pyspark import RDD, SparkContext
@@ -40,16 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="lenet", choices=["lenet", "mlp"],
                    help="the built-in model (default lenet)")
     add_data_arguments(p)
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=count, default=None,
                    help="Spark workers (default: the cluster's task slots)")
-    p.add_argument("--epochs", type=int, default=10, help="passes over the data (default 10)")
+    p.add_argument("--epochs", type=count, default=10, help="passes over the data (default 10)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data's "
                    "order (default 0)")
     p.add_argument("--threshold", type=float, default=5e-3,
                    help="initial threshold of AdaptiveThreshold (shared master; default 5e-3)")
-    p.add_argument("--averaging-frequency", type=int, default=None,
+    p.add_argument("--averaging-frequency", type=count, default=None,
                    help="minibatches between averagings (averaging master: default 5; "
                         "diloco: 50)")
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",

@@ -1,5 +1,6 @@
-"""argparse types of the benchmarks' options: a count or a duration that cannot run is refused
-by name, with what it expects, before anything is measured (``argparse`` then exits with 2)."""
+"""argparse types of the command line's options: a count or a duration that cannot run is refused
+by the option's name, with what it expects, before anything is loaded or measured (``argparse``
+then exits with 2)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,11 @@ def forward(model: nn.Module, inputs: Any) -> Any:
 def compute_loss(loss_fn: LossFn, outputs: Any, targets: Any) -> torch.Tensor:
     """``loss_fn(outputs, targets)``; a sequence of losses is applied per output and summed
     (a dict of outputs in its order, against a tuple of targets in the same order, or a dict
-    of targets under the same keys)."""
+    of targets under the same keys). ``TypeError`` where the model returned no tensor: None,
+    a Python number or a NumPy array."""
+    _check_outputs(outputs)
     if isinstance(loss_fn, Sequence) and not isinstance(loss_fn, nn.Module):
+        returned = outputs
         if isinstance(outputs, Mapping):
             if isinstance(targets, Mapping):  # paired by key, not by order
                 if set(targets) != set(outputs):
@@ -44,11 +47,28 @@ def compute_loss(loss_fn: LossFn, outputs: Any, targets: Any) -> torch.Tensor:
             outputs = tuple(outputs.values())
         if not isinstance(outputs, (tuple, list)) or len(outputs) != len(loss_fn):
             raise ValueError(f"{len(loss_fn)} loss functions were given but the model returned "
-                             f"{describe(outputs)}; give one loss per output")
+                             f"{describe(returned)}; give one loss per output")
         losses = [f(o, t) for f, o, t in zip(loss_fn, outputs, targets, strict=True)]
         return functools.reduce(operator.add, losses)
     loss: torch.Tensor = loss_fn(outputs, targets)
     return loss
+
+
+def _check_outputs(outputs: Any) -> None:
+    """Refuse what a model's forward returned where it cannot have gradients to train from."""
+    if outputs is None:
+        fix = "return its output (did forward miss a return?)"
+    elif isinstance(outputs, (bool, int, float)):
+        fix = "return the tensor itself, not .item() or float() of it"
+    elif type(outputs).__module__ == "numpy":
+        fix = "return the tensor itself, not .numpy() of it (NumPy arrays have no gradient)"
+    else:
+        return
+    kind = type(outputs)
+    got = "None" if outputs is None else \
+        f"a {'numpy.' if kind.__module__ == 'numpy' else ''}{kind.__name__}"
+    raise TypeError(f"the model's forward returned {got}, where the loss needs a tensor (or a "
+                    f"tuple, list or dict of them): {fix}")
 
 
 def batch_total(loss_fn: Any, rows: int) -> Any:

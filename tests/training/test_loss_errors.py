@@ -63,6 +63,42 @@ def test_a_model_with_two_outputs_and_one_loss_is_told_to_give_one_per_output(
     assert "loss_fn=[loss_a, loss_b, ...]" in message
 
 
+class _Returns(nn.Module):
+    """A model whose forward returns ``kind`` of its output instead of the tensor."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.linear, self.kind = nn.Linear(4, 2), kind
+
+    def forward(self, x: torch.Tensor) -> object:
+        y = self.linear(x)
+        return {"none": None, "float": float(y.sum()), "numpy": y.detach().numpy()}[self.kind]
+
+
+@pytest.mark.parametrize(("kind", "says"), [
+    ("none", r"forward returned None, .*did forward miss a return"),
+    ("float", r"forward returned a float, .*not \.item\(\) or float\(\)"),
+    ("numpy", r"forward returned a numpy\.ndarray, .*not \.numpy\(\)"),
+])
+def test_a_forward_that_returns_no_tensor_is_named(kind: str, says: str) -> None:
+    """They failed inside the loss: "'NoneType' object has no attribute 'size'", "'int'
+    object is not callable"."""
+    assert re.search(says, _fail(_Returns(kind), loss_fn=nn.CrossEntropyLoss()))
+
+
+def test_several_losses_against_a_dict_of_another_count_describe_the_dict() -> None:
+    """The dict was described as the tuple of its values that the losses are paired with."""
+    message = _fail(_NamedOutputs(), loss_fn=[nn.CrossEntropyLoss()])
+    assert "1 loss functions were given but the model returned {'cls': Tensor(2, 2)" in message
+
+
+def test_an_empty_batch_is_named_not_blamed_on_the_learning_rate() -> None:
+    batches = [_BATCHES[0], (torch.ones(0, 4), torch.zeros(0, dtype=torch.long))]
+    message = _fail(nn.Linear(4, 2), batches=batches, loss_fn=nn.CrossEntropyLoss())
+    assert "the loss is nan on a batch of 0 rows" in message and "empty batch" in message
+    assert "learning rate" not in message
+
+
 @pytest.mark.parametrize(("data", "yields"), [({"x": torch.ones(8, 4)}, "dict, which yields "
                                                                        "its keys"),
                                               (torch.ones(8, 4), "Tensor, which yields rows")])
@@ -148,3 +184,11 @@ def test_one_value_per_row_given_1d_to_a_linear_layer_says_to_make_it_a_column()
     assert "The inputs are 1-D, 12 rows of one value each" in message
     assert "features=[name] on Spark, x.unsqueeze(1)" in message
     assert "rows of 12 values" not in message
+
+
+def test_numpy_batches_are_told_to_become_tensors() -> None:
+    """torch's own message alone: "linear(): argument 'input' must be Tensor, not
+    numpy.ndarray"."""
+    batches = [(torch.ones(2, 4).numpy(), torch.zeros(2, dtype=torch.long).numpy())]
+    message = _fail(nn.Linear(4, 2), batches=batches, loss_fn=nn.CrossEntropyLoss())
+    assert "The inputs are NumPy arrays" in message and "torch.as_tensor(x)" in message

@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from paraloom.clipping import GradientClipping
-from paraloom.data import cpu_copy, describe, map_tensors, split_batch, to_device
+from paraloom.data import cpu_copy, map_tensors, split_batch, to_device
 from paraloom.extra_state import detached_state
 from paraloom.forward import LossFn, compute_loss, forward
 from paraloom.precision import Precision, resolve_precision
@@ -31,6 +31,7 @@ from paraloom.training.step_checks import (
     StepFn,
     batch_error,
     checked_loss,
+    non_finite_loss,
     raise_if_dtype_differs,
     require_loss,
     widened,
@@ -286,9 +287,7 @@ class Replica:
             self.loss_computed()
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise NonFiniteLossError(
-                f"the loss is {value} on a batch of {describe(batch)}: lower the learning rate, "
-                "check the data for NaN/inf, or clip gradients (gradient_clip_val=1.0)")
+            raise non_finite_loss(value, batch)
         if self.accumulation.size > 1:
             loss = loss / self.accumulation.size
         scaled = self.scaler.scale(loss) if self.scaler else loss

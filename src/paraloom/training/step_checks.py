@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from paraloom._warnings import warn
-from paraloom.data import describe, iter_tensors
+from paraloom.data import batch_size, describe, iter_tensors, split_batch
 from paraloom.forward import LossFn
 
 __all__ = ["LABEL_OUTSIDE", "BatchError", "NonFiniteLossError", "StepFn", "batch_error",
-           "check_fit", "checked_loss", "raise_if_dtype_differs", "refuse_one_shot",
-           "require_loss", "warn_if_trained"]
+           "check_fit", "checked_loss", "non_finite_loss", "raise_if_dtype_differs",
+           "refuse_one_shot", "require_loss", "warn_if_trained"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 """``step_fn(model, batch) -> loss``: the user's own forward and loss."""
@@ -111,6 +111,23 @@ def checked_loss(loss: object, source: str) -> torch.Tensor:
     raise TypeError(f"the loss must be a scalar tensor; {source} returned {got}: {fix}")
 
 
+def non_finite_loss(value: float, batch: Any) -> NonFiniteLossError:
+    """The error for a loss of ``value`` (NaN or infinite) on ``batch``: a batch of no rows
+    (whose mean is NaN) is named as such, any other gets the usual remedies."""
+    try:
+        rows = batch_size(split_batch(batch, training=True)[0])
+    except (TypeError, ValueError):  # a batch only a step_fn understands
+        rows = None
+    if rows == 0:
+        return NonFiniteLossError(
+            f"the loss is {value} on a batch of 0 rows ({describe(batch)}): a mean over no "
+            "rows; the data gave an empty batch (a collate_fn or sampler that drops samples, "
+            "a Dataset of length 0 in a ConcatDataset): leave empty batches out")
+    return NonFiniteLossError(
+        f"the loss is {value} on a batch of {describe(batch)}: lower the learning rate, "
+        "check the data for NaN/inf, or clip gradients (gradient_clip_val=1.0)")
+
+
 def widened(loss: torch.Tensor) -> torch.Tensor:
     """``loss`` in float32 at least: a half-precision loss (fp16, bf16) is widened, so that
     accumulation's ``1/k`` and the reported value keep float32's precision; a float64 loss
@@ -152,11 +169,24 @@ def batch_error(e: Exception, inputs: Any, targets: Any = _PREDICTING, outputs: 
         message += (f"\n{LABEL_OUTSIDE} {outputs.shape[-1]} classes "
                     f"(0 to {outputs.shape[-1] - 1}): check the labels' range, or give the "
                     "model as many outputs as there are classes")
+    elif _holds_numpy(inputs):
+        message += ("\nThe inputs are NumPy arrays, which a torch model does not take: give "
+                    "tensors (torch.as_tensor(x) in the data), or a DataLoader, whose collation "
+                    "turns arrays into tensors")
     elif "Expected more than 1 value per channel when training" in str(e):
         message += ("\nA minibatch of one row reached BatchNorm in training: the last minibatch "
                     "of an epoch (or of a Spark partition's share) can be that short; drop it "
                     "(DataLoader(..., drop_last=True), or drop_last=True on the Spark master)")
     return BatchError(message)
+
+
+def _holds_numpy(obj: object) -> bool:
+    """Whether a batch structure has a NumPy array (or scalar) among its leaves."""
+    if isinstance(obj, (tuple, list)):
+        return any(_holds_numpy(o) for o in obj)
+    if isinstance(obj, Mapping):
+        return any(_holds_numpy(o) for o in obj.values())
+    return type(obj).__module__ == "numpy"
 
 
 def raise_if_dtype_differs(parameters: Iterable[torch.Tensor], inputs: Any,

@@ -52,7 +52,8 @@ if __name__ == "__main__":
         for r in wrapper.recoveries:
             cause = str(r.error).split(";")[0]  # "worker 1 (pid N) was killed by SIGKILL"
             print(f"worker {r.rank} failed ({cause}); "
-                  f"restarted in {r.restart_seconds:.3f} s, {r.replayed_rounds} rounds replayed")
+                  f"restarted in {r.restart_seconds:.3f} s, {r.replayed_rounds} rounds replayed, "
+                  f"{r.redone_rounds} of them trained again")
         torch.manual_seed(0)
         clean = DiesOnce("")
         train(clean)

@@ -134,6 +134,7 @@ def test_the_replay_resends_exactly_the_rounds_since_the_restore_point(monkeypat
     delivered = [(r.round_id, r.rank) for r in _drain(pool) if isinstance(r, StepDone)]
     assert delivered == [(6, 0), (6, 1)]  # rounds 4 and 5 were delivered before the failure
     assert seen[0].replayed_rounds == 3 and seen[0].rank == 1
+    assert seen[0].redone_rounds == 2  # 4 and 5 were trained; 6 was being sent
     pool.close()
     assert first.reaped and second.closed
 
@@ -651,3 +652,37 @@ def test_spare_workers_are_taken_alive_and_restocked_after_a_delay() -> None:
     time.sleep(0.25)
     spares.poll()
     assert spares.pids == []  # none is started after kill()
+
+
+class _Held:
+    """Stands in for the dead pool that a frame of the failure's traceback refers to."""
+
+
+def _raised_while_checking(held: _Held) -> WorkerError:
+    try:
+        try:
+            raise queue.Empty  # the pool's inbox had no reply: the workers are checked
+        except queue.Empty:
+            pool = held  # noqa: F841  (what the pool's frame holds)
+            raise WorkerError("worker 1 sent no heartbeat for 1.0 s", worker=1)  # noqa: B904
+    except WorkerError as e:
+        return e
+
+
+def test_a_kept_error_holds_no_frame_of_the_pool_that_raised_it() -> None:
+    """A hung worker's WorkerError is raised inside `except queue.Empty`, so its __context__'s
+    traceback held the pool's frames: the recovery kept the error (with_traceback(None) on the
+    error alone) and with it the dead pool's queues, 13-16 sem.mp-* files in /dev/shm per
+    SIGSTOP recovery until the wrapper was deleted."""
+    held = _Held()
+    alive = weakref.ref(held)
+    error = _raised_while_checking(held)
+    assert isinstance(error.__context__, queue.Empty)
+    error.with_traceback(None)  # what the recovery did
+    del held
+    assert alive() is not None  # the context's traceback still holds the pool's frame
+    kept = recovery.without_frames(error)
+    assert kept is error and str(kept) == "worker 1 sent no heartbeat for 1.0 s"
+    assert isinstance(kept.__context__, queue.Empty)  # what happened stays; its frames go
+    assert kept.__traceback__ is None and kept.__context__.__traceback__ is None
+    assert alive() is None

@@ -198,6 +198,31 @@ def test_ctrl_c_stops_after_the_round_in_flight_and_keeps_what_was_trained(pytho
         assert stats["rounds"] == 2 and model.w.item() == -trained - 2
 
 
+def test_ctrl_c_while_the_workers_start_stops_the_fit_before_it_trains(python_sigint,
+                                                                      monkeypatch):
+    """The workers' start (seconds: processes, imports) ran before fit() took Ctrl-C over: a
+    Ctrl-C then came out as a bare KeyboardInterrupt from deep in multiprocessing, with a
+    forkserver child's traceback, and stats() was {}."""
+    model = Scalar()
+    wrapper = ParallelWrapper(model, step_fn=slow_step, workers=2, progress=False,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    start = wrapper._ensure_pool
+
+    def pressed_while_starting():
+        os.kill(os.getpid(), signal.SIGINT)  # handled before the next line runs
+        return start()
+
+    batches = [(torch.ones(1, 1), torch.zeros(1))] * 8
+    with wrapper:
+        monkeypatch.setattr(wrapper, "_ensure_pool", pressed_while_starting)
+        with pytest.raises(FitInterrupted, match="after 0 iterations"):
+            wrapper.fit(batches)
+        assert wrapper.stats()["rounds"] == 0 and model.w.item() == 0.0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        monkeypatch.setattr(wrapper, "_ensure_pool", start)
+        assert wrapper.fit(batches[:4])["rounds"] == 2 and model.w.item() == -2
+
+
 def test_a_second_ctrl_c_aborts_at_once_and_leaves_the_model_as_it_was(python_sigint):
     model = Scalar()
     wrapper = _interrupting_wrapper(model, times=2)

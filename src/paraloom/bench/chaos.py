@@ -128,7 +128,8 @@ def _fit(args: argparse.Namespace, epochs: int, armed: Path | None,
     return {"seconds": seconds, "started": started, "timeline": timeline.points,
             "accuracy": accuracy, "recoveries": [
                 {"rank": r.rank, "detected_at": r.detected_at - started,
-                 "restart_s": r.restart_seconds, "replayed_rounds": r.replayed_rounds}
+                 "restart_s": r.restart_seconds, "replayed_rounds": r.replayed_rounds,
+                 "redone_rounds": r.redone_rounds}
                 for r in wrapper.recoveries],
             "orphans": sorted(p for p in pids if _alive(p)),
             "state": {k: v.clone() for k, v in model.state_dict().items()}}

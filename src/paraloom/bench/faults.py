@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from paraloom.bench.arguments import count, seconds, whole
+from paraloom.arguments import count, seconds, whole
 from paraloom.bench.common import (
     Machine,
     machine,
@@ -62,6 +62,8 @@ class FitResult(TypedDict):
     recovered: int
     restart_s: list[float]
     replayed_rounds: list[int]
+    redone_rounds: list[int]
+    """Per recovery: of the rounds sent again, those trained before the failure."""
     detection_s: list[float]
     """Per recovery: seconds from the injection to the parent's detecting it."""
     seconds_lost_estimate: float
@@ -180,6 +182,7 @@ def _fit(args: argparse.Namespace, kind: str, log: Path) -> FitResult:
             "injected": len(injected), "recovered": recovered,
             "restart_s": [f.restart_seconds for f in wrapper.recoveries],
             "replayed_rounds": [f.replayed_rounds for f in wrapper.recoveries],
+            "redone_rounds": [f.redone_rounds for f in wrapper.recoveries],
             "detection_s": detection, "seconds_lost_estimate": lost,
             "accuracy": evaluate(model.net, DataLoader(digits("test"), batch_size=256)).accuracy
             if error is None else None}

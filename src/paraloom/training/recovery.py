@@ -50,7 +50,7 @@ from paraloom.training.packing import RESTORE_BUFFERS, PackedTensors, ReceivedBu
 from paraloom.training.pool import Pool, RegroupingPool
 from paraloom.training.spares import Spares
 
-__all__ = ["RecoveringPool", "Recovery", "warn_lost_between_fits"]
+__all__ = ["RecoveringPool", "Recovery", "warn_lost_between_fits", "without_frames"]
 
 log = logging.getLogger("paraloom")
 
@@ -86,6 +86,9 @@ class Recovery:
     """For a frozen or hung worker, how long it had been silent when found (its heartbeat's
     or its replies' gap, ``WorkerError.silent_seconds``): time the fit waited for it. A worker
     that died is found at once (0)."""
+    redone_rounds: int = 0
+    """Of the ``replayed_rounds``, those a worker had answered before the failure: training
+    done again (the others had been dealt ahead and not yet trained)."""
 
 
 @dataclass
@@ -334,6 +337,7 @@ class RecoveringPool:
             rounds = {r.round_id for _, m in self._log
                       for r in (m.rounds if isinstance(m, RoundBatch) else (m,))
                       if isinstance(r, RoundMessage)}
+            answered = {key[1] for key in self._delivered if key[0] == "step"}
             again = None
             self._begun_at = None
             try:
@@ -341,10 +345,9 @@ class RecoveringPool:
             except WorkerError as e:  # the new workers failed too: that is another failure
                 again = e
             begun = self._begun_at or time.monotonic()
-            # Without its traceback: its frames would keep the dead pool alive.
-            self._on_recovery(Recovery(error.worker, error.with_traceback(None), started,
+            self._on_recovery(Recovery(error.worker, without_frames(error), started,
                                        begun - started, len(rounds),
-                                       error.silent_seconds or 0.0))
+                                       error.silent_seconds or 0.0, len(rounds & answered)))
             if again is None:
                 return
             error = again
@@ -404,3 +407,20 @@ def warn_lost_between_fits() -> None:
          "replica's own optimizer state in averaging, the residuals of shared gradients and "
          "DiLoCo, DiLoCo's outer optimizer. With max_failures >= 1 the workers' state at the "
          "end of each fit is kept, and new workers begin from it")
+
+
+def without_frames(error: WorkerError) -> WorkerError:
+    """``error`` and every exception it was raised from or during (``__cause__``,
+    ``__context__``) without their tracebacks: a recovery keeps the error, and the frames of
+    the pool that raised it (a ``queue.Empty`` caught while the workers were checked) would
+    keep the dead pool, its queues and their semaphores, alive for as long as the wrapper."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]
+    return error

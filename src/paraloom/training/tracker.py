@@ -209,17 +209,17 @@ class RoundTracker:
         """Say on the progress bar that a worker failed and training went on."""
         self.recoveries.append(recovery)
         self.bar.write(f"paraloom: worker {recovery.rank} failed and was replaced; "
-                       f"{recovery.replayed_rounds} round(s) replayed "
+                       f"{recovery.redone_rounds} round(s) trained again "
                        f"({str(recovery.error).splitlines()[0]})")
         self.bar.set_postfix(failures=len(self.recoveries), refresh=False)
 
     def seconds_lost(self) -> float:
         """Per recovery, the wait for a frozen or hung worker to be found, the restart, and
-        the replayed rounds at this fit's mean round time (waits and restarts left out of
-        that mean)."""
+        the rounds trained again at this fit's mean round time (waits and restarts left out
+        of that mean)."""
         restarts = sum(r.restart_seconds + r.detect_seconds for r in self.recoveries)
         per_round = max(0.0, self.seconds - restarts) / max(1, self.next_round)
-        return restarts + sum(r.replayed_rounds for r in self.recoveries) * per_round
+        return restarts + sum(r.redone_rounds for r in self.recoveries) * per_round
 
     @property
     def seconds(self) -> float:

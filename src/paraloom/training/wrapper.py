@@ -297,10 +297,11 @@ class ParallelWrapper:
         """
         data, start = self._checked(data, epochs, batch_size, shuffle, resume_from,
                                     initial_epoch)
-        pool = self._ensure_pool()
+        with graceful_interrupt(lambda: None) as interrupted_early:  # the workers' start
+            pool = self._ensure_pool()
         run = self._run = self._new_run(data, epochs, start, pool)
-        if self._fit_guard.closing:  # close() came from another thread as the fit started
-            run.stop()
+        if self._fit_guard.closing or interrupted_early():  # close() from another thread, or
+            run.stop()  # Ctrl-C while the workers started: the fit stops before it trains
         tracker = self._tracker = run.tracker
         completed = False
         try:
@@ -322,7 +323,7 @@ class ParallelWrapper:
         self._take(result, run, pool)
         for listener in self.listeners:
             listener.on_fit_end(self)
-        if interrupted():
+        if interrupted() or interrupted_early():
             raise FitInterrupted(tracker.iteration)
         if run.relaid is not None:
             raise relaid_error(*run.relaid, epochs)

@@ -57,16 +57,15 @@ def compute_loss(loss_fn: LossFn, outputs: Any, targets: Any) -> torch.Tensor:
 def _check_outputs(outputs: Any) -> None:
     """Refuse what a model's forward returned where it cannot have gradients to train from."""
     if outputs is None:
-        fix = "return its output (did forward miss a return?)"
+        got, fix = "None", "return its output (did forward miss a return?)"
     elif isinstance(outputs, (bool, int, float)):
+        got = f"a {type(outputs).__name__}"
         fix = "return the tensor itself, not .item() or float() of it"
     elif type(outputs).__module__ == "numpy":
+        got = f"a numpy.{type(outputs).__name__}"
         fix = "return the tensor itself, not .numpy() of it (NumPy arrays have no gradient)"
     else:
         return
-    kind = type(outputs)
-    got = "None" if outputs is None else \
-        f"a {'numpy.' if kind.__module__ == 'numpy' else ''}{kind.__name__}"
     raise TypeError(f"the model's forward returned {got}, where the loss needs a tensor (or a "
                     f"tuple, list or dict of them): {fix}")
 

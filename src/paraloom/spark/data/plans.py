@@ -97,10 +97,10 @@ def compacted(data: D, partition_bytes: int = PARTITION_BYTES) -> D:
         # From the physical plan, before adaptive execution: df.rdd.getNumPartitions() would
         # run the plan's shuffles (a job), and the fit or evaluation would run them again.
         # 0 where the plan does not say (a local table, Parquet's file bins): kept.
-        plan = frame._jdf.queryExecution().sparkPlan()
-        have = int(plan.outputPartitioning().numPartitions())
+        execution = frame._jdf.queryExecution()
+        have = int(execution.sparkPlan().outputPartitioning().numPartitions())
         floor = 2 * int(frame.sparkSession.sparkContext.defaultParallelism)
-        size = int(str(frame._jdf.queryExecution().optimizedPlan().stats().sizeInBytes()))
+        size = int(str(execution.optimizedPlan().stats().sizeInBytes()))
     except Exception:  # py4j errors: merging is only ever a saving
         return data
     want = max(floor, -(-size // partition_bytes))

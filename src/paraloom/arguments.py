@@ -8,7 +8,7 @@ import argparse
 import math
 from collections.abc import Callable, Iterable
 
-__all__ = ["count", "count_list", "names", "seconds", "wait", "whole"]
+__all__ = ["count", "count_list", "names", "positive", "seconds", "wait", "whole"]
 
 
 def _number(text: str, kind: type[int] | type[float]) -> float:
@@ -43,6 +43,14 @@ def seconds(text: str) -> float:
     value = _number(text, float)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} is not a duration > 0")
+    return value
+
+
+def positive(text: str) -> float:
+    """A finite number > 0 (a size in MiB, an interval in ms)."""
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a number > 0")
     return value
 
 

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import math
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from paraloom.arguments import count, wait
+from paraloom.arguments import count, positive, seconds, wait
 from paraloom.devices import parse_devices
 from paraloom.serving.log_settings import SERVER_LOG
 from paraloom.user_code import build_user_model, import_callable, import_module
@@ -95,11 +94,11 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                       help="what serves gRPC: uvicorn's HTTP/2 (zttp; about twice grpcio's "
                       "calls/s), grpcio's grpc.aio, or auto (default: uvicorn where zttp is "
                       "installed, else grpcio)")
-    http.add_argument("--max-body-mb", type=float, default=16.0,
+    http.add_argument("--max-body-mb", type=positive, default=16.0,
                       help="largest request body in MiB (default 16); larger gets 413")
-    http.add_argument("--graceful-timeout", type=float, default=30.0,
+    http.add_argument("--graceful-timeout", type=seconds, default=30.0,
                       help="seconds to finish in-flight requests at shutdown (default 30)")
-    http.add_argument("--gil-switch-ms", type=float, default=1.0,
+    http.add_argument("--gil-switch-ms", type=positive, default=1.0,
                       help="Python's GIL switch interval in ms for this server (default 1; "
                       "Python's own is 5, which makes the event loop wait on the workers)")
     http.add_argument("--processes", type=count, default=1,
@@ -240,13 +239,6 @@ def _reload_on_sighup(app: Starlette) -> None:
     app.router.lifespan_context = lifespan
 
 
-def _check_graceful_timeout(seconds: float) -> None:
-    """Refuse a graceful timeout that is not a finite number of seconds > 0."""
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"--graceful-timeout {seconds}; expected a finite number of seconds > 0, "
-                         "e.g. --graceful-timeout 30")
-
-
 def _repository(app: Starlette) -> ModelRepository:
     """The models of an app ``_build_app`` made (create_app and create_repository_app set them)."""
     repository: ModelRepository = app.state.repository
@@ -333,7 +325,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _configure_logging(args)
-        _check_graceful_timeout(args.graceful_timeout)
         if args.grpc_port is not None and args.grpc_port == args.port and args.port != 0:
             raise ValueError(f"--grpc-port {args.grpc_port} is the HTTP --port too; give gRPC "
                              "a port of its own")

@@ -285,6 +285,7 @@ def test_a_process_whose_main_thread_sleeps_while_another_runs_is_running():
     left a GIL-holding call sleeps in a collective while its heartbeat thread waits for a
     CPU), but whether any thread runs; a stopped process is stopped whatever its threads."""
     import os
+    import select
     import signal
     import subprocess
     import sys
@@ -292,13 +293,23 @@ def test_a_process_whose_main_thread_sleeps_while_another_runs_is_running():
     from paraloom.training.failures import process_state
 
     busy = "import threading, time\n" \
-           "threading.Thread(target=lambda: sum(range(10**11)), daemon=True).start()\n" \
+           "def spin():\n" \
+           "    while True:\n" \
+           "        pass\n" \
+           "threading.Thread(target=spin, daemon=True).start()\n" \
+           "print('started', flush=True)\n" \
            "time.sleep(60)\n"
-    p = subprocess.Popen([sys.executable, "-c", busy])
+    p = subprocess.Popen([sys.executable, "-c", busy], stdout=subprocess.PIPE, text=True)
     try:
+        assert p.stdout is not None
+        assert select.select([p.stdout], [], [], 30)[0], "the child did not start in 30 s"
+        assert p.stdout.readline() == "started\n"
+        # the main thread is asleep (not still starting up, reading files: 'D' on a loaded
+        # machine) before the process is read: otherwise it is its state that says "running"
         deadline = time.monotonic() + 10
-        while process_state(p.pid) != "running" and time.monotonic() < deadline:
+        while _main_thread_state(p.pid) != "S" and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert _main_thread_state(p.pid) == "S"
         assert process_state(p.pid) == "running"
         os.kill(p.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
@@ -308,6 +319,11 @@ def test_a_process_whose_main_thread_sleeps_while_another_runs_is_running():
     finally:
         p.kill()
         p.wait(10)
+
+
+def _main_thread_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 class _DeadSenderInbox:

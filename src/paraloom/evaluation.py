@@ -108,8 +108,9 @@ class Evaluation:
         """
         scores = logits.detach()
         if scores.is_floating_point() and bool(torch.isnan(scores).any()):
-            raise ValueError("the model's outputs hold NaN: no class can be read from them (a "
-                             "diverged model? check its training loss)")
+            raise ValueError("the model's outputs hold NaN: no class can be read from them "
+                             "(NaN or inf in the input features? a diverged model? check the "
+                             "data, then the training loss)")
         if scores.dim() == 1 or scores.shape[1] == 1:
             pred = (scores.reshape(-1) > self.threshold).long().cpu()
         else:
@@ -346,7 +347,8 @@ class ROC:
                              f"{self.num_classes} classes")
         if np.isnan(scores).any():  # softmax of an inf logit is NaN too
             raise ValueError("the model's outputs hold NaN (or inf logits): they have no rank "
-                             "for a ROC curve (a diverged model? check its training loss)")
+                             "for a ROC curve (NaN or inf in the input features? a diverged "
+                             "model? check the data, then the training loss)")
         labels = class_labels(targets, outputs, self.num_classes).numpy()
         at = self._bins_of(scores)
         for c in range(self.num_classes):

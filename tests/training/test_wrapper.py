@@ -517,6 +517,44 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
     assert not any(pid_alive(p) for p in pids), "workers outlived their parent"
 
 
+_UNCLOSED_SCRIPT = """
+import multiprocessing, torch
+from torch import nn
+from paraloom import ParallelWrapper
+
+class HoldsASemaphore(nn.Linear):
+    \"\"\"Makes what torch.compile's compile workers make in a worker: a named semaphore
+    that Python's resource tracker is told of and that the worker releases when it exits.\"\"\"
+    def forward(self, x):
+        if not hasattr(HoldsASemaphore, "held"):
+            HoldsASemaphore.held = multiprocessing.get_context("spawn").Semaphore()
+        return super().forward(x)
+
+if __name__ == "__main__":
+    model = HoldsASemaphore(4, 2)
+    w = ParallelWrapper(model, loss_fn=nn.CrossEntropyLoss(), workers=2, progress=False,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    w.fit([(torch.rand(8, 4), torch.randint(0, 2, (8,)))] * 4)
+    print(*w.worker_pids, flush=True)  # and exits without close()
+"""
+
+
+def test_a_wrapper_left_open_stops_its_workers_at_exit_as_close_does(tmp_path):
+    """Killed at exit, the workers left what they had started to the resource tracker, which
+    warned of leaked semaphores (compile=True's compile workers); now they are asked to stop."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unclosed.py"
+    script.write_text(_UNCLOSED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
+    assert "leaked semaphore" not in done.stderr, done.stderr
+
+
 class _LockedDataset(torch.utils.data.Dataset):
     """A map-style dataset that cannot be pickled (it holds a lock)."""
 

@@ -26,6 +26,7 @@ from paraloom.sync.base import Synchronizer
 from paraloom.sync.registry import build_synchronizer, warn_without_idle_step
 from paraloom.training.buffers import load_model_state
 from paraloom.training.dealing import total_batches
+from paraloom.training.exit_close import close_at_exit
 from paraloom.training.fit_guard import FitGuard, one_fit_at_a_time
 from paraloom.training.fit_run import FitPlan, FitRun, Start
 from paraloom.training.interrupts import deferred_interrupt, graceful_interrupt
@@ -249,9 +250,9 @@ class ParallelWrapper:
                                queue_size=queue_size, devices=self.device_plan,
                                survive=faults.max_failures > 0, spares=faults.spares)
 
-        self._pool = RecoveringPool(start, faults.max_failures, self._recovered,
-                                    spares=faults.spares, spare_wait_s=faults.timeout) \
-            if faults.max_failures else start()
+        self._pool = close_at_exit(RecoveringPool(
+            start, faults.max_failures, self._recovered, spares=faults.spares,
+            spare_wait_s=faults.timeout) if faults.max_failures else start())
         return self._pool
 
     @property

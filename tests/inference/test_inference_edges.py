@@ -4,7 +4,9 @@ futures, token ids given as a list, a timeout while running."""
 
 from __future__ import annotations
 
+import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -390,3 +392,49 @@ def test_a_model_that_writes_its_input_answers_each_request_once_and_keeps_the_e
         assert [f.result(WAIT).tolist() for f in queued] == [[[2.0, 2.0]], [[4.0, 4.0]],
                                                              [[6.0, 6.0]]]
         assert pi.stats()["batch_size_histogram"].get(3) == 1  # the three were merged
+
+
+_LAYERS_FIRST_EVENTS: dict[str, threading.Event] = {}
+
+
+class _LayersFirst(nn.Module):
+    """Outputs (2, N), as an LSTM's h_n is (layers, N, H). Rows of -1 and -2 hold their worker
+    until released; the rows check's second pass (two rows of 1) waits up to 2 s for another
+    worker's merged pass of rows of 3 to start (it never may, while the check runs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        events, value, rows = _LAYERS_FIRST_EVENTS, float(x[0, 0]), x.shape[0]
+        if value < 0:
+            events[f"started {value:g}"].set()
+            assert events[f"release {value:g}"].wait(WAIT)
+        elif value == 1 and rows == 1:  # the check's first pass: let the other worker go on
+            events["release -2"].set()
+        elif value == 1 and rows == 2:
+            events["merged 3"].wait(2.0)
+        elif value == 3 and rows == 2:
+            events["merged 3"].set()
+        s = x.sum(1)
+        return torch.stack([s, -s])
+
+
+def test_a_merged_batch_waits_for_the_rows_check_another_worker_runs() -> None:
+    """The check said the rows were checked after its first pass: a second worker then merged
+    two requests of a model whose outputs are (layers, N) and split them by layers, giving
+    each request another's numbers, with no error (seen with an LSTM's h_n)."""
+    _LAYERS_FIRST_EVENTS.clear()
+    _LAYERS_FIRST_EVENTS.update({name: threading.Event() for name in (
+        "started -1", "started -2", "release -1", "release -2", "merged 3")})
+    events, model = _LAYERS_FIRST_EVENTS, _LayersFirst()
+    with warnings.catch_warnings(), \
+            ParallelInference(model, workers=2, batch_limit=2, max_wait_ms=0) as pool:
+        warnings.simplefilter("ignore", RuntimeWarning)  # the refusal's, in a worker thread
+        first = pool.submit(torch.full((1, 4), -1.0))  # alone: each holds a worker
+        assert events["started -1"].wait(WAIT)
+        second = pool.submit(torch.full((1, 4), -2.0))
+        assert events["started -2"].wait(WAIT)
+        xs = [torch.full((1, 4), v) for v in (1.0, 2.0, 3.0, 4.0)]
+        answers = [pool.submit(x) for x in xs]  # queued: two batches of two
+        events["release -1"].set()  # its worker takes (1, 2) and checks; the other (3, 4)
+        for x, future in [*zip(xs, answers, strict=True), (-1, first), (-2, second)]:
+            x = x if isinstance(x, torch.Tensor) else torch.full((1, 4), float(x))
+            assert torch.equal(future.result(WAIT), model(x))

@@ -220,6 +220,37 @@ def test_malformed_requests_are_refused_before_queueing(bad):
         assert pi.stats()["rejections"]["invalid"] == 1 and pi.stats()["requests"] == 0
 
 
+class _Tokens(nn.Module):
+    """An embedding of any sequence length: ids >= 10 raise IndexError."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb(idx).sum(1)
+
+
+@pytest.mark.parametrize("mode", ["batched", "sequential"])
+def test_a_bad_id_is_blamed_on_the_values_whatever_length_it_comes_in(mode: str) -> None:
+    """The error compared a request with the one input last run on: after lengths 5 then 7,
+    a bad id at length 5 was told to send length 7, and at length 9 to fix its shape."""
+    with ParallelInference(_Tokens(), workers=1, inference_mode=mode) as pi:
+        for length in (5, 7):
+            pi.output(torch.zeros(1, length, dtype=torch.int64))
+        at_five = pi.submit(torch.full((1, 5), 99)).exception(WAIT)
+        at_nine = pi.submit(torch.full((1, 9), 99)).exception(WAIT)
+        as_float = pi.submit(torch.full((1, 9), 99.0)).exception(WAIT)
+    assert isinstance(at_five, InvalidRequestError)
+    assert at_five.received == at_five.expected == "Tensor(N, 5) int64"
+    assert "as inputs it has run on, so the values are at fault" in str(at_five)
+    assert isinstance(at_nine, InvalidRequestError) and at_nine.received == "Tensor(N, 9) int64"
+    assert "has run on Tensor(N, 5) int64, Tensor(N, 7) int64, which differ from it in sizes " \
+           "that vary, so the values" in str(at_nine)
+    assert isinstance(as_float, InvalidRequestError)  # another dtype: the shape or dtype
+    assert "expected Tensor(N, 7) int64 (the input it last ran on)" in str(as_float)
+
+
 def test_full_queue_blocks_for_the_timeout_then_raises(gate):
     with ParallelInference(GatedScale(gate), workers=1, queue_limit=2,
                            batch_limit=2) as pi, gate:

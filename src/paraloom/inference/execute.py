@@ -7,7 +7,7 @@ on their own fail, with an InvalidRequestError naming the received and the expec
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import InvalidStateError
 from typing import Any
 
@@ -19,6 +19,8 @@ from paraloom.inference.payload import (
     UnsplittableOutputError,
     collate,
     describe_key,
+    key_kind,
+    key_sizes,
     split_output,
     to_device,
     to_numpy,
@@ -218,20 +220,38 @@ def _classify(generation: Generation, r: Request, exc: Exception, blame: bool) -
             f"{fault}")
     else:
         received = describe_key(r.key)
-        expected = describe_key(generation.good_key) if generation.good_key is not None else None
-        if received == expected:  # the shapes and dtypes it ran on: the values are at fault
-            said = (f"Received {received}, as inputs it has run on, so the values are at fault "
-                    "(an index out of range?). Fix the request's values")
-        else:
-            wanted = (f"{expected} (the input it last ran on)" if expected else
-                      "an input the model accepts (none has run on this version yet)")
-            said = (f"Received {received}; expected {wanted}. Fix the request's shape, dtype "
-                    "or values")
+        said, expected = _fault_of_the_request(generation, r.key, received)
         failure = InvalidRequestError(
             f"model version {v} failed on this request alone with {cause}. {said}",
             received=received, expected=expected)
     failure.__cause__ = exc
     return failure
+
+
+def _fault_of_the_request(generation: Generation, key: Hashable, received: str
+                          ) -> tuple[str, str | None]:
+    """What is wrong with a request the model failed on alone, by the inputs it has run on:
+    the same shapes and dtypes (its values), the same but for sizes (its values, or a size
+    the model does not take), or others (its shape or dtype); and the input expected."""
+    if key in generation.good_keys:
+        return (f"Received {received}, as inputs it has run on, so the values are at fault "
+                "(an index out of range?). Fix the request's values", received)
+    kind, sizes = key_kind(key), key_sizes(key)
+    alike = [k for k in generation.good_keys if key_kind(k) == kind]
+    seen = [set(column) for column in zip(*map(key_sizes, alike), strict=True)]
+    if alike and all(len(seen[d]) > 1 for d, size in enumerate(sizes)
+                     if size not in seen[d]):  # new only in sizes the model has run on varied
+        named = ", ".join(describe_key(k) for k in alike[-3:])
+        return (f"Received {received}; the model has run on {named}, which differ from it "
+                "in sizes that vary, so the values (an index out of range?) or a size the "
+                "model does not take are at fault. Fix the request's values or shape",
+                describe_key(alike[-1]))
+    last = generation.good_key
+    expected = describe_key(last) if last is not None else None
+    wanted = (f"{expected} (the input it last ran on)" if expected else
+              "an input the model accepts (none has run on this version yet)")
+    return (f"Received {received}; expected {wanted}. Fix the request's shape, dtype or "
+            "values", expected)
 
 
 def _dtype_fault(generation: Generation, r: Request, cause: str) -> str | None:

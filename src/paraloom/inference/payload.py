@@ -215,6 +215,24 @@ def describe_key(key: Hashable) -> str:
     return f"{spec[0]}({', '.join(parts)})"
 
 
+def key_kind(key: Hashable) -> Hashable:
+    """A batch key without its sizes: how the inputs are passed, and each one's dtype and
+    number of dimensions. Keys of one kind differ only in sizes (a sequence's length)."""
+    assert isinstance(key, tuple)
+    if key[0] is _ONE:
+        return (_ONE, len(key[1]), key[2])
+    spec, sigs = key
+    return (spec, tuple((len(shape), dtype) for shape, dtype, _ in sigs))
+
+
+def key_sizes(key: Hashable) -> tuple[int, ...]:
+    """A batch key's sizes but the rows, every input's in turn (what ``key_kind`` leaves out)."""
+    assert isinstance(key, tuple)
+    if key[0] is _ONE:
+        return tuple(key[1])
+    return tuple(size for shape, _, _ in key[1] for size in shape)
+
+
 def collate(batch: Sequence[tuple[torch.Tensor, ...]], device: torch.device) -> list[torch.Tensor]:
     """Concatenate the requests' tensors position by position (once) and move them to device."""
     if len(batch) == 1:

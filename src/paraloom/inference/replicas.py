@@ -20,6 +20,7 @@ __all__ = ["build_replica", "Generation", "build_generation", "warm_up",
            "check_rows_first", "example_of", "SlotPool"]
 
 Example = tuple[Hashable, Hashable, tuple[torch.Tensor, ...]]  # (key, spec, tensors)
+_GOOD_KEYS = 8  # batch keys a version remembers having run on, for its requests' errors
 
 
 def build_replica(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:
@@ -45,8 +46,8 @@ class Generation:
     touches a batch in flight; the old replicas are freed when their last batch is done.
     """
 
-    __slots__ = ("version", "replicas", "devices", "precision", "merges", "known", "unmergeable",
-                 "rows_checked")
+    __slots__ = ("version", "replicas", "devices", "precision", "merges", "known", "good_keys",
+                 "unmergeable", "rows_checked", "checking")
 
     def __init__(self, version: int, replicas: list[nn.Module], devices: list[torch.device],
                  precision: Precision, *, merges: bool = True) -> None:
@@ -61,10 +62,15 @@ class Generation:
         # version ran on; replaced as a whole, so readers on other threads never see a
         # half-updated pair.
         self.known: Example | None = None
+        self.good_keys: dict[Hashable, None] = {}
+        """The last ``_GOOD_KEYS`` distinct batch keys this version ran on, oldest first."""
         self.unmergeable = False
         """Set once a merged batch's output could not be split by rows: from then on each
         request of this version runs alone (``refuse_merging``)."""
         self.rows_checked = False  # whether check_rows_first ran on this version
+        self.checking = threading.Lock()
+        """Held while ``check_rows_first`` runs: another worker's merged batch waits for its
+        verdict instead of being split by rows that may not be its rows."""
 
     @property
     def good_key(self) -> Hashable | None:
@@ -79,6 +85,12 @@ class Generation:
             # A copy of one row: a view would keep the whole request's memory alive.
             self.known = (key, spec, tuple((t[:1] if self.merges else t).clone()
                                            for t in tensors))
+            keys = dict(self.good_keys)  # replaced whole, as ``known`` is
+            keys.pop(key, None)
+            keys[key] = None
+            while len(keys) > _GOOD_KEYS:
+                del keys[next(iter(keys))]
+            self.good_keys = keys
 
     def refuse_merging(self, why: str) -> None:
         """Run each request of this version alone from now on, and warn once, naming ``why``."""
@@ -124,23 +136,32 @@ def check_rows_first(generation: Generation, slot: int, spec: Hashable,
     """Before a version's requests are merged: run ``tensors`` and them twice over, and if an
     output's first dimension does not follow the rows (an LSTM's h_n), run each request of
     this version alone (``refuse_merging``). Once per version, from the first input the model
-    runs (one it refuses leaves the check to the next batch); inference mode is the caller's."""
+    runs (one it refuses leaves the check to the next batch); inference mode is the caller's.
+    One worker checks at a time; ``rows_checked`` is set once the verdict is in."""
+    with generation.checking:
+        if not generation.rows_checked:
+            generation.rows_checked = _rows_follow(generation, slot, spec, tensors)
+
+
+def _rows_follow(generation: Generation, slot: int, spec: Hashable,
+                 tensors: Sequence[torch.Tensor]) -> bool:
+    """check_rows_first's passes; False where the model refused ``tensors`` (no verdict)."""
     device = generation.devices[slot]
     rows = int(tensors[0].shape[0])
     try:  # on a copy: these are a request's tensors, which its own pass then reads
         once = generation.forward(slot, spec, [t.to(device, copy=True) for t in tensors])
     except Exception:  # noqa: BLE001 - the request's own failure: check the next batch's
-        return
-    generation.rows_checked = True
+        return False
     try:
         twice = generation.forward(slot, spec, [torch.cat([t, t]).to(device) for t in tensors])
     except Exception:  # noqa: BLE001 - a model of fixed rows: merged batches will tell
-        return
+        return True
     try:
         split_rows(once, [rows])
         split_rows(twice, [rows, rows])
     except UnsplittableOutputError as exc:
         generation.refuse_merging(f"on an input and on it twice over, {exc}")
+    return True
 
 
 def example_of(generation: Generation) -> Example | None:

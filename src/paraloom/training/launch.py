@@ -26,6 +26,7 @@ import torch.multiprocessing as mp  # registers the shared-memory tensor reducti
 
 from paraloom.training.failures import process_state
 from paraloom.training.messages import Pickled, Reply, ToReplica
+from paraloom.training.sharer_hook import quiet_departed_fetchers
 from paraloom.training.transport import fetched, release_unfetched
 from paraloom.training.worker import WorkerConfig, worker_main
 
@@ -125,6 +126,7 @@ def worker_context() -> ForkServerContext | SpawnContext:
     method = os.environ.get("PARALOOM_START_METHOD", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"PARALOOM_START_METHOD={method!r}; expected 'forkserver' or 'spawn'")
+    quiet_departed_fetchers()
     if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         # torch._dynamo: torch.optim imports it on the first optimizer built (seconds).

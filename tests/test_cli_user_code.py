@@ -26,6 +26,17 @@ USER_MODULE = textwrap.dedent("""
     def model():
         return Blobs()
 
+    class Wide(nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+
+        def forward(self, x):
+            return self.net(x)
+
+    def wide():
+        return Wide(8)
+
     def _blobs(n, seed):
         g = torch.Generator().manual_seed(seed)
         y = torch.randint(0, 2, (n,), generator=g)
@@ -91,6 +102,28 @@ def test_train_and_evaluate_the_users_model_and_data(user_module, capsys):
                  "--data", "my_project:test_loader", "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert round(metrics["accuracy"], 4) == accuracy  # the same weights, the same test set
+
+
+def test_a_factory_model_with_constructor_arguments_is_saved_naming_its_factory(
+        user_module, capsys):
+    """train --factory warned that paraloom.load would need factory= (a Python keyword the
+    command line does not have); evaluate without --factory then did not say which."""
+    import warnings
+
+    out = user_module / "wide.safetensors"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "--factory", "my_project:wide", "--data", "my_project:train_set",
+                     "--workers", "1", "--epochs", "1", "--out", str(out)]) == 0
+    assert not [w for w in caught if "factory=" in str(w.message)]
+    assert "saved" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["evaluate", str(out), "--data", "my_project:test_loader"])
+    assert info.value.code == 2
+    assert "built with --factory my_project:wide: pass --factory my_project:wide" in \
+        capsys.readouterr().err
+    assert main(["evaluate", str(out), "--factory", "my_project:wide",
+                 "--data", "my_project:test_loader"]) == 0
 
 
 def test_evaluate_a_regression_with_the_factory_that_trained_it(user_module, capsys):

@@ -82,9 +82,7 @@ def _train(args: argparse.Namespace) -> int:
     speed = (f"{stats['samples_per_s']:.0f} samples/s, {wrapper.workers} workers, "
              f"{args.mode}")
     if args.out:  # first: a failing evaluation must not lose what was trained
-        metadata = {"dataset": args.dataset} if args.data is None else {"data": args.data}
-        paraloom.save(model, args.out, metadata=metadata)
-        print(f"saved {args.out}")
+        _save_trained(model, args)
     if test is None:
         print(f"trained {stats['samples']} samples ({speed})")
     elif args.loss == "cross_entropy":
@@ -218,14 +216,53 @@ def _trained_on_hint(args: argparse.Namespace) -> str:
     return ""
 
 
+def _save_trained(model: nn.Module, args: argparse.Namespace) -> None:
+    """Save the trained model to ``--out``, noting the data (and ``--factory``) it came from.
+    A model from ``--factory`` is rebuilt by the same flag, which the file records and
+    ``paraloom evaluate`` names: no warning that ``load`` needs a factory."""
+    import warnings
+
+    import paraloom
+
+    metadata = {"dataset": args.dataset} if args.data is None else {"data": args.data}
+    with warnings.catch_warnings():
+        if args.factory is not None:
+            metadata["factory"] = args.factory
+            warnings.filterwarnings("ignore", message=".*paraloom.load will need factory=")
+        paraloom.save(model, args.out, metadata=metadata)
+    again = f" (rebuilt with --factory {args.factory})" if args.factory is not None else ""
+    print(f"saved {args.out}{again}")
+
+
 def _load_model(path: str, factory_spec: str | None) -> nn.Module:
     """A paraloom file, or (with --factory) the user's model with the file's weights (a
-    paraloom file or plain safetensors weights)."""
+    paraloom file or plain safetensors weights). A file that ``paraloom train --factory``
+    wrote, given without it, is refused naming the flag it was trained with."""
     import paraloom
     from paraloom.user_code import guarded_callable
 
     factory = None if factory_spec is None else guarded_callable(factory_spec, "--factory")
-    return paraloom.load(path, factory=factory)
+    try:
+        return paraloom.load(path, factory=factory)
+    except (ValueError, TypeError):  # the class not imported, or not built without arguments
+        trained = _trained_factory(path) if factory is None else None
+        if trained is None:
+            raise
+        raise ValueError(f"{path} holds a model that paraloom train built with --factory "
+                         f"{trained}: pass --factory {trained} (with its module importable, "
+                         "e.g. PYTHONPATH=.)") from None
+
+
+def _trained_factory(path: str) -> str | None:
+    """The ``--factory`` that ``paraloom train`` recorded in the file; None if none is."""
+    from paraloom.safetensors_files import read_header
+
+    try:
+        metadata = read_header(path).get("metadata")
+    except (ValueError, OSError):  # no header, a folder: load's own error stands
+        return None
+    factory = metadata.get("factory") if isinstance(metadata, dict) else None
+    return factory if isinstance(factory, str) else None
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 from paraloom.spark.data.arrays import take
 from paraloom.spark.data.arrow import batch_pair
-from paraloom.spark.data.rows import Columns, Pair
+from paraloom.spark.data.rows import Columns, Pair, cast_hint
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
@@ -172,9 +172,8 @@ def _check_type(kind: pa.DataType, name: str, path: str) -> None:
 
     if not decodable(kind):
         raise TypeError(f"column {name!r} in {path} has type {kind}; expected "
-                        f"numbers, (nested) lists of numbers or Spark ML vectors. Cast it "
-                        f"first (F.col(name).cast('double'); a string label: "
-                        f"pyspark.ml.feature.StringIndexer) and train on that DataFrame")
+                        f"numbers, (nested) lists of numbers or Spark ML vectors. "
+                        f"{cast_hint([str(kind)])}, and train on that DataFrame")
 
 
 def _same_kind(a: pa.DataType, b: pa.DataType) -> bool:

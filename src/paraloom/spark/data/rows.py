@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["Pair", "field", "Spec", "FieldSpec", "Inputs", "Label", "Columns", "to_array",
            "row_pair", "partition_arrays", "as_rows", "rows_of", "row_extractor", "check_columns",
            "spark_column", "whole_decimal",
-           "check_names", "column", "folds_case", "is_dataframe", "is_rdd"]
+           "cast_hint", "check_names", "column", "folds_case", "is_dataframe", "is_rdd"]
 
 Pair = tuple[Arrays, Arrays]
 """One element, or a stack of them: (features, label), each an array or a tuple / dict of them
@@ -307,10 +307,20 @@ def check_names(df: DataFrame, names: list[str], what: str) -> list[str]:
              if not _numeric(df.schema[c].dataType)}
     if wrong:
         raise TypeError(f"column(s) {wrong} do not hold numbers; expected numeric or boolean "
-                        f"columns, arrays of numbers, or Spark ML vectors. Cast them first "
-                        f"(F.col(name).cast('double'); a string label: "
-                        f"pyspark.ml.feature.StringIndexer)")
+                        f"columns, arrays of numbers, or Spark ML vectors. "
+                        f"{cast_hint(wrong.values())}")
     return names
+
+
+def cast_hint(types: Iterable[str]) -> str:
+    """How to make numbers of columns of these types (Spark's or Arrow's names)."""
+    hint = ("Cast them first (F.col(name).cast('double'); a string label: "
+            "pyspark.ml.feature.StringIndexer)")
+    if any(t in ("binary", "large_binary") or t.startswith("fixed_size_binary") for t in types):
+        hint += ("; bytes cannot be cast: store them as array<float> (e.g. "
+                 "np.frombuffer(b, dtype=np.float32).tolist() in a UDF of return type "
+                 "'array<float>')")
+    return hint
 
 
 def check_columns(df: DataFrame, columns: Columns) -> list[str]:

@@ -282,6 +282,11 @@ def evaluate_metrics(chunks: RDD[Pair], shipment: Shipment, metrics: Sequence[st
 def row_outputs(out: torch.Tensor, argmax: bool,
                 threshold: float = 0.0) -> list[int] | list[np.ndarray]:
     if argmax:
+        if out.is_floating_point() and bool(torch.isnan(out).any()):
+            raise ValueError("predict(argmax=True): the model's outputs hold NaN, which have "
+                             "no class (NaN or inf in the input features? a diverged model? "
+                             "check the data, then the training loss); predict without "
+                             "argmax to see the outputs")
         if out.dim() == 1 or (out.dim() == 2 and out.shape[1] == 1):
             # one score per row: class 1 above the threshold (0 for a logit, 0.5 for a
             # probability), as evaluate counts it (an argmax over one column is always 0)

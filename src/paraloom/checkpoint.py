@@ -285,8 +285,8 @@ def _imported_class(path: str) -> type[nn.Module]:
         raise ValueError(f"the file's model class {path!r} is in module {module_name!r}, which "
                          "this program has not imported: import it first, register the class "
                          "with paraloom.register_model(name, cls), or pass factory= (on the "
-                         "command line: paraloom serve --import MODULE; serving one file, "
-                         "--factory module:callable also does)")
+                         "command line: --factory module:callable; paraloom serve also takes "
+                         "--import MODULE)")
     obj: object = module
     for part in qualname.split("."):
         # Static lookups: a module's __getattr__ (torch's) would import what the file names.

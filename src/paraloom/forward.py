@@ -48,10 +48,28 @@ def compute_loss(loss_fn: LossFn, outputs: Any, targets: Any) -> torch.Tensor:
         if not isinstance(outputs, (tuple, list)) or len(outputs) != len(loss_fn):
             raise ValueError(f"{len(loss_fn)} loss functions were given but the model returned "
                              f"{describe(returned)}; give one loss per output")
+        _check_per_output_targets(targets, len(loss_fn), returned)
         losses = [f(o, t) for f, o, t in zip(loss_fn, outputs, targets, strict=True)]
         return functools.reduce(operator.add, losses)
     loss: torch.Tensor = loss_fn(outputs, targets)
     return loss
+
+
+def _check_per_output_targets(targets: Any, count: int, outputs: Any) -> None:
+    """Refuse targets that are not one per output for a sequence of ``count`` losses: a single
+    tensor would be split along its rows (each loss given a row of it) instead of being each
+    output's target."""
+    if isinstance(targets, (tuple, list)) and len(targets) == count:
+        return
+    if isinstance(targets, Mapping):  # and the outputs are not: nothing to pair the keys with
+        fix = (f"return a dict from forward (keys {sorted(targets)}) or give the targets as a "
+               "tuple in the outputs' order")
+    else:
+        fix = ("give a tuple of targets in the outputs' order (the same tensor for outputs "
+               "that share a target: (y, y)), a dict under the outputs' keys, or one loss_fn "
+               "that takes all the outputs")
+    raise ValueError(f"{count} loss functions were given, one per output of "
+                     f"{describe(outputs)}, but the targets are {describe(targets)}: {fix}")
 
 
 def _check_outputs(outputs: Any) -> None:

@@ -92,6 +92,25 @@ def test_several_losses_against_a_dict_of_another_count_describe_the_dict() -> N
     assert "1 loss functions were given but the model returned {'cls': Tensor(2, 2)" in message
 
 
+@pytest.mark.parametrize("rows", [2, 16])
+def test_one_loss_per_output_against_a_single_target_tensor_asks_for_one_per_output(
+        rows: int) -> None:
+    """The tensor was zipped with the losses row by row: a raw "zip() argument 3 is longer"
+    or a batch-size mismatch, and with as many rows as losses, each output trained against
+    one row of the targets broadcast over the batch, silently."""
+    batches = [(torch.ones(rows, 4), torch.zeros(rows))] * 2
+    message = _fail(_TwoOutputs(), batches=batches, loss_fn=[nn.MSELoss(), nn.MSELoss()])
+    assert (f"2 loss functions were given, one per output of tuple(Tensor({rows}, 2) float32, "
+            f"Tensor({rows},) float32), but the targets are Tensor({rows},) float32") in message
+    assert "(y, y)" in message
+
+
+def test_a_dict_of_targets_for_outputs_in_a_tuple_asks_for_keys_or_a_tuple() -> None:
+    batches = [(torch.ones(2, 4), {"cls": torch.zeros(2, 2), "reg": torch.zeros(2)})] * 2
+    message = _fail(_TwoOutputs(), batches=batches, loss_fn=[nn.MSELoss(), nn.MSELoss()])
+    assert "return a dict from forward (keys ['cls', 'reg'])" in message
+
+
 def test_an_empty_batch_is_named_not_blamed_on_the_learning_rate() -> None:
     batches = [_BATCHES[0], (torch.ones(0, 4), torch.zeros(0, dtype=torch.long))]
     message = _fail(nn.Linear(4, 2), batches=batches, loss_fn=nn.CrossEntropyLoss())

@@ -307,9 +307,14 @@ def test_postprocess_outputs_are_checked_against_outputs() -> None:
     handler = _handler(postprocess=lambda out: {"label": np.array(["x"] * len(out),
                                                                   dtype=object)})
     assert list(handler.from_model(torch.zeros(2, 2))["label"]) == ["x", "x"]
-    numbers = _handler(postprocess=lambda out: {"label": np.zeros(2)})
-    with pytest.raises(HandlerFailedError, match="declares BYTES"):
+    numbers = _handler(postprocess=lambda out: {"label": np.zeros(2, np.int64)})
+    # it said torch.int64, which the handler never returned
+    with pytest.raises(HandlerFailedError, match="returned numpy int64 for output 'label', "
+                                                 "which OUTPUTS declares BYTES"):
         numbers.from_model(torch.zeros(2, 2))
+    tensor = _handler(postprocess=lambda out: {"label": torch.zeros(2)})
+    with pytest.raises(HandlerFailedError, match="returned torch.float32 for output 'label'"):
+        tensor.from_model(torch.zeros(2, 2))
     with pytest.raises(HandlerFailedError, match="without outputs \\['label'\\]"):
         _handler(postprocess=lambda out: {}).from_model(torch.zeros(2, 2))
     # an object array of other things was sent as each item's str(): ["1", "None", ...]

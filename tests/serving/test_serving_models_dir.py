@@ -283,10 +283,13 @@ def test_a_version_policy_serves_several_versions_each_in_its_own_pool(
         grpc.close()
 
 
-def test_a_version_policy_naming_a_missing_version_or_malformed_is_refused(
+def test_a_version_policy_naming_a_missing_version_serves_the_others_or_malformed_is_refused(
         tmp_path: Path) -> None:
+    """A missing version folder refused the whole model; Triton loads the versions present
+    and reports the missing one, as paraloom does for a version whose file is missing."""
     root = tmp_path / "models"
     for name, policy in (("gone", {"specific": {"versions": [1, 4]}}),
+                         ("none", {"specific": {"versions": [5]}}),
                          ("bad", {"latest": {"num_versions": 0}}),
                          ("odd", {"newest": {}})):
         (root / name / "1").mkdir(parents=True)
@@ -294,8 +297,17 @@ def test_a_version_policy_naming_a_missing_version_or_malformed_is_refused(
         (root / name / "config.json").write_text(json.dumps({"version_policy": policy}))
     app = create_repository_app(root, workers=1)
     with ServerThread(app) as server:
-        index = {r["name"]: r for r in _http(server).get_model_repository_index()}
-    assert "versions [4] are not in gone/" in index["gone"]["reason"]
+        http = _http(server)
+        rows = http.get_model_repository_index()
+        gone = {r["version"]: r for r in rows if r["name"] == "gone"}
+        index = {r["name"]: r for r in rows}
+        assert gone["1"]["state"] == "READY" and http.is_model_ready("gone", "1")
+        assert gone["4"]["state"] == "UNAVAILABLE"
+        assert "names version 4, which is not in gone/ (found [1])" in gone["4"]["reason"]
+        item = th.InferInput("input", [1, 1, 8, 8], "FP32")
+        item.set_data_from_numpy(np.zeros((1, 1, 8, 8), np.float32))
+        assert http.infer("gone", [item]).get_response()["model_version"] == "1"
+    assert "names version 5, which is not in none/" in index["none"]["reason"]
     assert "num_versions" in index["bad"]["reason"] and "not supported" in index["bad"]["reason"]
     assert "version_policy" in index["odd"]["reason"]
     assert {r["state"] for r in index.values()} == {"UNAVAILABLE"}

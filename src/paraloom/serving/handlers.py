@@ -188,6 +188,8 @@ class Handler:
                                      f"the declared datatype {spec.datatype}") from e
 
     def _converted(self, spec: TensorSpec, value: object) -> Value:
+        returned = f"numpy {value.dtype}" if isinstance(value, np.ndarray) else \
+            str(getattr(value, "dtype", ""))
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu()
             datatype_of(value.dtype)  # complex, quantized: no datatype to send them as
@@ -209,6 +211,6 @@ class Handler:
         strings = not isinstance(value, torch.Tensor)
         if strings != (spec.datatype == "BYTES"):
             raise HandlerFailedError(f"{self.path.name} postprocess returned "
-                                     f"{'strings' if strings else value.dtype} for output "
+                                     f"{'strings' if strings else returned} for output "
                                      f"{spec.name!r}, which OUTPUTS declares {spec.datatype}")
         return value

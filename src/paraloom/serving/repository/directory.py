@@ -182,15 +182,13 @@ class ModelsDir:
         policy = config.version_policy if config is not None else VersionPolicy()
         folders = dict(numbered)  # version -> its folder
         wanted = policy.select(sorted(folders))
-        missing = [v for v in wanted if v not in folders]
-        if missing:
-            return Found(config.name if config else folder.name, None,
-                         error=f"versions {missing} are not in {folder.name}/ (found "
-                         f"{sorted(folders)})")
-        # Each version stands alone, as in Triton: one without a usable file is UNAVAILABLE
-        # with its reason, and the others serve.
+        # Each version stands alone, as in Triton: one without a usable file, or without its
+        # folder, is UNAVAILABLE with its reason, and the others serve.
         entries = [self._found(folder.name, folders[v] / _WEIGHTS, config_path,
-                               folder=folders[v], version=v) for v in wanted]
+                               folder=folders[v], version=v) if v in folders else
+                   Found(config.name if config else folder.name, None, version=v,
+                         error=f"the version_policy names version {v}, which is not in "
+                         f"{folder.name}/ (found {sorted(folders)})") for v in wanted]
         usable = [e for e in entries if e.path is not None]
         refused = tuple((v, e.error) for v, e in zip(wanted, entries, strict=True)
                         if e.path is None)

@@ -350,3 +350,29 @@ def test_a_coalesced_dataframe_trains_and_never_keeps_its_partitions(spark):
     assert fit(frame.union(frame).coalesce(2))["samples"] == 80
     with pytest.raises(ValueError, match=r"coalesce\(\).*use repartition\(2\)"):
         fit(frame.coalesce(2), repartition="never")
+
+
+
+def test_the_shared_master_with_allreduce_finishes_every_fit_on_a_dataframe(spark):
+    """AllReduce() (DDP inside each task) hung about half the fits of a small model: the
+    Python worker freed the process group as its task ended, deadlocked with gloo's thread
+    over the GIL, and the stage never completed (until job_timeout, or forever)."""
+    from paraloom.sync import AllReduce
+
+    x, y = _line_data(400)
+    frame = spark.createDataFrame([(r.tolist(), int(v > 0)) for r, v in zip(x, y, strict=True)],
+                                  "features array<float>, label long").repartition(2)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    net = SparkModel(spark, model, shared_master(batch_size_per_worker=16, job_timeout=30,
+                                                 synchronizer=AllReduce()),
+                     loss_fn=nn.CrossEntropyLoss(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = []
+    for _ in range(6):
+        summary = net.fit(frame, epochs=1)
+        assert summary["stage_attempts"] == 1
+        digests = summary["replica_digests"]
+        assert digests[0] == digests[1] == state_digest(net.model.state_dict())
+        losses.append(summary["epoch_losses"][0])
+    assert losses[-1] < 0.75 * losses[0]  # each fit went on from the last

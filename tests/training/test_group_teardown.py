@@ -126,3 +126,41 @@ def _peer_left(rank: int, port: int, results: mp.Queue) -> None:  # type: ignore
 def test_a_peer_that_leaves_ends_the_collective_waiting_on_it_at_once():
     (seconds,) = _pair(_peer_left, timeout_s=15)
     assert seconds < 5.0  # the group's timeout is 20 s; rank 1's process lives on
+
+
+
+
+def _spark_ranks_leave(rank: int, port: int, results: mp.Queue) -> None:  # type: ignore[type-arg]
+    import torch
+    import torch.distributed as dist
+
+    from paraloom.spark.training.board import leave_group
+    from paraloom.spark.training.rendezvous import MEMBERSHIP, Rendezvous, init_group
+
+    if rank == 1:
+        time.sleep(1.0)  # connects to rank 0's store while rank 0 waits in the group's forming
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))  # as the stage's store
+    group = init_group(Rendezvous("127.0.0.1", port, "run", ()), rank, 2, "gloo", 10.0, store)
+    dist.all_reduce(torch.ones(4))
+    if rank == 0:
+        leave_group()
+        store.set("left", "1")
+        store.wait(["after"])  # rank 1 still reaches the store (a failed task's error board)
+        results.put((store.get("after"), MEMBERSHIP._retired is group))
+        results.put(None)
+    else:
+        store.wait(["left"])
+        leave_group()
+        store.set("after", "ok")
+    time.sleep(1)
+
+
+def test_a_spark_task_leaves_its_group_keeping_the_group_and_its_store():
+    """A Spark task's group is left as a pool worker's is (its connections closed, its object
+    kept until the next group is left: freeing it as the task ended deadlocked the Python
+    worker in about half the fits of SharedTrainingMaster(synchronizer=AllReduce()), see
+    test_training.py), but rank 0 serves the stage's store: a peer's connection to it,
+    accepted while the group formed, is not the group's and stays open."""
+    ((after, kept),) = _pair(_spark_ranks_leave, timeout_s=30)
+    assert after == b"ok" and kept

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 
 from paraloom.spark.training.messages import WorkerFailed
+from paraloom.spark.training.rendezvous import MEMBERSHIP
 from paraloom.spark.training.task import failure
 from paraloom.training.failures import is_symptom
 
@@ -91,9 +92,10 @@ class ErrorBoard:
 
 
 def leave_group() -> None:
-    """Destroy the process group, which closes this rank's connections: peers stop waiting."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group: this rank's connections close at once, so peers stop waiting
+    (``rendezvous.MEMBERSHIP``)."""
+    if dist.is_available():
+        MEMBERSHIP.leave()
 
 
 def settle(error: Exception, board: ErrorBoard | None, rank: int,

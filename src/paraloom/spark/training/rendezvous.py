@@ -27,6 +27,7 @@ from typing import Protocol, TypedDict, TypeVar
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
+from paraloom.training.group import Membership
 from paraloom.training.store import listening_store
 
 __all__ = ["BarrierContext", "NetworkSettings", "Rendezvous", "task_host", "local_rank",
@@ -260,11 +261,15 @@ def connect(rdv: Rendezvous, timeout_s: float) -> TCPStore:
                     timeout=datetime.timedelta(seconds=timeout_s))
 
 
+MEMBERSHIP = Membership(loopback=False)
+"""This Python worker's membership of its task's group: ``board.leave_group`` leaves it, and
+the group's object is freed when the next task's group is left (freeing it as the task ends
+could deadlock the worker, see ``paraloom.training.group``)."""
+
+
 def init_group(rdv: Rendezvous, rank: int, world_size: int, backend: str, timeout_s: float,
                store: Store) -> dist.ProcessGroup | None:
     """Join the attempt's torch.distributed group; every collective then times out finitely."""
-    timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = PrefixStore(f"paraloom/{rdv.run_id}/group", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                            timeout=timeout)
-    return dist.group.WORLD
+    return MEMBERSHIP.join(prefixed, rank, world_size, backend, timeout_s,
+                           store_port=rdv.port if rank == 0 else None)

@@ -471,3 +471,13 @@ def test_predict_scores_a_streaming_dataframe(spark, model, digits_test, tmp_pat
     with torch.no_grad():
         expected = model(x).argmax(1).tolist()
     assert got == dict(enumerate(expected))
+
+
+def test_evaluating_no_rows_says_the_data_is_empty_for_either_kind_of_metrics(spark):
+    """evaluate_regression said "evaluate() got no rows", naming the other method."""
+    frame = spark.createDataFrame([], "features array<float>, label double")
+    net = SparkModel(spark, nn.Linear(4, 1), ParameterAveragingTrainingMaster(workers=2),
+                     loss_fn=nn.MSELoss())
+    for evaluate_ in (net.evaluate, net.evaluate_regression):
+        with pytest.raises(ValueError, match=r"^no rows to evaluate: the data is empty"):
+            evaluate_(frame)

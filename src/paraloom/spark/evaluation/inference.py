@@ -242,7 +242,7 @@ def _aggregate(chunks: RDD[Pair], shipment: Shipment, loss_fn: LossFn | None, ba
     result = chunks.mapPartitions(run).treeAggregate(zero, merge_evaluations, merge_evaluations,
                                                    depth=depth)
     if result is None:
-        raise ValueError("evaluate() got no rows: the data is empty")
+        raise ValueError("no rows to evaluate: the data is empty")
     return result
 
 

@@ -13,9 +13,9 @@ be freed by gloo's thread as DDP's reducer, the group's last holder, is freed.
 So ``leave`` shuts the group's connections down at once (a peer waiting on this worker in a
 collective gets its error now, not at its timeout; this worker's own collectives fail too)
 and keeps the group's object, which the next group's ``leave`` (or the process's exit)
-frees, by when its threads are long idle. The connections are the TCP sockets that ``join`` saw the
-group open (read from ``/proc/self/fd``); where there is no ``/proc``, the group is freed at
-once, as before.
+frees, by when its threads are long idle. The connections are the TCP sockets that ``join``
+saw the group open (read from ``/proc/self/fd``); where there is no ``/proc``, the group is
+freed at once, as before.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Membership:
         """The group's connected sockets: file descriptor -> what ``/proc`` names it (a
         descriptor reused by something else after the group closed it is left alone)."""
         self._retired: dist.ProcessGroup | None = None
-        """The group left last, freed at the next ``leave``."""
+        """The group left last, freed when the next group is left."""
 
     def join(self, store: TCPStore | PrefixStore, rank: int, world_size: int, backend: str,
              timeout_s: float, generation: int = 0,

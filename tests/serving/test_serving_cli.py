@@ -64,6 +64,16 @@ def test_factory_with_paraloom_weights_uses_the_files_kwargs(tmp_path: Path) -> 
     assert reloadable is not None
 
 
+def test_a_model_file_with_a_factory_is_its_weights_as_evaluate_takes_them(
+        tmp_path: Path) -> None:
+    """MODEL --factory FN was refused ("not both"), and the error loading MODEL alone said to
+    pass --factory: the two messages sent the user round in a circle."""
+    path = tmp_path / "m.safetensors"
+    model = saved(path, 3)
+    built, reloadable = cli.build_model(parse(str(path), "--factory", "paraloom.models:LeNet"))
+    assert same_weights(built, model) and reloadable == str(path)
+
+
 def test_factory_with_plain_safetensors_weights_is_served_but_not_reloadable(tmp_path: Path
                                                                              ) -> None:
     torch.manual_seed(0)
@@ -77,10 +87,12 @@ def test_factory_with_plain_safetensors_weights_is_served_but_not_reloadable(tmp
 
 @pytest.mark.parametrize(("argv", "message"), [
     ((), "nothing to serve"),
-    (("a.safetensors", "--factory", "x:y"), "not both"),
+    (("a.safetensors", "--factory", "paraloom.models:LeNet", "--weights", "b.safetensors"),
+     "MODEL and --weights both name the weights"),
+    (("missing.safetensors", "--factory", "paraloom.models:LeNet"), "do not exist"),
     (("--factory", "paraloom.models"), "must look like 'package.module:function'"),
     (("--factory", "paraloom.models:LeNet", "--weights", "missing.safetensors"),
-     "does not exist"),
+     "do not exist"),
     (("missing.safetensors",), "does not exist"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv: tuple[str, ...], message: str,

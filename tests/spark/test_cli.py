@@ -78,3 +78,38 @@ def test_spark_train_diloco_is_the_averaging_master_with_topk():
     assert master.encoding == TopK() and master.averaging_frequency == 50
     plain = cli._master(parser.parse_args(["--training-master", "averaging"]))
     assert plain.encoding is None and plain.averaging_frequency == 5
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--training-master", "shared", "--averaging-frequency", "7"],
+     "--averaging-frequency is an option of --training-master averaging or diloco"),
+    (["--training-master", "averaging", "--threshold", "0.01"],
+     "--threshold is an option of --training-master shared, and the master is averaging"),
+    (["--training-master", "diloco", "--threshold", "0.01"], "the master is diloco")])
+def test_spark_train_refuses_another_masters_option_as_train_does(args, message):
+    """They were ignored: the fit ran without them and said nothing."""
+    from paraloom.spark import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(ValueError, match=message):
+        cli._master(parser.parse_args(args))
+    with pytest.raises(SystemExit):  # a threshold that cannot run: argparse, before Spark
+        parser.parse_args(["--threshold", "-1"])
+
+
+@pytest.mark.timeout(120)
+def test_spark_train_with_a_master_spark_cannot_start_names_the_flag(tmp_path):
+    """local[0] ended in a Python traceback through py4j's SparkException."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "paraloom", "spark-train", "--master",
+                           "local[0]", "--epochs", "1"], capture_output=True, text=True,
+                          timeout=110, cwd=tmp_path)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert last.startswith("paraloom spark-train: error: --master 'local[0]': Spark did not "
+                           "start (Asked to run locally with 0 threads)")
+    assert "expected local[N] with N >= 1" in last

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--factory", metavar="PKG.MOD:FN",
                         help="build the model by calling this function (your own architecture)")
     parser.add_argument("--weights", metavar="FILE",
-                        help="with --factory: safetensors weights to load into the built model")
+                        help="with --factory: safetensors weights to load into the built model "
+                        "(MODEL --factory FN does the same)")
     parser.add_argument("--name", default="model", help="the model's name in URLs (default: "
                         "model)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -142,28 +143,32 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str | None]:
     """The model to serve and the paraloom file it came from (the one reloads may re-read)."""
     from paraloom.checkpoint import load
 
-    if args.model and args.factory:
-        raise ValueError("pass MODEL or --factory, not both")
-    if args.weights is not None and not args.factory:
+    weights = args.weights
+    if args.model and args.factory:  # as paraloom evaluate takes them: MODEL's weights
+        if weights is not None:
+            raise ValueError("MODEL and --weights both name the weights to load into "
+                             "--factory's model: pass one of them")
+        weights = args.model
+    elif weights is not None and not args.factory:
         raise ValueError("--weights goes with --factory (your model's class, given the file's "
                          "weights); a file from paraloom.save is served as MODEL")
-    if args.model:
+    elif args.model:
         return load(args.model), args.model
     if not args.factory:
         raise ValueError("nothing to serve: pass MODEL (a file from paraloom.save) or "
                          "--factory pkg.mod:fn [--weights FILE]")
-    if args.weights is None:
+    if weights is None:
         return build_user_model(args.factory), None
     factory = import_callable(args.factory, "--factory")
-    if not Path(args.weights).is_file():
-        raise FileNotFoundError(f"--weights {args.weights!r} does not exist")
-    if _has_header(args.weights):
-        return load(args.weights, factory=factory), args.weights
+    if not Path(weights).is_file():
+        raise FileNotFoundError(f"weights {weights!r} do not exist")
+    if _has_header(weights):
+        return load(weights, factory=factory), weights
     from paraloom.safetensors_files import check_safetensors, read_tensors
 
-    check_safetensors(args.weights)  # a torch.save pickle: say so, and how to convert it
+    check_safetensors(weights)  # a torch.save pickle: say so, and how to convert it
     model = factory()
-    model.load_state_dict(read_tensors(args.weights), strict=True)
+    model.load_state_dict(read_tensors(weights), strict=True)
     return model, None  # plain safetensors: served, but not reloadable (no paraloom header)
 
 

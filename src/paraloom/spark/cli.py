@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pyspark  # noqa: F401  (the CLI reports a missing [spark] extra when this fails)
 
-from paraloom.arguments import count
+from paraloom.arguments import count, positive
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the data's "
                    "order (default 0)")
-    p.add_argument("--threshold", type=float, default=5e-3,
+    p.add_argument("--threshold", type=positive, default=None,
                    help="initial threshold of AdaptiveThreshold (shared master; default 5e-3)")
     p.add_argument("--averaging-frequency", type=count, default=None,
                    help="minibatches between averagings (averaging master: default 5; "
@@ -91,7 +91,16 @@ def session(master: str, confs: dict[str, str] | None = None) -> tuple[SparkSess
                 **(confs or {})}
     for key, value in settings.items():
         builder = builder.config(key, value)
-    return builder.getOrCreate(), True
+    try:
+        return builder.getOrCreate(), True
+    except Exception as e:  # py4j's and pyspark's errors: a wall of Java, then a traceback
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or \
+            [type(e).__name__]
+        cause = next((line.rsplit("Exception: ", 1)[-1] for line in lines
+                      if "Exception: " in line), lines[0])
+        raise ValueError(f"--master {master!r}: Spark did not start ({cause}); expected "
+                         "local[N] with N >= 1, local[*], spark://HOST:PORT of a running "
+                         "master, yarn or k8s://...") from None
 
 
 def _rows(sc: SparkContext, dataset: TensorDataset,
@@ -101,18 +110,32 @@ def _rows(sc: SparkContext, dataset: TensorDataset,
 
 
 def _master(args: argparse.Namespace) -> TrainingMaster:
+    """The ``--training-master`` with its options (another master's is refused, not ignored)."""
     from paraloom.spark import (
         AdaptiveThreshold,
         ParameterAveragingTrainingMaster,
         SharedTrainingMaster,
     )
 
+    _refuse_other_masters_options(args)
     if args.training_master == "shared":
+        tau = 5e-3 if args.threshold is None else args.threshold
         return SharedTrainingMaster(batch_size_per_worker=args.batch_size, workers=args.workers,
-                                    threshold_algorithm=AdaptiveThreshold(args.threshold))
+                                    threshold_algorithm=AdaptiveThreshold(tau))
     return ParameterAveragingTrainingMaster(
         batch_size_per_worker=args.batch_size, averaging_frequency=args.averaging_frequency,
         workers=args.workers, encoding="topk" if args.training_master == "diloco" else None)
+
+
+def _refuse_other_masters_options(args: argparse.Namespace) -> None:
+    if args.threshold is not None and args.training_master != "shared":
+        raise ValueError(f"--threshold is an option of --training-master shared, and the "
+                         f"master is {args.training_master}; drop it, or pass "
+                         "--training-master shared")
+    if args.averaging_frequency is not None and args.training_master == "shared":
+        raise ValueError("--averaging-frequency is an option of --training-master averaging "
+                         "or diloco, and the master is shared; drop it, or pass "
+                         "--training-master averaging")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,13 +163,16 @@ def run(args: argparse.Namespace) -> int:
     test = load_dataset(args.dataset, "test", args.data_dir)
     model = build_model(args.model, train[0][0].shape)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    master = _master(args)  # its options checked before Spark starts
     spark, created = session(args.master, _confs(args.conf))
     try:
-        master = _master(args)
         net = SparkModel(spark, model, master, loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer)
         partitions = master.resolve_workers(spark.sparkContext)
         summary = net.fit(_rows(spark.sparkContext, train, partitions), epochs=args.epochs,
                           seed=args.seed, collect_stats=bool(args.stats_html or args.stats_json))
+        if args.out:  # first: a failing evaluation must not lose what was trained
+            paraloom.save(model, args.out, metadata={"dataset": args.dataset})
+            print(f"saved {args.out}")
         result = net.evaluate(_rows(spark.sparkContext, test, partitions))
     finally:
         if created:
@@ -154,9 +180,6 @@ def run(args: argparse.Namespace) -> int:
     print(result.report())
     print(f"{summary['samples_per_s']:.0f} samples/s end to end ({summary['seconds']:.1f} s, "
           f"{summary['workers']} workers, {args.training_master} master, {args.master})")
-    if args.out:  # first: the model is what the run was for
-        paraloom.save(model, args.out, metadata={"dataset": args.dataset})
-        print(f"saved {args.out}")
     stats = net.training_stats()
     if stats is not None and args.stats_html:
         print(f"stats written to {stats.export_html(args.stats_html)}")

@@ -256,3 +256,21 @@ def test_version_names_paraloom_and_torch(capsys):
     assert exit_info.value.code == 0
     expected = f"paraloom {paraloom.__version__} (torch {torch.__version__})"
     assert capsys.readouterr().out.strip() == expected
+
+
+def test_a_model_trained_on_a_dataset_evaluated_on_other_data_names_the_dataset(
+        user_module, capsys):
+    """The hint compared like with like only: --data against a file trained on --dataset
+    digits ended in conv2d's shape error alone."""
+    import paraloom
+    from paraloom.models import LeNet
+
+    path = str(user_module / "lenet.safetensors")
+    paraloom.save(LeNet(image_size=8), path, metadata={"dataset": "digits"})
+    with pytest.raises(SystemExit) as info:
+        main(["evaluate", path, "--data", "my_project:test_loader"])
+    err = capsys.readouterr().err
+    assert info.value.code != 0
+    assert (f"{path} was trained on --dataset digits, and is evaluated on --data "
+            "my_project:test_loader: pass --dataset digits (or a --data shaped as digits's)"
+            ) in err

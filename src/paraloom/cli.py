@@ -209,10 +209,15 @@ def _trained_on_hint(args: argparse.Namespace) -> str:
     except (ValueError, OSError):
         return ""
     given = {"data": args.data} if args.data is not None else {"dataset": args.dataset}
-    for key, value in trained.items():
-        if key in given and given[key] != value:
+    for key in ("data", "dataset"):
+        value = trained.get(key) if isinstance(trained, dict) else None
+        if not isinstance(value, str):
+            continue
+        (other, evaluated), = given.items()
+        if (other, evaluated) != (key, value):  # another dataset, or --data for --dataset
             return (f"; {args.model_file} was trained on --{key} {value}, and is evaluated "
-                    f"on --{key} {given[key]}: pass --{key} {value}")
+                    f"on --{other} {evaluated}: pass --{key} {value}"
+                    + ("" if key == other else f" (or a --data shaped as {value}'s)"))
     return ""
 
 

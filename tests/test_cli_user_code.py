@@ -274,3 +274,13 @@ def test_a_model_trained_on_a_dataset_evaluated_on_other_data_names_the_dataset(
     assert (f"{path} was trained on --dataset digits, and is evaluated on --data "
             "my_project:test_loader: pass --dataset digits (or a --data shaped as digits's)"
             ) in err
+
+
+@pytest.mark.parametrize(("devices", "says"), [("0", "devices=0; expected a count >= 1"),
+                                               ("cuda:7", "'cuda:7' asked for")])
+def test_bad_devices_are_named_by_the_flag(devices, says, capsys):
+    """The error named the Python keyword (devices=0) only."""
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--devices", devices, "--epochs", "1"])
+    err = capsys.readouterr().err
+    assert info.value.code != 0 and f"error: --devices {devices}: " in err and says in err

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.data import DataLoader
 
+    from paraloom.devices import DeviceSpec
     from paraloom.training.options import WrapperKeywords
 
 __all__ = ["main", "add_data_arguments"]
@@ -57,8 +58,6 @@ def _train(args: argparse.Namespace) -> int:
     from torch import nn
 
     import paraloom
-    from paraloom.devices import parse_devices
-
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ValueError(f"--lr {args.lr}; expected a finite learning rate > 0, e.g. 0.05")
     if not 0 <= args.momentum < 1:
@@ -73,7 +72,7 @@ def _train(args: argparse.Namespace) -> int:
     loss_fn = nn.CrossEntropyLoss() if args.loss == "cross_entropy" else nn.MSELoss()
     interrupted = None
     with paraloom.ParallelWrapper(model, loss_fn=loss_fn, optimizer=optimizer,
-                                  workers=args.workers, devices=parse_devices(args.devices),
+                                  workers=args.workers, devices=_devices(args),
                                   training_mode=args.mode, **mode_options) as wrapper:
         try:
             stats = wrapper.fit(loader, epochs=args.epochs)
@@ -95,6 +94,19 @@ def _train(args: argparse.Namespace) -> int:
         print(f"interrupted: {interrupted}", file=sys.stderr)
         return 130  # what a shell reports for a program ended by Ctrl-C
     return 0
+
+
+def _devices(args: argparse.Namespace) -> DeviceSpec:
+    """``--devices``, checked as ParallelWrapper checks ``devices=``, its errors naming the
+    flag."""
+    from paraloom.devices import parse_devices, training_devices
+
+    devices = parse_devices(args.devices)
+    try:
+        training_devices(devices, args.workers)
+    except ValueError as e:
+        raise ValueError(f"--devices {args.devices}: {e}") from None
+    return devices
 
 
 def _mode_options(args: argparse.Namespace) -> WrapperKeywords:

@@ -58,6 +58,7 @@ def _train(args: argparse.Namespace) -> int:
     from torch import nn
 
     import paraloom
+
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ValueError(f"--lr {args.lr}; expected a finite learning rate > 0, e.g. 0.05")
     if not 0 <= args.momentum < 1:

@@ -221,13 +221,13 @@ def _trained_on_hint(args: argparse.Namespace) -> str:
         trained = read_header(args.model_file).get("metadata", {})
     except (ValueError, OSError):
         return ""
-    given = {"data": args.data} if args.data is not None else {"dataset": args.dataset}
+    if not isinstance(trained, dict):
+        return ""
+    given = ("data", args.data) if args.data is not None else ("dataset", args.dataset)
+    other, evaluated = given
     for key in ("data", "dataset"):
-        value = trained.get(key) if isinstance(trained, dict) else None
-        if not isinstance(value, str):
-            continue
-        (other, evaluated), = given.items()
-        if (other, evaluated) != (key, value):  # another dataset, or --data for --dataset
+        value = trained.get(key)
+        if isinstance(value, str) and given != (key, value):  # or --data for --dataset
             return (f"; {args.model_file} was trained on --{key} {value}, and is evaluated "
                     f"on --{other} {evaluated}: pass --{key} {value}"
                     + ("" if key == other else f" (or a --data shaped as {value}'s)"))

@@ -188,8 +188,7 @@ class Handler:
                                      f"the declared datatype {spec.datatype}") from e
 
     def _converted(self, spec: TensorSpec, value: object) -> Value:
-        returned = f"numpy {value.dtype}" if isinstance(value, np.ndarray) else \
-            str(getattr(value, "dtype", ""))
+        given = value  # what the error names (it is converted below)
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu()
             datatype_of(value.dtype)  # complex, quantized: no datatype to send them as
@@ -210,7 +209,13 @@ class Handler:
                                      "expected a numpy array")
         strings = not isinstance(value, torch.Tensor)
         if strings != (spec.datatype == "BYTES"):
-            raise HandlerFailedError(f"{self.path.name} postprocess returned "
-                                     f"{'strings' if strings else returned} for output "
-                                     f"{spec.name!r}, which OUTPUTS declares {spec.datatype}")
+            if strings:
+                returned = "strings"
+            elif isinstance(given, np.ndarray):
+                returned = f"numpy {given.dtype}"
+            else:
+                returned = str(value.dtype)
+            raise HandlerFailedError(f"{self.path.name} postprocess returned {returned} for "
+                                     f"output {spec.name!r}, which OUTPUTS declares "
+                                     f"{spec.datatype}")
         return value
